@@ -1,0 +1,220 @@
+"""The one configuration: params.yaml, validated by one pydantic model.
+
+Every stage reads only its own section (``prepare``, ``train.<role>``, ``align.<method>``,
+``evaluate``, ``mlflow``), which is also what dvc.yaml lists as that stage's params, so a change
+to one section re-runs only the stages that read it. Unknown keys and bad values are errors that
+name the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_PARAMS = Path("params.yaml")
+FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PathsConfig(Section):
+    """Where stage outputs go, relative to the working directory."""
+
+    data: Path = Path("data")
+    artifacts: Path = Path("artifacts")
+    reports: Path = Path("reports")
+
+
+class PrepareConfig(Section):
+    dataset: Literal["fashion-mnist", "imagefolder"] = "fashion-mnist"
+    # Fashion-MNIST: the folder holding the IDX .gz files of the Debian package.
+    # imagefolder: a folder with one sub-folder per class, or with train/ and test/ inside.
+    source: Path = Path(FASHION_MNIST_DEB)
+    old_classes: list[int] | None = Field(
+        default=None, description="classes the old model trains on; null = the first half"
+    )
+    train_per_class: PositiveInt | None = None
+    test_per_class: PositiveInt | None = None
+    image_size: PositiveInt = 28
+    channels: Literal[1, 3] = 1
+    test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    seed: int = 0
+
+
+class TrainConfig(Section):
+    backbone: Literal["cnn", "cnn_small", "resnet18"] = "cnn"
+    width: PositiveInt = 32
+    embedding_dim: PositiveInt = 128
+    epochs: PositiveInt = 4
+    batch_size: PositiveInt = 128
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: PositiveFloat = 2e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 5e-4
+    label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    augment: bool = True
+    max_steps: PositiveInt | None = Field(
+        default=None, description="stop after this many optimiser steps (tiny test runs)"
+    )
+    seed: int = 0
+
+
+class TrainSection(Section):
+    old: TrainConfig
+    new: TrainConfig
+
+
+class AlignConfig(Section):
+    """One alignment method: which loss terms train the map, and how."""
+
+    l2: bool = True
+    disc: bool = False
+    uncertainty: bool = False
+    l2_reduction: Literal["sum", "mean"] = "sum"
+    uncertainty_lambda: PositiveFloat = 1.0
+    disc_label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048])
+    epochs: PositiveInt = 20
+    warmup_epochs: Annotated[int, Field(ge=0)] = 5
+    batch_size: PositiveInt = 256
+    lr: PositiveFloat = 5e-4
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> AlignConfig:
+        if not (self.l2 or self.disc):
+            raise ValueError("an alignment method needs at least one of l2 or disc set to true")
+        if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
+            raise ValueError(
+                f"warmup_epochs ({self.warmup_epochs}) must be smaller than epochs ({self.epochs})"
+            )
+        return self
+
+
+Order = Literal["random", "sigma", "oracle", "distance"]
+
+
+class EvaluateConfig(Section):
+    distance: Literal["l2", "cosine"] = "l2"
+    curve_points: Annotated[int, Field(ge=0)] = Field(
+        default=20, description="B: intermediate points; the curve has B + 2 points"
+    )
+    orders: dict[str, list[Order]] = Field(
+        default_factory=lambda: {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]}
+    )
+    headline_order: dict[str, Order] = Field(
+        default_factory=lambda: {"fct": "random", "fastfill": "sigma"},
+        description="the order whose numbers stand for the method in metrics.json",
+    )
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _headline_in_orders(self) -> EvaluateConfig:
+        for method, order in self.headline_order.items():
+            if order not in self.orders.get(method, []):
+                raise ValueError(
+                    f"headline_order.{method} = {order!r} is not in orders.{method} "
+                    f"({self.orders.get(method, [])}); add it there or pick another"
+                )
+        return self
+
+
+class MlflowConfig(Section):
+    tracking_uri: str = Field(
+        default="sqlite:///mlruns.db", description="overridden by MLFLOW_TRACKING_URI when set"
+    )
+    artifact_location: str = "mlartifacts"
+    experiment: str = "fastfill"
+    registered_model: str = "embedder"
+    alignment_model: str = "embedder-alignment"
+
+
+class ExperimentConfig(Section):
+    """Used only by `fastfill seeds`: the seeds a multi-seed run covers."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+
+
+class Params(Section):
+    paths: PathsConfig = PathsConfig()
+    prepare: PrepareConfig = PrepareConfig()
+    train: TrainSection
+    align: dict[str, AlignConfig]
+    evaluate: EvaluateConfig = EvaluateConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    experiment: ExperimentConfig = ExperimentConfig()
+
+    @model_validator(mode="after")
+    def _methods_known(self) -> Params:
+        for method in self.evaluate.orders:
+            if method not in self.align:
+                raise ValueError(
+                    f"evaluate.orders names method {method!r}, which is not under align "
+                    f"(known: {sorted(self.align)})"
+                )
+        for method, orders in self.evaluate.orders.items():
+            if "sigma" in orders and not self.align[method].uncertainty:
+                raise ValueError(
+                    f"evaluate.orders.{method} asks for the sigma order, but align.{method}"
+                    ".uncertainty is false: the map has no uncertainty head"
+                )
+        return self
+
+    def with_seed(self, seed: int) -> Params:
+        """A copy where every stage's seed is ``seed`` (the data split keeps its own)."""
+        data = self.model_dump()
+        for role in ("old", "new"):
+            data["train"][role]["seed"] = seed
+        for method in data["align"]:
+            data["align"][method]["seed"] = seed
+        data["evaluate"]["seed"] = seed
+        return Params.model_validate(data)
+
+    def with_paths(self, root: Path) -> Params:
+        """A copy whose outputs all live under ``root``."""
+        data = self.model_dump()
+        data["paths"] = {k: root / v for k, v in data["paths"].items()}
+        return Params.model_validate(data)
+
+
+class ConfigError(ValueError):
+    """params.yaml is missing, unreadable or invalid; the message names the key."""
+
+
+def _format_errors(error: ValidationError, source: Path) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; remove it or check its spelling")
+        else:
+            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_params(data: object, source: Path = DEFAULT_PARAMS) -> Params:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    try:
+        return Params.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, source)) from None
+
+
+def load_params(path: Path | str = DEFAULT_PARAMS) -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; run from the project root or pass --params")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    return parse_params(data, path)

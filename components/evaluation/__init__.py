@@ -1,0 +1,21 @@
+"""Evaluation of an embedding-model upgrade: retrieval metrics along the backfill."""
+
+from components.evaluation.retrieval import (
+    ALPHA_POINTS_DEFAULT,
+    DISTANCES,
+    BackfillCurve,
+    backfill_curve,
+    curve_alphas,
+    pairwise_distances,
+    retrieval_metrics,
+)
+
+__all__ = [
+    "ALPHA_POINTS_DEFAULT",
+    "DISTANCES",
+    "BackfillCurve",
+    "backfill_curve",
+    "curve_alphas",
+    "pairwise_distances",
+    "retrieval_metrics",
+]

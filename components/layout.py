@@ -1,0 +1,87 @@
+"""Where each stage's outputs live. dvc.yaml lists the same paths."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from components.config import PathsConfig
+
+FEATURE_SPLITS = ("new_train", "test")
+
+
+@dataclass(frozen=True)
+class Layout:
+    paths: PathsConfig
+
+    @property
+    def splits(self) -> Path:
+        return self.paths.data / "splits"
+
+    @property
+    def raw_cache(self) -> Path:
+        return self.paths.data / "raw"
+
+    def model_dir(self, role: str) -> Path:
+        return self.paths.artifacts / "models" / role
+
+    def features_dir(self, role: str) -> Path:
+        return self.paths.artifacts / "features" / role
+
+    def features(self, role: str, split: str) -> Path:
+        return self.features_dir(role) / f"{split}.npy"
+
+    def align_dir(self, method: str) -> Path:
+        return self.paths.artifacts / "align" / method
+
+    @property
+    def checkpoints(self) -> Path:
+        """Resume state of running trainings; not a stage output."""
+        return self.paths.artifacts / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.paths.reports / "metrics.json"
+
+    @property
+    def curves(self) -> Path:
+        return self.paths.reports / "curves.json"
+
+    @property
+    def plot_data(self) -> Path:
+        return self.paths.reports / "plots"
+
+    @property
+    def plot(self) -> Path:
+        return self.paths.reports / "backfill.png"
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write atomically, so a crash never leaves half a file where a stage output should be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(path.suffix + ".part")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    partial.replace(path)
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; run the stage that writes it first")
+    return json.loads(path.read_text())
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".part")
+    with open(partial, "wb") as handle:
+        np.save(handle, array)
+    partial.replace(path)
+
+
+def load_array(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; run the stage that writes it first")
+    return np.load(path)

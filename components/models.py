@@ -1,0 +1,162 @@
+"""Networks: embedding models (backbone + embedding layer + classifier head) and alignment maps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.config import AlignConfig, TrainConfig
+
+
+def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+
+
+def small_cnn(channels: int, width: int) -> tuple[nn.Module, int]:
+    """Two conv layers: the weak old model of the default architecture-change scenario."""
+    layers = [
+        *_conv_block(channels, width), nn.MaxPool2d(2),
+        *_conv_block(width, 2 * width), nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    ]
+    return nn.Sequential(*layers), 2 * width
+
+
+def cnn(channels: int, width: int) -> tuple[nn.Module, int]:
+    """Five conv layers: the quick CPU backbone."""
+    layers = [
+        *_conv_block(channels, width), *_conv_block(width, width), nn.MaxPool2d(2),
+        *_conv_block(width, 2 * width), *_conv_block(2 * width, 2 * width), nn.MaxPool2d(2),
+        *_conv_block(2 * width, 4 * width),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    ]
+    return nn.Sequential(*layers), 4 * width
+
+
+def resnet18_small(channels: int, width: int) -> tuple[nn.Module, int]:
+    """torchvision's ResNet-18 adapted to small images: 3x3 stem, stride 1, no max-pool."""
+    from components.vision import torchvision
+
+    net = torchvision.models.resnet18(weights=None)
+    net.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    feature_dim = net.fc.in_features
+    net.fc = nn.Identity()
+    return net, feature_dim
+
+
+BACKBONES = {"cnn_small": small_cnn, "cnn": cnn, "resnet18": resnet18_small}
+
+
+class Embedder(nn.Module):
+    """phi (backbone + linear embedding) and kappa (linear classifier over ``classes``).
+
+    Input: images as float in [0, 1], (N, C, H, W); the model normalises them itself so a
+    registered version needs nothing else. ``forward`` returns the embedding; ``classify``
+    the logits over the model's own classes (global class ids in ``classes``).
+    """
+
+    def __init__(self, config: TrainConfig, channels: int, classes: list[int],
+                 pixel_mean: float = 0.5, pixel_std: float = 0.25):
+        super().__init__()
+        self.in_channels = channels
+        self.backbone, feature_dim = BACKBONES[config.backbone](channels, config.width)
+        self.embedding = nn.Linear(feature_dim, config.embedding_dim)
+        self.classifier = nn.Linear(config.embedding_dim, len(classes), bias=False)
+        self.register_buffer("classes", torch.tensor(classes, dtype=torch.long))
+        self.register_buffer("pixel_mean", torch.tensor(pixel_mean))
+        self.register_buffer("pixel_std", torch.tensor(pixel_std))
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.embedding.out_features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = (images - self.pixel_mean) / self.pixel_std
+        return self.embedding(self.backbone(x))
+
+    def classify(self, features: torch.Tensor) -> torch.Tensor:
+        return self.classifier(features)
+
+    def class_index(self, labels: torch.Tensor) -> torch.Tensor:
+        """Row of the classifier for each global label; -1 for a class the model doesn't know."""
+        lookup = torch.full((int(self.classes.max()) + 1,), -1, dtype=torch.long, device=labels.device)
+        lookup[self.classes] = torch.arange(len(self.classes), device=labels.device)
+        inside = labels <= self.classes.max()
+        return torch.where(inside, lookup[labels.clamp(max=int(self.classes.max()))], -1)
+
+
+class AlignmentMap(nn.Module):
+    """h: old features -> new feature space, with an optional uncertainty head psi.
+
+    h is the reference MLP: ``old_dim -> hidden... -> new_dim``, each hidden layer
+    Linear + BatchNorm + ReLU, the last layer plain. psi is one linear layer on the transformed
+    feature that predicts s = log sigma^2.
+    """
+
+    def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = old_dim
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.BatchNorm1d(size), nn.ReLU(inplace=True)]
+            width = size
+        layers.append(nn.Linear(width, new_dim))
+        self.transform = nn.Sequential(*layers)
+        self.uncertainty = nn.Linear(new_dim, 1) if uncertainty else None
+        self.old_dim, self.new_dim = old_dim, new_dim
+
+    @classmethod
+    def from_config(cls, config: AlignConfig, old_dim: int, new_dim: int) -> AlignmentMap:
+        return cls(old_dim, new_dim, list(config.hidden), config.uncertainty)
+
+    def forward(self, old_features: torch.Tensor) -> torch.Tensor:
+        return self.transform(old_features)
+
+    def log_sigma2(self, transformed: torch.Tensor) -> torch.Tensor:
+        if self.uncertainty is None:
+            raise ValueError("this alignment map has no uncertainty head (train it with uncertainty: true)")
+        return self.uncertainty(transformed).squeeze(-1)
+
+
+def save_embedder(model: Embedder, config: TrainConfig, path) -> None:
+    """A self-describing checkpoint: later stages rebuild the model without reading params."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "config": config.model_dump(mode="json"),
+        "channels": model.in_channels,
+        "classes": model.classes.tolist(),
+        "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+    }
+    partial = path.with_name(path.name + ".part")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def load_embedder(path) -> Embedder:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model = Embedder(TrainConfig(**state["config"]), state["channels"], state["classes"])
+    model.load_state_dict(state["state_dict"])
+    return model.eval()
+
+
+def save_alignment(h: AlignmentMap, config: AlignConfig, path) -> None:
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"config": config.model_dump(mode="json"), "old_dim": h.old_dim, "new_dim": h.new_dim,
+             "state_dict": {k: v.cpu() for k, v in h.state_dict().items()}}
+    partial = path.with_name(path.name + ".part")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def load_alignment(path) -> AlignmentMap:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    h = AlignmentMap.from_config(AlignConfig(**state["config"]), state["old_dim"], state["new_dim"])
+    h.load_state_dict(state["state_dict"])
+    return h.eval()

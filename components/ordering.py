@@ -1,0 +1,53 @@
+"""Backfill orders: which gallery items get new-model features first.
+
+An order is a permutation of the gallery indices 0..n-1; the first items are backfilled first.
+Score-based orders put the highest score first and break ties by the lower index, so an order
+is a pure function of its scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import kendalltau
+
+
+def random_order(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n)
+
+
+def descending_order(scores: np.ndarray) -> np.ndarray:
+    """Indices by descending score, ties by ascending index."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 1:
+        raise ValueError(f"scores must be one value per gallery item, got shape {scores.shape}")
+    if not np.isfinite(scores).all():
+        raise ValueError("scores contain NaN or infinite values; the order would be undefined")
+    return np.argsort(-scores, kind="stable")
+
+
+def sigma_order(log_sigma2: np.ndarray) -> np.ndarray:
+    """FastFill: least certain first (descending predicted sigma^2, from old features alone)."""
+    return descending_order(log_sigma2)
+
+
+def oracle_order(true_loss: np.ndarray) -> np.ndarray:
+    """Analysis only: descending true alignment loss, which needs the new features."""
+    return descending_order(true_loss)
+
+
+def distance_order(new_features: np.ndarray, transformed_old: np.ndarray) -> np.ndarray:
+    """Analysis only: descending ||phi_new - h(phi_old)||."""
+    return descending_order(np.linalg.norm(new_features - transformed_old, axis=1))
+
+
+def is_permutation(order: np.ndarray, n: int) -> bool:
+    order = np.asarray(order)
+    return order.shape == (n,) and np.issubdtype(order.dtype, np.integer) and \
+        np.array_equal(np.sort(order), np.arange(n))
+
+
+def kendall_tau(scores_a: np.ndarray, scores_b: np.ndarray) -> float:
+    """Kendall's tau-b between two orders given by their scores (the sigma and oracle orders
+    rank by descending score, so the tau of the scores is the tau of the orders)."""
+    tau = kendalltau(scores_a, scores_b).statistic
+    return float(tau)

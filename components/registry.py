@@ -1,0 +1,207 @@
+"""MLflow: the experiment, pipeline and stage runs, metrics, and the model registry.
+
+Runs are addressed by id through ``MlflowClient`` (not the fluent active-run stack), so stage
+code behaves the same in the CLI process, in Prefect worker threads and under DVC.
+
+Layout: one parent run per pipeline (tag ``fastfill.pipeline_key``: a hash of the params and
+the git commit, so the stages of one ``dvc repro`` find the same parent), one child run per
+stage. Registry: ``embedder`` versions (network + classifier head) with aliases ``champion``
+(old) and ``challenger`` (new); ``embedder-alignment`` versions tagged with the embedder
+versions they join.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from components.config import MlflowConfig
+
+PIPELINE_KEY_TAG = "fastfill.pipeline_key"
+STAGE_TAG = "fastfill.stage"
+ROLE_ALIASES = {"old": "champion", "new": "challenger"}
+
+
+def tracking_uri(config: MlflowConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking_uri
+
+
+def setup(config: MlflowConfig) -> tuple[object, str]:
+    """Point MLflow at the configured store and return (client, experiment id)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(config)
+    mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:") or "://" not in uri:
+        mlflow.set_registry_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(config.experiment)
+    if experiment is not None:
+        return client, experiment.experiment_id
+    location = config.artifact_location
+    if "://" not in location:
+        location = Path(location).resolve().as_uri()
+    try:
+        return client, client.create_experiment(config.experiment, artifact_location=location)
+    except Exception:  # another process created it first
+        experiment = client.get_experiment_by_name(config.experiment)
+        if experiment is None:
+            raise
+        return client, experiment.experiment_id
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+def data_version(files: Iterable[Path]) -> str:
+    """md5 over the split files, the same content hash DVC keeps for them."""
+    digest = hashlib.md5()
+    for path in sorted(Path(f) for f in files):
+        digest.update(path.name.encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def pipeline_key(params_text: str, commit: str) -> str:
+    return hashlib.sha256((params_text + "\n" + commit).encode()).hexdigest()[:16]
+
+
+def pipeline_run(client, experiment_id: str, key: str, *, fresh: bool, tags: Mapping[str, str]) -> str:
+    """The parent run for this pipeline: a new one when ``fresh``, else the newest with ``key``."""
+    if not fresh:
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}'",
+                                   order_by=["attributes.start_time DESC"], max_results=1)
+        if found:
+            return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name="pipeline", tags={PIPELINE_KEY_TAG: key, **tags})
+    return run.info.run_id
+
+
+def stage_run(client, experiment_id: str, parent_id: str, stage: str, tags: Mapping[str, str]) -> str:
+    run = client.create_run(experiment_id, run_name=stage,
+                            tags={"mlflow.parentRunId": parent_id, STAGE_TAG: stage, **tags})
+    return run.info.run_id
+
+
+def _flatten(prefix: str, value: object, out: dict[str, str]) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = json.dumps(value) if isinstance(value, list | tuple) else str(value)
+
+
+def log_params(client, run_id: str, params: Mapping[str, object]) -> None:
+    from mlflow.entities import Param
+
+    flat: dict[str, str] = {}
+    _flatten("", params, flat)
+    items = [Param(k, v[:6000]) for k, v in flat.items()]
+    for start in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[start: start + 100])
+
+
+def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    from mlflow.entities import Metric
+
+    import time
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and np.isfinite(v)]
+    for start in range(0, len(items), 500):
+        client.log_batch(run_id, metrics=items[start: start + 500])
+
+
+def log_series(client, run_id: str, series: Mapping[str, Iterable[float]]) -> None:
+    """Each named series as one metric with step = position (curve points, epochs)."""
+    from mlflow.entities import Metric
+
+    import time
+
+    now = int(time.time() * 1000)
+    items = [Metric(name, float(v), now, step) for name, values in series.items() for step, v in enumerate(values)]
+    for start in range(0, len(items), 500):
+        client.log_batch(run_id, metrics=items[start: start + 500])
+
+
+def log_artifact(client, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+    client.log_artifact(run_id, str(path), artifact_path)
+
+
+def log_json(client, run_id: str, data: object, name: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_text(json.dumps(data, indent=2))
+        client.log_artifact(run_id, str(path))
+
+
+def finish(client, run_id: str, status: str = "FINISHED") -> None:
+    client.set_terminated(run_id, status)
+
+
+@contextmanager
+def active(run_id: str):
+    """Make ``run_id`` the active run for MLflow APIs that need one (model logging)."""
+    import mlflow
+
+    with mlflow.start_run(run_id=run_id):
+        yield
+
+
+_PIP = ["torch==2.13.0", "torchvision==0.28.0"]
+
+
+def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str,
+                      tags: Mapping[str, str]) -> str:
+    """Log the embedding model (classifier head included) and register it as a version of
+    ``name`` with ``alias``; returns the version."""
+    import mlflow.pytorch
+
+    model = model.cpu().eval()
+    with active(run_id):
+        info = mlflow.pytorch.log_model(model, name="embedder", input_example=example,
+                                        registered_model_name=name, pip_requirements=_PIP)
+    version = str(info.registered_model_version)
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, str(value))
+    client.set_registered_model_alias(name, alias, version)
+    return version
+
+
+def register_alignment(client, run_id: str, alignment_map, example: np.ndarray, name: str,
+                       tags: Mapping[str, str]) -> str:
+    import mlflow.pytorch
+
+    alignment_map = alignment_map.cpu().eval()
+    with active(run_id):
+        info = mlflow.pytorch.log_model(alignment_map, name="alignment", input_example=example,
+                                        registered_model_name=name, pip_requirements=_PIP)
+    version = str(info.registered_model_version)
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, str(value))
+    return version
+
+
+def load_model(uri: str):
+    """A registered model by URI, e.g. ``models:/embedder@champion``."""
+    import mlflow.pytorch
+
+    return mlflow.pytorch.load_model(uri, map_location="cpu")

@@ -1,0 +1,281 @@
+"""Training loops: embedding models and alignment maps. Plain loops, seeded, on CUDA when present.
+
+Each loop checkpoints at the end of every epoch when given a checkpoint path, and resumes from
+it (model, optimiser, scheduler, epoch, history) when the same configuration is run again, so a
+killed training loses at most one epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from components.config import AlignConfig, TrainConfig
+from components.data import Split
+from components.losses import alignment_loss, classification_per_sample, l2_per_sample
+from components.models import AlignmentMap, Embedder
+
+Log = Callable[[str], None]
+
+
+def pick_device() -> torch.device:
+    """CUDA when present, CPU otherwise; FASTFILL_DEVICE forces one."""
+    forced = os.environ.get("FASTFILL_DEVICE")
+    if forced:
+        return torch.device(forced)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def _warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _config_key(config: object) -> str:
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
+
+
+def _load_checkpoint(path: Path | None, key: str) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    return state if state.get("config_key") == key else None
+
+
+def _save_checkpoint(path: Path | None, **state) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    torch.save(state, partial)
+    partial.replace(path)  # atomic: a crash leaves the previous checkpoint intact
+
+
+def _augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random horizontal flip per image and a random shift of up to 2 pixels per batch."""
+    flip = torch.rand(len(images), generator=generator) < 0.5
+    images = torch.where(flip.to(images.device)[:, None, None, None], images.flip(-1), images)
+    dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=generator))
+    padded = nn.functional.pad(images, (2, 2, 2, 2))
+    h, w = images.shape[-2:]
+    return padded[..., 2 + dy: 2 + dy + h, 2 + dx: 2 + dx + w]
+
+
+def train_embedder(
+    config: TrainConfig,
+    split: Split,
+    classes: list[int],
+    pixel_mean: float,
+    pixel_std: float,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    log: Log = print,
+) -> tuple[Embedder, list[dict]]:
+    """Classification training of backbone + embedding + classifier over ``classes``."""
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    model = Embedder(config, split.images.shape[1], classes, pixel_mean, pixel_std).to(device)
+    rows = np.full(max(classes) + 1, -1, dtype=np.int64)
+    rows[classes] = np.arange(len(classes))
+    if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():
+        raise ValueError(f"the training split has labels outside the model's classes {classes}")
+    images = torch.from_numpy(split.images).to(device)
+    targets = torch.from_numpy(rows[split.labels]).to(device)
+
+    steps_per_epoch = math.ceil(len(split) / config.batch_size)
+    total_steps = steps_per_epoch * config.epochs
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    if config.optimizer == "adam":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9,
+                                    weight_decay=config.weight_decay, nesterov=True)
+    scheduler = _warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
+
+    key, history, start_epoch, step = _config_key(config), [], 0, 0
+    state = _load_checkpoint(checkpoint, key)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        history, start_epoch, step = state["history"], state["epoch"], state["step"]
+        log(f"resuming from {checkpoint} after epoch {start_epoch}")
+
+    for epoch in range(start_epoch, config.epochs):
+        if step >= total_steps:
+            break
+        model.train()
+        permutation = torch.randperm(len(split), generator=generator).to(device)
+        loss_sum, correct, seen = 0.0, 0, 0
+        for start in range(0, len(split), config.batch_size):
+            if step >= total_steps:
+                break
+            index = permutation[start: start + config.batch_size]
+            batch = images[index].float().div_(255.0)
+            if config.augment:
+                batch = _augment(batch, generator)
+            logits = model.classify(model(batch))
+            loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum += float(loss) * len(index)
+            correct += int((logits.argmax(1) == targets[index]).sum())
+            seen += len(index)
+        record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
+        history.append(record)
+        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {record['train_accuracy']:.4f}")
+        _save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1, step=step)
+    model.eval()
+    return model, history
+
+
+@torch.no_grad()
+def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None) -> np.ndarray:
+    """Features of uint8 images (N, C, H, W), float32 (N, d)."""
+    device = device or pick_device()
+    model = model.to(device).eval()
+    out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
+    for start in range(0, len(images), batch_size):
+        batch = torch.from_numpy(images[start: start + batch_size]).to(device).float().div_(255.0)
+        out[start: start + len(batch)] = model(batch).cpu().numpy()
+    return out
+
+
+def _set_batchnorm_eval(module: nn.Module) -> None:
+    for child in module.modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            child.eval()
+
+
+def train_alignment(
+    config: AlignConfig,
+    old_features: np.ndarray,
+    new_features: np.ndarray,
+    class_rows: np.ndarray,
+    new_classifier: nn.Module,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    log: Log = print,
+) -> tuple[AlignmentMap, list[dict]]:
+    """Train h (and psi) on stored features; ``class_rows`` index kappa_new's rows."""
+    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
+        raise ValueError(
+            f"old features ({len(old_features)}), new features ({len(new_features)}) and labels "
+            f"({len(class_rows)}) must describe the same images"
+        )
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1]).to(device)
+    classifier = new_classifier.to(device).eval().requires_grad_(False)
+    old = torch.from_numpy(old_features).to(device)
+    new = torch.from_numpy(new_features).to(device)
+    rows = torch.from_numpy(class_rows).to(device)
+
+    steps_per_epoch = math.ceil(len(old) / config.batch_size)
+    optimizer = torch.optim.Adam(h.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
+    key, history, start_epoch = _config_key(config), [], 0
+    state = _load_checkpoint(checkpoint, key)
+    if state is not None:
+        h.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        history, start_epoch = state["history"], state["epoch"]
+        log(f"resuming from {checkpoint} after epoch {start_epoch}")
+
+    for epoch in range(start_epoch, config.epochs):
+        h.train()
+        if epoch >= config.epochs // 2:  # the reference freezes BatchNorm statistics for the second half
+            _set_batchnorm_eval(h)
+        permutation = torch.randperm(len(old), generator=generator).to(device)
+        sums = {"loss": 0.0, "l2": 0.0, "disc": 0.0, "log_sigma2": 0.0}
+        for start in range(0, len(old), config.batch_size):
+            index = permutation[start: start + config.batch_size]
+            if len(index) < 2:
+                continue  # BatchNorm cannot train on one sample
+            transformed = h(old[index])
+            parts = alignment_loss(
+                transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
+                classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
+                log_sigma2=h.log_sigma2(transformed) if config.uncertainty else None, lam=config.uncertainty_lambda,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            parts.total.backward()
+            optimizer.step()
+            scheduler.step()
+            sums["loss"] += float(parts.total) * len(index)
+            for name in ("l2", "disc", "log_sigma2"):
+                value = getattr(parts, name)
+                if value is not None:
+                    sums[name] += float(value) * len(index)
+        record = {"epoch": epoch + 1, **{k: v / len(old) for k, v in sums.items()}}
+        history.append(record)
+        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f} (l2 {record['l2']:.4f}, "
+            f"disc {record['disc']:.4f}, mean log sigma^2 {record['log_sigma2']:.3f})")
+        _save_checkpoint(checkpoint, config_key=key, model=h.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1)
+    h.eval()
+    return h, history
+
+
+@torch.no_grad()
+def apply_alignment(h: AlignmentMap, old_features: np.ndarray, *, batch_size: int = 4096,
+                    device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """h(old) and, when h has an uncertainty head, log sigma^2 per item."""
+    device = device or pick_device()
+    h = h.to(device).eval()
+    transformed, log_sigma2 = [], []
+    for start in range(0, len(old_features), batch_size):
+        batch = h(torch.from_numpy(old_features[start: start + batch_size]).to(device))
+        transformed.append(batch.cpu().numpy())
+        if h.uncertainty is not None:
+            log_sigma2.append(h.log_sigma2(batch).cpu().numpy())
+    sigma = np.concatenate(log_sigma2).astype(np.float32) if log_sigma2 else None
+    return np.concatenate(transformed).astype(np.float32), sigma
+
+
+@torch.no_grad()
+def true_alignment_loss(config: AlignConfig, transformed: np.ndarray, new_features: np.ndarray,
+                        class_rows: np.ndarray, new_classifier: nn.Module) -> np.ndarray:
+    """The per-item loss the map was trained on (l2 and/or disc, unweighted), measured with the
+    new features: what the oracle order sorts by. Needs phi_new, so analysis only."""
+    transformed_t = torch.from_numpy(transformed)
+    new_classifier = new_classifier.cpu().eval()
+    per_item = torch.zeros(len(transformed))
+    if config.l2:
+        per_item += l2_per_sample(torch.from_numpy(new_features), transformed_t, config.l2_reduction)
+    if config.disc:
+        per_item += classification_per_sample(new_classifier(transformed_t), torch.from_numpy(class_rows),
+                                               config.disc_label_smoothing)
+    return per_item.numpy().astype(np.float32)

@@ -1,0 +1,5 @@
+"""Prefect flows: one per stage, the pipeline that composes them, and the CLI."""
+
+from components.runtime import apply_defaults
+
+apply_defaults()

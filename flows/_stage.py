@@ -1,0 +1,31 @@
+"""What every stage flow shares: its MLflow run under the pipeline's parent run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from components.config import Params
+from components.data import SPLITS
+from components.layout import Layout
+from tasks.tracking import close_run, open_pipeline_run, open_stage_run
+
+
+def split_files(layout: Layout) -> list[Path]:
+    return sorted(p for name in SPLITS for p in layout.splits.glob(f"{name}_*.npy"))
+
+
+@contextmanager
+def stage_run(params: Params, stage: str, section: Mapping, parent_run_id: str | None) -> Iterator[str]:
+    """An MLflow run for one stage; FAILED when the stage raises. Without a parent id (a stage
+    run on its own, e.g. by `dvc repro`) the newest pipeline run of the same params and commit
+    is the parent, or a new one."""
+    parent = parent_run_id or open_pipeline_run(params, fresh=False)
+    run_id = open_stage_run(params.mlflow, parent, stage, section, split_files(Layout(params.paths)))
+    try:
+        yield run_id
+    except BaseException:
+        close_run(params.mlflow, run_id, ok=False)
+        raise
+    close_run(params.mlflow, run_id, ok=True)

@@ -1,0 +1,30 @@
+"""Stage 4: train one alignment method's map on stored features, transform the gallery, register."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.config import Params
+from components.layout import Layout, read_json, write_json
+from flows._stage import stage_run
+from tasks.alignment import save_map, train_map, transform_gallery
+from tasks.tracking import log_results, register_alignment
+
+
+@flow(name="train-alignment", log_prints=True)
+def align_flow(params: Params, method: str, parent_run_id: str | None = None) -> dict:
+    if method not in params.align:
+        raise ValueError(f"unknown alignment method {method!r}; params.yaml defines {sorted(params.align)}")
+    layout = Layout(params.paths)
+    config = params.align[method]
+    with stage_run(params, f"align-{method}", {f"align.{method}": config.model_dump(mode="json")}, parent_run_id) as run_id:
+        h, history = train_map(config, method, layout)
+        transform_gallery(h, config, method, layout)
+        save_map(h, config, history, method, layout)
+        series = {k: [e[k] for e in history] for k in ("loss", "l2", "disc", "log_sigma2")}
+        log_results(params.mlflow, run_id, series=series,
+                    metrics={f"final_{k}": v[-1] for k, v in series.items()})
+        joins = {role: read_json(layout.model_dir(role) / "registry.json")["version"] for role in ("old", "new")}
+        entry = register_alignment(params.mlflow, run_id, h, method, joins)
+        write_json(layout.align_dir(method) / "registry.json", entry)
+    return entry

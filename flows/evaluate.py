@@ -1,0 +1,41 @@
+"""Stage 5: backfill curves of every method and order, metrics.json, plot data and the PNG."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.config import Params
+from components.layout import Layout, read_json
+from flows._stage import stage_run
+from tasks.evaluation import evaluate_method, evaluate_reference, write_reports
+from tasks.tracking import log_results
+
+
+def _flat_numbers(prefix: str, data: dict, out: dict) -> dict:
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            _flat_numbers(name, value, out)
+        elif isinstance(value, int | float):
+            out[name] = value
+    return out
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
+    layout = Layout(params.paths)
+    config = params.evaluate
+    with stage_run(params, "evaluate", {"evaluate": config.model_dump(mode="json")}, parent_run_id) as run_id:
+        reference = evaluate_reference(config, layout)
+        curves, kendall = {}, {}
+        for method, orders in config.orders.items():
+            curves[method], tau = evaluate_method(config, method, orders, layout)
+            if tau is not None:
+                kendall[method] = tau
+        outputs = write_reports(config, reference, curves, kendall, layout)
+        metrics = read_json(outputs["metrics"])
+        series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()
+                  for order, curve in by_order.items() for key in ("top1", "top5", "map", "nfr1")}
+        log_results(params.mlflow, run_id, metrics=_flat_numbers("", metrics, {}), series=series,
+                    artifacts=[outputs["plot"], outputs["metrics"], outputs["curves"]])
+    return metrics

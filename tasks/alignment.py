@@ -1,0 +1,67 @@
+"""Tasks of the alignment stage: train h (and psi) on stored features, transform the gallery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+
+from components.config import AlignConfig
+from components.data import load_split
+from components.layout import Layout, load_array, save_array, write_json
+from components.models import load_alignment, load_embedder, save_alignment
+from components.training import apply_alignment, pick_device, train_alignment, true_alignment_loss
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+
+
+def _class_rows(new_model, labels: np.ndarray) -> np.ndarray:
+    import torch
+
+    rows = new_model.class_index(torch.from_numpy(labels)).numpy()
+    if (rows < 0).any():
+        raise ValueError("some labels are classes the new model does not know; its head must cover all classes")
+    return rows
+
+
+@task(name="train-alignment", tags=GPU_TAGS, **NO_CACHING)
+def train_map(config: AlignConfig, method: str, layout: Layout):
+    new_model = load_embedder(layout.model_dir("new") / "model.pt")
+    labels = load_split(layout.splits, "new_train").labels
+    old = load_array(layout.features("old", "new_train"))
+    new = load_array(layout.features("new", "new_train"))
+    terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
+    log(f"training the {method} map ({terms}) on {len(old)} stored feature pairs, {old.shape[1]} -> {new.shape[1]}")
+    h, history = train_alignment(config, old, new, _class_rows(new_model, labels), new_model.classifier,
+                                 device=pick_device(), checkpoint=layout.checkpoints / f"align-{method}.pt", log=log)
+    return h, history
+
+
+@task(name="transform-gallery", **NO_CACHING)
+def transform_gallery(h, config: AlignConfig, method: str, layout: Layout) -> dict[str, Path]:
+    """h(old) for the evaluation images, sigma per item, and the true per-item loss (oracle)."""
+    new_model = load_embedder(layout.model_dir("new") / "model.pt")
+    labels = load_split(layout.splits, "test").labels
+    transformed, log_sigma2 = apply_alignment(h, load_array(layout.features("old", "test")))
+    true_loss = true_alignment_loss(config, transformed, load_array(layout.features("new", "test")),
+                                    _class_rows(new_model, labels), new_model.classifier)
+    directory = layout.align_dir(method)
+    outputs = {"gallery_old": directory / "gallery_old.npy", "true_loss": directory / "true_loss.npy"}
+    save_array(outputs["gallery_old"], transformed)
+    save_array(outputs["true_loss"], true_loss)
+    if log_sigma2 is not None:
+        outputs["log_sigma2"] = directory / "log_sigma2.npy"
+        save_array(outputs["log_sigma2"], log_sigma2)
+    return outputs
+
+
+@task(name="save-alignment", **IO_RETRIES, **NO_CACHING)
+def save_map(h, config: AlignConfig, history: list[dict], method: str, layout: Layout) -> Path:
+    directory = layout.align_dir(method)
+    save_alignment(h, config, directory / "map.pt")
+    write_json(directory / "history.json", history)
+    return directory / "map.pt"
+
+
+def load_map(method: str, layout: Layout):
+    return load_alignment(layout.align_dir(method) / "map.pt")

@@ -1,0 +1,59 @@
+"""Tasks of the evaluation stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from prefect import task
+
+from components.assessment import MethodOutputs, method_curves, reference_points
+from components.config import EvaluateConfig
+from components.data import load_split
+from components.layout import Layout, load_array, write_json
+from components.reports import build_metrics, plot_curves, write_plot_data
+from tasks._policy import IO_RETRIES, NO_CACHING, log
+
+
+@task(name="evaluate-reference", **NO_CACHING)
+def evaluate_reference(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
+    labels = load_split(layout.splits, "test").labels
+    points = reference_points(load_array(layout.features("old", "test")), load_array(layout.features("new", "test")),
+                              labels, config.distance)
+    for name, point in points.items():
+        log(f"{name}: top-1 {100 * point['top1']:.2f}, top-5 {100 * point['top5']:.2f}, mAP {100 * point['map']:.2f}")
+    return points
+
+
+def _method_outputs(method: str, layout: Layout) -> MethodOutputs:
+    directory = layout.align_dir(method)
+    sigma_path = directory / "log_sigma2.npy"
+    return MethodOutputs(
+        gallery_old=load_array(directory / "gallery_old.npy"),
+        true_loss=load_array(directory / "true_loss.npy"),
+        log_sigma2=load_array(sigma_path) if sigma_path.is_file() else None,
+    )
+
+
+@task(name="evaluate-method", **NO_CACHING)
+def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], layout: Layout) -> tuple[dict, float | None]:
+    labels = load_split(layout.splits, "test").labels
+    curves, tau = method_curves(_method_outputs(method, layout), load_array(layout.features("new", "test")), labels,
+                                orders, distance=config.distance, curve_points=config.curve_points, seed=config.seed)
+    for order, curve in curves.items():
+        log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f} -> {100 * curve['top1'][-1]:.2f}, "
+            f"top1_auc {100 * curve['top1_auc']:.2f}, map_auc {100 * curve['map_auc']:.2f}")
+    if tau is not None:
+        log(f"{method}: Kendall tau(sigma, oracle) = {tau:.3f}")
+    return curves, tau
+
+
+@task(name="write-reports", **IO_RETRIES, **NO_CACHING)
+def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, kendall: Mapping, layout: Layout) -> dict[str, Path]:
+    metrics = build_metrics(reference, curves, config.headline_order, kendall)
+    write_json(layout.metrics, metrics)
+    write_json(layout.curves, {"reference": reference, "curves": curves})
+    write_plot_data(layout.plot_data, reference, curves)
+    gaps = ", ".join(f"{k.split('_minus_')[1].removesuffix('_top1_0')} {100 * v:.2f}" for k, v in metrics["headroom"].items())
+    plot_curves(layout.plot, reference, curves, title=f"Backfill curves (top-1 headroom at 0%: {gaps})")
+    return {"metrics": layout.metrics, "curves": layout.curves, "plot": layout.plot}

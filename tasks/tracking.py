@@ -1,0 +1,81 @@
+"""MLflow tasks: stage runs, metrics, artifacts, registrations (network I/O, so retried)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+
+from components import registry
+from components.config import MlflowConfig, Params
+from tasks._policy import IO_RETRIES, NO_CACHING, log
+
+
+def _client(config: MlflowConfig):
+    return registry.setup(config)
+
+
+@task(name="open-pipeline-run", **IO_RETRIES, **NO_CACHING)
+def open_pipeline_run(params: Params, fresh: bool) -> str:
+    client, experiment = _client(params.mlflow)
+    commit = registry.git_commit()
+    key = registry.pipeline_key(params.model_dump_json(), commit)
+    run_id = registry.pipeline_run(client, experiment, key, fresh=fresh, tags={"git_commit": commit})
+    return run_id
+
+
+@task(name="open-stage-run", **IO_RETRIES, **NO_CACHING)
+def open_stage_run(config: MlflowConfig, parent_run_id: str, stage: str, section: Mapping,
+                   data_files: list[Path]) -> str:
+    client, experiment = _client(config)
+    tags = {"git_commit": registry.git_commit(), "data_version": registry.data_version(data_files)}
+    run_id = registry.stage_run(client, experiment, parent_run_id, stage, tags)
+    registry.log_params(client, run_id, section)
+    log(f"MLflow run {run_id} ({stage}) under pipeline run {parent_run_id}")
+    return run_id
+
+
+@task(name="log-results", **IO_RETRIES, **NO_CACHING)
+def log_results(config: MlflowConfig, run_id: str, metrics: Mapping[str, float] | None = None,
+                series: Mapping[str, list[float]] | None = None, artifacts: list[Path] | None = None,
+                json_artifacts: Mapping[str, object] | None = None) -> None:
+    client, _ = _client(config)
+    if metrics:
+        registry.log_metrics(client, run_id, metrics)
+    if series:
+        registry.log_series(client, run_id, series)
+    for path in artifacts or []:
+        registry.log_artifact(client, run_id, Path(path))
+    for name, data in (json_artifacts or {}).items():
+        registry.log_json(client, run_id, data, name)
+
+
+@task(name="close-run", **IO_RETRIES, **NO_CACHING)
+def close_run(config: MlflowConfig, run_id: str, ok: bool = True) -> None:
+    client, _ = _client(config)
+    registry.finish(client, run_id, "FINISHED" if ok else "FAILED")
+
+
+@task(name="register-embedder", **IO_RETRIES, **NO_CACHING)
+def register_embedder(config: MlflowConfig, run_id: str, model, role: str, image_shape: list[int]) -> dict:
+    client, _ = _client(config)
+    alias = registry.ROLE_ALIASES[role]
+    example = np.zeros((1, *image_shape), dtype=np.float32)
+    version = registry.register_embedder(client, run_id, model, example, config.registered_model, alias,
+                                         tags={"role": role, "run_id": run_id})
+    log(f"registered {config.registered_model} version {version} with alias @{alias}")
+    return {"name": config.registered_model, "version": version, "alias": alias, "run_id": run_id}
+
+
+@task(name="register-alignment", **IO_RETRIES, **NO_CACHING)
+def register_alignment(config: MlflowConfig, run_id: str, h, method: str, joins: Mapping[str, str]) -> dict:
+    client, _ = _client(config)
+    example = np.zeros((2, h.old_dim), dtype=np.float32)
+    tags = {"method": method, "run_id": run_id, "from_version": joins["old"], "to_version": joins["new"],
+            "registered_model": config.registered_model}
+    version = registry.register_alignment(client, run_id, h, example, config.alignment_model, tags)
+    log(f"registered {config.alignment_model} version {version} ({method}: "
+        f"{config.registered_model} v{joins['old']} -> v{joins['new']})")
+    return {"name": config.alignment_model, "version": version, **tags}

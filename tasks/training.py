@@ -1,0 +1,52 @@
+"""Tasks of the model-training stages: train, embed the splits, save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from prefect import task
+
+from components.config import TrainConfig
+from components.data import load_meta, load_split
+from components.layout import FEATURE_SPLITS, Layout, save_array, write_json
+from components.models import save_embedder
+from components.training import embed, pick_device, train_embedder
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+
+
+@task(name="train-embedder", tags=GPU_TAGS, **NO_CACHING)
+def train_model(config: TrainConfig, role: str, layout: Layout):
+    meta = load_meta(layout.splits)
+    split = load_split(layout.splits, "old_train" if role == "old" else "new_train")
+    classes = meta["old_classes"] if role == "old" else list(range(meta["num_classes"]))
+    device = pick_device()
+    log(f"training the {role} model ({config.backbone}, {config.epochs} epochs) on {len(split)} images, "
+        f"classes {classes}, device {device}")
+    model, history = train_embedder(config, split, classes, meta["pixel_mean"], meta["pixel_std"],
+                                    device=device, checkpoint=layout.checkpoints / f"model-{role}.pt", log=log)
+    return model, history
+
+
+@task(name="embed-splits", tags=GPU_TAGS, **NO_CACHING)
+def embed_splits(model, role: str, layout: Layout) -> dict[str, Path]:
+    """Features of every split the later stages need, computed once and stored."""
+    written = {}
+    for name in FEATURE_SPLITS:
+        features = embed(model, load_split(layout.splits, name).images)
+        if not np.isfinite(features).all():
+            raise FloatingPointError(f"the {role} model produced NaN/inf features on {name}; lower its lr")
+        save_array(layout.features(role, name), features)
+        written[name] = layout.features(role, name)
+        log(f"{role} features of {name}: {features.shape}")
+    return written
+
+
+@task(name="save-model", **IO_RETRIES, **NO_CACHING)
+def save_model(model, config: TrainConfig, history: list[dict], role: str, layout: Layout) -> Path:
+    directory = layout.model_dir(role)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_embedder(model, config, directory / "model.pt")
+    write_json(directory / "history.json", history)
+    return directory / "model.pt"
