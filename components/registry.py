@@ -178,7 +178,8 @@ def register_embedder(client, run_id: str, model, example: np.ndarray, name: str
     model = model.cpu().eval()
     with active(run_id):
         info = mlflow.pytorch.log_model(model, name="embedder", input_example=example,
-                                        registered_model_name=name, pip_requirements=_PIP)
+                                        registered_model_name=name, pip_requirements=_PIP,
+                                        serialization_format="pickle")
     version = str(info.registered_model_version)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
@@ -193,7 +194,8 @@ def register_alignment(client, run_id: str, alignment_map, example: np.ndarray, 
     alignment_map = alignment_map.cpu().eval()
     with active(run_id):
         info = mlflow.pytorch.log_model(alignment_map, name="alignment", input_example=example,
-                                        registered_model_name=name, pip_requirements=_PIP)
+                                        registered_model_name=name, pip_requirements=_PIP,
+                                        serialization_format="pickle")
     version = str(info.registered_model_version)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))

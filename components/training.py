@@ -144,7 +144,7 @@ def train_embedder(
             optimizer.step()
             scheduler.step()
             step += 1
-            loss_sum += float(loss) * len(index)
+            loss_sum += loss.item() * len(index)
             correct += int((logits.argmax(1) == targets[index]).sum())
             seen += len(index)
         record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
@@ -233,11 +233,11 @@ def train_alignment(
             parts.total.backward()
             optimizer.step()
             scheduler.step()
-            sums["loss"] += float(parts.total) * len(index)
+            sums["loss"] += parts.total.item() * len(index)
             for name in ("l2", "disc", "log_sigma2"):
                 value = getattr(parts, name)
                 if value is not None:
-                    sums[name] += float(value) * len(index)
+                    sums[name] += value.item() * len(index)
         record = {"epoch": epoch + 1, **{k: v / len(old) for k, v in sums.items()}}
         history.append(record)
         log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f} (l2 {record['l2']:.4f}, "

@@ -1,0 +1,59 @@
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.synthetic import make_image_folder, tiny_params
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("images"), num_classes=6, train_per_class=40, test_per_class=12)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def repo_copy(tmp_path, image_folder) -> Path:
+    """The repository's tracked files in a fresh git repo, with a tiny params.yaml."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    if not files:
+        pytest.fail("git ls-files found nothing: run the tests from a git checkout")
+    target = tmp_path / "repo"
+    for name in files:
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    # a fresh clone of this repository: no outputs, and no record of the default run's outputs
+    (target / "dvc.lock").unlink(missing_ok=True)
+    shutil.rmtree(target / "reports", ignore_errors=True)
+    (target / "params.yaml").write_text(yaml.safe_dump(tiny_params(image_folder)))
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run(git[:1] + ["init", "-q"], cwd=target, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=target, check=True)
+    subprocess.run(git + ["commit", "-qm", "copy"], cwd=target, check=True)
+    return target
+
+
+@pytest.fixture
+def cli_env(tmp_path) -> dict:
+    """Environment for CLI subprocesses: the project's venv first on PATH, a private Prefect home."""
+    import sys
+
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env

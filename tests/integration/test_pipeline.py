@@ -1,0 +1,108 @@
+"""The whole pipeline on a tiny configuration, under Prefect's test harness, with a temporary
+MLflow store: registry aliases, registered maps, runs and the metrics schema."""
+
+import json
+
+import numpy as np
+import pytest
+
+from components.config import parse_params
+from tests.synthetic import tiny_params
+
+ROWS = ("old_old", "new_new", "fct", "fastfill")
+POINT_KEYS = {f"{m}_{p}" for m in ("top1", "top5", "map") for p in ("0", "100", "auc")}
+
+
+@pytest.fixture(scope="module")
+def finished_pipeline(tmp_path_factory, image_folder, prefect_harness):
+    """One tiny pipeline run shared by the tests of this module (in its own working directory)."""
+    import os
+
+    from flows.pipeline import pipeline_flow
+
+    workdir = tmp_path_factory.mktemp("pipeline")
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'store' / 'mlflow.db'}"
+    (workdir / "store").mkdir()
+    params = parse_params(data)
+    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.chdir(workdir)
+    try:
+        metrics = pipeline_flow(params)
+    finally:
+        os.chdir(previous)
+        if saved_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+    return params, metrics, workdir
+
+
+def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
+    from mlflow import MlflowClient
+
+    params, metrics, workdir = finished_pipeline
+    # metrics.json: every row, every number, fractions in [0, 1]
+    on_disk = json.loads((workdir / "reports" / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    for row in ROWS:
+        assert POINT_KEYS <= set(on_disk[row]), row
+        for key in POINT_KEYS:
+            assert 0.0 <= on_disk[row][key] <= 1.0
+    assert -1.0 <= on_disk["fastfill"]["kendall_tau"] <= 1.0
+    assert set(on_disk["fastfill"]["by_order"]) == {"random", "sigma", "oracle"}
+    # at 100% backfill every method's gallery is the new model's: new/new exactly
+    for row in ("fct", "fastfill"):
+        assert on_disk[row]["top1_100"] == pytest.approx(on_disk["new_new"]["top1_0"])
+        assert on_disk[row]["map_100"] == pytest.approx(on_disk["new_new"]["map_0"])
+    assert (workdir / "reports" / "backfill.png").read_bytes()[:4] == b"\x89PNG"
+    assert (workdir / "reports" / "plots" / "top1.csv").is_file()
+
+    client = MlflowClient(params.mlflow.tracking_uri)
+    old = json.loads((workdir / "artifacts" / "models" / "old" / "registry.json").read_text())
+    new = json.loads((workdir / "artifacts" / "models" / "new" / "registry.json").read_text())
+    assert str(client.get_model_version_by_alias("embedder", "champion").version) == old["version"]
+    assert str(client.get_model_version_by_alias("embedder", "challenger").version) == new["version"]
+    for method in ("fct", "fastfill"):
+        entry = json.loads((workdir / "artifacts" / "align" / method / "registry.json").read_text())
+        version = client.get_model_version("embedder-alignment", entry["version"])
+        assert version.tags["from_version"] == old["version"]
+        assert version.tags["to_version"] == new["version"]
+        assert version.tags["method"] == method
+
+    # the champion loads by alias with its classifier head, and embeds like the stored features
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_registry_uri(params.mlflow.tracking_uri)
+    champion = mlflow.pytorch.load_model("models:/embedder@champion", map_location="cpu")
+    test_images = np.load(workdir / "data" / "splits" / "test_images.npy")[:5]
+    with torch.no_grad():
+        features = champion(torch.from_numpy(test_images).float() / 255)
+        assert champion.classify(features).shape == (5, 3)
+    stored = np.load(workdir / "artifacts" / "features" / "old" / "test.npy")[:5]
+    assert np.allclose(features.numpy(), stored, atol=1e-5)
+
+
+def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
+    from mlflow import MlflowClient
+
+    params, _, _ = finished_pipeline
+    client = MlflowClient(params.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(params.mlflow.experiment)
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.info.run_name == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.info.run_name for r in children) == sorted(
+        ["prepare", "train-old", "train-new", "align-fct", "align-fastfill", "evaluate"])
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["git_commit"] and len(run.data.tags["data_version"]) == 32
+    evaluate = next(r for r in children if r.info.run_name == "evaluate")
+    assert evaluate.data.params["evaluate.distance"] == "l2"
+    history = client.get_metric_history(evaluate.info.run_id, "fastfill.sigma.top1")
+    assert [m.step for m in history] == list(range(6))  # curve_points 4 -> 6 points, step = point index
+    artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
+    assert {"backfill.png", "metrics.json"} <= artifacts
+    align = next(r for r in children if r.info.run_name == "align-fastfill")
+    assert len(client.get_metric_history(align.info.run_id, "l2")) == 3  # one point per epoch
+    assert len(client.get_metric_history(align.info.run_id, "disc")) == 3
