@@ -24,6 +24,7 @@ from components.losses import alignment_loss, classification_per_sample, l2_per_
 from components.models import AlignmentMap, Embedder
 
 Log = Callable[[str], None]
+CHANNELS_LAST = torch.channels_last
 
 
 def pick_device() -> torch.device:
@@ -95,7 +96,8 @@ def train_embedder(
     """Classification training of backbone + embedding + classifier over ``classes``."""
     device = device or pick_device()
     generator = seed_everything(config.seed)
-    model = Embedder(config, split.images.shape[1], classes, pixel_mean, pixel_std).to(device)
+    # channels-last convolutions are 15-30% faster on CPU (oneDNN) and use tensor cores on GPU
+    model = Embedder(config, split.images.shape[1], classes, pixel_mean, pixel_std).to(device, memory_format=CHANNELS_LAST)
     rows = np.full(max(classes) + 1, -1, dtype=np.int64)
     rows[classes] = np.arange(len(classes))
     if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():
@@ -137,6 +139,7 @@ def train_embedder(
             batch = images[index].float().div_(255.0)
             if config.augment:
                 batch = _augment(batch, generator)
+            batch = batch.contiguous(memory_format=CHANNELS_LAST)
             logits = model.classify(model(batch))
             loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
             optimizer.zero_grad(set_to_none=True)
@@ -165,6 +168,7 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
     for start in range(0, len(images), batch_size):
         batch = torch.from_numpy(images[start: start + batch_size]).to(device).float().div_(255.0)
+        batch = batch.contiguous(memory_format=CHANNELS_LAST)
         out[start: start + len(batch)] = model(batch).cpu().numpy()
     return out
 
