@@ -178,11 +178,10 @@ class Params(Section):
         data["evaluate"]["seed"] = seed
         return Params.model_validate(data)
 
-    def with_paths(self, root: Path) -> Params:
-        """A copy whose outputs all live under ``root``."""
-        data = self.model_dump()
-        data["paths"] = {k: root / v for k, v in data["paths"].items()}
-        return Params.model_validate(data)
+    def with_outputs_under(self, root: Path) -> Params:
+        """A copy whose artifacts and reports live under ``root`` (the data splits are shared)."""
+        paths = self.paths.model_copy(update={"artifacts": root / "artifacts", "reports": root / "reports"})
+        return self.model_copy(update={"paths": paths})
 
 
 class ConfigError(ValueError):

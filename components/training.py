@@ -7,6 +7,7 @@ killed training loses at most one epoch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -52,8 +53,18 @@ def _warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _config_key(config: object) -> str:
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
+def _run_key(config: object, *arrays: np.ndarray) -> str:
+    """What a checkpoint must match to be resumed: the config and a fingerprint of the data."""
+    digest = hashlib.md5()
+    for array in arrays:
+        digest.update(str(array.shape).encode())
+        digest.update(np.ascontiguousarray(array[:: max(1, len(array) // 512)]).tobytes())
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True) + digest.hexdigest()
+
+
+def discard_checkpoint(path: Path) -> None:
+    """Called once a training's outputs are saved: the next run starts afresh."""
+    path.unlink(missing_ok=True)
 
 
 def _load_checkpoint(path: Path | None, key: str) -> dict | None:
@@ -116,7 +127,7 @@ def train_embedder(
                                     weight_decay=config.weight_decay, nesterov=True)
     scheduler = _warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
 
-    key, history, start_epoch, step = _config_key(config), [], 0, 0
+    key, history, start_epoch, step = _run_key(config, split.images, split.labels), [], 0, 0
     state = _load_checkpoint(checkpoint, key)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -207,7 +218,7 @@ def train_alignment(
     steps_per_epoch = math.ceil(len(old) / config.batch_size)
     optimizer = torch.optim.Adam(h.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
-    key, history, start_epoch = _config_key(config), [], 0
+    key, history, start_epoch = _run_key(config, old_features, new_features, class_rows), [], 0
     state = _load_checkpoint(checkpoint, key)
     if state is not None:
         h.load_state_dict(state["model"])

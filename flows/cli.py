@@ -79,20 +79,15 @@ def seeds(params: ParamsOption = Path("params.yaml"),
           out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
     """Run the pipeline once per seed and write reports/seeds.json (per-seed numbers, mean, std)."""
     config = _params(params)
+    from components.seed_report import seeds_markdown
     from flows.pipeline import seeds_flow
 
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
     summary = seeds_flow(config, chosen, out)
-    typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all; mean ± std over seeds:")
-    for name, row in summary["rows"].items():
-        cells = "  ".join(f"{key} {100 * row[key]['mean']:.2f}±{100 * row[key]['std']:.2f}"
-                          for key in ("top1_0", "top1_auc", "map_auc") if key in row)
-        typer.echo(f"  {name:<10} {cells}")
-        for order, numbers in row.get("by_order", {}).items():
-            typer.echo(f"    {order:<8} " + "  ".join(f"{k} {100 * v['mean']:.2f}±{100 * v['std']:.2f}"
-                                                 for k, v in numbers.items()))
-    typer.echo(f"written: {config.paths.reports / 'seeds.json'}")
+    typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all\n")
+    typer.echo(seeds_markdown(summary))
+    typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
 
 
 class Role(str, Enum):

@@ -11,7 +11,9 @@ from components.config import AlignConfig
 from components.data import load_split
 from components.layout import Layout, load_array, save_array, write_json
 from components.models import load_alignment, load_embedder, save_alignment
-from components.training import apply_alignment, pick_device, train_alignment, true_alignment_loss
+from components.training import (
+    apply_alignment, discard_checkpoint, pick_device, train_alignment, true_alignment_loss,
+)
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 
 
@@ -60,6 +62,7 @@ def save_map(h, config: AlignConfig, history: list[dict], method: str, layout: L
     directory = layout.align_dir(method)
     save_alignment(h, config, directory / "map.pt")
     write_json(directory / "history.json", history)
+    discard_checkpoint(layout.checkpoints / f"align-{method}.pt")
     return directory / "map.pt"
 
 

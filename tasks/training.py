@@ -12,7 +12,7 @@ from components.config import TrainConfig
 from components.data import load_meta, load_split
 from components.layout import FEATURE_SPLITS, Layout, save_array, write_json
 from components.models import save_embedder
-from components.training import embed, pick_device, train_embedder
+from components.training import discard_checkpoint, embed, pick_device, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 
 
@@ -49,4 +49,5 @@ def save_model(model, config: TrainConfig, history: list[dict], role: str, layou
     directory.mkdir(parents=True, exist_ok=True)
     save_embedder(model, config, directory / "model.pt")
     write_json(directory / "history.json", history)
+    discard_checkpoint(layout.checkpoints / f"model-{role}.pt")
     return directory / "model.pt"

@@ -120,3 +120,12 @@ def test_alignment_inputs_must_describe_the_same_images():
     with pytest.raises(ValueError, match="same images"):
         train_alignment(AlignConfig(hidden=[4], epochs=2, warmup_epochs=1), old[:-1], new, labels, classifier,
                         device=CPU, log=lambda m: None)
+
+
+def test_a_checkpoint_of_other_data_is_not_resumed(tmp_path):
+    config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=1, batch_size=16)
+    checkpoint = tmp_path / "ckpt.pt"
+    train_embedder(config, _split(seed=0), [0, 1, 2, 3], 0.3, 0.3, device=CPU, checkpoint=checkpoint, log=lambda m: None)
+    messages = []
+    train_embedder(config, _split(seed=1), [0, 1, 2, 3], 0.3, 0.3, device=CPU, checkpoint=checkpoint, log=messages.append)
+    assert not any("resuming" in m for m in messages)
