@@ -169,37 +169,35 @@ def active(run_id: str):
 _PIP = ["torch==2.13.0", "torchvision==0.28.0"]
 
 
-def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str,
-                      tags: Mapping[str, str]) -> str:
-    """Log the embedding model (classifier head included) and register it as a version of
-    ``name`` with ``alias``; returns the version."""
+def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
+              tags: Mapping[str, str]) -> str:
+    """Log a torch module under ``artifact`` in the run, register it as a new version of
+    ``name`` and tag that version; returns the version."""
     import mlflow.pytorch
 
-    model = model.cpu().eval()
+    module = module.cpu().eval()
     with active(run_id):
-        info = mlflow.pytorch.log_model(model, name="embedder", input_example=example,
-                                        registered_model_name=name, pip_requirements=_PIP,
-                                        serialization_format="pickle")
+        # pickle keeps the whole module (the embedder's classify() included); the default pt2
+        # export would keep only a traced forward() of the example's batch size
+        info = mlflow.pytorch.log_model(module, name=artifact, input_example=example, registered_model_name=name,
+                                        pip_requirements=_PIP, serialization_format="pickle")
     version = str(info.registered_model_version)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
+    return version
+
+
+def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str,
+                      tags: Mapping[str, str]) -> str:
+    """The embedding model (classifier head included) as a version of ``name`` with ``alias``."""
+    version = _register(client, run_id, model, example, name, "embedder", tags)
     client.set_registered_model_alias(name, alias, version)
     return version
 
 
 def register_alignment(client, run_id: str, alignment_map, example: np.ndarray, name: str,
                        tags: Mapping[str, str]) -> str:
-    import mlflow.pytorch
-
-    alignment_map = alignment_map.cpu().eval()
-    with active(run_id):
-        info = mlflow.pytorch.log_model(alignment_map, name="alignment", input_example=example,
-                                        registered_model_name=name, pip_requirements=_PIP,
-                                        serialization_format="pickle")
-    version = str(info.registered_model_version)
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, str(value))
-    return version
+    return _register(client, run_id, alignment_map, example, name, "alignment", tags)
 
 
 def load_model(uri: str):
