@@ -67,11 +67,21 @@ def discard_checkpoint(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _load_checkpoint(path: Path | None, key: str) -> dict | None:
+def _resume(path: Path | None, key: str, model: nn.Module, optimizer, scheduler, generator: torch.Generator,
+            log: Log) -> dict | None:
+    """Restore model, optimiser, scheduler and random state from a matching checkpoint; returns
+    the checkpoint (its ``history``, ``epoch``, ...) or None when there is nothing to resume."""
     if path is None or not path.is_file():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
-    return state if state.get("config_key") == key else None
+    if state.get("config_key") != key:
+        return None
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    generator.set_state(state["generator"])
+    log(f"resuming from {path} after epoch {state['epoch']}")
+    return state
 
 
 def _save_checkpoint(path: Path | None, **state) -> None:
@@ -128,14 +138,9 @@ def train_embedder(
     scheduler = _warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
 
     key, history, start_epoch, step = _run_key(config, split.images, split.labels), [], 0, 0
-    state = _load_checkpoint(checkpoint, key)
+    state = _resume(checkpoint, key, model, optimizer, scheduler, generator, log)
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
         history, start_epoch, step = state["history"], state["epoch"], state["step"]
-        log(f"resuming from {checkpoint} after epoch {start_epoch}")
 
     for epoch in range(start_epoch, config.epochs):
         if step >= total_steps:
@@ -219,14 +224,9 @@ def train_alignment(
     optimizer = torch.optim.Adam(h.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
     key, history, start_epoch = _run_key(config, old_features, new_features, class_rows), [], 0
-    state = _load_checkpoint(checkpoint, key)
+    state = _resume(checkpoint, key, h, optimizer, scheduler, generator, log)
     if state is not None:
-        h.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
         history, start_epoch = state["history"], state["epoch"]
-        log(f"resuming from {checkpoint} after epoch {start_epoch}")
 
     for epoch in range(start_epoch, config.epochs):
         h.train()
