@@ -61,6 +61,18 @@ def build_metrics(reference: Mapping[str, Mapping], curves: Mapping[str, Mapping
     return metrics
 
 
+def flatten_numbers(data: Mapping, prefix: str = "") -> dict[str, float]:
+    """Every number of a nested mapping under its dotted key (for MLflow metrics)."""
+    out: dict[str, float] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_numbers(value, name))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
 def curve_label(method: str, order: str) -> str:
     return f"{method}-{order}"
 

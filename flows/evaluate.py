@@ -6,19 +6,10 @@ from prefect import flow
 
 from components.config import Params
 from components.layout import Layout, read_json
+from components.reports import flatten_numbers
 from flows._stage import stage_run
 from tasks.evaluation import evaluate_method, evaluate_reference, write_reports
 from tasks.tracking import log_results
-
-
-def _flat_numbers(prefix: str, data: dict, out: dict) -> dict:
-    for key, value in data.items():
-        name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict):
-            _flat_numbers(name, value, out)
-        elif isinstance(value, int | float):
-            out[name] = value
-    return out
 
 
 @flow(name="evaluate", log_prints=True)
@@ -36,6 +27,6 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()
                   for order, curve in by_order.items() for key in ("top1", "top5", "map", "nfr1")}
-        log_results(params.mlflow, run_id, metrics=_flat_numbers("", metrics, {}), series=series,
+        log_results(params.mlflow, run_id, metrics=flatten_numbers(metrics), series=series,
                     artifacts=[outputs["plot"], outputs["metrics"], outputs["curves"]])
     return metrics

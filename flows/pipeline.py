@@ -11,9 +11,10 @@ from prefect import flow
 
 from components.config import Params
 from components.layout import write_json
+from components.reports import flatten_numbers
 from components.seed_report import seeds_markdown, summarize_seeds
 from flows.align import align_flow
-from flows.evaluate import _flat_numbers, evaluate_flow
+from flows.evaluate import evaluate_flow
 from flows.prepare import prepare_flow
 from flows.train import train_flow
 from tasks.tracking import close_run, log_results, open_pipeline_run
@@ -30,7 +31,7 @@ def pipeline_flow(params: Params, prepare: bool = True, parent_run_id: str | Non
         for method in params.align:
             align_flow(params, method, parent)
         metrics = evaluate_flow(params, parent)
-        log_results(params.mlflow, parent, metrics=_flat_numbers("", metrics, {}))
+        log_results(params.mlflow, parent, metrics=flatten_numbers(metrics))
     except BaseException:
         if parent_run_id is None:
             close_run(params.mlflow, parent, ok=False)

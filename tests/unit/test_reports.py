@@ -39,3 +39,10 @@ def test_plot_data_and_png(tmp_path):
     assert len(paths[0].read_text().splitlines()) == 1 + 5
     png = plot_curves(tmp_path / "b.png", reference, curves)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flatten_numbers_keeps_numbers_under_dotted_keys():
+    from components.reports import flatten_numbers
+
+    nested = {"fastfill": {"top1_auc": 0.9, "order": "sigma", "by_order": {"random": {"map_auc": 0.8}}}, "n": 3}
+    assert flatten_numbers(nested) == {"fastfill.top1_auc": 0.9, "fastfill.by_order.random.map_auc": 0.8, "n": 3}
