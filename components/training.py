@@ -25,6 +25,7 @@ from components.losses import alignment_loss, classification_per_sample, l2_per_
 from components.models import AlignmentMap, Embedder
 
 Log = Callable[[str], None]
+Progress = Callable[[int, int], None]  # (epochs done, epochs in all)
 CHANNELS_LAST = torch.channels_last
 
 
@@ -113,6 +114,7 @@ def train_embedder(
     device: torch.device | None = None,
     checkpoint: Path | None = None,
     log: Log = print,
+    on_epoch: Progress | None = None,
 ) -> tuple[Embedder, list[dict]]:
     """Classification training of backbone + embedding + classifier over ``classes``."""
     device = device or pick_device()
@@ -172,6 +174,8 @@ def train_embedder(
         _save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1, step=step)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, config.epochs)
     model.eval()
     return model, history
 
@@ -205,6 +209,7 @@ def train_alignment(
     device: torch.device | None = None,
     checkpoint: Path | None = None,
     log: Log = print,
+    on_epoch: Progress | None = None,
 ) -> tuple[AlignmentMap, list[dict]]:
     """Train h (and psi) on stored features; ``class_rows`` index kappa_new's rows."""
     if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
@@ -260,6 +265,8 @@ def train_alignment(
         _save_checkpoint(checkpoint, config_key=key, model=h.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, config.epochs)
     h.eval()
     return h, history
 

@@ -21,3 +21,18 @@ def log(message: str) -> None:
         get_run_logger().info(message)
     except MissingContextError:
         print(message, flush=True)
+
+
+def epoch_progress(key: str, description: str):
+    """A Prefect progress artifact (0-100%) and the callback that moves it after each epoch."""
+    import re
+
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", key.lower())  # Prefect's rule for artifact keys
+    artifact = create_progress_artifact(0.0, key=key, description=description)
+
+    def update(done: int, total: int) -> None:
+        update_progress_artifact(artifact, 100.0 * done / total)
+
+    return update

@@ -14,7 +14,7 @@ from components.models import load_alignment, load_embedder, save_alignment
 from components.training import (
     apply_alignment, discard_checkpoint, pick_device, train_alignment, true_alignment_loss,
 )
-from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
 def _class_rows(new_model, labels: np.ndarray) -> np.ndarray:
@@ -35,7 +35,8 @@ def train_map(config: AlignConfig, method: str, layout: Layout):
     terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
     log(f"training the {method} map ({terms}) on {len(old)} stored feature pairs, {old.shape[1]} -> {new.shape[1]}")
     h, history = train_alignment(config, old, new, _class_rows(new_model, labels), new_model.classifier,
-                                 device=pick_device(), checkpoint=layout.checkpoints / f"align-{method}.pt", log=log)
+                                 device=pick_device(), checkpoint=layout.checkpoints / f"align-{method}.pt", log=log,
+                                 on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"))
     return h, history
 
 

@@ -13,7 +13,7 @@ from components.data import load_meta, load_split
 from components.layout import FEATURE_SPLITS, Layout, save_array, write_json
 from components.models import save_embedder
 from components.training import discard_checkpoint, embed, pick_device, train_embedder
-from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
 @task(name="train-embedder", tags=GPU_TAGS, **NO_CACHING)
@@ -25,7 +25,8 @@ def train_model(config: TrainConfig, role: str, layout: Layout):
     log(f"training the {role} model ({config.backbone}, {config.epochs} epochs) on {len(split)} images, "
         f"classes {classes}, device {device}")
     model, history = train_embedder(config, split, classes, meta["pixel_mean"], meta["pixel_std"],
-                                    device=device, checkpoint=layout.checkpoints / f"model-{role}.pt", log=log)
+                                    device=device, checkpoint=layout.checkpoints / f"model-{role}.pt", log=log,
+                                    on_epoch=epoch_progress(f"train-{role}", f"training the {role} embedding model"))
     return model, history
 
 

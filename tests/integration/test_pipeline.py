@@ -106,3 +106,37 @@ def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     align = next(r for r in children if r.info.run_name == "align-fastfill")
     assert len(client.get_metric_history(align.info.run_id, "l2")) == 3  # one point per epoch
     assert len(client.get_metric_history(align.info.run_id, "disc")) == 3
+
+
+def test_training_progress_is_a_prefect_artifact(finished_pipeline):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        for key in ("train-old", "train-new", "align-fct", "align-fastfill"):
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            assert found, key
+            assert found[0].type == "progress" and float(found[0].data) == 100.0, (key, found[0].data)
+
+
+def test_seeds_command_reports_each_seed_and_the_spread(tmp_path, image_folder, monkeypatch, prefect_harness):
+    import yaml
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = CliRunner().invoke(app, ["seeds", "--seed", "3", "--seed", "4"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "reports" / "seeds.json").read_text())
+    assert summary["seeds"] == [3, 4]
+    top1 = summary["rows"]["fastfill"]["top1_auc"]
+    per_seed = [json.loads((tmp_path / "runs" / f"seed-{s}" / "reports" / "metrics.json").read_text())["fastfill"]["top1_auc"]
+                for s in (3, 4)]
+    assert list(top1["per_seed"].values()) == per_seed
+    assert top1["mean"] == pytest.approx(sum(per_seed) / 2)
+    assert "| fastfill (sigma) |" in (tmp_path / "reports" / "seeds.md").read_text()

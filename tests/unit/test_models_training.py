@@ -38,9 +38,12 @@ def _split(n_per_class=24, classes=(0, 1, 2, 3), seed=0) -> Split:
 def test_embedder_training_lowers_its_loss_and_resumes(tmp_path):
     config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=4, batch_size=16, lr=5e-3)
     checkpoint = tmp_path / "ckpt.pt"
+    progress = []
     model, history = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU,
-                                    checkpoint=checkpoint, log=lambda m: None)
+                                    checkpoint=checkpoint, log=lambda m: None,
+                                    on_epoch=lambda done, total: progress.append((done, total)))
     assert history[-1]["loss"] < history[0]["loss"]
+    assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
     # Re-running the same config resumes from the final checkpoint: no epoch is trained again.
     messages = []
     again, history2 = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU,
