@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,27 +121,25 @@ def log_params(client, run_id: str, params: Mapping[str, object]) -> None:
         client.log_batch(run_id, params=items[start: start + 100])
 
 
-def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+def _send_metrics(client, run_id: str, points: Iterable[tuple[str, float | None, int]]) -> None:
+    """(name, value, step) triples in batches; missing and non-finite values are skipped."""
     from mlflow.entities import Metric
 
-    import time
-
     now = int(time.time() * 1000)
-    items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and np.isfinite(v)]
+    items = [Metric(name, float(value), now, step) for name, value, step in points
+             if value is not None and math.isfinite(value)]
     for start in range(0, len(items), 500):
         client.log_batch(run_id, metrics=items[start: start + 500])
+
+
+def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    _send_metrics(client, run_id, ((name, value, step) for name, value in metrics.items()))
 
 
 def log_series(client, run_id: str, series: Mapping[str, Iterable[float]]) -> None:
     """Each named series as one metric with step = position (curve points, epochs)."""
-    from mlflow.entities import Metric
-
-    import time
-
-    now = int(time.time() * 1000)
-    items = [Metric(name, float(v), now, step) for name, values in series.items() for step, v in enumerate(values)]
-    for start in range(0, len(items), 500):
-        client.log_batch(run_id, metrics=items[start: start + 500])
+    _send_metrics(client, run_id, ((name, value, step) for name, values in series.items()
+                                   for step, value in enumerate(values)))
 
 
 def log_artifact(client, run_id: str, path: Path, artifact_path: str | None = None) -> None:
