@@ -31,6 +31,17 @@ def _params(path: Path):
         raise typer.Exit(2) from None
 
 
+def _call(flow, *args):
+    """Run a flow; a missing input ends the command with its message instead of a traceback."""
+    from components.data import DataError
+
+    try:
+        return flow(*args)
+    except (DataError, FileNotFoundError) as error:
+        typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
 def _dvc_commit(params_path: Path) -> None:
     """Record what `fastfill run` produced in dvc.lock, so `dvc status` is clean and `dvc repro`
     redoes nothing. Only for the repository's own params.yaml and default paths."""
@@ -65,7 +76,7 @@ def run(params: ParamsOption = Path("params.yaml"),
     from flows.pipeline import pipeline_flow
 
     start = time.perf_counter()
-    metrics = pipeline_flow(config)
+    metrics = _call(pipeline_flow, config)
     _print_summary(metrics)
     typer.echo(f"\npipeline finished in {time.perf_counter() - start:.0f} s; "
                f"reports in {config.paths.reports}/ (metrics.json, backfill.png)")
@@ -84,7 +95,7 @@ def seeds(params: ParamsOption = Path("params.yaml"),
 
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
-    summary = seeds_flow(config, chosen, out)
+    summary = _call(seeds_flow, config, chosen, out)
     typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all\n")
     typer.echo(seeds_markdown(summary))
     typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
@@ -101,7 +112,7 @@ def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
     config = _params(params)
     from flows.prepare import prepare_flow
 
-    prepare_flow(config)
+    _call(prepare_flow, config)
 
 
 @stage_app.command("train")
@@ -111,7 +122,7 @@ def stage_train(role: Annotated[Role, typer.Option(help="which model")],
     config = _params(params)
     from flows.train import train_flow
 
-    train_flow(config, role.value)
+    _call(train_flow, config, role.value)
 
 
 @stage_app.command("align")
@@ -124,7 +135,7 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
         raise typer.Exit(2)
     from flows.align import align_flow
 
-    align_flow(config, method)
+    _call(align_flow, config, method)
 
 
 @stage_app.command("evaluate")
@@ -133,7 +144,7 @@ def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     config = _params(params)
     from flows.evaluate import evaluate_flow
 
-    _print_summary(evaluate_flow(config))
+    _print_summary(_call(evaluate_flow, config))
 
 
 class Distance(str, Enum):

@@ -140,3 +140,19 @@ def test_seeds_command_reports_each_seed_and_the_spread(tmp_path, image_folder, 
     assert list(top1["per_seed"].values()) == per_seed
     assert top1["mean"] == pytest.approx(sum(per_seed) / 2)
     assert "| fastfill (sigma) |" in (tmp_path / "reports" / "seeds.md").read_text()
+
+
+def test_a_stage_without_its_inputs_says_what_to_run(tmp_path, monkeypatch, image_folder, prefect_harness):
+    import yaml
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = CliRunner().invoke(app, ["stage", "train", "--role", "old"])
+    assert result.exit_code == 1
+    assert "run the prepare stage first" in result.output

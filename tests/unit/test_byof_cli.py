@@ -72,3 +72,20 @@ def test_mismatched_dimensions_are_reported(tmp_path):
     result = runner.invoke(app, ["evaluate", "--features", str(tmp_path / "f")])
     assert result.exit_code == 2
     assert "gallery_old" in result.output
+
+
+def test_a_bad_params_file_stops_the_cli_with_the_key(tmp_path):
+    (tmp_path / "params.yaml").write_text("train:\n  old: {epochs: 0}\n  new: {}\nalign: {fct: {}}\n")
+    result = runner.invoke(app, ["run", "--params", str(tmp_path / "params.yaml")])
+    assert result.exit_code == 2
+    assert "train.old.epochs" in result.output
+
+
+def test_an_unknown_method_is_refused(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "params.yaml", tmp_path / "params.yaml")
+    result = runner.invoke(app, ["stage", "align", "--method", "bct", "--params", str(tmp_path / "params.yaml")])
+    assert result.exit_code == 2
+    assert "bct" in result.output and "fastfill" in result.output
