@@ -25,6 +25,18 @@ def prefect_harness():
 
 
 @pytest.fixture
+def tiny_workdir(tmp_path, monkeypatch, image_folder) -> Path:
+    """The working directory of a CLI call: a tiny params.yaml, a private MLflow store, no
+    MLflow settings from the environment."""
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
 def repo_copy(tmp_path, image_folder) -> Path:
     """The repository's tracked files in a fresh git repo, with a tiny params.yaml."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()

@@ -119,17 +119,12 @@ def test_training_progress_is_a_prefect_artifact(finished_pipeline):
             assert found[0].type == "progress" and float(found[0].data) == 100.0, (key, found[0].data)
 
 
-def test_seeds_command_reports_each_seed_and_the_spread(tmp_path, image_folder, monkeypatch, prefect_harness):
-    import yaml
+def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
     from flows.cli import app
 
-    data = tiny_params(image_folder)
-    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tmp_path = tiny_workdir
     result = CliRunner().invoke(app, ["seeds", "--seed", "3", "--seed", "4"])
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "reports" / "seeds.json").read_text())
@@ -142,17 +137,11 @@ def test_seeds_command_reports_each_seed_and_the_spread(tmp_path, image_folder, 
     assert "| fastfill (sigma) |" in (tmp_path / "reports" / "seeds.md").read_text()
 
 
-def test_a_stage_without_its_inputs_says_what_to_run(tmp_path, monkeypatch, image_folder, prefect_harness):
-    import yaml
+def test_a_stage_without_its_inputs_says_what_to_run(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
     from flows.cli import app
 
-    data = tiny_params(image_folder)
-    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     result = CliRunner().invoke(app, ["stage", "train", "--role", "old"])
     assert result.exit_code == 1
     assert "run the prepare stage first" in result.output
