@@ -37,10 +37,9 @@ class Layout:
     def align_dir(self, method: str) -> Path:
         return self.paths.artifacts / "align" / method
 
-    @property
-    def checkpoints(self) -> Path:
-        """Resume state of running trainings; not a stage output."""
-        return self.paths.artifacts / "checkpoints"
+    def checkpoint(self, name: str) -> Path:
+        """Resume state of a running training (``model-old``, ``align-fct``); not a stage output."""
+        return self.paths.artifacts / "checkpoints" / f"{name}.pt"
 
     @property
     def metrics(self) -> Path:
@@ -59,12 +58,17 @@ class Layout:
         return self.paths.reports / "backfill.png"
 
 
-def write_json(path: Path, data: object) -> None:
-    """Write atomically, so a crash never leaves half a file where a stage output should be."""
+def _write_atomically(path: Path, write) -> None:
+    """Write through a side file and rename it, so a crash never leaves half a file where a
+    stage output or checkpoint should be."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(path.suffix + ".part")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    partial = path.with_name(path.name + ".part")
+    write(partial)
     partial.replace(path)
+
+
+def write_json(path: Path, data: object) -> None:
+    _write_atomically(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def read_json(path: Path) -> dict:
@@ -74,11 +78,17 @@ def read_json(path: Path) -> dict:
 
 
 def save_array(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".part")
-    with open(partial, "wb") as handle:
-        np.save(handle, array)
-    partial.replace(path)
+    def write(partial: Path) -> None:
+        with open(partial, "wb") as handle:  # a handle, so numpy adds no .npy suffix
+            np.save(handle, array)
+
+    _write_atomically(path, write)
+
+
+def save_torch(path: Path, obj: object) -> None:
+    import torch
+
+    _write_atomically(path, lambda p: torch.save(obj, p))
 
 
 def load_array(path: Path) -> np.ndarray:

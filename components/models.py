@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from components.config import AlignConfig, TrainConfig
+from components.layout import save_torch
 
 
 def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:
@@ -121,19 +124,13 @@ class AlignmentMap(nn.Module):
 
 def save_embedder(model: Embedder, config: TrainConfig, path) -> None:
     """A self-describing checkpoint: later stages rebuild the model without reading params."""
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "config": config.model_dump(mode="json"),
         "channels": model.in_channels,
         "classes": model.classes.tolist(),
         "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
     }
-    partial = path.with_name(path.name + ".part")
-    torch.save(state, partial)
-    partial.replace(path)
+    save_torch(Path(path), state)
 
 
 def load_embedder(path) -> Embedder:
@@ -144,15 +141,9 @@ def load_embedder(path) -> Embedder:
 
 
 def save_alignment(h: AlignmentMap, config: AlignConfig, path) -> None:
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": config.model_dump(mode="json"), "old_dim": h.old_dim, "new_dim": h.new_dim,
              "state_dict": {k: v.cpu() for k, v in h.state_dict().items()}}
-    partial = path.with_name(path.name + ".part")
-    torch.save(state, partial)
-    partial.replace(path)
+    save_torch(Path(path), state)
 
 
 def load_alignment(path) -> AlignmentMap:

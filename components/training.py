@@ -21,6 +21,7 @@ from torch import nn
 
 from components.config import AlignConfig, TrainConfig
 from components.data import Split
+from components.layout import save_torch
 from components.losses import alignment_loss, classification_per_sample, l2_per_sample
 from components.models import AlignmentMap, Embedder
 
@@ -86,12 +87,8 @@ def _resume(path: Path | None, key: str, model: nn.Module, optimizer, scheduler,
 
 
 def _save_checkpoint(path: Path | None, **state) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".part")
-    torch.save(state, partial)
-    partial.replace(path)  # atomic: a crash leaves the previous checkpoint intact
+    if path is not None:
+        save_torch(path, state)
 
 
 def _augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

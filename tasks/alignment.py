@@ -35,7 +35,7 @@ def train_map(config: AlignConfig, method: str, layout: Layout):
     terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
     log(f"training the {method} map ({terms}) on {len(old)} stored feature pairs, {old.shape[1]} -> {new.shape[1]}")
     h, history = train_alignment(config, old, new, _class_rows(new_model, labels), new_model.classifier,
-                                 device=pick_device(), checkpoint=layout.checkpoints / f"align-{method}.pt", log=log,
+                                 device=pick_device(), checkpoint=layout.checkpoint(f"align-{method}"), log=log,
                                  on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"))
     return h, history
 
@@ -63,7 +63,7 @@ def save_map(h, config: AlignConfig, history: list[dict], method: str, layout: L
     directory = layout.align_dir(method)
     save_alignment(h, config, directory / "map.pt")
     write_json(directory / "history.json", history)
-    discard_checkpoint(layout.checkpoints / f"align-{method}.pt")
+    discard_checkpoint(layout.checkpoint(f"align-{method}"))
     return directory / "map.pt"
 
 

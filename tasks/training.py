@@ -25,7 +25,7 @@ def train_model(config: TrainConfig, role: str, layout: Layout):
     log(f"training the {role} model ({config.backbone}, {config.epochs} epochs) on {len(split)} images, "
         f"classes {classes}, device {device}")
     model, history = train_embedder(config, split, classes, meta["pixel_mean"], meta["pixel_std"],
-                                    device=device, checkpoint=layout.checkpoints / f"model-{role}.pt", log=log,
+                                    device=device, checkpoint=layout.checkpoint(f"model-{role}"), log=log,
                                     on_epoch=epoch_progress(f"train-{role}", f"training the {role} embedding model"))
     return model, history
 
@@ -50,5 +50,5 @@ def save_model(model, config: TrainConfig, history: list[dict], role: str, layou
     directory.mkdir(parents=True, exist_ok=True)
     save_embedder(model, config, directory / "model.pt")
     write_json(directory / "history.json", history)
-    discard_checkpoint(layout.checkpoints / f"model-{role}.pt")
+    discard_checkpoint(layout.checkpoint(f"model-{role}"))
     return directory / "model.pt"
