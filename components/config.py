@@ -137,6 +137,34 @@ class MlflowConfig(Section):
     alignment_model: str = "embedder-alignment"
 
 
+class UpgradeConfig(Section):
+    """`fastfill upgrade`: how a stored gallery is moved to a new model."""
+
+    method: str = Field(default="fastfill", description="the align.<method> that trains a map when the "
+                        "registry has none joining the two versions")
+    order: Literal["sigma", "random"] = "sigma"
+    chunk_size: PositiveInt = 1000
+    max_concurrency: PositiveInt = Field(default=2, description="chunks in flight at once")
+    task_runner: Literal["threads", "dask"] = "threads"
+    dask_address: str | None = Field(default=None, description="scheduler of an existing Dask cluster, "
+                                     "e.g. tcp://10.0.0.5:8786; null with dask = a temporary local cluster")
+    budget: Annotated[float, Field(gt=0, le=1)] | Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="stop the backfill after this fraction (0 < f <= 1.0) or count of items")
+    eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
+        default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
+    batch_size: PositiveInt = 512
+    seed: int = 0
+
+
+class GalleryConfig(Section):
+    """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
+
+    store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
+    part_size: PositiveInt = 1000
+    distance: Literal["l2", "cosine"] = "l2"
+    upgrade: UpgradeConfig = UpgradeConfig()
+
+
 class ExperimentConfig(Section):
     """Used only by `fastfill seeds`: the seeds a multi-seed run covers."""
 
@@ -151,6 +179,7 @@ class Params(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     mlflow: MlflowConfig = MlflowConfig()
     experiment: ExperimentConfig = ExperimentConfig()
+    gallery: GalleryConfig = GalleryConfig()
 
     @model_validator(mode="after")
     def _methods_known(self) -> Params:
@@ -166,6 +195,11 @@ class Params(Section):
                     f"evaluate.orders.{method} asks for the sigma order, but align.{method}"
                     ".uncertainty is false: the map has no uncertainty head"
                 )
+        if self.gallery.upgrade.method not in self.align:
+            raise ValueError(
+                f"gallery.upgrade.method names {self.gallery.upgrade.method!r}, which is not under align "
+                f"(known: {sorted(self.align)})"
+            )
         return self
 
     def with_seed(self, seed: int) -> Params:

@@ -205,3 +205,49 @@ def load_model(uri: str):
     import mlflow.pytorch
 
     return mlflow.pytorch.load_model(uri, map_location="cpu")
+
+
+class RegistryError(ValueError):
+    """A model reference that the registry can't resolve; the message lists what exists."""
+
+
+def resolve_model(client, uri: str):
+    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> ModelRef (name, concrete version)."""
+    from mlflow.exceptions import MlflowException
+
+    from components.gallery.catalog import ModelRef
+
+    if not uri.startswith("models:/") or uri.count("/") < 1:
+        raise RegistryError(f"{uri!r} is not a model reference; use models:/NAME@ALIAS or models:/NAME/VERSION")
+    rest = uri[len("models:/"):]
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = rest.partition("/")
+            version = client.get_model_version(name, number)
+    except MlflowException as error:
+        try:
+            known = client.get_registered_model(rest.split("@")[0].split("/")[0])
+            aliases = ", ".join(f"{a} -> v{v}" for a, v in sorted(known.aliases.items())) or "none"
+            hint = f"{known.name} has aliases: {aliases}"
+        except MlflowException:
+            names = sorted(m.name for m in client.search_registered_models())
+            hint = f"registered models: {', '.join(names) or 'none'}"
+        raise RegistryError(f"unknown model {uri!r} ({error.error_code}); {hint}") from None
+    return ModelRef(version.name, str(version.version))
+
+
+def find_alignment(client, name: str, old_version: str, new_version: str) -> list:
+    """Versions of the alignment model ``name`` tagged as joining the two embedder versions,
+    newest first; FastFill (uncertainty) maps before others."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{name}'")
+    except MlflowException:
+        return []
+    joins = [v for v in versions if v.tags.get("from_version") == str(old_version)
+             and v.tags.get("to_version") == str(new_version)]
+    return sorted(joins, key=lambda v: (v.tags.get("method") == "fastfill", int(v.version)), reverse=True)

@@ -220,6 +220,35 @@ def backfill_curve(
     return _curve_from_totals(curve_alphas(num_intermediate), totals, labels)
 
 
+def curve_at_counts(
+    query: np.ndarray,
+    gallery_new: np.ndarray,
+    gallery_old: np.ndarray,
+    labels: np.ndarray,
+    order: np.ndarray | None,
+    counts: list[int],
+    *,
+    distance: str = "l2",
+    block_size: int = 1024,
+    workers: int = 2,
+) -> BackfillCurve:
+    """Like :func:`backfill_curve`, at given numbers of backfilled items (the first
+    ``counts[p]`` items of ``order`` new) instead of evenly spaced points: what a real backfill
+    measures as its chunks land. ``alphas`` are ``counts / n``."""
+    distance = _check_distance(distance)
+    query = _as_features(query, "query")
+    n, dim = query.shape
+    gallery_new = _as_features(gallery_new, "gallery_new", (n, dim))
+    gallery_old = _as_features(gallery_old, "gallery_old", (n, dim))
+    labels = _check_labels(labels, n)
+    order = _check_order(order, n)
+    counts = [int(c) for c in counts]
+    if not counts or any(c < 0 or c > n for c in counts):
+        raise ValueError(f"counts must be a non-empty list of integers in [0, {n}], got {counts!r}")
+    totals = _evaluate(query, gallery_new, gallery_old, labels, order, distance, counts, block_size, workers)
+    return _curve_from_totals(np.asarray(counts, dtype=np.float64) / n, totals, labels)
+
+
 def retrieval_metrics(
     query: np.ndarray, gallery: np.ndarray, labels: np.ndarray, *, distance: str = "l2"
 ) -> dict:

@@ -1,0 +1,272 @@
+"""The gallery's layout in a store, and reading/writing it.
+
+Under one prefix::
+
+    gallery.json                            manifest: items, parts, image shape, the gallery's model
+    items/part-NNNNN.parquet                item id, image key, optional label and group
+    images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds
+    features/<name>-v<version>/part-NNNNN.npy   features of one model version, written once
+    upgrades/lock.json                      held while an upgrade runs
+    upgrades/<upgrade-id>/...               see components.gallery.upgrade
+
+Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
+``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+
+from components.gallery.store import ObjectMissing, Store, StoreError
+
+MANIFEST = "gallery.json"
+FORMAT = 1
+
+
+class GalleryError(ValueError):
+    """Bad input for a gallery operation; the message says what is wrong and what to do."""
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """One registered model version."""
+
+    name: str
+    version: str
+    dim: int | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-v{self.version}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "version": self.version, "dim": self.dim, "uri": self.uri}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelRef:
+        return cls(data["name"], str(data["version"]), data.get("dim"))
+
+
+def part_key(kind: str, part: int, suffix: str = "npy") -> str:
+    return f"{kind}/part-{part:05d}.{suffix}"
+
+
+def features_key(model: ModelRef, part: int) -> str:
+    return f"features/{model.key}/part-{part:05d}.npy"
+
+
+def check_features(features: np.ndarray, dim: int | None, what: str) -> np.ndarray:
+    """2-D, finite, float32, of the model's dimension; else a GalleryError naming ``what``."""
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise GalleryError(f"{what}: expected a 2-D array (items, dimension), got shape {features.shape}")
+    if dim is not None and features.shape[1] != dim:
+        raise GalleryError(f"{what}: features have dimension {features.shape[1]}, but the model's is {dim}; "
+                           "compute them with the same model")
+    if not np.issubdtype(features.dtype, np.floating) and not np.issubdtype(features.dtype, np.integer):
+        raise GalleryError(f"{what}: features must be numbers, got dtype {features.dtype}")
+    features = features.astype(np.float32, copy=False)
+    bad = ~np.isfinite(features).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise GalleryError(f"{what}: {len(rows)} rows contain NaN or infinite values (first: row {rows[0]}); "
+                           "nothing was written")
+    return features
+
+
+class Gallery:
+    """A gallery in a store: its manifest, items, images and features."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._manifest: dict | None = None
+
+    # ---- manifest
+
+    def exists(self) -> bool:
+        return self.store.exists(MANIFEST)
+
+    def manifest(self, refresh: bool = False) -> dict:
+        if self._manifest is None or refresh:
+            try:
+                self._manifest = self.store.get_json(MANIFEST)
+            except ObjectMissing:
+                raise GalleryError(f"no gallery at {self.store.uri}: {MANIFEST} is missing; run "
+                                   "`fastfill gallery ingest --store ...` first") from None
+        return self._manifest
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.store.put_json(MANIFEST, manifest)
+        self._manifest = manifest
+
+    @property
+    def model(self) -> ModelRef:
+        return ModelRef.from_dict(self.manifest()["model"])
+
+    @property
+    def num_items(self) -> int:
+        return int(self.manifest()["num_items"])
+
+    @property
+    def part_size(self) -> int:
+        return int(self.manifest()["part_size"])
+
+    @property
+    def num_parts(self) -> int:
+        return int(self.manifest()["num_parts"])
+
+    def part_bounds(self, part: int) -> tuple[int, int]:
+        start = part * self.part_size
+        return start, min(start + self.part_size, self.num_items)
+
+    # ---- items
+
+    def items(self):
+        """The items table (pyarrow): id, image, label, group; in position order."""
+        import pyarrow as pa
+
+        return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))
+                                 for p in range(self.num_parts)])
+
+    def ids(self) -> np.ndarray:
+        return self.items().column("id").to_numpy().astype(np.int64)
+
+    def labels(self) -> np.ndarray | None:
+        if not self.manifest().get("has_labels"):
+            return None
+        return self.items().column("label").to_numpy().astype(np.int64)
+
+    # ---- arrays
+
+    def images(self, part: int) -> np.ndarray:
+        images = self.store.get_array(part_key("images", part))
+        expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
+        if images.shape != tuple(expected) or images.dtype != np.uint8:
+            raise StoreError(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
+                             f"{tuple(expected)}, found {images.dtype} {images.shape}")
+        return images
+
+    def features(self, model: ModelRef, part: int) -> np.ndarray:
+        key = features_key(model, part)
+        start, stop = self.part_bounds(part)
+        array = self.store.get_array(key)
+        if array.shape[0] != stop - start:
+            raise StoreError(f"{self.store.describe(key)}: {array.shape[0]} rows, the part has {stop - start} items")
+        return check_features(array, model.dim, self.store.describe(key))
+
+    def all_features(self, model: ModelRef) -> np.ndarray:
+        return np.concatenate([self.features(model, p) for p in range(self.num_parts)])
+
+
+class ImageCache:
+    """Image parts read recently, shared by the threads of one process: a backfill chunk in
+    sigma order touches many parts, and neighbouring chunks touch the same ones."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self._parts: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[tuple[str, int], threading.Lock] = {}
+
+    def get(self, gallery: Gallery, part: int) -> np.ndarray:
+        key = (gallery.store.uri, part)
+        with self._lock:
+            if key in self._parts:
+                self._parts.move_to_end(key)
+                return self._parts[key]
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:  # one reader per part; the others wait for it
+            with self._lock:
+                if key in self._parts:
+                    return self._parts[key]
+            images = gallery.images(part)
+            with self._lock:
+                self._parts[key] = images
+                self._loading.pop(key, None)
+                while sum(a.nbytes for a in self._parts.values()) > self.max_bytes and len(self._parts) > 1:
+                    self._parts.popitem(last=False)
+            return images
+
+
+IMAGE_CACHE = ImageCache()
+
+
+def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE) -> np.ndarray:
+    """The images of items at ``positions`` (any order), read part by part."""
+    shape = tuple(gallery.manifest()["image_shape"])
+    out = np.empty((len(positions), *shape), dtype=np.uint8)
+    parts = positions // gallery.part_size
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        images = cache.get(gallery, int(part))
+        out[rows] = images[positions[rows] - int(part) * gallery.part_size]
+    return out
+
+
+def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
+           labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
+           part_size: int = 1000, on_part=None) -> dict:
+    """Write a new gallery: items, images and the model's features, part by part; the manifest
+    last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
+    import pyarrow as pa
+
+    store.check()
+    if store.exists(MANIFEST):
+        raise GalleryError(f"{store.uri} already holds a gallery; ingest into a new prefix or folder")
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[:, None]
+    if images.ndim != 4 or images.dtype != np.uint8:
+        raise GalleryError(f"images must be uint8 of shape (N, C, H, W) or (N, H, W), got {images.dtype} {images.shape}")
+    n = len(images)
+    if n < 2:
+        raise GalleryError(f"a gallery needs at least 2 items, got {n}")
+    features = check_features(features, model.dim, "gallery features")
+    if len(features) != n:
+        raise GalleryError(f"{len(features)} feature rows for {n} images")
+    for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
+        if column is not None and len(column) != n:
+            raise GalleryError(f"{name}: {len(column)} values for {n} images")
+    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    if len(np.unique(ids)) != n:
+        raise GalleryError("item ids must be unique")
+    if part_size < 1:
+        raise GalleryError(f"part_size must be >= 1, got {part_size}")
+
+    num_parts = -(-n // part_size)
+    for part in range(num_parts):
+        start, stop = part * part_size, min((part + 1) * part_size, n)
+        columns = {
+            "id": pa.array(ids[start:stop]),
+            "image": pa.array([f"{part_key('images', part)}#{row}" for row in range(stop - start)]),
+            "label": (pa.array(np.asarray(labels[start:stop], dtype=np.int64)) if labels is not None
+                      else pa.nulls(stop - start, pa.int64())),
+            "group": (pa.array([str(g) for g in groups[start:stop]], type=pa.string()) if groups is not None
+                      else pa.nulls(stop - start, pa.string())),
+        }
+        store.put_array(part_key("images", part), images[start:stop])
+        store.put_array(features_key(model, part), features[start:stop])
+        store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))
+        if on_part is not None:
+            on_part(part + 1, num_parts)
+    manifest = {
+        "format": FORMAT, "created": now(), "num_items": n, "part_size": part_size, "num_parts": num_parts,
+        "image_shape": list(images.shape[1:]), "has_labels": labels is not None, "has_groups": groups is not None,
+        "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": "ingest"}],
+        "upgrade": None,
+    }
+    store.put_json(MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,49 @@
+"""Retrieval measured during a real backfill, with the protocol of the simulated evaluation.
+
+A sample S of the labeled items is both the queries (their new-model features, computed when
+the upgrade is planned) and the gallery searched (self excluded). When the chunks done form a
+prefix of the order, the first ``p`` items are backfilled; within S that is the S-items among
+them, and the metrics equal ``curve_at_counts`` on S with the order restricted to S: exactly
+the simulated curve of the same features at the same fractions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from components.evaluation import curve_at_counts
+
+
+def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The order of the sample's items (as indices into ``positions``) within the full order."""
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return np.argsort(rank[positions], kind="stable")
+
+
+class BackfillMeter:
+    def __init__(self, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray, transformed: np.ndarray,
+                 order: np.ndarray, distance: str = "l2"):
+        """``positions``: the sample S; ``labels``/``transformed``: of the whole gallery;
+        ``queries``: new-model features of S; ``order``: the full backfill order."""
+        self.positions, self.order, self.distance = positions, order, distance
+        self.labels = labels[positions]
+        self.queries = queries
+        self.old = transformed[positions]
+        self.new = self.old.copy()  # rows are replaced as their chunks land
+        self.local_order = restricted_order(order, positions)
+        self.slot = np.full(len(order), -1, dtype=np.int64)
+        self.slot[positions] = np.arange(len(positions))
+        in_sample = self.slot[order] >= 0
+        self.sample_prefix = np.concatenate([[0], np.cumsum(in_sample)])  # S-items among the first p
+
+    def land(self, start: int, stop: int, features: np.ndarray) -> None:
+        slots = self.slot[self.order[start:stop]]
+        keep = slots >= 0
+        self.new[slots[keep]] = features[keep]
+
+    def measure(self, backfilled: int) -> dict:
+        count = int(self.sample_prefix[backfilled])
+        curve = curve_at_counts(self.queries, self.new, self.old, self.labels, self.local_order, [count],
+                                distance=self.distance)
+        return {"top1": float(curve.top1[0]), "top5": float(curve.top5[0]), "map": float(curve.map[0])}

@@ -1,0 +1,299 @@
+"""Flows of the stored gallery: ingest, and the upgrade (plan, sigma-ordered chunked backfill,
+measurement, finish) with queries served from the mixed gallery throughout."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+from prefect import flow
+from prefect.futures import as_completed
+
+from components import registry
+from components.config import Params
+from components.gallery import upgrade as up
+from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_features, gather_images
+from components.gallery.measure import BackfillMeter
+from tasks._policy import log
+from tasks.gallery import (
+    backfill_chunk, embed_images, finish_upgrade, load_model, store_at, train_upgrade_map, transform_part,
+    write_gallery,
+)
+
+
+def _resolve(params: Params, uri: str) -> ModelRef:
+    client, _ = registry.setup(params.mlflow)
+    return registry.resolve_model(client, uri)
+
+
+def _load_array(path: Path | None, what: str) -> np.ndarray | None:
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise GalleryError(f"{what}: {path} does not exist")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise GalleryError(f"{what}: {path} is not a readable .npy array: {error}") from None
+
+
+@flow(name="gallery-ingest", log_prints=True)
+def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Path | None = None,
+                labels: Path | None = None, groups: Path | None = None, ids: Path | None = None,
+                features: Path | None = None) -> dict:
+    """Put images (default: the prepared test split) into the store with the features of the
+    ``model_uri`` model (default: the registry's champion), or with given features."""
+    store = store_at(store_uri)
+    store.check()
+    if store.exists("gallery.json"):
+        raise GalleryError(f"{store.uri} already holds a gallery; ingest into a new prefix or folder")
+    model_uri = model_uri or f"models:/{params.mlflow.registered_model}@champion"
+    ref = _resolve(params, model_uri)
+    if images is None:
+        from components.data import load_split
+        from components.layout import Layout
+
+        split = load_split(Layout(params.paths).splits, "test")
+        image_array, label_array = split.images, split.labels
+        log(f"ingesting the prepared test split: {len(image_array)} images")
+    else:
+        image_array, label_array = _load_array(images, "--images"), _load_array(labels, "--labels")
+    group_array, id_array = _load_array(groups, "--groups"), _load_array(ids, "--ids")
+    feature_array = _load_array(features, "--features")
+    if image_array.ndim == 3:
+        image_array = image_array[:, None]
+    model = load_model(params.mlflow, ref)
+    ref = ModelRef(ref.name, ref.version, model.embedding_dim)
+    if image_array.ndim != 4 or image_array.dtype != np.uint8 or image_array.shape[1] != model.in_channels:
+        raise GalleryError(f"images must be uint8 (N, {model.in_channels}, H, W) for {ref.uri}, got "
+                           f"{image_array.dtype} {image_array.shape}")
+    if feature_array is None:
+        log(f"embedding {len(image_array)} images with {ref.uri}")
+        feature_array = embed_images(model, image_array)
+    else:
+        feature_array = check_features(feature_array, ref.dim, f"--features {features}")
+    manifest = write_gallery(store_uri, image_array, feature_array, ref, label_array, group_array, id_array,
+                             params.gallery.part_size)
+    log(f"gallery at {store.uri}: {manifest['num_items']} items in {manifest['num_parts']} parts, model {ref.uri}")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _budget_items(budget: float | int | None, num_items: int) -> int:
+    if budget is None:
+        return num_items
+    if isinstance(budget, float):
+        return min(num_items, max(1, math.ceil(budget * num_items)))
+    return min(num_items, int(budget))
+
+
+def _open_run(params: Params, plan_fields: dict, store_uri: str) -> str:
+    client, experiment = registry.setup(params.mlflow)
+    run = client.create_run(experiment, run_name=f"upgrade {plan_fields['id']}", tags={
+        registry.STAGE_TAG: "upgrade", "store": store_uri, "from": plan_fields["old"], "to": plan_fields["new"],
+        "git_commit": registry.git_commit()})
+    registry.log_params(client, run.info.run_id, plan_fields)
+    return run.info.run_id
+
+
+def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
+          old_model, new_model) -> up.Plan:
+    """Map, transformed features and sigma, order, evaluation sample; plan.json last."""
+    config = params.gallery.upgrade
+    client, _ = registry.setup(params.mlflow)
+    fields = {"id": uid, "old": old.uri, "new": new.uri, "order": config.order, "chunk_size": config.chunk_size,
+              "max_concurrency": config.max_concurrency, "task_runner": config.task_runner,
+              "eval_queries": config.eval_queries}
+    run_id = _open_run(params, fields, store_uri)
+    found = registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
+    if config.order == "sigma":
+        found = [v for v in found if v.tags.get("method") != "fct"] or found
+    if found:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
+        alignment_map = registry.load_model(map_uri).eval()
+        log(f"alignment map from the registry: {map_uri} ({found[0].tags.get('method')})")
+    else:
+        alignment_map, map_uri = train_upgrade_map(params, old_model, new_model, old, new, run_id)
+    if config.order == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
+        raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
+                           "gallery.upgrade.order: random or register a FastFill map")
+    if alignment_map.old_dim != old.dim or alignment_map.new_dim != new.dim:
+        raise GalleryError(f"{map_uri} maps {alignment_map.old_dim} -> {alignment_map.new_dim} dimensions, but the "
+                           f"gallery's features are {old.dim}-d and {new.uri} makes {new.dim}-d ones")
+    futures = [transform_part.submit(store_uri, uid, alignment_map, p) for p in range(gallery.num_parts)]
+    for future in futures:
+        future.result()
+    order = up.make_order(gallery, uid, config.order, config.seed)
+    gallery.store.put_array(f"upgrades/{uid}/order.npy", order)
+    size = None if config.eval_queries == "all" else int(config.eval_queries)
+    positions = up.eval_sample(gallery.labels(), size, config.seed)
+    if len(positions) >= 2:
+        queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size)
+        gallery.store.put_array(f"upgrades/{uid}/eval/positions.npy", positions)
+        gallery.store.put_array(f"upgrades/{uid}/eval/queries.npy", queries)
+    plan = up.Plan(uid, old, new, map_uri, config.order, config.chunk_size, gallery.num_items,
+                   len(positions) if len(positions) >= 2 else 0, params.gallery.distance, run_id)
+    up.write_plan(gallery.store, plan)
+    manifest = dict(gallery.manifest(refresh=True))
+    manifest["upgrade"] = uid
+    gallery.write_manifest(manifest)
+    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
+        f"{new.uri} against the mixed gallery")
+    return plan
+
+
+def _meter(gallery: Gallery, plan: up.Plan, done: list[int]) -> BackfillMeter | None:
+    if plan.eval_queries < 2:
+        return None
+    store = gallery.store
+    order = up.order_of(store, plan.id)
+    meter = BackfillMeter(store.get_array(f"upgrades/{plan.id}/eval/positions.npy"), gallery.labels(),
+                          store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), up.transformed_all(gallery, plan.id),
+                          order, plan.distance)
+    for chunk in done:
+        meter.land(*plan.chunk_bounds(chunk), up.chunk_features(store, plan.id, chunk))
+    return meter
+
+
+def _prefix(done: set[int], num_chunks: int) -> int:
+    count = 0
+    while count < num_chunks and count in done:
+        count += 1
+    return count
+
+
+class _Tracker:
+    """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
+    prefix of the order) and to a Prefect progress artifact."""
+
+    def __init__(self, params: Params, plan: up.Plan, meter: BackfillMeter | None):
+        from prefect.artifacts import create_progress_artifact
+
+        self.client, _ = registry.setup(params.mlflow)
+        self.plan, self.meter = plan, meter
+        self.run_id = plan.mlflow_run_id
+        self.client.update_run(self.run_id, status="RUNNING")
+        history = self.client.get_metric_history(self.run_id, "top1")
+        self.measured = {int(m.step) for m in history}
+        key = "backfill-" + "".join(c if c.isalnum() else "-" for c in plan.id.lower())
+        self.artifact = create_progress_artifact(0.0, key=key[:100], description=f"backfill of {plan.id}")
+
+    def chunk_done(self, done: set[int], items_done: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        fraction = items_done / self.plan.num_items
+        update_progress_artifact(self.artifact, 100.0 * fraction)
+        registry.log_metrics(self.client, self.run_id, {"backfill_fraction": fraction, "items_backfilled": items_done},
+                             step=len(done))
+        self.measure(done)
+
+    def measure(self, done: set[int]) -> None:
+        if self.meter is None:
+            return
+        prefix = _prefix(done, self.plan.num_chunks)
+        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
+        if items in self.measured:
+            return
+        metrics = self.meter.measure(items)
+        registry.log_metrics(self.client, self.run_id, metrics, step=items)
+        self.measured.add(items)
+        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {metrics['top1']:.4f}, mAP {metrics['map']:.4f}")
+
+    def close(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, new_model, budget) -> dict:
+    config = params.gallery.upgrade
+    done = set(up.done_chunks(gallery.store, plan.id))
+    items_done = sum(plan.chunk_bounds(c)[1] - plan.chunk_bounds(c)[0] for c in done)
+    limit = _budget_items(budget, plan.num_items)
+    pending = [c for c in range(plan.num_chunks) if c not in done]
+    log(f"backfill of {plan.id}: {len(done)}/{plan.num_chunks} chunks already done; {len(pending)} to go"
+        + (f", budget {limit} items" if limit < plan.num_items else ""))
+    tracker = _Tracker(params, plan, _meter(gallery, plan, sorted(done)))
+    tracker.measure(done)
+    in_flight: dict = {}
+    submitted_items = items_done
+    failure: BaseException | None = None
+    ok = False
+    try:
+        while pending or in_flight:
+            while pending and failure is None and len(in_flight) < config.max_concurrency and submitted_items < limit:
+                chunk = pending.pop(0)
+                in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
+                submitted_items += plan.chunk_bounds(chunk)[1] - plan.chunk_bounds(chunk)[0]
+            if not in_flight:
+                break
+            future = next(as_completed(list(in_flight)))
+            chunk = in_flight.pop(future)
+            try:
+                record = future.result()
+            except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
+                failure = failure or error
+                continue
+            done.add(chunk)
+            items_done += record["count"]
+            if tracker.meter is not None:
+                tracker.meter.land(record["start"], record["stop"], up.chunk_features(gallery.store, plan.id, chunk))
+            tracker.chunk_done(done, items_done)
+        if failure is not None:
+            raise failure
+        ok = True
+    finally:
+        tracker.close(ok)
+    complete = len(done) == plan.num_chunks
+    return {"upgrade": plan.id, "chunks_done": len(done), "chunks": plan.num_chunks, "items_done": items_done,
+            "items": plan.num_items,
+            "fraction": items_done / plan.num_items, "complete": complete}
+
+
+@flow(name="gallery-upgrade", log_prints=True)
+def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
+                 break_lock: bool = False) -> dict:
+    """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
+    chunks in sigma order, measure along the way, switch the gallery when complete. Re-run the
+    same command to resume a stopped or killed upgrade."""
+    store = store_at(store_uri)
+    store.check()
+    gallery = Gallery(store)
+    manifest = gallery.manifest(refresh=True)
+    old = gallery.model
+    new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@challenger")
+    current = manifest.get("upgrade")
+    if current:
+        plan = up.load_plan(store, current)
+        if plan is not None and (plan.new.name, plan.new.version) != (new.name, new.version):
+            raise GalleryError(f"{store.uri} is in the middle of upgrade {current} to {plan.new.uri}; resume it with "
+                               f"--to {plan.new.uri} before starting another")
+    if (new.name, new.version) == (old.name, old.version):
+        raise GalleryError(f"the gallery at {store.uri} is already built with {new.uri}; nothing to upgrade")
+    new_model = load_model(params.mlflow, new)
+    new = ModelRef(new.name, new.version, new_model.embedding_dim)
+    uid = up.upgrade_id(old, new)
+    lock = up.acquire_lock(store, uid, break_lock=break_lock, log=log)
+    try:
+        plan = up.load_plan(store, uid)
+        if plan is None:
+            old_model = load_model(params.mlflow, old)
+            plan = _plan(params, gallery, store_uri, uid, old, new, old_model, new_model)
+        else:
+            log(f"resuming upgrade {uid}")
+            if gallery.manifest(refresh=True).get("upgrade") != uid:  # killed between plan and switch
+                gallery.write_manifest({**gallery.manifest(), "upgrade": uid})
+        result = _backfill(params, gallery, store_uri, plan, new_model,
+                           budget if budget is not None else params.gallery.upgrade.budget)
+        if result["complete"]:
+            finish_upgrade(store_uri, plan)
+            log(f"upgrade {uid} complete: the gallery's model is now {new.uri}")
+        else:
+            log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
+        result["state"] = "complete" if result["complete"] else "paused"
+        result["mlflow_run_id"] = plan.mlflow_run_id
+        return result
+    finally:
+        lock.release()

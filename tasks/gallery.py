@@ -1,0 +1,94 @@
+"""Tasks of the gallery flows: ingest, plan, chunk backfill, measurement, finish."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from prefect import task
+
+from components import registry
+from components.config import AlignConfig, MlflowConfig, Params
+from components.gallery import catalog, upgrade
+from components.gallery.catalog import Gallery, GalleryError, ModelRef
+from components.gallery.store import Store, open_store
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+
+
+@functools.lru_cache(maxsize=16)
+def store_at(uri: str) -> Store:
+    """One store object per URI and process (Dask workers open their own)."""
+    return open_store(uri)
+
+
+@task(name="load-model", **IO_RETRIES, **NO_CACHING)
+def load_model(config: MlflowConfig, ref: ModelRef):
+    registry.setup(config)
+    model = registry.load_model(ref.uri)
+    return model.eval()
+
+
+@task(name="embed-images", tags=GPU_TAGS, **NO_CACHING)
+def embed_images(model, images: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    from components.training import embed
+
+    return embed(model, images, batch_size=batch_size)
+
+
+@task(name="write-gallery", **NO_CACHING)
+def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int) -> dict:
+    def on_part(done: int, total: int) -> None:
+        log(f"ingest: part {done}/{total} written")
+
+    return catalog.ingest(store_at(store_uri), images, features, model, labels=labels, groups=groups, ids=ids,
+                          part_size=part_size, on_part=on_part)
+
+
+@task(name="train-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
+def train_upgrade_map(params: Params, old_model, new_model, old: ModelRef, new: ModelRef, run_id: str) -> tuple:
+    """No registered map joins the two versions: train one on the prepared new-train split and
+    register it."""
+    from components.data import load_split
+    from components.layout import Layout
+    from components.training import embed, pick_device, train_alignment
+
+    method = params.gallery.upgrade.method
+    config: AlignConfig = params.align[method]
+    layout = Layout(params.paths)
+    try:
+        split = load_split(layout.splits, "new_train")
+    except FileNotFoundError:
+        raise GalleryError(
+            f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
+            f"{layout.splits} to train one; run `fastfill stage prepare` (or `fastfill run`), or register a map "
+            f"tagged from_version={old.version}, to_version={new.version}") from None
+    import torch
+
+    rows = new_model.class_index(torch.from_numpy(split.labels)).numpy()
+    keep = rows >= 0
+    log(f"training a {method} map {old.key} -> {new.key} on {int(keep.sum())} images of the new-train split")
+    old_features, new_features = embed(old_model, split.images[keep]), embed(new_model, split.images[keep])
+    h, history = train_alignment(config, old_features, new_features, rows[keep], new_model.classifier,
+                                 device=pick_device(), log=log)
+    client, _ = registry.setup(params.mlflow)
+    tags = {"method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
+            "registered_model": old.name}
+    version = registry.register_alignment(client, run_id, h, np.zeros((2, h.old_dim), dtype=np.float32),
+                                          params.mlflow.alignment_model, tags)
+    return h.eval(), f"models:/{params.mlflow.alignment_model}/{version}"
+
+
+@task(name="transform-part", **IO_RETRIES, **NO_CACHING)
+def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int) -> int:
+    return upgrade.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part)
+
+
+@task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
+def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int) -> dict:
+    """Read the chunk's images, embed them with the new model, write features, then the marker."""
+    return upgrade.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size)
+
+
+@task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
+def finish_upgrade(store_uri: str, plan: upgrade.Plan) -> dict:
+    return upgrade.finish(Gallery(store_at(store_uri)), plan)
