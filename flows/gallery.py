@@ -128,19 +128,14 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     for future in futures:
         future.result()
     order = up.make_order(gallery, uid, config.order, config.seed)
-    gallery.store.put_array(f"upgrades/{uid}/order.npy", order)
     size = None if config.eval_queries == "all" else int(config.eval_queries)
     positions = up.eval_sample(gallery.labels(), size, config.seed)
+    queries = None
     if len(positions) >= 2:
         queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size)
-        gallery.store.put_array(f"upgrades/{uid}/eval/positions.npy", positions)
-        gallery.store.put_array(f"upgrades/{uid}/eval/queries.npy", queries)
     plan = up.Plan(uid, old, new, map_uri, config.order, config.chunk_size, gallery.num_items,
                    len(positions) if len(positions) >= 2 else 0, params.gallery.distance, run_id)
-    up.write_plan(gallery.store, plan)
-    manifest = dict(gallery.manifest(refresh=True))
-    manifest["upgrade"] = uid
-    gallery.write_manifest(manifest)
+    up.commit_plan(gallery, plan, order, positions, queries)
     log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
         f"{new.uri} against the mixed gallery")
     return plan

@@ -23,7 +23,7 @@ class GallerySearch:
         if distance not in ("l2", "cosine"):
             raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
         self.gallery, self.distance = gallery, distance
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # refresh() may rebuild, and a rebuild refreshes
         self._build()
 
     # ---- state

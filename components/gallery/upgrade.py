@@ -149,6 +149,22 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarr
     return sigma_order(sigma)
 
 
+def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions: np.ndarray | None = None,
+                eval_queries: np.ndarray | None = None) -> None:
+    """Write the order (and evaluation sample), then plan.json, then point the gallery at the
+    upgrade: from here on queries use the new model against the mixed gallery. Needs the
+    transformed parts written first."""
+    store = gallery.store
+    if sorted(order.tolist()) != list(range(plan.num_items)):
+        raise GalleryError(f"the order of {plan.id} is not a permutation of the {plan.num_items} items")
+    store.put_array(f"upgrades/{plan.id}/order.npy", order.astype(np.int64))
+    if eval_positions is not None and len(eval_positions) >= 2:
+        store.put_array(f"upgrades/{plan.id}/eval/positions.npy", eval_positions)
+        store.put_array(f"upgrades/{plan.id}/eval/queries.npy", eval_queries)
+    write_plan(store, plan)
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
+
+
 def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.ndarray:
     """Positions of the labeled items that serve as queries (and their own gallery) while the
     backfill is measured; ``size`` None = all of them, 0 = none."""
