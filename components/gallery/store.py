@@ -18,7 +18,6 @@ import io
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -238,7 +237,11 @@ class S3Store(Store):
         self.endpoint = endpoint_url or "AWS"
         config = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60,
                         max_pool_connections=32)
-        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+        session = boto3.session.Session()
+        self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        # reachability is asked once, up front: fail fast instead of retrying with backoff
+        self._probe = session.client("s3", endpoint_url=endpoint_url, config=config.merge(
+            Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10)))
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -272,7 +275,7 @@ class S3Store(Store):
             raise StoreUnreachable(f"{self.uri} at {self.endpoint}: {type(error).__name__}: {error}") from None
 
     def check(self) -> None:
-        self._call("reaching", None, self.client.head_bucket, Bucket=self.bucket)
+        self._call("reaching", None, self._probe.head_bucket, Bucket=self.bucket)
 
     def _put(self, key: str, data: bytes, digest: str, *, create_only: bool) -> None:
         extra = {"IfNoneMatch": "*"} if create_only else {}
@@ -319,7 +322,3 @@ def open_store(uri: str | Path) -> Store:
         raise StoreError(f"{text!r}: unsupported store URI; use a local folder or s3://bucket/prefix")
     return LocalStore(Path(text.removeprefix("file://")))
 
-
-def iter_chunks(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start: start + size]

@@ -24,6 +24,29 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
+    """One tiny pipeline run (its own working directory and MLflow store) shared by the tests:
+    returns (params, metrics, workdir)."""
+    from components.config import parse_params
+    from flows.pipeline import pipeline_flow
+
+    workdir = tmp_path_factory.mktemp("pipeline")
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'store' / 'mlflow.db'}"
+    (workdir / "store").mkdir()
+    params = parse_params(data)
+    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.chdir(workdir)
+    try:
+        metrics = pipeline_flow(params)
+    finally:
+        os.chdir(previous)
+        if saved_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+    return params, metrics, workdir
+
+
 @pytest.fixture
 def tiny_workdir(tmp_path, monkeypatch, image_folder) -> Path:
     """The working directory of a CLI call: a tiny params.yaml, a private MLflow store, no

@@ -13,27 +13,9 @@ ROWS = ("old_old", "new_new", "fct", "fastfill")
 POINT_KEYS = {f"{m}_{p}" for m in ("top1", "top5", "map") for p in ("0", "100", "auc")}
 
 
-@pytest.fixture(scope="module")
-def finished_pipeline(tmp_path_factory, image_folder, prefect_harness):
-    """One tiny pipeline run shared by the tests of this module (in its own working directory)."""
-    import os
-
-    from flows.pipeline import pipeline_flow
-
-    workdir = tmp_path_factory.mktemp("pipeline")
-    data = tiny_params(image_folder)
-    data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'store' / 'mlflow.db'}"
-    (workdir / "store").mkdir()
-    params = parse_params(data)
-    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.chdir(workdir)
-    try:
-        metrics = pipeline_flow(params)
-    finally:
-        os.chdir(previous)
-        if saved_uri is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
-    return params, metrics, workdir
+@pytest.fixture
+def finished_pipeline(tiny_pipeline):
+    return tiny_pipeline
 
 
 def test_pipeline_writes_reports_and_registers_models(finished_pipeline):

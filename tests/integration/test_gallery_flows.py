@@ -1,0 +1,276 @@
+"""The gallery flows for real: the tiny pipeline's registry (champion, challenger, maps), a
+local folder and a real S3 HTTP endpoint, Prefect runs, a Dask cluster, the CLI in
+subprocesses killed with SIGKILL and resumed."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from components.config import parse_params
+from components.gallery import upgrade as up
+from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.search import GallerySearch
+from components.gallery.store import StoreUnreachable, open_store
+from components.registry import RegistryError
+from tests.synthetic import tiny_params
+
+
+@pytest.fixture
+def upgrade_env(tiny_pipeline, image_folder, tmp_path, monkeypatch):
+    """params (and params.yaml in tmp_path) over a private copy of the pipeline's MLflow store and
+    its prepared data; small chunks so the backfill has many."""
+    _, _, pipeline_dir = tiny_pipeline
+    shutil.copy(pipeline_dir / "store" / "mlflow.db", tmp_path / "mlflow.db")
+    data = tiny_params(image_folder)
+    data["paths"] = {"data": str(pipeline_dir / "data"), "artifacts": str(tmp_path / "artifacts"),
+                     "reports": str(tmp_path / "reports")}
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    data["gallery"] = {"store": str(tmp_path / "gallery"), "part_size": 20,
+                       "upgrade": {"chunk_size": 8, "eval_queries": "all", "max_concurrency": 2}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return parse_params(data), tmp_path
+
+
+def _registry(params):
+    from components import registry
+
+    client, _ = registry.setup(params.mlflow)
+    name = params.mlflow.registered_model
+    old = client.get_model_version_by_alias(name, "champion")
+    new = client.get_model_version_by_alias(name, "challenger")
+    return (client, registry.load_model(f"models:/{name}/{old.version}"),
+            registry.load_model(f"models:/{name}/{new.version}"), str(old.version), str(new.version))
+
+
+def _test_images(params):
+    from components.data import load_split
+    from components.layout import Layout
+
+    return load_split(Layout(params.paths).splits, "test")
+
+
+def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from components.evaluation import curve_at_counts
+    from components.gallery.measure import restricted_order
+    from components.training import embed
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, _ = upgrade_env
+    client, old_model, new_model, old_version, new_version = _registry(params)
+    split = _test_images(params)
+    n = len(split.labels)
+
+    manifest = ingest_flow(params, store_uri)
+    assert manifest["num_items"] == n and manifest["model"]["version"] == old_version
+
+    paused = upgrade_flow(params, store_uri, budget=0.4)
+    assert paused["state"] == "paused"
+    assert 0.4 * n <= paused["items_done"] < 0.4 * n + 2 * 8
+    gallery = Gallery(open_store(store_uri))
+    state = up.status(gallery)
+    assert state["state"] == "paused" and state["lock"] is None
+    assert state["upgrade"]["items_done"] == paused["items_done"]
+
+    # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
+    searcher = GallerySearch(gallery)
+    assert searcher.query_model.version == new_version and searcher.backfilled == paused["items_done"]
+    plan = up.load_plan(gallery.store, state["upgrade"]["id"])
+    mixed, backfilled = up.mixed_features(gallery, plan)
+    assert backfilled.sum() == paused["items_done"]
+    queries = embed(new_model, split.images[:5])
+    ids, _ = searcher.search(queries, k=3)
+    distances = ((queries[:, None] - mixed[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(ids, gallery.ids()[np.argsort(distances, axis=1, kind="stable")[:, :3]])
+
+    done = upgrade_flow(params, store_uri)  # the same command resumes and completes
+    assert done["state"] == "complete" and done["items_done"] == n
+    assert gallery.manifest(refresh=True)["model"]["version"] == new_version
+    assert searcher.refresh() > 0 and searcher.rebuilds == 0  # updated in place, never rebuilt
+    final = gallery.all_features(plan.new)
+    np.testing.assert_allclose(final, embed(new_model, split.images), rtol=1e-5, atol=1e-5)
+
+    # measured along the way == the simulated curve of the same features, at the same counts
+    history = {name: {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, name)}
+               for name in ("top1", "top5", "map")}
+    steps = sorted(history["top1"])
+    assert steps[0] == 0 and steps[-1] == n and len(steps) >= 3
+    positions = gallery.store.get_array(f"upgrades/{plan.id}/eval/positions.npy")
+    order = up.order_of(gallery.store, plan.id)
+    transformed = up.transformed_all(gallery, plan.id)
+    labels = split.labels[positions]
+    counts = [int(np.isin(order[:s], positions).sum()) for s in steps]
+    curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
+                            transformed[positions], labels, restricted_order(order, positions), counts)
+    for i, step in enumerate(steps):
+        assert history["top1"][step] == pytest.approx(curve.top1[i], abs=1e-6)
+        assert history["top5"][step] == pytest.approx(curve.top5[i], abs=1e-6)
+        assert history["map"][step] == pytest.approx(curve.map[i], abs=1e-6)
+    fraction = client.get_metric_history(plan.mlflow_run_id, "backfill_fraction")
+    assert max(m.value for m in fraction) == 1.0
+    assert client.get_run(plan.mlflow_run_id).info.status == "FINISHED"
+    with get_client(sync_client=True) as prefect:
+        key = "backfill-" + plan.id.lower()
+        found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found and found[0].type == "progress" and float(found[0].data) == 100.0
+
+
+def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, prefect_harness):
+    from distributed import LocalCluster
+    from prefect_dask import DaskTaskRunner
+
+    from conftest import new_bucket
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, _ = upgrade_env
+    uri = f"s3://{new_bucket(s3_endpoint)}/dask"
+    ingest_flow(params, uri)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        flow = upgrade_flow.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
+        result = flow(params, uri)
+        worker_pids = {info["pid"] for info in cluster.scheduler_info["workers"].values()} \
+            if "pid" in next(iter(cluster.scheduler_info["workers"].values())) else None
+    assert result["state"] == "complete"
+    store = open_store(uri)
+    plan = up.load_plan(store, result["upgrade"])
+    pids = {store.get_json(up.marker_key(plan.id, c))["pid"] for c in range(plan.num_chunks)}
+    assert os.getpid() not in pids and len(pids) == 2, pids  # the chunks ran in both workers
+    if worker_pids is not None:
+        assert pids == worker_pids
+
+
+def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch):
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    _, _, _, old_version, new_version = _registry(params)
+    ingest_flow(params, uri)
+    store = open_store(uri)
+
+    def snapshot():
+        return {key: store.get(key) for key in store.list("")}
+
+    before = snapshot()
+    with pytest.raises(RegistryError, match="unknown model 'models:/embedder@nope'.*champion -> v"):
+        upgrade_flow(params, uri, "models:/embedder@nope")
+    with pytest.raises(RegistryError, match="unknown model"):
+        upgrade_flow(params, uri, "models:/embedder/999")
+    with pytest.raises(GalleryError, match=f"already built with models:/embedder/{old_version}"):
+        upgrade_flow(params, uri, f"models:/embedder/{old_version}")
+    with pytest.raises(GalleryError, match="already holds a gallery"):
+        ingest_flow(params, uri)
+    assert snapshot() == before
+
+    upgrade_flow(params, uri, budget=8)
+    with pytest.raises(GalleryError, match=f"in the middle of upgrade .* to models:/embedder/{new_version}"):
+        upgrade_flow(params, uri, f"models:/embedder/{old_version}")
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    with pytest.raises(StoreUnreachable, match="cannot connect"):
+        upgrade_flow(params, "s3://unreachable-bucket/g")
+
+    bad = np.full((len(_test_images(params).labels), 16), np.nan, np.float32)
+    np.save(tmp_path / "nan.npy", bad)
+    with pytest.raises(GalleryError, match="NaN or infinite"):
+        ingest_flow(params, str(tmp_path / "g2"), features=tmp_path / "nan.npy")
+    np.save(tmp_path / "wide.npy", np.zeros((len(bad), 7), np.float32))
+    with pytest.raises(GalleryError, match="dimension 7, but the model's is 16"):
+        ingest_flow(params, str(tmp_path / "g2"), features=tmp_path / "wide.npy")
+    assert not (tmp_path / "g2").exists() or not any((tmp_path / "g2").iterdir())
+
+
+def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from flows.gallery import ingest_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    held = up.acquire_lock(open_store(uri), "another-upgrade", log=lambda m: None)  # this live process holds it
+    runner = CliRunner()
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+    result = runner.invoke(app, ["upgrade", *args])
+    assert result.exit_code == 1
+    assert "is being upgraded: upgrade another-upgrade by process" in result.output
+    assert "fastfill upgrade unlock" in result.output
+    assert up.status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
+    result = runner.invoke(app, ["upgrade", "unlock", *args])
+    assert result.exit_code == 0 and "removed the lock of upgrade another-upgrade" in result.output
+    result = runner.invoke(app, ["upgrade", *args, "--budget", "25%", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "paused:" in result.output
+    status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
+    assert status["state"] == "paused" and status["upgrade"]["fraction"] >= 0.25
+    del held
+
+
+# ---- SIGKILL ------------------------------------------------------------------------------------
+
+
+def _cli(tmp_path: Path, *args: str, env: dict) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args, "--params", str(tmp_path / "params.yaml")]
+
+
+def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_env, cli_env, prefect_harness):
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    ingest_flow(params, store_uri)
+    reference_uri = str(tmp_path / "reference")
+    ingest_flow(params, reference_uri)
+    store = open_store(store_uri)
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "2",
+               "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
+    process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    upgrade_id = None
+    while time.monotonic() < deadline and process.poll() is None:
+        manifest = store.get_json("gallery.json") if store.exists("gallery.json") else {}
+        upgrade_id = manifest.get("upgrade")
+        if upgrade_id and len(up.done_chunks(store, upgrade_id)) >= 3:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    output = process.communicate(timeout=60)[0].decode()
+    assert process.returncode == -signal.SIGKILL, f"the backfill ended before it could be killed:\n{output[-3000:]}"
+    plan = up.load_plan(store, upgrade_id)
+    before = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
+    assert 3 <= len(before) < plan.num_chunks
+    assert store.exists(up.LOCK)  # left behind by the killed process
+
+    resumed = subprocess.run(command, cwd=root, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "that process is gone" in resumed.stdout + resumed.stderr
+    assert "complete:" in resumed.stdout
+    # finished chunks were not redone; every chunk has one marker; every item has its features
+    after = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
+    assert sorted(after) == list(range(plan.num_chunks))
+    assert all(after[c]["token"] == before[c]["token"] for c in before)
+    assert sum(m["count"] for m in after.values()) == plan.num_items
+    order = up.order_of(store, upgrade_id)
+    assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in after.values()])) == list(range(plan.num_items))
+    gallery = Gallery(store)
+    assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(up.LOCK)
+
+    # the same features as an uninterrupted run with the same chunking
+    changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 2, "max_concurrency": 1})})})
+    upgrade_flow(changed, reference_uri)
+    reference = Gallery(open_store(reference_uri))
+    np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
