@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -82,7 +83,14 @@ class Store(ABC):
         return digest
 
     def get(self, key: str) -> bytes:
-        data, recorded = self._get(key)
+        # A local object and its checksum file are replaced one after the other, so a reader can
+        # meet one new and one old while a mutable object (gallery.json) is rewritten: a
+        # mismatch is read again a few times before it counts as corruption.
+        for attempt in range(4):
+            data, recorded = self._get(key)
+            if recorded is not None and sha256(data) == recorded:
+                return data
+            time.sleep(0.05 * (attempt + 1))
         if recorded is None:
             raise ChecksumMismatch(f"{self.describe(key)} has no recorded checksum; it was not written by "
                                    "this store. Remove it, or re-run the command that writes it")

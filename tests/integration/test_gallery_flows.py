@@ -131,7 +131,7 @@ def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, pre
     from distributed import LocalCluster
     from prefect_dask import DaskTaskRunner
 
-    from conftest import new_bucket
+    from tests.conftest import new_bucket
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, _ = upgrade_env
@@ -222,10 +222,6 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 # ---- SIGKILL ------------------------------------------------------------------------------------
 
 
-def _cli(tmp_path: Path, *args: str, env: dict) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args, "--params", str(tmp_path / "params.yaml")]
-
-
 def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_env, cli_env, prefect_harness):
     from flows.gallery import ingest_flow, upgrade_flow
 
@@ -235,19 +231,24 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     ingest_flow(params, reference_uri)
     store = open_store(store_uri)
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "2",
+    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
-    process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = open(tmp_path / "killed.log", "wb")
+    # its own process group: the kill takes the CLI and its children (Prefect's ephemeral server)
+    process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
     deadline = time.monotonic() + 240
     upgrade_id = None
     while time.monotonic() < deadline and process.poll() is None:
         manifest = store.get_json("gallery.json") if store.exists("gallery.json") else {}
         upgrade_id = manifest.get("upgrade")
         if upgrade_id and len(up.done_chunks(store, upgrade_id)) >= 3:
-            process.send_signal(signal.SIGKILL)
+            os.killpg(process.pid, signal.SIGKILL)
             break
         time.sleep(0.02)
-    output = process.communicate(timeout=60)[0].decode()
+    process.wait(timeout=60)
+    log.close()
+    output = (tmp_path / "killed.log").read_text()
     assert process.returncode == -signal.SIGKILL, f"the backfill ended before it could be killed:\n{output[-3000:]}"
     plan = up.load_plan(store, upgrade_id)
     before = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
@@ -270,7 +271,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
 
     # the same features as an uninterrupted run with the same chunking
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
-        "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 2, "max_concurrency": 1})})})
+        "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
     upgrade_flow(changed, reference_uri)
     reference = Gallery(open_store(reference_uri))
     np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
