@@ -216,14 +216,17 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
     submitted_items = items_done
     failure: BaseException | None = None
     ok = False
+
+    def refill() -> None:
+        nonlocal submitted_items
+        while pending and failure is None and len(in_flight) < config.max_concurrency and submitted_items < limit:
+            chunk = pending.pop(0)
+            in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
+            submitted_items += plan.chunk_bounds(chunk)[1] - plan.chunk_bounds(chunk)[0]
+
     try:
-        while pending or in_flight:
-            while pending and failure is None and len(in_flight) < config.max_concurrency and submitted_items < limit:
-                chunk = pending.pop(0)
-                in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
-                submitted_items += plan.chunk_bounds(chunk)[1] - plan.chunk_bounds(chunk)[0]
-            if not in_flight:
-                break
+        refill()
+        while in_flight:
             future = next(as_completed(list(in_flight)))
             chunk = in_flight.pop(future)
             try:
@@ -231,6 +234,7 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
             except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
                 failure = failure or error
                 continue
+            refill()  # the next chunk starts before this one's bookkeeping
             done.add(chunk)
             items_done += record["count"]
             if tracker.meter is not None:

@@ -1,0 +1,174 @@
+"""Backfill throughput through the whole path against bare embedding, side by side.
+
+Bare: ``embed(model, images)`` on all items in one process (the floor a backfill can't beat).
+Pipeline: the upgrade flow's backfill phase on a stored gallery: Prefect tasks per chunk with
+bounded concurrency, each reading its images from the store, embedding them with the same
+model, writing the features and then its completion marker, with the flow logging progress
+to MLflow and a Prefect artifact. Both run on the same items with the same model; repetitions
+alternate, and the median of each is reported with their ratio.
+
+    .venv/bin/python benchmarks/backfill_throughput.py                 # local folder store
+    .venv/bin/python benchmarks/backfill_throughput.py --store s3      # a local moto S3 server
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from components import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+
+
+def _images(n: int) -> tuple[np.ndarray, str]:
+    from components.data import load_split
+
+    try:
+        split = load_split(Path("data/splits"), "test")
+        images = split.images
+        source = "Fashion-MNIST test split (data/splits)"
+    except FileNotFoundError:
+        images = np.random.default_rng(0).integers(0, 256, size=(n, 1, 28, 28), dtype=np.uint8)
+        source = "random 28x28 images (run `fastfill run` first for Fashion-MNIST)"
+    reps = -(-n // len(images))
+    return np.concatenate([images] * reps)[:n], source
+
+
+def _models():
+    import torch
+
+    from components.config import load_params
+    from components.models import AlignmentMap, Embedder
+
+    params = load_params("params.yaml")
+    torch.manual_seed(0)
+    old = Embedder(params.train.old, 1, list(range(5))).eval()
+    new = Embedder(params.train.new, 1, list(range(10))).eval()
+    h = AlignmentMap(old.embedding_dim, new.embedding_dim, [256], uncertainty=True).eval()
+    return params, old, new, h
+
+
+def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
+    from components.gallery import upgrade as up
+    from components.gallery.catalog import Gallery, ModelRef, ingest
+    from components.gallery.store import open_store
+    from components.training import embed
+
+    store = open_store(uri)
+    old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
+    ingest(store, images, embed(old, images), old_ref, part_size=1000)
+    gallery = Gallery(store)
+    uid = up.upgrade_id(old_ref, new_ref)
+    for part in range(gallery.num_parts):
+        up.transform_part(gallery, uid, h, part)
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("bench") or client.get_experiment(client.create_experiment("bench"))
+    run = client.create_run(experiment.experiment_id)
+    plan = up.Plan(uid, old_ref, new_ref, "none", "sigma", chunk_size, len(images), 0, "l2", run.info.run_id)
+    up.commit_plan(gallery, plan, up.make_order(gallery, uid, "sigma", 0))
+    return gallery, plan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=10000)
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[1000, 250])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--store", choices=["local", "s3"], default="local")
+    args = parser.parse_args()
+
+    import torch
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from components.config import parse_params
+    from components.gallery.catalog import IMAGE_CACHE
+    from components.training import embed
+    from flows.gallery import _backfill
+
+    images, source = _images(args.items)
+    params, old, new, h = _models()
+    work = Path(tempfile.mkdtemp(prefix="fastfill-bench-"))
+    mlflow_uri = f"sqlite:///{work / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
+    server = None
+    if args.store == "s3":
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
+        boto3.client("s3").create_bucket(Bucket="bench")
+
+    print(f"{len(images)} items: {source}; model {params.train.new.backbone} width {params.train.new.width}; "
+          f"device {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} torch threads; "
+          f"store {args.store}")
+
+    @flow(name="benchmark-backfill")
+    def run_backfill(run_params, gallery, uri, plan, model):
+        return _backfill(run_params, gallery, uri, plan, model, None)
+
+    def bare() -> float:
+        start = time.perf_counter()
+        embed(new, images, batch_size=params.gallery.upgrade.batch_size)
+        return len(images) / (time.perf_counter() - start)
+
+    counter = iter(range(10**6))
+
+    def pipeline(chunk_size: int, concurrency: int) -> float:
+        index = next(counter)
+        uri = str(work / f"store-{index}") if args.store == "local" else f"s3://bench/run-{index}"
+        gallery, plan = _fresh_gallery(uri, images, old, h, chunk_size, mlflow_uri)
+        data = params.model_dump(mode="json")
+        data["gallery"]["upgrade"].update(chunk_size=chunk_size, max_concurrency=concurrency)
+        data["mlflow"]["tracking_uri"] = mlflow_uri
+        run_params = parse_params(data)
+        IMAGE_CACHE._parts.clear()  # every run reads its images from the store
+        runner = run_backfill.with_options(task_runner=ThreadPoolTaskRunner(max_workers=concurrency + 1))
+        start = time.perf_counter()
+        result = runner(run_params, gallery, uri, plan, new)
+        seconds = time.perf_counter() - start
+        assert result["complete"], result
+        if args.store == "local":
+            shutil.rmtree(uri, ignore_errors=True)
+        return len(images) / seconds
+
+    bare()  # warm-up (oneDNN kernels, allocator)
+    pipeline(args.chunk_sizes[0], args.concurrency[0])
+    rows = []
+    for chunk_size in args.chunk_sizes:
+        for concurrency in args.concurrency:
+            bare_runs, pipe_runs = [], []
+            for _ in range(args.repeats):
+                bare_runs.append(bare())
+                pipe_runs.append(pipeline(chunk_size, concurrency))
+            b, p = statistics.median(bare_runs), statistics.median(pipe_runs)
+            rows.append((chunk_size, concurrency, b, p, p / b))
+            print(f"chunk {chunk_size:>5}, concurrency {concurrency}: bare {b:8.0f} items/s, pipeline {p:8.0f} items/s, "
+                  f"ratio {p / b:.3f}", flush=True)
+    print("\n| chunk size | concurrency | bare items/s | pipeline items/s | pipeline / bare |")
+    print("|---:|---:|---:|---:|---:|")
+    for chunk_size, concurrency, b, p, ratio in rows:
+        print(f"| {chunk_size} | {concurrency} | {b:.0f} | {p:.0f} | {ratio:.3f} |")
+    if server is not None:
+        server.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
