@@ -161,11 +161,19 @@ def _prefix(done: set[int], num_chunks: int) -> int:
     return count
 
 
+def progress_key(store_uri: str, upgrade_id: str) -> str:
+    """The Prefect progress artifact of one gallery's upgrade (lowercase, digits and dashes)."""
+    import hashlib
+
+    slug = "".join(c if c.isalnum() else "-" for c in upgrade_id.lower())[:80]
+    return f"backfill-{slug}-{hashlib.sha1(store_uri.encode()).hexdigest()[:8]}"
+
+
 class _Tracker:
     """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
     prefix of the order) and to a Prefect progress artifact."""
 
-    def __init__(self, params: Params, plan: up.Plan, meter: BackfillMeter | None):
+    def __init__(self, params: Params, store_uri: str, plan: up.Plan, meter: BackfillMeter | None):
         from prefect.artifacts import create_progress_artifact
 
         self.client, _ = registry.setup(params.mlflow)
@@ -174,8 +182,8 @@ class _Tracker:
         self.client.update_run(self.run_id, status="RUNNING")
         history = self.client.get_metric_history(self.run_id, "top1")
         self.measured = {int(m.step) for m in history}
-        key = "backfill-" + "".join(c if c.isalnum() else "-" for c in plan.id.lower())
-        self.artifact = create_progress_artifact(0.0, key=key[:100], description=f"backfill of {plan.id}")
+        self.artifact = create_progress_artifact(0.0, key=progress_key(store_uri, plan.id),
+                                                 description=f"backfill of {plan.id} in {store_uri}")
 
     def chunk_done(self, done: set[int], items_done: int) -> None:
         from prefect.artifacts import update_progress_artifact
@@ -210,7 +218,7 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
     pending = [c for c in range(plan.num_chunks) if c not in done]
     log(f"backfill of {plan.id}: {len(done)}/{plan.num_chunks} chunks already done; {len(pending)} to go"
         + (f", budget {limit} items" if limit < plan.num_items else ""))
-    tracker = _Tracker(params, plan, _meter(gallery, plan, sorted(done)))
+    tracker = _Tracker(params, store_uri, plan, _meter(gallery, plan, sorted(done)))
     tracker.measure(done)
     in_flight: dict = {}
     submitted_items = items_done

@@ -66,7 +66,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from components.evaluation import curve_at_counts
     from components.gallery.measure import restricted_order
     from components.training import embed
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow, progress_key, upgrade_flow
 
     params, _ = upgrade_env
     client, old_model, new_model, old_version, new_version = _registry(params)
@@ -122,9 +122,12 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     assert max(m.value for m in fraction) == 1.0
     assert client.get_run(plan.mlflow_run_id).info.status == "FINISHED"
     with get_client(sync_client=True) as prefect:
-        key = "backfill-" + plan.id.lower()
+        key = progress_key(store_uri, plan.id)
         found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
-    assert found and found[0].type == "progress" and float(found[0].data) == 100.0
+    assert len(found) == 2  # one per flow run: the budgeted one, then the resumed one
+    latest = max(found, key=lambda artifact: artifact.created)
+    assert latest.type == "progress" and float(latest.data) == 100.0
+    assert float(min(found, key=lambda artifact: artifact.created).data) == pytest.approx(100 * paused["fraction"])
 
 
 def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, prefect_harness):
@@ -216,7 +219,26 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert "paused:" in result.output
     status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
     assert status["state"] == "paused" and status["upgrade"]["fraction"] >= 0.25
-    del held
+
+    # search from the CLI: the new model's space, the mixed gallery
+    from components.training import embed
+
+    _, _, new_model, _, new_version = _registry(params)
+    np.save(tmp_path / "q.npy", embed(new_model, _test_images(params).images[:2]))
+    result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "q.npy"), "-k", "3"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.output.strip().splitlines()[-1])
+    assert answer["query_model"] == f"models:/embedder/{new_version}"
+    assert answer["backfilled"] == status["upgrade"]["items_done"] and len(answer["ids"][0]) == 3
+    np.save(tmp_path / "wide.npy", np.zeros((2, 5), np.float32))
+    result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "wide.npy")])
+    assert result.exit_code == 1 and "dimension 5, but the model's is 16" in result.output
+
+    result = runner.invoke(app, ["upgrade", *args, "--no-progress"])
+    assert result.exit_code == 0 and "complete:" in result.output, result.output
+    result = runner.invoke(app, ["gallery", "gc", *args])
+    assert result.exit_code == 0 and "deleted 4 feature objects" in result.output, result.output
+    held.release()
 
 
 # ---- SIGKILL ------------------------------------------------------------------------------------
@@ -275,3 +297,21 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     upgrade_flow(changed, reference_uri)
     reference = Gallery(open_store(reference_uri))
     np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
+
+
+def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    client, _, _, old_version, new_version = _registry(params)
+    client.delete_registered_model(params.mlflow.alignment_model)  # this private store has no maps now
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    result = upgrade_flow(params, uri)
+    assert result["state"] == "complete"
+    plan = up.load_plan(open_store(uri), result["upgrade"])
+    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert len(versions) == 1 and plan.map_uri == f"models:/{params.mlflow.alignment_model}/{versions[0].version}"
+    tags = versions[0].tags
+    assert (tags["from_version"], tags["to_version"], tags["method"]) == (old_version, new_version, "fastfill")
+    assert tags["run_id"] == plan.mlflow_run_id
