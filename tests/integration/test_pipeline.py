@@ -6,8 +6,6 @@ import json
 import numpy as np
 import pytest
 
-from components.config import parse_params
-from tests.synthetic import tiny_params
 
 ROWS = ("old_old", "new_new", "fct", "fastfill")
 POINT_KEYS = {f"{m}_{p}" for m in ("top1", "top5", "map") for p in ("0", "100", "auc")}
