@@ -77,3 +77,72 @@ def alignment_loss(
         disc=None if disc_term is None else disc_term.mean(),
         log_sigma2=None if log_sigma2 is None else log_sigma2.mean(),
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Methods that train the new model to be compatible (BCT, RACT) and the unified space
+
+
+def match_dimension(features: torch.Tensor, dim: int) -> torch.Tensor:
+    """Truncate or zero-pad features to ``dim`` columns (BCT when the two models' dimensions differ)."""
+    if features.shape[1] >= dim:
+        return features[:, :dim]
+    return F.pad(features, (0, dim - features.shape[1]))
+
+
+def synthesized_classifier(old_weight: torch.Tensor, old_classes: list[int], class_means: dict[int, torch.Tensor]
+                           ) -> tuple[torch.Tensor, list[int]]:
+    """BCT's old classifier extended to classes it never saw: one row per new class, the mean
+    old-model feature of that class. Returns the weight and the global class of each row."""
+    rows, classes = [old_weight], list(old_classes)
+    for label in sorted(set(class_means) - set(old_classes)):
+        rows.append(class_means[label].reshape(1, -1).to(old_weight))
+        classes.append(label)
+    return torch.cat(rows), classes
+
+
+def bct_influence_per_sample(new_features: torch.Tensor, old_weight: torch.Tensor, rows: torch.Tensor,
+                             label_smoothing: float = 0.0) -> torch.Tensor:
+    """CE(kappa_old(phi_new(x)), y) with the frozen (synthesised) old classifier ``old_weight``
+    (rows x d_old); ``rows`` are the targets' rows in it."""
+    logits = match_dimension(new_features, old_weight.shape[1]) @ old_weight.detach().t()
+    return F.cross_entropy(logits, rows, label_smoothing=label_smoothing, reduction="none")
+
+
+def ract_per_sample(new_features: torch.Tensor, old_features: torch.Tensor, labels: torch.Tensor, *,
+                    tau: float = 0.05, new_to_new: bool = True) -> torch.Tensor:
+    """RACT's regression-alleviating compatible loss per sample (``new_to_new=False``: the
+    "vanilla" compatible loss). Features are L2-normalised here; the positive is the sample's
+    own old feature, the negatives the old (and new) features of other classes in the batch."""
+    n = F.normalize(new_features, dim=1)
+    o = F.normalize(old_features.detach(), dim=1)
+    to_old = n @ o.t() / tau
+    positive = to_old.diagonal()
+    other_class = labels[:, None] != labels[None, :]
+    masked = [positive[:, None], to_old.masked_fill(~other_class, float("-inf"))]
+    if new_to_new:
+        masked.append((n @ n.t() / tau).masked_fill(~other_class, float("-inf")))
+    return torch.logsumexp(torch.cat(masked, dim=1), dim=1) - positive
+
+
+@dataclass
+class UnifiedLoss:
+    total: torch.Tensor
+    similarity: torch.Tensor
+    classification: torch.Tensor
+    kl: torch.Tensor
+
+
+def unified_loss(query_side: torch.Tensor, gallery_side: torch.Tensor, classifier: torch.nn.Module,
+                 targets: torch.Tensor, *, weights: tuple[float, float, float] = (1.0, 1.0, 0.25),
+                 label_smoothing: float = 0.0) -> UnifiedLoss:
+    """The unified space: T_q(phi_new) and T_g(phi_old) pulled together (summed squared
+    distance), both classified by one shared head K, and KL(K(T_q) || K(T_g)). Batch means."""
+    similarity = l2_per_sample(query_side, gallery_side, "sum").mean()
+    logits_q, logits_g = classifier(query_side), classifier(gallery_side)
+    classification = (F.cross_entropy(logits_q, targets, label_smoothing=label_smoothing)
+                      + F.cross_entropy(logits_g, targets, label_smoothing=label_smoothing))
+    log_p, log_q = F.log_softmax(logits_q, dim=1), F.log_softmax(logits_g, dim=1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=1).mean()
+    total = weights[0] * similarity + weights[1] * classification + weights[2] * kl
+    return UnifiedLoss(total, similarity, classification, kl)

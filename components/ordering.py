@@ -51,3 +51,27 @@ def kendall_tau(scores_a: np.ndarray, scores_b: np.ndarray) -> float:
     rank by descending score, so the tau of the scores is the tau of the orders)."""
     tau = kendalltau(scores_a, scores_b).statistic
     return float(tau)
+
+
+def _probabilities(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, dtype=np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(shifted)
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def least_confidence(logits: np.ndarray) -> np.ndarray:
+    """RACT: 1 - p1 of the new classifier on an old gallery feature (higher = less certain)."""
+    return 1.0 - _probabilities(logits).max(axis=1)
+
+
+def margin_uncertainty(logits: np.ndarray) -> np.ndarray:
+    """RACT: 1 - (p1 - p2)."""
+    top2 = np.sort(_probabilities(logits), axis=1)[:, -2:]
+    return 1.0 - (top2[:, 1] - top2[:, 0])
+
+
+def entropy_uncertainty(logits: np.ndarray) -> np.ndarray:
+    """RACT: -sum p log p."""
+    p = _probabilities(logits)
+    return -(p * np.log(np.clip(p, 1e-300, None))).sum(axis=1)
