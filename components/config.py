@@ -81,6 +81,8 @@ class AlignConfig(Section):
     uncertainty_lambda: PositiveFloat = 1.0
     disc_label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
     hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048])
+    architecture: Literal["mlp", "rbt"] = Field(default="mlp", description="rbt: the RBT baseline's map")
+    rbt_blocks: PositiveInt = 2
     epochs: PositiveInt = 20
     warmup_epochs: Annotated[int, Field(ge=0)] = 5
     batch_size: PositiveInt = 256

@@ -89,29 +89,62 @@ class Embedder(nn.Module):
         return torch.where(inside, lookup[labels.clamp(max=int(self.classes.max()))], -1)
 
 
+class RBTBlock(nn.Module):
+    """Residual bottleneck transformation: x + concat of 4 paths, each
+    Linear(d -> d/4) + BN + ReLU + Linear(d/4 -> d/4) + BN (split-transform-merge)."""
+
+    def __init__(self, dim: int, paths: int = 4):
+        super().__init__()
+        if dim % paths:
+            raise ValueError(f"an RBT block needs a dimension divisible by {paths}, got {dim}")
+        width = dim // paths
+        self.paths = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, width), nn.BatchNorm1d(width), nn.ReLU(inplace=True),
+                          nn.Linear(width, width), nn.BatchNorm1d(width))
+            for _ in range(paths))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.cat([path(x) for path in self.paths], dim=1)
+
+
+def rbt_stack(in_dim: int, out_dim: int, blocks: int) -> nn.Sequential:
+    """RBT blocks on ``in_dim``, then a linear projection when ``out_dim`` differs."""
+    layers: list[nn.Module] = [RBTBlock(in_dim) for _ in range(blocks)]
+    if out_dim != in_dim:
+        layers.append(nn.Linear(in_dim, out_dim))
+    return nn.Sequential(*layers)
+
+
 class AlignmentMap(nn.Module):
     """h: old features -> new feature space, with an optional uncertainty head psi.
 
-    h is the reference MLP: ``old_dim -> hidden... -> new_dim``, each hidden layer
-    Linear + BatchNorm + ReLU, the last layer plain. psi is one linear layer on the transformed
-    feature that predicts s = log sigma^2.
+    ``architecture="mlp"``: the reference MLP ``old_dim -> hidden... -> new_dim``, each hidden
+    layer Linear + BatchNorm + ReLU, the last layer plain. ``"rbt"``: ``rbt_blocks`` RBT blocks
+    then a projection (the RBT baseline). psi is one linear layer on the transformed feature
+    that predicts s = log sigma^2.
     """
 
-    def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool):
+    def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool,
+                 architecture: str = "mlp", rbt_blocks: int = 2):
         super().__init__()
-        layers: list[nn.Module] = []
-        width = old_dim
-        for size in hidden:
-            layers += [nn.Linear(width, size), nn.BatchNorm1d(size), nn.ReLU(inplace=True)]
-            width = size
-        layers.append(nn.Linear(width, new_dim))
-        self.transform = nn.Sequential(*layers)
+        if architecture == "rbt":
+            self.transform = rbt_stack(old_dim, new_dim, rbt_blocks)
+        elif architecture == "mlp":
+            layers: list[nn.Module] = []
+            width = old_dim
+            for size in hidden:
+                layers += [nn.Linear(width, size), nn.BatchNorm1d(size), nn.ReLU(inplace=True)]
+                width = size
+            layers.append(nn.Linear(width, new_dim))
+            self.transform = nn.Sequential(*layers)
+        else:
+            raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp or rbt")
         self.uncertainty = nn.Linear(new_dim, 1) if uncertainty else None
         self.old_dim, self.new_dim = old_dim, new_dim
 
     @classmethod
     def from_config(cls, config: AlignConfig, old_dim: int, new_dim: int) -> AlignmentMap:
-        return cls(old_dim, new_dim, list(config.hidden), config.uncertainty)
+        return cls(old_dim, new_dim, list(config.hidden), config.uncertainty, config.architecture, config.rbt_blocks)
 
     def forward(self, old_features: torch.Tensor) -> torch.Tensor:
         return self.transform(old_features)
@@ -120,6 +153,26 @@ class AlignmentMap(nn.Module):
         if self.uncertainty is None:
             raise ValueError("this alignment map has no uncertainty head (train it with uncertainty: true)")
         return self.uncertainty(transformed).squeeze(-1)
+
+
+class UnifiedMaps(nn.Module):
+    """The unified space: T_q on new features and T_g on old features (RBT blocks each, T_g
+    first projected to the new dimension), and one classifier K shared by both sides.
+    Queries use T_q(phi_new); the gallery T_g(phi_old) until backfilled, T_q(phi_new) after."""
+
+    def __init__(self, old_dim: int, new_dim: int, num_classes: int, blocks: int = 4):
+        super().__init__()
+        self.query = rbt_stack(new_dim, new_dim, blocks)
+        self.gallery = nn.Sequential(nn.Linear(old_dim, new_dim), *rbt_stack(new_dim, new_dim, blocks))
+        self.classifier = nn.Linear(new_dim, num_classes, bias=False)
+        self.old_dim, self.new_dim = old_dim, new_dim
+
+    def forward(self, old_features: torch.Tensor) -> torch.Tensor:
+        """The gallery side, so the map transforms stored old features like any alignment map."""
+        return self.gallery(old_features)
+
+    def embed_new(self, new_features: torch.Tensor) -> torch.Tensor:
+        return self.query(new_features)
 
 
 def save_embedder(model: Embedder, config: TrainConfig, path) -> None:

@@ -22,8 +22,8 @@ from torch import nn
 from components.config import AlignConfig, TrainConfig
 from components.data import Split
 from components.layout import save_torch
-from components.losses import alignment_loss, classification_per_sample, l2_per_sample
-from components.models import AlignmentMap, Embedder
+from components.losses import alignment_loss, classification_per_sample, l2_per_sample, unified_loss
+from components.models import AlignmentMap, Embedder, UnifiedMaps
 
 Log = Callable[[str], None]
 Progress = Callable[[int, int], None]  # (epochs done, epochs in all)
@@ -112,8 +112,10 @@ def train_embedder(
     checkpoint: Path | None = None,
     log: Log = print,
     on_epoch: Progress | None = None,
+    compatibility=None,
 ) -> tuple[Embedder, list[dict]]:
-    """Classification training of backbone + embedding + classifier over ``classes``."""
+    """Classification training of backbone + embedding + classifier over ``classes``; with
+    ``compatibility`` (see components.compatibility) its term is added to every batch's loss."""
     device = device or pick_device()
     generator = seed_everything(config.seed)
     # channels-last convolutions are 15-30% faster on CPU (oneDNN) and use tensor cores on GPU
@@ -124,6 +126,9 @@ def train_embedder(
         raise ValueError(f"the training split has labels outside the model's classes {classes}")
     images = torch.from_numpy(split.images).to(device)
     targets = torch.from_numpy(rows[split.labels]).to(device)
+    labels = torch.from_numpy(split.labels).to(device)
+    if compatibility is not None:
+        compatibility = compatibility.to(device)
 
     steps_per_epoch = math.ceil(len(split) / config.batch_size)
     total_steps = steps_per_epoch * config.epochs
@@ -137,6 +142,8 @@ def train_embedder(
     scheduler = _warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
 
     key, history, start_epoch, step = _run_key(config, split.images, split.labels), [], 0, 0
+    if compatibility is not None:
+        key += compatibility.key
     state = _resume(checkpoint, key, model, optimizer, scheduler, generator, log)
     if state is not None:
         history, start_epoch, step = state["history"], state["epoch"], state["step"]
@@ -146,7 +153,7 @@ def train_embedder(
             break
         model.train()
         permutation = torch.randperm(len(split), generator=generator).to(device)
-        loss_sum, correct, seen = 0.0, 0, 0
+        loss_sum, compat_sum, correct, seen = 0.0, 0.0, 0, 0
         for start in range(0, len(split), config.batch_size):
             if step >= total_steps:
                 break
@@ -155,8 +162,13 @@ def train_embedder(
             if config.augment:
                 batch = _augment(batch, generator)
             batch = batch.contiguous(memory_format=CHANNELS_LAST)
-            logits = model.classify(model(batch))
+            features = model(batch)
+            logits = model.classify(features)
             loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
+            if compatibility is not None:
+                term = compatibility(batch, features, labels[index])
+                loss = loss + term
+                compat_sum += term.item() * len(index)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -166,6 +178,8 @@ def train_embedder(
             correct += int((logits.argmax(1) == targets[index]).sum())
             seen += len(index)
         record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
+        if compatibility is not None:
+            record["compatibility"] = compat_sum / seen
         history.append(record)
         log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {record['train_accuracy']:.4f}")
         _save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
@@ -266,6 +280,66 @@ def train_alignment(
             on_epoch(epoch + 1, config.epochs)
     h.eval()
     return h, history
+
+
+def train_unified(
+    config: AlignConfig,
+    old_features: np.ndarray,
+    new_features: np.ndarray,
+    class_rows: np.ndarray,
+    num_classes: int,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    log: Log = print,
+    on_epoch: Progress | None = None,
+) -> tuple[UnifiedMaps, list[dict]]:
+    """The unified space: T_q (new side) and T_g (old side) of ``config.rbt_blocks`` RBT blocks
+    each and a shared classifier, trained with similarity + dual classification + 0.25 KL."""
+    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
+        raise ValueError("old features, new features and labels must describe the same images")
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    maps = UnifiedMaps(old_features.shape[1], new_features.shape[1], num_classes, config.rbt_blocks).to(device)
+    old, new = torch.from_numpy(old_features).to(device), torch.from_numpy(new_features).to(device)
+    rows = torch.from_numpy(class_rows).to(device)
+    steps_per_epoch = math.ceil(len(old) / config.batch_size)
+    optimizer = torch.optim.Adam(maps.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
+    key, history, start_epoch = _run_key(config, old_features, new_features, class_rows) + "unified", [], 0
+    state = _resume(checkpoint, key, maps, optimizer, scheduler, generator, log)
+    if state is not None:
+        history, start_epoch = state["history"], state["epoch"]
+    for epoch in range(start_epoch, config.epochs):
+        maps.train()
+        if epoch >= config.epochs // 2:
+            _set_batchnorm_eval(maps)
+        permutation = torch.randperm(len(old), generator=generator).to(device)
+        sums = {"loss": 0.0, "similarity": 0.0, "classification": 0.0, "kl": 0.0}
+        for start in range(0, len(old), config.batch_size):
+            index = permutation[start: start + config.batch_size]
+            if len(index) < 2:
+                continue
+            parts = unified_loss(maps.query(new[index]), maps.gallery(old[index]), maps.classifier, rows[index],
+                                 label_smoothing=config.disc_label_smoothing)
+            optimizer.zero_grad(set_to_none=True)
+            parts.total.backward()
+            optimizer.step()
+            scheduler.step()
+            for name, value in (("loss", parts.total), ("similarity", parts.similarity),
+                                ("classification", parts.classification), ("kl", parts.kl)):
+                sums[name] += value.item() * len(index)
+        record = {"epoch": epoch + 1, **{k: v / len(old) for k, v in sums.items()}}
+        history.append(record)
+        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f} (similarity {record['similarity']:.4f}, "
+            f"classification {record['classification']:.4f}, kl {record['kl']:.4f})")
+        _save_checkpoint(checkpoint, config_key=key, model=maps.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, config.epochs)
+    maps.eval()
+    return maps, history
 
 
 @torch.no_grad()

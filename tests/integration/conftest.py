@@ -44,6 +44,8 @@ def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
         os.chdir(previous)
         if saved_uri is not None:
             os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+        else:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
     return params, metrics, workdir
 
 

@@ -36,7 +36,7 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     assert (workdir / "reports" / "backfill.png").read_bytes()[:4] == b"\x89PNG"
     assert (workdir / "reports" / "plots" / "top1.csv").is_file()
 
-    client = MlflowClient(params.mlflow.tracking_uri)
+    client = MlflowClient(params.mlflow.tracking_uri, registry_uri=params.mlflow.tracking_uri)
     old = json.loads((workdir / "artifacts" / "models" / "old" / "registry.json").read_text())
     new = json.loads((workdir / "artifacts" / "models" / "new" / "registry.json").read_text())
     assert str(client.get_model_version_by_alias("embedder", "champion").version) == old["version"]
@@ -66,7 +66,7 @@ def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     from mlflow import MlflowClient
 
     params, _, _ = finished_pipeline
-    client = MlflowClient(params.mlflow.tracking_uri)
+    client = MlflowClient(params.mlflow.tracking_uri, registry_uri=params.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(params.mlflow.experiment)
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.info.run_name == "pipeline"]
