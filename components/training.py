@@ -210,6 +210,71 @@ def _set_batchnorm_eval(module: nn.Module) -> None:
             child.eval()
 
 
+def _check_same_images(old_features: np.ndarray, new_features: np.ndarray, class_rows: np.ndarray) -> None:
+    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
+        raise ValueError(
+            f"old features ({len(old_features)}), new features ({len(new_features)}) and labels "
+            f"({len(class_rows)}) must describe the same images"
+        )
+
+
+def _train_on_features(
+    module: nn.Module,
+    config: AlignConfig,
+    num_items: int,
+    generator: torch.Generator,
+    key: str,
+    batch_loss: Callable[[torch.Tensor], dict[str, torch.Tensor | None]],
+    terms: tuple[str, ...],
+    describe: Callable[[dict], str],
+    *,
+    device: torch.device,
+    checkpoint: Path | None,
+    log: Log,
+    on_epoch: Progress | None,
+) -> list[dict]:
+    """The loop shared by maps trained on stored features: Adam with warm-up + cosine, BatchNorm
+    statistics frozen for the second half (as the reference does), per-epoch checkpoints and
+    resume. ``batch_loss(index)`` returns ``{"loss": total, term: value or None}``; the history
+    holds each term's per-item epoch mean (0 for a term that is None)."""
+    steps_per_epoch = math.ceil(num_items / config.batch_size)
+    optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
+    history, start_epoch = [], 0
+    state = _resume(checkpoint, key, module, optimizer, scheduler, generator, log)
+    if state is not None:
+        history, start_epoch = state["history"], state["epoch"]
+
+    for epoch in range(start_epoch, config.epochs):
+        module.train()
+        if epoch >= config.epochs // 2:
+            _set_batchnorm_eval(module)
+        permutation = torch.randperm(num_items, generator=generator).to(device)
+        sums = dict.fromkeys(("loss", *terms), 0.0)
+        for start in range(0, num_items, config.batch_size):
+            index = permutation[start: start + config.batch_size]
+            if len(index) < 2:
+                continue  # BatchNorm cannot train on one sample
+            parts = batch_loss(index)
+            optimizer.zero_grad(set_to_none=True)
+            parts["loss"].backward()
+            optimizer.step()
+            scheduler.step()
+            for name, value in parts.items():
+                if value is not None:
+                    sums[name] += value.item() * len(index)
+        record = {"epoch": epoch + 1, **{k: v / num_items for k, v in sums.items()}}
+        history.append(record)
+        log(f"epoch {epoch + 1}/{config.epochs}: {describe(record)}")
+        _save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, config.epochs)
+    module.eval()
+    return history
+
+
 def train_alignment(
     config: AlignConfig,
     old_features: np.ndarray,
@@ -223,11 +288,7 @@ def train_alignment(
     on_epoch: Progress | None = None,
 ) -> tuple[AlignmentMap, list[dict]]:
     """Train h (and psi) on stored features; ``class_rows`` index kappa_new's rows."""
-    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
-        raise ValueError(
-            f"old features ({len(old_features)}), new features ({len(new_features)}) and labels "
-            f"({len(class_rows)}) must describe the same images"
-        )
+    _check_same_images(old_features, new_features, class_rows)
     device = device or pick_device()
     generator = seed_everything(config.seed)
     h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1]).to(device)
@@ -236,49 +297,21 @@ def train_alignment(
     new = torch.from_numpy(new_features).to(device)
     rows = torch.from_numpy(class_rows).to(device)
 
-    steps_per_epoch = math.ceil(len(old) / config.batch_size)
-    optimizer = torch.optim.Adam(h.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
-    key, history, start_epoch = _run_key(config, old_features, new_features, class_rows), [], 0
-    state = _resume(checkpoint, key, h, optimizer, scheduler, generator, log)
-    if state is not None:
-        history, start_epoch = state["history"], state["epoch"]
+    def batch_loss(index: torch.Tensor) -> dict:
+        transformed = h(old[index])
+        parts = alignment_loss(
+            transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
+            classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
+            log_sigma2=h.log_sigma2(transformed) if config.uncertainty else None, lam=config.uncertainty_lambda,
+        )
+        return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
 
-    for epoch in range(start_epoch, config.epochs):
-        h.train()
-        if epoch >= config.epochs // 2:  # the reference freezes BatchNorm statistics for the second half
-            _set_batchnorm_eval(h)
-        permutation = torch.randperm(len(old), generator=generator).to(device)
-        sums = {"loss": 0.0, "l2": 0.0, "disc": 0.0, "log_sigma2": 0.0}
-        for start in range(0, len(old), config.batch_size):
-            index = permutation[start: start + config.batch_size]
-            if len(index) < 2:
-                continue  # BatchNorm cannot train on one sample
-            transformed = h(old[index])
-            parts = alignment_loss(
-                transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
-                classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
-                log_sigma2=h.log_sigma2(transformed) if config.uncertainty else None, lam=config.uncertainty_lambda,
-            )
-            optimizer.zero_grad(set_to_none=True)
-            parts.total.backward()
-            optimizer.step()
-            scheduler.step()
-            sums["loss"] += parts.total.item() * len(index)
-            for name in ("l2", "disc", "log_sigma2"):
-                value = getattr(parts, name)
-                if value is not None:
-                    sums[name] += value.item() * len(index)
-        record = {"epoch": epoch + 1, **{k: v / len(old) for k, v in sums.items()}}
-        history.append(record)
-        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f} (l2 {record['l2']:.4f}, "
-            f"disc {record['disc']:.4f}, mean log sigma^2 {record['log_sigma2']:.3f})")
-        _save_checkpoint(checkpoint, config_key=key, model=h.state_dict(), optimizer=optimizer.state_dict(),
-                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
-                         history=history, epoch=epoch + 1)
-        if on_epoch is not None:
-            on_epoch(epoch + 1, config.epochs)
-    h.eval()
+    history = _train_on_features(
+        h, config, len(old), generator, _run_key(config, old_features, new_features, class_rows), batch_loss,
+        ("l2", "disc", "log_sigma2"),
+        lambda r: (f"loss {r['loss']:.4f} (l2 {r['l2']:.4f}, disc {r['disc']:.4f}, "
+                   f"mean log sigma^2 {r['log_sigma2']:.3f})"),
+        device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch)
     return h, history
 
 
@@ -296,49 +329,25 @@ def train_unified(
 ) -> tuple[UnifiedMaps, list[dict]]:
     """The unified space: T_q (new side) and T_g (old side) of ``config.rbt_blocks`` RBT blocks
     each and a shared classifier, trained with similarity + dual classification + 0.25 KL."""
-    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
-        raise ValueError("old features, new features and labels must describe the same images")
+    _check_same_images(old_features, new_features, class_rows)
     device = device or pick_device()
     generator = seed_everything(config.seed)
     maps = UnifiedMaps(old_features.shape[1], new_features.shape[1], num_classes, config.rbt_blocks).to(device)
     old, new = torch.from_numpy(old_features).to(device), torch.from_numpy(new_features).to(device)
     rows = torch.from_numpy(class_rows).to(device)
-    steps_per_epoch = math.ceil(len(old) / config.batch_size)
-    optimizer = torch.optim.Adam(maps.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = _warmup_cosine(optimizer, steps_per_epoch * config.epochs, steps_per_epoch * config.warmup_epochs)
-    key, history, start_epoch = _run_key(config, old_features, new_features, class_rows) + "unified", [], 0
-    state = _resume(checkpoint, key, maps, optimizer, scheduler, generator, log)
-    if state is not None:
-        history, start_epoch = state["history"], state["epoch"]
-    for epoch in range(start_epoch, config.epochs):
-        maps.train()
-        if epoch >= config.epochs // 2:
-            _set_batchnorm_eval(maps)
-        permutation = torch.randperm(len(old), generator=generator).to(device)
-        sums = {"loss": 0.0, "similarity": 0.0, "classification": 0.0, "kl": 0.0}
-        for start in range(0, len(old), config.batch_size):
-            index = permutation[start: start + config.batch_size]
-            if len(index) < 2:
-                continue
-            parts = unified_loss(maps.query(new[index]), maps.gallery(old[index]), maps.classifier, rows[index],
-                                 label_smoothing=config.disc_label_smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            parts.total.backward()
-            optimizer.step()
-            scheduler.step()
-            for name, value in (("loss", parts.total), ("similarity", parts.similarity),
-                                ("classification", parts.classification), ("kl", parts.kl)):
-                sums[name] += value.item() * len(index)
-        record = {"epoch": epoch + 1, **{k: v / len(old) for k, v in sums.items()}}
-        history.append(record)
-        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f} (similarity {record['similarity']:.4f}, "
-            f"classification {record['classification']:.4f}, kl {record['kl']:.4f})")
-        _save_checkpoint(checkpoint, config_key=key, model=maps.state_dict(), optimizer=optimizer.state_dict(),
-                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
-                         history=history, epoch=epoch + 1)
-        if on_epoch is not None:
-            on_epoch(epoch + 1, config.epochs)
-    maps.eval()
+
+    def batch_loss(index: torch.Tensor) -> dict:
+        parts = unified_loss(maps.query(new[index]), maps.gallery(old[index]), maps.classifier, rows[index],
+                             label_smoothing=config.disc_label_smoothing)
+        return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
+                "kl": parts.kl}
+
+    history = _train_on_features(
+        maps, config, len(old), generator, _run_key(config, old_features, new_features, class_rows) + "unified",
+        batch_loss, ("similarity", "classification", "kl"),
+        lambda r: (f"loss {r['loss']:.4f} (similarity {r['similarity']:.4f}, "
+                   f"classification {r['classification']:.4f}, kl {r['kl']:.4f})"),
+        device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch)
     return maps, history
 
 

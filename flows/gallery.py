@@ -146,8 +146,8 @@ def _meter(gallery: Gallery, plan: up.Plan, done: list[int]) -> BackfillMeter | 
         return None
     store = gallery.store
     order = up.order_of(store, plan.id)
-    meter = BackfillMeter(store.get_array(f"upgrades/{plan.id}/eval/positions.npy"), gallery.labels(),
-                          store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), up.transformed_all(gallery, plan.id),
+    meter = BackfillMeter(store.get_array(up.upgrade_key(plan.id, "eval/positions.npy")), gallery.labels(),
+                          store.get_array(up.upgrade_key(plan.id, "eval/queries.npy")), up.transformed_all(gallery, plan.id),
                           order, plan.distance)
     for chunk in done:
         meter.land(*plan.chunk_bounds(chunk), up.chunk_features(store, plan.id, chunk))
@@ -213,7 +213,7 @@ class _Tracker:
 def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, new_model, budget) -> dict:
     config = params.gallery.upgrade
     done = set(up.done_chunks(gallery.store, plan.id))
-    items_done = sum(plan.chunk_bounds(c)[1] - plan.chunk_bounds(c)[0] for c in done)
+    items_done = plan.items_in(done)
     limit = _budget_items(budget, plan.num_items)
     pending = [c for c in range(plan.num_chunks) if c not in done]
     log(f"backfill of {plan.id}: {len(done)}/{plan.num_chunks} chunks already done; {len(pending)} to go"
@@ -230,7 +230,7 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
         while pending and failure is None and len(in_flight) < config.max_concurrency and submitted_items < limit:
             chunk = pending.pop(0)
             in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
-            submitted_items += plan.chunk_bounds(chunk)[1] - plan.chunk_bounds(chunk)[0]
+            submitted_items += plan.items_in([chunk])
 
     try:
         refill()

@@ -206,12 +206,8 @@ def backfill_curve(
     """
     distance = _check_distance(distance)
     num_intermediate = _check_num_intermediate(num_intermediate)
-    query = _as_features(query, "query")
-    n, dim = query.shape
-    gallery_new = _as_features(gallery_new, "gallery_new", (n, dim))
-    gallery_old = _as_features(gallery_old, "gallery_old", (n, dim))
-    labels = _check_labels(labels, n)
-    order = _check_order(order, n)
+    query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
+    n = query.shape[0]
 
     # Number of backfilled items at each point: floor(i * n / (B + 1)), exactly.
     cuts = [(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)]
@@ -236,12 +232,8 @@ def curve_at_counts(
     ``counts[p]`` items of ``order`` new) instead of evenly spaced points: what a real backfill
     measures as its chunks land. ``alphas`` are ``counts / n``."""
     distance = _check_distance(distance)
-    query = _as_features(query, "query")
-    n, dim = query.shape
-    gallery_new = _as_features(gallery_new, "gallery_new", (n, dim))
-    gallery_old = _as_features(gallery_old, "gallery_old", (n, dim))
-    labels = _check_labels(labels, n)
-    order = _check_order(order, n)
+    query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
+    n = query.shape[0]
     counts = [int(c) for c in counts]
     if not counts or any(c < 0 or c > n for c in counts):
         raise ValueError(f"counts must be a non-empty list of integers in [0, {n}], got {counts!r}")
@@ -316,6 +308,15 @@ def _as_features(x, name: str, shape: tuple[int, int] | None = None, min_rows: i
             f"{bad[:5].tolist()}; fix or drop those images before evaluating"
         )
     return arr
+
+
+def _check_curve_inputs(query, gallery_new, gallery_old, labels, order) -> tuple:
+    """The arrays of a backfill curve, checked and converted (see :func:`backfill_curve`)."""
+    query = _as_features(query, "query")
+    n, dim = query.shape
+    gallery_new = _as_features(gallery_new, "gallery_new", (n, dim))
+    gallery_old = _as_features(gallery_old, "gallery_old", (n, dim))
+    return query, gallery_new, gallery_old, _check_labels(labels, n), _check_order(order, n)
 
 
 def _check_labels(labels, n: int) -> np.ndarray:

@@ -87,7 +87,7 @@ class GallerySearch:
     def backfilled(self) -> int:
         if self.plan is None:
             return self.gallery.num_items
-        return sum(self.plan.chunk_bounds(c)[1] - self.plan.chunk_bounds(c)[0] for c in self.applied)
+        return self.plan.items_in(self.applied)
 
     # ---- queries
 

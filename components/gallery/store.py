@@ -88,17 +88,15 @@ class Store(ABC):
         # mismatch is read again a few times before it counts as corruption.
         for attempt in range(4):
             data, recorded = self._get(key)
-            if recorded is not None and sha256(data) == recorded:
+            actual = sha256(data)
+            if actual == recorded:
                 return data
             time.sleep(0.05 * (attempt + 1))
         if recorded is None:
             raise ChecksumMismatch(f"{self.describe(key)} has no recorded checksum; it was not written by "
                                    "this store. Remove it, or re-run the command that writes it")
-        actual = sha256(data)
-        if actual != recorded:
-            raise ChecksumMismatch(f"{self.describe(key)} is corrupt: its SHA-256 is {actual[:12]}..., "
-                                   f"the recorded one {recorded[:12]}...; re-run the command that writes it")
-        return data
+        raise ChecksumMismatch(f"{self.describe(key)} is corrupt: its SHA-256 is {actual[:12]}..., "
+                               f"the recorded one {recorded[:12]}...; re-run the command that writes it")
 
     def describe(self, key: str) -> str:
         return f"{self.uri.rstrip('/')}/{key}"

@@ -45,28 +45,29 @@ def upgrade_id(old: ModelRef, new: ModelRef) -> str:
     return f"{old.key}-to-{new.key}"
 
 
-def upgrade_prefix(upgrade: str) -> str:
-    return f"upgrades/{upgrade}/"
+def upgrade_key(upgrade: str, name: str) -> str:
+    """An object of the upgrade's working data: ``upgrades/<upgrade>/<name>``."""
+    return f"upgrades/{upgrade}/{name}"
 
 
 def chunk_key(upgrade: str, chunk: int) -> str:
-    return f"upgrades/{upgrade}/chunks/chunk-{chunk:05d}.npy"
+    return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
 
 
 def marker_key(upgrade: str, chunk: int) -> str:
-    return f"upgrades/{upgrade}/done/chunk-{chunk:05d}.json"
+    return upgrade_key(upgrade, f"done/chunk-{chunk:05d}.json")
 
 
 def plan_key(upgrade: str) -> str:
-    return f"upgrades/{upgrade}/plan.json"
+    return upgrade_key(upgrade, "plan.json")
 
 
 def transformed_key(upgrade: str, part: int) -> str:
-    return f"upgrades/{upgrade}/transformed/part-{part:05d}.npy"
+    return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
 
 
 def sigma_key(upgrade: str, part: int) -> str:
-    return f"upgrades/{upgrade}/sigma/part-{part:05d}.npy"
+    return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,6 +97,10 @@ class Plan:
             raise IndexError(f"chunk {chunk} is outside 0..{self.num_chunks - 1}")
         start = chunk * self.chunk_size
         return start, min(start + self.chunk_size, self.num_items)
+
+    def items_in(self, chunks) -> int:
+        """How many items the given chunks hold."""
+        return sum(self.chunk_bounds(c)[1] - self.chunk_bounds(c)[0] for c in chunks)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
@@ -157,10 +162,10 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     store = gallery.store
     if sorted(order.tolist()) != list(range(plan.num_items)):
         raise GalleryError(f"the order of {plan.id} is not a permutation of the {plan.num_items} items")
-    store.put_array(f"upgrades/{plan.id}/order.npy", order.astype(np.int64))
+    store.put_array(upgrade_key(plan.id, "order.npy"), order.astype(np.int64))
     if eval_positions is not None and len(eval_positions) >= 2:
-        store.put_array(f"upgrades/{plan.id}/eval/positions.npy", eval_positions)
-        store.put_array(f"upgrades/{plan.id}/eval/queries.npy", eval_queries)
+        store.put_array(upgrade_key(plan.id, "eval/positions.npy"), eval_positions)
+        store.put_array(upgrade_key(plan.id, "eval/queries.npy"), eval_queries)
     write_plan(store, plan)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
 
@@ -177,7 +182,7 @@ def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.nd
 
 
 def order_of(store: Store, upgrade: str) -> np.ndarray:
-    return store.get_array(f"upgrades/{upgrade}/order.npy").astype(np.int64)
+    return store.get_array(upgrade_key(upgrade, "order.npy")).astype(np.int64)
 
 
 def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
@@ -309,7 +314,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
 
 
 def done_chunks(store: Store, upgrade: str) -> list[int]:
-    keys = store.list(f"upgrades/{upgrade}/done/")
+    keys = store.list(upgrade_key(upgrade, "done/"))
     return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
 
 
@@ -351,7 +356,7 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
         start, stop = gallery.part_bounds(part)
         gallery.store.put_array(features_key(plan.new, part), features[start:stop])
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
-    gallery.store.put_json(f"upgrades/{plan.id}/finished.json", record)
+    gallery.store.put_json(upgrade_key(plan.id, "finished.json"), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()
     manifest["upgrade"] = None
@@ -373,7 +378,7 @@ def status(gallery: Gallery) -> dict:
     if upgrade:
         plan = load_plan(gallery.store, upgrade)
         done = done_chunks(gallery.store, upgrade)
-        items = sum(plan.chunk_bounds(c)[1] - plan.chunk_bounds(c)[0] for c in done) if plan else 0
+        items = plan.items_in(done) if plan else 0
         result.update(state="running" if result["lock"] else "paused", upgrade={
             "id": upgrade, "from": plan.old.uri if plan else None, "to": plan.new.uri if plan else None,
             "order": plan.order_kind if plan else None,
@@ -400,7 +405,7 @@ def collect_garbage(gallery: Gallery) -> dict:
         parts = key.split("/")
         if len(parts) < 3 or parts[2] in ("plan.json", "finished.json"):
             continue
-        if gallery.store.exists(f"upgrades/{parts[1]}/finished.json"):
+        if gallery.store.exists(upgrade_key(parts[1], "finished.json")):
             gallery.store.delete(key)
             deleted["upgrade_objects"] += 1
     return deleted
