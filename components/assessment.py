@@ -12,16 +12,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.evaluation import backfill_curve, retrieval_metrics
-from components.ordering import distance_order, kendall_tau, oracle_order, random_order, sigma_order
+from components.ordering import (
+    descending_order, distance_order, entropy_uncertainty, kendall_tau, least_confidence, margin_uncertainty,
+    oracle_order, random_order, sigma_order,
+)
+
+UNCERTAINTY = {"least_confidence": least_confidence, "margin": margin_uncertainty, "entropy": entropy_uncertainty}
 
 
 @dataclass(frozen=True)
 class MethodOutputs:
-    """What an alignment stage leaves for evaluation, on the evaluation images."""
+    """What a method's stage leaves for evaluation, on the evaluation images.
 
-    gallery_old: np.ndarray          # h(phi_old(x)), (n, d_new)
-    true_loss: np.ndarray            # per-item training loss measured with phi_new (oracle)
-    log_sigma2: np.ndarray | None    # psi's prediction, when the map has an uncertainty head
+    A map into the new space (FCT, FastFill, RBT): ``gallery_old`` = h(phi_old), queries and
+    backfilled items are phi_new. A unified map: ``gallery_old`` = T_g(phi_old), ``query`` =
+    T_q(phi_new). A compatible new model (BCT, RACT): ``gallery_old`` = phi_old itself,
+    ``query`` = its own features, ``logits`` = its classifier on phi_old.
+    """
+
+    gallery_old: np.ndarray                  # the old side of the gallery, (n, d)
+    true_loss: np.ndarray | None = None      # per-item training loss measured with phi_new (oracle)
+    log_sigma2: np.ndarray | None = None     # psi's prediction, when the map has an uncertainty head
+    query: np.ndarray | None = None          # queries and backfilled items; None = the new model's features
+    logits: np.ndarray | None = None         # the new classifier on the old gallery features
 
 
 def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed: int) -> np.ndarray:
@@ -33,10 +46,18 @@ def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed
             raise ValueError("the sigma order needs a map trained with uncertainty: true")
         return sigma_order(outputs.log_sigma2)
     if name == "oracle":
+        if outputs.true_loss is None:
+            raise ValueError("the oracle order needs the true per-item loss of a map")
         return oracle_order(outputs.true_loss)
     if name == "distance":
         return distance_order(gallery_new, outputs.gallery_old)
-    raise ValueError(f"unknown order {name!r}; expected random, sigma, oracle or distance")
+    if name in UNCERTAINTY:
+        if outputs.logits is None:
+            raise ValueError(f"the {name} order needs the new classifier's logits on the old gallery features "
+                             "(a compatible new model)")
+        return descending_order(UNCERTAINTY[name](outputs.logits))
+    raise ValueError(f"unknown order {name!r}; expected random, sigma, oracle, distance, "
+                     f"{', '.join(UNCERTAINTY)}")
 
 
 def reference_points(old_features: np.ndarray, new_features: np.ndarray, labels: np.ndarray,
@@ -50,15 +71,17 @@ def reference_points(old_features: np.ndarray, new_features: np.ndarray, labels:
 
 def method_curves(outputs: MethodOutputs, new_features: np.ndarray, labels: np.ndarray, orders: Sequence[str],
                   *, distance: str, curve_points: int, seed: int) -> tuple[dict[str, dict], float | None]:
-    """One curve per order (query = gallery_new = the new features), and Kendall's tau between
-    the sigma and oracle orders when the map predicts sigma."""
+    """One curve per order (query = gallery_new = the method's new side: the new features, or
+    ``outputs.query``), and Kendall's tau between the sigma and oracle orders when the map
+    predicts sigma."""
+    new_side = new_features if outputs.query is None else outputs.query
     curves = {}
     for name in orders:
-        order = build_order(name, outputs, new_features, seed)
-        curve = backfill_curve(new_features, new_features, outputs.gallery_old, labels, order,
+        order = build_order(name, outputs, new_side, seed)
+        curve = backfill_curve(new_side, new_side, outputs.gallery_old, labels, order,
                                distance=distance, num_intermediate=curve_points)
         curves[name] = curve.to_dict()
     tau = None
-    if outputs.log_sigma2 is not None:
+    if outputs.log_sigma2 is not None and outputs.true_loss is not None:
         tau = kendall_tau(outputs.log_sigma2, outputs.true_loss)
     return curves, tau

@@ -81,8 +81,9 @@ class AlignConfig(Section):
     uncertainty_lambda: PositiveFloat = 1.0
     disc_label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
     hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048])
-    architecture: Literal["mlp", "rbt"] = Field(default="mlp", description="rbt: the RBT baseline's map")
-    rbt_blocks: PositiveInt = 2
+    architecture: Literal["mlp", "rbt", "unified"] = Field(
+        default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space")
+    rbt_blocks: PositiveInt = Field(default=2, description="RBT blocks of the rbt map, or of each unified map")
     epochs: PositiveInt = 20
     warmup_epochs: Annotated[int, Field(ge=0)] = 5
     batch_size: PositiveInt = 256
@@ -94,6 +95,9 @@ class AlignConfig(Section):
     def _some_loss(self) -> AlignConfig:
         if not (self.l2 or self.disc):
             raise ValueError("an alignment method needs at least one of l2 or disc set to true")
+        if self.architecture == "unified" and (self.uncertainty or self.disc or not self.l2):
+            raise ValueError("architecture: unified trains its own fixed loss (similarity + dual classification + "
+                             "KL); leave l2: true, disc: false, uncertainty: false")
         if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
             raise ValueError(
                 f"warmup_epochs ({self.warmup_epochs}) must be smaller than epochs ({self.epochs})"
@@ -101,7 +105,27 @@ class AlignConfig(Section):
         return self
 
 
-Order = Literal["random", "sigma", "oracle", "distance"]
+class CompatibleConfig(Section):
+    """A new model trained to be compatible with the old one (BCT, RACT): train.new's model and
+    schedule plus a compatibility term; it registers its own embedder version."""
+
+    loss: Literal["bct", "ract"]
+    lam: PositiveFloat = Field(default=1.0, description="weight of the compatibility term")
+    tau: PositiveFloat = Field(default=0.05, description="RACT: temperature of the contrastive term")
+    new_to_new: bool = Field(default=True, description="RACT: false = the vanilla compatible loss (ablation)")
+    label_smoothing: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.0, description="BCT: label smoothing of the influence loss")
+
+    @model_validator(mode="after")
+    def _options_of_loss(self) -> CompatibleConfig:
+        if self.loss == "bct" and not self.new_to_new:
+            raise ValueError("new_to_new applies to loss: ract only")
+        return self
+
+
+ALIGN_ORDERS = ("random", "sigma", "oracle", "distance")
+COMPATIBLE_ORDERS = ("random", "least_confidence", "margin", "entropy")
+Order = Literal["random", "sigma", "oracle", "distance", "least_confidence", "margin", "entropy"]
 
 
 class EvaluateConfig(Section):
@@ -173,36 +197,100 @@ class ExperimentConfig(Section):
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
 
 
+class CompareConfig(Section):
+    """`fastfill compare` and the compare stages: every method over several seeds. The rows are
+    the maps under align plus compare.align, and the compatible new models of compare.compatible;
+    compare.orders lists each one's backfill orders, the first being its headline."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    out: Path = Field(default=Path("runs/compare"), description="per-seed outputs go to <out>/seed-<s>/")
+    align: dict[str, AlignConfig] = Field(default_factory=dict)
+    compatible: dict[str, CompatibleConfig] = Field(default_factory=dict)
+    orders: dict[str, list[Order]] = Field(default_factory=dict)
+
+
+def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, AlignConfig],
+                  compatible: dict[str, CompatibleConfig]) -> None:
+    """Each method named exists, and each of its orders can be computed for it."""
+    for method, names in orders.items():
+        if not names:
+            raise ValueError(f"{where}.{method} lists no order; give at least one (e.g. [random])")
+        if method in align:
+            config, allowed = align[method], ALIGN_ORDERS
+            kind = "an alignment map"
+        elif method in compatible:
+            config, allowed = None, COMPATIBLE_ORDERS
+            kind = "a compatible new model"
+        else:
+            raise ValueError(f"{where} names method {method!r}, which is not defined "
+                             f"(known: {sorted([*align, *compatible])})")
+        for name in names:
+            if name not in allowed:
+                raise ValueError(f"{where}.{method}: order {name!r} does not apply to {kind}; "
+                                 f"use one of {list(allowed)}")
+            if name == "sigma" and not config.uncertainty:
+                raise ValueError(f"{where}.{method} asks for the sigma order, but that map is trained with "
+                                 "uncertainty: false, so it has no uncertainty head")
+            if name in ("oracle", "distance") and config.architecture == "unified":
+                raise ValueError(f"{where}.{method}: the {name} order needs a map into the new model's space; "
+                                 "a unified map has random only")
+
+
 class Params(Section):
     paths: PathsConfig = PathsConfig()
     prepare: PrepareConfig = PrepareConfig()
     train: TrainSection
     align: dict[str, AlignConfig]
+    compatible: dict[str, CompatibleConfig] = Field(
+        default_factory=dict, description="compatible new models the pipeline trains (the comparison adds its own)")
     evaluate: EvaluateConfig = EvaluateConfig()
     mlflow: MlflowConfig = MlflowConfig()
     experiment: ExperimentConfig = ExperimentConfig()
     gallery: GalleryConfig = GalleryConfig()
+    compare: CompareConfig = CompareConfig()
 
     @model_validator(mode="after")
     def _methods_known(self) -> Params:
-        for method in self.evaluate.orders:
-            if method not in self.align:
-                raise ValueError(
-                    f"evaluate.orders names method {method!r}, which is not under align "
-                    f"(known: {sorted(self.align)})"
-                )
-        for method, orders in self.evaluate.orders.items():
-            if "sigma" in orders and not self.align[method].uncertainty:
-                raise ValueError(
-                    f"evaluate.orders.{method} asks for the sigma order, but align.{method}"
-                    ".uncertainty is false: the map has no uncertainty head"
-                )
-        if self.gallery.upgrade.method not in self.align:
+        clash = set(self.align) & set(self.compatible)
+        if clash:
+            raise ValueError(f"{sorted(clash)} is both under align and under compatible; rename one")
+        _check_orders("evaluate.orders", self.evaluate.orders, self.align, self.compatible)
+        upgrade = self.gallery.upgrade.method
+        if upgrade not in self.align:
             raise ValueError(
-                f"gallery.upgrade.method names {self.gallery.upgrade.method!r}, which is not under align "
+                f"gallery.upgrade.method names {upgrade!r}, which is not under align "
                 f"(known: {sorted(self.align)})"
             )
+        if self.align[upgrade].architecture == "unified":
+            raise ValueError(f"gallery.upgrade.method: {upgrade!r} is a unified map, whose queries live in a "
+                             "shared space; a stored gallery upgrade needs a map into the new model's space")
+        align = {**self.align, **self.compare.align}
+        compatible = {**self.compatible, **self.compare.compatible}
+        for section, extra in (("compare.align", self.compare.align), ("compare.compatible", self.compare.compatible)):
+            for name in extra:
+                if name in self.align or name in self.compatible or (
+                        section == "compare.align" and name in self.compare.compatible):
+                    raise ValueError(f"{section}.{name} is defined twice; every method needs its own name")
+        _check_orders("compare.orders", self.compare.orders, align, compatible)
+        missing = sorted((set(align) | set(compatible)) - set(self.compare.orders))
+        if self.compare.orders and missing:
+            raise ValueError(f"compare.orders has no entry for {missing}; list at least [random] for each method")
         return self
+
+    def for_comparison(self, seed: int) -> Params:
+        """The configuration of one seed of the comparison: every method (align + compare.align,
+        compatible + compare.compatible), evaluated with compare.orders (the first order of each
+        is its headline), reseeded, with outputs under compare.out/seed-<seed>/."""
+        data = self.model_dump(mode="json")
+        compare = data["compare"]
+        data["align"] = {**data["align"], **compare["align"]}
+        data["compatible"] = {**data["compatible"], **compare["compatible"]}
+        compare["align"], compare["compatible"] = {}, {}  # now part of the seed's own methods
+        orders = compare["orders"] or {m: ["random"] for m in [*data["align"], *data["compatible"]]}
+        data["evaluate"]["orders"] = orders
+        data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
+        root = Path(compare["out"]) / f"seed-{seed}"
+        return Params.model_validate(data).with_seed(seed).with_outputs_under(root)
 
     def with_seed(self, seed: int) -> Params:
         """A copy where every stage's seed is ``seed`` (the data split keeps its own)."""

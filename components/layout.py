@@ -37,6 +37,10 @@ class Layout:
     def align_dir(self, method: str) -> Path:
         return self.paths.artifacts / "align" / method
 
+    def compatible_dir(self, method: str) -> Path:
+        """A compatible new model (BCT, RACT): model, its test features, the old gallery side."""
+        return self.paths.artifacts / "compatible" / method
+
     def checkpoint(self, name: str) -> Path:
         """Resume state of a running training (``model-old``, ``align-fct``); not a stage output."""
         return self.paths.artifacts / "checkpoints" / f"{name}.pt"

@@ -193,14 +193,20 @@ def load_embedder(path) -> Embedder:
     return model.eval()
 
 
-def save_alignment(h: AlignmentMap, config: AlignConfig, path) -> None:
+def save_alignment(h: AlignmentMap | UnifiedMaps, config: AlignConfig, path) -> None:
     state = {"config": config.model_dump(mode="json"), "old_dim": h.old_dim, "new_dim": h.new_dim,
              "state_dict": {k: v.cpu() for k, v in h.state_dict().items()}}
+    if isinstance(h, UnifiedMaps):
+        state["num_classes"] = h.classifier.out_features
     save_torch(Path(path), state)
 
 
-def load_alignment(path) -> AlignmentMap:
+def load_alignment(path) -> AlignmentMap | UnifiedMaps:
     state = torch.load(path, map_location="cpu", weights_only=False)
-    h = AlignmentMap.from_config(AlignConfig(**state["config"]), state["old_dim"], state["new_dim"])
+    config = AlignConfig(**state["config"])
+    if config.architecture == "unified":
+        h = UnifiedMaps(state["old_dim"], state["new_dim"], state["num_classes"], config.rbt_blocks)
+    else:
+        h = AlignmentMap.from_config(config, state["old_dim"], state["new_dim"])
     h.load_state_dict(state["state_dict"])
     return h.eval()

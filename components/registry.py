@@ -198,11 +198,13 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     return version
 
 
-def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str,
+def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str | None,
                       tags: Mapping[str, str]) -> str:
-    """The embedding model (classifier head included) as a version of ``name`` with ``alias``."""
+    """The embedding model (classifier head included) as a version of ``name``, with ``alias``
+    unless it is None."""
     version = _register(client, run_id, model, example, name, "embedder", tags)
-    client.set_registered_model_alias(name, alias, version)
+    if alias:
+        client.set_registered_model_alias(name, alias, version)
     return version
 
 

@@ -368,6 +368,22 @@ def apply_alignment(h: AlignmentMap, old_features: np.ndarray, *, batch_size: in
 
 
 @torch.no_grad()
+def apply_unified(maps: UnifiedMaps, old_features: np.ndarray, new_features: np.ndarray, *, batch_size: int = 4096,
+                  device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The unified space: T_g(old) for items not yet backfilled, T_q(new) for queries and
+    backfilled items."""
+    device = device or pick_device()
+    maps = maps.to(device).eval()
+
+    def run(module: nn.Module, features: np.ndarray) -> np.ndarray:
+        parts = [module(torch.from_numpy(features[s: s + batch_size]).to(device)).cpu().numpy()
+                 for s in range(0, len(features), batch_size)]
+        return np.concatenate(parts).astype(np.float32)
+
+    return run(maps.gallery, old_features), run(maps.query, new_features)
+
+
+@torch.no_grad()
 def true_alignment_loss(config: AlignConfig, transformed: np.ndarray, new_features: np.ndarray,
                         class_rows: np.ndarray, new_classifier: nn.Module) -> np.ndarray:
     """The per-item loss the map was trained on (l2 and/or disc, unweighted), measured with the

@@ -21,7 +21,7 @@ def align_flow(params: Params, method: str, parent_run_id: str | None = None) ->
         h, history = train_map(config, method, layout)
         transform_gallery(h, config, method, layout)
         save_map(h, config, history, method, layout)
-        series = {k: [e[k] for e in history] for k in ("loss", "l2", "disc", "log_sigma2")}
+        series = {k: [e[k] for e in history] for k in history[0] if k != "epoch"}
         log_results(params.mlflow, run_id, series=series,
                     metrics={f"final_{k}": v[-1] for k, v in series.items()})
         joins = {role: read_json(layout.model_dir(role) / "registry.json")["version"] for role in ("old", "new")}

@@ -52,12 +52,13 @@ def _dvc_commit(params_path: Path) -> None:
     if params_path.resolve() != Path("params.yaml").resolve() or not Path("dvc.yaml").is_file():
         return
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
-    result = subprocess.run([dvc, "commit", "--force", "--quiet"], capture_output=True, text=True)
+    result = subprocess.run([dvc, "commit", "--force", "--quiet", "--with-deps", "evaluate"],
+                            capture_output=True, text=True)
     if result.returncode != 0:
         typer.secho(f"warning: `dvc commit` failed, DVC does not know about this run:\n{result.stderr}",
                     fg=typer.colors.YELLOW, err=True)
     else:
-        typer.echo("dvc.lock updated: `dvc status` is clean, `dvc repro` has nothing to redo")
+        typer.echo("dvc.lock updated: `dvc repro evaluate` has nothing to redo")
 
 
 def _print_summary(metrics: dict) -> None:
@@ -105,6 +106,39 @@ def seeds(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
 
 
+def _dvc_commit_stages(params_path: Path, stages: list[str]) -> None:
+    """Record the comparison's outputs in dvc.lock (its stages only), like `fastfill run` does."""
+    if params_path.resolve() != Path("params.yaml").resolve() or not Path("dvc.yaml").is_file():
+        return
+    dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+    result = subprocess.run([dvc, "commit", "--force", "--quiet", *stages], capture_output=True, text=True)
+    if result.returncode != 0:
+        typer.secho(f"warning: `dvc commit` failed, DVC does not know about this run:\n{result.stderr}",
+                    fg=typer.colors.YELLOW, err=True)
+
+
+@app.command()
+def compare(params: ParamsOption = Path("params.yaml"),
+            seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
+            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
+    """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
+    over seeds; write reports/comparison.{md,json,png} and log them to MLflow."""
+    config = _params(params)
+    from components.comparison import ranking
+    from flows.compare import compare_flow, comparison_outputs
+
+    chosen = seed or list(config.compare.seeds)
+    start = time.perf_counter()
+    summary = _call(compare_flow, config, chosen)
+    typer.echo(f"\ncomparison of seeds {chosen} finished in {time.perf_counter() - start:.0f} s")
+    for metric in ("top1_auc", "map_auc"):
+        typer.echo(f"  {metric}: " + " > ".join(f"{label} {100 * v:.2f}" for label, v in ranking(summary, metric)))
+    outputs = comparison_outputs(config)
+    typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
+    if dvc_commit and sorted(chosen) == sorted(config.compare.seeds):
+        _dvc_commit_stages(params, ["prepare", *(f"compare@{s}" for s in chosen), "comparison"])
+
+
 class Role(str, Enum):
     old = "old"
     new = "new"
@@ -149,6 +183,26 @@ def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     from flows.evaluate import evaluate_flow
 
     _print_summary(_call(evaluate_flow, config))
+
+
+@stage_app.command("compare")
+def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")],
+                  params: ParamsOption = Path("params.yaml")) -> None:
+    """Every method of the comparison for one seed, under compare.out/seed-<s>/."""
+    config = _params(params)
+    from flows.compare import compare_seed_flow
+
+    _print_summary(_call(compare_seed_flow, config, seed))
+
+
+@stage_app.command("comparison")
+def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
+    """reports/comparison.{md,json,png} from the seeds' results."""
+    config = _params(params)
+    from flows.compare import comparison_report_flow
+
+    _call(comparison_report_flow, config)
+    typer.echo((config.paths.reports / "comparison.md").read_text())
 
 
 class Distance(str, Enum):

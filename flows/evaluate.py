@@ -20,7 +20,7 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
         reference = evaluate_reference(config, layout)
         curves, kendall = {}, {}
         for method, orders in config.orders.items():
-            curves[method], tau = evaluate_method(config, method, orders, layout)
+            curves[method], tau = evaluate_method(config, method, orders, layout, method in params.compatible)
             if tau is not None:
                 kendall[method] = tau
         outputs = write_reports(config, reference, curves, kendall, layout)

@@ -14,6 +14,7 @@ from components.layout import write_json
 from components.reports import flatten_numbers
 from components.seed_report import seeds_markdown, summarize_seeds
 from flows.align import align_flow
+from flows.compatible import compatible_flow
 from flows.evaluate import evaluate_flow
 from flows.prepare import prepare_flow
 from flows.train import train_flow
@@ -21,15 +22,19 @@ from tasks.tracking import close_run, log_results, open_pipeline_run
 
 
 @flow(name="fastfill-pipeline", log_prints=True)
-def pipeline_flow(params: Params, prepare: bool = True, parent_run_id: str | None = None) -> dict:
+def pipeline_flow(params: Params, prepare: bool = True, parent_run_id: str | None = None,
+                  aliases: bool = True) -> dict:
+    """``aliases=False``: the models are registered without moving champion/challenger."""
     parent = parent_run_id or open_pipeline_run(params, fresh=True)
     try:
         if prepare:
             prepare_flow(params, parent)
-        train_flow(params, "old", parent)
-        train_flow(params, "new", parent)
+        train_flow(params, "old", parent, aliases)
+        train_flow(params, "new", parent, aliases)
         for method in params.align:
             align_flow(params, method, parent)
+        for method in params.compatible:
+            compatible_flow(params, method, parent)
         metrics = evaluate_flow(params, parent)
         log_results(params.mlflow, parent, metrics=flatten_numbers(metrics))
     except BaseException:

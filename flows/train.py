@@ -15,7 +15,9 @@ from tasks.training import embed_splits, save_model, train_model
 
 
 @flow(name="train-model", log_prints=True)
-def train_flow(params: Params, role: Literal["old", "new"], parent_run_id: str | None = None) -> dict:
+def train_flow(params: Params, role: Literal["old", "new"], parent_run_id: str | None = None,
+               aliases: bool = True) -> dict:
+    """``aliases=False``: register without moving champion/challenger (the comparison's runs)."""
     layout = Layout(params.paths)
     config = getattr(params.train, role)
     with stage_run(params, f"train-{role}", {f"train.{role}": config.model_dump(mode="json")}, parent_run_id) as run_id:
@@ -24,6 +26,7 @@ def train_flow(params: Params, role: Literal["old", "new"], parent_run_id: str |
         save_model(model, config, history, role, layout)
         log_results(params.mlflow, run_id, series={k: [h[k] for h in history] for k in ("loss", "train_accuracy")},
                     metrics={"final_loss": history[-1]["loss"], "final_train_accuracy": history[-1]["train_accuracy"]})
-        entry = register_embedder(params.mlflow, run_id, model, role, load_meta(layout.splits)["image_shape"])
+        entry = register_embedder(params.mlflow, run_id, model, role, load_meta(layout.splits)["image_shape"],
+                                  alias="" if aliases else None)
         write_json(layout.model_dir(role) / "registry.json", entry)
     return entry

@@ -25,20 +25,25 @@ def evaluate_reference(config: EvaluateConfig, layout: Layout) -> dict[str, dict
     return points
 
 
-def _method_outputs(method: str, layout: Layout) -> MethodOutputs:
-    directory = layout.align_dir(method)
-    sigma_path = directory / "log_sigma2.npy"
-    return MethodOutputs(
-        gallery_old=load_array(directory / "gallery_old.npy"),
-        true_loss=load_array(directory / "true_loss.npy"),
-        log_sigma2=load_array(sigma_path) if sigma_path.is_file() else None,
-    )
+def _method_outputs(method: str, layout: Layout, compatible: bool) -> MethodOutputs:
+    """What the method's stage stored: artifacts/align/<method>/ for a map, or
+    artifacts/compatible/<method>/ for a compatible new model (see MethodOutputs)."""
+    directory = layout.compatible_dir(method) if compatible else layout.align_dir(method)
+
+    def optional(name: str):
+        path = directory / f"{name}.npy"
+        return load_array(path) if path.is_file() else None
+
+    return MethodOutputs(gallery_old=load_array(directory / "gallery_old.npy"), true_loss=optional("true_loss"),
+                         log_sigma2=optional("log_sigma2"), query=optional("query"), logits=optional("logits"))
 
 
 @task(name="evaluate-method", **NO_CACHING)
-def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], layout: Layout) -> tuple[dict, float | None]:
+def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], layout: Layout,
+                    compatible: bool = False) -> tuple[dict, float | None]:
     labels = load_split(layout.splits, "test").labels
-    curves, tau = method_curves(_method_outputs(method, layout), load_array(layout.features("new", "test")), labels,
+    outputs = _method_outputs(method, layout, compatible)
+    curves, tau = method_curves(outputs, load_array(layout.features("new", "test")), labels,
                                 orders, distance=config.distance, curve_points=config.curve_points, seed=config.seed)
     for order, curve in curves.items():
         log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f} -> {100 * curve['top1'][-1]:.2f}, "

@@ -26,6 +26,15 @@ def open_pipeline_run(params: Params, fresh: bool) -> str:
     return run_id
 
 
+@task(name="open-named-run", **IO_RETRIES, **NO_CACHING)
+def open_named_run(config: MlflowConfig, name: str, tags: Mapping[str, str]) -> str:
+    """A top-level run of its own (the comparison's report)."""
+    client, experiment = _client(config)
+    run = client.create_run(experiment, run_name=name, tags={"git_commit": registry.git_commit(), **tags})
+    log(f"MLflow run {run.info.run_id} ({name})")
+    return run.info.run_id
+
+
 @task(name="open-stage-run", **IO_RETRIES, **NO_CACHING)
 def open_stage_run(config: MlflowConfig, parent_run_id: str, stage: str, section: Mapping,
                    data_files: list[Path]) -> str:
@@ -59,13 +68,16 @@ def close_run(config: MlflowConfig, run_id: str, ok: bool = True) -> None:
 
 
 @task(name="register-embedder", **IO_RETRIES, **NO_CACHING)
-def register_embedder(config: MlflowConfig, run_id: str, model, role: str, image_shape: list[int]) -> dict:
+def register_embedder(config: MlflowConfig, run_id: str, model, role: str, image_shape: list[int],
+                      alias: str | None = "", tags: Mapping[str, str] | None = None) -> dict:
+    """A version of the embedder; ``alias`` "" = the role's alias (old: champion, new:
+    challenger), None = no alias (the comparison's models must not move production's aliases)."""
     client, _ = _client(config)
-    alias = registry.ROLE_ALIASES[role]
+    alias = registry.ROLE_ALIASES[role] if alias == "" else alias
     example = np.zeros((1, *image_shape), dtype=np.float32)
     version = registry.register_embedder(client, run_id, model, example, config.registered_model, alias,
-                                         tags={"role": role, "run_id": run_id})
-    log(f"registered {config.registered_model} version {version} with alias @{alias}")
+                                         tags={"role": role, "run_id": run_id, **(tags or {})})
+    log(f"registered {config.registered_model} version {version}" + (f" with alias @{alias}" if alias else ""))
     return {"name": config.registered_model, "version": version, "alias": alias, "run_id": run_id}
 
 

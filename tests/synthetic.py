@@ -51,4 +51,17 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
         },
         "evaluate": {"curve_points": curve_points},
         "mlflow": {"tracking_uri": "sqlite:///mlruns.db", "artifact_location": "mlartifacts"},
+        "compare": {
+            "seeds": [0],
+            "align": {
+                "l2_disc": {"hidden": [16, 16], "epochs": 3, "warmup_epochs": 1, "batch_size": 32, "disc": True},
+                "rbt": {"architecture": "rbt", "rbt_blocks": 1, "epochs": 3, "warmup_epochs": 1, "batch_size": 32},
+                "unified": {"architecture": "unified", "rbt_blocks": 1, "epochs": 3, "warmup_epochs": 1,
+                            "batch_size": 32},
+            },
+            "compatible": {"bct": {"loss": "bct"}, "ract": {"loss": "ract"}},
+            "orders": {"fct": ["random"], "fastfill": ["sigma", "random", "oracle"], "l2_disc": ["random"],
+                       "rbt": ["random"], "unified": ["random"], "bct": ["random"],
+                       "ract": ["entropy", "least_confidence", "margin", "random"]},
+        },
     }

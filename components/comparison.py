@@ -1,0 +1,200 @@
+"""The comparison of every method over seeds: reports/comparison.json, .md and .png.
+
+Input: each seed's metrics.json and curves.json (what the evaluation writes). Output rows are
+one per method and backfill order, plus old/old and new/new; each number is a mean, standard
+deviation and per-seed values over the seeds. The expectations of the papers (FastFill > FCT >
+RACT > BCT, sigma above random, l2+disc above l2) are checked on the data, on the mean and on
+every seed, and written down whichever way they come out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from components.config import AlignConfig, CompatibleConfig
+
+ROW_KEYS = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "top5_0", "top5_100", "map_0", "map_100",
+            "nfr1_mean", "top1_trapz", "map_trapz")
+REFERENCE_KEYS = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "top5_0", "top5_100", "map_0", "map_100")
+REFERENCES = ("old_old", "new_new")
+
+# (description, better row, worse row, metric): the papers' claims, in the default names
+EXPECTATIONS = [
+    *[(f"FastFill > FCT in {m}", "fastfill", "fct", m) for m in ("top1_auc", "map_auc")],
+    *[(f"FCT > RACT in {m}", "fct", "ract", m) for m in ("top1_auc", "map_auc")],
+    *[(f"RACT > BCT in {m}", "ract", "bct", m) for m in ("top1_auc", "map_auc")],
+    *[(f"FastFill: sigma order > random order in {m}", "fastfill (sigma)", "fastfill (random)", m)
+      for m in ("top1_auc", "map_auc")],
+    *[(f"l2+disc > l2 (both random) in {m}", "l2_disc (random)", "fct (random)", m) for m in ("top1_auc", "map_auc")],
+]
+
+
+def describe_method(config: AlignConfig | CompatibleConfig) -> str:
+    """What a method is, in the terms of METHODS.md (the table's second column)."""
+    if isinstance(config, CompatibleConfig):
+        if config.loss == "bct":
+            return f"new model + BCT influence loss (lambda {config.lam:g}), no map"
+        kind = "RACT loss" if config.new_to_new else "vanilla compatible loss (no new-to-new)"
+        return f"new model + {kind} (lambda {config.lam:g}, tau {config.tau:g}), no map"
+    if config.architecture == "unified":
+        return f"unified space, {config.rbt_blocks} RBT blocks per side"
+    terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
+    shape = f"{config.rbt_blocks} RBT blocks" if config.architecture == "rbt" else "MLP"
+    return f"map ({shape}), {terms}"
+
+
+def _spread(values: Mapping[str, float]) -> dict:
+    numbers = list(values.values())
+    return {"mean": statistics.fmean(numbers), "std": statistics.stdev(numbers) if len(numbers) > 1 else 0.0,
+            "per_seed": dict(values)}
+
+
+def _mean_curve(curves: list[Mapping], key: str) -> list[float]:
+    return [statistics.fmean(values) for values in zip(*(c[key] for c in curves))]
+
+
+def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[str, Mapping],
+              descriptions: Mapping[str, str], headline: Mapping[str, str]) -> dict:
+    """``per_seed_metrics[seed]``: a seed's metrics.json; ``per_seed_curves[seed]``: its
+    curves.json; ``headline[method]``: the order that stands for the method."""
+    seeds = list(per_seed_metrics)
+    if not seeds:
+        raise ValueError("no seed to summarise; run the comparison's seeds first")
+    first = per_seed_metrics[seeds[0]]
+    for seed in seeds[1:]:
+        if set(per_seed_metrics[seed]) != set(first):
+            raise ValueError(f"seed {seed} has rows {sorted(per_seed_metrics[seed])}, seed {seeds[0]} has "
+                             f"{sorted(first)}: re-run the seeds with the same configuration")
+    rows = {}
+    for name in REFERENCES:
+        if name in first:
+            rows[name.replace("_", "/")] = {
+                "method": name, "order": None, "kind": "reference", "headline": True,
+                "description": "old model, old gallery" if name == "old_old" else "new model, fully backfilled",
+                **{k: _spread({s: per_seed_metrics[s][name][k] for s in seeds}) for k in REFERENCE_KEYS}}
+    curves = {}
+    for method, order in headline.items():
+        for each in first[method]["by_order"]:
+            label = f"{method} ({each})"
+            rows[label] = {
+                "method": method, "order": each, "kind": "method", "headline": each == order,
+                "description": descriptions.get(method, ""),
+                **{k: _spread({s: per_seed_metrics[s][method]["by_order"][each][k] for s in seeds}) for k in ROW_KEYS}}
+            if "kendall_tau" in first[method] and each == "sigma":
+                rows[label]["kendall_tau"] = _spread({s: per_seed_metrics[s][method]["kendall_tau"] for s in seeds})
+            runs = [per_seed_curves[s]["curves"][method][each] for s in seeds]
+            curves[label] = {"alpha": runs[0]["alpha"], "top1": _mean_curve(runs, "top1"),
+                             "map": _mean_curve(runs, "map"), "headline": each == order}
+    references = {name.replace("_", "/"): {k: statistics.fmean(per_seed_curves[s]["reference"][name][k] for s in seeds)
+                                           for k in ("top1", "map")}
+                  for name in REFERENCES if name in first}
+    summary = {"seeds": seeds, "rows": rows, "mean_curves": curves, "reference_points": references}
+    summary["expectations"] = check_expectations(summary, headline)
+    return summary
+
+
+def _row(rows: Mapping, name: str, headline: Mapping[str, str]) -> Mapping | None:
+    """A row by its label, or by a bare method name (then its headline order)."""
+    if name in rows:
+        return rows[name]
+    if name in headline:
+        return rows.get(f"{name} ({headline[name]})")
+    return None
+
+
+def check_expectations(summary: Mapping, headline: Mapping[str, str]) -> list[dict]:
+    out = []
+    for text, better, worse, metric in EXPECTATIONS:
+        a, b = _row(summary["rows"], better, headline), _row(summary["rows"], worse, headline)
+        if a is None or b is None:
+            out.append({"claim": text, "checked": False, "why": f"no row {better if a is None else worse!r}"})
+            continue
+        per_seed = {s: a[metric]["per_seed"][s] > b[metric]["per_seed"][s] for s in a[metric]["per_seed"]}
+        gap = a[metric]["mean"] - b[metric]["mean"]
+        out.append({"claim": text, "checked": True, "metric": metric, "better": better, "worse": worse,
+                    "holds_on_mean": gap > 0, "gap": gap, "holds_per_seed": per_seed,
+                    "seeds_holding": sum(per_seed.values()), "seeds": len(per_seed)})
+    return out
+
+
+def ranking(summary: Mapping, metric: str) -> list[tuple[str, float]]:
+    """Headline rows (one per method) by descending mean ``metric``."""
+    rows = [(label, row[metric]["mean"]) for label, row in summary["rows"].items()
+            if row["kind"] == "method" and row["headline"]]
+    return sorted(rows, key=lambda item: -item[1])
+
+
+def _pct(stat: Mapping) -> str:
+    return f"{100 * stat['mean']:.2f} ± {100 * stat['std']:.2f}"
+
+
+def comparison_markdown(summary: Mapping) -> str:
+    seeds = summary["seeds"]
+    columns = [("top1_auc", "top-1~"), ("top5_auc", "top-5~"), ("map_auc", "mAP~"), ("top1_0", "top-1 0%"),
+               ("top1_100", "top-1 100%"), ("map_0", "mAP 0%"), ("map_100", "mAP 100%"), ("nfr1_mean", "NFR@1 mean")]
+    lines = [
+        "# Comparison of the upgrade methods", "",
+        f"Seeds: {', '.join(map(str, seeds))}. Numbers in %, mean ± standard deviation over the seeds. "
+        "`~` is the mean of the 22-point backfill curve (the papers' tilde metric); 0% and 100% are its ends; "
+        "NFR@1 mean is the negative-flip rate at top-1 averaged along the curve. Rows in **bold** are each "
+        "method's headline order.", "",
+        "| row | method | " + " | ".join(title for _, title in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for label, row in summary["rows"].items():
+        name = f"**{label}**" if row["kind"] == "method" and row["headline"] else label
+        cells = [_pct(row[key]) if key in row else "" for key, _ in columns]
+        lines.append(f"| {name} | {row['description']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Ranking (headline rows)", ""]
+    for metric in ("top1_auc", "map_auc"):
+        order = " > ".join(f"{label} {100 * value:.2f}" for label, value in ranking(summary, metric))
+        lines.append(f"- {metric}: {order}")
+    lines += ["", "## What the papers lead us to expect, checked on this data", ""]
+    for item in summary["expectations"]:
+        if not item["checked"]:
+            lines.append(f"- {item['claim']}: not checked ({item['why']})")
+            continue
+        verdict = "holds" if item["holds_on_mean"] else "does NOT hold"
+        lines.append(f"- {item['claim']}: {verdict} on the mean (gap {100 * item['gap']:+.2f} points), "
+                     f"on {item['seeds_holding']} of {item['seeds']} seeds")
+    taus = [(label, row["kendall_tau"]) for label, row in summary["rows"].items() if "kendall_tau" in row]
+    for label, tau in taus:
+        lines.append(f"- Kendall tau between the sigma and oracle orders, {label.split(' ')[0]}: "
+                     f"{tau['mean']:.3f} ± {tau['std']:.3f}")
+    lines += ["", "## Per seed", "", "| row | " + " | ".join(f"top-1~ s{s}" for s in seeds) + " | "
+              + " | ".join(f"mAP~ s{s}" for s in seeds) + " |", "|---|" + "---|" * (2 * len(seeds))]
+    for label, row in summary["rows"].items():
+        cells = [f"{100 * row[m]['per_seed'][s]:.2f}" for m in ("top1_auc", "map_auc") for s in seeds]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Curves (mean over seeds, headline orders): comparison.png.", ""]
+    return "\n".join(lines)
+
+
+def plot_comparison(path, summary: Mapping) -> None:
+    """Top-1 and mAP against the fraction backfilled: every method's headline curve (mean over
+    seeds); ablations and extra orders dashed; old/old and new/new as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    palette = plt.get_cmap("tab20")
+    for ax, key, title in zip(axes, ("top1", "map"), ("Top-1 (%)", "mAP (%)")):
+        for name, point in summary["reference_points"].items():
+            ax.axhline(100 * point[key], color="black" if name == "new/new" else "grey",
+                       linestyle="--" if name == "new/new" else ":", label=name)
+        for i, (label, curve) in enumerate(summary["mean_curves"].items()):
+            ax.plot([100 * a for a in curve["alpha"]], [100 * v for v in curve[key]], color=palette(i % 20),
+                    linestyle="-" if curve["headline"] else "--", linewidth=2 if curve["headline"] else 1,
+                    marker="." if curve["headline"] else None, label=label)
+        ax.set_xlabel("gallery backfilled (%)")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"Backfill curves of every method, mean over seeds {', '.join(map(str, summary['seeds']))}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,33 @@
+"""A compatible new model (BCT or RACT): trained with train.new's settings plus its compatibility
+term against the frozen old model, evaluated without a map, registered as its own version."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.config import Params
+from components.data import load_meta
+from components.layout import Layout, read_json, write_json
+from flows._stage import stage_run
+from tasks.compatible import embed_compatible, save_compatible, train_compatible
+from tasks.tracking import log_results, register_embedder
+
+
+@flow(name="train-compatible", log_prints=True)
+def compatible_flow(params: Params, method: str, parent_run_id: str | None = None) -> dict:
+    if method not in params.compatible:
+        raise ValueError(f"unknown compatible method {method!r}; params.yaml defines {sorted(params.compatible)}")
+    layout = Layout(params.paths)
+    config, train_config = params.compatible[method], params.train.new
+    section = {f"compatible.{method}": config.model_dump(mode="json"), "train.new": train_config.model_dump(mode="json")}
+    with stage_run(params, f"compatible-{method}", section, parent_run_id) as run_id:
+        model, history = train_compatible(config, train_config, method, layout)
+        embed_compatible(model, method, layout)
+        save_compatible(model, train_config, history, method, layout)
+        series = {k: [h[k] for h in history] for k in ("loss", "train_accuracy", "compatibility")}
+        log_results(params.mlflow, run_id, series=series, metrics={f"final_{k}": v[-1] for k, v in series.items()})
+        old_version = read_json(layout.model_dir("old") / "registry.json")["version"]
+        entry = register_embedder(params.mlflow, run_id, model, "new", load_meta(layout.splits)["image_shape"],
+                                  alias=None, tags={"method": method, "compatible_with": str(old_version)})
+        write_json(layout.compatible_dir(method) / "registry.json", entry)
+    return entry
