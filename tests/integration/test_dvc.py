@@ -20,25 +20,31 @@ def _dvc(*args):
 
 def test_dvc_repro_reproduces_and_reruns_only_what_changed(repo_copy, cli_env):
     out = _run(_dvc("repro"), repo_copy, cli_env)
-    for stage in ("prepare", "train@old", "train@new", "align@fct", "align@fastfill", "evaluate"):
+    for stage in ("prepare", "train@old", "train@new", "align@fct", "align@fastfill", "evaluate", "compare@0",
+                  "comparison"):
         assert f"'{stage}'" in out, stage
     metrics = json.loads((repo_copy / "reports" / "metrics.json").read_text())
     assert {"old_old", "new_new", "fct", "fastfill"} <= set(metrics)
+    comparison = json.loads((repo_copy / "reports" / "comparison.json").read_text())
+    assert {"bct (random)", "ract (entropy)", "unified (random)", "fastfill (sigma)"} <= set(comparison["rows"])
+    assert comparison["seeds"] == ["0"]
     assert "up to date" in _run(_dvc("status"), repo_copy, cli_env)
 
-    # an alignment param changes: only that method's alignment and the evaluation re-run
+    # an alignment param changes: only that method's alignment, the evaluation and the
+    # comparison (which trains every align method) re-run
     params = yaml.safe_load((repo_copy / "params.yaml").read_text())
     params["align"]["fastfill"]["epochs"] = 4
     (repo_copy / "params.yaml").write_text(yaml.safe_dump(params))
     out = _run(_dvc("repro"), repo_copy, cli_env)
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"align@fastfill", "evaluate"}, out
+    assert ran == {"align@fastfill", "evaluate", "compare@0", "comparison"}, out
     history = json.loads((repo_copy / "artifacts" / "align" / "fastfill" / "history.json").read_text())
     assert len(history) == 4
 
 
 def test_fastfill_run_leaves_dvc_up_to_date(repo_copy, cli_env):
+    """`fastfill run` records the pipeline's stages (not the comparison's) in dvc.lock."""
     _run([str(Path(sys.executable).with_name("fastfill")), "run"], repo_copy, cli_env)
-    assert "up to date" in _run(_dvc("status"), repo_copy, cli_env)
-    out = _run(_dvc("repro"), repo_copy, cli_env)
+    assert "up to date" in _run(_dvc("status", "--with-deps", "evaluate"), repo_copy, cli_env)
+    out = _run(_dvc("repro", "evaluate"), repo_copy, cli_env)
     assert "Running stage" not in out, out

@@ -86,3 +86,49 @@ def test_with_seed_reseeds_every_stage_but_the_split():
     assert all(cfg.seed == 7 for cfg in params.align.values())
     assert params.evaluate.seed == 7
     assert params.prepare.seed == 0
+
+
+def test_the_comparison_covers_every_method_of_the_papers():
+    params = load_params(ROOT / "params.yaml")
+    seeded = params.for_comparison(2)
+    assert set(seeded.align) == {"fct", "fastfill", "disc", "l2_disc", "l2_uncertainty", "disc_uncertainty",
+                                 "rbt", "unified"}
+    assert {name: c.loss for name, c in seeded.compatible.items()} == {"bct": "bct", "ract": "ract",
+                                                                      "ract_vanilla": "ract"}
+    assert not seeded.compatible["ract_vanilla"].new_to_new
+    assert seeded.align["unified"].architecture == "unified" and seeded.align["rbt"].architecture == "rbt"
+    # the headline order of each method is the first it lists, and every method is evaluated
+    assert seeded.evaluate.headline_order["fastfill"] == "sigma"
+    assert seeded.evaluate.headline_order["ract"] == "entropy"
+    assert set(seeded.evaluate.orders) == set(seeded.align) | set(seeded.compatible)
+    assert {c.seed for c in seeded.align.values()} == {2} and seeded.train.new.seed == 2
+    assert seeded.paths.artifacts == Path("runs/compare/seed-2/artifacts")
+    assert seeded.paths.data == params.paths.data
+    assert params.compatible == {}  # the main pipeline trains no compatible model
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["compare"]["orders"].__setitem__("bct", ["sigma"]), r"order 'sigma' does not apply to a compatible"),
+    (lambda d: d["compare"]["orders"].__setitem__("fct", ["entropy"]), r"order 'entropy' does not apply to an alignment"),
+    (lambda d: d["compare"]["orders"].__setitem__("unified", ["oracle"]), r"unified.*random only"),
+    (lambda d: d["compare"]["orders"].__setitem__("bcd", ["random"]), r"names method 'bcd'"),
+    (lambda d: d["compare"]["orders"].pop("rbt"), r"no entry for \['rbt'\]"),
+    (lambda d: d["compare"]["orders"].__setitem__("rbt", []), r"rbt lists no order"),
+    (lambda d: d["compare"]["align"].__setitem__("fct", {"l2": True}), r"compare.align.fct is defined twice"),
+    (lambda d: d["compare"]["align"]["unified"].__setitem__("disc", True), r"unified trains its own fixed loss"),
+    (lambda d: d["compare"]["compatible"].__setitem__("x", {"loss": "lwf"}), r"compare.compatible.x.loss"),
+    (lambda d: d["compare"]["compatible"]["bct"].__setitem__("new_to_new", False), r"new_to_new applies to loss: ract"),
+])
+def test_bad_comparison_settings_are_named(change, message):
+    data = _default()
+    change(data)
+    with pytest.raises(ConfigError, match=message):
+        parse_params(data)
+
+
+def test_a_unified_map_cannot_drive_a_stored_gallery_upgrade():
+    data = _default()
+    data["align"]["shared"] = {"architecture": "unified"}
+    data["gallery"]["upgrade"]["method"] = "shared"
+    with pytest.raises(ConfigError, match="unified map"):
+        parse_params(data)

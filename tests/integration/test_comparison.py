@@ -1,0 +1,109 @@
+"""The comparison on a tiny configuration, two seeds: every method is trained by the same flows,
+registered, evaluated, and the table is complete."""
+
+import json
+import math
+import os
+
+import pytest
+
+from tests.synthetic import tiny_params
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory, image_folder, prefect_harness):
+    from components.config import parse_params
+    from flows.compare import compare_flow
+
+    workdir = tmp_path_factory.mktemp("comparison")
+    data = tiny_params(image_folder)
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
+    data["compare"]["seeds"] = [0, 1]
+    params = parse_params(data)
+    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.chdir(workdir)
+    try:
+        summary = compare_flow(params)
+    finally:
+        os.chdir(previous)
+        if saved_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+    return params, summary, workdir
+
+
+def _client(params):
+    from components.registry import setup
+
+    client, experiment = setup(params.mlflow)
+    return client, experiment
+
+
+def test_the_table_has_every_method_and_order_with_every_number(comparison):
+    params, summary, workdir = comparison
+    seeded = params.for_comparison(0)
+    expected = {"old/old", "new/new"} | {f"{m} ({o})" for m, orders in seeded.evaluate.orders.items() for o in orders}
+    assert set(summary["rows"]) == expected
+    assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
+            "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
+    for label, row in summary["rows"].items():
+        keys = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "map_0", "map_100")
+        keys += ("nfr1_mean",) if row["kind"] == "method" else ()
+        for key in keys:
+            stat = row[key]
+            assert set(stat["per_seed"]) == {"0", "1"}, (label, key)
+            assert all(0 <= v <= 1 for v in stat["per_seed"].values()), (label, key)
+            assert math.isfinite(stat["std"]) and stat["std"] >= 0
+    # seeds really differ: the models were retrained with each seed
+    assert any(row["top1_auc"]["std"] > 0 for row in summary["rows"].values() if row["kind"] == "method")
+    reports = workdir / "reports"
+    on_disk = json.loads((reports / "comparison.json").read_text())
+    assert on_disk["rows"].keys() == summary["rows"].keys()
+    text = (reports / "comparison.md").read_text()
+    assert all(label in text for label in expected)
+    assert (reports / "comparison.png").stat().st_size > 10_000
+    checked = [item for item in summary["expectations"] if item["checked"]]
+    assert len(checked) == 10 and all(item["seeds"] == 2 for item in checked)
+
+
+def test_each_seed_trains_every_method_under_its_own_folder(comparison):
+    params, _, workdir = comparison
+    for seed in (0, 1):
+        root = workdir / "runs" / "compare" / f"seed-{seed}" / "artifacts"
+        for method in ("fct", "fastfill", "l2_disc", "rbt", "unified"):
+            assert (root / "align" / method / "map.pt").is_file(), (seed, method)
+        assert (root / "align" / "unified" / "query.npy").is_file()
+        for method in ("bct", "ract"):
+            history = json.loads((root / "compatible" / method / "history.json").read_text())
+            assert all(epoch["compatibility"] > 0 for epoch in history)
+            assert (root / "compatible" / method / "logits.npy").is_file()
+    old0 = (workdir / "runs/compare/seed-0/artifacts/features/new/test.npy").read_bytes()
+    old1 = (workdir / "runs/compare/seed-1/artifacts/features/new/test.npy").read_bytes()
+    assert old0 != old1
+
+
+def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison):
+    params, _, _ = comparison
+    client, _ = _client(params)
+    versions = client.search_model_versions(f"name = '{params.mlflow.registered_model}'")
+    by_method = {}
+    for version in versions:
+        by_method.setdefault(version.tags.get("method", version.tags.get("role")), []).append(version)
+    # per seed: old, new, bct, ract
+    assert {k: len(v) for k, v in by_method.items()} == {"old": 2, "new": 2, "bct": 2, "ract": 2}
+    assert all(v.tags["compatible_with"] in {str(o.version) for o in by_method["old"]} for v in by_method["bct"])
+    assert client.get_registered_model(params.mlflow.registered_model).aliases == {}
+    maps = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert sorted({v.tags["method"] for v in maps}) == ["fastfill", "fct", "l2_disc", "rbt", "unified"]
+
+
+def test_the_table_and_plot_are_logged_to_mlflow(comparison):
+    params, summary, _ = comparison
+    client, experiment = _client(params)
+    runs = client.search_runs([experiment], filter_string="attributes.run_name = 'comparison'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.tags["seeds"] == "0,1"
+    assert run.data.metrics["fastfill.sigma.top1_auc"] == pytest.approx(summary["rows"]["fastfill (sigma)"]["top1_auc"]["mean"])
+    assert run.data.metrics["old_old.map_auc"] == pytest.approx(summary["rows"]["old/old"]["map_auc"]["mean"])
+    logged = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"comparison.md", "comparison.json", "comparison.png"} <= logged
