@@ -191,6 +191,37 @@ class GalleryConfig(Section):
     upgrade: UpgradeConfig = UpgradeConfig()
 
 
+class PromotionConfig(Section):
+    """The gate between a finished backfill and moving `champion`: measured on the upgrade's
+    evaluation sample, the challenger (new queries, the gallery along its backfill) against the
+    champion (the gallery's model on its own features)."""
+
+    gate: bool = Field(default=True, description="false: a complete upgrade switches the gallery and moves "
+                       "champion without checking")
+    min_top1_auc_gain: Annotated[float, Field(ge=-1, le=1)] = Field(
+        default=0.0, description="challenger's mean top-1 along its backfill minus the champion's top-1, at least")
+    max_nfr1: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.1, description="negative flips at top-1 against the champion, mean along the backfill, at most")
+    max_fraction_to_gain: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=1.0, description="the challenger's top-1 must exceed the champion's by this backfilled fraction")
+    curve_points: Annotated[int, Field(ge=0)] = Field(default=20, description="B: the gate's curve has B + 2 points")
+
+
+class TriggerConfig(Section):
+    """What starts upgrades by itself (`fastfill serve`, `fastfill webhook`): a registry watcher
+    polling for a new challenger, MLflow registry webhooks, and schedules."""
+
+    poll_seconds: PositiveInt = Field(default=60, description="the registry watcher's interval")
+    webhook_host: str = Field(default="127.0.0.1", description="the webhook receiver listens here only")
+    webhook_port: Annotated[int, Field(ge=0, le=65535)] = 8787
+    webhook_secret_env: str = Field(default="FASTFILL_WEBHOOK_SECRET",
+                                    description="environment variable holding the webhook's HMAC secret")
+    max_clock_skew_seconds: PositiveInt = Field(default=300, description="older signed deliveries are refused")
+    nightly_cron: str | None = Field(default="0 2 * * *", description="check-and-upgrade; null = none")
+    comparison_cron: str | None = Field(default="0 3 * * 0", description="re-run the comparison; null = none")
+    timezone: str = "UTC"
+
+
 class ExperimentConfig(Section):
     """Used only by `fastfill seeds`: the seeds a multi-seed run covers."""
 
@@ -248,6 +279,8 @@ class Params(Section):
     experiment: ExperimentConfig = ExperimentConfig()
     gallery: GalleryConfig = GalleryConfig()
     compare: CompareConfig = CompareConfig()
+    promotion: PromotionConfig = PromotionConfig()
+    triggers: TriggerConfig = TriggerConfig()
 
     @model_validator(mode="after")
     def _methods_known(self) -> Params:

@@ -264,3 +264,25 @@ def find_alignment(client, name: str, old_version: str, new_version: str) -> lis
     joins = [v for v in versions if v.tags.get("from_version") == str(old_version)
              and v.tags.get("to_version") == str(new_version)]
     return sorted(joins, key=lambda v: (v.tags.get("method") == "fastfill", int(v.version)), reverse=True)
+
+
+def record_decision(client, name: str, version: str, run_id: str | None, tags: Mapping[str, str],
+                    promote: bool) -> None:
+    """The promotion decision as tags on the model version and the upgrade's run; when
+    ``promote``, ``champion`` moves to the version."""
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), key, value)
+        if run_id:
+            client.set_tag(run_id, key, value)
+    if promote:
+        client.set_registered_model_alias(name, "champion", str(version))
+
+
+def alias_version(client, name: str, alias: str) -> str | None:
+    """The version an alias points at, or None when the alias (or the model) does not exist."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None

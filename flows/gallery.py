@@ -17,8 +17,8 @@ from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_fe
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
 from tasks.gallery import (
-    backfill_chunk, embed_images, finish_upgrade, load_model, store_at, train_upgrade_map, transform_part,
-    write_gallery,
+    backfill_chunk, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision, reject_upgrade,
+    store_at, train_upgrade_map, transform_part, write_gallery, write_sources,
 )
 
 
@@ -101,13 +101,15 @@ def _open_run(params: Params, plan_fields: dict, store_uri: str) -> str:
 
 
 def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
-          old_model, new_model) -> up.Plan:
-    """Map, transformed features and sigma, order, evaluation sample; plan.json last."""
+          old_model, new_model, base: up.Plan | None = None) -> up.Plan:
+    """Map, transformed features and sigma, order, evaluation sample; plan.json last. With
+    ``base`` (an unfinished upgrade to ``old``), a sequential upgrade: the map applies to the
+    gallery as that upgrade left it, so items still on the gallery's model go through both maps."""
     config = params.gallery.upgrade
     client, _ = registry.setup(params.mlflow)
     fields = {"id": uid, "old": old.uri, "new": new.uri, "order": config.order, "chunk_size": config.chunk_size,
               "max_concurrency": config.max_concurrency, "task_runner": config.task_runner,
-              "eval_queries": config.eval_queries}
+              "eval_queries": config.eval_queries, "base": base.id if base else None}
     run_id = _open_run(params, fields, store_uri)
     found = registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
     if config.order == "sigma":
@@ -124,7 +126,11 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     if alignment_map.old_dim != old.dim or alignment_map.new_dim != new.dim:
         raise GalleryError(f"{map_uri} maps {alignment_map.old_dim} -> {alignment_map.new_dim} dimensions, but the "
                            f"gallery's features are {old.dim}-d and {new.uri} makes {new.dim}-d ones")
-    futures = [transform_part.submit(store_uri, uid, alignment_map, p) for p in range(gallery.num_parts)]
+    if base is not None:
+        write_sources(store_uri, uid, base)
+        log(f"sequential upgrade: starting from {base.id} as it stands ({len(up.done_chunks(gallery.store, base.id))}"
+            f"/{base.num_chunks} chunks on {base.new.uri}, the rest through its map), then {map_uri}")
+    futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None) for p in range(gallery.num_parts)]
     for future in futures:
         future.result()
     order = up.make_order(gallery, uid, config.order, config.seed)
@@ -134,7 +140,8 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     if len(positions) >= 2:
         queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size)
     plan = up.Plan(uid, old, new, map_uri, config.order, config.chunk_size, gallery.num_items,
-                   len(positions) if len(positions) >= 2 else 0, params.gallery.distance, run_id)
+                   len(positions) if len(positions) >= 2 else 0, params.gallery.distance, run_id,
+                   base=base.id if base else None)
     up.commit_plan(gallery, plan, order, positions, queries)
     log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
         f"{new.uri} against the mixed gallery")
@@ -259,48 +266,96 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
             "fraction": items_done / plan.num_items, "complete": complete}
 
 
+def _gate(params: Params, store_uri: str, plan: up.Plan, champion: ModelRef) -> dict:
+    """Measure the gates, record the decision in MLflow, and either switch the gallery and move
+    champion, or reject: the gallery keeps serving the champion's features."""
+    from components.promotion import decide, decision_tags
+
+    numbers = evaluate_gate(store_uri, plan, params.promotion)
+    passed, reasons = decide(numbers, params.promotion)
+    tags = decision_tags(passed, reasons, numbers, champion.version, plan.id)
+    reached = numbers["fraction_to_gain"]
+    log(f"promotion gate for {plan.new.uri} against {champion.uri}: top-1 {100 * numbers['champion_top1']:.2f} -> "
+        f"mean {100 * numbers['top1_auc']:.2f} along the backfill ({100 * numbers['top1_auc_gain']:+.2f}), NFR@1 "
+        f"{100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+        f"{'never' if reached is None else f'{100 * reached:.0f}%'}: {'PASSED' if passed else 'REJECTED'}"
+        + ("" if passed else f" ({'; '.join(reasons)})"))
+    if passed:
+        finish_upgrade(store_uri, plan)
+        record_decision(params.mlflow, plan, tags, promote=True)
+    else:
+        reject_upgrade(store_uri, plan, {"reasons": reasons, "numbers": numbers})
+        record_decision(params.mlflow, plan, tags, promote=False)
+    if plan.mlflow_run_id:
+        client, _ = registry.setup(params.mlflow)
+        registry.log_series(client, plan.mlflow_run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
+        registry.log_metrics(client, plan.mlflow_run_id, {f"gate.{k}": numbers[k] for k in
+                             ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
+    return {"passed": passed, "reasons": reasons, "numbers": numbers}
+
+
 @flow(name="gallery-upgrade", log_prints=True)
 def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
-                 break_lock: bool = False) -> dict:
+                 break_lock: bool = False, gate: bool | None = None) -> dict:
     """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
-    chunks in sigma order, measure along the way, switch the gallery when complete. Re-run the
-    same command to resume a stopped or killed upgrade."""
+    chunks in sigma order, measure along the way; when complete, the promotion gate decides
+    (``gate``, default promotion.gate): switch the gallery and move champion, or reject and
+    keep serving the champion's features. Re-run the same command to resume a stopped or killed
+    upgrade. A new model that arrives while an upgrade is unfinished starts a sequential
+    upgrade from the gallery as it stands."""
+    gate = params.promotion.gate if gate is None else gate
     store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
     manifest = gallery.manifest(refresh=True)
-    old = gallery.model
+    champion = gallery.model
     new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@challenger")
+    if (new.name, new.version) == (champion.name, champion.version):
+        raise GalleryError(f"the gallery at {store.uri} is already built with {new.uri}; nothing to upgrade")
+    base = None
     current = manifest.get("upgrade")
     if current:
         plan = up.load_plan(store, current)
         if plan is not None and (plan.new.name, plan.new.version) != (new.name, new.version):
-            raise GalleryError(f"{store.uri} is in the middle of upgrade {current} to {plan.new.uri}; resume it with "
-                               f"--to {plan.new.uri} before starting another")
-    if (new.name, new.version) == (old.name, old.version):
-        raise GalleryError(f"the gallery at {store.uri} is already built with {new.uri}; nothing to upgrade")
+            base = plan
+            log(f"{store.uri} is in the middle of upgrade {current} to {plan.new.uri}: {new.uri} starts a sequential "
+                "upgrade from the gallery as it stands")
+    old = base.new if base is not None else champion
     new_model = load_model(params.mlflow, new)
     new = ModelRef(new.name, new.version, new_model.embedding_dim)
     uid = up.upgrade_id(old, new)
+    rejected = up.rejection(store, uid)
+    if rejected is not None:
+        raise GalleryError(f"upgrade {uid} was rejected by the promotion gate on {rejected['rejected']} "
+                           f"({'; '.join(rejected.get('reasons', []))}); register a better version")
     lock = up.acquire_lock(store, uid, break_lock=break_lock, log=log)
     try:
         plan = up.load_plan(store, uid)
         if plan is None:
             old_model = load_model(params.mlflow, old)
-            plan = _plan(params, gallery, store_uri, uid, old, new, old_model, new_model)
+            plan = _plan(params, gallery, store_uri, uid, old, new, old_model, new_model, base)
         else:
             log(f"resuming upgrade {uid}")
             if gallery.manifest(refresh=True).get("upgrade") != uid:  # killed between plan and switch
                 gallery.write_manifest({**gallery.manifest(), "upgrade": uid})
         result = _backfill(params, gallery, store_uri, plan, new_model,
                            budget if budget is not None else params.gallery.upgrade.budget)
-        if result["complete"]:
+        result["mlflow_run_id"] = plan.mlflow_run_id
+        if not result["complete"]:
+            log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
+            result["state"] = "paused"
+            return result
+        if gate:
+            result["promotion"] = _gate(params, store_uri, plan, champion)
+            result["state"] = "complete" if result["promotion"]["passed"] else "rejected"
+        else:
             finish_upgrade(store_uri, plan)
+            record_decision(params.mlflow, plan, {"promotion": "ungated", "promotion.upgrade": plan.id}, promote=True)
+            result["state"] = "complete"
+        if result["state"] == "complete":
             log(f"upgrade {uid} complete: the gallery's model is now {new.uri}")
         else:
-            log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
-        result["state"] = "complete" if result["complete"] else "paused"
-        result["mlflow_run_id"] = plan.mlflow_run_id
+            log(f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
         return result
     finally:
         lock.release()

@@ -78,9 +78,14 @@ def train_upgrade_map(params: Params, old_model, new_model, old: ModelRef, new: 
     return h.eval(), f"models:/{params.mlflow.alignment_model}/{version}"
 
 
+@task(name="write-sources", **IO_RETRIES, **NO_CACHING)
+def write_sources(store_uri: str, upgrade_id: str, base: upgrade.Plan) -> int:
+    return upgrade.write_sources(Gallery(store_at(store_uri)), upgrade_id, base)
+
+
 @task(name="transform-part", **IO_RETRIES, **NO_CACHING)
-def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int) -> int:
-    return upgrade.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part)
+def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, sequential: bool = False) -> int:
+    return upgrade.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
 
 
 @task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
@@ -92,3 +97,37 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
 def finish_upgrade(store_uri: str, plan: upgrade.Plan) -> dict:
     return upgrade.finish(Gallery(store_at(store_uri)), plan)
+
+
+@task(name="evaluate-gate", **NO_CACHING)
+def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
+    """The promotion gate's numbers on the upgrade's evaluation sample (components.promotion)."""
+    from components.gallery.measure import restricted_order
+    from components.promotion import measure_gate
+
+    gallery = Gallery(store_at(store_uri))
+    store = gallery.store
+    try:
+        positions = store.get_array(upgrade.upgrade_key(plan.id, "eval/positions.npy"))
+        queries = store.get_array(upgrade.upgrade_key(plan.id, "eval/queries.npy"))
+    except Exception as error:  # noqa: BLE001 - a missing sample is a configuration problem
+        raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
+                           "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
+                           "or set promotion.gate: false") from error
+    new, _ = upgrade.mixed_features(gallery, plan)
+    champion = gallery.all_features(gallery.model)[positions]
+    transformed = upgrade.transformed_all(gallery, plan.id)[positions]
+    order = restricted_order(upgrade.order_of(store, plan.id), positions)
+    return measure_gate(champion, queries, new[positions], transformed, gallery.labels()[positions], order,
+                        distance=plan.distance, curve_points=config.curve_points)
+
+
+@task(name="record-decision", **IO_RETRIES, **NO_CACHING)
+def record_decision(config: MlflowConfig, plan: upgrade.Plan, tags: dict, promote: bool) -> None:
+    client, _ = registry.setup(config)
+    registry.record_decision(client, plan.new.name, plan.new.version, plan.mlflow_run_id, tags, promote)
+
+
+@task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
+def reject_upgrade(store_uri: str, plan: upgrade.Plan, decision: dict) -> dict:
+    return upgrade.reject(Gallery(store_at(store_uri)), plan, decision)

@@ -66,6 +66,11 @@ def transformed_key(upgrade: str, part: int) -> str:
     return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
 
 
+def source_key(upgrade: str, part: int) -> str:
+    """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
+    return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
+
+
 def sigma_key(upgrade: str, part: int) -> str:
     return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
 
@@ -87,6 +92,7 @@ class Plan:
     distance: str
     mlflow_run_id: str | None = None
     created: str = field(default_factory=now)
+    base: str | None = None  # a sequential upgrade: the unfinished upgrade whose mixed gallery it starts from
 
     @property
     def num_chunks(self) -> int:
@@ -106,13 +112,13 @@ class Plan:
         return {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
                 "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
                 "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
-                "mlflow_run_id": self.mlflow_run_id, "created": self.created}
+                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base}
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
         return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
                    data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
-                   data["distance"], data.get("mlflow_run_id"), data["created"])
+                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"))
 
 
 def load_plan(store: Store, upgrade: str) -> Plan | None:
@@ -126,11 +132,24 @@ def write_plan(store: Store, plan: Plan) -> None:
     store.put_json(plan_key(plan.id), plan.to_dict())
 
 
-def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, device=None) -> int:
-    """h(old) and log sigma^2 of one part's stored features; returns the part's item count."""
+def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
+    """A sequential upgrade starts from the gallery as queries see it in the unfinished ``base``
+    upgrade: its new model's features where backfilled, its transformed features elsewhere,
+    all in the space of ``base.new`` (the maps compose). Written per part; returns the parts."""
+    features, _ = mixed_features(gallery, base)
+    for part in range(gallery.num_parts):
+        start, stop = gallery.part_bounds(part)
+        gallery.store.put_array(source_key(upgrade, part), features[start:stop])
+    return gallery.num_parts
+
+
+def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, device=None,
+                   sequential: bool = False) -> int:
+    """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
+    features, see write_sources); returns the part's item count."""
     from components.training import apply_alignment
 
-    old = gallery.features(gallery.model, part)
+    old = gallery.store.get_array(source_key(upgrade, part)) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
     check_features(transformed, None, f"transformed features of part {part}")
     gallery.store.put_array(transformed_key(upgrade, part), transformed)
@@ -168,6 +187,8 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
         store.put_array(upgrade_key(plan.id, "eval/queries.npy"), eval_queries)
     write_plan(store, plan)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
+    if plan.base:
+        store.put_json(upgrade_key(plan.base, "superseded.json"), {"by": plan.id, "at": now()})
 
 
 def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.ndarray:
@@ -365,6 +386,25 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     return record
 
 
+def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
+    """The promotion gate failed: the gallery goes back to serving its own model's features (the
+    champion's); the upgrade's record says why, and its working data is garbage."""
+    record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), **decision}
+    gallery.store.put_json(upgrade_key(plan.id, "rejected.json"), record)
+    manifest = dict(gallery.manifest(refresh=True))
+    if manifest.get("upgrade") == plan.id:
+        manifest["upgrade"] = None
+        gallery.write_manifest(manifest)
+    return record
+
+
+def rejection(store: Store, upgrade: str) -> dict | None:
+    try:
+        return store.get_json(upgrade_key(upgrade, "rejected.json"))
+    except ObjectMissing:
+        return None
+
+
 def status(gallery: Gallery) -> dict:
     manifest = gallery.manifest(refresh=True)
     result = {"store": gallery.store.uri, "items": manifest["num_items"], "model": manifest["model"]["uri"],
@@ -403,9 +443,10 @@ def collect_garbage(gallery: Gallery) -> dict:
             deleted["features"] += 1
     for key in gallery.store.list("upgrades/"):
         parts = key.split("/")
-        if len(parts) < 3 or parts[2] in ("plan.json", "finished.json"):
+        if len(parts) < 3 or parts[2] in ("plan.json", "finished.json", "rejected.json", "superseded.json"):
             continue
-        if gallery.store.exists(upgrade_key(parts[1], "finished.json")):
+        if any(gallery.store.exists(upgrade_key(parts[1], end)) for end in ("finished.json", "rejected.json",
+                                                                              "superseded.json")):
             gallery.store.delete(key)
             deleted["upgrade_objects"] += 1
     return deleted

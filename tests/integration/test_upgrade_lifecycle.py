@@ -1,0 +1,182 @@
+"""What happens after and between backfills: the promotion gate (promote or reject) and a third
+model arriving before the second one's backfill has finished."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from components.config import parse_params
+from components.gallery import upgrade as up
+from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.search import GallerySearch
+from components.gallery.store import open_store
+from tests.integration.test_gallery_flows import _registry, _test_images, upgrade_env  # noqa: F401
+
+
+def _with(params, **sections):
+    data = params.model_dump(mode="json")
+    for name, values in sections.items():
+        data[name] = {**data[name], **values}
+    return parse_params(data)
+
+
+def _register(params, model, tags):
+    """A further embedder version (no alias), as a platform team would register one."""
+    import torch
+
+    from components import registry
+
+    client, experiment = registry.setup(params.mlflow)
+    run = client.create_run(experiment, run_name="register")
+    example = np.zeros((1, model.in_channels, 16, 16), np.float32)
+    with torch.no_grad():
+        version = registry.register_embedder(client, run.info.run_id, model.eval(), example,
+                                             params.mlflow.registered_model, None, tags)
+    return client, str(version)
+
+
+def _random_model(model, seed):
+    """Same architecture, untrained: a model that knows nothing."""
+    import torch
+
+    from components.config import TrainConfig
+    from components.models import Embedder
+
+    torch.manual_seed(seed)
+    config = TrainConfig(backbone="cnn", width=4, embedding_dim=16)
+    fresh = Embedder(config, model.in_channels, model.classes.tolist(), float(model.pixel_mean), float(model.pixel_std))
+    return fresh.eval()
+
+
+def _perturbed(model, seed, scale=0.05):
+    """A slightly different model of the same space (a third version for sequential upgrades)."""
+    import torch
+
+    variant = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in variant.embedding.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.abs().mean())
+    return variant.eval()
+
+
+def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_harness):
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    # tiny models on tiny data: loose gates, so this checks the mechanism (the unit tests check the rules)
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
+                                      "max_fraction_to_gain": 1.0})
+    client, _, _, old_version, new_version = _registry(params)
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    result = upgrade_flow(params, uri)
+    numbers = result["promotion"]["numbers"]
+    assert result["state"] == "complete" and result["promotion"]["passed"], result["promotion"]
+    name = params.mlflow.registered_model
+    assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
+    tags = client.get_model_version(name, new_version).tags
+    assert tags["promotion"] == "passed" and tags["promotion.champion_version"] == old_version
+    assert float(tags["promotion.top1_auc"]) == pytest.approx(numbers["top1_auc"], abs=1e-6)
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.tags["promotion"] == "passed"
+    assert run.data.metrics["gate.top1_auc_gain"] == pytest.approx(numbers["top1_auc_gain"])
+    assert len(client.get_metric_history(run.info.run_id, "gate.top1")) == params.promotion.curve_points + 2
+    assert Gallery(open_store(uri)).model.version == new_version
+
+
+def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
+    from flows.gallery import ingest_flow, upgrade_flow
+    from components.training import embed
+
+    params, tmp_path = upgrade_env
+    params = _with(params, promotion={"gate": True})  # the default gates
+    client, old_model, new_model, old_version, _ = _registry(params)
+    _, worse = _register(params, _random_model(new_model, seed=3), {"role": "new"})
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    store = open_store(uri)
+    before = {key: store.get(key) for key in store.list("features/")}
+
+    result = upgrade_flow(params, uri, f"models:/embedder/{worse}")
+    assert result["state"] == "rejected" and not result["promotion"]["passed"]
+    reasons = result["promotion"]["reasons"]
+    assert any("below the minimum" in r for r in reasons), reasons
+    name = params.mlflow.registered_model
+    assert str(client.get_model_version_by_alias(name, "champion").version) == old_version
+    tags = client.get_model_version(name, worse).tags
+    assert tags["promotion"] == "rejected" and "below the minimum" in tags["promotion.reason"]
+    assert client.get_run(result["mlflow_run_id"]).data.tags["promotion"] == "rejected"
+
+    # the gallery serves the champion's features: no upgrade, old model, features untouched
+    gallery = Gallery(store)
+    assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == old_version
+    assert {key: store.get(key) for key in store.list("features/")} == before
+    searcher = GallerySearch(gallery)
+    assert searcher.query_model.version == old_version and searcher.upgrade is None
+    split = _test_images(params)
+    ids, _ = searcher.search(embed(old_model, split.images[:4]), k=1)
+    assert list(ids[:, 0]) == [0, 1, 2, 3]  # each item finds itself among the champion's features
+    assert up.status(gallery)["state"] == "idle"
+
+    with pytest.raises(GalleryError, match="rejected by the promotion gate"):
+        upgrade_flow(params, uri, f"models:/embedder/{worse}")
+    deleted = up.collect_garbage(gallery)
+    assert deleted["upgrade_objects"] > 0 and store.exists(up.upgrade_key(result["upgrade"], "rejected.json"))
+
+
+def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
+    """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
+    work through the composed maps, the new order covers every item, and it completes."""
+    from components import registry
+    from components.evaluation import pairwise_distances
+    from components.training import embed
+    from flows.gallery import ingest_flow, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    client, _, new_model, v1, v2 = _registry(params)
+    _, v3 = _register(params, _perturbed(new_model, seed=5), {"role": "new"})
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    first = upgrade_flow(params, uri, f"models:/embedder/{v2}", budget=0.5)
+    assert first["state"] == "paused" and 0.4 < first["fraction"] < 0.7
+    store = open_store(uri)
+    gallery = Gallery(store)
+    plan1 = up.load_plan(store, first["upgrade"])
+    mixed1, backfilled1 = up.mixed_features(gallery, plan1)
+    assert 0 < backfilled1.sum() < len(backfilled1)
+
+    second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
+    assert second["state"] == "paused"
+    plan2 = up.load_plan(store, second["upgrade"])
+    assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
+    assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
+    assert store.get_json(up.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
+    # three versions stored: v1's features, v2's backfilled chunks, v3's backfilled chunks
+    assert store.list(f"features/embedder-v{v1}/") and up.done_chunks(store, plan1.id) and up.done_chunks(store, plan2.id)
+    # the sequential upgrade starts from v2's mixed gallery, and its order covers every item
+    sources = np.concatenate([store.get_array(up.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
+    np.testing.assert_array_equal(sources, mixed1)
+    assert sorted(up.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
+
+    # queries use v3 against the gallery as it stands, and match a brute-force search
+    searcher = GallerySearch(gallery)
+    assert searcher.query_model.version == v3
+    v3_model_loaded = registry.load_model(f"models:/embedder/{v3}")
+    queries = embed(v3_model_loaded, _test_images(params).images[:6])
+    mixed2, backfilled2 = up.mixed_features(gallery, plan2)
+    assert backfilled2.sum() == second["items_done"]
+    ids, _ = searcher.search(queries, k=3)
+    expected = np.argsort(pairwise_distances(queries, mixed2), axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(np.sort(ids, axis=1), np.sort(gallery.ids()[expected], axis=1))
+    # the curve of the sequential upgrade is measured along the way
+    assert client.get_metric_history(plan2.mlflow_run_id, "top1")
+
+    done = upgrade_flow(params, uri, f"models:/embedder/{v3}")
+    gallery = Gallery(store)
+    assert done["state"] == "complete" and gallery.model.version == v3
+    features = gallery.all_features(gallery.model)
+    np.testing.assert_allclose(features, embed(v3_model_loaded, _test_images(params).images), atol=1e-5)
+    up.collect_garbage(gallery)
+    assert not store.list(f"features/embedder-v{v1}/") and not store.list(up.upgrade_key(plan1.id, "done/"))
