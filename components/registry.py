@@ -47,8 +47,7 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
     # the first store. Keep the environment as the user set it.
     saved = {key: os.environ.get(key) for key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") or "://" not in uri:
-        mlflow.set_registry_uri(uri)
+    mlflow.set_registry_uri(uri)  # the registry lives in the same store or server
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -56,7 +55,7 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
             os.environ[key] = value
     # the registry named explicitly: a client without one follows MLflow's process-wide
     # registry URI, i.e. whichever store was configured last in this process
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri if uri.startswith("sqlite:") or "://" not in uri else None)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     experiment = client.get_experiment_by_name(config.experiment)
     if experiment is not None:
         return client, experiment.experiment_id

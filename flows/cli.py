@@ -382,6 +382,7 @@ def upgrade(ctx: typer.Context,
             runner: Annotated[str | None, typer.Option(help="threads, or dask")] = None,
             dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
             break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
+            gate: Annotated[bool | None, typer.Option(help="check the promotion gates before switching; default: promotion.gate")] = None,
             progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
             params: ParamsOption = Path("params.yaml")) -> None:
     """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
@@ -407,10 +408,21 @@ def upgrade(ctx: typer.Context,
     uri = _store(config, store)
     start = time.perf_counter()
     with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
-        result = _call(flow, config, uri, to, _parse_budget(budget), break_lock)
+        result = _call(flow, config, uri, to, _parse_budget(budget), break_lock, gate)
     typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
                f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
                f"MLflow run {result['mlflow_run_id']}")
+    if "promotion" in result:
+        numbers, decision = result["promotion"]["numbers"], result["promotion"]
+        reached = numbers["fraction_to_gain"]
+        typer.echo(f"promotion gate: {'passed, champion moved' if decision['passed'] else 'REJECTED'}: champion top-1 "
+                   f"{100 * numbers['champion_top1']:.2f}, challenger mean top-1 along the backfill "
+                   f"{100 * numbers['top1_auc']:.2f}, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                   f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
+        for reason in decision["reasons"]:
+            typer.echo(f"  - {reason}")
+    if result["state"] == "rejected":
+        raise typer.Exit(3)
 
 
 @upgrade_app.command("status")
@@ -465,6 +477,75 @@ def search(store: StoreOption = None,
     typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
                            "items": searcher.gallery.num_items, "ids": ids.tolist(),
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))
+
+
+webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them, register one.")
+app.add_typer(webhook_app, name="webhook")
+
+
+@app.command()
+def serve(params: ParamsOption = Path("params.yaml")) -> None:
+    """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the registry
+    watcher on its interval, the nightly check-and-upgrade and the weekly comparison."""
+    config = _params(params)
+    from prefect import serve as prefect_serve
+
+    from flows.triggers import deployments, params_file
+
+    found = deployments(config, params_file(params))
+    typer.echo("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in found))
+    prefect_serve(*found)
+
+
+@app.command()
+def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
+          resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False) -> None:
+    """Check the registry once: start the upgrade deployment when `challenger` is new to the gallery."""
+    config = _params(params)
+    from flows.triggers import params_file, watch_flow
+
+    typer.echo(json.dumps(_call(watch_flow, params_file(params), _store(config, store), resume), indent=1))
+
+
+@webhook_app.command("serve")
+def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
+                  host: Annotated[str | None, typer.Option(help="default triggers.webhook_host (127.0.0.1)")] = None,
+                  port: Annotated[int | None, typer.Option(help="default triggers.webhook_port")] = None) -> None:
+    """Receive MLflow registry webhooks; a signed alias event for `challenger` starts the upgrade."""
+    config = _params(params)
+    from flows.triggers import WebhookReceiver, params_file, webhook_secret
+
+    try:
+        secret = webhook_secret(config)
+    except ValueError as error:
+        _fail(error, 2)
+    receiver = WebhookReceiver(config, params_file(params), _store(config, store), secret,
+                               host or config.triggers.webhook_host,
+                               config.triggers.webhook_port if port is None else port)
+    typer.echo(f"listening on http://{receiver.address[0]}:{receiver.address[1]}/", err=True)
+    try:
+        receiver.serve_forever()
+    except KeyboardInterrupt:
+        receiver.shutdown()
+
+
+@webhook_app.command("register")
+def webhook_register(url: Annotated[str, typer.Option(help="where the receiver listens, e.g. http://127.0.0.1:8787/")],
+                     params: ParamsOption = Path("params.yaml"),
+                     name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "fastfill-upgrade") -> None:
+    """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created."""
+    config = _params(params)
+    from components import registry
+    from flows.triggers import webhook_secret
+
+    try:
+        secret = webhook_secret(config)
+    except ValueError as error:
+        _fail(error, 2)
+    client, _ = registry.setup(config.mlflow)
+    hook = client.create_webhook(name=name, url=url, events=["model_version_alias.created"], secret=secret,
+                                 description="fastfill: a new challenger starts the gallery upgrade")
+    typer.echo(f"webhook {hook.webhook_id} -> {url} (model_version_alias.created)")
 
 
 if __name__ == "__main__":
