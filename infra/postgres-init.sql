@@ -1,0 +1,2 @@
+-- The Prefect server's own database, beside MLflow's (created by POSTGRES_DB).
+CREATE DATABASE prefect;
