@@ -69,7 +69,7 @@ def platform(stack, tiny_pipeline, tmp_path_factory):
     # the old model's, 36% negative flips on 72 queries); a broken model is far worse on every gate
     data["promotion"] = {"gate": True, "min_top1_auc_gain": -0.4, "max_nfr1": 0.6, "max_fraction_to_gain": 1.0}
     webhook_port = _free_port()
-    data["triggers"] = {"poll_seconds": 5, "webhook_port": webhook_port, "nightly_cron": None, "comparison_cron": None}
+    data["triggers"] = {"poll_seconds": 10, "webhook_port": webhook_port, "nightly_cron": None, "comparison_cron": None}
     params_path = workdir / "params.yaml"
     params_path.write_text(yaml.safe_dump(data))
     env = {**os.environ, **stack, "PREFECT_HOME": str(workdir / "prefect-home")}
@@ -161,7 +161,8 @@ def _api(stack, path: str, body: dict) -> list:
     request = urllib.request.Request(stack["PREFECT_API_URL"] + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+        data = response.read()
+    return json.loads(data) if data else []
 
 
 def _deployments(stack) -> dict:
@@ -207,8 +208,17 @@ def _champion(stack) -> str:
     return str(_client(stack).get_model_version_by_alias("embedder", "champion").version)
 
 
+def _set_paused(stack, deployment: str, paused: bool) -> None:
+    target = _deployments(stack)[deployment]["id"]
+    action = "pause_deployment" if paused else "resume_deployment"
+    _api(stack, f"/deployments/{target}/{action}", {})
+
+
 def test_a_registered_challenger_is_upgraded_and_promoted_by_the_webhook(stack, platform):
+    """The watcher is paused: the webhook's delivery starts this upgrade."""
     client = _client(stack)
+    _set_paused(stack, "poll", True)
+    time.sleep(15)  # a poll already running when the pause came finishes first
     v1 = _champion(stack)
     v2 = _register(stack, platform["pipeline"] / "artifacts" / "models" / "new" / "model.pt", alias="challenger")
 
@@ -223,10 +233,11 @@ def test_a_registered_challenger_is_upgraded_and_promoted_by_the_webhook(stack, 
     assert tags["promotion"] == "passed" and tags["promotion.champion_version"] == v1
     gallery, manifest = _gallery(stack)
     assert manifest["model"]["version"] == v2 and manifest["upgrade"] is None
-    claim = gallery.store.get_json(f"triggers/embedder-v{v2}.json")
-    assert claim["source"] in ("webhook", "registry-watcher")
-    webhook_log = (platform["workdir"] / "webhook.log").read_text()
-    assert f"version {v2}" in webhook_log or claim["source"] == "registry-watcher"
+    assert gallery.store.get_json(f"triggers/embedder-v{v2}.json")["source"] == "webhook"
+    assert f"started upgrade-gallery/upgrade for embedder version {v2}" in (platform["workdir"] / "webhook.log").read_text()
+    _set_paused(stack, "poll", False)
+    time.sleep(25)  # the watcher polls again: it sees the gallery on v2 and starts nothing
+    assert len(_upgrade_runs(stack)) == 1
 
 
 def test_the_gate_rejects_a_broken_model_found_by_the_watcher(stack, platform):
@@ -255,5 +266,5 @@ def test_the_gate_rejects_a_broken_model_found_by_the_watcher(stack, platform):
     gallery, manifest = _gallery(stack)
     assert manifest["model"]["version"] == champion and manifest["upgrade"] is None
     assert gallery.store.get_json(f"triggers/embedder-v{v3}.json")["source"] == "registry-watcher"
-    time.sleep(12)  # two more polls: the rejected version is not started again
+    time.sleep(25)  # two more polls: the rejected version is not started again
     assert len(_upgrade_runs(stack)) == before + 1
