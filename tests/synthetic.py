@@ -53,8 +53,10 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
         "mlflow": {"tracking_uri": "sqlite:///mlruns.db", "artifact_location": "mlartifacts"},
         # the gate has its own tests; the other upgrade tests check the backfill itself
         "promotion": {"gate": False},
-        "compare": {
+        "compatible": {},
+        "compare": {  # dvc.yaml reads compare.seeds and compare.out from the file itself
             "seeds": [0],
+            "out": "runs/compare",
             "align": {
                 "l2_disc": {"hidden": [16, 16], "epochs": 3, "warmup_epochs": 1, "batch_size": 32, "disc": True},
                 "rbt": {"architecture": "rbt", "rbt_blocks": 1, "epochs": 3, "warmup_epochs": 1, "batch_size": 32},
