@@ -63,7 +63,12 @@ def wants_upgrade(gallery_model: ModelRef, upgrading_to: ModelRef | None, candid
 
 
 class WebhookRejected(ValueError):
-    """A delivery that must not be acted on; the message says why (no secrets in it)."""
+    """A delivery that must not be acted on; the message says why (no secrets in it), ``status``
+    is the HTTP answer: 401 when the sender is not proven, 400 when the body is malformed."""
+
+    def __init__(self, message: str, status: int = 401):
+        super().__init__(message)
+        self.status = status
 
 
 def sign(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
@@ -99,10 +104,10 @@ def alias_event(body: bytes) -> dict | None:
     try:
         event = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        raise WebhookRejected("the body is not JSON") from None
+        raise WebhookRejected("the body is not JSON", status=400) from None
     if not isinstance(event, dict) or (event.get("entity"), event.get("action")) != ("model_version_alias", "created"):
         return None
     data = event.get("data") or {}
     if not all(isinstance(data.get(k), str) for k in ("name", "alias", "version")):
-        raise WebhookRejected("a model_version_alias.created delivery without name, alias and version")
+        raise WebhookRejected("a model_version_alias.created delivery without name, alias and version", status=400)
     return {"name": data["name"], "alias": data["alias"], "version": data["version"]}

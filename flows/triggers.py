@@ -178,8 +178,7 @@ class WebhookReceiver:
             event = alias_event(body)
         except WebhookRejected as error:
             log(f"webhook: refused a delivery: {error}")
-            return 401 if "signature" in str(error) or "header" in str(error) or "clock" in str(error) else 400, \
-                {"error": str(error)}
+            return error.status, {"error": str(error)}
         if event is None:
             return 200, {"started": False, "reason": "not a model_version_alias.created event"}
         if event["name"] != self.params.mlflow.registered_model or event["alias"] != "challenger":

@@ -124,6 +124,11 @@ def test_the_receiver_starts_each_version_once_over_http(tmp_path):
         headers, body = _delivery(_alias_body("9"), secret="wrong")
         code, reply = _post(receiver.address, headers, body)
         assert code == 401 and "signature" in reply["error"]
+        stamp = str(int(time.time()))
+        signed_junk = {"X-MLflow-Delivery-Id": "d-3", "X-MLflow-Timestamp": stamp,
+                       "X-MLflow-Signature": sign(SECRET, "d-3", stamp, b"<xml/>")}
+        code, reply = _post(receiver.address, signed_junk, b"<xml/>")
+        assert code == 400 and "not JSON" in reply["error"]
         assert started == ["7"]
         with urllib.request.urlopen(f"http://127.0.0.1:{receiver.address[1]}/health", timeout=10) as response:
             assert json.loads(response.read()) == {"ok": True}
