@@ -9,6 +9,8 @@ import pytest
 
 from tests.synthetic import tiny_params
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
+
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory, image_folder, prefect_harness):

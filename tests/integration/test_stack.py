@@ -19,6 +19,8 @@ import yaml
 
 from tests.synthetic import tiny_params
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
+
 ROOT = Path(__file__).resolve().parents[2]
 FASTFILL = str(Path(sys.executable).with_name("fastfill"))
 STORE = "s3://gallery/e2e"

@@ -13,6 +13,8 @@ from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
 from tests.integration.test_gallery_flows import _registry, _test_images, upgrade_env  # noqa: F401
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
+
 
 def _with(params, **sections):
     data = params.model_dump(mode="json")
