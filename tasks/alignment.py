@@ -36,7 +36,7 @@ def train_map(config: AlignConfig, method: str, layout: Layout):
     options = dict(device=pick_device(), checkpoint=layout.checkpoint(f"align-{method}"), log=log,
                    on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"))
     if config.architecture == "unified":
-        log(f"training the {method} unified space ({config.rbt_blocks} RBT blocks per side) on {len(old)} "
+        log(f"training {method}: a unified space ({config.rbt_blocks} RBT blocks per side), on {len(old)} "
             f"stored feature pairs, {old.shape[1]} and {new.shape[1]} -> {new.shape[1]}")
         return train_unified(config, old, new, _class_rows(new_model, labels), len(new_model.classes), **options)
     terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
