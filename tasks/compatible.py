@@ -12,11 +12,12 @@ from prefect import task
 from components.compatibility import BCTInfluence, RACTCompatibility, old_class_means
 from components.config import CompatibleConfig, TrainConfig
 from components.data import load_meta, load_split
-from components.layout import Layout, load_array, save_array, write_json
+from components.layout import Layout, load_array, save_array
 from components.losses import match_dimension
-from components.models import load_embedder, save_embedder
-from components.training import discard_checkpoint, embed, pick_device, train_embedder
+from components.models import load_embedder
+from components.training import embed, pick_device, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
+from tasks.training import store_trained
 
 
 def compatibility_term(config: CompatibleConfig, old_model, split):
@@ -63,9 +64,5 @@ def embed_compatible(model, method: str, layout: Layout) -> dict[str, Path]:
 
 @task(name="save-compatible", **IO_RETRIES, **NO_CACHING)
 def save_compatible(model, train_config: TrainConfig, history: list[dict], method: str, layout: Layout) -> Path:
-    directory = layout.compatible_dir(method)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_embedder(model, train_config, directory / "model.pt")
-    write_json(directory / "history.json", history)
-    discard_checkpoint(layout.checkpoint(f"compatible-{method}"))
-    return directory / "model.pt"
+    return store_trained(model, train_config, history, layout.compatible_dir(method),
+                         layout.checkpoint(f"compatible-{method}"))

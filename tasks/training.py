@@ -43,11 +43,15 @@ def embed_splits(model, role: str, layout: Layout) -> dict[str, Path]:
     return written
 
 
-@task(name="save-model", **IO_RETRIES, **NO_CACHING)
-def save_model(model, config: TrainConfig, history: list[dict], role: str, layout: Layout) -> Path:
-    directory = layout.model_dir(role)
+def store_trained(model, config: TrainConfig, history: list[dict], directory: Path, checkpoint: Path) -> Path:
+    """model.pt and history.json in ``directory``; then the training's checkpoint goes."""
     directory.mkdir(parents=True, exist_ok=True)
     save_embedder(model, config, directory / "model.pt")
     write_json(directory / "history.json", history)
-    discard_checkpoint(layout.checkpoint(f"model-{role}"))
+    discard_checkpoint(checkpoint)
     return directory / "model.pt"
+
+
+@task(name="save-model", **IO_RETRIES, **NO_CACHING)
+def save_model(model, config: TrainConfig, history: list[dict], role: str, layout: Layout) -> Path:
+    return store_trained(model, config, history, layout.model_dir(role), layout.checkpoint(f"model-{role}"))

@@ -5,6 +5,8 @@ import uuid
 
 import pytest
 
+from tests.environment import restored_environ
+
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
             "AWS_ENDPOINT_URL", "AWS_PROFILE")
 
@@ -15,24 +17,19 @@ def s3_endpoint():
     so boto3 in this process and in CLI subprocesses speaks HTTP to it."""
     from moto.server import ThreadedMotoServer
 
-    saved = {key: os.environ.get(key) for key in AWS_KEYS}
-    for key in AWS_KEYS:
-        os.environ.pop(key, None)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    os.environ["AWS_ENDPOINT_URL_S3"] = url
-    try:
-        yield url
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with restored_environ(*AWS_KEYS):
+        for key in AWS_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        os.environ["AWS_ENDPOINT_URL_S3"] = url
+        try:
+            yield url
+        finally:
+            server.stop()
 
 
 def new_bucket(endpoint: str) -> str:

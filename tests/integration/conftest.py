@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.environment import in_workdir
 from tests.synthetic import make_image_folder, tiny_params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,16 +37,8 @@ def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
     data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'store' / 'mlflow.db'}"
     (workdir / "store").mkdir()
     params = parse_params(data)
-    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.chdir(workdir)
-    try:
+    with in_workdir(workdir):
         metrics = pipeline_flow(params)
-    finally:
-        os.chdir(previous)
-        if saved_uri is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
-        else:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
     return params, metrics, workdir
 
 

@@ -3,10 +3,10 @@ registered, evaluated, and the table is complete."""
 
 import json
 import math
-import os
 
 import pytest
 
+from tests.environment import in_workdir
 from tests.synthetic import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
@@ -22,14 +22,8 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
     data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
     data["compare"]["seeds"] = [0, 1]
     params = parse_params(data)
-    previous, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.chdir(workdir)
-    try:
+    with in_workdir(workdir):
         summary = compare_flow(params)
-    finally:
-        os.chdir(previous)
-        if saved_uri is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_uri
     return params, summary, workdir
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.environment import restored_environ
 from tests.synthetic import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
@@ -126,10 +127,9 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
 
     model = load_embedder(model_or_path) if isinstance(model_or_path, Path) else model_or_path
     uri = stack["MLFLOW_TRACKING_URI"]
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    try:
+    with restored_environ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # mlflow.set_*_uri export them
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
         client = _client(stack)
         experiment = client.get_experiment_by_name("platform") or client.get_experiment(
             client.create_experiment("platform"))
@@ -143,12 +143,6 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
         if alias:
             client.set_registered_model_alias("embedder", alias, version)
         return version
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _http_ok(url: str) -> bool:
@@ -193,17 +187,10 @@ def _gallery(stack):
     from components.gallery.catalog import Gallery
     from components.gallery.store import open_store
 
-    saved = {k: os.environ.get(k) for k in stack}
-    os.environ.update(stack)
-    try:
+    with restored_environ(*stack):
+        os.environ.update(stack)
         store = open_store(STORE)
         return Gallery(store), store.get_json("gallery.json")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _champion(stack) -> str:
