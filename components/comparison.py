@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Mapping
 
 from components.config import AlignConfig, CompatibleConfig
+from components.seed_report import spread
 
 ROW_KEYS = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "top5_0", "top5_100", "map_0", "map_100",
             "nfr1_mean", "top1_trapz", "map_trapz")
@@ -44,12 +45,6 @@ def describe_method(config: AlignConfig | CompatibleConfig) -> str:
     return f"map ({shape}), {terms}"
 
 
-def _spread(values: Mapping[str, float]) -> dict:
-    numbers = list(values.values())
-    return {"mean": statistics.fmean(numbers), "std": statistics.stdev(numbers) if len(numbers) > 1 else 0.0,
-            "per_seed": dict(values)}
-
-
 def _mean_curve(curves: list[Mapping], key: str) -> list[float]:
     return [statistics.fmean(values) for values in zip(*(c[key] for c in curves))]
 
@@ -72,7 +67,7 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
             rows[name.replace("_", "/")] = {
                 "method": name, "order": None, "kind": "reference", "headline": True,
                 "description": "old model, old gallery" if name == "old_old" else "new model, fully backfilled",
-                **{k: _spread({s: per_seed_metrics[s][name][k] for s in seeds}) for k in REFERENCE_KEYS}}
+                **{k: spread({s: per_seed_metrics[s][name][k] for s in seeds}) for k in REFERENCE_KEYS}}
     curves = {}
     for method, order in headline.items():
         for each in first[method]["by_order"]:
@@ -80,9 +75,9 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
             rows[label] = {
                 "method": method, "order": each, "kind": "method", "headline": each == order,
                 "description": descriptions.get(method, ""),
-                **{k: _spread({s: per_seed_metrics[s][method]["by_order"][each][k] for s in seeds}) for k in ROW_KEYS}}
+                **{k: spread({s: per_seed_metrics[s][method]["by_order"][each][k] for s in seeds}) for k in ROW_KEYS}}
             if "kendall_tau" in first[method] and each == "sigma":
-                rows[label]["kendall_tau"] = _spread({s: per_seed_metrics[s][method]["kendall_tau"] for s in seeds})
+                rows[label]["kendall_tau"] = spread({s: per_seed_metrics[s][method]["kendall_tau"] for s in seeds})
             runs = [per_seed_curves[s]["curves"][method][each] for s in seeds]
             curves[label] = {"alpha": runs[0]["alpha"], "top1": _mean_curve(runs, "top1"),
                              "map": _mean_curve(runs, "map"), "headline": each == order}

@@ -8,7 +8,8 @@ SEED_KEYS = ("top1_0", "top1_100", "top1_auc", "top5_auc", "map_auc", "nfr1_mean
 ORDER_KEYS = ("top1_auc", "top5_auc", "map_auc")
 
 
-def _spread(values_by_seed: dict[int, float]) -> dict:
+def spread(values_by_seed: dict) -> dict:
+    """Mean, sample standard deviation (0 for one seed) and the values keyed by str(seed)."""
     values = list(values_by_seed.values())
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "per_seed": {str(seed): value for seed, value in values_by_seed.items()}}
@@ -21,14 +22,14 @@ def summarize_seeds(per_seed: dict[int, dict]) -> dict:
     for name, entry in first.items():
         if name == "headroom":
             continue
-        row = {key: _spread({s: m[name][key] for s, m in per_seed.items()})
+        row = {key: spread({s: m[name][key] for s, m in per_seed.items()})
                for key in (*SEED_KEYS, "kendall_tau") if key in entry}
         if "by_order" in entry:
-            row["by_order"] = {order: {key: _spread({s: m[name]["by_order"][order][key] for s, m in per_seed.items()})
+            row["by_order"] = {order: {key: spread({s: m[name]["by_order"][order][key] for s, m in per_seed.items()})
                                        for key in ORDER_KEYS}
                                for order in entry["by_order"]}
         rows[name] = row
-    rows["headroom"] = {key: _spread({s: m["headroom"][key] for s, m in per_seed.items()}) for key in first["headroom"]}
+    rows["headroom"] = {key: spread({s: m["headroom"][key] for s, m in per_seed.items()}) for key in first["headroom"]}
     return rows
 
 
