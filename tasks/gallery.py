@@ -114,11 +114,11 @@ def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
         raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
                            "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
                            "or set promotion.gate: false") from error
-    new, _ = upgrade.mixed_features(gallery, plan)
+    transformed = upgrade.transformed_all(gallery, plan.id)
+    new, _ = upgrade.mixed_features(gallery, plan, transformed)
     champion = gallery.all_features(gallery.model)[positions]
-    transformed = upgrade.transformed_all(gallery, plan.id)[positions]
     order = restricted_order(upgrade.order_of(store, plan.id), positions)
-    return measure_gate(champion, queries, new[positions], transformed, gallery.labels()[positions], order,
+    return measure_gate(champion, queries, new[positions], transformed[positions], gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=config.curve_points)
 
 

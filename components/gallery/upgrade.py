@@ -349,10 +349,11 @@ def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
     return features
 
 
-def mixed_features(gallery: Gallery, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """The gallery as queries see it now: new features where backfilled, h(old) elsewhere;
-    and the backfilled mask."""
-    features = transformed_all(gallery, plan.id)
+    and the backfilled mask. ``transformed``: the upgrade's h(old), when the caller has read it."""
+    features = transformed_all(gallery, plan.id) if transformed is None else transformed.copy()
     backfilled = np.zeros(plan.num_items, dtype=bool)
     order = order_of(gallery.store, plan.id)
     for chunk in done_chunks(gallery.store, plan.id):
