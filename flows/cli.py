@@ -46,19 +46,18 @@ def _call(flow, *args, **kwargs):
         raise typer.Exit(1) from None
 
 
-def _dvc_commit(params_path: Path) -> None:
-    """Record what `fastfill run` produced in dvc.lock, so `dvc status` is clean and `dvc repro`
-    redoes nothing. Only for the repository's own params.yaml and default paths."""
+def _dvc_commit(params_path: Path, targets: list[str], done: str | None = None) -> None:
+    """Record what a command produced in dvc.lock (``targets``: `dvc commit` arguments), so
+    `dvc repro` of those stages redoes nothing. Only for the repository's own params.yaml."""
     if params_path.resolve() != Path("params.yaml").resolve() or not Path("dvc.yaml").is_file():
         return
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
-    result = subprocess.run([dvc, "commit", "--force", "--quiet", "--with-deps", "evaluate"],
-                            capture_output=True, text=True)
+    result = subprocess.run([dvc, "commit", "--force", "--quiet", *targets], capture_output=True, text=True)
     if result.returncode != 0:
         typer.secho(f"warning: `dvc commit` failed, DVC does not know about this run:\n{result.stderr}",
                     fg=typer.colors.YELLOW, err=True)
-    else:
-        typer.echo("dvc.lock updated: `dvc repro evaluate` has nothing to redo")
+    elif done:
+        typer.echo(done)
 
 
 def _print_summary(metrics: dict) -> None:
@@ -86,7 +85,7 @@ def run(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"\npipeline finished in {time.perf_counter() - start:.0f} s; "
                f"reports in {config.paths.reports}/ (metrics.json, backfill.png)")
     if dvc_commit:
-        _dvc_commit(params)
+        _dvc_commit(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc repro evaluate` has nothing to redo")
 
 
 @app.command()
@@ -104,17 +103,6 @@ def seeds(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all\n")
     typer.echo(seeds_markdown(summary))
     typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
-
-
-def _dvc_commit_stages(params_path: Path, stages: list[str]) -> None:
-    """Record the comparison's outputs in dvc.lock (its stages only), like `fastfill run` does."""
-    if params_path.resolve() != Path("params.yaml").resolve() or not Path("dvc.yaml").is_file():
-        return
-    dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
-    result = subprocess.run([dvc, "commit", "--force", "--quiet", *stages], capture_output=True, text=True)
-    if result.returncode != 0:
-        typer.secho(f"warning: `dvc commit` failed, DVC does not know about this run:\n{result.stderr}",
-                    fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()
@@ -136,7 +124,7 @@ def compare(params: ParamsOption = Path("params.yaml"),
     outputs = comparison_outputs(config)
     typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
     if dvc_commit and sorted(chosen) == sorted(config.compare.seeds):
-        _dvc_commit_stages(params, ["prepare", *(f"compare@{s}" for s in chosen), "comparison"])
+        _dvc_commit(params, ["prepare", *(f"compare@{s}" for s in chosen), "comparison"])
 
 
 class Role(str, Enum):
