@@ -43,10 +43,29 @@ class PrepareConfig(Section):
     )
     train_per_class: PositiveInt | None = None
     test_per_class: PositiveInt | None = None
+    unseen_classes: list[int] | None = Field(
+        default=None, description="open-class evaluation: no model or map trains on these classes and the test "
+        "split holds only them; null = every class is seen")
     image_size: PositiveInt = 28
     channels: Literal[1, 3] = 1
     test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
     seed: int = 0
+
+
+    @model_validator(mode="after")
+    def _class_lists(self) -> PrepareConfig:
+        if self.unseen_classes is not None:
+            if not self.unseen_classes:
+                raise ValueError("prepare.unseen_classes is empty; list the held-out classes, or null for none")
+            if len(set(self.unseen_classes)) != len(self.unseen_classes):
+                raise ValueError(f"prepare.unseen_classes {self.unseen_classes} lists a class twice")
+            overlap = sorted(set(self.unseen_classes) & set(self.old_classes or []))
+            if overlap:
+                raise ValueError(f"prepare.unseen_classes and prepare.old_classes overlap in {overlap}: the old "
+                                 "model must not see the held-out classes; remove them from one list")
+        if self.old_classes is not None and not self.old_classes:
+            raise ValueError("prepare.old_classes is empty; list the old model's classes, or null for the first half")
+        return self
 
 
 class TrainConfig(Section):
@@ -84,11 +103,32 @@ class AlignConfig(Section):
     architecture: Literal["mlp", "rbt", "unified"] = Field(
         default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space")
     rbt_blocks: PositiveInt = Field(default=2, description="RBT blocks of the rbt map, or of each unified map")
+    uncertainty_weighting: Literal["joint", "normalized", "detached"] = Field(
+        default="normalized", description="how psi's weight reaches the map's gradient: joint = the paper's loss "
+        "as written (the map's gradient is divided by ~lambda L); normalized = per-sample weights exp(-s) "
+        "rescaled to mean 1 and held constant for the map; detached = the map sees the unweighted loss. psi "
+        "always learns log sigma^2 from the (detached) loss in normalized and detached")
+    uncertainty_warmup: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.0, description="fraction of the steps during which the map trains on the unweighted loss")
     epochs: PositiveInt = 20
+    min_steps: Annotated[int, Field(ge=0)] = Field(
+        default=2000, description="at least this many optimiser steps: small data gets more epochs")
     warmup_epochs: Annotated[int, Field(ge=0)] = 5
     batch_size: PositiveInt = 256
     lr: PositiveFloat = 5e-4
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    validation_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.1, description="feature pairs held out (seeded) for per-epoch validation, the best checkpoint "
+        "and the map check; 0 = none (then no check and the last epoch is kept)")
+    validation_items: Annotated[int, Field(ge=2)] = Field(
+        default=2000, description="at most this many held-out pairs measured per validation")
+    check: Literal["fail", "fallback", "warn"] = Field(
+        default="fallback", description="when the map retrieves worse on the validation pairs than the l2-only "
+        "map trained on the same pairs: fail = stop with both numbers, fallback = use the l2 map and record why, "
+        "warn = keep the map and record the warning")
+    check_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.0, description="the map may trail the l2-only map by this much (fraction, e.g. 0.005) in "
+        "top1_auc and map_auc on the validation curve")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -160,9 +160,16 @@ def _per_class_sample(split: Split, per_class: int | None, rng: np.random.Genera
 def make_splits(raw: RawDataset, config: PrepareConfig) -> tuple[dict[str, Split], dict]:
     """The three splits and a description of them; the same config always gives the same bytes."""
     num_classes = len(raw.class_names)
+    unseen = sorted(config.unseen_classes or [])
+    bad = [c for c in unseen if not 0 <= c < num_classes]
+    if bad:
+        raise DataError(f"prepare.unseen_classes {config.unseen_classes}: {bad} are not class ids in 0..{num_classes - 1}")
+    seen = [c for c in range(num_classes) if c not in unseen]
+    if not seen:
+        raise DataError(f"prepare.unseen_classes {config.unseen_classes} holds out every class; leave some to train on")
     old_classes = config.old_classes
     if old_classes is None:
-        old_classes = list(range(num_classes // 2))
+        old_classes = seen[: max(1, len(seen) // 2)]
     bad = [c for c in old_classes if not 0 <= c < num_classes]
     if bad or not old_classes:
         raise DataError(
@@ -172,6 +179,9 @@ def make_splits(raw: RawDataset, config: PrepareConfig) -> tuple[dict[str, Split
     rng = np.random.default_rng(config.seed)
     new_train = _per_class_sample(raw.train, config.train_per_class, rng)
     test = _per_class_sample(raw.test, config.test_per_class, rng)
+    if unseen:  # open-class evaluation: train on the seen classes, evaluate on the held-out ones only
+        new_train = new_train.subset(np.flatnonzero(~np.isin(new_train.labels, unseen)))
+        test = test.subset(np.flatnonzero(np.isin(test.labels, unseen)))
     old_train = new_train.subset(np.flatnonzero(np.isin(new_train.labels, old_classes)))
     splits = {"old_train": old_train, "new_train": new_train, "test": test}
     meta = {
@@ -179,6 +189,8 @@ def make_splits(raw: RawDataset, config: PrepareConfig) -> tuple[dict[str, Split
         "class_names": raw.class_names,
         "num_classes": num_classes,
         "old_classes": sorted(old_classes),
+        "new_classes": seen,
+        "unseen_classes": unseen,
         "image_shape": list(test.images.shape[1:]),
         "sizes": {name: len(split) for name, split in splits.items()},
         # Mean and std of the training pixels: the models normalise their input with them.

@@ -30,6 +30,36 @@ def uncertainty_weighted(per_sample_loss: torch.Tensor, log_sigma2: torch.Tensor
     return 0.5 * torch.exp(-log_sigma2) * per_sample_loss + 0.5 * log_sigma2 / lam
 
 
+WEIGHTINGS = ("joint", "normalized", "detached")
+
+
+def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tensor, lam: float = 1.0,
+                          weighting: str = "joint", warm: bool = False) -> torch.Tensor:
+    """The batch loss of a map with an uncertainty head, by how psi's weight reaches the map.
+
+    ``joint`` is FastFill's loss as written: mean(0.5 exp(-s) L + 0.5 s / lambda). Its minimum
+    over s is s = log(lambda L), so once psi has learnt that, the map's gradient is divided by
+    about lambda L; Adam's second-moment estimate still remembers the large early gradients, so
+    with few optimiser steps the map barely moves. ``normalized`` keeps the per-sample weights
+    exp(-s) but rescales them to mean 1 and holds them constant for the map, so the map trains at
+    the unweighted loss's scale while easy samples still count more than hard ones. ``detached``
+    trains the map on the unweighted loss. In both, psi's term sees the loss detached, so it
+    predicts the same log sigma^2 without scaling the map's gradient; its gradient still reaches
+    the map through psi's input.
+    ``warm``: the map sees the unweighted loss whatever the weighting (a warm-up).
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"uncertainty weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if weighting == "joint" and not warm:
+        return uncertainty_weighted(per_sample_loss, log_sigma2, lam).mean()
+    head = uncertainty_weighted(per_sample_loss.detach(), log_sigma2, lam).mean()
+    if warm or weighting == "detached":
+        return 0.5 * per_sample_loss.mean() + head
+    weights = torch.exp(-log_sigma2).detach()
+    weights = weights / weights.mean()
+    return 0.5 * (weights * per_sample_loss).mean() + head
+
+
 @dataclass
 class AlignmentLoss:
     """The loss of one batch and its parts (batch means), for logging."""
@@ -52,12 +82,14 @@ def alignment_loss(
     label_smoothing: float = 0.1,
     log_sigma2: torch.Tensor | None = None,
     lam: float = 1.0,
+    weighting: str = "joint",
+    warm: bool = False,
 ) -> AlignmentLoss:
     """FCT (l2), FastFill (l2 + disc [+ uncertainty]) and their ablations, by switches.
 
     ``classifier`` is the new model's frozen head kappa_new and ``targets`` its rows for the
     labels; both are needed only when ``disc`` is on. With ``log_sigma2`` the per-sample sum
-    of the terms is weighted by the predicted uncertainty.
+    of the terms is weighted by the predicted uncertainty (see ``uncertainty_objective``).
     """
     per_sample = torch.zeros(len(transformed), device=transformed.device)
     l2_term = disc_term = None
@@ -69,10 +101,10 @@ def alignment_loss(
             raise ValueError("the disc term needs the new model's classifier and the labels")
         disc_term = classification_per_sample(classifier(transformed), targets, label_smoothing)
         per_sample = per_sample + disc_term
-    if log_sigma2 is not None:
-        per_sample = uncertainty_weighted(per_sample, log_sigma2, lam)
+    total = per_sample.mean() if log_sigma2 is None else uncertainty_objective(per_sample, log_sigma2, lam,
+                                                                                weighting, warm)
     return AlignmentLoss(
-        total=per_sample.mean(),
+        total=total,
         l2=None if l2_term is None else l2_term.mean(),
         disc=None if disc_term is None else disc_term.mean(),
         log_sigma2=None if log_sigma2 is None else log_sigma2.mean(),

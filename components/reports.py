@@ -42,15 +42,27 @@ def fixed_gallery_summary(point: Mapping) -> dict:
     return out
 
 
+def check_summary(record: Mapping) -> dict:
+    """The map check of one method, for metrics.json: its outcome and both maps' numbers."""
+    outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
+    return {"outcome": outcome, "policy": record["policy"],
+            **{f"map_{k}": record["candidate"][k] for k in ("top1_0", "top1_auc", "map_auc")},
+            **{f"reference_{k}": record["reference"][k] for k in ("top1_0", "top1_auc", "map_auc")}}
+
+
 def build_metrics(reference: Mapping[str, Mapping], curves: Mapping[str, Mapping[str, Mapping]],
-                  headline: Mapping[str, str], kendall: Mapping[str, float]) -> dict:
-    """``reference``: old_old/new_new points; ``curves[method][order]``: curve dicts."""
+                  headline: Mapping[str, str], kendall: Mapping[str, float],
+                  checks: Mapping[str, Mapping] | None = None) -> dict:
+    """``reference``: old_old/new_new points; ``curves[method][order]``: curve dicts;
+    ``checks[method]``: the map check's record (components.map_check), where a map was checked."""
     metrics: dict = {name: fixed_gallery_summary(point) for name, point in reference.items()}
     for method, by_order in curves.items():
         order = headline[method]
         entry = {"order": order, **curve_summary(by_order[order])}
         if method in kendall:
             entry["kendall_tau"] = kendall[method]
+        if checks and method in checks:
+            entry["map_check"] = check_summary(checks[method])
         entry["by_order"] = {name: curve_summary(curve) for name, curve in by_order.items()}
         metrics[method] = entry
     if "new_new" in reference:

@@ -6,8 +6,9 @@ from prefect import flow
 
 from components.config import Params
 from components.layout import Layout, read_json, write_json
+from components.map_check import check_metrics, check_tags
 from flows._stage import stage_run
-from tasks.alignment import save_map, train_map, transform_gallery
+from tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
 from tasks.tracking import log_results, register_alignment
 
 
@@ -19,12 +20,22 @@ def align_flow(params: Params, method: str, parent_run_id: str | None = None) ->
     config = params.align[method]
     with stage_run(params, f"align-{method}", {f"align.{method}": config.model_dump(mode="json")}, parent_run_id) as run_id:
         h, history = train_map(config, method, layout)
-        transform_gallery(h, config, method, layout)
-        save_map(h, config, history, method, layout)
-        series = {k: [e[k] for e in history] for k in history[0] if k != "epoch"}
-        log_results(params.mlflow, run_id, series=series,
-                    metrics={f"final_{k}": v[-1] for k, v in series.items()})
+        h, used, check = check_trained_map(h, config, method, layout, params.evaluate.distance)
+        transform_gallery(h, used, method, layout)
+        save_map(h, used, history, method, layout)
+        series = {k: [e.get(k, float("nan")) for e in history] for k in history[-1]
+                  if k not in ("epoch", "best") and isinstance(history[-1][k], (int, float))}
+        metrics = {f"final_{k}": v[-1] for k, v in series.items()}
+        best = [e for e in history if e.get("best")]
+        if best:
+            metrics.update({f"best_{k}": best[0][k] for k in best[0] if k.startswith("val_")} | {
+                "best_epoch": best[0]["epoch"]})
+        tags = {}
+        if check is not None:
+            metrics.update(check_metrics(check))
+            tags = check_tags(check)
+        log_results(params.mlflow, run_id, series=series, metrics=metrics, tags=tags)
         joins = {role: read_json(layout.model_dir(role) / "registry.json")["version"] for role in ("old", "new")}
-        entry = register_alignment(params.mlflow, run_id, h, method, joins)
+        entry = register_alignment(params.mlflow, run_id, h, method, joins, tags)
         write_json(layout.align_dir(method) / "registry.json", entry)
     return entry

@@ -7,42 +7,106 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
+import hashlib
+
 from components.config import AlignConfig
 from components.data import load_split
 from components.layout import Layout, load_array, save_array, write_json
+from components.map_check import check_map, fallback_config, held_out, is_reference, reference_config
 from components.models import load_alignment, load_embedder, save_alignment
 from components.training import (
-    apply_alignment, apply_unified, discard_checkpoint, pick_device, train_alignment, train_unified,
-    true_alignment_loss,
+    _run_key, apply_alignment, apply_unified, discard_checkpoint, fit_uncertainty_head, pick_device, train_alignment,
+    train_unified, true_alignment_loss,
 )
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
-def _class_rows(new_model, labels: np.ndarray) -> np.ndarray:
+def _class_rows(new_model, labels: np.ndarray, *, unseen_ok: bool = False) -> np.ndarray:
+    """kappa_new's row of each label; -1 for a class the new model never saw (open-class test
+    images, where ``unseen_ok``)."""
     import torch
 
     rows = new_model.class_index(torch.from_numpy(labels)).numpy()
-    if (rows < 0).any():
+    if (rows < 0).any() and not unseen_ok:
         raise ValueError("some labels are classes the new model does not know; its head must cover all classes")
     return rows
 
 
-@task(name="train-alignment", tags=GPU_TAGS, **NO_CACHING)
-def train_map(config: AlignConfig, method: str, layout: Layout):
+def _training_pairs(layout: Layout):
     new_model = load_embedder(layout.model_dir("new") / "model.pt")
     labels = load_split(layout.splits, "new_train").labels
     old = load_array(layout.features("old", "new_train"))
     new = load_array(layout.features("new", "new_train"))
+    return old, new, _class_rows(new_model, labels), new_model
+
+
+def _reference_path(config: AlignConfig, old: np.ndarray, new: np.ndarray, rows: np.ndarray, layout: Layout) -> Path:
+    """Where the l2-only reference of ``config`` trained on these pairs is kept: FCT's stage
+    leaves its map there and every other map's check reuses it (training is seeded, so it is
+    the same map either way). Not a stage output."""
+    key = hashlib.md5(_run_key(reference_config(config), old, new, rows).encode()).hexdigest()[:16]
+    return layout.paths.artifacts / "reference-maps" / f"{key}.pt"
+
+
+@task(name="train-alignment", tags=GPU_TAGS, **NO_CACHING)
+def train_map(config: AlignConfig, method: str, layout: Layout):
+    old, new, rows, new_model = _training_pairs(layout)
     options = dict(device=pick_device(), checkpoint=layout.checkpoint(f"align-{method}"), log=log,
-                   on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"))
+                   on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"), method=method)
     if config.architecture == "unified":
         log(f"training {method}: a unified space ({config.rbt_blocks} RBT blocks per side), on {len(old)} "
             f"stored feature pairs, {old.shape[1]} and {new.shape[1]} -> {new.shape[1]}")
-        return train_unified(config, old, new, _class_rows(new_model, labels), len(new_model.classes), **options)
+        return train_unified(config, old, new, rows, len(new_model.classes), **options)
     terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
     log(f"training the {method} map ({config.architecture}, {terms}) on {len(old)} stored feature pairs, "
         f"{old.shape[1]} -> {new.shape[1]}")
-    return train_alignment(config, old, new, _class_rows(new_model, labels), new_model.classifier, **options)
+    h, history = train_alignment(config, old, new, rows, new_model.classifier, **options)
+    if is_reference(config) and config.validation_fraction > 0:
+        save_alignment(h, reference_config(config), _reference_path(config, old, new, rows, layout))
+    return h, history
+
+
+def _reference_map(config: AlignConfig, method: str, layout: Layout, old, new, rows, classifier):
+    path = _reference_path(config, old, new, rows, layout)
+    if path.is_file():
+        log(f"{method} check: the l2-only map trained on the same pairs is at {path}")
+        return load_alignment(path)
+    log(f"{method} check: training the l2-only map on the same pairs (FCT with {method}'s schedule)")
+    reference, _ = train_alignment(reference_config(config), old, new, rows, classifier, device=pick_device(),
+                                   checkpoint=layout.checkpoint(f"align-{method}-reference"), log=log)
+    save_alignment(reference, reference_config(config), path)
+    discard_checkpoint(layout.checkpoint(f"align-{method}-reference"))
+    return reference
+
+
+@task(name="check-alignment", tags=GPU_TAGS, **NO_CACHING)
+def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, distance: str = "l2"):
+    """The map check (components.map_check) on the held-out pairs: returns the map to use, its
+    configuration and the check's record (None when the map is l2-only, its own reference, or
+    nothing is held out). Raises MapCheckError under ``check: fail``."""
+    directory = layout.align_dir(method)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "check.json").unlink(missing_ok=True)
+    if is_reference(config):
+        log(f"{method} is an l2-only map: it is the reference of the map check")
+        return h, config, None
+    old, new, rows, new_model = _training_pairs(layout)
+    pairs = held_out(config, old, new, rows, method)
+    if pairs is None:
+        log(f"{method}: align.{method}.validation_fraction is 0, so the map is used unchecked")
+        return h, config, None
+    reference = _reference_map(config, method, layout, old, new, rows, new_model.classifier)
+    result = check_map(method, config, h, reference, pairs, distance=distance)
+    log(f"map check ({config.check}): {result.message}")
+    if result.action == "fallback":
+        config = fallback_config(config)
+        h = reference
+        if config.uncertainty:
+            h = fit_uncertainty_head(reference, config, old, new, rows, new_model.classifier, device=pick_device())
+            log(f"{method}: fallback map = the l2-only map with an uncertainty head fitted on it (sigma order)")
+    record = result.to_dict()
+    write_json(directory / "check.json", record)
+    return h, config, record
 
 
 @task(name="transform-gallery", **NO_CACHING)
@@ -62,7 +126,8 @@ def transform_gallery(h, config: AlignConfig, method: str, layout: Layout) -> di
     new_model = load_embedder(layout.model_dir("new") / "model.pt")
     labels = load_split(layout.splits, "test").labels
     transformed, log_sigma2 = apply_alignment(h, old)
-    true_loss = true_alignment_loss(config, transformed, new, _class_rows(new_model, labels), new_model.classifier)
+    true_loss = true_alignment_loss(config, transformed, new, _class_rows(new_model, labels, unseen_ok=True),
+                                    new_model.classifier)
     save_array(outputs["gallery_old"], transformed)
     save_array(outputs["true_loss"], true_loss)
     if log_sigma2 is not None:

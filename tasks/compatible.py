@@ -36,7 +36,7 @@ def train_compatible(config: CompatibleConfig, train_config: TrainConfig, method
     device = pick_device()
     log(f"training the {method} new model ({train_config.backbone}, {train_config.epochs} epochs, "
         f"{config.loss} compatibility, lambda {config.lam}) on {len(split)} images, device {device}")
-    return train_embedder(train_config, split, list(range(meta["num_classes"])), meta["pixel_mean"],
+    return train_embedder(train_config, split, meta.get("new_classes", list(range(meta["num_classes"]))), meta["pixel_mean"],
                           meta["pixel_std"], device=device, checkpoint=layout.checkpoint(f"compatible-{method}"),
                           log=log, compatibility=term,
                           on_epoch=epoch_progress(f"compatible-{method}", f"training the {method} new model"))

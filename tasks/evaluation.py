@@ -10,7 +10,7 @@ from prefect import task
 from components.assessment import MethodOutputs, method_curves, reference_points
 from components.config import EvaluateConfig
 from components.data import load_split
-from components.layout import Layout, load_array, write_json
+from components.layout import Layout, load_array, read_json, write_json
 from components.reports import build_metrics, plot_curves, write_plot_data
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
@@ -55,7 +55,9 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
 
 @task(name="write-reports", **IO_RETRIES, **NO_CACHING)
 def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, kendall: Mapping, layout: Layout) -> dict[str, Path]:
-    metrics = build_metrics(reference, curves, config.headline_order, kendall)
+    checks = {method: read_json(layout.align_dir(method) / "check.json") for method in curves
+              if (layout.align_dir(method) / "check.json").is_file()}
+    metrics = build_metrics(reference, curves, config.headline_order, kendall, checks)
     write_json(layout.metrics, metrics)
     write_json(layout.curves, {"reference": reference, "curves": curves})
     write_plot_data(layout.plot_data, reference, curves)

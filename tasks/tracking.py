@@ -49,8 +49,10 @@ def open_stage_run(config: MlflowConfig, parent_run_id: str, stage: str, section
 @task(name="log-results", **IO_RETRIES, **NO_CACHING)
 def log_results(config: MlflowConfig, run_id: str, metrics: Mapping[str, float] | None = None,
                 series: Mapping[str, list[float]] | None = None, artifacts: list[Path] | None = None,
-                json_artifacts: Mapping[str, object] | None = None) -> None:
+                json_artifacts: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None) -> None:
     client, _ = _client(config)
+    for key, value in (tags or {}).items():
+        client.set_tag(run_id, key, value)
     if metrics:
         registry.log_metrics(client, run_id, metrics)
     if series:
@@ -82,11 +84,14 @@ def register_embedder(config: MlflowConfig, run_id: str, model, role: str, image
 
 
 @task(name="register-alignment", **IO_RETRIES, **NO_CACHING)
-def register_alignment(config: MlflowConfig, run_id: str, h, method: str, joins: Mapping[str, str]) -> dict:
+def register_alignment(config: MlflowConfig, run_id: str, h, method: str, joins: Mapping[str, str],
+                       check_tags: Mapping[str, str] | None = None) -> dict:
+    """The map as a version of the alignment model, tagged with the two versions it joins and,
+    when it was checked, the map check's outcome."""
     client, _ = _client(config)
     example = np.zeros((2, h.old_dim), dtype=np.float32)
     tags = {"method": method, "run_id": run_id, "from_version": joins["old"], "to_version": joins["new"],
-            "registered_model": config.registered_model}
+            "registered_model": config.registered_model, **(check_tags or {})}
     version = registry.register_alignment(client, run_id, h, example, config.alignment_model, tags)
     log(f"registered {config.alignment_model} version {version} ({method}: "
         f"{config.registered_model} v{joins['old']} -> v{joins['new']})")

@@ -19,7 +19,7 @@ from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 def train_model(config: TrainConfig, role: str, layout: Layout):
     meta = load_meta(layout.splits)
     split = load_split(layout.splits, "old_train" if role == "old" else "new_train")
-    classes = meta["old_classes"] if role == "old" else list(range(meta["num_classes"]))
+    classes = meta["old_classes"] if role == "old" else meta.get("new_classes", list(range(meta["num_classes"])))
     device = pick_device()
     log(f"training the {role} model ({config.backbone}, {config.epochs} epochs) on {len(split)} images, "
         f"classes {classes}, device {device}")

@@ -1,0 +1,174 @@
+"""The map check: before a trained map is used, it must retrieve at least as well as the plain
+l2-only map trained on the same pairs, measured on the held-out pairs at 0% backfill and along a
+simulated backfill curve (the map with its own order, sigma when it has an uncertainty head;
+the l2 map with a random order, as FCT).
+
+The policy is configuration (``align.<method>.check``): ``fail`` stops with both numbers and what
+to try, ``fallback`` uses the l2 map instead (with an uncertainty head fitted on it when the
+method orders by sigma) and records why, ``warn`` keeps the map and records the warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from components.config import AlignConfig
+
+POLICIES = ("fail", "fallback", "warn")
+CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
+
+# The settings the l2-only reference shares with the map it checks: same pairs, same split,
+# same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).
+_SHARED = ("l2_reduction", "epochs", "min_steps", "warmup_epochs", "batch_size", "lr", "weight_decay",
+           "validation_fraction", "validation_items", "seed")
+
+
+class MapCheckError(RuntimeError):
+    """A map failed its check under ``check: fail``; the message names both numbers."""
+
+
+def reference_config(config: AlignConfig) -> AlignConfig:
+    """The l2-only map a map is checked against: FCT with the map's schedule (and its hidden
+    widths when it is an MLP)."""
+    shared = {name: getattr(config, name) for name in _SHARED}
+    if config.architecture == "mlp":
+        shared["hidden"] = list(config.hidden)
+    return AlignConfig(l2=True, disc=False, uncertainty=False, architecture="mlp", **shared)
+
+
+def is_reference(config: AlignConfig) -> bool:
+    """The map is an l2-only MLP: it is its own reference and needs no check."""
+    return config.l2 and not config.disc and not config.uncertainty and config.architecture == "mlp"
+
+
+@dataclass(frozen=True)
+class SideOutputs:
+    """One map on the held-out pairs: the gallery's old side, the new side (queries and
+    backfilled items) and, with an uncertainty head, log sigma^2."""
+
+    gallery_old: np.ndarray
+    new_side: np.ndarray
+    log_sigma2: np.ndarray | None = None
+
+
+def _curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str) -> dict:
+    from components.evaluation import backfill_curve
+    from components.ordering import random_order, sigma_order
+
+    order = sigma_order(side.log_sigma2) if order_name == "sigma" else random_order(len(labels), seed)
+    curve = backfill_curve(side.new_side, side.new_side, side.gallery_old, labels, order, distance=distance,
+                           num_intermediate=CHECK_POINTS)
+    return {"order": order_name, "top1_0": float(curve.top1[0]), "map_0": float(curve.map[0]),
+            "top1_auc": float(np.mean(curve.top1)), "map_auc": float(np.mean(curve.map))}
+
+
+@dataclass
+class MapCheck:
+    """The outcome: ``passed``, and ``action``: ``kept`` (passed, or warn), ``fallback`` (the l2
+    map replaces it) or ``failed`` (the stage stops)."""
+
+    method: str
+    policy: str
+    passed: bool
+    action: str
+    candidate: dict
+    reference: dict
+    tolerance: float
+    message: str
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "policy": self.policy, "passed": self.passed, "action": self.action,
+                "candidate": self.candidate, "reference": self.reference, "tolerance": self.tolerance,
+                "message": self.message, **self.extra}
+
+
+def check_tags(record: dict) -> dict[str, str]:
+    """The check as tags (on the map's registered version and its run): ``check`` is
+    ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed)."""
+    outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
+    return {"check": outcome, "check_policy": record["policy"], "check_reason": record["message"][:4900]}
+
+
+def check_metrics(record: dict) -> dict[str, float]:
+    """The check's numbers as metrics: ``check.map.*`` and ``check.reference.*``."""
+    out = {f"check.{side}.{key}": record[name][key] for side, name in (("map", "candidate"), ("reference", "reference"))
+           for key in ("top1_0", "map_0", "top1_auc", "map_auc")}
+    out["check.passed"] = float(record["passed"])
+    return out
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.2f}"
+
+
+def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: SideOutputs, labels: np.ndarray,
+          *, distance: str = "l2") -> MapCheck:
+    """Measure both maps on the held-out pairs and apply ``config.check``. Raises MapCheckError
+    under ``fail`` when the map trails the l2-only map by more than ``config.check_tolerance``
+    in top1_auc or map_auc."""
+    if config.check not in POLICIES:
+        raise ValueError(f"align.{method}.check must be one of {POLICIES}, got {config.check!r}")
+    order = "sigma" if candidate.log_sigma2 is not None else "random"
+    numbers = _curve_numbers(candidate, labels, order, config.seed, distance)
+    baseline = _curve_numbers(reference, labels, "random", config.seed, distance)
+    tolerance = config.check_tolerance
+    short = [key for key in ("top1_auc", "map_auc") if numbers[key] < baseline[key] - tolerance]
+    summary = (f"{method} ({order} order) on {len(labels)} held-out pairs: top1_auc {_pct(numbers['top1_auc'])}, "
+               f"map_auc {_pct(numbers['map_auc'])}, top-1 at 0% {_pct(numbers['top1_0'])}; the l2-only map "
+               f"(random order): top1_auc {_pct(baseline['top1_auc'])}, map_auc {_pct(baseline['map_auc'])}, "
+               f"top-1 at 0% {_pct(baseline['top1_0'])}")
+    if not short:
+        return MapCheck(method, config.check, True, "kept", numbers, baseline, tolerance, f"passed: {summary}")
+    advice = ("try a larger align.{m}.min_steps, align.{m}.uncertainty_weighting: normalized, more training "
+              "pairs, or align.{m}.check: fallback to use the l2 map").format(m=method)
+    worse = " and ".join(short)
+    if config.check == "fail":
+        raise MapCheckError(f"map check failed: {method} trails the l2-only map in {worse} by more than the "
+                            f"tolerance {tolerance}. {summary}. What to try: {advice}")
+    action = "fallback" if config.check == "fallback" else "kept"
+    verb = "uses the l2-only map instead" if action == "fallback" else "keeps the map (check: warn)"
+    return MapCheck(method, config.check, False, action, numbers, baseline, tolerance,
+                    f"{method} trails the l2-only map in {worse}; the stage {verb}. {summary}")
+
+
+def held_out(config: AlignConfig, old: np.ndarray, new: np.ndarray, rows: np.ndarray, method: str = ""):
+    """The pairs the map never trained on (the same ones its reference never trained on), or
+    None when ``validation_fraction`` is 0."""
+    from components.map_validation import ValidationPairs
+    from components.training import split_pairs
+
+    _, val_index = split_pairs(config, len(old), method)
+    if not len(val_index):
+        return None
+    return ValidationPairs(old[val_index], new[val_index], rows[val_index]).sample(config.validation_items, config.seed)
+
+
+def outputs_on(h, pairs) -> SideOutputs:
+    """A map's sides on held-out pairs: h(old) with log sigma^2, or a unified map's T_g(old)
+    and T_q(new)."""
+    from components.models import UnifiedMaps
+    from components.training import apply_alignment, apply_unified
+
+    if isinstance(h, UnifiedMaps):
+        gallery_old, query = apply_unified(h, pairs.old, pairs.new)
+        return SideOutputs(gallery_old, query)
+    transformed, log_sigma2 = apply_alignment(h, pairs.old)
+    return SideOutputs(transformed, pairs.new, log_sigma2)
+
+
+def check_map(method: str, config: AlignConfig, h, reference, pairs, *, distance: str = "l2") -> MapCheck:
+    """``judge`` on held-out ``pairs`` for a trained map ``h`` and its trained l2-only ``reference``."""
+    return judge(method, config, outputs_on(h, pairs), outputs_on(reference, pairs), pairs.rows, distance=distance)
+
+
+def fallback_config(config: AlignConfig) -> AlignConfig:
+    """What a fallback map is: the l2-only map, with an uncertainty head fitted on it (for the
+    method's loss terms) when the method orders by sigma."""
+    data = reference_config(config).model_dump()
+    if config.uncertainty:
+        data.update(uncertainty=True, disc=config.disc, uncertainty_weighting="detached",
+                    uncertainty_lambda=config.uncertainty_lambda, disc_label_smoothing=config.disc_label_smoothing)
+    return AlignConfig.model_validate(data)
