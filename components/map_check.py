@@ -30,12 +30,10 @@ class MapCheckError(RuntimeError):
 
 
 def reference_config(config: AlignConfig) -> AlignConfig:
-    """The l2-only map a map is checked against: FCT with the map's schedule (and its hidden
-    widths when it is an MLP)."""
+    """The l2-only map a map is checked against: FCT with the map's schedule and ``hidden``
+    widths (for an RBT or unified map, ``hidden`` gives only the reference's widths)."""
     shared = {name: getattr(config, name) for name in _SHARED}
-    if config.architecture == "mlp":
-        shared["hidden"] = list(config.hidden)
-    return AlignConfig(l2=True, disc=False, uncertainty=False, architecture="mlp", **shared)
+    return AlignConfig(l2=True, disc=False, uncertainty=False, architecture="mlp", hidden=list(config.hidden), **shared)
 
 
 def is_reference(config: AlignConfig) -> bool:

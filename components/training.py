@@ -264,6 +264,10 @@ def _train_on_features(
     history holds each term's per-item epoch mean (0 for a term that is None). With
     ``validate``, the held-out pairs are measured every ``validate_every`` epochs and at the
     end, and the module ends with the weights of the best validation."""
+    # Tiny gradients (the joint uncertainty loss divides them by ~lambda L) reach denormal
+    # floats in Adam's state; on CPU those run many times slower. Flushing them changes nothing
+    # that a float32 result can show.
+    torch.set_flush_denormal(True)
     plan = feature_schedule(config, num_items)
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)

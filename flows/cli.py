@@ -37,11 +37,13 @@ def _call(flow, *args, **kwargs):
     from components.gallery.catalog import GalleryError
     from components.gallery.store import StoreError
     from components.gallery.upgrade import UpgradeLocked
+    from components.map_check import MapCheckError
     from components.registry import RegistryError
 
     try:
         return flow(*args, **kwargs)
-    except (DataError, FileNotFoundError, GalleryError, StoreError, RegistryError, UpgradeLocked) as error:
+    except (DataError, FileNotFoundError, GalleryError, StoreError, RegistryError, UpgradeLocked,
+            MapCheckError) as error:
         typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
@@ -103,6 +105,36 @@ def seeds(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all\n")
     typer.echo(seeds_markdown(summary))
     typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
+
+
+@app.command()
+def sweep(params: ParamsOption = Path("params.yaml"),
+          size: Annotated[list[str] | None, typer.Option("--size", help="prepare.train_per_class, or all; repeat for "
+                                                         "several (default: 100, 300, 1000, all)")] = None,
+          seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: experiment.seeds")] = None,
+          out: Annotated[Path, typer.Option(help="per-size, per-seed outputs go to OUT/n-<size>/seed-<s>/")] = Path("runs/sweep"),
+          resume: Annotated[bool, typer.Option(help="reuse the runs that already have a metrics.json")] = False) -> None:
+    """FastFill against FCT by data size: the pipeline at each train_per_class and seed, then
+    reports/sweep.{md,json,png}."""
+    config = _params(params)
+    from flows.sweep import sweep_flow, sweep_outputs
+
+    sizes = []
+    for text in size or ["100", "300", "1000", "all"]:
+        if text != "all" and not (text.isdigit() and int(text) > 0):
+            typer.secho(f"error: --size {text!r} must be a positive number of images per class, or all",
+                        fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        sizes.append(None if text == "all" else int(text))
+    chosen = seed or list(config.experiment.seeds)
+    start = time.perf_counter()
+    summary = _call(sweep_flow, config, sizes, chosen, out, resume)
+    outputs = sweep_outputs(config)
+    typer.echo(f"\nsweep of sizes {[s or 'all' for s in sizes]} x seeds {chosen}: {time.perf_counter() - start:.0f} s\n")
+    typer.echo(outputs["markdown"].read_text())
+    typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
+    if not summary["holds_everywhere"]:
+        raise typer.Exit(4)
 
 
 @app.command()

@@ -17,8 +17,8 @@ from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_fe
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
 from tasks.gallery import (
-    backfill_chunk, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision, reject_upgrade,
-    store_at, train_upgrade_map, transform_part, write_gallery, write_sources,
+    backfill_chunk, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision,
+    reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part, write_gallery, write_sources,
 )
 
 
@@ -114,12 +114,14 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     found = registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
     if config.order == "sigma":
         found = [v for v in found if v.tags.get("method") != "fct"] or found
+    pairs = training_pairs(params, old_model, new_model)
     if found:
         map_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
         alignment_map = registry.load_model(map_uri).eval()
         log(f"alignment map from the registry: {map_uri} ({found[0].tags.get('method')})")
     else:
-        alignment_map, map_uri = train_upgrade_map(params, old_model, new_model, old, new, run_id)
+        alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
+    alignment_map, map_uri = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new, run_id)
     if config.order == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
         raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
                            "gallery.upgrade.order: random or register a FastFill map")

@@ -44,38 +44,108 @@ def write_gallery(store_uri: str, images, features, model: ModelRef, labels, gro
                           part_size=part_size, on_part=on_part)
 
 
-@task(name="train-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
-def train_upgrade_map(params: Params, old_model, new_model, old: ModelRef, new: ModelRef, run_id: str) -> tuple:
-    """No registered map joins the two versions: train one on the prepared new-train split and
-    register it."""
+@task(name="embed-training-pairs", tags=GPU_TAGS, **NO_CACHING)
+def training_pairs(params: Params, old_model, new_model) -> tuple | None:
+    """Both models' features of the prepared new-train split (what a map trains and is checked
+    on) with kappa_new's row of each label, or None when no split is prepared here."""
+    import torch
+
     from components.data import load_split
     from components.layout import Layout
-    from components.training import embed, pick_device, train_alignment
+    from components.training import embed
+
+    try:
+        split = load_split(Layout(params.paths).splits, "new_train")
+    except FileNotFoundError:
+        return None
+    rows = new_model.class_index(torch.from_numpy(split.labels)).numpy()
+    keep = rows >= 0
+    return embed(old_model, split.images[keep]), embed(new_model, split.images[keep]), rows[keep]
+
+
+@task(name="train-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
+def train_upgrade_map(params: Params, pairs: tuple | None, new_model, old: ModelRef, new: ModelRef,
+                      run_id: str) -> tuple:
+    """No registered map joins the two versions: train one on the prepared new-train split and
+    register it."""
+    from components.layout import Layout
+    from components.training import pick_device, train_alignment
 
     method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]
-    layout = Layout(params.paths)
-    try:
-        split = load_split(layout.splits, "new_train")
-    except FileNotFoundError:
+    if pairs is None:
         raise GalleryError(
             f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
-            f"{layout.splits} to train one; run `fastfill stage prepare` (or `fastfill run`), or register a map "
-            f"tagged from_version={old.version}, to_version={new.version}") from None
-    import torch
+            f"{Layout(params.paths).splits} to train one; run `fastfill stage prepare` (or `fastfill run`), or "
+            f"register a map tagged from_version={old.version}, to_version={new.version}")
+    old_features, new_features, rows = pairs
+    log(f"training a {method} map {old.key} -> {new.key} on {len(rows)} images of the new-train split")
+    h, history = train_alignment(config, old_features, new_features, rows, new_model.classifier,
+                                 device=pick_device(), log=log, method=method)
+    return h.eval(), _register_map(params, h, method, old, new, run_id)
 
-    rows = new_model.class_index(torch.from_numpy(split.labels)).numpy()
-    keep = rows >= 0
-    log(f"training a {method} map {old.key} -> {new.key} on {int(keep.sum())} images of the new-train split")
-    old_features, new_features = embed(old_model, split.images[keep]), embed(new_model, split.images[keep])
-    h, history = train_alignment(config, old_features, new_features, rows[keep], new_model.classifier,
-                                 device=pick_device(), log=log)
+
+def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, run_id: str,
+                  extra: dict | None = None) -> str:
     client, _ = registry.setup(params.mlflow)
     tags = {"method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
-            "registered_model": old.name}
+            "registered_model": old.name, **(extra or {})}
     version = registry.register_alignment(client, run_id, h, np.zeros((2, h.old_dim), dtype=np.float32),
                                           params.mlflow.alignment_model, tags)
-    return h.eval(), f"models:/{params.mlflow.alignment_model}/{version}"
+    return f"models:/{params.mlflow.alignment_model}/{version}"
+
+
+@task(name="check-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
+def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple | None, new_model, old: ModelRef,
+                      new: ModelRef, run_id: str) -> tuple:
+    """The map check (components.map_check) on the held-out pairs of the new-train split: the
+    l2-only reference is the registry's FCT map for the same two versions, or one trained here.
+    Returns the map to use and its URI; the outcome is tagged on the map's version and the
+    upgrade's run. Raises MapCheckError under ``check: fail``."""
+    from components.map_check import check_map, check_metrics, check_tags, fallback_config, held_out, reference_config
+    from components.training import fit_uncertainty_head, pick_device, train_alignment
+
+    method = params.gallery.upgrade.method
+    config: AlignConfig = params.align[method]
+    client, _ = registry.setup(params.mlflow)
+    version = map_uri.rsplit("/", 1)[1]
+    held = None if pairs is None else held_out(config, *pairs, method)
+    if held is None:
+        why = "no prepared training split here" if pairs is None else f"align.{method}.validation_fraction is 0"
+        log(f"map check skipped: {why}")
+        client.set_model_version_tag(params.mlflow.alignment_model, version, "check", f"skipped ({why})")
+        client.set_tag(run_id, "check", f"skipped ({why})")
+        return alignment_map, map_uri
+    found = [v for v in registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
+             if v.tags.get("method") == "fct" and v.version != version]
+    if found:
+        reference_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
+        reference = registry.load_model(reference_uri).eval()
+        log(f"map check: the l2-only reference is {reference_uri}")
+    else:
+        log("map check: training the l2-only reference on the same pairs")
+        reference, _ = train_alignment(reference_config(config), *pairs, new_model.classifier, device=pick_device(),
+                                       log=log)
+        reference_uri = None
+    result = check_map(method, config, alignment_map, reference, held, distance=params.gallery.distance).to_dict()
+    log(f"map check ({config.check}): {result['message']}")
+    tags = check_tags(result)
+    for key, value in tags.items():
+        client.set_model_version_tag(params.mlflow.alignment_model, version, key, value)
+    registry.log_metrics(client, run_id, check_metrics(result))
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    if result["action"] != "fallback":
+        return alignment_map, map_uri
+    if params.gallery.upgrade.order == "sigma":
+        used = fallback_config(config)
+        fallback = fit_uncertainty_head(reference, used, *pairs, new_model.classifier, device=pick_device())
+        return fallback.eval(), _register_map(params, fallback, method, old, new, run_id,
+                                              {"check": "fallback map", "replaces": map_uri})
+    if reference_uri is None:
+        reference_uri = _register_map(params, reference, "fct", old, new, run_id,
+                                      {"check": "fallback map", "replaces": map_uri})
+    return reference, reference_uri
 
 
 @task(name="write-sources", **IO_RETRIES, **NO_CACHING)
