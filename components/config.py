@@ -104,7 +104,7 @@ class AlignConfig(Section):
         default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space")
     rbt_blocks: PositiveInt = Field(default=2, description="RBT blocks of the rbt map, or of each unified map")
     uncertainty_weighting: Literal["joint", "normalized", "detached"] = Field(
-        default="normalized", description="how psi's weight reaches the map's gradient: joint = the paper's loss "
+        default="joint", description="how psi's weight reaches the map's gradient: joint = the paper's loss "
         "as written (the map's gradient is divided by ~lambda L); normalized = per-sample weights exp(-s) "
         "rescaled to mean 1 and held constant for the map; detached = the map sees the unweighted loss. psi "
         "always learns log sigma^2 from the (detached) loss in normalized and detached")

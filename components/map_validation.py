@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from components.config import ConfigError
+
 MIN_VALIDATION_PAIRS = 20
 MIN_TRAINING_PAIRS = 2
 
@@ -20,17 +22,17 @@ def validation_split(num_pairs: int, fraction: float, seed: int, *, key: str = "
     """(training indices, validation indices), both sorted; no validation when ``fraction`` is 0.
     ``key`` names the setting in errors (e.g. ``align.fastfill.validation_fraction``)."""
     if not 0 <= fraction < 1:
-        raise ValueError(f"{key} = {fraction} must be in [0, 1)")
+        raise ConfigError(f"{key} = {fraction} must be in [0, 1)")
     if fraction == 0:
         return np.arange(num_pairs), np.arange(0)
     held_out = int(round(fraction * num_pairs))
     if held_out < MIN_VALIDATION_PAIRS:
-        raise ValueError(
+        raise ConfigError(
             f"{key} = {fraction} holds out {held_out} of {num_pairs} feature pairs; validation needs at least "
             f"{MIN_VALIDATION_PAIRS}: raise it to {min(0.5, MIN_VALIDATION_PAIRS / max(num_pairs, 1) + 0.01):.2f} "
             f"or set it to 0 (no validation, no map check)")
     if num_pairs - held_out < MIN_TRAINING_PAIRS:
-        raise ValueError(f"{key} = {fraction} leaves {num_pairs - held_out} of {num_pairs} feature pairs to train "
+        raise ConfigError(f"{key} = {fraction} leaves {num_pairs - held_out} of {num_pairs} feature pairs to train "
                          "on; lower it")
     permutation = np.random.default_rng([seed, 0x5EED]).permutation(num_pairs)
     return np.sort(permutation[held_out:]), np.sort(permutation[:held_out])

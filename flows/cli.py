@@ -33,6 +33,7 @@ def _params(path: Path):
 
 def _call(flow, *args, **kwargs):
     """Run a flow; bad or missing input ends the command with its message, not a traceback."""
+    from components.config import ConfigError
     from components.data import DataError
     from components.gallery.catalog import GalleryError
     from components.gallery.store import StoreError
@@ -43,7 +44,7 @@ def _call(flow, *args, **kwargs):
     try:
         return flow(*args, **kwargs)
     except (DataError, FileNotFoundError, GalleryError, StoreError, RegistryError, UpgradeLocked,
-            MapCheckError) as error:
+            MapCheckError, ConfigError) as error:
         typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 

@@ -47,6 +47,18 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
         assert version.tags["from_version"] == old["version"]
         assert version.tags["to_version"] == new["version"]
         assert version.tags["method"] == method
+    # every map but the l2-only one is checked against it; the outcome is on the version, the run and in metrics
+    fastfill = client.get_model_version(
+        "embedder-alignment", json.loads((workdir / "artifacts" / "align" / "fastfill" / "registry.json").read_text())["version"])
+    assert fastfill.tags["check"] in ("passed", "fallback", "warned") and fastfill.tags["check_policy"] == "fallback"
+    run = client.get_run(fastfill.tags["run_id"])
+    assert run.data.tags["check"] == fastfill.tags["check"]
+    assert {"check.map.top1_auc", "check.reference.map_auc", "best_val_top1"} <= set(run.data.metrics)
+    check = on_disk["fastfill"]["map_check"]
+    assert check["outcome"] == fastfill.tags["check"]
+    assert (check["outcome"] == "passed") == (check["map_top1_auc"] >= check["reference_top1_auc"]
+                                               and check["map_map_auc"] >= check["reference_map_auc"])
+    assert "map_check" not in on_disk["fct"]
 
     # the champion loads by alias with its classifier head, and embeds like the stored features
     import mlflow.pytorch
@@ -84,8 +96,10 @@ def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert {"backfill.png", "metrics.json"} <= artifacts
     align = next(r for r in children if r.info.run_name == "align-fastfill")
-    assert len(client.get_metric_history(align.info.run_id, "l2")) == 3  # one point per epoch
-    assert len(client.get_metric_history(align.info.run_id, "disc")) == 3
+    # one point per epoch: 216 training pairs (24 held out) make 7 steps an epoch, min_steps 30 -> 5 epochs
+    assert len(client.get_metric_history(align.info.run_id, "l2")) == 5
+    assert len(client.get_metric_history(align.info.run_id, "disc")) == 5
+    assert len(client.get_metric_history(align.info.run_id, "val_top1")) == 5
 
 
 def test_training_progress_is_a_prefect_artifact(finished_pipeline):
