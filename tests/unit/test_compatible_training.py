@@ -65,13 +65,15 @@ def test_rbt_map_and_unified_space_lower_their_losses(setting):
     split, old, config = setting
     new, _ = train_embedder(config, split, list(range(CLASSES)), 0.2, 0.3, device=torch.device("cpu"), log=_quiet)
     old_features, new_features = embed(old, split.images), embed(new, split.images)
-    rbt = AlignConfig(architecture="rbt", rbt_blocks=2, hidden=[], epochs=6, warmup_epochs=1, batch_size=16, lr=3e-3)
+    rbt = AlignConfig(architecture="rbt", rbt_blocks=2, hidden=[], epochs=6, warmup_epochs=1, batch_size=16, lr=3e-3, min_steps=0,
+                      validation_fraction=0)
     h, history = train_alignment(rbt, old_features, new_features, split.labels, new.classifier,
                                  device=torch.device("cpu"), log=_quiet)
     assert _lowered(history, "l2"), history
     assert h(torch.from_numpy(old_features)).shape == (len(split), 12)
 
-    unified = AlignConfig(rbt_blocks=1, hidden=[], epochs=6, warmup_epochs=1, batch_size=16, lr=3e-3)
+    unified = AlignConfig(rbt_blocks=1, hidden=[], epochs=6, warmup_epochs=1, batch_size=16, lr=3e-3, min_steps=0,
+                          validation_fraction=0)
     maps, history = train_unified(unified, old_features, new_features, split.labels, CLASSES,
                                   device=torch.device("cpu"), log=_quiet)
     assert _lowered(history, "loss") and _lowered(history, "similarity"), history

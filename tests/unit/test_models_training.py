@@ -96,7 +96,7 @@ def _feature_pairs(n=256, d_old=6, d_new=5, classes=4, seed=0):
 @pytest.mark.parametrize("terms", [dict(l2=True), dict(l2=True, disc=True, uncertainty=True), dict(disc=True, l2=False)])
 def test_alignment_training_lowers_its_loss(terms):
     old, new, labels, classifier = _feature_pairs()
-    config = AlignConfig(hidden=[32, 32], epochs=12, warmup_epochs=1, batch_size=32, lr=3e-3, **terms)
+    config = AlignConfig(hidden=[32, 32], epochs=12, warmup_epochs=1, batch_size=32, lr=3e-3, min_steps=0, **terms)
     h, history = train_alignment(config, old, new, labels, classifier, device=CPU, log=lambda m: None)
     assert history[-1]["loss"] < history[0]["loss"]
     transformed, log_sigma2 = apply_alignment(h, old, device=CPU)
@@ -109,7 +109,8 @@ def test_alignment_training_lowers_its_loss(terms):
 def test_sigma_tracks_the_true_loss():
     """psi learns log sigma^2 ~ log of the per-sample loss: items it is unsure of have larger losses."""
     old, new, labels, classifier = _feature_pairs(n=512)
-    config = AlignConfig(hidden=[32, 32], epochs=25, warmup_epochs=2, batch_size=32, lr=3e-3, disc=True, uncertainty=True)
+    config = AlignConfig(hidden=[32, 32], epochs=25, warmup_epochs=2, batch_size=32, lr=3e-3, min_steps=0, disc=True,
+                         uncertainty=True)
     h, _ = train_alignment(config, old, new, labels, classifier, device=CPU, log=lambda m: None)
     transformed, log_sigma2 = apply_alignment(h, old, device=CPU)
     loss = true_alignment_loss(config, transformed, new, labels, classifier)
