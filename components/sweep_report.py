@@ -39,14 +39,16 @@ def _cell(stat: dict) -> str:
 
 
 def sweep_markdown(summary: dict) -> str:
-    lines = ["FastFill against FCT by data size (`prepare.train_per_class`), mean ± std over seeds, in %. "
+    lines = ["FastFill against FCT by data size (`prepare.train_per_class`), mean ± std over the seeds listed, in %. "
              "The maps train on the new-train split's feature pairs (10% of them held out for validation and the "
              "map check); the evaluation is the full test split.", "",
-             "| train_per_class | pairs | row | top1_auc | map_auc | top-1 at 0% |", "|---|---|---|---|---|---|"]
+             "| train_per_class | pairs | seeds | row | top1_auc | map_auc | top-1 at 0% |",
+             "|---|---|---|---|---|---|---|"]
     for size, entry in summary["sizes"].items():
+        seeds = ",".join(entry["seeds"])
         for label, row in entry["rows"].items():
-            lines.append(f"| {size} | {entry['pairs']} | {label} | {_cell(row['top1_auc'])} | {_cell(row['map_auc'])} "
-                         f"| {_cell(row['top1_0'])} |")
+            lines.append(f"| {size} | {entry['pairs']} | {seeds} | {label} | {_cell(row['top1_auc'])} | "
+                         f"{_cell(row['map_auc'])} | {_cell(row['top1_0'])} |")
     lines += ["", "| train_per_class | FastFill-sigma minus FCT-random: top1_auc | map_auc | holds | map check of "
               "FastFill per seed |", "|---|---|---|---|---|"]
     for size, entry in summary["sizes"].items():

@@ -114,7 +114,8 @@ def sweep(params: ParamsOption = Path("params.yaml"),
                                                          "several (default: 100, 300, 1000, all)")] = None,
           seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: experiment.seeds")] = None,
           out: Annotated[Path, typer.Option(help="per-size, per-seed outputs go to OUT/n-<size>/seed-<s>/")] = Path("runs/sweep"),
-          resume: Annotated[bool, typer.Option(help="reuse the runs that already have a metrics.json")] = False) -> None:
+          resume: Annotated[bool, typer.Option(help="reuse the runs that already have a metrics.json")] = False,
+          report_only: Annotated[bool, typer.Option(help="run nothing: report the runs that exist")] = False) -> None:
     """FastFill against FCT by data size: the pipeline at each train_per_class and seed, then
     reports/sweep.{md,json,png}."""
     config = _params(params)
@@ -129,7 +130,7 @@ def sweep(params: ParamsOption = Path("params.yaml"),
         sizes.append(None if text == "all" else int(text))
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
-    summary = _call(sweep_flow, config, sizes, chosen, out, resume)
+    summary = _call(sweep_flow, config, sizes, chosen, out, resume, report_only)
     outputs = sweep_outputs(config)
     typer.echo(f"\nsweep of sizes {[s or 'all' for s in sizes]} x seeds {chosen}: {time.perf_counter() - start:.0f} s\n")
     typer.echo(outputs["markdown"].read_text())

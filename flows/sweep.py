@@ -37,25 +37,38 @@ def sweep_outputs(params: Params) -> dict[str, Path]:
 
 @flow(name="data-size-sweep", log_prints=True)
 def sweep_flow(params: Params, sizes: list[int | None], seeds: list[int], out: Path = Path("runs/sweep"),
-               resume: bool = False) -> dict:
-    """``resume``: a (size, seed) whose metrics.json exists is read, not re-run."""
+               resume: bool = False, report_only: bool = False) -> dict:
+    """``resume``: a (size, seed) whose metrics.json exists is read, not re-run. ``report_only``:
+    nothing is run; the report covers the (size, seed) runs that exist (each size lists its seeds)."""
     results, pairs = {}, {}
     for size in sizes:
         base = sized(params, size, out)
-        meta = prepare_flow(base)
         label = size_label(size)
+        if report_only:
+            meta_path = base.paths.data / "splits" / "meta.json"
+            if not meta_path.is_file():
+                log(f"train_per_class {label}: no runs yet, left out of the report")
+                continue
+            meta = read_json(meta_path)
+        else:
+            meta = prepare_flow(base)
         pairs[label] = meta["sizes"]["new_train"]
         for seed in seeds:
             seeded = base.with_seed(seed).with_outputs_under(out / f"n-{label}" / f"seed-{seed}")
             metrics_path = Layout(seeded.paths).metrics
-            if resume and metrics_path.is_file():
+            if (resume or report_only) and metrics_path.is_file():
                 log(f"train_per_class {label}, seed {seed}: reusing {metrics_path}")
                 metrics = read_json(metrics_path)
+            elif report_only:
+                log(f"train_per_class {label}, seed {seed}: not run, left out of the report")
+                continue
             else:
                 log(f"train_per_class {label}, seed {seed}: {pairs[label]} training images")
                 metrics = pipeline_flow(seeded, prepare=False, aliases=False)
             results.setdefault(label, {})[str(seed)] = metrics
-    summary = summarize_sweep(results, pairs)
+    if not results:
+        raise FileNotFoundError(f"no sweep runs under {out}; run `fastfill sweep` without --report-only first")
+    summary = summarize_sweep(results, {label: pairs[label] for label in results})
     outputs = sweep_outputs(params)
     write_json(outputs["json"], {**summary, "per_run": results})
     outputs["markdown"].write_text(sweep_markdown(summary))
