@@ -310,8 +310,18 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     result = upgrade_flow(params, uri)
     assert result["state"] == "complete"
     plan = up.load_plan(open_store(uri), result["upgrade"])
-    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
-    assert len(versions) == 1 and plan.map_uri == f"models:/{params.mlflow.alignment_model}/{versions[0].version}"
-    tags = versions[0].tags
+    versions = sorted(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"),
+                      key=lambda v: int(v.version))
+    trained, tags = versions[0], versions[0].tags
     assert (tags["from_version"], tags["to_version"], tags["method"]) == (old_version, new_version, "fastfill")
     assert tags["run_id"] == plan.mlflow_run_id
+    # the trained map was checked against an l2-only map on held-out pairs; the outcome is on the version and run
+    run = client.get_run(plan.mlflow_run_id)
+    assert tags["check"] in ("passed", "fallback", "warned") and run.data.tags["check"] == tags["check"]
+    assert {"check.map.top1_auc", "check.reference.top1_auc"} <= set(run.data.metrics)
+    used = trained
+    if tags["check"] == "fallback":  # the l2 map with a fitted uncertainty head was registered and used
+        assert len(versions) == 2 and versions[1].tags["replaces"] == f"models:/{params.mlflow.alignment_model}/{trained.version}"
+        used = versions[1]
+    assert len(versions) == (2 if tags["check"] == "fallback" else 1)
+    assert plan.map_uri == f"models:/{params.mlflow.alignment_model}/{used.version}"
