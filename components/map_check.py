@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from components.config import AlignConfig
+from components.map_validation import held_out  # noqa: F401 - part of the check's interface
 
 POLICIES = ("fail", "fallback", "warn")
 CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
@@ -130,18 +131,6 @@ def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: S
     verb = "uses the l2-only map instead" if action == "fallback" else "keeps the map (check: warn)"
     return MapCheck(method, config.check, False, action, numbers, baseline, tolerance,
                     f"{method} trails the l2-only map in {worse}; the stage {verb}. {summary}")
-
-
-def held_out(config: AlignConfig, old: np.ndarray, new: np.ndarray, rows: np.ndarray, method: str = ""):
-    """The pairs the map never trained on (the same ones its reference never trained on), or
-    None when ``validation_fraction`` is 0."""
-    from components.map_validation import ValidationPairs
-    from components.training import split_pairs
-
-    _, val_index = split_pairs(config, len(old), method)
-    if not len(val_index):
-        return None
-    return ValidationPairs(old[val_index], new[val_index], rows[val_index]).sample(config.validation_items, config.seed)
 
 
 def outputs_on(h, pairs) -> SideOutputs:

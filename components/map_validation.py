@@ -25,17 +25,17 @@ def validation_split(num_pairs: int, fraction: float, seed: int, *, key: str = "
         raise ConfigError(f"{key} = {fraction} must be in [0, 1)")
     if fraction == 0:
         return np.arange(num_pairs), np.arange(0)
-    held_out = int(round(fraction * num_pairs))
-    if held_out < MIN_VALIDATION_PAIRS:
+    count = int(round(fraction * num_pairs))
+    if count < MIN_VALIDATION_PAIRS:
         raise ConfigError(
-            f"{key} = {fraction} holds out {held_out} of {num_pairs} feature pairs; validation needs at least "
+            f"{key} = {fraction} holds out {count} of {num_pairs} feature pairs; validation needs at least "
             f"{MIN_VALIDATION_PAIRS}: raise it to {min(0.5, MIN_VALIDATION_PAIRS / max(num_pairs, 1) + 0.01):.2f} "
             f"or set it to 0 (no validation, no map check)")
-    if num_pairs - held_out < MIN_TRAINING_PAIRS:
-        raise ConfigError(f"{key} = {fraction} leaves {num_pairs - held_out} of {num_pairs} feature pairs to train "
+    if num_pairs - count < MIN_TRAINING_PAIRS:
+        raise ConfigError(f"{key} = {fraction} leaves {num_pairs - count} of {num_pairs} feature pairs to train "
                          "on; lower it")
     permutation = np.random.default_rng([seed, 0x5EED]).permutation(num_pairs)
-    return np.sort(permutation[held_out:]), np.sort(permutation[:held_out])
+    return np.sort(permutation[count:]), np.sort(permutation[:count])
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,13 @@ def retrieval_at_zero(transformed: np.ndarray, new: np.ndarray, labels: np.ndarr
 
     metrics = retrieval_metrics(new, transformed, labels, distance=distance)
     return {"top1": float(metrics["top1"]), "map": float(metrics["map"])}
+
+
+def held_out(config, old: np.ndarray, new: np.ndarray, rows: np.ndarray, method: str = "") -> ValidationPairs | None:
+    """The pairs a map never trains on (the same ones its l2-only reference never trains on),
+    at most ``config.validation_items`` of them, or None when ``validation_fraction`` is 0."""
+    key = f"align.{method}.validation_fraction" if method else "validation_fraction"
+    _, val_index = validation_split(len(old), config.validation_fraction, config.seed, key=key)
+    if not len(val_index):
+        return None
+    return ValidationPairs(old[val_index], new[val_index], rows[val_index]).sample(config.validation_items, config.seed)

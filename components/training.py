@@ -359,7 +359,7 @@ def train_alignment(
     _check_same_images(old_features, new_features, class_rows)
     device = device or pick_device()
     generator = seed_everything(config.seed)
-    train_index, val_index = split_pairs(config, len(old_features), method)
+    train_index, _ = split_pairs(config, len(old_features), method)
     h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1]).to(device)
     classifier = new_classifier.to(device).eval().requires_grad_(False)
     old = torch.from_numpy(old_features[train_index]).to(device)
@@ -378,15 +378,13 @@ def train_alignment(
         )
         return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
 
+    from components.map_validation import held_out
+
+    pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None
-    if len(val_index):
-        from components.map_validation import ValidationPairs
-
-        held_out = ValidationPairs(old_features[val_index], new_features[val_index], class_rows[val_index]).sample(
-            config.validation_items, config.seed)
-
+    if pairs is not None:
         def validate() -> dict[str, float]:
-            return validation_record(config, h, held_out, classifier, device)
+            return validation_record(config, h, pairs, classifier, device)
 
     history = _train_on_features(
         h, config, len(train_index), generator, _run_key(config, old_features, new_features, class_rows), batch_loss,
@@ -432,7 +430,7 @@ def train_unified(
     _check_same_images(old_features, new_features, class_rows)
     device = device or pick_device()
     generator = seed_everything(config.seed)
-    train_index, val_index = split_pairs(config, len(old_features), method)
+    train_index, _ = split_pairs(config, len(old_features), method)
     maps = UnifiedMaps(old_features.shape[1], new_features.shape[1], num_classes, config.rbt_blocks).to(device)
     old = torch.from_numpy(old_features[train_index]).to(device)
     new = torch.from_numpy(new_features[train_index]).to(device)
@@ -444,21 +442,19 @@ def train_unified(
         return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
                 "kl": parts.kl}
 
+    from components.map_validation import held_out, retrieval_at_zero
+
+    pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None
-    if len(val_index):
-        from components.map_validation import ValidationPairs, retrieval_at_zero
-
-        held_out = ValidationPairs(old_features[val_index], new_features[val_index], class_rows[val_index]).sample(
-            config.validation_items, config.seed)
-
+    if pairs is not None:
         @torch.no_grad()
         def validate() -> dict[str, float]:
-            query = maps.query(torch.from_numpy(held_out.new).to(device))
-            gallery = maps.gallery(torch.from_numpy(held_out.old).to(device))
+            query = maps.query(torch.from_numpy(pairs.new).to(device))
+            gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))
             l2 = l2_per_sample(query, gallery, "sum").mean().item()
-            disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(held_out.rows).to(device),
+            disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(pairs.rows).to(device),
                                              config.disc_label_smoothing).mean().item()
-            retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), held_out.rows)
+            retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), pairs.rows)
             return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
 
     history = _train_on_features(
@@ -529,17 +525,11 @@ def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.
     generator = seed_everything(config.seed)
     fitted = AlignmentMap(h.old_dim, h.new_dim, [], uncertainty=True).to(device)
     fitted.transform = copy.deepcopy(h.transform).to(device).eval().requires_grad_(False)
-    classifier = new_classifier.to(device).eval().requires_grad_(False)
     train_index, _ = split_pairs(config, len(old_features))
     with torch.no_grad():
         transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
-        new = torch.from_numpy(new_features[train_index]).to(device)
-        rows = torch.from_numpy(class_rows[train_index]).to(device)
-        per_item = torch.zeros(len(transformed), device=device)
-        if config.l2:
-            per_item += l2_per_sample(new, transformed, config.l2_reduction)
-        if config.disc:
-            per_item += classification_per_sample(classifier(transformed), rows, config.disc_label_smoothing)
+    per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
+                                                    class_rows[train_index], new_classifier)).to(device)
     optimizer = torch.optim.Adam(fitted.uncertainty.parameters(), lr=1e-2)
     batch = min(1024, len(transformed))
     for _ in range(steps):
