@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from components.config import AlignConfig, load_params  # noqa: E402
 from components.data import load_raw_dataset, make_splits  # noqa: E402
-from components.map_check import SideOutputs, _curve_numbers, reference_config  # noqa: E402
+from components.map_check import SideOutputs, curve_numbers, reference_config  # noqa: E402
 from components.map_validation import ValidationPairs  # noqa: E402
 from components.models import load_embedder, save_embedder  # noqa: E402
 from components.training import apply_alignment, embed, split_pairs, train_alignment, train_embedder  # noqa: E402
@@ -75,7 +75,7 @@ def _measure(config: AlignConfig, pairs: dict, classifier, seed: int) -> dict:
     held = ValidationPairs(pairs["old"][val_index], pairs["new"][val_index], pairs["rows"][val_index])
     transformed, log_sigma2 = apply_alignment(h, held.old)
     order = "sigma" if log_sigma2 is not None else "random"
-    numbers = _curve_numbers(SideOutputs(transformed, held.new, log_sigma2), held.rows, order, seed, "l2")
+    numbers = curve_numbers(SideOutputs(transformed, held.new, log_sigma2), held.rows, order, seed, "l2")
     best = next(r for r in history if r.get("best"))
     numbers.update({"epochs": len(history), "best_epoch": best["epoch"], "steps": history[-1]["step"],
                     "train_l2_last": history[-1]["l2"], "val_l2_best": best["val_l2"],

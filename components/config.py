@@ -129,6 +129,10 @@ class AlignConfig(Section):
     check_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
         default=0.0, description="the map may trail the l2-only map by this much (fraction, e.g. 0.005) in "
         "top1_auc and map_auc on the validation curve")
+    check_confidence: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.9, description="the map is kept only when, in this share of paired bootstrap resamples of the "
+        "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
+        "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -77,7 +77,8 @@ def test_tolerance_lets_a_slightly_worse_map_pass():
     assert not strict.passed
     gap = max(strict.reference["top1_auc"] - strict.candidate["top1_auc"],
               strict.reference["map_auc"] - strict.candidate["map_auc"])
-    lenient = judge("fct2", _config(uncertainty=False, check="warn", check_tolerance=gap + 1e-6), worse, good, labels)
+    lenient = judge("fct2", _config(uncertainty=False, check="warn", check_tolerance=gap + 1e-6, check_confidence=0.0),
+                    worse, good, labels)
     assert lenient.passed
 
 
@@ -184,3 +185,38 @@ def test_bad_settings_name_the_key(change, message):
     with pytest.raises(ConfigError) as error:
         _params_with(**change)
     assert message in str(error.value)
+
+
+def test_per_query_scores_average_to_the_curve_numbers():
+    from components.map_check import curve_numbers, per_query_scores
+
+    new, labels = _clustered(n=120, classes=6)
+    rng = np.random.default_rng(4)
+    side = SideOutputs(new + rng.normal(scale=1.5, size=new.shape).astype(np.float32), new,
+                       rng.normal(size=len(new)).astype(np.float32))
+    labels = labels.copy()
+    labels[0] = 99  # a query without a positive: a top-1 failure, left out of mAP
+    for order in ("sigma", "random"):
+        for distance in ("l2", "cosine"):
+            numbers = curve_numbers(side, labels, order, 3, distance)
+            top1, precision = per_query_scores(side, labels, order, 3, distance)
+            assert len(top1) == 120 and len(precision) == 119 and top1[0] == 0
+            assert top1.mean() == pytest.approx(numbers["top1_auc"], abs=1e-9)
+            assert precision.mean() == pytest.approx(numbers["map_auc"], abs=1e-9)
+
+
+def test_weak_evidence_falls_back_and_strong_evidence_passes():
+    """A map ahead by a hair on few pairs is not shown to be as good at 90% confidence: the
+    bootstrap support names it; the same map with confidence 0 (the plain comparison) passes."""
+    new, labels = _clustered(n=60, classes=5, seed=5)
+    rng = np.random.default_rng(18)
+    reference = SideOutputs(new + rng.normal(scale=4.0, size=new.shape).astype(np.float32), new)
+    candidate = SideOutputs(new + rng.normal(scale=4.0, size=new.shape).astype(np.float32), new)
+    plain = judge("fct2", _config(uncertainty=False, check="warn", check_confidence=0.0), candidate, reference, labels)
+    strict = judge("fct2", _config(uncertainty=False, check="warn"), candidate, reference, labels)
+    supports = [strict.candidate[f"{key}_support"] for key in ("top1_auc", "map_auc")]
+    assert min(supports) < 0.9 and not strict.passed and "bootstrap" in strict.message
+    assert plain.candidate["top1_auc"] >= plain.reference["top1_auc"] and plain.passed
+    good = SideOutputs(new + 0.05, new)
+    clear = judge("fct2", _config(uncertainty=False, check="fail"), good, reference, labels)
+    assert clear.passed and min(clear.candidate["top1_auc_support"], clear.candidate["map_auc_support"]) == 1.0
