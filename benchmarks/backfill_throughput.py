@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
 
 def _images(n: int) -> tuple[np.ndarray, str]:
-    from components.data import load_split
+    from components.experiment.data import load_split
 
     try:
         split = load_split(Path("data/splits"), "test")
@@ -46,8 +46,8 @@ def _images(n: int) -> tuple[np.ndarray, str]:
 def _models():
     import torch
 
-    from components.config import load_params
-    from components.models import AlignmentMap, Embedder
+    from components.platform.config import load_params
+    from components.experiment.models import AlignmentMap, Embedder
 
     params = load_params("params.yaml")
     torch.manual_seed(0)
@@ -59,9 +59,10 @@ def _models():
 
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
     from components.gallery import upgrade as up
-    from components.gallery.catalog import Gallery, ModelRef, ingest
+    from components.gallery.catalog import Gallery, ingest
+    from components.platform.registry import ModelRef
     from components.gallery.store import open_store
-    from components.training import embed
+    from components.experiment.inference import embed
 
     store = open_store(uri)
     old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
@@ -93,9 +94,9 @@ def main() -> None:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from components.config import parse_params
+    from components.platform.config import parse_params
     from components.gallery.catalog import IMAGE_CACHE
-    from components.training import embed
+    from components.experiment.inference import embed
     from flows.gallery import _backfill
 
     images, source = _images(args.items)

@@ -25,12 +25,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.config import AlignConfig, load_params  # noqa: E402
-from components.data import load_raw_dataset, make_splits  # noqa: E402
-from components.map_check import SideOutputs, curve_numbers, reference_config  # noqa: E402
-from components.map_validation import ValidationPairs  # noqa: E402
-from components.models import load_embedder, save_embedder  # noqa: E402
-from components.training import apply_alignment, embed, split_pairs, train_alignment, train_embedder  # noqa: E402
+from components.platform.config import AlignConfig, load_params  # noqa: E402
+from components.experiment.data import load_raw_dataset, make_splits  # noqa: E402
+from components.experiment.map_check import SideOutputs, curve_numbers, reference_config  # noqa: E402
+from components.experiment.map_validation import ValidationPairs  # noqa: E402
+from components.experiment.models import load_embedder, save_embedder  # noqa: E402
+from components.experiment.inference import apply_alignment, embed
+from components.experiment.training import split_pairs, train_alignment, train_embedder  # noqa: E402
 
 VARIANTS = {
     "joint, 20 epochs (before)": {"uncertainty_weighting": "joint", "min_steps": 0},

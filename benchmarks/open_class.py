@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from components.config import Params, load_params  # noqa: E402
+from components.platform.config import Params, load_params  # noqa: E402
 
 
 def open_class_params(params: Params, unseen: list[int], per_class: int | None, seed: int, out: Path) -> Params:

@@ -1,5 +1,5 @@
 """Prefect flows: one per stage, the pipeline that composes them, and the CLI."""
 
-from components.runtime import apply_defaults
+from components.platform.runtime import apply_defaults
 
 apply_defaults()

@@ -6,9 +6,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from components.config import Params
-from components.data import SPLITS
-from components.layout import Layout
+from components.platform.config import Params
+from components.experiment.data import SPLITS
+from components.platform.layout import Layout
 from tasks.tracking import close_run, open_pipeline_run, open_stage_run
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.config import Params
-from components.layout import Layout, read_json, write_json
-from components.map_check import check_metrics, check_tags
+from components.platform.config import Params
+from components.platform.layout import Layout, read_json, write_json
+from components.experiment.map_check import check_metrics, check_tags
 from flows._stage import stage_run
 from tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
 from tasks.tracking import log_results, register_alignment

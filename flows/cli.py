@@ -22,7 +22,7 @@ ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configur
 
 
 def _params(path: Path):
-    from components.config import ConfigError, load_params
+    from components.platform.config import ConfigError, load_params
 
     try:
         return load_params(path)
@@ -33,13 +33,13 @@ def _params(path: Path):
 
 def _call(flow, *args, **kwargs):
     """Run a flow; bad or missing input ends the command with its message, not a traceback."""
-    from components.config import ConfigError
-    from components.data import DataError
+    from components.platform.config import ConfigError
+    from components.experiment.data import DataError
     from components.gallery.catalog import GalleryError
     from components.gallery.store import StoreError
     from components.gallery.upgrade import UpgradeLocked
-    from components.map_check import MapCheckError
-    from components.registry import RegistryError
+    from components.experiment.map_check import MapCheckError
+    from components.platform.registry import RegistryError
 
     try:
         return flow(*args, **kwargs)
@@ -97,7 +97,7 @@ def seeds(params: ParamsOption = Path("params.yaml"),
           out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
     """Run the pipeline once per seed and write reports/seeds.json (per-seed numbers, mean, std)."""
     config = _params(params)
-    from components.seed_report import seeds_markdown
+    from components.evaluation.seed_report import seeds_markdown
     from flows.pipeline import seeds_flow
 
     chosen = seed or list(config.experiment.seeds)
@@ -146,7 +146,7 @@ def compare(params: ParamsOption = Path("params.yaml"),
     """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
     over seeds; write reports/comparison.{md,json,png} and log them to MLflow."""
     config = _params(params)
-    from components.comparison import ranking
+    from components.evaluation.comparison import ranking
     from flows.compare import compare_flow, comparison_outputs
 
     chosen = seed or list(config.compare.seeds)
@@ -238,7 +238,7 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
              out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,
              points: Annotated[int, typer.Option(help="intermediate curve points B (the curve has B+2)")] = 20) -> None:
     """Evaluate your own features: the backfill curve and its summaries, as JSON."""
-    from components.byof import EvaluationInputError, evaluate_feature_folder
+    from components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
 
     try:
         result = evaluate_feature_folder(features, distance=distance.value, num_intermediate=points)
@@ -286,7 +286,7 @@ def _gallery(uri: str):
 
 
 def _with_upgrade(config, **changes):
-    from components.config import Params
+    from components.platform.config import Params
 
     data = config.model_dump()
     data["gallery"]["upgrade"].update({k: v for k, v in changes.items() if v is not None})
@@ -489,7 +489,7 @@ def search(store: StoreOption = None,
         searcher = GallerySearch(_gallery(uri), config.gallery.distance)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
-        from components import registry
+        from components.platform import registry
 
         registry.setup(config.mlflow)
         model = registry.load_model(searcher.query_model.uri)
@@ -557,7 +557,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
                      name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "fastfill-upgrade") -> None:
     """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created."""
     config = _params(params)
-    from components import registry
+    from components.platform import registry
     from flows.triggers import webhook_secret
 
     try:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.comparison import comparison_markdown, describe_method, plot_comparison, summarize
-from components.config import Params
-from components.layout import Layout, read_json, write_json
+from components.evaluation.comparison import comparison_markdown, describe_method, plot_comparison, summarize
+from components.platform.config import Params
+from components.platform.layout import Layout, read_json, write_json
 from flows.pipeline import pipeline_flow
 from flows.prepare import prepare_flow
 from tasks._policy import log

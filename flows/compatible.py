@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.config import Params
-from components.data import load_meta
-from components.layout import Layout, read_json, write_json
+from components.platform.config import Params
+from components.experiment.data import load_meta
+from components.platform.layout import Layout, read_json, write_json
 from flows._stage import stage_run
 from tasks.compatible import embed_compatible, save_compatible, train_compatible
 from tasks.tracking import log_results, register_embedder

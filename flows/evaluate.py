@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.config import Params
-from components.layout import Layout, read_json
-from components.reports import flatten_numbers
+from components.platform.config import Params
+from components.platform.layout import Layout, read_json
+from components.evaluation.reports import flatten_numbers
 from flows._stage import stage_run
 from tasks.evaluation import evaluate_method, evaluate_reference, write_reports
 from tasks.tracking import log_results

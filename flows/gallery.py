@@ -10,10 +10,11 @@ import numpy as np
 from prefect import flow
 from prefect.futures import as_completed
 
-from components import registry
-from components.config import Params
+from components.platform import registry
+from components.platform.config import Params
 from components.gallery import upgrade as up
-from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_features, gather_images
+from components.gallery.catalog import Gallery, GalleryError, check_features, gather_images
+from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
 from tasks.gallery import (
@@ -52,8 +53,8 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@champion"
     ref = _resolve(params, model_uri)
     if images is None:
-        from components.data import load_split
-        from components.layout import Layout
+        from components.experiment.data import load_split
+        from components.platform.layout import Layout
 
         split = load_split(Layout(params.paths).splits, "test")
         image_array, label_array = split.images, split.labels
@@ -271,7 +272,7 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, n
 def _gate(params: Params, store_uri: str, plan: up.Plan, champion: ModelRef) -> dict:
     """Measure the gates, record the decision in MLflow, and either switch the gallery and move
     champion, or reject: the gallery keeps serving the champion's features."""
-    from components.promotion import decide, decision_tags
+    from components.gallery.promotion import decide, decision_tags
 
     numbers = evaluate_gate(store_uri, plan, params.promotion)
     passed, reasons = decide(numbers, params.promotion)

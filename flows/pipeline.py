@@ -9,10 +9,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.config import Params
-from components.layout import write_json
-from components.reports import flatten_numbers
-from components.seed_report import seeds_markdown, summarize_seeds
+from components.platform.config import Params
+from components.platform.layout import write_json
+from components.evaluation.reports import flatten_numbers
+from components.evaluation.seed_report import seeds_markdown, summarize_seeds
 from flows.align import align_flow
 from flows.compatible import compatible_flow
 from flows.evaluate import evaluate_flow

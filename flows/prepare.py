@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.config import Params
-from components.layout import Layout
+from components.platform.config import Params
+from components.platform.layout import Layout
 from flows._stage import stage_run
 from tasks.data import read_dataset, write_splits
 from tasks.tracking import log_results

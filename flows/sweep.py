@@ -11,9 +11,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.config import Params
-from components.layout import Layout, read_json, write_json
-from components.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
+from components.platform.config import Params
+from components.platform.layout import Layout, read_json, write_json
+from components.evaluation.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
 from flows.pipeline import pipeline_flow
 from flows.prepare import prepare_flow
 from tasks._policy import log

@@ -6,9 +6,9 @@ from typing import Literal
 
 from prefect import flow
 
-from components.config import Params
-from components.data import load_meta
-from components.layout import Layout, write_json
+from components.platform.config import Params
+from components.experiment.data import load_meta
+from components.platform.layout import Layout, write_json
 from flows._stage import stage_run
 from tasks.tracking import log_results, register_embedder
 from tasks.training import embed_splits, save_model, train_model

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from prefect import flow
 
-from components import registry
-from components.config import Params, load_params
+from components.platform import registry
+from components.platform.config import Params, load_params
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery
-from components.triggers import WebhookRejected, alias_event, claim, release, verify, wants_upgrade
+from components.gallery.triggers import WebhookRejected, alias_event, claim, release, verify, wants_upgrade
 from tasks._policy import log
 from tasks.gallery import store_at
 

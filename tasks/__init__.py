@@ -1,5 +1,5 @@
 """Prefect task wrappers over components: retries, tags and caching are declared here."""
 
-from components.runtime import apply_defaults
+from components.platform.runtime import apply_defaults
 
 apply_defaults()

@@ -9,14 +9,14 @@ from prefect import task
 
 import hashlib
 
-from components.config import AlignConfig
-from components.data import load_split
-from components.layout import Layout, load_array, save_array, write_json
-from components.map_check import check_map, fallback_config, held_out, is_reference, reference_config
-from components.models import load_alignment, load_embedder, save_alignment
-from components.training import (
-    _run_key, apply_alignment, apply_unified, discard_checkpoint, fit_uncertainty_head, pick_device, train_alignment,
-    train_unified, true_alignment_loss,
+from components.platform.config import AlignConfig
+from components.experiment.data import load_split
+from components.platform.layout import Layout, load_array, save_array, write_json
+from components.experiment.map_check import check_map, fallback_config, held_out, is_reference, reference_config
+from components.experiment.models import load_alignment, load_embedder, save_alignment
+from components.experiment.inference import apply_alignment, apply_unified, pick_device
+from components.experiment.training import (
+    _run_key, discard_checkpoint, fit_uncertainty_head, train_alignment, train_unified, true_alignment_loss,
 )
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
@@ -81,7 +81,7 @@ def _reference_map(config: AlignConfig, method: str, layout: Layout, old, new, r
 
 @task(name="check-alignment", tags=GPU_TAGS, **NO_CACHING)
 def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, distance: str = "l2"):
-    """The map check (components.map_check) on the held-out pairs: returns the map to use, its
+    """The map check (components.experiment.map_check) on the held-out pairs: returns the map to use, its
     configuration and the check's record (None when the map is l2-only, its own reference, or
     nothing is held out). Raises MapCheckError under ``check: fail``."""
     directory = layout.align_dir(method)

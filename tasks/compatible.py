@@ -9,13 +9,14 @@ import numpy as np
 import torch
 from prefect import task
 
-from components.compatibility import BCTInfluence, RACTCompatibility, old_class_means
-from components.config import CompatibleConfig, TrainConfig
-from components.data import load_meta, load_split
-from components.layout import Layout, load_array, save_array
-from components.losses import match_dimension
-from components.models import load_embedder
-from components.training import embed, pick_device, train_embedder
+from components.experiment.compatibility import BCTInfluence, RACTCompatibility, old_class_means
+from components.platform.config import CompatibleConfig, TrainConfig
+from components.experiment.data import load_meta, load_split
+from components.platform.layout import Layout, load_array, save_array
+from components.experiment.losses import match_dimension
+from components.experiment.models import load_embedder
+from components.experiment.inference import embed, pick_device
+from components.experiment.training import train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 from tasks.training import store_trained
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prefect import task
 
-from components.config import PrepareConfig
-from components.data import load_raw_dataset, make_splits, save_splits
+from components.platform.config import PrepareConfig
+from components.experiment.data import load_raw_dataset, make_splits, save_splits
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
 

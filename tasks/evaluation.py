@@ -7,11 +7,11 @@ from pathlib import Path
 
 from prefect import task
 
-from components.assessment import MethodOutputs, method_curves, reference_points
-from components.config import EvaluateConfig
-from components.data import load_split
-from components.layout import Layout, load_array, read_json, write_json
-from components.reports import build_metrics, plot_curves, write_plot_data
+from components.evaluation.assessment import MethodOutputs, method_curves, reference_points
+from components.platform.config import EvaluateConfig
+from components.experiment.data import load_split
+from components.platform.layout import Layout, load_array, read_json, write_json
+from components.evaluation.reports import build_metrics, plot_curves, write_plot_data
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
 

@@ -7,10 +7,11 @@ import functools
 import numpy as np
 from prefect import task
 
-from components import registry
-from components.config import AlignConfig, MlflowConfig, Params
+from components.platform import registry
+from components.platform.config import AlignConfig, MlflowConfig, Params
 from components.gallery import catalog, upgrade
-from components.gallery.catalog import Gallery, GalleryError, ModelRef
+from components.gallery.catalog import Gallery, GalleryError
+from components.platform.registry import ModelRef
 from components.gallery.store import Store, open_store
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 
@@ -30,7 +31,7 @@ def load_model(config: MlflowConfig, ref: ModelRef):
 
 @task(name="embed-images", tags=GPU_TAGS, **NO_CACHING)
 def embed_images(model, images: np.ndarray, batch_size: int = 512) -> np.ndarray:
-    from components.training import embed
+    from components.experiment.inference import embed
 
     return embed(model, images, batch_size=batch_size)
 
@@ -50,9 +51,9 @@ def training_pairs(params: Params, old_model, new_model) -> tuple | None:
     on) with kappa_new's row of each label, or None when no split is prepared here."""
     import torch
 
-    from components.data import load_split
-    from components.layout import Layout
-    from components.training import embed
+    from components.experiment.data import load_split
+    from components.platform.layout import Layout
+    from components.experiment.inference import embed
 
     try:
         split = load_split(Layout(params.paths).splits, "new_train")
@@ -68,8 +69,9 @@ def train_upgrade_map(params: Params, pairs: tuple | None, new_model, old: Model
                       run_id: str) -> tuple:
     """No registered map joins the two versions: train one on the prepared new-train split and
     register it."""
-    from components.layout import Layout
-    from components.training import pick_device, train_alignment
+    from components.platform.layout import Layout
+    from components.experiment.inference import pick_device
+    from components.experiment.training import train_alignment
 
     method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]
@@ -98,12 +100,13 @@ def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, 
 @task(name="check-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
 def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple | None, new_model, old: ModelRef,
                       new: ModelRef, run_id: str) -> tuple:
-    """The map check (components.map_check) on the held-out pairs of the new-train split: the
+    """The map check (components.experiment.map_check) on the held-out pairs of the new-train split: the
     l2-only reference is the registry's FCT map for the same two versions, or one trained here.
     Returns the map to use and its URI; the outcome is tagged on the map's version and the
     upgrade's run. Raises MapCheckError under ``check: fail``."""
-    from components.map_check import check_map, check_metrics, check_tags, fallback_config, held_out, reference_config
-    from components.training import fit_uncertainty_head, pick_device, train_alignment
+    from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_config, held_out, reference_config
+    from components.experiment.inference import pick_device
+    from components.experiment.training import fit_uncertainty_head, train_alignment
 
     method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]
@@ -171,9 +174,9 @@ def finish_upgrade(store_uri: str, plan: upgrade.Plan) -> dict:
 
 @task(name="evaluate-gate", **NO_CACHING)
 def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
-    """The promotion gate's numbers on the upgrade's evaluation sample (components.promotion)."""
+    """The promotion gate's numbers on the upgrade's evaluation sample (components.gallery.promotion)."""
     from components.gallery.measure import restricted_order
-    from components.promotion import measure_gate
+    from components.gallery.promotion import measure_gate
 
     gallery = Gallery(store_at(store_uri))
     store = gallery.store

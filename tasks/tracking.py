@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from components import registry
-from components.config import MlflowConfig, Params
+from components.platform import registry
+from components.platform.config import MlflowConfig, Params
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
 

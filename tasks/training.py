@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from components.config import TrainConfig
-from components.data import load_meta, load_split
-from components.layout import FEATURE_SPLITS, Layout, save_array, write_json
-from components.models import save_embedder
-from components.training import discard_checkpoint, embed, pick_device, train_embedder
+from components.platform.config import TrainConfig
+from components.experiment.data import load_meta, load_split
+from components.platform.layout import FEATURE_SPLITS, Layout, save_array, write_json
+from components.experiment.models import save_embedder
+from components.experiment.inference import embed, pick_device
+from components.experiment.training import discard_checkpoint, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 

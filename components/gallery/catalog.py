@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from components.gallery.store import ObjectMissing, Store, StoreError
+from components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
 FORMAT = 1
@@ -34,30 +35,6 @@ class GalleryError(ValueError):
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """One registered model version."""
-
-    name: str
-    version: str
-    dim: int | None = None
-
-    @property
-    def uri(self) -> str:
-        return f"models:/{self.name}/{self.version}"
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}-v{self.version}"
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "version": self.version, "dim": self.dim, "uri": self.uri}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ModelRef:
-        return cls(data["name"], str(data["version"]), data.get("dim"))
 
 
 def part_key(kind: str, part: int, suffix: str = "npy") -> str:

@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 
-from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_features
+from components.gallery.catalog import Gallery, GalleryError, check_features
+from components.platform.registry import ModelRef
 from components.gallery.upgrade import chunk_features, done_chunks, load_plan, order_of, transformed_all
 
 
@@ -107,7 +108,7 @@ class GallerySearch:
     def search_images(self, images: np.ndarray, model, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with ``model``, the query model
         (``self.query_model``), and search."""
-        from components.training import embed
+        from components.experiment.inference import embed
 
         images = np.asarray(images)
         if images.ndim == 3:

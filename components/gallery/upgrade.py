@@ -147,7 +147,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
                    sequential: bool = False) -> int:
     """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
     features, see write_sources); returns the part's item count."""
-    from components.training import apply_alignment
+    from components.experiment.inference import apply_alignment
 
     old = gallery.store.get_array(source_key(upgrade, part)) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
@@ -159,7 +159,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
 
 
 def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarray:
-    from components.ordering import random_order, sigma_order
+    from components.evaluation.ordering import random_order, sigma_order
 
     if kind == "random":
         return random_order(gallery.num_items, seed)
@@ -312,7 +312,7 @@ PLANS = _PlanCache()
 def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512) -> dict:
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
     marker. A chunk whose marker exists is not redone."""
-    from components.training import embed
+    from components.experiment.inference import embed
 
     marker = marker_key(upgrade, chunk)
     try:

@@ -29,7 +29,7 @@ def prefect_harness():
 def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
     """One tiny pipeline run (its own working directory and MLflow store) shared by the tests:
     returns (params, metrics, workdir)."""
-    from components.config import parse_params
+    from components.platform.config import parse_params
     from flows.pipeline import pipeline_flow
 
     workdir = tmp_path_factory.mktemp("pipeline")

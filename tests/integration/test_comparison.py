@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory, image_folder, prefect_harness):
-    from components.config import parse_params
+    from components.platform.config import parse_params
     from flows.compare import compare_flow
 
     workdir = tmp_path_factory.mktemp("comparison")
@@ -28,7 +28,7 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
 
 
 def _client(params):
-    from components.registry import setup
+    from components.platform.registry import setup
 
     client, experiment = setup(params.mlflow)
     return client, experiment

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
-from components.config import parse_params
+from components.platform.config import parse_params
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
-from components.registry import RegistryError
+from components.platform.registry import RegistryError
 from tests.synthetic import tiny_params
 
 
@@ -42,7 +42,7 @@ def upgrade_env(tiny_pipeline, image_folder, tmp_path, monkeypatch):
 
 
 def _registry(params):
-    from components import registry
+    from components.platform import registry
 
     client, _ = registry.setup(params.mlflow)
     name = params.mlflow.registered_model
@@ -53,8 +53,8 @@ def _registry(params):
 
 
 def _test_images(params):
-    from components.data import load_split
-    from components.layout import Layout
+    from components.experiment.data import load_split
+    from components.platform.layout import Layout
 
     return load_split(Layout(params.paths).splits, "test")
 
@@ -65,7 +65,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
 
     from components.evaluation import curve_at_counts
     from components.gallery.measure import restricted_order
-    from components.training import embed
+    from components.experiment.inference import embed
     from flows.gallery import ingest_flow, progress_key, upgrade_flow
 
     params, _ = upgrade_env
@@ -221,7 +221,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert status["state"] == "paused" and status["upgrade"]["fraction"] >= 0.25
 
     # search from the CLI: the new model's space, the mixed gallery
-    from components.training import embed
+    from components.experiment.inference import embed
 
     _, _, new_model, _, new_version = _registry(params)
     np.save(tmp_path / "q.npy", embed(new_model, _test_images(params).images[:2]))

@@ -123,7 +123,7 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
     import mlflow
     import mlflow.pytorch
 
-    from components.models import load_embedder
+    from components.experiment.models import load_embedder
 
     model = load_embedder(model_or_path) if isinstance(model_or_path, Path) else model_or_path
     uri = stack["MLFLOW_TRACKING_URI"]
@@ -233,7 +233,7 @@ def test_the_gate_rejects_a_broken_model_found_by_the_watcher(stack, platform):
     """The webhook receiver is stopped: the registry watcher's poll starts this upgrade."""
     import torch
 
-    from components.models import load_embedder
+    from components.experiment.models import load_embedder
 
     webhook = platform["processes"]["webhook"]
     os.killpg(webhook.pid, signal.SIGTERM)

@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import pytest
 
-from components.config import parse_params
+from components.platform.config import parse_params
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
@@ -27,7 +27,7 @@ def _register(params, model, tags):
     """A further embedder version (no alias), as a platform team would register one."""
     import torch
 
-    from components import registry
+    from components.platform import registry
 
     client, experiment = registry.setup(params.mlflow)
     run = client.create_run(experiment, run_name="register")
@@ -42,8 +42,8 @@ def _random_model(model, seed):
     """Same architecture, untrained: a model that knows nothing."""
     import torch
 
-    from components.config import TrainConfig
-    from components.models import Embedder
+    from components.platform.config import TrainConfig
+    from components.experiment.models import Embedder
 
     torch.manual_seed(seed)
     config = TrainConfig(backbone="cnn", width=4, embedding_dim=16)
@@ -90,7 +90,7 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
     from flows.gallery import ingest_flow, upgrade_flow
-    from components.training import embed
+    from components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
     params = _with(params, promotion={"gate": True})  # the default gates
@@ -131,9 +131,9 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
     work through the composed maps, the new order covers every item, and it completes."""
-    from components import registry
+    from components.platform import registry
     from components.evaluation import pairwise_distances
-    from components.training import embed
+    from components.experiment.inference import embed
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, tmp_path = upgrade_env

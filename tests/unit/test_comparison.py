@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from components.comparison import (
+from components.evaluation.comparison import (
     check_expectations, comparison_markdown, describe_method, plot_comparison, ranking, summarize,
 )
-from components.config import AlignConfig, CompatibleConfig
+from components.platform.config import AlignConfig, CompatibleConfig
 
 ALPHA = [0.0, 0.5, 1.0]
 KEYS = ("top1", "top5", "map")

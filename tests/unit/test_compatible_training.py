@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from components.compatibility import BCTInfluence, RACTCompatibility, old_class_means
-from components.config import AlignConfig, TrainConfig
-from components.data import Split
-from components.training import embed, train_alignment, train_embedder, train_unified
+from components.experiment.compatibility import BCTInfluence, RACTCompatibility, old_class_means
+from components.platform.config import AlignConfig, TrainConfig
+from components.experiment.data import Split
+from components.experiment.inference import embed
+from components.experiment.training import train_alignment, train_embedder, train_unified
 
 CLASSES = 4
 

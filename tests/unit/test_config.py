@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.config import ConfigError, load_params, parse_params
+from components.platform.config import ConfigError, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import TrainConfig
+from components.platform.config import TrainConfig
 from components.evaluation import curve_at_counts
 from components.gallery import upgrade as up
-from components.gallery.catalog import Gallery, GalleryError, ModelRef, ingest
+from components.gallery.catalog import Gallery, GalleryError, ingest
+from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter, restricted_order
 from components.gallery.search import GallerySearch
 from components.gallery.store import (
     AlreadyExists, ChecksumMismatch, LocalStore, ObjectMissing, StoreError, StoreUnreachable, open_store,
 )
-from components.models import AlignmentMap, Embedder
-from components.training import apply_alignment, embed
+from components.experiment.models import AlignmentMap, Embedder
+from components.experiment.inference import apply_alignment, embed
 
 N, OLD_DIM, NEW_DIM = 53, 8, 12
 

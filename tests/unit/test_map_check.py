@@ -5,14 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import AlignConfig, ConfigError, parse_params
-from components.losses import uncertainty_objective, uncertainty_weighted
-from components.map_check import (
+from components.platform.config import AlignConfig, ConfigError, parse_params
+from components.experiment.losses import uncertainty_objective, uncertainty_weighted
+from components.experiment.map_check import (
     MapCheckError, SideOutputs, check_map, check_metrics, check_tags, fallback_config, held_out, is_reference, judge,
     reference_config,
 )
-from components.map_validation import validation_split
-from components.training import apply_alignment, feature_schedule, fit_uncertainty_head, train_alignment
+from components.experiment.map_validation import validation_split
+from components.experiment.inference import apply_alignment
+from components.experiment.training import feature_schedule, fit_uncertainty_head, train_alignment
 from tests.synthetic import tiny_params
 
 CPU = torch.device("cpu")
@@ -188,7 +189,7 @@ def test_bad_settings_name_the_key(change, message):
 
 
 def test_per_query_scores_average_to_the_curve_numbers():
-    from components.map_check import curve_numbers, per_query_scores
+    from components.experiment.map_check import curve_numbers, per_query_scores
 
     new, labels = _clustered(n=120, classes=6)
     rng = np.random.default_rng(4)

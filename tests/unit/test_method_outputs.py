@@ -5,11 +5,11 @@ checkpoint."""
 import numpy as np
 import torch
 
-from components.assessment import MethodOutputs, build_order, method_curves
-from components.config import AlignConfig
+from components.evaluation.assessment import MethodOutputs, build_order, method_curves
+from components.platform.config import AlignConfig
 from components.evaluation import backfill_curve
-from components.models import UnifiedMaps, load_alignment, save_alignment
-from components.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
+from components.experiment.models import UnifiedMaps, load_alignment, save_alignment
+from components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
 
 
 def test_uncertainty_orders_put_the_least_certain_old_feature_first():

@@ -2,14 +2,13 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import AlignConfig, TrainConfig
-from components.data import Split
-from components.models import (
+from components.platform.config import AlignConfig, TrainConfig
+from components.experiment.data import Split
+from components.experiment.models import (
     AlignmentMap, Embedder, load_alignment, load_embedder, save_alignment, save_embedder,
 )
-from components.training import (
-    apply_alignment, embed, train_alignment, train_embedder, true_alignment_loss,
-)
+from components.experiment.inference import apply_alignment, embed
+from components.experiment.training import train_alignment, train_embedder, true_alignment_loss
 from tests.synthetic import class_image
 
 CPU = torch.device("cpu")
@@ -114,7 +113,7 @@ def test_sigma_tracks_the_true_loss():
     h, _ = train_alignment(config, old, new, labels, classifier, device=CPU, log=lambda m: None)
     transformed, log_sigma2 = apply_alignment(h, old, device=CPU)
     loss = true_alignment_loss(config, transformed, new, labels, classifier)
-    from components.ordering import kendall_tau
+    from components.evaluation.ordering import kendall_tau
 
     assert kendall_tau(log_sigma2, loss) > 0.2
 

@@ -3,7 +3,7 @@ import json
 import numpy as np
 
 from components.evaluation import backfill_curve, retrieval_metrics
-from components.reports import build_metrics, plot_curves, write_plot_data
+from components.evaluation.reports import build_metrics, plot_curves, write_plot_data
 
 
 def _inputs():
@@ -42,7 +42,7 @@ def test_plot_data_and_png(tmp_path):
 
 
 def test_flatten_numbers_keeps_numbers_under_dotted_keys():
-    from components.reports import flatten_numbers
+    from components.evaluation.reports import flatten_numbers
 
     nested = {"fastfill": {"top1_auc": 0.9, "order": "sigma", "by_order": {"random": {"map_auc": 0.8}}}, "n": 3}
     assert flatten_numbers(nested) == {"fastfill.top1_auc": 0.9, "fastfill.by_order.random.map_auc": 0.8, "n": 3}

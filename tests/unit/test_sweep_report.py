@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.sweep_report import plot_sweep, summarize_sweep, sweep_markdown
+from components.evaluation.sweep_report import plot_sweep, summarize_sweep, sweep_markdown
 
 
 def _metrics(fct: float, sigma: float, random: float, outcome: str = "passed") -> dict:

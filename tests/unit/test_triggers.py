@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 
-from components.config import parse_params
-from components.gallery.catalog import ModelRef
+from components.platform.config import parse_params
+from components.platform.registry import ModelRef
 from components.gallery.store import LocalStore
-from components.triggers import (
+from components.gallery.triggers import (
     WebhookRejected, alias_event, claim, claimed, release, sign, verify, wants_upgrade,
 )
 from tests.synthetic import tiny_params

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.config import PrepareConfig
+from components.platform.config import PrepareConfig
 
 SPLITS = ("old_train", "new_train", "test")
 _FASHION_FILES = (
@@ -65,7 +65,7 @@ def _fashion_mnist(source: Path, cache: Path) -> RawDataset:
     checksums differ from the ones it expects) and would then try the network, so they are
     unpacked once into ``<cache>/FashionMNIST/raw/`` where ``download=False`` finds them.
     """
-    from components.vision import torchvision
+    from components.experiment.vision import torchvision
 
     raw = cache / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def _fashion_mnist(source: Path, cache: Path) -> RawDataset:
 
 
 def _image_folder_split(root: Path, config: PrepareConfig, classes: list[str] | None) -> tuple[Split, list[str]]:
-    from components.vision import torchvision
+    from components.experiment.vision import torchvision
 
     mode = "L" if config.channels == 1 else "RGB"
     size = (config.image_size, config.image_size)

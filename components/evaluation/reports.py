@@ -54,7 +54,7 @@ def build_metrics(reference: Mapping[str, Mapping], curves: Mapping[str, Mapping
                   headline: Mapping[str, str], kendall: Mapping[str, float],
                   checks: Mapping[str, Mapping] | None = None) -> dict:
     """``reference``: old_old/new_new points; ``curves[method][order]``: curve dicts;
-    ``checks[method]``: the map check's record (components.map_check), where a map was checked."""
+    ``checks[method]``: the map check's record (components.experiment.map_check), where a map was checked."""
     metrics: dict = {name: fixed_gallery_summary(point) for name, point in reference.items()}
     for method, by_order in curves.items():
         order = headline[method]

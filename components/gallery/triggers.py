@@ -17,7 +17,8 @@ import json
 import time
 from collections.abc import Mapping
 
-from components.gallery.catalog import ModelRef, now
+from components.gallery.catalog import now
+from components.platform.registry import ModelRef
 from components.gallery.store import AlreadyExists, ObjectMissing, Store
 
 SIGNATURE_HEADER = "X-MLflow-Signature"

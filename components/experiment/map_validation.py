@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.config import ConfigError
+from components.platform.config import ConfigError
 
 MIN_VALIDATION_PAIRS = 20
 MIN_TRAINING_PAIRS = 2

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from components.losses import bct_influence_per_sample, match_dimension, ract_per_sample, synthesized_classifier
-from components.models import Embedder
+from components.experiment.losses import bct_influence_per_sample, match_dimension, ract_per_sample, synthesized_classifier
+from components.experiment.models import Embedder
 
 
 @torch.no_grad()
@@ -16,7 +16,7 @@ def old_class_means(old_model: Embedder, images: np.ndarray, labels: np.ndarray,
                     ) -> dict[int, torch.Tensor]:
     """Mean old-model feature of every class in ``labels`` (BCT's rows for classes the old
     classifier never saw)."""
-    from components.training import embed
+    from components.experiment.inference import embed
 
     features = torch.from_numpy(embed(old_model, images, batch_size=batch_size, device=torch.device("cpu")))
     labels_t = torch.from_numpy(labels)

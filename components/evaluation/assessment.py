@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.evaluation import backfill_curve, retrieval_metrics
-from components.ordering import (
+from components.evaluation.ordering import (
     descending_order, distance_order, entropy_uncertainty, kendall_tau, least_confidence, margin_uncertainty,
     oracle_order, random_order, sigma_order,
 )

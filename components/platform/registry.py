@@ -24,8 +24,33 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from dataclasses import dataclass
 
-from components.config import MlflowConfig
+from components.platform.config import MlflowConfig
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """One registered model version."""
+
+    name: str
+    version: str
+    dim: int | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-v{self.version}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "version": self.version, "dim": self.dim, "uri": self.uri}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelRef:
+        return cls(data["name"], str(data["version"]), data.get("dim"))
 
 PIPELINE_KEY_TAG = "fastfill.pipeline_key"
 STAGE_TAG = "fastfill.stage"
@@ -227,7 +252,6 @@ def resolve_model(client, uri: str):
     """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> ModelRef (name, concrete version)."""
     from mlflow.exceptions import MlflowException
 
-    from components.gallery.catalog import ModelRef
 
     if not uri.startswith("models:/") or uri.count("/") < 1:
         raise RegistryError(f"{uri!r} is not a model reference; use models:/NAME@ALIAS or models:/NAME/VERSION")

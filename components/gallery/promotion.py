@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from components.config import PromotionConfig
+from components.platform.config import PromotionConfig
 from components.evaluation import curve_alphas, pairwise_distances
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from components.config import AlignConfig
-from components.map_validation import held_out  # noqa: F401 - part of the check's interface
+from components.platform.config import AlignConfig
+from components.experiment.map_validation import held_out  # noqa: F401 - part of the check's interface
 
 POLICIES = ("fail", "fallback", "warn")
 CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
@@ -53,7 +53,7 @@ class SideOutputs:
 
 
 def _order(side: SideOutputs, order_name: str, seed: int) -> np.ndarray:
-    from components.ordering import random_order, sigma_order
+    from components.evaluation.ordering import random_order, sigma_order
 
     return sigma_order(side.log_sigma2) if order_name == "sigma" else random_order(len(side.new_side), seed)
 
@@ -201,8 +201,8 @@ def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: S
 def outputs_on(h, pairs) -> SideOutputs:
     """A map's sides on held-out pairs: h(old) with log sigma^2, or a unified map's T_g(old)
     and T_q(new)."""
-    from components.models import UnifiedMaps
-    from components.training import apply_alignment, apply_unified
+    from components.experiment.models import UnifiedMaps
+    from components.experiment.inference import apply_alignment, apply_unified
 
     if isinstance(h, UnifiedMaps):
         gallery_old, query = apply_unified(h, pairs.old, pairs.new)

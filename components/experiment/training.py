@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -20,25 +19,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.config import AlignConfig, TrainConfig
-from components.data import Split
-from components.layout import save_torch
-from components.losses import (
+from components.platform.config import AlignConfig, TrainConfig
+from components.experiment.data import Split
+from components.platform.layout import save_torch
+from components.experiment.losses import (
     alignment_loss, classification_per_sample, l2_per_sample, uncertainty_weighted, unified_loss,
 )
-from components.models import AlignmentMap, Embedder, UnifiedMaps
+from components.experiment.inference import CHANNELS_LAST, pick_device
+from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps
 
 Log = Callable[[str], None]
 Progress = Callable[[int, int], None]  # (epochs done, epochs in all)
-CHANNELS_LAST = torch.channels_last
-
-
-def pick_device() -> torch.device:
-    """CUDA when present, CPU otherwise; FASTFILL_DEVICE forces one."""
-    forced = os.environ.get("FASTFILL_DEVICE")
-    if forced:
-        return torch.device(forced)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -118,7 +109,7 @@ def train_embedder(
     compatibility=None,
 ) -> tuple[Embedder, list[dict]]:
     """Classification training of backbone + embedding + classifier over ``classes``; with
-    ``compatibility`` (see components.compatibility) its term is added to every batch's loss."""
+    ``compatibility`` (see components.experiment.compatibility) its term is added to every batch's loss."""
     device = device or pick_device()
     generator = seed_everything(config.seed)
     # channels-last convolutions are 15-30% faster on CPU (oneDNN) and use tensor cores on GPU
@@ -192,19 +183,6 @@ def train_embedder(
             on_epoch(epoch + 1, config.epochs)
     model.eval()
     return model, history
-
-
-@torch.no_grad()
-def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None) -> np.ndarray:
-    """Features of uint8 images (N, C, H, W), float32 (N, d)."""
-    device = device or pick_device()
-    model = model.to(device).eval()
-    out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
-    for start in range(0, len(images), batch_size):
-        batch = torch.from_numpy(images[start: start + batch_size]).to(device).float().div_(255.0)
-        batch = batch.contiguous(memory_format=CHANNELS_LAST)
-        out[start: start + len(batch)] = model(batch).cpu().numpy()
-    return out
 
 
 def _set_batchnorm_eval(module: nn.Module) -> None:
@@ -333,8 +311,8 @@ def _describe_validation(record: dict) -> str:
 
 
 def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """The map's training and held-out pairs (see components.map_validation)."""
-    from components.map_validation import validation_split
+    """The map's training and held-out pairs (see components.experiment.map_validation)."""
+    from components.experiment.map_validation import validation_split
 
     key = f"align.{method}.validation_fraction" if method else "validation_fraction"
     return validation_split(num_pairs, config.validation_fraction, config.seed, key=key)
@@ -378,7 +356,7 @@ def train_alignment(
         )
         return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
 
-    from components.map_validation import held_out
+    from components.experiment.map_validation import held_out
 
     pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None
@@ -400,7 +378,7 @@ def validation_record(config: AlignConfig, h: AlignmentMap, pairs, classifier: n
                       device: torch.device) -> dict[str, float]:
     """l2 and disc (per-item means, the map's own reduction) and retrieval at 0% backfill on
     held-out pairs."""
-    from components.map_validation import retrieval_at_zero
+    from components.experiment.map_validation import retrieval_at_zero
 
     transformed = h(torch.from_numpy(pairs.old).to(device))
     new = torch.from_numpy(pairs.new).to(device)
@@ -442,7 +420,7 @@ def train_unified(
         return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
                 "kl": parts.kl}
 
-    from components.map_validation import held_out, retrieval_at_zero
+    from components.experiment.map_validation import held_out, retrieval_at_zero
 
     pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None
@@ -465,38 +443,6 @@ def train_unified(
                    f"classification {r['classification']:.4f}, kl {r['kl']:.4f})" + _describe_validation(r)),
         device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch, validate=validate)
     return maps, history
-
-
-@torch.no_grad()
-def apply_alignment(h: AlignmentMap, old_features: np.ndarray, *, batch_size: int = 4096,
-                    device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """h(old) and, when h has an uncertainty head, log sigma^2 per item."""
-    device = device or pick_device()
-    h = h.to(device).eval()
-    transformed, log_sigma2 = [], []
-    for start in range(0, len(old_features), batch_size):
-        batch = h(torch.from_numpy(old_features[start: start + batch_size]).to(device))
-        transformed.append(batch.cpu().numpy())
-        if h.uncertainty is not None:
-            log_sigma2.append(h.log_sigma2(batch).cpu().numpy())
-    sigma = np.concatenate(log_sigma2).astype(np.float32) if log_sigma2 else None
-    return np.concatenate(transformed).astype(np.float32), sigma
-
-
-@torch.no_grad()
-def apply_unified(maps: UnifiedMaps, old_features: np.ndarray, new_features: np.ndarray, *, batch_size: int = 4096,
-                  device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The unified space: T_g(old) for items not yet backfilled, T_q(new) for queries and
-    backfilled items."""
-    device = device or pick_device()
-    maps = maps.to(device).eval()
-
-    def run(module: nn.Module, features: np.ndarray) -> np.ndarray:
-        parts = [module(torch.from_numpy(features[s: s + batch_size]).to(device)).cpu().numpy()
-                 for s in range(0, len(features), batch_size)]
-        return np.concatenate(parts).astype(np.float32)
-
-    return run(maps.gallery, old_features), run(maps.query, new_features)
 
 
 @torch.no_grad()

@@ -1,0 +1,48 @@
+"""The layering, read from the source: components/ never imports Prefect, tasks/ or flows/;
+its packages import only downward (platform < evaluation < experiment < gallery); tasks/
+never imports flows/."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RANK = {"platform": 0, "evaluation": 1, "experiment": 2, "gallery": 3}
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_components_are_grouped_into_the_four_packages():
+    loose = [p.name for p in (ROOT / "components").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"modules outside a package: {loose}"
+    assert {p.name for p in (ROOT / "components").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(RANK)
+
+
+@pytest.mark.parametrize("path", _modules("components"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_components_import_only_downward_and_never_the_orchestration(path):
+    package = path.relative_to(ROOT / "components").parts[0]
+    for name in _imports(path):
+        top = name.split(".")[0]
+        assert top not in {"prefect", "flows", "tasks"}, f"{path.name} imports {name}"
+        if top == "components" and len(name.split(".")) > 1 and name.split(".")[1] in RANK:
+            target = name.split(".")[1]
+            assert RANK[target] <= RANK[package], f"{package}/{path.name} imports {name}, a layer above it"
+
+
+@pytest.mark.parametrize("path", _modules("tasks"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tasks_never_import_flows(path):
+    assert not [n for n in _imports(path) if n.split(".")[0] == "flows"]
