@@ -31,3 +31,13 @@ def in_workdir(path):
             yield
         finally:
             os.chdir(previous)
+
+
+def new_bucket(endpoint: str) -> str:
+    import uuid
+
+    import boto3
+
+    name = f"gallery-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+    return name

@@ -6,10 +6,60 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.environment import in_workdir
+from tests.environment import in_workdir, new_bucket, restored_environ
+from components.platform.config import parse_params
 from tests.synthetic import make_image_folder, tiny_params
 
 ROOT = Path(__file__).resolve().parents[2]
+AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL", "AWS_PROFILE")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port), with fake credentials in the environment,
+    so boto3 in this process and in CLI subprocesses speaks HTTP to it."""
+    from moto.server import ThreadedMotoServer
+
+    with restored_environ(*AWS_KEYS):
+        for key in AWS_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        os.environ["AWS_ENDPOINT_URL_S3"] = url
+        try:
+            yield url
+        finally:
+            server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_uri(request, tmp_path) -> str:
+    """A fresh, empty store of each backend."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return f"s3://{new_bucket(endpoint)}/galleries/main"
+
+
+@pytest.fixture
+def upgrade_env(tiny_pipeline, image_folder, tmp_path, monkeypatch):
+    """params (and params.yaml in tmp_path) over a private copy of the pipeline's MLflow store and
+    its prepared data; small chunks so the backfill has many."""
+    _, _, pipeline_dir = tiny_pipeline
+    shutil.copy(pipeline_dir / "store" / "mlflow.db", tmp_path / "mlflow.db")
+    data = tiny_params(image_folder)
+    data["paths"] = {"data": str(pipeline_dir / "data"), "artifacts": str(tmp_path / "artifacts"),
+                     "reports": str(tmp_path / "reports")}
+    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    data["gallery"] = {"store": str(tmp_path / "gallery"), "part_size": 20,
+                       "upgrade": {"chunk_size": 8, "eval_queries": "all", "max_concurrency": 2}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return parse_params(data), tmp_path
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +79,6 @@ def prefect_harness():
 def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
     """One tiny pipeline run (its own working directory and MLflow store) shared by the tests:
     returns (params, metrics, workdir)."""
-    from components.platform.config import parse_params
     from flows.pipeline import pipeline_flow
 
     workdir = tmp_path_factory.mktemp("pipeline")

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # `dvc repro` of the tiny pipeline: minutes on 2 cores
 
 
 def _run(args, cwd, env, timeout=900):

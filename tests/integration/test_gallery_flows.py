@@ -4,7 +4,6 @@ subprocesses killed with SIGKILL and resumed."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,50 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from components.platform.config import parse_params
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
 from components.platform.registry import RegistryError
-from tests.synthetic import tiny_params
-
-
-@pytest.fixture
-def upgrade_env(tiny_pipeline, image_folder, tmp_path, monkeypatch):
-    """params (and params.yaml in tmp_path) over a private copy of the pipeline's MLflow store and
-    its prepared data; small chunks so the backfill has many."""
-    _, _, pipeline_dir = tiny_pipeline
-    shutil.copy(pipeline_dir / "store" / "mlflow.db", tmp_path / "mlflow.db")
-    data = tiny_params(image_folder)
-    data["paths"] = {"data": str(pipeline_dir / "data"), "artifacts": str(tmp_path / "artifacts"),
-                     "reports": str(tmp_path / "reports")}
-    data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    data["gallery"] = {"store": str(tmp_path / "gallery"), "part_size": 20,
-                       "upgrade": {"chunk_size": 8, "eval_queries": "all", "max_concurrency": 2}}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return parse_params(data), tmp_path
-
-
-def _registry(params):
-    from components.platform import registry
-
-    client, _ = registry.setup(params.mlflow)
-    name = params.mlflow.registered_model
-    old = client.get_model_version_by_alias(name, "champion")
-    new = client.get_model_version_by_alias(name, "challenger")
-    return (client, registry.load_model(f"models:/{name}/{old.version}"),
-            registry.load_model(f"models:/{name}/{new.version}"), str(old.version), str(new.version))
-
-
-def _test_images(params):
-    from components.experiment.data import load_split
-    from components.platform.layout import Layout
-
-    return load_split(Layout(params.paths).splits, "test")
+from tests.integration.helpers import registry_models, split_images
 
 
 def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, prefect_harness):
@@ -69,8 +31,8 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from flows.gallery import ingest_flow, progress_key, upgrade_flow
 
     params, _ = upgrade_env
-    client, old_model, new_model, old_version, new_version = _registry(params)
-    split = _test_images(params)
+    client, old_model, new_model, old_version, new_version = registry_models(params)
+    split = split_images(params)
     n = len(split.labels)
 
     manifest = ingest_flow(params, store_uri)
@@ -134,7 +96,7 @@ def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, pre
     from distributed import LocalCluster
     from prefect_dask import DaskTaskRunner
 
-    from tests.conftest import new_bucket
+    from tests.environment import new_bucket
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, _ = upgrade_env
@@ -159,7 +121,7 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
-    _, _, _, old_version, new_version = _registry(params)
+    _, _, _, old_version, new_version = registry_models(params)
     ingest_flow(params, uri)
     store = open_store(uri)
 
@@ -185,7 +147,7 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
     with pytest.raises(StoreUnreachable, match="cannot connect"):
         upgrade_flow(params, "s3://unreachable-bucket/g")
 
-    bad = np.full((len(_test_images(params).labels), 16), np.nan, np.float32)
+    bad = np.full((len(split_images(params).labels), 16), np.nan, np.float32)
     np.save(tmp_path / "nan.npy", bad)
     with pytest.raises(GalleryError, match="NaN or infinite"):
         ingest_flow(params, str(tmp_path / "g2"), features=tmp_path / "nan.npy")
@@ -223,8 +185,8 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     # search from the CLI: the new model's space, the mixed gallery
     from components.experiment.inference import embed
 
-    _, _, new_model, _, new_version = _registry(params)
-    np.save(tmp_path / "q.npy", embed(new_model, _test_images(params).images[:2]))
+    _, _, new_model, _, new_version = registry_models(params)
+    np.save(tmp_path / "q.npy", embed(new_model, split_images(params).images[:2]))
     result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "q.npy"), "-k", "3"])
     assert result.exit_code == 0, result.output
     answer = json.loads(result.output.strip().splitlines()[-1])
@@ -303,7 +265,7 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, tmp_path = upgrade_env
-    client, _, _, old_version, new_version = _registry(params)
+    client, _, _, old_version, new_version = registry_models(params)
     client.delete_registered_model(params.mlflow.alignment_model)  # this private store has no maps now
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)

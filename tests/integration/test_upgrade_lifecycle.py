@@ -11,7 +11,7 @@ from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
-from tests.integration.test_gallery_flows import _registry, _test_images, upgrade_env  # noqa: F401
+from tests.integration.helpers import registry_models, split_images
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 
@@ -70,7 +70,7 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
     # tiny models on tiny data: loose gates, so this checks the mechanism (the unit tests check the rules)
     params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
                                       "max_fraction_to_gain": 1.0})
-    client, _, _, old_version, new_version = _registry(params)
+    client, _, _, old_version, new_version = registry_models(params)
     uri = str(tmp_path / "gallery")
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
@@ -94,7 +94,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 
     params, tmp_path = upgrade_env
     params = _with(params, promotion={"gate": True})  # the default gates
-    client, old_model, new_model, old_version, _ = _registry(params)
+    client, old_model, new_model, old_version, _ = registry_models(params)
     _, worse = _register(params, _random_model(new_model, seed=3), {"role": "new"})
     uri = str(tmp_path / "gallery")
     ingest_flow(params, uri)
@@ -117,7 +117,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     assert {key: store.get(key) for key in store.list("features/")} == before
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == old_version and searcher.upgrade is None
-    split = _test_images(params)
+    split = split_images(params)
     ids, _ = searcher.search(embed(old_model, split.images[:4]), k=1)
     assert list(ids[:, 0]) == [0, 1, 2, 3]  # each item finds itself among the champion's features
     assert up.status(gallery)["state"] == "idle"
@@ -137,7 +137,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, tmp_path = upgrade_env
-    client, _, new_model, v1, v2 = _registry(params)
+    client, _, new_model, v1, v2 = registry_models(params)
     _, v3 = _register(params, _perturbed(new_model, seed=5), {"role": "new"})
     uri = str(tmp_path / "gallery")
     ingest_flow(params, uri)
@@ -166,7 +166,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == v3
     v3_model_loaded = registry.load_model(f"models:/embedder/{v3}")
-    queries = embed(v3_model_loaded, _test_images(params).images[:6])
+    queries = embed(v3_model_loaded, split_images(params).images[:6])
     mixed2, backfilled2 = up.mixed_features(gallery, plan2)
     assert backfilled2.sum() == second["items_done"]
     ids, _ = searcher.search(queries, k=3)
@@ -179,6 +179,6 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     gallery = Gallery(store)
     assert done["state"] == "complete" and gallery.model.version == v3
     features = gallery.all_features(gallery.model)
-    np.testing.assert_allclose(features, embed(v3_model_loaded, _test_images(params).images), atol=1e-5)
+    np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
     up.collect_garbage(gallery)
     assert not store.list(f"features/embedder-v{v1}/") and not store.list(up.upgrade_key(plan1.id, "done/"))

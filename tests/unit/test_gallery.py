@@ -1,150 +1,34 @@
-"""The gallery components on both backends (a local folder and a real S3 HTTP endpoint):
-store, ingest, plan, chunk backfill, resume, lock, search, measurement, finish, gc."""
+"""The gallery components on a local folder: every store case of tests/gallery_cases.py (the
+integration tier runs them on S3), bad input, gc, and the measurement."""
 
-import io
-import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-import torch
 
-from components.platform.config import TrainConfig
 from components.evaluation import curve_at_counts
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError, ingest
-from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter, restricted_order
-from components.gallery.search import GallerySearch
 from components.gallery.store import (
-    AlreadyExists, ChecksumMismatch, LocalStore, ObjectMissing, StoreError, StoreUnreachable, open_store,
+    open_store,
 )
-from components.experiment.models import AlignmentMap, Embedder
-from components.experiment.inference import apply_alignment, embed
 
-N, OLD_DIM, NEW_DIM = 53, 8, 12
+from tests.gallery_cases import N, OLD, OLD_DIM, STORE_CASES, _gallery, _plan, make_data, make_models
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def models():
-    torch.manual_seed(0)
-    old = Embedder(TrainConfig(backbone="cnn_small", width=4, embedding_dim=OLD_DIM), 1, [0, 1, 2]).eval()
-    new = Embedder(TrainConfig(backbone="cnn", width=4, embedding_dim=NEW_DIM), 1, [0, 1, 2, 3]).eval()
-    h = AlignmentMap(OLD_DIM, NEW_DIM, [16], uncertainty=True).eval()
-    return old, new, h
+    return make_models()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def data():
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, size=(N, 1, 8, 8), dtype=np.uint8)
-    labels = rng.integers(0, 4, size=N)
-    return images, labels
+    return make_data()
 
 
-OLD = ModelRef("embedder", "1", OLD_DIM)
-NEW = ModelRef("embedder", "2", NEW_DIM)
-
-
-def _gallery(store_uri, models, data, part_size=10) -> Gallery:
-    old, _, _ = models
-    images, labels = data
-    ingest(open_store(store_uri), images, embed(old, images), OLD, labels=labels, ids=np.arange(N) + 1000,
-           groups=np.array([f"g{i % 3}" for i in range(N)]), part_size=part_size)
-    return Gallery(open_store(store_uri))
-
-
-def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> up.Plan:
-    uid = up.upgrade_id(OLD, NEW)
-    for part in range(gallery.num_parts):
-        up.transform_part(gallery, uid, h, part)
-    order = up.make_order(gallery, uid, "sigma", 0)
-    plan = up.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", chunk_size, N, N if eval_all else 0, "l2")
-    up.commit_plan(gallery, plan, order)
-    return plan
-
-
-# ---- store -------------------------------------------------------------------------------------
-
-
-def test_store_roundtrip_listing_and_create_only(store_uri):
-    store = open_store(store_uri)
-    store.check()
-    array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    store.put_array("a/x.npy", array)
-    store.put_json("a/b/meta.json", {"k": 1})
-    store.put(f"b/raw.bin", b"bytes")
-    np.testing.assert_array_equal(store.get_array("a/x.npy"), array)
-    assert store.get_json("a/b/meta.json") == {"k": 1}
-    assert store.list("a/") == ["a/b/meta.json", "a/x.npy"]
-    assert store.exists("b/raw.bin") and not store.exists("b/none")
-    store.put_json("lock.json", {"holder": 1}, create_only=True)
-    with pytest.raises(AlreadyExists):
-        store.put_json("lock.json", {"holder": 2}, create_only=True)
-    assert store.get_json("lock.json") == {"holder": 1}
-    with pytest.raises(ObjectMissing, match="b/none does not exist"):
-        store.get("b/none")
-    store.delete("b/raw.bin")
-    assert not store.exists("b/raw.bin")
-    assert store.delete_prefix("a/") == 2 and store.list("a/") == []
-
-
-def _tamper(store_uri: str, key: str, data: bytes) -> None:
-    """Change an object's bytes behind the store's back (its recorded checksum stays)."""
-    store = open_store(store_uri)
-    if isinstance(store, LocalStore):
-        (store.root / key).write_bytes(data)
-    else:
-        head = store.client.head_object(Bucket=store.bucket, Key=store._key(key))
-        store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data, Metadata=head["Metadata"])
-
-
-def test_checksum_mismatch_is_an_error_naming_the_object(store_uri):
-    store = open_store(store_uri)
-    store.put_array("images/part-00000.npy", np.zeros((2, 1, 4, 4), np.uint8))
-    buffer = io.BytesIO()
-    np.save(buffer, np.ones((2, 1, 4, 4), np.uint8))
-    _tamper(store_uri, "images/part-00000.npy", buffer.getvalue())
-    with pytest.raises(ChecksumMismatch, match=r"images/part-00000\.npy is corrupt"):
-        store.get_array("images/part-00000.npy")
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_unreachable_stores_say_so(s3_endpoint, monkeypatch, tmp_path):
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{_closed_port()}")
-    with pytest.raises(StoreUnreachable, match="cannot connect to the S3 endpoint"):
-        open_store("s3://some-bucket/x").check()
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
-    with pytest.raises(StoreUnreachable, match="bucket 'no-such-bucket' does not exist"):
-        open_store("s3://no-such-bucket/x").check()
-    with pytest.raises(StoreError, match="unsupported store URI"):
-        open_store("gs://bucket/x")
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(StoreUnreachable, match="not a folder"):
-        open_store(tmp_path / "file").check()
-
-
-# ---- ingest --------------------------------------------------------------------------------------
-
-
-def test_ingest_writes_parts_and_reads_back(store_uri, models, data):
-    gallery = _gallery(store_uri, models, data)
-    images, labels = data
-    assert gallery.num_items == N and gallery.num_parts == 6 and gallery.model == OLD
-    np.testing.assert_array_equal(gallery.ids(), np.arange(N) + 1000)
-    np.testing.assert_array_equal(gallery.labels(), labels)
-    np.testing.assert_array_equal(gallery.images(5), images[50:])
-    np.testing.assert_allclose(gallery.all_features(OLD), embed(models[0], images), rtol=1e-5, atol=1e-6)
-    assert gallery.items().column("group").to_pylist()[:4] == ["g0", "g1", "g2", "g0"]
-    with pytest.raises(GalleryError, match="already holds a gallery"):
-        ingest(gallery.store, images, np.zeros((N, OLD_DIM)), OLD)
+@pytest.mark.parametrize("case", STORE_CASES, ids=lambda case: case.__name__)
+def test_on_a_local_folder(case, tmp_path, models, data):
+    case(str(tmp_path / "store"), models, data)
 
 
 @pytest.mark.parametrize("case, message", [
@@ -182,146 +66,11 @@ def test_a_missing_gallery_says_how_to_make_one(tmp_path):
         Gallery(open_store(tmp_path / "empty")).manifest()
 
 
-# ---- upgrade ----------------------------------------------------------------------------------
-
-
-def test_backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data):
-    _, new, h = models
-    images, _ = data
-    gallery = _gallery(store_uri, models, data)
-    plan = _plan(gallery, h)
-    assert gallery.manifest(refresh=True)["upgrade"] == plan.id and plan.num_chunks == 8
-    order = up.order_of(gallery.store, plan.id)
-    old_features = gallery.all_features(OLD)
-    transformed, sigma = apply_alignment(h, old_features)
-    np.testing.assert_array_equal(order, np.argsort(-sigma.astype(np.float64), kind="stable"))
-
-    first = [up.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
-    assert up.done_chunks(gallery.store, plan.id) == [0, 1, 4]
-    again = up.backfill_chunk(gallery.store, plan.id, 1, new)
-    assert again["skipped"] and again["token"] == first[1]["token"]  # a done chunk is not redone
-
-    mixed, backfilled = up.mixed_features(gallery, plan)
-    expected_new = embed(new, images)
-    rows = np.concatenate([order[slice(*plan.chunk_bounds(c))] for c in (0, 1, 4)])
-    assert set(np.flatnonzero(backfilled)) == set(rows)
-    np.testing.assert_allclose(mixed[rows], expected_new[rows], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(mixed[~backfilled], transformed[~backfilled], rtol=1e-5, atol=1e-6)
-    with pytest.raises(GalleryError, match="not complete: 5 chunks left"):
-        up.finish(gallery, plan)
-    state = up.status(gallery)
-    assert state["state"] == "paused" and state["upgrade"]["chunks_done"] == 3
-    assert state["upgrade"]["items_done"] == 21
-
-    for chunk in range(plan.num_chunks):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
-    up.finish(gallery, plan)
-    assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
-    np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
-    assert up.status(gallery)["state"] == "idle"
-    # old features stay until collected explicitly
-    assert gallery.store.list(f"features/{OLD.key}/")
-    deleted = up.collect_garbage(gallery)
-    assert deleted["features"] == 6 and deleted["upgrade_objects"] > 0
-    assert gallery.store.list(f"features/{OLD.key}/") == []
-    assert gallery.store.exists(f"upgrades/{plan.id}/plan.json")
-    np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
-
-
-def test_a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, data):
-    _, new, h = models
-    gallery = _gallery(store_uri, models, data)
-    plan = _plan(gallery, h, chunk_size=N)  # one chunk touches every part
-    up.IMAGE_CACHE._parts.clear()
-    buffer = io.BytesIO()
-    np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
-    _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
-    with pytest.raises(ChecksumMismatch, match="images/part-00002.npy"):
-        up.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert up.done_chunks(gallery.store, plan.id) == []
-    gallery.store.delete("images/part-00002.npy")
-    with pytest.raises(ObjectMissing, match="images/part-00002.npy does not exist"):
-        up.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert up.done_chunks(gallery.store, plan.id) == []
-
-
 def test_collect_garbage_refuses_during_an_upgrade(tmp_path, models, data):
     gallery = _gallery(str(tmp_path / "g"), models, data)
     _plan(gallery, models[2])
     with pytest.raises(GalleryError, match="in progress"):
         up.collect_garbage(gallery)
-
-
-# ---- lock -------------------------------------------------------------------------------------------
-
-
-def test_lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri):
-    store = open_store(store_uri)
-    lock = up.acquire_lock(store, "u1", log=lambda m: None)
-    with pytest.raises(up.UpgradeLocked, match=r"being upgraded: upgrade u1 by process \d+ .*fastfill upgrade unlock"):
-        up.acquire_lock(store, "u2", log=lambda m: None)
-    lock.release()
-    assert not store.exists(up.LOCK)
-
-    # a lock left by a process that is gone (killed) on this host is taken over
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    store.put_json(up.LOCK, {"upgrade": "u1", "host": socket.gethostname(), "pid": dead.pid, "since": "t",
-                             "token": "x"}, create_only=True)
-    messages = []
-    lock = up.acquire_lock(store, "u1", log=messages.append)
-    assert lock.holder["pid"] == os.getpid() and "that process is gone" in messages[0]
-    lock.release()
-
-    # a lock held on another machine is refused, and can be broken explicitly
-    store.put_json(up.LOCK, {"upgrade": "u1", "host": "elsewhere", "pid": 1, "since": "t", "token": "y"},
-                   create_only=True)
-    with pytest.raises(up.UpgradeLocked, match="on elsewhere"):
-        up.acquire_lock(store, "u2", log=lambda m: None)
-    assert up.break_lock(store)["host"] == "elsewhere"
-    up.acquire_lock(store, "u2", log=lambda m: None).release()
-
-
-# ---- search and measurement -------------------------------------------------------------------
-
-
-def _brute_force(gallery_features, ids, queries, k):
-    distances = ((queries[:, None, :] - gallery_features[None]) ** 2).sum(-1)
-    return ids[np.argsort(distances, axis=1, kind="stable")[:, :k]]
-
-
-def test_search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
-    _, new, h = models
-    gallery = _gallery(store_uri, models, data)
-    searcher = GallerySearch(gallery)
-    assert searcher.query_model == OLD
-    queries_old = gallery.all_features(OLD)[:5]
-    ids, _ = searcher.search(queries_old, k=4)
-    np.testing.assert_array_equal(ids, _brute_force(gallery.all_features(OLD), gallery.ids(), queries_old, 4))
-
-    plan = _plan(gallery, h)
-    assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
-    for chunk in (0, 1, 2):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
-    assert searcher.refresh() == 3 and searcher.rebuilds == 1 and searcher.index.ntotal == N
-    assert searcher.backfilled == 21
-    mixed, _ = up.mixed_features(gallery, plan)
-    queries = embed(new, data[0][:6])
-    ids, distances = searcher.search(queries, k=5)
-    np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
-    item = int(gallery.ids()[up.order_of(gallery.store, plan.id)[0]])
-    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[up.order_of(gallery.store, plan.id)[0]])
-
-    for chunk in range(plan.num_chunks):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
-    up.finish(gallery, plan)
-    assert searcher.refresh() == 5 and searcher.rebuilds == 1 and searcher.query_model == NEW
-    with pytest.raises(GalleryError, match="dimension 8, but the model's is 12"):
-        searcher.search(queries_old)
-    bad = queries.copy()
-    bad[1, 0] = np.nan
-    with pytest.raises(GalleryError, match="NaN or infinite"):
-        searcher.search(bad)
 
 
 def test_meter_equals_the_simulated_curve_at_the_same_counts():
