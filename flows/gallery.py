@@ -31,13 +31,12 @@ def _resolve(params: Params, uri: str) -> ModelRef:
 def _load_array(path: Path | None, what: str) -> np.ndarray | None:
     if path is None:
         return None
-    path = Path(path)
-    if not path.is_file():
-        raise GalleryError(f"{what}: {path} does not exist")
+    from components.platform.layout import load_array
+
     try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as error:
-        raise GalleryError(f"{what}: {path} is not a readable .npy array: {error}") from None
+        return load_array(path, what, missing="check the path")
+    except (FileNotFoundError, ValueError) as error:
+        raise GalleryError(str(error)) from None
 
 
 @flow(name="gallery-ingest", log_prints=True)
@@ -50,7 +49,7 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
     store.check()
     if store.exists("gallery.json"):
         raise GalleryError(f"{store.uri} already holds a gallery; ingest into a new prefix or folder")
-    model_uri = model_uri or f"models:/{params.mlflow.registered_model}@champion"
+    model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
     if images is None:
         from components.experiment.data import load_split
@@ -156,8 +155,8 @@ def _meter(gallery: Gallery, plan: up.Plan, done: list[int]) -> BackfillMeter | 
         return None
     store = gallery.store
     order = up.order_of(store, plan.id)
-    meter = BackfillMeter(store.get_array(up.upgrade_key(plan.id, "eval/positions.npy")), gallery.labels(),
-                          store.get_array(up.upgrade_key(plan.id, "eval/queries.npy")), up.transformed_all(gallery, plan.id),
+    meter = BackfillMeter(store.get_array(up.eval_positions_key(plan.id)), gallery.labels(),
+                          store.get_array(up.eval_queries_key(plan.id)), up.transformed_all(gallery, plan.id),
                           order, plan.distance)
     for chunk in done:
         meter.land(*plan.chunk_bounds(chunk), up.chunk_features(store, plan.id, chunk))
@@ -312,7 +311,7 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
     gallery = Gallery(store)
     manifest = gallery.manifest(refresh=True)
     champion = gallery.model
-    new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@challenger")
+    new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
     if (new.name, new.version) == (champion.name, champion.version):
         raise GalleryError(f"the gallery at {store.uri} is already built with {new.uri}; nothing to upgrade")
     base = None

@@ -78,7 +78,7 @@ def start_upgrade(params: Params, store_uri: str, version: str, source: str, par
 def check_registry(params: Params, store_uri: str) -> tuple[str | None, str | None]:
     """(the challenger's version, why it should not start an upgrade or None)."""
     client, _ = registry.setup(params.mlflow)
-    candidate = registry.alias_version(client, params.mlflow.registered_model, "challenger")
+    candidate = registry.alias_version(client, params.mlflow.registered_model, registry.CHALLENGER)
     gallery = Gallery(store_at(store_uri))
     manifest = gallery.manifest(refresh=True)
     plan = up.load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
@@ -181,7 +181,7 @@ class WebhookReceiver:
             return error.status, {"error": str(error)}
         if event is None:
             return 200, {"started": False, "reason": "not a model_version_alias.created event"}
-        if event["name"] != self.params.mlflow.registered_model or event["alias"] != "challenger":
+        if event["name"] != self.params.mlflow.registered_model or event["alias"] != registry.CHALLENGER:
             return 200, {"started": False, "reason": f"alias {event['alias']} of {event['name']} is not watched"}
         with self._lock:  # one start at a time; the claim makes repeats no-ops
             try:
@@ -192,7 +192,7 @@ class WebhookReceiver:
 
     def serve_forever(self) -> None:
         log(f"webhook receiver on http://{self.address[0]}:{self.address[1]}/ for "
-            f"{self.params.mlflow.registered_model}@challenger -> {self.store_uri}")
+            f"{self.params.mlflow.registered_model}@{registry.CHALLENGER} -> {self.store_uri}")
         self.server.serve_forever()
 
     def shutdown(self) -> None:

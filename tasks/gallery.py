@@ -181,8 +181,8 @@ def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
     gallery = Gallery(store_at(store_uri))
     store = gallery.store
     try:
-        positions = store.get_array(upgrade.upgrade_key(plan.id, "eval/positions.npy"))
-        queries = store.get_array(upgrade.upgrade_key(plan.id, "eval/queries.npy"))
+        positions = store.get_array(upgrade.eval_positions_key(plan.id))
+        queries = store.get_array(upgrade.eval_queries_key(plan.id))
     except Exception as error:  # noqa: BLE001 - a missing sample is a configuration problem
         raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
                            "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "

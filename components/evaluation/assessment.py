@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from components.platform.vocabulary import ORDERS
 from components.evaluation import backfill_curve, retrieval_metrics
 from components.evaluation.ordering import (
     descending_order, distance_order, entropy_uncertainty, kendall_tau, least_confidence, margin_uncertainty,
@@ -56,8 +57,7 @@ def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed
             raise ValueError(f"the {name} order needs the new classifier's logits on the old gallery features "
                              "(a compatible new model)")
         return descending_order(UNCERTAINTY[name](outputs.logits))
-    raise ValueError(f"unknown order {name!r}; expected random, sigma, oracle, distance, "
-                     f"{', '.join(UNCERTAINTY)}")
+    raise ValueError(f"unknown order {name!r}; expected one of {', '.join(ORDERS)}")
 
 
 def reference_points(old_features: np.ndarray, new_features: np.ndarray, labels: np.ndarray,

@@ -22,10 +22,12 @@ class EvaluationInputError(ValueError):
 
 
 def _load(path: Path) -> np.ndarray:
+    from components.platform.layout import load_array
+
     try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise EvaluationInputError(f"{path}: not a readable .npy array ({error})") from None
+        return load_array(path, missing="pass a folder that holds it")
+    except (FileNotFoundError, ValueError) as error:
+        raise EvaluationInputError(str(error)) from None
 
 
 def evaluate_feature_folder(folder: Path, *, distance: str = "l2", num_intermediate: int = 20) -> dict:

@@ -40,10 +40,38 @@ def distance_order(new_features: np.ndarray, transformed_old: np.ndarray) -> np.
     return descending_order(np.linalg.norm(new_features - transformed_old, axis=1))
 
 
+def check_permutation(order, n: int) -> np.ndarray:
+    """``order`` as int64 when it is a permutation of 0..n-1; otherwise a ValueError that says
+    what is wrong with it (shape, dtype, range, or which indices are missing)."""
+    arr = np.asarray(order)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(
+            f"order must have shape ({n},), a permutation of 0..{n - 1}, got shape {arr.shape}"
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"order must hold integer indices, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= n:
+        raise ValueError(
+            f"order must be a permutation of 0..{n - 1}, but it holds values from {arr.min()} "
+            f"to {arr.max()}"
+        )
+    counts = np.bincount(arr, minlength=n)
+    if (counts != 1).any():
+        missing = np.flatnonzero(counts == 0)
+        raise ValueError(
+            f"order must be a permutation of 0..{n - 1}, but {missing.size} indices are missing "
+            f"(first {missing[:5].tolist()}) and others repeated; every image must be "
+            "backfilled exactly once"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
 def is_permutation(order: np.ndarray, n: int) -> bool:
-    order = np.asarray(order)
-    return order.shape == (n,) and np.issubdtype(order.dtype, np.integer) and \
-        np.array_equal(np.sort(order), np.arange(n))
+    try:
+        check_permutation(order, n)
+    except ValueError:
+        return False
+    return True
 
 
 def kendall_tau(scores_a: np.ndarray, scores_b: np.ndarray) -> float:

@@ -50,6 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from components.evaluation.ordering import check_permutation
+from components.platform.vocabulary import DISTANCES
+
 __all__ = [
     "ALPHA_POINTS_DEFAULT",
     "DISTANCES",
@@ -63,7 +66,6 @@ __all__ = [
 ALPHA_POINTS_DEFAULT = 20
 """Default number of intermediate curve points ``B``; the curve has ``B + 2`` points."""
 
-DISTANCES = ("l2", "cosine")
 
 # Above every real key: a finite or infinite distance gives at most (0x7F800000 << 1) | 1.
 # Even, so the query's own item is never read as a hit.
@@ -332,29 +334,7 @@ def _check_labels(labels, n: int) -> np.ndarray:
 
 
 def _check_order(order, n: int) -> np.ndarray:
-    if order is None:
-        return np.arange(n)
-    arr = np.asarray(order)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(
-            f"order must have shape ({n},), a permutation of 0..{n - 1}, got shape {arr.shape}"
-        )
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"order must hold integer indices, got dtype {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= n:
-        raise ValueError(
-            f"order must be a permutation of 0..{n - 1}, but it holds values from {arr.min()} "
-            f"to {arr.max()}"
-        )
-    counts = np.bincount(arr, minlength=n)
-    if (counts != 1).any():
-        missing = np.flatnonzero(counts == 0)
-        raise ValueError(
-            f"order must be a permutation of 0..{n - 1}, but {missing.size} indices are missing "
-            f"(first {missing[:5].tolist()}) and others repeated; every image must be "
-            "backfilled exactly once"
-        )
-    return arr.astype(np.int64, copy=False)
+    return np.arange(n) if order is None else check_permutation(order, n)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 
 from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
+from components.platform.vocabulary import DISTANCES
 from components.gallery.upgrade import chunk_features, done_chunks, load_plan, order_of, transformed_all
 
 
@@ -21,7 +22,7 @@ class GallerySearch:
     """Top-k item ids for query features against the current (possibly mixed) gallery."""
 
     def __init__(self, gallery: Gallery, distance: str = "l2"):
-        if distance not in ("l2", "cosine"):
+        if distance not in DISTANCES:
             raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
         self.gallery, self.distance = gallery, distance
         self._lock = threading.RLock()  # refresh() may rebuild, and a rebuild refreshes

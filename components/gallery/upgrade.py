@@ -3,6 +3,8 @@
 Under ``upgrades/<upgrade-id>/`` (the id joins the two model versions, so re-running the same
 command finds the same upgrade)::
 
+    source/part-NNNNN.npy       a sequential upgrade only: each part's features as the unfinished
+                                upgrade it starts from left them (its new features or its map's)
     order.npy                   item positions in backfill order
     transformed/part-NNNNN.npy  h(old features) of each part, in the new model's space
     sigma/part-NNNNN.npy        predicted log sigma^2 per item (maps with an uncertainty head)
@@ -11,6 +13,9 @@ command finds the same upgrade)::
     chunks/chunk-NNNNN.npy      new features of a chunk's items, in order; deterministic key
     done/chunk-NNNNN.json       the chunk's completion marker, written after its features
     finished.json               written when the backfill is complete and the gallery switched
+    rejected.json               written when the promotion gate rejects it (reasons and numbers); the
+                                same upgrade is then refused until a better version is registered
+    superseded.json             written when a sequential upgrade starts from this unfinished one
 
 Chunk c holds the items ``order[c * chunk_size : (c + 1) * chunk_size]``. A chunk is done when
 its marker exists; a killed backfill resumes by listing markers, and a chunk redone after a
@@ -33,8 +38,11 @@ from components.gallery.catalog import (
     IMAGE_CACHE, Gallery, GalleryError, ModelRef, check_features, features_key, gather_images, now,
 )
 from components.gallery.store import AlreadyExists, ObjectMissing, Store, StoreError
+from components.platform.vocabulary import GALLERY_ORDERS
 
 LOCK = "upgrades/lock.json"
+ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
+ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
 
 
 class UpgradeLocked(RuntimeError):
@@ -69,6 +77,14 @@ def transformed_key(upgrade: str, part: int) -> str:
 def source_key(upgrade: str, part: int) -> str:
     """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
     return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
+
+
+def eval_positions_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/positions.npy")
+
+
+def eval_queries_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/queries.npy")
 
 
 def sigma_key(upgrade: str, part: int) -> str:
@@ -163,8 +179,8 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarr
 
     if kind == "random":
         return random_order(gallery.num_items, seed)
-    if kind != "sigma":
-        raise GalleryError(f"unknown backfill order {kind!r}; use sigma or random")
+    if kind not in GALLERY_ORDERS:
+        raise GalleryError(f"unknown backfill order {kind!r}; use one of {', '.join(GALLERY_ORDERS)}")
     try:
         sigma = np.concatenate([gallery.store.get_array(sigma_key(upgrade, p)) for p in range(gallery.num_parts)])
     except ObjectMissing:
@@ -179,16 +195,20 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     upgrade: from here on queries use the new model against the mixed gallery. Needs the
     transformed parts written first."""
     store = gallery.store
-    if sorted(order.tolist()) != list(range(plan.num_items)):
-        raise GalleryError(f"the order of {plan.id} is not a permutation of the {plan.num_items} items")
-    store.put_array(upgrade_key(plan.id, "order.npy"), order.astype(np.int64))
+    from components.evaluation.ordering import check_permutation
+
+    try:
+        order = check_permutation(order, plan.num_items)
+    except ValueError as error:
+        raise GalleryError(f"the order of {plan.id}: {error}") from None
+    store.put_array(upgrade_key(plan.id, ORDER), order.astype(np.int64))
     if eval_positions is not None and len(eval_positions) >= 2:
-        store.put_array(upgrade_key(plan.id, "eval/positions.npy"), eval_positions)
-        store.put_array(upgrade_key(plan.id, "eval/queries.npy"), eval_queries)
+        store.put_array(eval_positions_key(plan.id), eval_positions)
+        store.put_array(eval_queries_key(plan.id), eval_queries)
     write_plan(store, plan)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
     if plan.base:
-        store.put_json(upgrade_key(plan.base, "superseded.json"), {"by": plan.id, "at": now()})
+        store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
 
 
 def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.ndarray:
@@ -203,7 +223,7 @@ def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.nd
 
 
 def order_of(store: Store, upgrade: str) -> np.ndarray:
-    return store.get_array(upgrade_key(upgrade, "order.npy")).astype(np.int64)
+    return store.get_array(upgrade_key(upgrade, ORDER)).astype(np.int64)
 
 
 def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
@@ -378,7 +398,7 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
         start, stop = gallery.part_bounds(part)
         gallery.store.put_array(features_key(plan.new, part), features[start:stop])
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
-    gallery.store.put_json(upgrade_key(plan.id, "finished.json"), record)
+    gallery.store.put_json(upgrade_key(plan.id, FINISHED), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()
     manifest["upgrade"] = None
@@ -391,7 +411,7 @@ def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
     """The promotion gate failed: the gallery goes back to serving its own model's features (the
     champion's); the upgrade's record says why, and its working data is garbage."""
     record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), **decision}
-    gallery.store.put_json(upgrade_key(plan.id, "rejected.json"), record)
+    gallery.store.put_json(upgrade_key(plan.id, REJECTED), record)
     manifest = dict(gallery.manifest(refresh=True))
     if manifest.get("upgrade") == plan.id:
         manifest["upgrade"] = None
@@ -401,7 +421,7 @@ def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
 
 def rejection(store: Store, upgrade: str) -> dict | None:
     try:
-        return store.get_json(upgrade_key(upgrade, "rejected.json"))
+        return store.get_json(upgrade_key(upgrade, REJECTED))
     except ObjectMissing:
         return None
 
@@ -444,10 +464,9 @@ def collect_garbage(gallery: Gallery) -> dict:
             deleted["features"] += 1
     for key in gallery.store.list("upgrades/"):
         parts = key.split("/")
-        if len(parts) < 3 or parts[2] in ("plan.json", "finished.json", "rejected.json", "superseded.json"):
+        if len(parts) < 3 or parts[2] in ("plan.json", *ENDINGS):
             continue
-        if any(gallery.store.exists(upgrade_key(parts[1], end)) for end in ("finished.json", "rejected.json",
-                                                                              "superseded.json")):
+        if any(gallery.store.exists(upgrade_key(parts[1], end)) for end in ENDINGS):
             gallery.store.delete(key)
             deleted["upgrade_objects"] += 1
     return deleted

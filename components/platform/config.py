@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from components.platform.vocabulary import COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, ORDERS
 
 DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
@@ -167,13 +170,12 @@ class CompatibleConfig(Section):
         return self
 
 
-ALIGN_ORDERS = ("random", "sigma", "oracle", "distance")
-COMPATIBLE_ORDERS = ("random", "least_confidence", "margin", "entropy")
-Order = Literal["random", "sigma", "oracle", "distance", "least_confidence", "margin", "entropy"]
+Order = Literal[ORDERS]
+Distance = Literal[DISTANCES]
 
 
 class EvaluateConfig(Section):
-    distance: Literal["l2", "cosine"] = "l2"
+    distance: Distance = "l2"
     curve_points: Annotated[int, Field(ge=0)] = Field(
         default=20, description="B: intermediate points; the curve has B + 2 points"
     )
@@ -212,7 +214,7 @@ class UpgradeConfig(Section):
 
     method: str = Field(default="fastfill", description="the align.<method> that trains a map when the "
                         "registry has none joining the two versions")
-    order: Literal["sigma", "random"] = "sigma"
+    order: Literal[GALLERY_ORDERS] = "sigma"
     chunk_size: PositiveInt = 1000
     max_concurrency: PositiveInt = Field(default=2, description="chunks in flight at once")
     task_runner: Literal["threads", "dask"] = "threads"
@@ -231,7 +233,7 @@ class GalleryConfig(Section):
 
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
-    distance: Literal["l2", "cosine"] = "l2"
+    distance: Distance = "l2"
     upgrade: UpgradeConfig = UpgradeConfig()
 
 
@@ -291,7 +293,7 @@ def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, Ali
         if not names:
             raise ValueError(f"{where}.{method} lists no order; give at least one (e.g. [random])")
         if method in align:
-            config, allowed = align[method], ALIGN_ORDERS
+            config, allowed = align[method], MAP_ORDERS
             kind = "an alignment map"
         elif method in compatible:
             config, allowed = None, COMPATIBLE_ORDERS

@@ -95,7 +95,19 @@ def save_torch(path: Path, obj: object) -> None:
     _write_atomically(path, lambda p: torch.save(obj, p))
 
 
-def load_array(path: Path) -> np.ndarray:
+class ArrayFileError(ValueError):
+    """A .npy file that is missing or unreadable; the message names it and what to do."""
+
+
+def load_array(path: Path, what: str = "", *, missing: str = "run the stage that writes it first") -> np.ndarray:
+    """The one .npy reader for files: no pickles; a missing file raises FileNotFoundError
+    (``what``: how the caller names the file, ``missing``: what to do), an unreadable one
+    ArrayFileError."""
+    path = Path(path)
+    label = f"{what}: {path}" if what else str(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run the stage that writes it first")
-    return np.load(path)
+        raise FileNotFoundError(f"{label} does not exist; {missing}")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise ArrayFileError(f"{label} is not a readable .npy array ({error})") from None

@@ -27,6 +27,7 @@ import numpy as np
 from dataclasses import dataclass
 
 from components.platform.config import MlflowConfig
+from components.platform.vocabulary import CHALLENGER, CHAMPION, ROLE_ALIASES  # noqa: F401 - part of the registry's interface
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,6 @@ class ModelRef:
 
 PIPELINE_KEY_TAG = "fastfill.pipeline_key"
 STAGE_TAG = "fastfill.stage"
-ROLE_ALIASES = {"old": "champion", "new": "challenger"}
 
 
 def tracking_uri(config: MlflowConfig) -> str:
@@ -298,7 +298,7 @@ def record_decision(client, name: str, version: str, run_id: str | None, tags: M
         if run_id:
             client.set_tag(run_id, key, value)
     if promote:
-        client.set_registered_model_alias(name, "champion", str(version))
+        client.set_registered_model_alias(name, CHAMPION, str(version))
 
 
 def alias_version(client, name: str, alias: str) -> str | None:
