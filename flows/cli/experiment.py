@@ -1,0 +1,204 @@
+"""Commands of the experiment: the pipeline, seeds, the data-size sweep, the comparison, one
+stage at a time (what DVC calls), and the evaluation of your own features."""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.cli.common import ParamsOption, app, call, fail, load, record_in_dvc
+
+stage_app = typer.Typer(no_args_is_help=True, help="Run one pipeline stage (what each DVC stage calls).")
+app.add_typer(stage_app, name="stage")
+
+
+def _print_summary(metrics: dict) -> None:
+    typer.echo("\n                      top-1@0  top-1@100  top1_auc  map_auc")
+    for name, entry in metrics.items():
+        if name == "headroom":
+            continue
+        label = name + (f" ({entry['order']})" if "order" in entry else "")
+        typer.echo(f"  {label:<20}{100 * entry['top1_0']:8.2f}  {100 * entry['top1_100']:9.2f}"
+                   f"  {100 * entry['top1_auc']:8.2f}  {100 * entry['map_auc']:7.2f}")
+    for key, gap in metrics.get("headroom", {}).items():
+        typer.echo(f"  headroom {key}: {100 * gap:.2f} top-1 points")
+
+
+@app.command()
+def run(params: ParamsOption = Path("params.yaml"),
+        dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
+    """Run the whole pipeline: data splits, old and new models, alignment maps, evaluation."""
+    config = load(params)
+    from flows.pipeline import pipeline_flow
+
+    start = time.perf_counter()
+    metrics = call(pipeline_flow, config)
+    _print_summary(metrics)
+    typer.echo(f"\npipeline finished in {time.perf_counter() - start:.0f} s; "
+               f"reports in {config.paths.reports}/ (metrics.json, backfill.png)")
+    if dvc_commit:
+        record_in_dvc(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc repro evaluate` has nothing to redo")
+
+
+@app.command()
+def seeds(params: ParamsOption = Path("params.yaml"),
+          seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: experiment.seeds")] = None,
+          out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
+    """Run the pipeline once per seed and write reports/seeds.json (per-seed numbers, mean, std)."""
+    config = load(params)
+    from components.evaluation.seed_report import seeds_markdown
+    from flows.pipeline import seeds_flow
+
+    chosen = seed or list(config.experiment.seeds)
+    start = time.perf_counter()
+    summary = call(seeds_flow, config, chosen, out)
+    typer.echo(f"\nseeds {chosen}, {time.perf_counter() - start:.0f} s in all\n")
+    typer.echo(seeds_markdown(summary))
+    typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
+
+
+@app.command()
+def sweep(params: ParamsOption = Path("params.yaml"),
+          size: Annotated[list[str] | None, typer.Option("--size", help="prepare.train_per_class, or all; repeat for "
+                                                         "several (default: 100, 300, 1000, all)")] = None,
+          seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: experiment.seeds")] = None,
+          out: Annotated[Path, typer.Option(help="per-size, per-seed outputs go to OUT/n-<size>/seed-<s>/")] = Path("runs/sweep"),
+          resume: Annotated[bool, typer.Option(help="reuse the runs that already have a metrics.json")] = False,
+          report_only: Annotated[bool, typer.Option(help="run nothing: report the runs that exist")] = False) -> None:
+    """FastFill against FCT by data size: the pipeline at each train_per_class and seed, then
+    reports/sweep.{md,json,png}."""
+    config = load(params)
+    from flows.sweep import sweep_flow, sweep_outputs
+
+    sizes = []
+    for text in size or ["100", "300", "1000", "all"]:
+        if text != "all" and not (text.isdigit() and int(text) > 0):
+            fail(f"--size {text!r} must be a positive number of images per class, or all", 2)
+        sizes.append(None if text == "all" else int(text))
+    chosen = seed or list(config.experiment.seeds)
+    start = time.perf_counter()
+    summary = call(sweep_flow, config, sizes, chosen, out, resume, report_only)
+    outputs = sweep_outputs(config)
+    typer.echo(f"\nsweep of sizes {[s or 'all' for s in sizes]} x seeds {chosen}: {time.perf_counter() - start:.0f} s\n")
+    typer.echo(outputs["markdown"].read_text())
+    typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
+    if not summary["holds_everywhere"]:
+        raise typer.Exit(4)
+
+
+@app.command()
+def compare(params: ParamsOption = Path("params.yaml"),
+            seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
+            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
+    """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
+    over seeds; write reports/comparison.{md,json,png} and log them to MLflow."""
+    config = load(params)
+    from components.evaluation.comparison import ranking
+    from flows.compare import compare_flow, comparison_outputs
+
+    chosen = seed or list(config.compare.seeds)
+    start = time.perf_counter()
+    summary = call(compare_flow, config, chosen)
+    typer.echo(f"\ncomparison of seeds {chosen} finished in {time.perf_counter() - start:.0f} s")
+    for metric in ("top1_auc", "map_auc"):
+        typer.echo(f"  {metric}: " + " > ".join(f"{label} {100 * v:.2f}" for label, v in ranking(summary, metric)))
+    outputs = comparison_outputs(config)
+    typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
+    if dvc_commit and sorted(chosen) == sorted(config.compare.seeds):
+        record_in_dvc(params, ["prepare", *(f"compare@{s}" for s in chosen), "comparison"])
+
+
+class Role(str, Enum):
+    old = "old"
+    new = "new"
+
+
+@stage_app.command("prepare")
+def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
+    """Write the deterministic splits (old-train, new-train, test)."""
+    config = load(params)
+    from flows.prepare import prepare_flow
+
+    call(prepare_flow, config)
+
+
+@stage_app.command("train")
+def stage_train(role: Annotated[Role, typer.Option(help="which model")],
+                params: ParamsOption = Path("params.yaml")) -> None:
+    """Train one embedding model, store its features of the splits, register it."""
+    config = load(params)
+    from flows.train import train_flow
+
+    call(train_flow, config, role.value)
+
+
+@stage_app.command("align")
+def stage_align(method: Annotated[str, typer.Option(help="a method under align: in params.yaml")],
+                params: ParamsOption = Path("params.yaml")) -> None:
+    """Train one alignment method's map on the stored features and transform the gallery."""
+    config = load(params)
+    if method not in config.align:
+        fail(f"unknown method {method!r}; params.yaml defines {sorted(config.align)}", 2)
+    from flows.align import align_flow
+
+    call(align_flow, config, method)
+
+
+@stage_app.command("evaluate")
+def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
+    """Backfill curves of every method and order; reports/metrics.json, plot data, PNG."""
+    config = load(params)
+    from flows.evaluate import evaluate_flow
+
+    _print_summary(call(evaluate_flow, config))
+
+
+@stage_app.command("compare")
+def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")],
+                  params: ParamsOption = Path("params.yaml")) -> None:
+    """Every method of the comparison for one seed, under compare.out/seed-<s>/."""
+    config = load(params)
+    from flows.compare import compare_seed_flow
+
+    _print_summary(call(compare_seed_flow, config, seed))
+
+
+@stage_app.command("comparison")
+def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
+    """reports/comparison.{md,json,png} from the seeds' results."""
+    config = load(params)
+    from flows.compare import comparison_report_flow
+
+    call(comparison_report_flow, config)
+    typer.echo((config.paths.reports / "comparison.md").read_text())
+
+
+class Distance(str, Enum):
+    l2 = "l2"
+    cosine = "cosine"
+
+
+@app.command()
+def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
+             distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance.l2,
+             out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,
+             points: Annotated[int, typer.Option(help="intermediate curve points B (the curve has B+2)")] = 20) -> None:
+    """Evaluate your own features: the backfill curve and its summaries, as JSON."""
+    from components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
+
+    try:
+        result = evaluate_feature_folder(features, distance=distance.value, num_intermediate=points)
+    except EvaluationInputError as error:
+        fail(error, 2)
+    text = json.dumps(result, indent=2)
+    if out is None:
+        typer.echo(text)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        typer.echo(f"top1_auc {result['top1_auc']:.4f}, map_auc {result['map_auc']:.4f}; written to {out}")

@@ -1,0 +1,245 @@
+"""Commands of the stored gallery: ingest, info, gc, the upgrade and its status, search."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.cli.common import ParamsOption, StoreOption, app, call, fail, load, store_uri
+
+
+gallery_app = typer.Typer(no_args_is_help=True, help="The gallery in object storage: ingest, info, garbage collection.")
+app.add_typer(gallery_app, name="gallery")
+upgrade_app = typer.Typer(help="Upgrade the stored gallery to a new model (`fastfill upgrade --to ...`), "
+                               "or see its state (`fastfill upgrade status`).")
+app.add_typer(upgrade_app, name="upgrade")
+
+
+def _gallery(uri: str):
+    from components.gallery.catalog import Gallery
+    from components.gallery.store import open_store
+
+    store = open_store(uri)
+    store.check()
+    return Gallery(store)
+
+
+def _with_upgrade(config, **changes):
+    from components.platform.config import Params
+
+    data = config.model_dump()
+    data["gallery"]["upgrade"].update({k: v for k, v in changes.items() if v is not None})
+    try:
+        return Params.model_validate(data)
+    except ValueError as error:
+        fail(error, 2)
+
+
+def _parse_budget(text: str | None) -> float | int | None:
+    if text is None:
+        return None
+    try:
+        value = float(text.rstrip("%")) / 100 if text.endswith("%") else (float(text) if "." in text else int(text))
+    except ValueError:
+        fail(f"--budget {text!r}: give a fraction (0.25 or 25%) or a count of items (2500)", 2)
+    if (isinstance(value, float) and not 0 < value <= 1) or (isinstance(value, int) and value < 1):
+        fail(f"--budget {text!r}: a fraction must be in (0, 1], a count at least 1", 2)
+    return value
+
+
+@gallery_app.command("ingest")
+def gallery_ingest(store: StoreOption = None,
+                   model: Annotated[str, typer.Option(help="whose features the gallery stores; default: "
+                                                     "models:/<registered_model>@champion")] = "",
+                   images: Annotated[Path | None, typer.Option(help="uint8 .npy, (N, C, H, W) or (N, H, W); default: "
+                                                            "the prepared test split")] = None,
+                   labels: Annotated[Path | None, typer.Option(help=".npy of N integer labels")] = None,
+                   groups: Annotated[Path | None, typer.Option(help=".npy of N group names or numbers")] = None,
+                   ids: Annotated[Path | None, typer.Option(help=".npy of N unique integer item ids; default 0..N-1")] = None,
+                   features: Annotated[Path | None, typer.Option(help=".npy of precomputed features of the model")] = None,
+                   params: ParamsOption = Path("params.yaml")) -> None:
+    """Put images (and labels, groups) into the store with the champion model's features."""
+    config = load(params)
+    from flows.gallery import ingest_flow
+
+    uri = store_uri(config, store)
+    manifest = call(ingest_flow, config, uri, model, images, labels, groups, ids, features)
+    typer.echo(f"{uri}: {manifest['num_items']} items, model {manifest['model']['uri']}")
+
+
+@gallery_app.command("info")
+def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """The gallery's manifest and upgrade state, as JSON."""
+    upgrade_status(store, params)
+
+
+@gallery_app.command("gc")
+def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
+    config = load(params)
+    from components.gallery.upgrade import collect_garbage
+
+    uri = store_uri(config, store)
+    deleted = call(lambda: collect_garbage(_gallery(uri)))
+    typer.echo(f"{uri}: deleted {deleted['features']} feature objects and {deleted['upgrade_objects']} "
+               "objects of finished upgrades")
+
+
+class _ProgressBar:
+    """A progress bar on the terminal fed by polling the store's chunk markers, so it moves the
+    same whatever runs the chunks (threads here, or Dask workers elsewhere)."""
+
+    def __init__(self, uri: str, enabled: bool):
+        import threading
+
+        self.uri, self.enabled = uri, enabled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.enabled:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from tqdm import tqdm
+
+        from components.gallery.upgrade import status
+
+        bar = None
+        try:
+            gallery = _gallery(self.uri)
+            while not self._stop.wait(0.5):
+                state = status(gallery)
+                info = state.get("upgrade")
+                if not info or not info.get("chunks"):
+                    continue
+                if bar is None:
+                    bar = tqdm(total=state["items"], unit="item", desc=f"backfill {info['id']}", file=sys.stderr)
+                bar.n = info["items_done"]
+                bar.refresh()
+            if bar is not None:
+                final = status(gallery)
+                bar.n = final["upgrade"]["items_done"] if final.get("upgrade") else final["items"]
+                bar.close()
+        except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports errors
+            if bar is not None:
+                bar.close()
+
+
+@upgrade_app.callback(invoke_without_command=True)
+def upgrade(ctx: typer.Context,
+            store: StoreOption = None,
+            to: Annotated[str, typer.Option("--to", help="the new model; default models:/<registered_model>@challenger")] = "",
+            budget: Annotated[str | None, typer.Option(help="stop after a fraction (0.25, 25%) or a count of items")] = None,
+            chunk_size: Annotated[int | None, typer.Option(help="items per backfill chunk (a new upgrade only)")] = None,
+            concurrency: Annotated[int | None, typer.Option(help="chunks in flight at once")] = None,
+            order: Annotated[str | None, typer.Option(help="sigma or random (a new upgrade only)")] = None,
+            runner: Annotated[str | None, typer.Option(help="threads, or dask")] = None,
+            dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
+            break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
+            gate: Annotated[bool | None, typer.Option(help="check the promotion gates before switching; default: promotion.gate")] = None,
+            progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
+            params: ParamsOption = Path("params.yaml")) -> None:
+    """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
+    queries use the new model from the start. The same command resumes a stopped upgrade."""
+    if ctx.invoked_subcommand is not None:
+        return
+    config = _with_upgrade(load(params), chunk_size=chunk_size, max_concurrency=concurrency, order=order,
+                           task_runner=runner, dask_address=dask_address)
+    from flows.gallery import upgrade_flow
+
+    settings = config.gallery.upgrade
+    flow = upgrade_flow
+    if settings.task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        runner_obj = DaskTaskRunner(address=settings.dask_address) if settings.dask_address else \
+            DaskTaskRunner(cluster_kwargs={"n_workers": settings.max_concurrency, "threads_per_worker": 1})
+    else:
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        runner_obj = ThreadPoolTaskRunner(max_workers=settings.max_concurrency + 1)
+    flow = upgrade_flow.with_options(task_runner=runner_obj)
+    uri = store_uri(config, store)
+    start = time.perf_counter()
+    with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
+        result = call(flow, config, uri, to, _parse_budget(budget), break_lock, gate)
+    typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
+               f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
+               f"MLflow run {result['mlflow_run_id']}")
+    if "promotion" in result:
+        numbers, decision = result["promotion"]["numbers"], result["promotion"]
+        reached = numbers["fraction_to_gain"]
+        typer.echo(f"promotion gate: {'passed, champion moved' if decision['passed'] else 'REJECTED'}: champion top-1 "
+                   f"{100 * numbers['champion_top1']:.2f}, challenger mean top-1 along the backfill "
+                   f"{100 * numbers['top1_auc']:.2f}, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                   f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
+        for reason in decision["reasons"]:
+            typer.echo(f"  - {reason}")
+    if result["state"] == "rejected":
+        raise typer.Exit(3)
+
+
+@upgrade_app.command("status")
+def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """The gallery's model and the running or paused upgrade, with how much is done (JSON)."""
+    config = load(params)
+    from components.gallery.upgrade import status
+
+    uri = store_uri(config, store)
+    typer.echo(json.dumps(call(lambda: status(_gallery(uri))), indent=2))
+
+
+@upgrade_app.command("unlock")
+def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Break a stale upgrade lock (its process is gone); the next `fastfill upgrade` resumes."""
+    config = load(params)
+    from components.gallery.upgrade import break_lock
+
+    uri = store_uri(config, store)
+    held = call(lambda: break_lock(_gallery(uri).store))
+    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
+                             f"{held.get('host')})" if held else "no lock was held"))
+
+
+@app.command()
+def search(store: StoreOption = None,
+           features: Annotated[Path | None, typer.Option(help=".npy of query features (the query model's)")] = None,
+           images: Annotated[Path | None, typer.Option(help=".npy of uint8 query images, embedded with the query model")] = None,
+           k: Annotated[int, typer.Option("--k", "-k", help="results per query")] = 10,
+           params: ParamsOption = Path("params.yaml")) -> None:
+    """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
+    features where backfilled, transformed old features elsewhere). JSON to stdout."""
+    config = load(params)
+    if (features is None) == (images is None):
+        fail("give exactly one of --features or --images", 2)
+    from components.gallery.search import GallerySearch
+    from flows.gallery import _load_array
+
+    uri = store_uri(config, store)
+
+    def run_search():
+        searcher = GallerySearch(_gallery(uri), config.gallery.distance)
+        if features is not None:
+            return searcher, searcher.search(_load_array(features, "--features"), k)
+        from components.platform import registry
+
+        registry.setup(config.mlflow)
+        model = registry.load_model(searcher.query_model.uri)
+        return searcher, searcher.search_images(_load_array(images, "--images"), model, k)
+
+    searcher, (ids, distances) = call(run_search)
+    typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
+                           "items": searcher.gallery.num_items, "ids": ids.tolist(),
+                           "distances": [[round(float(d), 6) for d in row] for row in distances]}))

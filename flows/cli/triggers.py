@@ -1,0 +1,83 @@
+"""Commands of the upgrades that run themselves: deployments, the watcher, webhooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.cli.common import ParamsOption, StoreOption, app, call, fail, load, store_uri
+
+webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them, register one.")
+app.add_typer(webhook_app, name="webhook")
+
+
+@app.command()
+def serve(params: ParamsOption = Path("params.yaml")) -> None:
+    """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the registry
+    watcher on its interval, the nightly check-and-upgrade and the weekly comparison."""
+    config = load(params)
+    from prefect import serve as prefect_serve
+
+    from flows.triggers import deployments, params_file
+
+    found = deployments(config, params_file(params))
+    typer.echo("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in found))
+    prefect_serve(*found)
+
+
+@app.command()
+def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
+          resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False) -> None:
+    """Check the registry once: start the upgrade deployment when `challenger` is new to the gallery."""
+    config = load(params)
+    from flows.triggers import params_file, watch_flow
+
+    typer.echo(json.dumps(call(watch_flow, params_file(params), store_uri(config, store), resume), indent=1))
+
+
+@webhook_app.command("serve")
+def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
+                  host: Annotated[str | None, typer.Option(help="default triggers.webhook_host (127.0.0.1)")] = None,
+                  port: Annotated[int | None, typer.Option(help="default triggers.webhook_port")] = None) -> None:
+    """Receive MLflow registry webhooks; a signed alias event for `challenger` starts the upgrade."""
+    config = load(params)
+    from flows.triggers import WebhookReceiver, params_file, webhook_secret
+
+    try:
+        secret = webhook_secret(config)
+    except ValueError as error:
+        fail(error, 2)
+    receiver = WebhookReceiver(config, params_file(params), store_uri(config, store), secret,
+                               host or config.triggers.webhook_host,
+                               config.triggers.webhook_port if port is None else port)
+    typer.echo(f"listening on http://{receiver.address[0]}:{receiver.address[1]}/", err=True)
+    try:
+        receiver.serve_forever()
+    except KeyboardInterrupt:
+        receiver.shutdown()
+
+
+@webhook_app.command("register")
+def webhook_register(url: Annotated[str, typer.Option(help="where the receiver listens, e.g. http://127.0.0.1:8787/")],
+                     params: ParamsOption = Path("params.yaml"),
+                     name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "fastfill-upgrade") -> None:
+    """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created."""
+    config = load(params)
+    from components.platform import registry
+    from flows.triggers import webhook_secret
+
+    try:
+        secret = webhook_secret(config)
+    except ValueError as error:
+        fail(error, 2)
+    client, _ = registry.setup(config.mlflow)
+    hook = client.create_webhook(name=name, url=url, events=["model_version_alias.created"], secret=secret,
+                                 description="fastfill: a new challenger starts the gallery upgrade")
+    typer.echo(f"webhook {hook.webhook_id} -> {url} (model_version_alias.created)")
+
+
+if __name__ == "__main__":
+    app()
