@@ -3,7 +3,6 @@ measurement, finish) with queries served from the mixed gallery throughout."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,9 @@ from components.gallery.catalog import Gallery, GalleryError, check_features, ga
 from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
+from components.gallery.lifecycle import Backfill, Step, budget_items, choose_map, next_step
 from tasks.gallery import (
-    backfill_chunk, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision,
+    UpgradeProgress, backfill_chunk, open_upgrade_run, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision,
     reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part, write_gallery, write_sources,
 )
 
@@ -83,23 +83,6 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
 # ------------------------------------------------------------------------------------------------
 
 
-def _budget_items(budget: float | int | None, num_items: int) -> int:
-    if budget is None:
-        return num_items
-    if isinstance(budget, float):
-        return min(num_items, max(1, math.ceil(budget * num_items)))
-    return min(num_items, int(budget))
-
-
-def _open_run(params: Params, plan_fields: dict, store_uri: str) -> str:
-    client, experiment = registry.setup(params.mlflow)
-    run = client.create_run(experiment, run_name=f"upgrade {plan_fields['id']}", tags={
-        registry.STAGE_TAG: "upgrade", "store": store_uri, "from": plan_fields["old"], "to": plan_fields["new"],
-        "git_commit": registry.git_commit()})
-    registry.log_params(client, run.info.run_id, plan_fields)
-    return run.info.run_id
-
-
 def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
           old_model, new_model, base: up.Plan | None = None) -> up.Plan:
     """Map, transformed features and sigma, order, evaluation sample; plan.json last. With
@@ -110,15 +93,14 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     fields = {"id": uid, "old": old.uri, "new": new.uri, "order": config.order, "chunk_size": config.chunk_size,
               "max_concurrency": config.max_concurrency, "task_runner": config.task_runner,
               "eval_queries": config.eval_queries, "base": base.id if base else None}
-    run_id = _open_run(params, fields, store_uri)
-    found = registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
-    if config.order == "sigma":
-        found = [v for v in found if v.tags.get("method") != "fct"] or found
+    run_id = open_upgrade_run(params, fields, store_uri)
+    chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version),
+                        config.order)
     pairs = training_pairs(params, old_model, new_model)
-    if found:
-        map_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
+    if chosen is not None:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
         alignment_map = registry.load_model(map_uri).eval()
-        log(f"alignment map from the registry: {map_uri} ({found[0].tags.get('method')})")
+        log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})")
     else:
         alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
     alignment_map, map_uri = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new, run_id)
@@ -163,13 +145,6 @@ def _meter(gallery: Gallery, plan: up.Plan, done: list[int]) -> BackfillMeter | 
     return meter
 
 
-def _prefix(done: set[int], num_chunks: int) -> int:
-    count = 0
-    while count < num_chunks and count in done:
-        count += 1
-    return count
-
-
 def progress_key(store_uri: str, upgrade_id: str) -> str:
     """The Prefect progress artifact of one gallery's upgrade (lowercase, digits and dashes)."""
     import hashlib
@@ -178,94 +153,44 @@ def progress_key(store_uri: str, upgrade_id: str) -> str:
     return f"backfill-{slug}-{hashlib.sha1(store_uri.encode()).hexdigest()[:8]}"
 
 
-class _Tracker:
-    """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
-    prefix of the order) and to a Prefect progress artifact."""
-
-    def __init__(self, params: Params, store_uri: str, plan: up.Plan, meter: BackfillMeter | None):
-        from prefect.artifacts import create_progress_artifact
-
-        self.client, _ = registry.setup(params.mlflow)
-        self.plan, self.meter = plan, meter
-        self.run_id = plan.mlflow_run_id
-        self.client.update_run(self.run_id, status="RUNNING")
-        history = self.client.get_metric_history(self.run_id, "top1")
-        self.measured = {int(m.step) for m in history}
-        self.artifact = create_progress_artifact(0.0, key=progress_key(store_uri, plan.id),
-                                                 description=f"backfill of {plan.id} in {store_uri}")
-
-    def chunk_done(self, done: set[int], items_done: int) -> None:
-        from prefect.artifacts import update_progress_artifact
-
-        fraction = items_done / self.plan.num_items
-        update_progress_artifact(self.artifact, 100.0 * fraction)
-        registry.log_metrics(self.client, self.run_id, {"backfill_fraction": fraction, "items_backfilled": items_done},
-                             step=len(done))
-        self.measure(done)
-
-    def measure(self, done: set[int]) -> None:
-        if self.meter is None:
-            return
-        prefix = _prefix(done, self.plan.num_chunks)
-        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
-        if items in self.measured:
-            return
-        metrics = self.meter.measure(items)
-        registry.log_metrics(self.client, self.run_id, metrics, step=items)
-        self.measured.add(items)
-        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {metrics['top1']:.4f}, mAP {metrics['map']:.4f}")
-
-    def close(self, ok: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
-
-
 def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: up.Plan, new_model, budget) -> dict:
+    """Run the chunks the budget allows, ``max_concurrency`` at a time, measuring as they land;
+    the bookkeeping is ``lifecycle.Backfill``'s."""
     config = params.gallery.upgrade
-    done = set(up.done_chunks(gallery.store, plan.id))
-    items_done = plan.items_in(done)
-    limit = _budget_items(budget, plan.num_items)
-    pending = [c for c in range(plan.num_chunks) if c not in done]
-    log(f"backfill of {plan.id}: {len(done)}/{plan.num_chunks} chunks already done; {len(pending)} to go"
-        + (f", budget {limit} items" if limit < plan.num_items else ""))
-    tracker = _Tracker(params, store_uri, plan, _meter(gallery, plan, sorted(done)))
-    tracker.measure(done)
+    state = Backfill(plan, set(up.done_chunks(gallery.store, plan.id)), budget_items(budget, plan.num_items),
+                     config.max_concurrency)
+    log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already done; {len(state.pending)} to go"
+        + (f", budget {state.limit} items" if state.limit < plan.num_items else ""))
+    tracker = UpgradeProgress(params, store_uri, plan, _meter(gallery, plan, sorted(state.done)), progress_key(store_uri, plan.id))
+    tracker.measure(state.done)
     in_flight: dict = {}
-    submitted_items = items_done
-    failure: BaseException | None = None
     ok = False
 
-    def refill() -> None:
-        nonlocal submitted_items
-        while pending and failure is None and len(in_flight) < config.max_concurrency and submitted_items < limit:
-            chunk = pending.pop(0)
+    def start() -> None:
+        for chunk in state.to_start():
             in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
-            submitted_items += plan.items_in([chunk])
 
     try:
-        refill()
+        start()
         while in_flight:
             future = next(as_completed(list(in_flight)))
             chunk = in_flight.pop(future)
             try:
                 record = future.result()
             except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
-                failure = failure or error
+                state.failed(chunk, error)
                 continue
-            refill()  # the next chunk starts before this one's bookkeeping
-            done.add(chunk)
-            items_done += record["count"]
+            state.landed(chunk, record["count"])
+            start()  # the next chunk starts before this one's bookkeeping
             if tracker.meter is not None:
                 tracker.meter.land(record["start"], record["stop"], up.chunk_features(gallery.store, plan.id, chunk))
-            tracker.chunk_done(done, items_done)
-        if failure is not None:
-            raise failure
+            tracker.chunk_done(state.done, state.items_done)
+        if state.failure is not None:
+            raise state.failure
         ok = True
     finally:
         tracker.close(ok)
-    complete = len(done) == plan.num_chunks
-    return {"upgrade": plan.id, "chunks_done": len(done), "chunks": plan.num_chunks, "items_done": items_done,
-            "items": plan.num_items,
-            "fraction": items_done / plan.num_items, "complete": complete}
+    return state.summary()
 
 
 def _gate(params: Params, store_uri: str, plan: up.Plan, champion: ModelRef) -> dict:
@@ -296,46 +221,74 @@ def _gate(params: Params, store_uri: str, plan: up.Plan, champion: ModelRef) -> 
     return {"passed": passed, "reasons": reasons, "numbers": numbers}
 
 
+def runner_for(settings):
+    """The task runner of an upgrade's chunks, from gallery.upgrade: threads (one more than the
+    chunks in flight, for the bookkeeping), or Dask (an existing cluster at ``dask_address``, or
+    a local one of ``max_concurrency`` single-threaded workers). Every entry point uses it."""
+    if settings.task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if settings.dask_address:
+            return DaskTaskRunner(address=settings.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": settings.max_concurrency, "threads_per_worker": 1})
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=settings.max_concurrency + 1)
+
+
+def run_upgrade(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
+                break_lock: bool = False, gate: bool | None = None) -> dict:
+    """``upgrade_flow`` on the task runner its settings name (what the CLI, the deployments and
+    the triggers call)."""
+    flow_with_runner = upgrade_flow.with_options(task_runner=runner_for(params.gallery.upgrade))
+    return flow_with_runner(params, store_uri, to_uri, budget=budget, break_lock=break_lock, gate=gate)
+
+
+def _target(params: Params, gallery: Gallery, to_uri: str):
+    """(champion, the new model's ref and loaded model, the unfinished upgrade to start from or
+    None). A new model that arrives while an upgrade is unfinished starts a sequential upgrade."""
+    champion = gallery.model
+    new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    if (new.name, new.version) == (champion.name, champion.version):
+        raise GalleryError(f"the gallery at {gallery.store.uri} is already built with {new.uri}; nothing to upgrade")
+    base = None
+    current = gallery.manifest().get("upgrade")
+    if current:
+        plan = up.load_plan(gallery.store, current)
+        if plan is not None and (plan.new.name, plan.new.version) != (new.name, new.version):
+            base = plan
+            log(f"{gallery.store.uri} is in the middle of upgrade {current} to {plan.new.uri}: {new.uri} starts a "
+                "sequential upgrade from the gallery as it stands")
+    new_model = load_model(params.mlflow, new)
+    return champion, ModelRef(new.name, new.version, new_model.embedding_dim), new_model, base
+
+
 @flow(name="gallery-upgrade", log_prints=True)
 def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
                  break_lock: bool = False, gate: bool | None = None) -> dict:
-    """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
-    chunks in sigma order, measure along the way; when complete, the promotion gate decides
-    (``gate``, default promotion.gate): switch the gallery and move champion, or reject and
-    keep serving the champion's features. Re-run the same command to resume a stopped or killed
-    upgrade. A new model that arrives while an upgrade is unfinished starts a sequential
-    upgrade from the gallery as it stands."""
+    """Upgrade the stored gallery to ``to_uri`` (default: the challenger), one step of
+    ``lifecycle.next_step`` after another: plan, backfill in chunks (sigma order by default,
+    measured as they land), then the promotion gate (``gate``, default promotion.gate) switches
+    the gallery and moves champion, or rejects and the gallery keeps serving the champion's
+    features. Re-run the same command to resume a stopped or killed upgrade."""
     gate = params.promotion.gate if gate is None else gate
     store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
-    manifest = gallery.manifest(refresh=True)
-    champion = gallery.model
-    new = _resolve(params, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
-    if (new.name, new.version) == (champion.name, champion.version):
-        raise GalleryError(f"the gallery at {store.uri} is already built with {new.uri}; nothing to upgrade")
-    base = None
-    current = manifest.get("upgrade")
-    if current:
-        plan = up.load_plan(store, current)
-        if plan is not None and (plan.new.name, plan.new.version) != (new.name, new.version):
-            base = plan
-            log(f"{store.uri} is in the middle of upgrade {current} to {plan.new.uri}: {new.uri} starts a sequential "
-                "upgrade from the gallery as it stands")
+    gallery.manifest(refresh=True)
+    champion, new, new_model, base = _target(params, gallery, to_uri)
     old = base.new if base is not None else champion
-    new_model = load_model(params.mlflow, new)
-    new = ModelRef(new.name, new.version, new_model.embedding_dim)
     uid = up.upgrade_id(old, new)
-    rejected = up.rejection(store, uid)
-    if rejected is not None:
+    plan = up.load_plan(store, uid)
+    if next_step(store, uid, plan, gate=gate) is Step.REJECTED:
+        rejected = up.rejection(store, uid)
         raise GalleryError(f"upgrade {uid} was rejected by the promotion gate on {rejected['rejected']} "
                            f"({'; '.join(rejected.get('reasons', []))}); register a better version")
     lock = up.acquire_lock(store, uid, break_lock=break_lock, log=log)
     try:
         plan = up.load_plan(store, uid)
-        if plan is None:
-            old_model = load_model(params.mlflow, old)
-            plan = _plan(params, gallery, store_uri, uid, old, new, old_model, new_model, base)
+        if next_step(store, uid, plan, gate=gate) is Step.PLAN:
+            plan = _plan(params, gallery, store_uri, uid, old, new, load_model(params.mlflow, old), new_model, base)
         else:
             log(f"resuming upgrade {uid}")
             if gallery.manifest(refresh=True).get("upgrade") != uid:  # killed between plan and switch
@@ -343,21 +296,19 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         result = _backfill(params, gallery, store_uri, plan, new_model,
                            budget if budget is not None else params.gallery.upgrade.budget)
         result["mlflow_run_id"] = plan.mlflow_run_id
-        if not result["complete"]:
+        step = next_step(store, uid, plan, gate=gate)
+        if step is Step.BACKFILL:
             log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
-            result["state"] = "paused"
-            return result
-        if gate:
+            return {**result, "state": "paused"}
+        if step is Step.GATE:
             result["promotion"] = _gate(params, store_uri, plan, champion)
             result["state"] = "complete" if result["promotion"]["passed"] else "rejected"
         else:
             finish_upgrade(store_uri, plan)
             record_decision(params.mlflow, plan, {"promotion": "ungated", "promotion.upgrade": plan.id}, promote=True)
             result["state"] = "complete"
-        if result["state"] == "complete":
-            log(f"upgrade {uid} complete: the gallery's model is now {new.uri}")
-        else:
-            log(f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
+        log(f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
+            f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
         return result
     finally:
         lock.release()

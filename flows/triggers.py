@@ -39,10 +39,10 @@ MAX_BODY = 1 << 20
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings."""
-    from flows.gallery import upgrade_flow
+    from flows.gallery import run_upgrade
 
     params = load_params(params_path)
-    return upgrade_flow(params, store or params.gallery.store, to, budget=budget, gate=gate)
+    return run_upgrade(params, store or params.gallery.store, to, budget=budget, gate=gate)
 
 
 @flow(name="comparison", log_prints=True)

@@ -11,6 +11,7 @@ from components.platform import registry
 from components.platform.config import AlignConfig, MlflowConfig, Params
 from components.gallery import catalog, upgrade
 from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.lifecycle import done_prefix
 from components.platform.registry import ModelRef
 from components.gallery.store import Store, open_store
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
@@ -204,3 +205,55 @@ def record_decision(config: MlflowConfig, plan: upgrade.Plan, tags: dict, promot
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
 def reject_upgrade(store_uri: str, plan: upgrade.Plan, decision: dict) -> dict:
     return upgrade.reject(Gallery(store_at(store_uri)), plan, decision)
+
+
+@task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)
+def open_upgrade_run(params: Params, plan_fields: dict, store_uri: str) -> str:
+    """The upgrade's MLflow run, with the plan as params; its id goes into plan.json."""
+    client, experiment = registry.setup(params.mlflow)
+    run = client.create_run(experiment, run_name=f"upgrade {plan_fields['id']}", tags={
+        registry.STAGE_TAG: "upgrade", "store": store_uri, "from": plan_fields["old"], "to": plan_fields["new"],
+        "git_commit": registry.git_commit()})
+    registry.log_params(client, run.info.run_id, plan_fields)
+    return run.info.run_id
+
+
+class UpgradeProgress:
+    """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
+    prefix of the order) and to a Prefect progress artifact."""
+
+    def __init__(self, params: Params, store_uri: str, plan: upgrade.Plan, meter, artifact_key: str):
+        from prefect.artifacts import create_progress_artifact
+
+        self.client, _ = registry.setup(params.mlflow)
+        self.plan, self.meter = plan, meter
+        self.run_id = plan.mlflow_run_id
+        self.client.update_run(self.run_id, status="RUNNING")
+        history = self.client.get_metric_history(self.run_id, "top1")
+        self.measured = {int(m.step) for m in history}
+        self.artifact = create_progress_artifact(0.0, key=artifact_key,
+                                                 description=f"backfill of {plan.id} in {store_uri}")
+
+    def chunk_done(self, done: set[int], items_done: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        fraction = items_done / self.plan.num_items
+        update_progress_artifact(self.artifact, 100.0 * fraction)
+        registry.log_metrics(self.client, self.run_id, {"backfill_fraction": fraction, "items_backfilled": items_done},
+                             step=len(done))
+        self.measure(done)
+
+    def measure(self, done: set[int]) -> None:
+        if self.meter is None:
+            return
+        prefix = done_prefix(done, self.plan.num_chunks)
+        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
+        if items in self.measured:
+            return
+        metrics = self.meter.measure(items)
+        registry.log_metrics(self.client, self.run_id, metrics, step=items)
+        self.measured.add(items)
+        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {metrics['top1']:.4f}, mAP {metrics['map']:.4f}")
+
+    def close(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")

@@ -157,24 +157,12 @@ def upgrade(ctx: typer.Context,
         return
     config = _with_upgrade(load(params), chunk_size=chunk_size, max_concurrency=concurrency, order=order,
                            task_runner=runner, dask_address=dask_address)
-    from flows.gallery import upgrade_flow
+    from flows.gallery import run_upgrade
 
-    settings = config.gallery.upgrade
-    flow = upgrade_flow
-    if settings.task_runner == "dask":
-        from prefect_dask import DaskTaskRunner
-
-        runner_obj = DaskTaskRunner(address=settings.dask_address) if settings.dask_address else \
-            DaskTaskRunner(cluster_kwargs={"n_workers": settings.max_concurrency, "threads_per_worker": 1})
-    else:
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        runner_obj = ThreadPoolTaskRunner(max_workers=settings.max_concurrency + 1)
-    flow = upgrade_flow.with_options(task_runner=runner_obj)
     uri = store_uri(config, store)
     start = time.perf_counter()
     with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
-        result = call(flow, config, uri, to, _parse_budget(budget), break_lock, gate)
+        result = call(run_upgrade, config, uri, to, _parse_budget(budget), break_lock, gate)
     typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
                f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
                f"MLflow run {result['mlflow_run_id']}")

@@ -1,0 +1,120 @@
+"""The upgrade as a state machine over the store, without Prefect: which step comes next
+(plan -> backfill -> gate -> finish, or rejected), the backfill budget, the map to use, and the
+chunk scheduler's bookkeeping. Flows run the steps; everything they decide is decided here.
+
+    plan ──> backfill ──(all chunks done)──> gate ──(passed)──> finish ──> complete
+                │  ^                          └──(failed)──> rejected
+                └──┘ paused (budget reached): the same command resumes
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from components.gallery.store import Store
+from components.gallery.upgrade import FINISHED, Plan, done_chunks, rejection, upgrade_key
+
+
+class Step(str, Enum):
+    PLAN = "plan"
+    BACKFILL = "backfill"
+    GATE = "gate"
+    FINISH = "finish"
+    COMPLETE = "complete"
+    REJECTED = "rejected"
+
+
+def next_step(store: Store, upgrade: str, plan: Plan | None, *, gate: bool) -> Step:
+    """What the upgrade ``upgrade`` needs next, read from the store (so a killed run resumes
+    at the right step)."""
+    if rejection(store, upgrade) is not None:
+        return Step.REJECTED
+    if plan is None:
+        return Step.PLAN
+    if store.exists(upgrade_key(upgrade, FINISHED)):
+        return Step.COMPLETE
+    if len(done_chunks(store, upgrade)) < plan.num_chunks:
+        return Step.BACKFILL
+    return Step.GATE if gate else Step.FINISH
+
+
+def budget_items(budget: float | int | None, num_items: int) -> int:
+    """Items a run may backfill: all (None), a fraction (float in (0, 1]) or a count (int)."""
+    if budget is None:
+        return num_items
+    if isinstance(budget, float):
+        return min(num_items, max(1, math.ceil(budget * num_items)))
+    return min(num_items, int(budget))
+
+
+def done_prefix(done: set[int], num_chunks: int) -> int:
+    """How many chunks from the start of the order are done (retrieval is measured at the
+    prefix, where the gallery is exactly the first items of the order)."""
+    count = 0
+    while count < num_chunks and count in done:
+        count += 1
+    return count
+
+
+def choose_map(found: list, order: str):
+    """Of the registry's map versions for this pair of models (newest first), the one to use: a
+    map with an uncertainty head for the sigma order (not FCT's), else the newest; None if none."""
+    if not found:
+        return None
+    if order == "sigma":
+        with_sigma = [v for v in found if v.tags.get("method") != "fct"]
+        return (with_sigma or found)[0]
+    return found[0]
+
+
+@dataclass
+class Backfill:
+    """The scheduler's bookkeeping for one run of the backfill: which chunks to start (in order,
+    at most ``max_concurrency`` in flight, none past the budget, none after a failure), and what
+    has landed. The flow submits and waits; this decides."""
+
+    plan: Plan
+    done: set[int]
+    limit: int
+    max_concurrency: int
+    pending: list[int] = field(init=False)
+    in_flight: set[int] = field(default_factory=set)
+    items_done: int = field(init=False)
+    submitted_items: int = field(init=False)
+    failure: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.pending = [c for c in range(self.plan.num_chunks) if c not in self.done]
+        self.items_done = self.submitted_items = self.plan.items_in(self.done)
+
+    def to_start(self) -> list[int]:
+        """The chunks to submit now; they count as in flight from here."""
+        chosen = []
+        while (self.pending and self.failure is None and len(self.in_flight) < self.max_concurrency
+               and self.submitted_items < self.limit):
+            chunk = self.pending.pop(0)
+            self.in_flight.add(chunk)
+            self.submitted_items += self.plan.items_in([chunk])
+            chosen.append(chunk)
+        return chosen
+
+    def landed(self, chunk: int, count: int) -> None:
+        self.in_flight.discard(chunk)
+        self.done.add(chunk)
+        self.items_done += count
+
+    def failed(self, chunk: int, error: BaseException) -> None:
+        """The first failure stops new submissions; what is in flight still finishes."""
+        self.in_flight.discard(chunk)
+        self.failure = self.failure or error
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.plan.num_chunks
+
+    def summary(self) -> dict:
+        return {"upgrade": self.plan.id, "chunks_done": len(self.done), "chunks": self.plan.num_chunks,
+                "items_done": self.items_done, "items": self.plan.num_items,
+                "fraction": self.items_done / self.plan.num_items, "complete": self.complete}

@@ -1,0 +1,74 @@
+"""The upgrade's state machine (components.gallery.lifecycle) on a local folder: the next step
+read from the store, the budget, the map choice, and the chunk scheduler's bookkeeping."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from components.gallery import upgrade as up
+from components.gallery.lifecycle import Backfill, Step, budget_items, choose_map, done_prefix, next_step
+from components.gallery.store import open_store
+from components.platform.registry import ModelRef
+
+OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
+
+
+def _plan(num_items=10, chunk_size=3) -> up.Plan:
+    return up.Plan(up.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
+
+
+def _mark_done(store, plan, chunk):
+    store.put_json(up.marker_key(plan.id, chunk), {"chunk": chunk})
+
+
+def test_next_step_follows_the_store(tmp_path):
+    store = open_store(str(tmp_path / "g"))
+    plan = _plan()
+    assert next_step(store, plan.id, None, gate=True) is Step.PLAN
+    up.write_plan(store, plan)
+    assert next_step(store, plan.id, plan, gate=True) is Step.BACKFILL
+    for chunk in range(plan.num_chunks - 1):
+        _mark_done(store, plan, chunk)
+    assert next_step(store, plan.id, plan, gate=True) is Step.BACKFILL
+    _mark_done(store, plan, plan.num_chunks - 1)
+    assert next_step(store, plan.id, plan, gate=True) is Step.GATE
+    assert next_step(store, plan.id, plan, gate=False) is Step.FINISH
+    store.put_json(up.upgrade_key(plan.id, up.FINISHED), {})
+    assert next_step(store, plan.id, plan, gate=True) is Step.COMPLETE
+    store.put_json(up.upgrade_key(plan.id, up.REJECTED), {"rejected": "now", "reasons": []})
+    assert next_step(store, plan.id, plan, gate=True) is Step.REJECTED
+
+
+@pytest.mark.parametrize("budget, expected", [(None, 10), (0.25, 3), (0.01, 1), (1.0, 10), (4, 4), (99, 10)])
+def test_budget_items(budget, expected):
+    assert budget_items(budget, 10) == expected
+
+
+def test_done_prefix_counts_only_the_unbroken_start():
+    assert done_prefix({0, 1, 3}, 5) == 2 and done_prefix(set(), 5) == 0 and done_prefix({0, 1}, 2) == 2
+
+
+def test_choose_map_prefers_a_map_with_sigma_for_the_sigma_order():
+    fct = SimpleNamespace(version="3", tags={"method": "fct"})
+    fastfill = SimpleNamespace(version="2", tags={"method": "fastfill"})
+    assert choose_map([fct, fastfill], "sigma") is fastfill
+    assert choose_map([fct, fastfill], "random") is fct
+    assert choose_map([fct], "sigma") is fct and choose_map([], "sigma") is None
+
+
+def test_backfill_keeps_concurrency_budget_and_stops_after_a_failure():
+    plan = _plan(num_items=10, chunk_size=3)  # chunks of 3, 3, 3, 1
+    state = Backfill(plan, {1}, limit=10, max_concurrency=2)
+    assert state.items_done == 3 and state.to_start() == [0, 2] and state.to_start() == []
+    state.landed(0, 3)
+    assert state.to_start() == [3] and not state.complete
+    state.failed(2, RuntimeError("disk full"))
+    state.landed(3, 1)
+    assert state.to_start() == [] and isinstance(state.failure, RuntimeError)
+    assert state.summary()["chunks_done"] == 3 and state.summary()["items_done"] == 7
+
+    budgeted = Backfill(plan, set(), limit=4, max_concurrency=4)
+    assert budgeted.to_start() == [0, 1]  # 6 items submitted reach the budget of 4
+    budgeted.landed(0, 3)
+    budgeted.landed(1, 3)
+    assert budgeted.to_start() == [] and budgeted.summary()["fraction"] == pytest.approx(0.6)
