@@ -16,6 +16,7 @@ from components.gallery.catalog import Gallery, GalleryError, check_features, ga
 from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
+from components.gallery.lock import acquire_lock
 from components.gallery.lifecycle import Backfill, Step, budget_items, choose_map, next_step
 from tasks.gallery import (
     UpgradeProgress, backfill_chunk, open_upgrade_run, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision,
@@ -284,7 +285,7 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         rejected = up.rejection(store, uid)
         raise GalleryError(f"upgrade {uid} was rejected by the promotion gate on {rejected['rejected']} "
                            f"({'; '.join(rejected.get('reasons', []))}); register a better version")
-    lock = up.acquire_lock(store, uid, break_lock=break_lock, log=log)
+    lock = acquire_lock(store, uid, break_lock=break_lock, log=log)
     try:
         plan = up.load_plan(store, uid)
         if next_step(store, uid, plan, gate=gate) is Step.PLAN:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from components.platform.config import TrainConfig
+from components.gallery import lock as locking
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError, ingest
 from components.platform.registry import ModelRef
@@ -182,29 +183,29 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
 
 def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
     store = open_store(store_uri)
-    lock = up.acquire_lock(store, "u1", log=lambda m: None)
-    with pytest.raises(up.UpgradeLocked, match=r"being upgraded: upgrade u1 by process \d+ .*fastfill upgrade unlock"):
-        up.acquire_lock(store, "u2", log=lambda m: None)
+    lock = locking.acquire_lock(store, "u1", log=lambda m: None)
+    with pytest.raises(locking.UpgradeLocked, match=r"being upgraded: upgrade u1 by process \d+ .*fastfill upgrade unlock"):
+        locking.acquire_lock(store, "u2", log=lambda m: None)
     lock.release()
-    assert not store.exists(up.LOCK)
+    assert not store.exists(locking.LOCK)
 
     # a lock left by a process that is gone (killed) on this host is taken over
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    store.put_json(up.LOCK, {"upgrade": "u1", "host": socket.gethostname(), "pid": dead.pid, "since": "t",
+    store.put_json(locking.LOCK, {"upgrade": "u1", "host": socket.gethostname(), "pid": dead.pid, "since": "t",
                              "token": "x"}, create_only=True)
     messages = []
-    lock = up.acquire_lock(store, "u1", log=messages.append)
+    lock = locking.acquire_lock(store, "u1", log=messages.append)
     assert lock.holder["pid"] == os.getpid() and "that process is gone" in messages[0]
     lock.release()
 
     # a lock held on another machine is refused, and can be broken explicitly
-    store.put_json(up.LOCK, {"upgrade": "u1", "host": "elsewhere", "pid": 1, "since": "t", "token": "y"},
+    store.put_json(locking.LOCK, {"upgrade": "u1", "host": "elsewhere", "pid": 1, "since": "t", "token": "y"},
                    create_only=True)
-    with pytest.raises(up.UpgradeLocked, match="on elsewhere"):
-        up.acquire_lock(store, "u2", log=lambda m: None)
-    assert up.break_lock(store)["host"] == "elsewhere"
-    up.acquire_lock(store, "u2", log=lambda m: None).release()
+    with pytest.raises(locking.UpgradeLocked, match="on elsewhere"):
+        locking.acquire_lock(store, "u2", log=lambda m: None)
+    assert locking.break_lock(store)["host"] == "elsewhere"
+    locking.acquire_lock(store, "u2", log=lambda m: None).release()
 
 
 def _brute_force(gallery_features, ids, queries, k):

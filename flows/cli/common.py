@@ -47,7 +47,7 @@ def call(flow, *args, **kwargs):
     from components.experiment.map_check import MapCheckError
     from components.gallery.catalog import GalleryError
     from components.gallery.store import StoreError
-    from components.gallery.upgrade import UpgradeLocked
+    from components.gallery.lock import UpgradeLocked
     from components.platform.config import ConfigError
     from components.platform.registry import RegistryError
 

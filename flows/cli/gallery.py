@@ -193,7 +193,7 @@ def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("param
 def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Break a stale upgrade lock (its process is gone); the next `fastfill upgrade` resumes."""
     config = load(params)
-    from components.gallery.upgrade import break_lock
+    from components.gallery.lock import break_lock
 
     uri = store_uri(config, store)
     held = call(lambda: break_lock(_gallery(uri).store))

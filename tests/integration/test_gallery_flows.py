@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from components.gallery import lock as locking
 from components.gallery import upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
@@ -166,7 +167,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
-    held = up.acquire_lock(open_store(uri), "another-upgrade", log=lambda m: None)  # this live process holds it
+    held = locking.acquire_lock(open_store(uri), "another-upgrade", log=lambda m: None)  # this live process holds it
     runner = CliRunner()
     args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
     result = runner.invoke(app, ["upgrade", *args])
@@ -237,7 +238,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     plan = up.load_plan(store, upgrade_id)
     before = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
     assert 3 <= len(before) < plan.num_chunks
-    assert store.exists(up.LOCK)  # left behind by the killed process
+    assert store.exists(locking.LOCK)  # left behind by the killed process
 
     resumed = subprocess.run(command, cwd=root, env=cli_env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -251,7 +252,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     order = up.order_of(store, upgrade_id)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in after.values()])) == list(range(plan.num_items))
     gallery = Gallery(store)
-    assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(up.LOCK)
+    assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(locking.LOCK)
 
     # the same features as an uninterrupted run with the same chunking
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
