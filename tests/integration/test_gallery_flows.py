@@ -117,7 +117,7 @@ def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, pre
         assert pids == worker_pids
 
 
-def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch):
+def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch, s3_endpoint):
     from flows.gallery import ingest_flow, upgrade_flow
 
     params, tmp_path = upgrade_env
