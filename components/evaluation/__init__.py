@@ -8,6 +8,7 @@ from components.evaluation.retrieval import (
     curve_at_counts,
     curve_alphas,
     pairwise_distances,
+    per_query_curve,
     retrieval_metrics,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "curve_at_counts",
     "curve_alphas",
     "pairwise_distances",
+    "per_query_curve",
     "retrieval_metrics",
 ]

@@ -60,6 +60,7 @@ __all__ = [
     "backfill_curve",
     "curve_alphas",
     "pairwise_distances",
+    "per_query_curve",
     "retrieval_metrics",
 ]
 
@@ -243,6 +244,29 @@ def curve_at_counts(
     return _curve_from_totals(np.asarray(counts, dtype=np.float64) / n, totals, labels)
 
 
+def per_query_curve(
+    query: np.ndarray,
+    gallery_new: np.ndarray,
+    gallery_old: np.ndarray,
+    labels: np.ndarray,
+    order: np.ndarray | None = None,
+    *,
+    distance: str = "l2",
+    num_intermediate: int = ALPHA_POINTS_DEFAULT,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Like :func:`backfill_curve`, but each query's own numbers: ``(top1, ap)``, both
+    ``(B + 2, n)``, top-1 hit (bool) and average precision per curve point and query (AP is 0
+    for a query without positives; :func:`backfill_curve`'s ``map`` leaves those out). For
+    statistics over queries, e.g. a paired bootstrap of two maps."""
+    distance = _check_distance(distance)
+    num_intermediate = _check_num_intermediate(num_intermediate)
+    query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
+    n = query.shape[0]
+    cuts = [(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)]
+    totals = _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, 1024, 2, per_query=True)
+    return totals.query_top1, totals.query_ap
+
+
 def retrieval_metrics(
     query: np.ndarray, gallery: np.ndarray, labels: np.ndarray, *, distance: str = "l2"
 ) -> dict:
@@ -395,8 +419,14 @@ class _BlockTotals:
     negative_flips: np.ndarray
     positive_flips: np.ndarray
     correct_at_start: int
+    # With ``per_query``: (P, rows) top-1 hits and AP of each query of the block, in row order.
+    query_top1: np.ndarray | None = None
+    query_ap: np.ndarray | None = None
 
     def __add__(self, other: _BlockTotals) -> _BlockTotals:
+        joined = (None, None) if self.query_top1 is None else (
+            np.concatenate([self.query_top1, other.query_top1], axis=1),
+            np.concatenate([self.query_ap, other.query_ap], axis=1))
         return _BlockTotals(
             self.top1 + other.top1,
             self.top5 + other.top5,
@@ -404,12 +434,14 @@ class _BlockTotals:
             self.negative_flips + other.negative_flips,
             self.positive_flips + other.positive_flips,
             self.correct_at_start + other.correct_at_start,
+            *joined,
         )
 
 
 def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, block_size,
-              workers) -> _BlockTotals:
-    """Sum the metrics over all queries, with the first ``cuts[p]`` items of ``order`` new."""
+              workers, per_query: bool = False) -> _BlockTotals:
+    """Sum the metrics over all queries, with the first ``cuts[p]`` items of ``order`` new;
+    ``per_query`` also keeps each query's top-1 hit and AP per point."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -432,7 +464,7 @@ def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, bl
         stop = min(start + block_size, n)
         return _rank_block(
             q.rows(start, stop), g_new, g_old, distance, labels[start:stop], column_labels,
-            self_column[start:stop], num_positives[start:stop], cuts,
+            self_column[start:stop], num_positives[start:stop], cuts, per_query,
         )
 
     starts = range(0, n, block_size)
@@ -459,7 +491,7 @@ def _keys(distances: np.ndarray, positive: np.ndarray, rows: np.ndarray,
 
 
 def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_column,
-                num_positives, cuts) -> _BlockTotals:
+                num_positives, cuts, per_query: bool = False) -> _BlockTotals:
     b = q.x.shape[0]
     rows = np.arange(b)
     positive = row_labels[:, None] == column_labels[None, :]
@@ -472,12 +504,13 @@ def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_colum
     correct1 = np.empty((num_points, b), dtype=bool)
     top5 = np.zeros(num_points, dtype=np.int64)
     ap = np.zeros(num_points, dtype=np.float64)
+    query_ap = np.zeros((num_points, b), dtype=np.float64) if per_query else None
     # Rank a few rows at a time, through all curve points: their keys and the scratch buffers
     # then stay in cache, where a whole block would stream through memory at every point.
     for start in range(0, b, _CHUNK_ROWS):
         chunk = slice(start, min(start + _CHUNK_ROWS, b))
         _rank_chunk(keys_new[chunk], keys_old[chunk], num_positives[chunk], cuts,
-                    correct1[:, chunk], top5, ap)
+                    correct1[:, chunk], top5, ap, None if query_ap is None else query_ap[:, chunk])
 
     at_start = correct1[0]
     return _BlockTotals(
@@ -487,11 +520,14 @@ def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_colum
         negative_flips=np.count_nonzero(at_start & ~correct1, axis=1),
         positive_flips=np.count_nonzero(~at_start & correct1, axis=1),
         correct_at_start=int(np.count_nonzero(at_start)),
+        query_top1=correct1 if per_query else None,
+        query_ap=query_ap,
     )
 
 
-def _rank_chunk(keys_new, keys_old, num_positives, cuts, correct1, top5, ap) -> None:
-    """Rank rows at every curve point; write top-1 hits into ``correct1``, add to the sums."""
+def _rank_chunk(keys_new, keys_old, num_positives, cuts, correct1, top5, ap, query_ap=None) -> None:
+    """Rank rows at every curve point; write top-1 hits into ``correct1`` (and each row's AP
+    into ``query_ap`` when given), add to the sums."""
     r, n = keys_new.shape
     # Every positive shows up exactly once per sorted row, so flatnonzero returns the hits
     # grouped by row with known sizes. The row sums of AP = (1/R) sum_k k / rank_k then need,
@@ -515,7 +551,10 @@ def _rank_chunk(keys_new, keys_old, num_positives, cuts, correct1, top5, ap) -> 
         top5[p] += np.count_nonzero(hit_mask[:, :5].any(axis=1))
         ranks = np.flatnonzero(hit_mask)
         ranks -= hit_offset
-        ap[p] += np.sum(hit_weight / ranks)
+        precision = hit_weight / ranks
+        ap[p] += np.sum(precision)
+        if query_ap is not None:
+            query_ap[p] = np.bincount(hit_row, weights=precision, minlength=r)
 
 
 def _curve_from_totals(

@@ -69,38 +69,37 @@ def curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: 
             "top1_auc": float(np.mean(curve.top1)), "map_auc": float(np.mean(curve.map))}
 
 
+def _per_query(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(top-1 hits, AP) per curve point and query, and which queries have a positive."""
+    from components.evaluation import per_query_curve
+
+    labels = np.asarray(labels)
+    top1, precision = per_query_curve(side.new_side, side.new_side, side.gallery_old, labels,
+                                      _order(side, order_name, seed), distance=distance,
+                                      num_intermediate=CHECK_POINTS)
+    _, inverse, class_sizes = np.unique(labels, return_inverse=True, return_counts=True)
+    return top1, precision, class_sizes[inverse] > 1
+
+
 def per_query_scores(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2"
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Each query's top-1 and average precision, averaged over the 12 curve points: (top1 (n,),
     AP (m,) for the m queries with a positive). Their means are ``curve_numbers``' top1_auc and
-    map_auc (same protocol: self excluded, a negative ranks first at an equal distance)."""
-    from components.evaluation import pairwise_distances
+    map_auc."""
+    top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
+    return top1.mean(axis=0), precision.mean(axis=0)[has_positive]
 
-    labels = np.asarray(labels)
-    n = len(labels)
-    order = _order(side, order_name, seed)
-    to_new = pairwise_distances(side.new_side, side.new_side, distance)
-    to_old = pairwise_distances(side.new_side, side.gallery_old, distance)
-    positive = labels[:, None] == labels[None, :]
-    np.fill_diagonal(positive, False)
-    has_positive = positive.any(axis=1)
-    counts = np.maximum(positive.sum(axis=1), 1)
-    ranks = np.arange(1, n + 1, dtype=np.float64)
-    top1 = np.zeros(n)
-    precision = np.zeros(n)
-    points = CHECK_POINTS + 2
-    for point in range(points):
-        backfilled = order[: (point * n) // (CHECK_POINTS + 1)]
-        mixed = to_old.copy()
-        mixed[:, backfilled] = to_new[:, backfilled]
-        # One exact key per (query, item): the float's bits order by distance, the low bit puts a
-        # negative before a positive at the same distance; the query's own item ranks last.
-        keys = (np.maximum(mixed, 0).astype(np.float32).view(np.uint32) << np.uint32(1)) | positive
-        np.fill_diagonal(keys, np.uint32(0xFFFFFFFE))
-        hits = (np.sort(keys, axis=1) & 1).astype(np.float64)
-        top1 += hits[:, 0]
-        precision += (np.cumsum(hits, axis=1) / ranks * hits).sum(axis=1) / counts
-    return top1 / points, (precision / points)[has_positive]
+
+def _measured(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str
+              ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
+    """``curve_numbers`` and ``per_query_scores`` from one ranking of the held-out pairs."""
+    top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
+    hits, ap = top1.mean(axis=0), precision.mean(axis=0)[has_positive]
+    map_0 = float(precision[0][has_positive].mean()) if has_positive.any() else 0.0
+    numbers = {"order": order_name, "top1_0": float(top1[0].mean()), "map_0": map_0,
+               "top1_auc": float(hits.mean()), "map_auc": float(ap.mean()) if len(ap) else 0.0}
+    return numbers, (hits, ap)
 
 
 def _bootstrap_support(candidate: np.ndarray, reference: np.ndarray, tolerance: float, seed: int,
@@ -166,11 +165,9 @@ def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: S
     if config.check not in POLICIES:
         raise ValueError(f"align.{method}.check must be one of {POLICIES}, got {config.check!r}")
     order = "sigma" if candidate.log_sigma2 is not None else "random"
-    numbers = curve_numbers(candidate, labels, order, config.seed, distance)
-    baseline = curve_numbers(reference, labels, "random", config.seed, distance)
+    numbers, mine = _measured(candidate, labels, order, config.seed, distance)
+    baseline, theirs = _measured(reference, labels, "random", config.seed, distance)
     tolerance, confidence = config.check_tolerance, config.check_confidence
-    mine = per_query_scores(candidate, labels, order, config.seed, distance)
-    theirs = per_query_scores(reference, labels, "random", config.seed, distance)
     for key, a, b in (("top1_auc", mine[0], theirs[0]), ("map_auc", mine[1], theirs[1])):
         numbers[f"{key}_support"] = _bootstrap_support(a, b, tolerance, config.seed)
     short = [key for key in ("top1_auc", "map_auc")

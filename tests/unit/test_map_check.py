@@ -221,3 +221,15 @@ def test_weak_evidence_falls_back_and_strong_evidence_passes():
     good = SideOutputs(new + 0.05, new)
     clear = judge("fct2", _config(uncertainty=False, check="fail"), good, reference, labels)
     assert clear.passed and min(clear.candidate["top1_auc_support"], clear.candidate["map_auc_support"]) == 1.0
+
+
+def test_the_check_reports_the_backfill_curve_numbers():
+    """judge ranks each side once, per query; the numbers it reports are curve_numbers'."""
+    from components.experiment.map_check import curve_numbers
+
+    good, broken, labels = _good_and_broken()
+    result = judge("fastfill", _config(check="warn"), broken, good, labels)
+    for side, name, order in ((broken, "candidate", "sigma"), (good, "reference", "random")):
+        expected = curve_numbers(side, labels, order, 0)
+        for key in ("top1_0", "map_0", "top1_auc", "map_auc"):
+            assert getattr(result, name)[key] == pytest.approx(expected[key], abs=1e-9)
