@@ -8,6 +8,7 @@ killed training loses at most one epoch.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -359,10 +360,7 @@ def train_alignment(
     from components.experiment.map_validation import held_out
 
     pairs = held_out(config, old_features, new_features, class_rows, method)
-    validate = None
-    if pairs is not None:
-        def validate() -> dict[str, float]:
-            return validation_record(config, h, pairs, classifier, device)
+    validate = None if pairs is None else functools.partial(validation_record, config, h, pairs, classifier, device)
 
     history = _train_on_features(
         h, config, len(train_index), generator, _run_key(config, old_features, new_features, class_rows), batch_loss,
@@ -420,20 +418,10 @@ def train_unified(
         return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
                 "kl": parts.kl}
 
-    from components.experiment.map_validation import held_out, retrieval_at_zero
+    from components.experiment.map_validation import held_out
 
     pairs = held_out(config, old_features, new_features, class_rows, method)
-    validate = None
-    if pairs is not None:
-        @torch.no_grad()
-        def validate() -> dict[str, float]:
-            query = maps.query(torch.from_numpy(pairs.new).to(device))
-            gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))
-            l2 = l2_per_sample(query, gallery, "sum").mean().item()
-            disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(pairs.rows).to(device),
-                                             config.disc_label_smoothing).mean().item()
-            retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), pairs.rows)
-            return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
+    validate = None if pairs is None else functools.partial(unified_validation_record, config, maps, pairs, device)
 
     history = _train_on_features(
         maps, config, len(train_index), generator,
@@ -443,6 +431,21 @@ def train_unified(
                    f"classification {r['classification']:.4f}, kl {r['kl']:.4f})" + _describe_validation(r)),
         device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch, validate=validate)
     return maps, history
+
+
+@torch.no_grad()
+def unified_validation_record(config: AlignConfig, maps: UnifiedMaps, pairs, device: torch.device) -> dict[str, float]:
+    """A unified space on held-out pairs: l2 between T_q(new) and T_g(old), disc of T_g(old),
+    and retrieval at 0% backfill (queries T_q(new), gallery T_g(old))."""
+    from components.experiment.map_validation import retrieval_at_zero
+
+    query = maps.query(torch.from_numpy(pairs.new).to(device))
+    gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))
+    l2 = l2_per_sample(query, gallery, "sum").mean().item()
+    disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(pairs.rows).to(device),
+                                     config.disc_label_smoothing).mean().item()
+    retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), pairs.rows)
+    return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
 
 
 @torch.no_grad()
