@@ -17,7 +17,7 @@ from components.platform.registry import ModelRef
 from components.gallery.measure import BackfillMeter
 from tasks._policy import log
 from components.gallery.lock import acquire_lock
-from components.gallery.lifecycle import Backfill, Step, budget_items, choose_map, next_step
+from components.gallery.lifecycle import Backfill, budget_items, choose_map
 from tasks.gallery import (
     UpgradeProgress, backfill_chunk, open_upgrade_run, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model, record_decision,
     reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part, write_gallery, write_sources,
@@ -267,8 +267,8 @@ def _target(params: Params, gallery: Gallery, to_uri: str):
 @flow(name="gallery-upgrade", log_prints=True)
 def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
                  break_lock: bool = False, gate: bool | None = None) -> dict:
-    """Upgrade the stored gallery to ``to_uri`` (default: the challenger), one step of
-    ``lifecycle.next_step`` after another: plan, backfill in chunks (sigma order by default,
+    """Upgrade the stored gallery to ``to_uri`` (default: the challenger), one step of the
+    lifecycle after another: plan, backfill in chunks (sigma order by default,
     measured as they land), then the promotion gate (``gate``, default promotion.gate) switches
     the gallery and moves champion, or rejects and the gallery keeps serving the champion's
     features. Re-run the same command to resume a stopped or killed upgrade."""
@@ -280,15 +280,14 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
     champion, new, new_model, base = _target(params, gallery, to_uri)
     old = base.new if base is not None else champion
     uid = up.upgrade_id(old, new)
-    plan = up.load_plan(store, uid)
-    if next_step(store, uid, plan, gate=gate) is Step.REJECTED:
-        rejected = up.rejection(store, uid)
+    rejected = up.rejection(store, uid)
+    if rejected is not None:
         raise GalleryError(f"upgrade {uid} was rejected by the promotion gate on {rejected['rejected']} "
                            f"({'; '.join(rejected.get('reasons', []))}); register a better version")
     lock = acquire_lock(store, uid, break_lock=break_lock, log=log)
     try:
         plan = up.load_plan(store, uid)
-        if next_step(store, uid, plan, gate=gate) is Step.PLAN:
+        if plan is None:
             plan = _plan(params, gallery, store_uri, uid, old, new, load_model(params.mlflow, old), new_model, base)
         else:
             log(f"resuming upgrade {uid}")
@@ -297,11 +296,10 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         result = _backfill(params, gallery, store_uri, plan, new_model,
                            budget if budget is not None else params.gallery.upgrade.budget)
         result["mlflow_run_id"] = plan.mlflow_run_id
-        step = next_step(store, uid, plan, gate=gate)
-        if step is Step.BACKFILL:
+        if not result["complete"]:
             log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
             return {**result, "state": "paused"}
-        if step is Step.GATE:
+        if gate:
             result["promotion"] = _gate(params, store_uri, plan, champion)
             result["state"] = "complete" if result["promotion"]["passed"] else "rejected"
         else:

@@ -1,6 +1,6 @@
-"""The upgrade as a state machine over the store, without Prefect: which step comes next
-(plan -> backfill -> gate -> finish, or rejected), the backfill budget, the map to use, and the
-chunk scheduler's bookkeeping. Flows run the steps; everything they decide is decided here.
+"""The upgrade's decisions, without Prefect: the backfill budget, the map to use, and the chunk
+scheduler's bookkeeping (``Backfill``: what to start, what has landed, whether it is complete).
+``flows/gallery.upgrade_flow`` runs the steps in this order:
 
     plan ──> backfill ──(all chunks done)──> gate ──(passed)──> finish ──> complete
                 │  ^                          └──(failed)──> rejected
@@ -11,33 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 
-from components.gallery.store import Store
-from components.gallery.upgrade import FINISHED, Plan, done_chunks, rejection, upgrade_key
-
-
-class Step(str, Enum):
-    PLAN = "plan"
-    BACKFILL = "backfill"
-    GATE = "gate"
-    FINISH = "finish"
-    COMPLETE = "complete"
-    REJECTED = "rejected"
-
-
-def next_step(store: Store, upgrade: str, plan: Plan | None, *, gate: bool) -> Step:
-    """What the upgrade ``upgrade`` needs next, read from the store (so a killed run resumes
-    at the right step)."""
-    if rejection(store, upgrade) is not None:
-        return Step.REJECTED
-    if plan is None:
-        return Step.PLAN
-    if store.exists(upgrade_key(upgrade, FINISHED)):
-        return Step.COMPLETE
-    if len(done_chunks(store, upgrade)) < plan.num_chunks:
-        return Step.BACKFILL
-    return Step.GATE if gate else Step.FINISH
+from components.gallery.upgrade import Plan
 
 
 def budget_items(budget: float | int | None, num_items: int) -> int:

@@ -1,13 +1,12 @@
-"""The upgrade's state machine (components.gallery.lifecycle) on a local folder: the next step
-read from the store, the budget, the map choice, and the chunk scheduler's bookkeeping."""
+"""The upgrade's decisions (components.gallery.lifecycle): the budget, the map choice, and the
+chunk scheduler's bookkeeping."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from components.gallery import upgrade as up
-from components.gallery.lifecycle import Backfill, Step, budget_items, choose_map, done_prefix, next_step
-from components.gallery.store import open_store
+from components.gallery.lifecycle import Backfill, budget_items, choose_map, done_prefix
 from components.platform.registry import ModelRef
 
 OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
@@ -15,28 +14,6 @@ OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
 
 def _plan(num_items=10, chunk_size=3) -> up.Plan:
     return up.Plan(up.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
-
-
-def _mark_done(store, plan, chunk):
-    store.put_json(up.marker_key(plan.id, chunk), {"chunk": chunk})
-
-
-def test_next_step_follows_the_store(tmp_path):
-    store = open_store(str(tmp_path / "g"))
-    plan = _plan()
-    assert next_step(store, plan.id, None, gate=True) is Step.PLAN
-    up.write_plan(store, plan)
-    assert next_step(store, plan.id, plan, gate=True) is Step.BACKFILL
-    for chunk in range(plan.num_chunks - 1):
-        _mark_done(store, plan, chunk)
-    assert next_step(store, plan.id, plan, gate=True) is Step.BACKFILL
-    _mark_done(store, plan, plan.num_chunks - 1)
-    assert next_step(store, plan.id, plan, gate=True) is Step.GATE
-    assert next_step(store, plan.id, plan, gate=False) is Step.FINISH
-    store.put_json(up.upgrade_key(plan.id, up.FINISHED), {})
-    assert next_step(store, plan.id, plan, gate=True) is Step.COMPLETE
-    store.put_json(up.upgrade_key(plan.id, up.REJECTED), {"rejected": "now", "reasons": []})
-    assert next_step(store, plan.id, plan, gate=True) is Step.REJECTED
 
 
 @pytest.mark.parametrize("budget, expected", [(None, 10), (0.25, 3), (0.01, 1), (1.0, 10), (4, 4), (99, 10)])
