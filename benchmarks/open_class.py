@@ -26,7 +26,11 @@ def open_class_params(params: Params, unseen: list[int], per_class: int | None, 
     data = params.model_dump(mode="json")
     data["prepare"].update(unseen_classes=unseen, train_per_class=per_class, old_classes=None)
     data["paths"].update(data=str(out / "data"))
-    data["compatible"] = {"ract": {"loss": "ract", "lam": 1.0, "tau": 0.05}}
+    # RACT is trained by the pipeline here, with the comparison's settings when it has them (a
+    # method may be defined once, so it leaves compare.compatible)
+    ract = data["compare"]["compatible"].pop("ract", None) or {"loss": "ract", "lam": 1.0, "tau": 0.05}
+    data["compare"]["orders"] = {}
+    data["compatible"] = {"ract": ract}
     data["evaluate"]["orders"] = {"fct": ["random"], "fastfill": ["sigma", "random", "oracle"],
                                   "ract": ["entropy", "random"]}
     data["evaluate"]["headline_order"] = {"fct": "random", "fastfill": "sigma", "ract": "entropy"}
