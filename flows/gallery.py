@@ -104,8 +104,9 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
         log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})")
     else:
         alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
-    alignment_map, map_uri = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new, run_id)
-    if config.order == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
+    alignment_map, map_uri, order_kind = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
+                                                           run_id)
+    if order_kind == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
         raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
                            "gallery.upgrade.order: random or register a FastFill map")
     if alignment_map.old_dim != old.dim or alignment_map.new_dim != new.dim:
@@ -118,13 +119,13 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None) for p in range(gallery.num_parts)]
     for future in futures:
         future.result()
-    order = up.make_order(gallery, uid, config.order, config.seed)
+    order = up.make_order(gallery, uid, order_kind, config.seed)
     size = None if config.eval_queries == "all" else int(config.eval_queries)
     positions = up.eval_sample(gallery.labels(), size, config.seed)
     queries = None
     if len(positions) >= 2:
         queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size)
-    plan = up.Plan(uid, old, new, map_uri, config.order, config.chunk_size, gallery.num_items,
+    plan = up.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
                    len(positions) if len(positions) >= 2 else 0, params.gallery.distance, run_id,
                    base=base.id if base else None)
     up.commit_plan(gallery, plan, order, positions, queries)

@@ -12,11 +12,11 @@ import hashlib
 from components.platform.config import AlignConfig
 from components.experiment.data import load_split
 from components.platform.layout import Layout, load_array, save_array, write_json
-from components.experiment.map_check import check_map, fallback_config, held_out, is_reference, reference_config
+from components.experiment.map_check import check_map, fallback_map, held_out, is_reference, reference_config
 from components.experiment.models import load_alignment, load_embedder, save_alignment
 from components.experiment.inference import apply_alignment, apply_unified, pick_device
 from components.experiment.training import (
-    _run_key, discard_checkpoint, fit_uncertainty_head, train_alignment, train_unified, true_alignment_loss,
+    _run_key, discard_checkpoint, train_alignment, train_unified, true_alignment_loss,
 )
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
@@ -98,13 +98,13 @@ def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, dista
     reference = _reference_map(config, method, layout, old, new, rows, new_model.classifier)
     result = check_map(method, config, h, reference, pairs, distance=distance)
     log(f"map check ({config.check}): {result.message}")
-    if result.action == "fallback":
-        config = fallback_config(config)
-        h = reference
-        if config.uncertainty:
-            h = fit_uncertainty_head(reference, config, old, new, rows, new_model.classifier, device=pick_device())
-            log(f"{method}: fallback map = the l2-only map with an uncertainty head fitted on it (sigma order)")
     record = result.to_dict()
+    if result.action == "fallback":
+        h, config, decision = fallback_map(method, config, reference, (old, new, rows), pairs, new_model.classifier,
+                                           distance=distance, device=pick_device())
+        if decision is not None:
+            log(f"{method} fallback: {decision['message']}")
+            record["fallback_order"] = decision
     write_json(directory / "check.json", record)
     return h, config, record
 

@@ -34,8 +34,11 @@ def _method_outputs(method: str, layout: Layout, compatible: bool) -> MethodOutp
         path = directory / f"{name}.npy"
         return load_array(path) if path.is_file() else None
 
+    check = directory / "check.json"
+    order = read_json(check).get("fallback_order", {}).get("order") if check.is_file() else None
     return MethodOutputs(gallery_old=load_array(directory / "gallery_old.npy"), true_loss=optional("true_loss"),
-                         log_sigma2=optional("log_sigma2"), query=optional("query"), logits=optional("logits"))
+                         log_sigma2=optional("log_sigma2"), query=optional("query"), logits=optional("logits"),
+                         sigma_is_random=order == "random")
 
 
 @task(name="evaluate-method", **NO_CACHING)
@@ -43,6 +46,9 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
                     compatible: bool = False) -> tuple[dict, float | None]:
     labels = load_split(layout.splits, "test").labels
     outputs = _method_outputs(method, layout, compatible)
+    if outputs.sigma_is_random and "sigma" in orders:
+        log(f"{method} (sigma): its fallback map's sigma order was not shown to help on the held-out pairs, so it "
+            "is backfilled, and measured, in random order (see check.json)")
     curves, tau = method_curves(outputs, load_array(layout.features("new", "test")), labels,
                                 orders, distance=config.distance, curve_points=config.curve_points, seed=config.seed)
     for order, curve in curves.items():

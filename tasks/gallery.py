@@ -103,13 +103,14 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
                       new: ModelRef, run_id: str) -> tuple:
     """The map check (components.experiment.map_check) on the held-out pairs of the new-train split: the
     l2-only reference is the registry's FCT map for the same two versions, or one trained here.
-    Returns the map to use and its URI; the outcome is tagged on the map's version and the
-    upgrade's run. Raises MapCheckError under ``check: fail``."""
-    from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_config, held_out, reference_config
+    Returns the map to use, its URI and the backfill order (gallery.upgrade.order, or random for a
+    fallback map whose fitted sigma head is not shown to help); the outcome is tagged on the
+    map's version and the upgrade's run. Raises MapCheckError under ``check: fail``."""
+    from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_map, held_out, reference_config
     from components.experiment.inference import pick_device
-    from components.experiment.training import fit_uncertainty_head, train_alignment
+    from components.experiment.training import train_alignment
 
-    method = params.gallery.upgrade.method
+    method, order = params.gallery.upgrade.method, params.gallery.upgrade.order
     config: AlignConfig = params.align[method]
     client, _ = registry.setup(params.mlflow)
     version = map_uri.rsplit("/", 1)[1]
@@ -119,7 +120,7 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
         log(f"map check skipped: {why}")
         client.set_model_version_tag(params.mlflow.alignment_model, version, "check", f"skipped ({why})")
         client.set_tag(run_id, "check", f"skipped ({why})")
-        return alignment_map, map_uri
+        return alignment_map, map_uri, order
     found = [v for v in registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
              if v.tags.get("method") == "fct" and v.version != version]
     if found:
@@ -133,23 +134,30 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
         reference_uri = None
     result = check_map(method, config, alignment_map, reference, held, distance=params.gallery.distance).to_dict()
     log(f"map check ({config.check}): {result['message']}")
+    used = alignment_map
+    if result["action"] == "fallback" and order == "sigma":
+        used, _, decision = fallback_map(method, config, reference, pairs, held, new_model.classifier,
+                                         distance=params.gallery.distance, device=pick_device())
+        if decision is not None:
+            log(f"map check fallback: {decision['message']}")
+            result["fallback_order"] = decision
+            order = decision["order"]
+    elif result["action"] == "fallback":
+        used = reference
     tags = check_tags(result)
     for key, value in tags.items():
         client.set_model_version_tag(params.mlflow.alignment_model, version, key, value)
     registry.log_metrics(client, run_id, check_metrics(result))
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    if result["action"] != "fallback":
-        return alignment_map, map_uri
-    if params.gallery.upgrade.order == "sigma":
-        used = fallback_config(config)
-        fallback = fit_uncertainty_head(reference, used, *pairs, new_model.classifier, device=pick_device())
-        return fallback.eval(), _register_map(params, fallback, method, old, new, run_id,
-                                              {"check": "fallback map", "replaces": map_uri})
+    if used is alignment_map:
+        return alignment_map, map_uri, order
+    fallback_tags = {"check": "fallback map", "replaces": map_uri}
+    if used is not reference:  # the reference with a fitted head: a map of the method
+        return used.eval(), _register_map(params, used, method, old, new, run_id, fallback_tags), order
     if reference_uri is None:
-        reference_uri = _register_map(params, reference, "fct", old, new, run_id,
-                                      {"check": "fallback map", "replaces": map_uri})
-    return reference, reference_uri
+        reference_uri = _register_map(params, reference, "fct", old, new, run_id, fallback_tags)
+    return reference, reference_uri, order
 
 
 @task(name="write-sources", **IO_RETRIES, **NO_CACHING)

@@ -36,6 +36,8 @@ class MethodOutputs:
     log_sigma2: np.ndarray | None = None     # psi's prediction, when the map has an uncertainty head
     query: np.ndarray | None = None          # queries and backfilled items; None = the new model's features
     logits: np.ndarray | None = None         # the new classifier on the old gallery features
+    sigma_is_random: bool = False            # a fallback map whose sigma order was not shown to help:
+                                             # it is backfilled, and its "sigma" order measured, in random order
 
 
 def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed: int) -> np.ndarray:
@@ -43,6 +45,8 @@ def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed
     if name == "random":
         return random_order(n, seed)
     if name == "sigma":
+        if outputs.log_sigma2 is None and outputs.sigma_is_random:
+            return random_order(n, seed)
         if outputs.log_sigma2 is None:
             raise ValueError("the sigma order needs a map trained with uncertainty: true")
         return sigma_order(outputs.log_sigma2)

@@ -45,9 +45,12 @@ def fixed_gallery_summary(point: Mapping) -> dict:
 def check_summary(record: Mapping) -> dict:
     """The map check of one method, for metrics.json: its outcome and both maps' numbers."""
     outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
-    return {"outcome": outcome, "policy": record["policy"],
-            **{f"map_{k}": record["candidate"][k] for k in ("top1_0", "top1_auc", "map_auc")},
-            **{f"reference_{k}": record["reference"][k] for k in ("top1_0", "top1_auc", "map_auc")}}
+    summary = {"outcome": outcome, "policy": record["policy"],
+               **{f"map_{k}": record["candidate"][k] for k in ("top1_0", "top1_auc", "map_auc")},
+               **{f"reference_{k}": record["reference"][k] for k in ("top1_0", "top1_auc", "map_auc")}}
+    if "fallback_order" in record:  # the order the fallback map is backfilled in: sigma or random
+        summary["fallback_order"] = record["fallback_order"]["order"]
+    return summary
 
 
 def build_metrics(reference: Mapping[str, Mapping], curves: Mapping[str, Mapping[str, Mapping]],

@@ -18,6 +18,12 @@ def size_label(size: int | None) -> str:
     return "all" if size is None else str(size)
 
 
+def _check_outcome(check: Mapping) -> str:
+    """passed, warned, unchecked, or fallback with the order its map is backfilled in."""
+    outcome = check.get("outcome", "unchecked")
+    return f"{outcome} ({check['fallback_order']} order)" if "fallback_order" in check else outcome
+
+
 def summarize_sweep(results: Mapping[str, Mapping[str, dict]], pairs: Mapping[str, int]) -> dict:
     """``results[size][seed]``: that run's metrics.json; ``pairs[size]``: feature pairs the maps had."""
     sizes = {}
@@ -26,7 +32,7 @@ def summarize_sweep(results: Mapping[str, Mapping[str, dict]], pairs: Mapping[st
         for label, (method, order) in ROWS.items():
             rows[label] = {key: spread({s: m[method]["by_order"][order][key] if key != "top1_0" else m[method]["top1_0"]
                                         for s, m in per_seed.items()}) for key in METRICS}
-        checks = {s: m["fastfill"].get("map_check", {}).get("outcome", "unchecked") for s, m in per_seed.items()}
+        checks = {s: _check_outcome(m["fastfill"].get("map_check", {})) for s, m in per_seed.items()}
         gaps = {key: rows["fastfill (sigma)"][key]["mean"] - rows["fct (random)"][key]["mean"]
                 for key in ("top1_auc", "map_auc")}
         sizes[size] = {"pairs": pairs[size], "seeds": sorted(per_seed, key=int), "rows": rows, "checks": checks,

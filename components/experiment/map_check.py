@@ -4,8 +4,10 @@ simulated backfill curve (the map with its own order, sigma when it has an uncer
 the l2 map with a random order, as FCT).
 
 The policy is configuration (``align.<method>.check``): ``fail`` stops with both numbers and what
-to try, ``fallback`` uses the l2 map instead (with an uncertainty head fitted on it when the
-method orders by sigma) and records why, ``warn`` keeps the map and records the warning.
+to try, ``fallback`` uses the l2 map instead and records why, ``warn`` keeps the map and records
+the warning. When the method orders by sigma, the fallback map gets an uncertainty head fitted on
+it, and keeps the sigma order only where the same rule shows it at least as good as a random
+order; otherwise it is backfilled in random order, exactly as FCT.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def per_query_scores(side: SideOutputs, labels: np.ndarray, order_name: str, see
     return top1.mean(axis=0), precision.mean(axis=0)[has_positive]
 
 
-def _measured(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str
+def _measured(side: SideOutputs, order_name: str, labels: np.ndarray, seed: int, distance: str
               ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
     """``curve_numbers`` and ``per_query_scores`` from one ranking of the held-out pairs."""
     top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
@@ -111,6 +113,22 @@ def _bootstrap_support(candidate: np.ndarray, reference: np.ndarray, tolerance: 
     difference = candidate - reference
     index = np.random.default_rng([seed, 0xB007]).integers(0, len(difference), (resamples, len(difference)))
     return float(np.mean(difference[index].mean(axis=1) >= -tolerance - 1e-12))
+
+
+def _contest(config: AlignConfig, challenger: tuple[SideOutputs, str], incumbent: tuple[SideOutputs, str],
+             labels: np.ndarray, distance: str) -> tuple[dict, dict, list[str]]:
+    """The check's rule: the challenger (a map and its order) must be at least the incumbent minus
+    ``check_tolerance`` in top1_auc and map_auc, on the mean and in ``check_confidence`` of paired
+    bootstrap resamples of the held-out queries. Returns both sides' numbers (the challenger's
+    with its ``*_support``) and the measures where it falls short."""
+    numbers, mine = _measured(*challenger, labels, config.seed, distance)
+    baseline, theirs = _measured(*incumbent, labels, config.seed, distance)
+    for key, a, b in (("top1_auc", mine[0], theirs[0]), ("map_auc", mine[1], theirs[1])):
+        numbers[f"{key}_support"] = _bootstrap_support(a, b, config.check_tolerance, config.seed)
+    short = [key for key in ("top1_auc", "map_auc")
+             if numbers[key] < baseline[key] - config.check_tolerance
+             or numbers[f"{key}_support"] < config.check_confidence]
+    return numbers, baseline, short
 
 
 @dataclass
@@ -140,7 +158,11 @@ def check_tags(record: dict) -> dict[str, str]:
     """The check as tags (on the map's registered version and its run): ``check`` is
     ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed)."""
     outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
-    return {"check": outcome, "check_policy": record["policy"], "check_reason": record["message"][:4900]}
+    tags = {"check": outcome, "check_policy": record["policy"], "check_reason": record["message"][:4900]}
+    if "fallback_order" in record:
+        tags.update(fallback_order=record["fallback_order"]["order"],
+                    fallback_order_reason=record["fallback_order"]["message"][:4900])
+    return tags
 
 
 def check_metrics(record: dict) -> dict[str, float]:
@@ -150,6 +172,11 @@ def check_metrics(record: dict) -> dict[str, float]:
     out.update({f"check.map.{key}_support": record["candidate"][f"{key}_support"] for key in ("top1_auc", "map_auc")
                 if f"{key}_support" in record["candidate"]})
     out["check.passed"] = float(record["passed"])
+    if "fallback_order" in record:
+        decision = record["fallback_order"]
+        out.update({f"check.fallback.{order}_{key}": decision[order][key] for order in ("sigma", "random")
+                    for key in ("top1_auc", "map_auc")})
+        out["check.fallback.sigma_kept"] = float(decision["order"] == "sigma")
     return out
 
 
@@ -165,13 +192,8 @@ def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: S
     if config.check not in POLICIES:
         raise ValueError(f"align.{method}.check must be one of {POLICIES}, got {config.check!r}")
     order = "sigma" if candidate.log_sigma2 is not None else "random"
-    numbers, mine = _measured(candidate, labels, order, config.seed, distance)
-    baseline, theirs = _measured(reference, labels, "random", config.seed, distance)
+    numbers, baseline, short = _contest(config, (candidate, order), (reference, "random"), labels, distance)
     tolerance, confidence = config.check_tolerance, config.check_confidence
-    for key, a, b in (("top1_auc", mine[0], theirs[0]), ("map_auc", mine[1], theirs[1])):
-        numbers[f"{key}_support"] = _bootstrap_support(a, b, tolerance, config.seed)
-    short = [key for key in ("top1_auc", "map_auc")
-             if numbers[key] < baseline[key] - tolerance or numbers[f"{key}_support"] < confidence]
     summary = (f"{method} ({order} order) on {len(labels)} held-out pairs: top1_auc {_pct(numbers['top1_auc'])}, "
                f"map_auc {_pct(numbers['map_auc'])}, top-1 at 0% {_pct(numbers['top1_0'])}; the l2-only map "
                f"(random order): top1_auc {_pct(baseline['top1_auc'])}, map_auc {_pct(baseline['map_auc'])}, "
@@ -221,3 +243,40 @@ def fallback_config(config: AlignConfig) -> AlignConfig:
         data.update(uncertainty=True, disc=config.disc, uncertainty_weighting="detached",
                     uncertainty_lambda=config.uncertainty_lambda, disc_label_smoothing=config.disc_label_smoothing)
     return AlignConfig.model_validate(data)
+
+
+def judge_order(method: str, config: AlignConfig, side: SideOutputs, labels: np.ndarray, *,
+                distance: str = "l2") -> dict:
+    """Whether a fallback map's sigma order (its fitted head) is shown to be at least as good as a
+    random order of the same map on the held-out pairs, by the map check's own rule. Returns
+    ``order`` (``sigma``, or ``random`` when it is not), both orders' numbers and a message."""
+    sigma, random, short = _contest(config, (side, "sigma"), (side, "random"), labels, distance)
+    order = "random" if short else "sigma"
+    summary = (f"on {len(labels)} held-out pairs, the sigma order of the head fitted on the l2-only map: top1_auc "
+               f"{_pct(sigma['top1_auc'])}, map_auc {_pct(sigma['map_auc'])}; a random order: top1_auc "
+               f"{_pct(random['top1_auc'])}, map_auc {_pct(random['map_auc'])}; at least as good in "
+               f"{_pct(sigma['top1_auc_support'])}% / {_pct(sigma['map_auc_support'])}% of bootstrap resamples, "
+               f"{_pct(config.check_confidence)}% required")
+    verdict = ("the fallback map keeps its sigma order" if order == "sigma" else
+               f"the sigma order is not shown to help in {' and '.join(short)}, so the fallback map is backfilled "
+               "in random order (FCT)")
+    return {"method": method, "order": order, "sigma": sigma, "random": random, "message": f"{verdict}: {summary}"}
+
+
+def fallback_map(method: str, config: AlignConfig, reference, pairs: tuple, held, classifier, *,
+                 distance: str = "l2", device=None) -> tuple:
+    """What a map that failed its check under ``fallback`` is replaced by: the l2-only
+    ``reference``; when the method orders by sigma, with an uncertainty head fitted on it on the
+    training ``pairs`` (old, new, class rows), kept only if ``judge_order`` shows its sigma order
+    to be at least as good as random on the ``held`` out pairs. Returns (map, its configuration,
+    the order decision or None when the method has no sigma order)."""
+    from components.experiment.training import fit_uncertainty_head
+
+    used = fallback_config(config)
+    if not used.uncertainty:
+        return reference, used, None
+    fitted = fit_uncertainty_head(reference, used, *pairs, classifier, device=device)
+    decision = judge_order(method, config, outputs_on(fitted, held), held.rows, distance=distance)
+    if decision["order"] == "sigma":
+        return fitted, used, decision
+    return reference, reference_config(config), decision

@@ -282,9 +282,14 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     run = client.get_run(plan.mlflow_run_id)
     assert tags["check"] in ("passed", "fallback", "warned") and run.data.tags["check"] == tags["check"]
     assert {"check.map.top1_auc", "check.reference.top1_auc"} <= set(run.data.metrics)
-    used = trained
-    if tags["check"] == "fallback":  # the l2 map with a fitted uncertainty head was registered and used
+    used, order = trained, "sigma"
+    if tags["check"] == "fallback":
+        # the l2 map was registered and used: with a fitted uncertainty head where its sigma order was shown
+        # to help on the held-out pairs (a fastfill map, sigma order), else alone (an fct map, random order)
         assert len(versions) == 2 and versions[1].tags["replaces"] == f"models:/{params.mlflow.alignment_model}/{trained.version}"
-        used = versions[1]
+        used, order = versions[1], tags["fallback_order"]
+        assert run.data.tags["fallback_order"] == order and "check.fallback.sigma_kept" in run.data.metrics
+        assert used.tags["method"] == ("fastfill" if order == "sigma" else "fct")
     assert len(versions) == (2 if tags["check"] == "fallback" else 1)
     assert plan.map_uri == f"models:/{params.mlflow.alignment_model}/{used.version}"
+    assert plan.order_kind == order

@@ -8,8 +8,8 @@ import torch
 from components.platform.config import AlignConfig, ConfigError, parse_params
 from components.experiment.losses import uncertainty_objective, uncertainty_weighted
 from components.experiment.map_check import (
-    MapCheckError, SideOutputs, check_map, check_metrics, check_tags, fallback_config, held_out, is_reference, judge,
-    reference_config,
+    MapCheckError, SideOutputs, check_map, check_metrics, check_tags, fallback_config, fallback_map, held_out,
+    is_reference, judge, judge_order, reference_config,
 )
 from components.experiment.map_validation import validation_split
 from components.experiment.inference import apply_alignment
@@ -107,6 +107,72 @@ def test_a_deliberately_broken_trained_map_is_caught_and_replaced():
     transformed, log_sigma2 = apply_alignment(fitted, old, device=CPU)
     np.testing.assert_allclose(transformed, apply_alignment(reference, old, device=CPU)[0], atol=1e-6)
     assert log_sigma2 is not None and np.isfinite(log_sigma2).all() and log_sigma2.std() > 0
+
+
+def _partly_broken(sigma_sign: float):
+    """A map that sends 40% of the items onto other items' places (of any class); its log sigma^2
+    is high on those items (sign +1: an informative head) or low on them (sign -1: a head that
+    orders them last)."""
+    new, labels = _clustered(n=400)
+    rng = np.random.default_rng(5)
+    broken = rng.random(len(new)) < 0.4
+    gallery_old = np.where(broken[:, None], new[rng.permutation(len(new))], new + 0.05).astype(np.float32)
+    log_sigma2 = (sigma_sign * broken + rng.normal(scale=0.01, size=len(new))).astype(np.float32)
+    return SideOutputs(gallery_old, new, log_sigma2), labels
+
+
+def test_an_informative_sigma_order_is_kept_and_a_misleading_one_gives_way_to_random():
+    config = _config(check="fallback")
+    helpful, labels = _partly_broken(+1.0)
+    kept = judge_order("fastfill", config, helpful, labels)
+    assert kept["order"] == "sigma" and "keeps its sigma order" in kept["message"]
+    assert kept["sigma"]["top1_auc"] > kept["random"]["top1_auc"]
+    misleading, labels = _partly_broken(-1.0)
+    dropped = judge_order("fastfill", config, misleading, labels)
+    assert dropped["order"] == "random" and "random order (FCT)" in dropped["message"]
+    assert dropped["sigma"]["top1_auc"] < dropped["random"]["top1_auc"]
+    assert dropped["sigma"]["top1_auc_support"] < config.check_confidence
+
+
+def test_the_fallback_order_is_recorded_in_tags_metrics_and_the_summary():
+    from components.evaluation.reports import check_summary
+
+    good, broken, labels = _good_and_broken()
+    record = judge("fastfill", _config(check="fallback"), broken, good, labels).to_dict()
+    misleading, labels = _partly_broken(-1.0)
+    record["fallback_order"] = judge_order("fastfill", _config(check="fallback"), misleading, labels)
+    assert check_tags(record)["fallback_order"] == "random"
+    metrics = check_metrics(record)
+    assert metrics["check.fallback.sigma_kept"] == 0.0
+    assert metrics["check.fallback.sigma_top1_auc"] == record["fallback_order"]["sigma"]["top1_auc"]
+    assert check_summary(record)["fallback_order"] == "random"
+
+
+def test_a_fallback_map_without_a_helpful_head_is_the_l2_map_in_random_order():
+    """fallback_map on trained maps: the l2 map with a fitted head (sigma kept) or the l2 map
+    alone (random), whichever the held-out pairs support; an l2-only method gets no head."""
+    new, labels = _clustered(n=400)
+    old = np.tanh(new @ np.random.default_rng(2).normal(size=(8, 6)).astype(np.float32))
+    classifier = torch.nn.Linear(8, 5, bias=False)
+    config = _config(epochs=8, check="fallback", validation_fraction=0.2)
+    reference, _ = train_alignment(reference_config(config), old, new, labels, classifier, device=CPU,
+                                   log=lambda m: None)
+    pairs = held_out(config, old, new, labels)
+    used, used_config, decision = fallback_map("fastfill", config, reference, (old, new, labels), pairs, classifier,
+                                               device=CPU)
+    assert decision["order"] in ("sigma", "random")
+    if decision["order"] == "sigma":
+        assert used is not reference and used_config.uncertainty and used.uncertainty is not None
+    else:
+        assert used is reference and not used_config.uncertainty
+    strict = config.model_copy(update={"check_tolerance": -1.0})  # sigma must beat random by 100 points: never
+    used, used_config, decision = fallback_map("fastfill", strict, reference, (old, new, labels), pairs, classifier,
+                                               device=CPU)
+    assert decision["order"] == "random" and used is reference and not used_config.uncertainty
+    plain = _config(check="fallback", uncertainty=False, validation_fraction=0.2)
+    used, used_config, decision = fallback_map("l2_disc", plain, reference, (old, new, labels), pairs, classifier,
+                                               device=CPU)
+    assert decision is None and used is reference
 
 
 def test_l2_only_mlp_is_its_own_reference():

@@ -38,6 +38,13 @@ def test_orders_that_need_what_a_method_lacks_say_so():
             raise AssertionError(f"{name} built without {needs}")
 
 
+def test_a_fallback_map_without_a_helpful_head_is_measured_in_random_order():
+    from components.evaluation.ordering import random_order
+
+    outputs = MethodOutputs(gallery_old=np.zeros((50, 2)), sigma_is_random=True)
+    np.testing.assert_array_equal(build_order("sigma", outputs, np.zeros((50, 2)), 3), random_order(50, 3))
+
+
 def test_a_unified_method_is_evaluated_in_its_shared_space():
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(4), 10)
