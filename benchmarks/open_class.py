@@ -2,10 +2,10 @@
 maps and RACT's compatible model train on some classes only; the test split holds only classes
 none of them saw. Does the sigma order still beat random there, and does RACT's entropy order?
 
-    .venv/bin/python benchmarks/open_class.py --unseen 6 7 8 9 --train-per-class 300 --seed 0
+    .venv/bin/python benchmarks/open_class.py --unseen 6 7 8 9 --train-per-class all --seed 0
 
 Runs the pipeline of params.yaml with prepare.unseen_classes set (and RACT added as a compatible
-model) under runs/open-class/, then writes reports/open_class.{md,json}.
+model) under runs/open-class/n-<per class>/, then writes reports/open_class-n<per class>.{md,json}.
 """
 
 from __future__ import annotations
@@ -64,14 +64,28 @@ def report(metrics: dict, unseen: list[int], per_class: int | None, seed: int) -
                      f"map_auc {100 * gaps['map_auc']:+.2f}")
     check = metrics["fastfill"].get("map_check")
     if check:
-        lines.append(f"- FastFill's map check: {check['outcome']}")
+        order = f" ({check['fallback_order']} order)" if "fallback_order" in check else ""
+        lines.append(f"- FastFill's map check: {check['outcome']}{order}")
     return "\n".join(lines) + "\n", {"rows": rows, "answers": answers, "map_check": check}
+
+
+def _per_class(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive count or all, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive count or all, got {value}")
+    return value
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unseen", nargs="+", type=int, default=[6, 7, 8, 9])
-    parser.add_argument("--train-per-class", type=int, default=300)
+    parser.add_argument("--train-per-class", type=_per_class, default=None,
+                        help="training images per seen class, or all (the default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="runs/open-class")
@@ -79,13 +93,15 @@ def main() -> None:
     from flows.pipeline import pipeline_flow
     from flows.prepare import prepare_flow
 
-    params = open_class_params(load_params(args.params), args.unseen, args.train_per_class, args.seed, Path(args.out))
+    label = f"n{args.train_per_class or 'all'}"
+    params = open_class_params(load_params(args.params), args.unseen, args.train_per_class, args.seed,
+                               Path(args.out) / label)
     prepare_flow(params)
     metrics = pipeline_flow(params, prepare=False, aliases=False)
     markdown, data = report(metrics, args.unseen, args.train_per_class, args.seed)
     Path("reports").mkdir(exist_ok=True)
-    Path("reports/open_class.md").write_text(markdown)
-    Path("reports/open_class.json").write_text(json.dumps({"unseen": args.unseen, "seed": args.seed,
+    Path(f"reports/open_class-{label}.md").write_text(markdown)
+    Path(f"reports/open_class-{label}.json").write_text(json.dumps({"unseen": args.unseen, "seed": args.seed,
                                                            "train_per_class": args.train_per_class, **data}, indent=1))
     print(markdown)
 

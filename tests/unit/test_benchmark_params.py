@@ -26,3 +26,15 @@ def test_open_class_params_validate_from_the_repository_params(tmp_path):
     assert "ract" in params.compatible and "ract" not in params.compare.compatible
     assert params.evaluate.orders["ract"][0] == "entropy"
     assert str(tmp_path) in str(params.paths.data)
+
+
+def test_open_class_reads_a_count_or_all():
+    import argparse
+
+    import pytest
+
+    module = _script("open_class")
+    assert module._per_class("all") is None and module._per_class("300") == 300
+    for bad in ("0", "many"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a positive count or all"):
+            module._per_class(bad)
