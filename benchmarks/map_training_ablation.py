@@ -31,7 +31,7 @@ from components.experiment.map_check import SideOutputs, curve_numbers, referenc
 from components.experiment.map_validation import ValidationPairs  # noqa: E402
 from components.experiment.models import load_embedder, save_embedder  # noqa: E402
 from components.experiment.inference import apply_alignment, embed
-from components.experiment.training import split_pairs, train_alignment, train_embedder  # noqa: E402
+from components.experiment.training import TrainingRun, split_pairs, train_alignment, train_embedder  # noqa: E402
 
 VARIANTS = {
     "joint, 20 epochs (before)": {"uncertainty_weighting": "joint", "min_steps": 0},
@@ -56,8 +56,8 @@ def _features(params, size: int | None, seed: int, root: Path) -> dict[str, np.n
     for role, split_name, classes in (("old", "old_train", meta["old_classes"]),
                                       ("new", "new_train", meta["new_classes"])):
         config = getattr(params.train, role).model_copy(update={"seed": seed})
-        model, _ = train_embedder(config, splits[split_name], classes, meta["pixel_mean"], meta["pixel_std"],
-                                  log=lambda m: None)
+        model, _ = train_embedder(config, splits[split_name], classes, (meta["pixel_mean"], meta["pixel_std"]),
+                                  run=TrainingRun(log=lambda m: None))
         save_embedder(model, config, cache / f"{role}.pt")
         models[role] = model
     images = splits["new_train"].images

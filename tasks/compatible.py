@@ -16,7 +16,7 @@ from components.platform.layout import Layout, load_array, save_array
 from components.experiment.losses import match_dimension
 from components.experiment.models import load_embedder
 from components.experiment.inference import embed, pick_device
-from components.experiment.training import train_embedder
+from components.experiment.training import TrainingRun, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 from tasks.training import store_trained
 
@@ -37,10 +37,10 @@ def train_compatible(config: CompatibleConfig, train_config: TrainConfig, method
     device = pick_device()
     log(f"training the {method} new model ({train_config.backbone}, {train_config.epochs} epochs, "
         f"{config.loss} compatibility, lambda {config.lam}) on {len(split)} images, device {device}")
-    return train_embedder(train_config, split, meta.get("new_classes", list(range(meta["num_classes"]))), meta["pixel_mean"],
-                          meta["pixel_std"], device=device, checkpoint=layout.checkpoint(f"compatible-{method}"),
-                          log=log, compatibility=term,
-                          on_epoch=epoch_progress(f"compatible-{method}", f"training the {method} new model"))
+    run = TrainingRun(device, layout.checkpoint(f"compatible-{method}"), log,
+                      epoch_progress(f"compatible-{method}", f"training the {method} new model"))
+    return train_embedder(train_config, split, meta.get("new_classes", list(range(meta["num_classes"]))),
+                          (meta["pixel_mean"], meta["pixel_std"]), run=run, compatibility=term)
 
 
 @task(name="embed-compatible", tags=GPU_TAGS, **NO_CACHING)

@@ -12,7 +12,7 @@ from components.experiment.data import load_meta, load_split
 from components.platform.layout import FEATURE_SPLITS, Layout, save_array, write_json
 from components.experiment.models import save_embedder
 from components.experiment.inference import embed, pick_device
-from components.experiment.training import discard_checkpoint, train_embedder
+from components.experiment.training import TrainingRun, discard_checkpoint, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
@@ -24,9 +24,9 @@ def train_model(config: TrainConfig, role: str, layout: Layout):
     device = pick_device()
     log(f"training the {role} model ({config.backbone}, {config.epochs} epochs) on {len(split)} images, "
         f"classes {classes}, device {device}")
-    model, history = train_embedder(config, split, classes, meta["pixel_mean"], meta["pixel_std"],
-                                    device=device, checkpoint=layout.checkpoint(f"model-{role}"), log=log,
-                                    on_epoch=epoch_progress(f"train-{role}", f"training the {role} embedding model"))
+    run = TrainingRun(device, layout.checkpoint(f"model-{role}"), log,
+                      epoch_progress(f"train-{role}", f"training the {role} embedding model"))
+    model, history = train_embedder(config, split, classes, (meta["pixel_mean"], meta["pixel_std"]), run=run)
     return model, history
 
 

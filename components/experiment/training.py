@@ -14,6 +14,7 @@ import json
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,18 @@ from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps
 
 Log = Callable[[str], None]
 Progress = Callable[[int, int], None]  # (epochs done, epochs in all)
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """How a training runs, apart from what it learns: the device (None: ``pick_device``), the
+    checkpoint it resumes from and saves to each epoch (None: none), its log and per-epoch
+    progress callback."""
+
+    device: torch.device | None = None
+    checkpoint: Path | None = None
+    log: Log = print
+    on_epoch: Progress | None = None
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -100,21 +113,19 @@ def train_embedder(
     config: TrainConfig,
     split: Split,
     classes: list[int],
-    pixel_mean: float,
-    pixel_std: float,
+    pixel_stats: tuple[float, float],
     *,
-    device: torch.device | None = None,
-    checkpoint: Path | None = None,
-    log: Log = print,
-    on_epoch: Progress | None = None,
+    run: TrainingRun = TrainingRun(),
     compatibility=None,
 ) -> tuple[Embedder, list[dict]]:
-    """Classification training of backbone + embedding + classifier over ``classes``; with
-    ``compatibility`` (see components.experiment.compatibility) its term is added to every batch's loss."""
-    device = device or pick_device()
+    """Classification training of backbone + embedding + classifier over ``classes``, on images
+    normalised by ``pixel_stats`` (mean, std); with ``compatibility`` (see
+    components.experiment.compatibility) its term is added to every batch's loss."""
+    device = run.device or pick_device()
+    checkpoint, log, on_epoch = run.checkpoint, run.log, run.on_epoch
     generator = seed_everything(config.seed)
     # channels-last convolutions are 15-30% faster on CPU (oneDNN) and use tensor cores on GPU
-    model = Embedder(config, split.images.shape[1], classes, pixel_mean, pixel_std).to(device, memory_format=CHANNELS_LAST)
+    model = Embedder(config, split.images.shape[1], classes, *pixel_stats).to(device, memory_format=CHANNELS_LAST)
     rows = np.full(max(classes) + 1, -1, dtype=np.int64)
     rows[classes] = np.arange(len(classes))
     if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():

@@ -9,7 +9,7 @@ from components.experiment.compatibility import BCTInfluence, RACTCompatibility,
 from components.platform.config import AlignConfig, TrainConfig
 from components.experiment.data import Split
 from components.experiment.inference import embed
-from components.experiment.training import train_alignment, train_embedder, train_unified
+from components.experiment.training import TrainingRun, train_alignment, train_embedder, train_unified
 
 CLASSES = 4
 
@@ -37,7 +37,8 @@ def setting():
     split = _split()
     old_part = Split(split.images[split.labels < 2], split.labels[split.labels < 2])
     old_config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=2, batch_size=16, augment=False)
-    old, _ = train_embedder(old_config, old_part, [0, 1], 0.2, 0.3, device=torch.device("cpu"), log=_quiet)
+    old, _ = train_embedder(old_config, old_part, [0, 1], (0.2, 0.3),
+                            run=TrainingRun(torch.device("cpu"), log=_quiet))
     new_config = TrainConfig(backbone="cnn", width=4, embedding_dim=12, epochs=5, batch_size=16, augment=False,
                              lr=3e-3)
     return split, old, new_config
@@ -56,15 +57,16 @@ def test_compatible_training_lowers_both_terms(setting, method):
     else:
         term = RACTCompatibility(old, new_to_new=method == "ract")
     frozen = {k: v.clone() for k, v in old.state_dict().items()}
-    _, history = train_embedder(config, split, list(range(CLASSES)), 0.2, 0.3, device=torch.device("cpu"),
-                                log=_quiet, compatibility=term)
+    _, history = train_embedder(config, split, list(range(CLASSES)), (0.2, 0.3),
+                                run=TrainingRun(torch.device("cpu"), log=_quiet), compatibility=term)
     assert _lowered(history, "loss") and _lowered(history, "compatibility"), history
     assert all(torch.equal(frozen[k], v) for k, v in old.state_dict().items())  # the old model stays as it was
 
 
 def test_rbt_map_and_unified_space_lower_their_losses(setting):
     split, old, config = setting
-    new, _ = train_embedder(config, split, list(range(CLASSES)), 0.2, 0.3, device=torch.device("cpu"), log=_quiet)
+    new, _ = train_embedder(config, split, list(range(CLASSES)), (0.2, 0.3),
+                            run=TrainingRun(torch.device("cpu"), log=_quiet))
     old_features, new_features = embed(old, split.images), embed(new, split.images)
     rbt = AlignConfig(architecture="rbt", rbt_blocks=2, hidden=[], epochs=6, warmup_epochs=1, batch_size=16, lr=3e-3, min_steps=0,
                       validation_fraction=0)

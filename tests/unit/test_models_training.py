@@ -8,7 +8,7 @@ from components.experiment.models import (
     AlignmentMap, Embedder, load_alignment, load_embedder, save_alignment, save_embedder,
 )
 from components.experiment.inference import apply_alignment, embed
-from components.experiment.training import train_alignment, train_embedder, true_alignment_loss
+from components.experiment.training import TrainingRun, train_alignment, train_embedder, true_alignment_loss
 from tests.synthetic import class_image
 
 CPU = torch.device("cpu")
@@ -38,15 +38,14 @@ def test_embedder_training_lowers_its_loss_and_resumes(tmp_path):
     config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=4, batch_size=16, lr=5e-3)
     checkpoint = tmp_path / "ckpt.pt"
     progress = []
-    model, history = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU,
-                                    checkpoint=checkpoint, log=lambda m: None,
-                                    on_epoch=lambda done, total: progress.append((done, total)))
+    run = TrainingRun(CPU, checkpoint, lambda m: None, lambda done, total: progress.append((done, total)))
+    model, history = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3), run=run)
     assert history[-1]["loss"] < history[0]["loss"]
     assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
     # Re-running the same config resumes from the final checkpoint: no epoch is trained again.
     messages = []
-    again, history2 = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU,
-                                     checkpoint=checkpoint, log=messages.append)
+    again, history2 = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3),
+                                     run=TrainingRun(CPU, checkpoint, messages.append))
     assert history2 == history and any("resuming" in m for m in messages)
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
@@ -54,8 +53,8 @@ def test_embedder_training_lowers_its_loss_and_resumes(tmp_path):
 
 def test_training_is_seeded():
     config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=1, batch_size=16)
-    a, _ = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU, log=lambda m: None)
-    b, _ = train_embedder(config, _split(), [0, 1, 2, 3], 0.3, 0.3, device=CPU, log=lambda m: None)
+    a, _ = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3), run=TrainingRun(CPU, log=lambda m: None))
+    b, _ = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3), run=TrainingRun(CPU, log=lambda m: None))
     images = _split(4).images
     assert np.allclose(embed(a, images, device=CPU), embed(b, images, device=CPU))
 
@@ -63,7 +62,7 @@ def test_training_is_seeded():
 def test_labels_outside_the_model_classes_are_refused():
     config = TrainConfig(backbone="cnn_small", width=4, epochs=1)
     with pytest.raises(ValueError, match="outside the model's classes"):
-        train_embedder(config, _split(), [0, 1], 0.3, 0.3, device=CPU, log=lambda m: None)
+        train_embedder(config, _split(), [0, 1], (0.3, 0.3), run=TrainingRun(CPU, log=lambda m: None))
 
 
 def test_saved_models_load_back(tmp_path):
@@ -128,7 +127,9 @@ def test_alignment_inputs_must_describe_the_same_images():
 def test_a_checkpoint_of_other_data_is_not_resumed(tmp_path):
     config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=1, batch_size=16)
     checkpoint = tmp_path / "ckpt.pt"
-    train_embedder(config, _split(seed=0), [0, 1, 2, 3], 0.3, 0.3, device=CPU, checkpoint=checkpoint, log=lambda m: None)
+    train_embedder(config, _split(seed=0), [0, 1, 2, 3], (0.3, 0.3),
+                   run=TrainingRun(CPU, checkpoint, lambda m: None))
     messages = []
-    train_embedder(config, _split(seed=1), [0, 1, 2, 3], 0.3, 0.3, device=CPU, checkpoint=checkpoint, log=messages.append)
+    train_embedder(config, _split(seed=1), [0, 1, 2, 3], (0.3, 0.3),
+                   run=TrainingRun(CPU, checkpoint, messages.append))
     assert not any("resuming" in m for m in messages)
