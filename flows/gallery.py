@@ -98,14 +98,19 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version),
                         config.order)
     pairs = training_pairs(params, old_model, new_model)
+    order_kind = config.order
     if chosen is not None:
         map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
         alignment_map = registry.load_model(map_uri).eval()
         log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})")
+        if order_kind == "sigma" and chosen.tags.get("fallback_order") == "random":
+            order_kind = "random"
+            log(f"{map_uri} is a fallback map whose sigma order was not shown to help (tag fallback_order: random): "
+                "the backfill goes in random order")
     else:
         alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
     alignment_map, map_uri, order_kind = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
-                                                           run_id)
+                                                           run_id, order_kind)
     if order_kind == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
         raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
                            "gallery.upgrade.order: random or register a FastFill map")

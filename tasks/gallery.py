@@ -100,17 +100,17 @@ def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, 
 
 @task(name="check-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
 def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple | None, new_model, old: ModelRef,
-                      new: ModelRef, run_id: str) -> tuple:
+                      new: ModelRef, run_id: str, order: str) -> tuple:
     """The map check (components.experiment.map_check) on the held-out pairs of the new-train split: the
     l2-only reference is the registry's FCT map for the same two versions, or one trained here.
-    Returns the map to use, its URI and the backfill order (gallery.upgrade.order, or random for a
-    fallback map whose fitted sigma head is not shown to help); the outcome is tagged on the
+    Returns the map to use, its URI and the backfill order (``order``, or random for a fallback
+    map whose fitted sigma head is not shown to help); the outcome is tagged on the
     map's version and the upgrade's run. Raises MapCheckError under ``check: fail``."""
     from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_map, held_out, reference_config
     from components.experiment.inference import pick_device
     from components.experiment.training import train_alignment
 
-    method, order = params.gallery.upgrade.method, params.gallery.upgrade.order
+    method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]
     client, _ = registry.setup(params.mlflow)
     version = map_uri.rsplit("/", 1)[1]
