@@ -45,9 +45,9 @@ def build_order(name: str, outputs: MethodOutputs, gallery_new: np.ndarray, seed
     if name == "random":
         return random_order(n, seed)
     if name == "sigma":
-        if outputs.log_sigma2 is None and outputs.sigma_is_random:
-            return random_order(n, seed)
         if outputs.log_sigma2 is None:
+            if outputs.sigma_is_random:
+                return random_order(n, seed)
             raise ValueError("the sigma order needs a map trained with uncertainty: true")
         return sigma_order(outputs.log_sigma2)
     if name == "oracle":

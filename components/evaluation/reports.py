@@ -42,10 +42,14 @@ def fixed_gallery_summary(point: Mapping) -> dict:
     return out
 
 
+def check_outcome(record: Mapping) -> str:
+    """A map check's outcome: ``passed``, ``fallback`` (the l2 map is used) or ``warned``."""
+    return "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
+
+
 def check_summary(record: Mapping) -> dict:
     """The map check of one method, for metrics.json: its outcome and both maps' numbers."""
-    outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
-    summary = {"outcome": outcome, "policy": record["policy"],
+    summary = {"outcome": check_outcome(record), "policy": record["policy"],
                **{f"map_{k}": record["candidate"][k] for k in ("top1_0", "top1_auc", "map_auc")},
                **{f"reference_{k}": record["reference"][k] for k in ("top1_0", "top1_auc", "map_auc")}}
     if "fallback_order" in record:  # the order the fallback map is backfilled in: sigma or random

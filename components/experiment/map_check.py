@@ -157,8 +157,9 @@ class MapCheck:
 def check_tags(record: dict) -> dict[str, str]:
     """The check as tags (on the map's registered version and its run): ``check`` is
     ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed)."""
-    outcome = "passed" if record["passed"] else ("fallback" if record["action"] == "fallback" else "warned")
-    tags = {"check": outcome, "check_policy": record["policy"], "check_reason": record["message"][:4900]}
+    from components.evaluation.reports import check_outcome
+
+    tags = {"check": check_outcome(record), "check_policy": record["policy"], "check_reason": record["message"][:4900]}
     if "fallback_order" in record:
         tags.update(fallback_order=record["fallback_order"]["order"],
                     fallback_order_reason=record["fallback_order"]["message"][:4900])
