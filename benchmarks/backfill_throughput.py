@@ -58,7 +58,7 @@ def _models():
 
 
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
-    from components.gallery import upgrade as up
+    from components.gallery import plan as pl
     from components.gallery.catalog import Gallery, ingest
     from components.platform.registry import ModelRef
     from components.gallery.store import open_store
@@ -68,16 +68,16 @@ def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
     old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
     ingest(store, images, embed(old, images), old_ref, part_size=1000)
     gallery = Gallery(store)
-    uid = up.upgrade_id(old_ref, new_ref)
+    uid = pl.upgrade_id(old_ref, new_ref)
     for part in range(gallery.num_parts):
-        up.transform_part(gallery, uid, h, part)
+        pl.transform_part(gallery, uid, h, part)
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_uri)
     experiment = client.get_experiment_by_name("bench") or client.get_experiment(client.create_experiment("bench"))
     run = client.create_run(experiment.experiment_id)
-    plan = up.Plan(uid, old_ref, new_ref, "none", "sigma", chunk_size, len(images), 0, "l2", run.info.run_id)
-    up.commit_plan(gallery, plan, up.make_order(gallery, uid, "sigma", 0))
+    plan = pl.Plan(uid, old_ref, new_ref, "none", "sigma", chunk_size, len(images), 0, "l2", run.info.run_id)
+    pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
     return gallery, plan
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     from components.platform.config import parse_params
     from components.gallery.catalog import IMAGE_CACHE
     from components.experiment.inference import embed
-    from flows.gallery import _backfill
+    from flows.upgrade import _backfill
 
     images, source = _images(args.items)
     params, old, new, h = _models()

@@ -25,7 +25,7 @@ from prefect import flow
 
 from components.platform import registry
 from components.platform.config import Params, load_params
-from components.gallery import upgrade as up
+from components.gallery import plan as pl, upgrade as up
 from components.gallery.catalog import Gallery
 from components.gallery.triggers import WebhookRejected, alias_event, claim, release, verify, wants_upgrade
 from tasks._policy import log
@@ -39,7 +39,7 @@ MAX_BODY = 1 << 20
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings."""
-    from flows.gallery import run_upgrade
+    from flows.upgrade import run_upgrade
 
     params = load_params(params_path)
     return run_upgrade(params, store or params.gallery.store, to, budget=budget, gate=gate)
@@ -81,7 +81,7 @@ def check_registry(params: Params, store_uri: str) -> tuple[str | None, str | No
     candidate = registry.alias_version(client, params.mlflow.registered_model, registry.CHALLENGER)
     gallery = Gallery(store_at(store_uri))
     manifest = gallery.manifest(refresh=True)
-    plan = up.load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
+    plan = pl.load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
     return candidate, wants_upgrade(gallery.model, plan.new if plan else None, candidate)
 
 

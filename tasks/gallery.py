@@ -9,7 +9,7 @@ from prefect import task
 
 from components.platform import registry
 from components.platform.config import AlignConfig, MlflowConfig, Params
-from components.gallery import catalog, upgrade
+from components.gallery import backfill as bf, catalog, plan as pl, upgrade
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.lifecycle import done_prefix
 from components.platform.registry import ModelRef
@@ -161,28 +161,28 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
 
 
 @task(name="write-sources", **IO_RETRIES, **NO_CACHING)
-def write_sources(store_uri: str, upgrade_id: str, base: upgrade.Plan) -> int:
-    return upgrade.write_sources(Gallery(store_at(store_uri)), upgrade_id, base)
+def write_sources(store_uri: str, upgrade_id: str, base: pl.Plan) -> int:
+    return bf.write_sources(Gallery(store_at(store_uri)), upgrade_id, base)
 
 
 @task(name="transform-part", **IO_RETRIES, **NO_CACHING)
 def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, sequential: bool = False) -> int:
-    return upgrade.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
+    return pl.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
 
 
 @task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
 def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int) -> dict:
     """Read the chunk's images, embed them with the new model, write features, then the marker."""
-    return upgrade.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size)
+    return bf.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size)
 
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
-def finish_upgrade(store_uri: str, plan: upgrade.Plan) -> dict:
+def finish_upgrade(store_uri: str, plan: pl.Plan) -> dict:
     return upgrade.finish(Gallery(store_at(store_uri)), plan)
 
 
 @task(name="evaluate-gate", **NO_CACHING)
-def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
+def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
     """The promotion gate's numbers on the upgrade's evaluation sample (components.gallery.promotion)."""
     from components.gallery.measure import restricted_order
     from components.gallery.promotion import measure_gate
@@ -190,28 +190,28 @@ def evaluate_gate(store_uri: str, plan: upgrade.Plan, config) -> dict:
     gallery = Gallery(store_at(store_uri))
     store = gallery.store
     try:
-        positions = store.get_array(upgrade.eval_positions_key(plan.id))
-        queries = store.get_array(upgrade.eval_queries_key(plan.id))
+        positions = store.get_array(pl.eval_positions_key(plan.id))
+        queries = store.get_array(pl.eval_queries_key(plan.id))
     except Exception as error:  # noqa: BLE001 - a missing sample is a configuration problem
         raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
                            "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
                            "or set promotion.gate: false") from error
-    transformed = upgrade.transformed_all(gallery, plan.id)
-    new, _ = upgrade.mixed_features(gallery, plan, transformed)
+    transformed = pl.transformed_all(gallery, plan.id)
+    new, _ = bf.mixed_features(gallery, plan, transformed)
     champion = gallery.all_features(gallery.model)[positions]
-    order = restricted_order(upgrade.order_of(store, plan.id), positions)
+    order = restricted_order(pl.order_of(store, plan.id), positions)
     return measure_gate(champion, queries, new[positions], transformed[positions], gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=config.curve_points)
 
 
 @task(name="record-decision", **IO_RETRIES, **NO_CACHING)
-def record_decision(config: MlflowConfig, plan: upgrade.Plan, tags: dict, promote: bool) -> None:
+def record_decision(config: MlflowConfig, plan: pl.Plan, tags: dict, promote: bool) -> None:
     client, _ = registry.setup(config)
     registry.record_decision(client, plan.new.name, plan.new.version, plan.mlflow_run_id, tags, promote)
 
 
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
-def reject_upgrade(store_uri: str, plan: upgrade.Plan, decision: dict) -> dict:
+def reject_upgrade(store_uri: str, plan: pl.Plan, decision: dict) -> dict:
     return upgrade.reject(Gallery(store_at(store_uri)), plan, decision)
 
 
@@ -230,7 +230,7 @@ class UpgradeProgress:
     """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
     prefix of the order) and to a Prefect progress artifact."""
 
-    def __init__(self, params: Params, store_uri: str, plan: upgrade.Plan, meter, artifact_key: str):
+    def __init__(self, params: Params, store_uri: str, plan: pl.Plan, meter, artifact_key: str):
         from prefect.artifacts import create_progress_artifact
 
         self.client, _ = registry.setup(params.mlflow)

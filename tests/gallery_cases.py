@@ -14,7 +14,8 @@ import torch
 
 from components.platform.config import TrainConfig
 from components.gallery import lock as locking
-from components.gallery import upgrade as up
+from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery.catalog import IMAGE_CACHE
 from components.gallery.catalog import Gallery, GalleryError, ingest
 from components.platform.registry import ModelRef
 from components.gallery.search import GallerySearch
@@ -56,13 +57,13 @@ def _gallery(store_uri, models, data, part_size=10) -> Gallery:
     return Gallery(open_store(store_uri))
 
 
-def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> up.Plan:
-    uid = up.upgrade_id(OLD, NEW)
+def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> pl.Plan:
+    uid = pl.upgrade_id(OLD, NEW)
     for part in range(gallery.num_parts):
-        up.transform_part(gallery, uid, h, part)
-    order = up.make_order(gallery, uid, "sigma", 0)
-    plan = up.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", chunk_size, N, N if eval_all else 0, "l2")
-    up.commit_plan(gallery, plan, order)
+        pl.transform_part(gallery, uid, h, part)
+    order = pl.make_order(gallery, uid, "sigma", 0)
+    plan = pl.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", chunk_size, N, N if eval_all else 0, "l2")
+    pl.commit_plan(gallery, plan, order)
     return plan
 
 
@@ -127,17 +128,17 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     gallery = _gallery(store_uri, models, data)
     plan = _plan(gallery, h)
     assert gallery.manifest(refresh=True)["upgrade"] == plan.id and plan.num_chunks == 8
-    order = up.order_of(gallery.store, plan.id)
+    order = pl.order_of(gallery.store, plan.id)
     old_features = gallery.all_features(OLD)
     transformed, sigma = apply_alignment(h, old_features)
     np.testing.assert_array_equal(order, np.argsort(-sigma.astype(np.float64), kind="stable"))
 
-    first = [up.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
-    assert up.done_chunks(gallery.store, plan.id) == [0, 1, 4]
-    again = up.backfill_chunk(gallery.store, plan.id, 1, new)
+    first = [bf.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
+    assert bf.done_chunks(gallery.store, plan.id) == [0, 1, 4]
+    again = bf.backfill_chunk(gallery.store, plan.id, 1, new)
     assert again["skipped"] and again["token"] == first[1]["token"]  # a done chunk is not redone
 
-    mixed, backfilled = up.mixed_features(gallery, plan)
+    mixed, backfilled = bf.mixed_features(gallery, plan)
     expected_new = embed(new, images)
     rows = np.concatenate([order[slice(*plan.chunk_bounds(c))] for c in (0, 1, 4)])
     assert set(np.flatnonzero(backfilled)) == set(rows)
@@ -150,7 +151,7 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert state["upgrade"]["items_done"] == 21
 
     for chunk in range(plan.num_chunks):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
     up.finish(gallery, plan)
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
@@ -168,17 +169,17 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
     _, new, h = models
     gallery = _gallery(store_uri, models, data)
     plan = _plan(gallery, h, chunk_size=N)  # one chunk touches every part
-    up.IMAGE_CACHE._parts.clear()
+    IMAGE_CACHE._parts.clear()
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
     _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
     with pytest.raises(ChecksumMismatch, match="images/part-00002.npy"):
-        up.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert up.done_chunks(gallery.store, plan.id) == []
+        bf.backfill_chunk(gallery.store, plan.id, 0, new)
+    assert bf.done_chunks(gallery.store, plan.id) == []
     gallery.store.delete("images/part-00002.npy")
     with pytest.raises(ObjectMissing, match="images/part-00002.npy does not exist"):
-        up.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert up.done_chunks(gallery.store, plan.id) == []
+        bf.backfill_chunk(gallery.store, plan.id, 0, new)
+    assert bf.done_chunks(gallery.store, plan.id) == []
 
 
 def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
@@ -225,18 +226,18 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
     plan = _plan(gallery, h)
     assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
     for chunk in (0, 1, 2):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
     assert searcher.refresh() == 3 and searcher.rebuilds == 1 and searcher.index.ntotal == N
     assert searcher.backfilled == 21
-    mixed, _ = up.mixed_features(gallery, plan)
+    mixed, _ = bf.mixed_features(gallery, plan)
     queries = embed(new, data[0][:6])
     ids, distances = searcher.search(queries, k=5)
     np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
-    item = int(gallery.ids()[up.order_of(gallery.store, plan.id)[0]])
-    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[up.order_of(gallery.store, plan.id)[0]])
+    item = int(gallery.ids()[pl.order_of(gallery.store, plan.id)[0]])
+    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[pl.order_of(gallery.store, plan.id)[0]])
 
     for chunk in range(plan.num_chunks):
-        up.backfill_chunk(gallery.store, plan.id, chunk, new)
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
     up.finish(gallery, plan)
     assert searcher.refresh() == 5 and searcher.rebuilds == 1 and searcher.query_model == NEW
     with pytest.raises(GalleryError, match="dimension 8, but the model's is 12"):

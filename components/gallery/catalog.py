@@ -7,7 +7,7 @@ Under one prefix::
     images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds
     features/<name>-v<version>/part-NNNNN.npy   features of one model version, written once
     upgrades/lock.json                      held while an upgrade runs
-    upgrades/<upgrade-id>/...               see components.gallery.upgrade
+    upgrades/<upgrade-id>/...               see components.gallery.plan
 
 Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
 ``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.

@@ -1,6 +1,7 @@
-"""The upgrade's decisions, without Prefect: the backfill budget, the map to use, and the chunk
-scheduler's bookkeeping (``Backfill``: what to start, what has landed, whether it is complete).
-``flows/gallery.upgrade_flow`` runs the steps in this order:
+"""The upgrade's decisions, without Prefect: the map to use and its order, whether it fits, the
+backfill budget, and the chunk scheduler's bookkeeping (``Backfill``: what to start, what has
+landed, whether it is complete).
+``flows/upgrade.upgrade_flow`` runs the steps in this order:
 
     plan ──> backfill ──(all chunks done)──> gate ──(passed)──> finish ──> complete
                 │  ^                          └──(failed)──> rejected
@@ -12,7 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from components.gallery.upgrade import Plan
+from components.gallery.catalog import GalleryError
+from components.gallery.plan import Plan
 
 
 def budget_items(budget: float | int | None, num_items: int) -> int:
@@ -42,6 +44,35 @@ def choose_map(found: list, order: str):
         with_sigma = [v for v in found if v.tags.get("method") != "fct"]
         return (with_sigma or found)[0]
     return found[0]
+
+
+def registered_map_order(tags: dict, order: str) -> tuple[str, str | None]:
+    """The backfill order of a map taken from the registry, and why it differs from the
+    configured ``order`` (None if it does not). The map check decided it when it registered a
+    fallback map (``map_check.fallback_map``): its tag ``fallback_order: random`` means the
+    fallback's sigma order was not shown to help."""
+    if order == "sigma" and tags.get("fallback_order") == "random":
+        return "random", ("a fallback map whose sigma order was not shown to help (tag fallback_order: random): "
+                          "the backfill goes in random order")
+    return order, None
+
+
+def check_map_fits(alignment_map, map_uri: str, order: str, old_dim: int, new_dim: int, new_uri: str) -> None:
+    """Raise GalleryError if the map cannot serve this upgrade: the sigma order without an
+    uncertainty head, or dimensions other than the gallery's and the new model's."""
+    if order == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
+        raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
+                           "gallery.upgrade.order: random or register a FastFill map")
+    if alignment_map.old_dim != old_dim or alignment_map.new_dim != new_dim:
+        raise GalleryError(f"{map_uri} maps {alignment_map.old_dim} -> {alignment_map.new_dim} dimensions, but the "
+                           f"gallery's features are {old_dim}-d and {new_uri} makes {new_dim}-d ones")
+
+
+def plan_fields(config, upgrade: str, old_uri: str, new_uri: str, base: str | None) -> dict:
+    """What the upgrade's MLflow run records as params: the models and ``gallery.upgrade``."""
+    return {"id": upgrade, "old": old_uri, "new": new_uri, "order": config.order, "chunk_size": config.chunk_size,
+            "max_concurrency": config.max_concurrency, "task_runner": config.task_runner,
+            "eval_queries": config.eval_queries, "base": base}
 
 
 @dataclass

@@ -47,3 +47,20 @@ class BackfillMeter:
         curve = curve_at_counts(self.queries, self.new, self.old, self.labels, self.local_order, [count],
                                 distance=self.distance)
         return {"top1": float(curve.top1[0]), "top5": float(curve.top5[0]), "map": float(curve.map[0])}
+
+
+def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
+    """The meter of a planned upgrade, with the chunks already ``done`` landed; None when the
+    plan has no evaluation sample."""
+    from components.gallery.backfill import chunk_features
+    from components.gallery.plan import eval_positions_key, eval_queries_key, order_of, transformed_all
+
+    if plan.eval_queries < 2:
+        return None
+    store = gallery.store
+    meter = BackfillMeter(store.get_array(eval_positions_key(plan.id)), gallery.labels(),
+                          store.get_array(eval_queries_key(plan.id)), transformed_all(gallery, plan.id),
+                          order_of(store, plan.id), plan.distance)
+    for chunk in done:
+        meter.land(*plan.chunk_bounds(chunk), chunk_features(store, plan.id, chunk))
+    return meter

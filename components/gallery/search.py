@@ -15,7 +15,8 @@ import numpy as np
 from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
-from components.gallery.upgrade import chunk_features, done_chunks, load_plan, order_of, transformed_all
+from components.gallery.backfill import chunk_features, done_chunks
+from components.gallery.plan import load_plan, order_of, transformed_all
 
 
 class GallerySearch:

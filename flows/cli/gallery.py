@@ -157,7 +157,7 @@ def upgrade(ctx: typer.Context,
         return
     config = _with_upgrade(load(params), chunk_size=chunk_size, max_concurrency=concurrency, order=order,
                            task_runner=runner, dask_address=dask_address)
-    from flows.gallery import run_upgrade
+    from flows.upgrade import run_upgrade
 
     uri = store_uri(config, store)
     start = time.perf_counter()

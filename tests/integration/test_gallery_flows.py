@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from components.gallery import lock as locking
-from components.gallery import upgrade as up
+from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
@@ -29,7 +29,8 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from components.evaluation import curve_at_counts
     from components.gallery.measure import restricted_order
     from components.experiment.inference import embed
-    from flows.gallery import ingest_flow, progress_key, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import progress_key, upgrade_flow
 
     params, _ = upgrade_env
     client, old_model, new_model, old_version, new_version = registry_models(params)
@@ -50,8 +51,8 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == new_version and searcher.backfilled == paused["items_done"]
-    plan = up.load_plan(gallery.store, state["upgrade"]["id"])
-    mixed, backfilled = up.mixed_features(gallery, plan)
+    plan = pl.load_plan(gallery.store, state["upgrade"]["id"])
+    mixed, backfilled = bf.mixed_features(gallery, plan)
     assert backfilled.sum() == paused["items_done"]
     queries = embed(new_model, split.images[:5])
     ids, _ = searcher.search(queries, k=3)
@@ -71,8 +72,8 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     steps = sorted(history["top1"])
     assert steps[0] == 0 and steps[-1] == n and len(steps) >= 3
     positions = gallery.store.get_array(f"upgrades/{plan.id}/eval/positions.npy")
-    order = up.order_of(gallery.store, plan.id)
-    transformed = up.transformed_all(gallery, plan.id)
+    order = pl.order_of(gallery.store, plan.id)
+    transformed = pl.transformed_all(gallery, plan.id)
     labels = split.labels[positions]
     counts = [int(np.isin(order[:s], positions).sum()) for s in steps]
     curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
@@ -98,7 +99,8 @@ def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, pre
     from prefect_dask import DaskTaskRunner
 
     from tests.environment import new_bucket
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, _ = upgrade_env
     uri = f"s3://{new_bucket(s3_endpoint)}/dask"
@@ -110,15 +112,16 @@ def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, pre
             if "pid" in next(iter(cluster.scheduler_info["workers"].values())) else None
     assert result["state"] == "complete"
     store = open_store(uri)
-    plan = up.load_plan(store, result["upgrade"])
-    pids = {store.get_json(up.marker_key(plan.id, c))["pid"] for c in range(plan.num_chunks)}
+    plan = pl.load_plan(store, result["upgrade"])
+    pids = {store.get_json(pl.marker_key(plan.id, c))["pid"] for c in range(plan.num_chunks)}
     assert os.getpid() not in pids and len(pids) == 2, pids  # the chunks ran in both workers
     if worker_pids is not None:
         assert pids == worker_pids
 
 
 def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch, s3_endpoint):
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -208,7 +211,8 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 
 
 def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_env, cli_env, prefect_harness):
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     ingest_flow(params, store_uri)
@@ -227,7 +231,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     while time.monotonic() < deadline and process.poll() is None:
         manifest = store.get_json("gallery.json") if store.exists("gallery.json") else {}
         upgrade_id = manifest.get("upgrade")
-        if upgrade_id and len(up.done_chunks(store, upgrade_id)) >= 3:
+        if upgrade_id and len(bf.done_chunks(store, upgrade_id)) >= 3:
             os.killpg(process.pid, signal.SIGKILL)
             break
         time.sleep(0.02)
@@ -235,8 +239,8 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     log.close()
     output = (tmp_path / "killed.log").read_text()
     assert process.returncode == -signal.SIGKILL, f"the backfill ended before it could be killed:\n{output[-3000:]}"
-    plan = up.load_plan(store, upgrade_id)
-    before = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
+    plan = pl.load_plan(store, upgrade_id)
+    before = {c: store.get_json(pl.marker_key(upgrade_id, c)) for c in bf.done_chunks(store, upgrade_id)}
     assert 3 <= len(before) < plan.num_chunks
     assert store.exists(locking.LOCK)  # left behind by the killed process
 
@@ -245,11 +249,11 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     assert "that process is gone" in resumed.stdout + resumed.stderr
     assert "complete:" in resumed.stdout
     # finished chunks were not redone; every chunk has one marker; every item has its features
-    after = {c: store.get_json(up.marker_key(upgrade_id, c)) for c in up.done_chunks(store, upgrade_id)}
+    after = {c: store.get_json(pl.marker_key(upgrade_id, c)) for c in bf.done_chunks(store, upgrade_id)}
     assert sorted(after) == list(range(plan.num_chunks))
     assert all(after[c]["token"] == before[c]["token"] for c in before)
     assert sum(m["count"] for m in after.values()) == plan.num_items
-    order = up.order_of(store, upgrade_id)
+    order = pl.order_of(store, upgrade_id)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in after.values()])) == list(range(plan.num_items))
     gallery = Gallery(store)
     assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(locking.LOCK)
@@ -263,7 +267,8 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
 
 
 def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, _, old_version, new_version = registry_models(params)
@@ -272,7 +277,7 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
     assert result["state"] == "complete"
-    plan = up.load_plan(open_store(uri), result["upgrade"])
+    plan = pl.load_plan(open_store(uri), result["upgrade"])
     versions = sorted(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"),
                       key=lambda v: int(v.version))
     trained, tags = versions[0], versions[0].tags

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from components.platform.config import parse_params
-from components.gallery import upgrade as up
+from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
@@ -64,7 +64,8 @@ def _perturbed(model, seed, scale=0.05):
 
 
 def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     # tiny models on tiny data: loose gates, so this checks the mechanism (the unit tests check the rules)
@@ -89,7 +90,8 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
     from components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
@@ -125,7 +127,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     with pytest.raises(GalleryError, match="rejected by the promotion gate"):
         upgrade_flow(params, uri, f"models:/embedder/{worse}")
     deleted = up.collect_garbage(gallery)
-    assert deleted["upgrade_objects"] > 0 and store.exists(up.upgrade_key(result["upgrade"], "rejected.json"))
+    assert deleted["upgrade_objects"] > 0 and store.exists(pl.upgrade_key(result["upgrade"], "rejected.json"))
 
 
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
@@ -134,7 +136,8 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     from components.platform import registry
     from components.evaluation import pairwise_distances
     from components.experiment.inference import embed
-    from flows.gallery import ingest_flow, upgrade_flow
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, new_model, v1, v2 = registry_models(params)
@@ -145,29 +148,29 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert first["state"] == "paused" and 0.4 < first["fraction"] < 0.7
     store = open_store(uri)
     gallery = Gallery(store)
-    plan1 = up.load_plan(store, first["upgrade"])
-    mixed1, backfilled1 = up.mixed_features(gallery, plan1)
+    plan1 = pl.load_plan(store, first["upgrade"])
+    mixed1, backfilled1 = bf.mixed_features(gallery, plan1)
     assert 0 < backfilled1.sum() < len(backfilled1)
 
     second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
     assert second["state"] == "paused"
-    plan2 = up.load_plan(store, second["upgrade"])
+    plan2 = pl.load_plan(store, second["upgrade"])
     assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
     assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
-    assert store.get_json(up.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
+    assert store.get_json(pl.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
     # three versions stored: v1's features, v2's backfilled chunks, v3's backfilled chunks
-    assert store.list(f"features/embedder-v{v1}/") and up.done_chunks(store, plan1.id) and up.done_chunks(store, plan2.id)
+    assert store.list(f"features/embedder-v{v1}/") and bf.done_chunks(store, plan1.id) and bf.done_chunks(store, plan2.id)
     # the sequential upgrade starts from v2's mixed gallery, and its order covers every item
-    sources = np.concatenate([store.get_array(up.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
+    sources = np.concatenate([store.get_array(pl.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
     np.testing.assert_array_equal(sources, mixed1)
-    assert sorted(up.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
+    assert sorted(pl.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
 
     # queries use v3 against the gallery as it stands, and match a brute-force search
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == v3
     v3_model_loaded = registry.load_model(f"models:/embedder/{v3}")
     queries = embed(v3_model_loaded, split_images(params).images[:6])
-    mixed2, backfilled2 = up.mixed_features(gallery, plan2)
+    mixed2, backfilled2 = bf.mixed_features(gallery, plan2)
     assert backfilled2.sum() == second["items_done"]
     ids, _ = searcher.search(queries, k=3)
     expected = np.argsort(pairwise_distances(queries, mixed2), axis=1, kind="stable")[:, :3]
@@ -181,4 +184,4 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     features = gallery.all_features(gallery.model)
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
     up.collect_garbage(gallery)
-    assert not store.list(f"features/embedder-v{v1}/") and not store.list(up.upgrade_key(plan1.id, "done/"))
+    assert not store.list(f"features/embedder-v{v1}/") and not store.list(pl.upgrade_key(plan1.id, "done/"))

@@ -5,15 +5,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from components.gallery import upgrade as up
+from components.gallery import plan as pl
 from components.gallery.lifecycle import Backfill, budget_items, choose_map, done_prefix
 from components.platform.registry import ModelRef
 
 OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
 
 
-def _plan(num_items=10, chunk_size=3) -> up.Plan:
-    return up.Plan(up.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
+def _plan(num_items=10, chunk_size=3) -> pl.Plan:
+    return pl.Plan(pl.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
 
 
 @pytest.mark.parametrize("budget, expected", [(None, 10), (0.25, 3), (0.01, 1), (1.0, 10), (4, 4), (99, 10)])

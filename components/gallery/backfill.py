@@ -1,0 +1,107 @@
+"""The backfill of a planned upgrade: re-embed one chunk (features first, then its completion
+marker), which chunks are done, and the gallery as queries see it meanwhile (mixed features).
+The objects' keys are in ``components.gallery.plan``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from components.gallery.catalog import IMAGE_CACHE, Gallery, GalleryError, check_features, gather_images, now
+from components.gallery.plan import (
+    Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, upgrade_key,
+)
+from components.gallery.store import ObjectMissing, Store, StoreError
+
+
+class _PlanCache:
+    """Plans and orders read once per process (chunks of one upgrade share them)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: dict[tuple[str, str], tuple[Plan, np.ndarray]] = {}
+
+    def get(self, store: Store, upgrade: str) -> tuple[Plan, np.ndarray]:
+        key = (store.uri, upgrade)
+        with self._lock:
+            if key not in self._items:
+                plan = load_plan(store, upgrade)
+                if plan is None:
+                    raise GalleryError(f"upgrade {upgrade} has no plan in {store.uri}; start it with `fastfill upgrade`")
+                self._items[key] = (plan, order_of(store, upgrade))
+            return self._items[key]
+
+
+PLANS = _PlanCache()
+
+
+def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512) -> dict:
+    """Re-embed one chunk's images with the new model: read, embed, write the features, then the
+    marker. A chunk whose marker exists is not redone."""
+    from components.experiment.inference import embed
+
+    marker = marker_key(upgrade, chunk)
+    try:
+        return {**store.get_json(marker), "skipped": True}
+    except ObjectMissing:
+        pass
+    started = time.perf_counter()
+    plan, order = PLANS.get(store, upgrade)
+    start, stop = plan.chunk_bounds(chunk)
+    positions = order[start:stop]
+    images = gather_images(Gallery(store), positions, IMAGE_CACHE)
+    features = check_features(embed(model, images, batch_size=batch_size, device=device), plan.new.dim,
+                              f"new-model features of chunk {chunk}")
+    digest = store.put_array(chunk_key(upgrade, chunk), features)
+    record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
+              "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "finished": now(),
+              "seconds": round(time.perf_counter() - started, 4)}
+    store.put_json(marker, record)
+    return {**record, "skipped": False}
+
+
+def done_chunks(store: Store, upgrade: str) -> list[int]:
+    keys = store.list(upgrade_key(upgrade, "done/"))
+    return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
+
+
+def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
+    """A finished chunk's features, checked against its marker."""
+    marker = store.get_json(marker_key(upgrade, chunk))
+    features = store.get_array(chunk_key(upgrade, chunk))
+    if len(features) != marker["count"]:
+        raise StoreError(f"{store.describe(chunk_key(upgrade, chunk))} has {len(features)} rows; its marker "
+                         f"says {marker['count']}")
+    return features
+
+
+def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The gallery as queries see it now: new features where backfilled, h(old) elsewhere;
+    and the backfilled mask. ``transformed``: the upgrade's h(old), when the caller has read it."""
+    features = transformed_all(gallery, plan.id) if transformed is None else transformed.copy()
+    backfilled = np.zeros(plan.num_items, dtype=bool)
+    order = order_of(gallery.store, plan.id)
+    for chunk in done_chunks(gallery.store, plan.id):
+        start, stop = plan.chunk_bounds(chunk)
+        features[order[start:stop]] = chunk_features(gallery.store, plan.id, chunk)
+        backfilled[order[start:stop]] = True
+    return features, backfilled
+
+
+def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
+    """A sequential upgrade starts from the gallery as queries see it in the unfinished ``base``
+    upgrade: its new model's features where backfilled, its transformed features elsewhere,
+    all in the space of ``base.new`` (the maps compose). Written per part; returns the parts."""
+    features, _ = mixed_features(gallery, base)
+    for part in range(gallery.num_parts):
+        start, stop = gallery.part_bounds(part)
+        gallery.store.put_array(source_key(upgrade, part), features[start:stop])
+    return gallery.num_parts
+
+

@@ -1,0 +1,215 @@
+"""An upgrade's plan: where its objects live, the plan record, and the planning steps
+(transform each part through the map, the backfill order, the evaluation sample, commit).
+
+Under ``upgrades/<upgrade-id>/`` (the id joins the two model versions, so re-running the same
+command finds the same upgrade)::
+
+    source/part-NNNNN.npy       a sequential upgrade only: each part's features as the unfinished
+                                upgrade it starts from left them (its new features or its map's)
+    order.npy                   item positions in backfill order
+    transformed/part-NNNNN.npy  h(old features) of each part, in the new model's space
+    sigma/part-NNNNN.npy        predicted log sigma^2 per item (maps with an uncertainty head)
+    eval/positions.npy, eval/queries.npy   the evaluation sample and its new-model features
+    plan.json                   models, map, order, chunking; written last: the plan exists once it does
+    chunks/chunk-NNNNN.npy      new features of a chunk's items, in order; deterministic key
+    done/chunk-NNNNN.json       the chunk's completion marker, written after its features
+    finished.json               written when the backfill is complete and the gallery switched
+    rejected.json               written when the promotion gate rejects it (reasons and numbers); the
+                                same upgrade is then refused until a better version is registered
+    superseded.json             written when a sequential upgrade starts from this unfinished one
+
+Chunk c holds the items ``order[c * chunk_size : (c + 1) * chunk_size]``. A chunk is done when
+its marker exists; a killed backfill resumes by listing markers, and a chunk redone after a
+crash before its marker rewrites the same key with the same features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_features, now
+from components.gallery.store import ObjectMissing, Store
+from components.platform.vocabulary import GALLERY_ORDERS
+
+ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
+ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
+
+
+def upgrade_id(old: ModelRef, new: ModelRef) -> str:
+    return f"{old.key}-to-{new.key}"
+
+
+def upgrade_key(upgrade: str, name: str) -> str:
+    """An object of the upgrade's working data: ``upgrades/<upgrade>/<name>``."""
+    return f"upgrades/{upgrade}/{name}"
+
+
+def chunk_key(upgrade: str, chunk: int) -> str:
+    return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
+
+
+def marker_key(upgrade: str, chunk: int) -> str:
+    return upgrade_key(upgrade, f"done/chunk-{chunk:05d}.json")
+
+
+def plan_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "plan.json")
+
+
+def transformed_key(upgrade: str, part: int) -> str:
+    return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
+
+
+def source_key(upgrade: str, part: int) -> str:
+    """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
+    return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
+
+
+def eval_positions_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/positions.npy")
+
+
+def eval_queries_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/queries.npy")
+
+
+def sigma_key(upgrade: str, part: int) -> str:
+    return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan record
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: str
+    old: ModelRef
+    new: ModelRef
+    map_uri: str
+    order_kind: str
+    chunk_size: int
+    num_items: int
+    eval_queries: int
+    distance: str
+    mlflow_run_id: str | None = None
+    created: str = field(default_factory=now)
+    base: str | None = None  # a sequential upgrade: the unfinished upgrade whose mixed gallery it starts from
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_items // self.chunk_size)
+
+    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} is outside 0..{self.num_chunks - 1}")
+        start = chunk * self.chunk_size
+        return start, min(start + self.chunk_size, self.num_items)
+
+    def items_in(self, chunks) -> int:
+        """How many items the given chunks hold."""
+        return sum(self.chunk_bounds(c)[1] - self.chunk_bounds(c)[0] for c in chunks)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
+                "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
+                "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
+                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
+                   data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
+                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"))
+
+
+def load_plan(store: Store, upgrade: str) -> Plan | None:
+    try:
+        return Plan.from_dict(store.get_json(plan_key(upgrade)))
+    except ObjectMissing:
+        return None
+
+
+def write_plan(store: Store, plan: Plan) -> None:
+    store.put_json(plan_key(plan.id), plan.to_dict())
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+
+
+def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, device=None,
+                   sequential: bool = False) -> int:
+    """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
+    features, see write_sources); returns the part's item count."""
+    from components.experiment.inference import apply_alignment
+
+    old = gallery.store.get_array(source_key(upgrade, part)) if sequential else gallery.features(gallery.model, part)
+    transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
+    check_features(transformed, None, f"transformed features of part {part}")
+    gallery.store.put_array(transformed_key(upgrade, part), transformed)
+    if log_sigma2 is not None:
+        gallery.store.put_array(sigma_key(upgrade, part), log_sigma2)
+    return len(old)
+
+
+def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarray:
+    from components.evaluation.ordering import random_order, sigma_order
+
+    if kind == "random":
+        return random_order(gallery.num_items, seed)
+    if kind not in GALLERY_ORDERS:
+        raise GalleryError(f"unknown backfill order {kind!r}; use one of {', '.join(GALLERY_ORDERS)}")
+    try:
+        sigma = np.concatenate([gallery.store.get_array(sigma_key(upgrade, p)) for p in range(gallery.num_parts)])
+    except ObjectMissing:
+        raise GalleryError("the sigma order needs an alignment map with an uncertainty head (FastFill); this map "
+                           "has none: use order random, or a map trained with uncertainty: true") from None
+    return sigma_order(sigma)
+
+
+def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions: np.ndarray | None = None,
+                eval_queries: np.ndarray | None = None) -> None:
+    """Write the order (and evaluation sample), then plan.json, then point the gallery at the
+    upgrade: from here on queries use the new model against the mixed gallery. Needs the
+    transformed parts written first."""
+    store = gallery.store
+    from components.evaluation.ordering import check_permutation
+
+    try:
+        order = check_permutation(order, plan.num_items)
+    except ValueError as error:
+        raise GalleryError(f"the order of {plan.id}: {error}") from None
+    store.put_array(upgrade_key(plan.id, ORDER), order.astype(np.int64))
+    if eval_positions is not None and len(eval_positions) >= 2:
+        store.put_array(eval_positions_key(plan.id), eval_positions)
+        store.put_array(eval_queries_key(plan.id), eval_queries)
+    write_plan(store, plan)
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
+    if plan.base:
+        store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
+
+
+def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.ndarray:
+    """Positions of the labeled items that serve as queries (and their own gallery) while the
+    backfill is measured; ``size`` None = all of them, 0 = none."""
+    if labels is None or size == 0:
+        return np.zeros(0, dtype=np.int64)
+    n = len(labels)
+    if size is None or size >= n:
+        return np.arange(n, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)).astype(np.int64)
+
+
+def order_of(store: Store, upgrade: str) -> np.ndarray:
+    return store.get_array(upgrade_key(upgrade, ORDER)).astype(np.int64)
+
+
+def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
+    return np.concatenate([gallery.store.get_array(transformed_key(upgrade, p)) for p in range(gallery.num_parts)])
+
+

@@ -1,0 +1,253 @@
+"""The upgrade of a stored gallery, as Prefect runs it. ``upgrade_flow`` reads like the states
+of ``components.gallery.lifecycle``: plan -> backfill (paused when the budget is reached) ->
+promotion gate -> finish or reject. The steps below call tasks (tasks/gallery.py, with retries)
+and decide with components (plan, backfill, lifecycle, promotion); queries are served from the
+mixed gallery throughout."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.futures import as_completed
+
+from components.gallery import backfill as bf, plan as pl
+from components.gallery.upgrade import rejection as upgrade_rejection
+from components.gallery.catalog import Gallery, GalleryError, gather_images
+from components.gallery.lifecycle import (
+    Backfill, budget_items, check_map_fits, choose_map, plan_fields, registered_map_order,
+)
+from components.gallery.lock import acquire_lock
+from components.gallery.measure import meter_for
+from components.gallery.promotion import decide, decision_tags, gate_message
+from components.platform import registry
+from components.platform.config import Params
+from components.platform.registry import ModelRef
+from tasks._policy import log
+from tasks.gallery import (
+    UpgradeProgress, backfill_chunk, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model,
+    open_upgrade_run, record_decision, reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part,
+    write_sources,
+)
+
+
+@flow(name="gallery-upgrade", log_prints=True)
+def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
+                 break_lock: bool = False, gate: bool | None = None) -> dict:
+    """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
+    chunks (sigma order by default, measured as they land), then the promotion gate (``gate``,
+    default promotion.gate) switches the gallery and moves champion, or rejects and the gallery
+    keeps serving the champion's features. Re-run the same command to resume a stopped or killed
+    upgrade."""
+    gate = params.promotion.gate if gate is None else gate
+    store = store_at(store_uri)
+    store.check()
+    gallery = Gallery(store)
+    gallery.manifest(refresh=True)
+    champion, new, new_model, base = _target(params, gallery, to_uri)
+    old = base.new if base is not None else champion
+    uid = pl.upgrade_id(old, new)
+    _refuse_rejected(store, uid)
+    lock = acquire_lock(store, uid, break_lock=break_lock, log=log)
+    try:
+        plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new,
+                                                 load_model(params.mlflow, old), new_model, base)
+        result = _backfill(params, gallery, store_uri, plan, new_model,
+                           budget if budget is not None else params.gallery.upgrade.budget)
+        result["mlflow_run_id"] = plan.mlflow_run_id
+        if not result["complete"]:
+            log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
+            return {**result, "state": "paused"}
+        if gate:
+            result["promotion"] = _gate(params, store_uri, plan, champion)
+            result["state"] = "complete" if result["promotion"]["passed"] else "rejected"
+        else:
+            finish_upgrade(store_uri, plan)
+            record_decision(params.mlflow, plan, {"promotion": "ungated", "promotion.upgrade": plan.id}, promote=True)
+            result["state"] = "complete"
+        log(f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
+            f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
+        return result
+    finally:
+        lock.release()
+
+
+def run_upgrade(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
+                break_lock: bool = False, gate: bool | None = None) -> dict:
+    """``upgrade_flow`` on the task runner its settings name (what the CLI, the deployments and
+    the triggers call)."""
+    flow_with_runner = upgrade_flow.with_options(task_runner=runner_for(params.gallery.upgrade))
+    return flow_with_runner(params, store_uri, to_uri, budget=budget, break_lock=break_lock, gate=gate)
+
+
+def runner_for(settings):
+    """The task runner of an upgrade's chunks, from gallery.upgrade: threads (one more than the
+    chunks in flight, for the bookkeeping), or Dask (an existing cluster at ``dask_address``, or
+    a local one of ``max_concurrency`` single-threaded workers). Every entry point uses it."""
+    if settings.task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if settings.dask_address:
+            return DaskTaskRunner(address=settings.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": settings.max_concurrency, "threads_per_worker": 1})
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=settings.max_concurrency + 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The steps
+
+
+def _target(params: Params, gallery: Gallery, to_uri: str):
+    """(champion, the new model's ref and loaded model, the unfinished upgrade to start from or
+    None). A new model that arrives while an upgrade is unfinished starts a sequential upgrade."""
+    champion = gallery.model
+    client, _ = registry.setup(params.mlflow)
+    new = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    if (new.name, new.version) == (champion.name, champion.version):
+        raise GalleryError(f"the gallery at {gallery.store.uri} is already built with {new.uri}; nothing to upgrade")
+    base = None
+    current = gallery.manifest().get("upgrade")
+    if current:
+        plan = pl.load_plan(gallery.store, current)
+        if plan is not None and (plan.new.name, plan.new.version) != (new.name, new.version):
+            base = plan
+            log(f"{gallery.store.uri} is in the middle of upgrade {current} to {plan.new.uri}: {new.uri} starts a "
+                "sequential upgrade from the gallery as it stands")
+    new_model = load_model(params.mlflow, new)
+    return champion, ModelRef(new.name, new.version, new_model.embedding_dim), new_model, base
+
+
+def _refuse_rejected(store, uid: str) -> None:
+    rejected = upgrade_rejection(store, uid)
+    if rejected is not None:
+        raise GalleryError(f"upgrade {uid} was rejected by the promotion gate on {rejected['rejected']} "
+                           f"({'; '.join(rejected.get('reasons', []))}); register a better version")
+
+
+def _resume(gallery: Gallery, uid: str) -> pl.Plan | None:
+    """The upgrade's plan if it was made before (the gallery pointed at it again if a crash came
+    between the plan and that switch), else None."""
+    plan = pl.load_plan(gallery.store, uid)
+    if plan is not None:
+        log(f"resuming upgrade {uid}")
+        if gallery.manifest(refresh=True).get("upgrade") != uid:
+            gallery.write_manifest({**gallery.manifest(), "upgrade": uid})
+    return plan
+
+
+def _alignment_map(params: Params, pairs, new_model, old: ModelRef, new: ModelRef, run_id: str):
+    """(map, its URI, the backfill order): the registry's map for this pair of versions with the
+    order its tags allow, or a map trained now."""
+    config = params.gallery.upgrade
+    client, _ = registry.setup(params.mlflow)
+    chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version),
+                        config.order)
+    if chosen is None:
+        return (*train_upgrade_map(params, pairs, new_model, old, new, run_id), config.order)
+    map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
+    log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})")
+    order, why = registered_map_order(chosen.tags, config.order)
+    if why:
+        log(f"{map_uri} is {why}")
+    return registry.load_model(map_uri).eval(), map_uri, order
+
+
+def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
+          old_model, new_model, base: pl.Plan | None = None) -> pl.Plan:
+    """Map (checked), transformed features and sigma, order, evaluation sample; plan.json last.
+    With ``base`` (an unfinished upgrade to ``old``), a sequential upgrade: the map applies to the
+    gallery as that upgrade left it, so items still on the gallery's model go through both maps."""
+    config = params.gallery.upgrade
+    run_id = open_upgrade_run(params, plan_fields(config, uid, old.uri, new.uri, base.id if base else None), store_uri)
+    pairs = training_pairs(params, old_model, new_model)
+    alignment_map, map_uri, order_kind = _alignment_map(params, pairs, new_model, old, new, run_id)
+    alignment_map, map_uri, order_kind = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
+                                                           run_id, order_kind)
+    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
+    if base is not None:
+        write_sources(store_uri, uid, base)
+        log(f"sequential upgrade: starting from {base.id} as it stands ({len(bf.done_chunks(gallery.store, base.id))}"
+            f"/{base.num_chunks} chunks on {base.new.uri}, the rest through its map), then {map_uri}")
+    futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None) for p in range(gallery.num_parts)]
+    for future in futures:
+        future.result()
+    order = pl.make_order(gallery, uid, order_kind, config.seed)
+    positions = pl.eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
+                               config.seed)
+    sampled = len(positions) >= 2
+    queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size) if sampled else None
+    plan = pl.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
+                   len(positions) if sampled else 0, params.gallery.distance, run_id, base=base.id if base else None)
+    pl.commit_plan(gallery, plan, order, positions, queries)
+    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
+        f"{new.uri} against the mixed gallery")
+    return plan
+
+
+def progress_key(store_uri: str, upgrade_id: str) -> str:
+    """The Prefect progress artifact of one gallery's upgrade (lowercase, digits and dashes)."""
+    import hashlib
+
+    slug = "".join(c if c.isalnum() else "-" for c in upgrade_id.lower())[:80]
+    return f"backfill-{slug}-{hashlib.sha1(store_uri.encode()).hexdigest()[:8]}"
+
+
+def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, new_model, budget) -> dict:
+    """Run the chunks the budget allows, ``max_concurrency`` at a time, measuring as they land;
+    the bookkeeping is ``lifecycle.Backfill``'s."""
+    config = params.gallery.upgrade
+    state = Backfill(plan, set(bf.done_chunks(gallery.store, plan.id)), budget_items(budget, plan.num_items),
+                     config.max_concurrency)
+    log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already done; {len(state.pending)} to go"
+        + (f", budget {state.limit} items" if state.limit < plan.num_items else ""))
+    tracker = UpgradeProgress(params, store_uri, plan, meter_for(gallery, plan, sorted(state.done)),
+                              progress_key(store_uri, plan.id))
+    tracker.measure(state.done)
+    in_flight: dict = {}
+    ok = False
+
+    def start() -> None:
+        for chunk in state.to_start():
+            in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
+
+    try:
+        start()
+        while in_flight:
+            future = next(as_completed(list(in_flight)))
+            chunk = in_flight.pop(future)
+            try:
+                record = future.result()
+            except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
+                state.failed(chunk, error)
+                continue
+            state.landed(chunk, record["count"])
+            start()  # the next chunk starts before this one's bookkeeping
+            if tracker.meter is not None:
+                tracker.meter.land(record["start"], record["stop"], bf.chunk_features(gallery.store, plan.id, chunk))
+            tracker.chunk_done(state.done, state.items_done)
+        if state.failure is not None:
+            raise state.failure
+        ok = True
+    finally:
+        tracker.close(ok)
+    return state.summary()
+
+
+def _gate(params: Params, store_uri: str, plan: pl.Plan, champion: ModelRef) -> dict:
+    """Measure the gates, record the decision in MLflow, and either switch the gallery and move
+    champion, or reject: the gallery keeps serving the champion's features."""
+    numbers = evaluate_gate(store_uri, plan, params.promotion)
+    passed, reasons = decide(numbers, params.promotion)
+    log(gate_message(numbers, passed, reasons, plan.new.uri, champion.uri))
+    if passed:
+        finish_upgrade(store_uri, plan)
+    else:
+        reject_upgrade(store_uri, plan, {"reasons": reasons, "numbers": numbers})
+    record_decision(params.mlflow, plan, decision_tags(passed, reasons, numbers, champion.version, plan.id),
+                    promote=passed)
+    if plan.mlflow_run_id:
+        client, _ = registry.setup(params.mlflow)
+        registry.log_series(client, plan.mlflow_run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
+        registry.log_metrics(client, plan.mlflow_run_id, {f"gate.{k}": numbers[k] for k in
+                             ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
+    return {"passed": passed, "reasons": reasons, "numbers": numbers}
