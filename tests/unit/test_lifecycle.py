@@ -1,12 +1,16 @@
-"""The upgrade's decisions (components.gallery.lifecycle): the budget, the map choice, and the
-chunk scheduler's bookkeeping."""
+"""The upgrade's decisions (components.gallery.lifecycle): the budget, the map and its order,
+whether the map fits, and the chunk scheduler's bookkeeping."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from components.gallery import plan as pl
-from components.gallery.lifecycle import Backfill, budget_items, choose_map, done_prefix
+from components.gallery.catalog import GalleryError
+from components.gallery.lifecycle import (
+    Backfill, budget_items, check_map_fits, choose_map, done_prefix, plan_fields, registered_map_order,
+)
+from components.platform.config import UpgradeConfig
 from components.platform.registry import ModelRef
 
 OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
@@ -31,6 +35,29 @@ def test_choose_map_prefers_a_map_with_sigma_for_the_sigma_order():
     assert choose_map([fct, fastfill], "sigma") is fastfill
     assert choose_map([fct, fastfill], "random") is fct
     assert choose_map([fct], "sigma") is fct and choose_map([], "sigma") is None
+
+
+def test_registered_map_order_follows_the_fallback_tag():
+    assert registered_map_order({"method": "fastfill"}, "sigma") == ("sigma", None)
+    order, why = registered_map_order({"method": "fastfill", "fallback_order": "random"}, "sigma")
+    assert order == "random" and "fallback_order: random" in why
+    assert registered_map_order({"fallback_order": "random"}, "random") == ("random", None)
+
+
+def test_check_map_fits_names_what_does_not_fit():
+    with_head = SimpleNamespace(uncertainty=object(), old_dim=4, new_dim=6)
+    check_map_fits(with_head, "models:/m/1", "sigma", 4, 6, NEW.uri)
+    with pytest.raises(GalleryError, match="no uncertainty head.*order: random"):
+        check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", "sigma", 4, 6, NEW.uri)
+    check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", "random", 4, 6, NEW.uri)
+    with pytest.raises(GalleryError, match=r"maps 4 -> 6 dimensions.*8-d"):
+        check_map_fits(with_head, "models:/m/1", "sigma", 4, 8, NEW.uri)
+
+
+def test_plan_fields_record_the_models_and_settings():
+    fields = plan_fields(UpgradeConfig(), "u", OLD.uri, NEW.uri, None)
+    assert fields["old"] == OLD.uri and fields["new"] == NEW.uri and fields["base"] is None
+    assert fields["order"] == UpgradeConfig().order and fields["chunk_size"] == UpgradeConfig().chunk_size
 
 
 def test_backfill_keeps_concurrency_budget_and_stops_after_a_failure():

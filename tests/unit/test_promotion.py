@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from components.platform.config import PromotionConfig
-from components.gallery.promotion import decide, decision_tags, measure_gate, top1_correct
+from components.gallery.promotion import decide, decision_tags, gate_message, measure_gate, top1_correct
 
 
 def _clusters(n_per: int = 5, classes: int = 3, noise: float = 0.1, seed: int = 0):
@@ -58,6 +58,8 @@ def test_a_worse_challenger_is_rejected_with_every_reason():
     tags = decision_tags(passed, reasons, numbers, "3", "embedder-v3-to-embedder-v4")
     assert tags["promotion"] == "rejected" and "negative flip rate" in tags["promotion.reason"]
     assert tags["promotion.fraction_to_gain"] == "never" and tags["promotion.champion_version"] == "3"
+    line = gate_message(numbers, passed, reasons, "models:/e/4", "models:/e/3")
+    assert "REJECTED" in line and "gain reached at never" in line and reasons[0] in line
 
 
 def test_late_gain_fails_the_fraction_gate():
