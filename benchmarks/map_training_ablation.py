@@ -31,7 +31,8 @@ from components.experiment.map_check import SideOutputs, curve_numbers, referenc
 from components.experiment.map_validation import ValidationPairs  # noqa: E402
 from components.experiment.models import load_embedder, save_embedder  # noqa: E402
 from components.experiment.inference import apply_alignment, embed
-from components.experiment.training import TrainingRun, split_pairs, train_alignment, train_embedder  # noqa: E402
+from components.experiment.map_training import split_pairs, train_alignment  # noqa: E402
+from components.experiment.training import TrainingRun, train_embedder  # noqa: E402
 
 VARIANTS = {
     "joint, 20 epochs (before)": {"uncertainty_weighting": "joint", "min_steps": 0},

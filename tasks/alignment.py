@@ -15,9 +15,8 @@ from components.platform.layout import Layout, load_array, save_array, write_jso
 from components.experiment.map_check import check_map, fallback_map, held_out, is_reference, reference_config
 from components.experiment.models import load_alignment, load_embedder, save_alignment
 from components.experiment.inference import apply_alignment, apply_unified, pick_device
-from components.experiment.training import (
-    _run_key, discard_checkpoint, train_alignment, train_unified, true_alignment_loss,
-)
+from components.experiment.map_training import train_alignment, train_unified, true_alignment_loss
+from components.experiment.training import discard_checkpoint, run_key
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
@@ -44,7 +43,7 @@ def _reference_path(config: AlignConfig, old: np.ndarray, new: np.ndarray, rows:
     """Where the l2-only reference of ``config`` trained on these pairs is kept: FCT's stage
     leaves its map there and every other map's check reuses it (training is seeded, so it is
     the same map either way). Not a stage output."""
-    key = hashlib.md5(_run_key(reference_config(config), old, new, rows).encode()).hexdigest()[:16]
+    key = hashlib.md5(run_key(reference_config(config), old, new, rows).encode()).hexdigest()[:16]
     return layout.paths.artifacts / "reference-maps" / f"{key}.pt"
 
 

@@ -72,7 +72,7 @@ def train_upgrade_map(params: Params, pairs: tuple | None, new_model, old: Model
     register it."""
     from components.platform.layout import Layout
     from components.experiment.inference import pick_device
-    from components.experiment.training import train_alignment
+    from components.experiment.map_training import train_alignment
 
     method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]
@@ -108,7 +108,7 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
     map's version and the upgrade's run. Raises MapCheckError under ``check: fail``."""
     from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_map, held_out, reference_config
     from components.experiment.inference import pick_device
-    from components.experiment.training import train_alignment
+    from components.experiment.map_training import train_alignment
 
     method = params.gallery.upgrade.method
     config: AlignConfig = params.align[method]

@@ -271,7 +271,7 @@ def fallback_map(method: str, config: AlignConfig, reference, pairs: tuple, held
     training ``pairs`` (old, new, class rows), kept only if ``judge_order`` shows its sigma order
     to be at least as good as random on the ``held`` out pairs. Returns (map, its configuration,
     the order decision or None when the method has no sigma order)."""
-    from components.experiment.training import fit_uncertainty_head
+    from components.experiment.map_training import fit_uncertainty_head
 
     used = fallback_config(config)
     if not used.uncertainty:

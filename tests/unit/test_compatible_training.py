@@ -9,7 +9,8 @@ from components.experiment.compatibility import BCTInfluence, RACTCompatibility,
 from components.platform.config import AlignConfig, TrainConfig
 from components.experiment.data import Split
 from components.experiment.inference import embed
-from components.experiment.training import TrainingRun, train_alignment, train_embedder, train_unified
+from components.experiment.map_training import train_alignment, train_unified
+from components.experiment.training import TrainingRun, train_embedder
 
 CLASSES = 4
 

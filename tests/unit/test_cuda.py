@@ -7,7 +7,7 @@ import torch
 
 from components.experiment.inference import apply_alignment, embed
 from components.experiment.models import AlignmentMap, Embedder
-from components.experiment.training import train_alignment
+from components.experiment.map_training import train_alignment
 from components.platform.config import AlignConfig, TrainConfig
 
 pytestmark = [pytest.mark.gpu,

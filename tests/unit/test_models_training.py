@@ -8,7 +8,8 @@ from components.experiment.models import (
     AlignmentMap, Embedder, load_alignment, load_embedder, save_alignment, save_embedder,
 )
 from components.experiment.inference import apply_alignment, embed
-from components.experiment.training import TrainingRun, train_alignment, train_embedder, true_alignment_loss
+from components.experiment.map_training import train_alignment, true_alignment_loss
+from components.experiment.training import TrainingRun, train_embedder
 from tests.synthetic import class_image
 
 CPU = torch.device("cpu")

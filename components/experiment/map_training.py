@@ -1,0 +1,331 @@
+"""Training alignment maps: the feature-pair loop of FCT, FastFill (with its uncertainty head)
+and the unified maps, their held-out validation, and the uncertainty head fitted on a fixed map.
+Checkpoints and seeding are ``training``'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from components.experiment.inference import pick_device
+from components.experiment.losses import (
+    alignment_loss, classification_per_sample, l2_per_sample, uncertainty_weighted, unified_loss,
+)
+from components.experiment.models import AlignmentMap, UnifiedMaps
+from components.experiment.training import (
+    Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
+)
+from components.platform.config import AlignConfig
+
+
+def _set_batchnorm_eval(module: nn.Module) -> None:
+    for child in module.modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            child.eval()
+
+
+def _check_same_images(old_features: np.ndarray, new_features: np.ndarray, class_rows: np.ndarray) -> None:
+    if len(old_features) != len(new_features) or len(old_features) != len(class_rows):
+        raise ValueError(
+            f"old features ({len(old_features)}), new features ({len(new_features)}) and labels "
+            f"({len(class_rows)}) must describe the same images"
+        )
+
+
+def feature_schedule(config: AlignConfig, num_items: int) -> dict[str, int]:
+    """Epochs, steps and warm-up of a map trained on ``num_items`` pairs: ``config.epochs``, or
+    more when that would be fewer than ``config.min_steps`` optimiser steps (small data), with
+    the warm-up and the validations kept at the same fractions of the run."""
+    steps_per_epoch = math.ceil(num_items / config.batch_size)
+    epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
+    total = steps_per_epoch * epochs
+    return {"steps_per_epoch": steps_per_epoch, "epochs": epochs, "total_steps": total,
+            "warmup_steps": round(total * config.warmup_epochs / config.epochs),
+            "validate_every": max(1, epochs // config.epochs)}
+
+
+Validate = Callable[[], dict[str, float]]
+
+
+def _score(record: dict) -> float:
+    """What picks the best epoch: retrieval at 0% backfill on the held-out pairs."""
+    return 0.5 * (record["val_top1"] + record["val_map"])
+
+
+def _train_on_features(
+    module: nn.Module,
+    config: AlignConfig,
+    num_items: int,
+    generator: torch.Generator,
+    key: str,
+    batch_loss: Callable[[torch.Tensor, bool], dict[str, torch.Tensor | None]],
+    terms: tuple[str, ...],
+    describe: Callable[[dict], str],
+    *,
+    device: torch.device,
+    checkpoint: Path | None,
+    log: Log,
+    on_epoch: Progress | None,
+    validate: Validate | None = None,
+) -> list[dict]:
+    """The loop shared by maps trained on stored features: Adam with warm-up + cosine over
+    ``feature_schedule``'s steps, BatchNorm statistics frozen for the second half (as the
+    reference does), per-epoch checkpoints and resume. ``batch_loss(index, warm)`` returns
+    ``{"loss": total, term: value or None}`` (``warm``: inside the uncertainty warm-up); the
+    history holds each term's per-item epoch mean (0 for a term that is None). With
+    ``validate``, the held-out pairs are measured every ``validate_every`` epochs and at the
+    end, and the module ends with the weights of the best validation."""
+    # Tiny gradients (the joint uncertainty loss divides them by ~lambda L) reach denormal
+    # floats in Adam's state; on CPU those run many times slower. Flushing them changes nothing
+    # that a float32 result can show.
+    torch.set_flush_denormal(True)
+    plan = feature_schedule(config, num_items)
+    epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
+    optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
+    history, start_epoch, step, best = [], 0, 0, None
+    state = resume_checkpoint(checkpoint, key, module, optimizer, scheduler, generator, log)
+    if state is not None:
+        history, start_epoch, step, best = state["history"], state["epoch"], state.get("step", 0), state.get("best")
+    if start_epoch == 0 and epochs > config.epochs:
+        log(f"{num_items} training pairs make {plan['steps_per_epoch']} steps an epoch: training {epochs} epochs "
+            f"to reach min_steps {config.min_steps}")
+
+    for epoch in range(start_epoch, epochs):
+        module.train()
+        if epoch >= epochs // 2:
+            _set_batchnorm_eval(module)
+        permutation = torch.randperm(num_items, generator=generator).to(device)
+        sums = dict.fromkeys(("loss", *terms), 0.0)
+        for start in range(0, num_items, config.batch_size):
+            index = permutation[start: start + config.batch_size]
+            if len(index) < 2:
+                continue  # BatchNorm cannot train on one sample
+            parts = batch_loss(index, step < warm_steps)
+            optimizer.zero_grad(set_to_none=True)
+            parts["loss"].backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            for name, value in parts.items():
+                if value is not None:
+                    sums[name] += value.item() * len(index)
+        record = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
+        if validate is not None and ((epoch + 1) % plan["validate_every"] == 0 or epoch + 1 == epochs):
+            module.eval()
+            record.update(validate())
+            if best is None or _score(record) > best["score"]:
+                best = {"score": _score(record), "epoch": epoch + 1,
+                        "state": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}}
+        history.append(record)
+        if "val_top1" in record or epochs <= 100 or (epoch + 1) % 10 == 0:
+            log(f"epoch {epoch + 1}/{epochs}: {describe(record)}")
+        save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1, step=step, best=best)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, epochs)
+    if best is not None:
+        module.load_state_dict(best["state"])
+        for record in history:
+            record["best"] = record["epoch"] == best["epoch"]
+        log(f"kept the weights of epoch {best['epoch']}/{epochs}, best on the held-out pairs "
+            f"(top-1 {100 * history[best['epoch'] - 1]['val_top1']:.2f}, "
+            f"mAP {100 * history[best['epoch'] - 1]['val_map']:.2f} at 0% backfill)")
+    module.eval()
+    return history
+
+
+def _describe_validation(record: dict) -> str:
+    if "val_top1" not in record:
+        return ""
+    return (f"; held out: l2 {record['val_l2']:.4f}, disc {record['val_disc']:.4f}, top-1 "
+            f"{100 * record['val_top1']:.2f}, mAP {100 * record['val_map']:.2f}")
+
+
+def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """The map's training and held-out pairs (see components.experiment.map_validation)."""
+    from components.experiment.map_validation import validation_split
+
+    key = f"align.{method}.validation_fraction" if method else "validation_fraction"
+    return validation_split(num_pairs, config.validation_fraction, config.seed, key=key)
+
+
+def train_alignment(
+    config: AlignConfig,
+    old_features: np.ndarray,
+    new_features: np.ndarray,
+    class_rows: np.ndarray,
+    new_classifier: nn.Module,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    log: Log = print,
+    on_epoch: Progress | None = None,
+    method: str = "",
+) -> tuple[AlignmentMap, list[dict]]:
+    """Train h (and psi) on stored features; ``class_rows`` index kappa_new's rows. A seeded
+    ``config.validation_fraction`` of the pairs is held out: measured every epoch, and the best
+    epoch's weights are kept."""
+    _check_same_images(old_features, new_features, class_rows)
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    train_index, _ = split_pairs(config, len(old_features), method)
+    h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1]).to(device)
+    classifier = new_classifier.to(device).eval().requires_grad_(False)
+    old = torch.from_numpy(old_features[train_index]).to(device)
+    new = torch.from_numpy(new_features[train_index]).to(device)
+    rows = torch.from_numpy(class_rows[train_index]).to(device)
+
+    def batch_loss(index: torch.Tensor, warm: bool) -> dict:
+        transformed = h(old[index])
+        # psi's own term reaches h through psi's input in every weighting: that is what makes the
+        # transformed features carry the uncertainty (detaching the input leaves sigma near random)
+        log_sigma2 = h.log_sigma2(transformed) if config.uncertainty else None
+        parts = alignment_loss(
+            transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
+            classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
+            log_sigma2=log_sigma2, lam=config.uncertainty_lambda, weighting=config.uncertainty_weighting, warm=warm,
+        )
+        return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
+
+    from components.experiment.map_validation import held_out
+
+    pairs = held_out(config, old_features, new_features, class_rows, method)
+    validate = None if pairs is None else functools.partial(validation_record, config, h, pairs, classifier, device)
+
+    history = _train_on_features(
+        h, config, len(train_index), generator, run_key(config, old_features, new_features, class_rows), batch_loss,
+        ("l2", "disc", "log_sigma2"),
+        lambda r: (f"loss {r['loss']:.4f} (l2 {r['l2']:.4f}, disc {r['disc']:.4f}, "
+                   f"mean log sigma^2 {r['log_sigma2']:.3f})" + _describe_validation(r)),
+        device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch, validate=validate)
+    return h, history
+
+
+@torch.no_grad()
+def validation_record(config: AlignConfig, h: AlignmentMap, pairs, classifier: nn.Module,
+                      device: torch.device) -> dict[str, float]:
+    """l2 and disc (per-item means, the map's own reduction) and retrieval at 0% backfill on
+    held-out pairs."""
+    from components.experiment.map_validation import retrieval_at_zero
+
+    transformed = h(torch.from_numpy(pairs.old).to(device))
+    new = torch.from_numpy(pairs.new).to(device)
+    rows = torch.from_numpy(pairs.rows).to(device)
+    l2 = l2_per_sample(new, transformed, config.l2_reduction).mean().item()
+    disc = classification_per_sample(classifier(transformed), rows, config.disc_label_smoothing).mean().item()
+    retrieval = retrieval_at_zero(transformed.cpu().numpy(), pairs.new, pairs.rows)
+    return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
+
+
+def train_unified(
+    config: AlignConfig,
+    old_features: np.ndarray,
+    new_features: np.ndarray,
+    class_rows: np.ndarray,
+    num_classes: int,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    log: Log = print,
+    on_epoch: Progress | None = None,
+    method: str = "",
+) -> tuple[UnifiedMaps, list[dict]]:
+    """The unified space: T_q (new side) and T_g (old side) of ``config.rbt_blocks`` RBT blocks
+    each and a shared classifier, trained with similarity + dual classification + 0.25 KL.
+    Held-out pairs as in ``train_alignment`` (retrieval: T_q(new) against T_g(old))."""
+    _check_same_images(old_features, new_features, class_rows)
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    train_index, _ = split_pairs(config, len(old_features), method)
+    maps = UnifiedMaps(old_features.shape[1], new_features.shape[1], num_classes, config.rbt_blocks).to(device)
+    old = torch.from_numpy(old_features[train_index]).to(device)
+    new = torch.from_numpy(new_features[train_index]).to(device)
+    rows = torch.from_numpy(class_rows[train_index]).to(device)
+
+    def batch_loss(index: torch.Tensor, warm: bool) -> dict:
+        parts = unified_loss(maps.query(new[index]), maps.gallery(old[index]), maps.classifier, rows[index],
+                             label_smoothing=config.disc_label_smoothing)
+        return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
+                "kl": parts.kl}
+
+    from components.experiment.map_validation import held_out
+
+    pairs = held_out(config, old_features, new_features, class_rows, method)
+    validate = None if pairs is None else functools.partial(unified_validation_record, config, maps, pairs, device)
+
+    history = _train_on_features(
+        maps, config, len(train_index), generator,
+        run_key(config, old_features, new_features, class_rows) + "unified", batch_loss,
+        ("similarity", "classification", "kl"),
+        lambda r: (f"loss {r['loss']:.4f} (similarity {r['similarity']:.4f}, "
+                   f"classification {r['classification']:.4f}, kl {r['kl']:.4f})" + _describe_validation(r)),
+        device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch, validate=validate)
+    return maps, history
+
+
+@torch.no_grad()
+def unified_validation_record(config: AlignConfig, maps: UnifiedMaps, pairs, device: torch.device) -> dict[str, float]:
+    """A unified space on held-out pairs: l2 between T_q(new) and T_g(old), disc of T_g(old),
+    and retrieval at 0% backfill (queries T_q(new), gallery T_g(old))."""
+    from components.experiment.map_validation import retrieval_at_zero
+
+    query = maps.query(torch.from_numpy(pairs.new).to(device))
+    gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))
+    l2 = l2_per_sample(query, gallery, "sum").mean().item()
+    disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(pairs.rows).to(device),
+                                     config.disc_label_smoothing).mean().item()
+    retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), pairs.rows)
+    return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
+
+
+@torch.no_grad()
+def true_alignment_loss(config: AlignConfig, transformed: np.ndarray, new_features: np.ndarray,
+                        class_rows: np.ndarray, new_classifier: nn.Module) -> np.ndarray:
+    """The per-item loss the map was trained on (l2 and/or disc, unweighted), measured with the
+    new features: what the oracle order sorts by. Needs phi_new, so analysis only."""
+    transformed_t = torch.from_numpy(transformed)
+    new_classifier = new_classifier.cpu().eval()
+    per_item = torch.zeros(len(transformed))
+    if config.l2:
+        per_item += l2_per_sample(torch.from_numpy(new_features), transformed_t, config.l2_reduction)
+    known = torch.from_numpy(class_rows) >= 0  # classes the new model never saw have no disc term
+    if config.disc and known.any():
+        per_item[known] += classification_per_sample(new_classifier(transformed_t[known]),
+                                                     torch.from_numpy(class_rows)[known], config.disc_label_smoothing)
+    return per_item.numpy().astype(np.float32)
+
+
+def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.ndarray, new_features: np.ndarray,
+                         class_rows: np.ndarray, new_classifier: nn.Module, *, steps: int = 500,
+                         device: torch.device | None = None) -> AlignmentMap:
+    """A copy of an l2-only map ``h`` with an uncertainty head psi fitted on its frozen outputs
+    to the loss terms of ``config`` (what a fallback map orders by). The map is unchanged."""
+    device = device or pick_device()
+    generator = seed_everything(config.seed)
+    fitted = AlignmentMap(h.old_dim, h.new_dim, [], uncertainty=True).to(device)
+    fitted.transform = copy.deepcopy(h.transform).to(device).eval().requires_grad_(False)
+    train_index, _ = split_pairs(config, len(old_features))
+    with torch.no_grad():
+        transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
+    per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
+                                                    class_rows[train_index], new_classifier)).to(device)
+    optimizer = torch.optim.Adam(fitted.uncertainty.parameters(), lr=1e-2)
+    batch = min(1024, len(transformed))
+    for _ in range(steps):
+        index = torch.randint(0, len(transformed), (batch,), generator=generator).to(device)
+        loss = uncertainty_weighted(per_item[index], fitted.log_sigma2(transformed[index]),
+                                    config.uncertainty_lambda).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return fitted.eval()
