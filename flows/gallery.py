@@ -71,3 +71,64 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
                              params.gallery.part_size)
     log(f"gallery at {store.uri}: {manifest['num_items']} items in {manifest['num_parts']} parts, model {ref.uri}")
     return manifest
+
+
+@flow(name="gallery-adopt", log_prints=True)
+def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = "", root: str | None = None,
+               features: list[Path] | None = None, features_column: str = "features",
+               image_shape: tuple[int, int, int] | None = None) -> dict:
+    """Adopt a gallery where it is (components.gallery.adopt): the manifest file's items, the
+    current features of ``model_uri`` (default: the champion) from ``.npy`` shards or a Parquet
+    column, or, without ``features``, the model's features of the images read by URI."""
+    from components.gallery.adopt import adopt, npy_rows, parquet_rows, read_manifest
+    from components.gallery.images import read_images
+
+    store = store_at(store_uri)
+    store.check()
+    table = read_manifest(manifest)
+    if root is None:
+        root = str(Path(manifest).resolve().parent)  # relative URIs: beside the manifest
+    elif not root.startswith("s3://"):
+        root = str(Path(root.removeprefix("file://")).resolve())
+    model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
+    ref = _resolve(params, model_uri)
+    shape = tuple(image_shape) if image_shape else registry.input_shape(ref.uri)
+    if not shape or len(shape) != 3:
+        raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
+    config = params.gallery.upgrade
+    model = None
+    if features:
+        first = Path(features[0])
+        rows = (parquet_rows(first, features_column) if first.suffix.lower() == ".parquet"
+                else npy_rows([Path(p) for p in features]))
+        dim = ref.dim or None
+        if dim is None:
+            model = load_model(params.mlflow, ref)
+            dim = model.embedding_dim
+        ref = ModelRef(ref.name, ref.version, dim)
+        embed_part = None
+        log(f"adopting {table.num_rows} items from {manifest} with the features of {ref.uri} in {len(features)} "
+            f"file(s); the images stay where they are")
+    else:
+        model = load_model(params.mlflow, ref)
+        ref, rows = ModelRef(ref.name, ref.version, model.embedding_dim), None
+
+        def embed_part(uris: list[str]) -> np.ndarray:
+            images, failures = read_images(uris, shape, root=root, workers=config.read_workers)
+            if failures:
+                first = failures[0]
+                raise GalleryError(f"{len(failures)} of {len(uris)} images of a part could not be read (first: "
+                                   f"{first.uri}: {first.reason}); fix them or leave them out of the manifest")
+            return embed_images(model, images, config.batch_size)
+
+        log(f"adopting {table.num_rows} items from {manifest}: embedding their images with {ref.uri} "
+            f"({config.read_workers} reads at a time); the images stay where they are")
+
+    def on_part(done: int, total: int) -> None:
+        log(f"adopt: part {done}/{total} written")
+
+    result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
+                   part_size=params.gallery.part_size, on_part=on_part)
+    log(f"gallery at {store.uri}: {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
+        f"images read by URI{f' under {root}' if root else ''}")
+    return result

@@ -6,14 +6,15 @@ mixed gallery throughout."""
 
 from __future__ import annotations
 
+import numpy as np
 from prefect import flow
 from prefect.futures import as_completed
 
 from components.gallery import backfill as bf, plan as pl
 from components.gallery.upgrade import rejection as upgrade_rejection
-from components.gallery.catalog import Gallery, GalleryError, gather_images
+from components.gallery.catalog import Gallery, GalleryError, fetch_images
 from components.gallery.lifecycle import (
-    Backfill, budget_items, check_map_fits, choose_map, plan_fields, registered_map_order,
+    Backfill, budget_items, check_map_fits, choose_map, failure_limit, plan_fields, registered_map_order,
 )
 from components.gallery.lock import acquire_lock
 from components.gallery.measure import meter_for
@@ -174,8 +175,15 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     order = pl.make_order(gallery, uid, order_kind, config.seed)
     positions = pl.eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
                                config.seed)
+    images, failures = fetch_images(gallery, positions, workers=config.read_workers)
+    if failures:
+        log(f"evaluation sample: {len(failures)} of {len(positions)} images could not be read and are left out "
+            f"(first: {failures[0].uri}: {failures[0].reason})")
+        keep = np.ones(len(positions), dtype=bool)
+        keep[[f.row for f in failures]] = False
+        positions, images = positions[keep], images[keep]
     sampled = len(positions) >= 2
-    queries = embed_images(new_model, gather_images(gallery, positions), config.batch_size) if sampled else None
+    queries = embed_images(new_model, images, config.batch_size) if sampled else None
     plan = pl.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
                    len(positions) if sampled else 0, params.gallery.distance, run_id, base=base.id if base else None)
     pl.commit_plan(gallery, plan, order, positions, queries)
@@ -197,7 +205,9 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     the bookkeeping is ``lifecycle.Backfill``'s."""
     config = params.gallery.upgrade
     state = Backfill(plan, set(bf.done_chunks(gallery.store, plan.id)), budget_items(budget, plan.num_items),
-                     config.max_concurrency)
+                     config.max_concurrency, failure_limit(config.max_failed_images, plan.num_items))
+    if gallery.adopted:
+        state.failed_images = bf.failed_images(gallery.store, plan.id)
     log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already done; {len(state.pending)} to go"
         + (f", budget {state.limit} items" if state.limit < plan.num_items else ""))
     tracker = UpgradeProgress(params, store_uri, plan, meter_for(gallery, plan, sorted(state.done)),
@@ -208,7 +218,8 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
 
     def start() -> None:
         for chunk in state.to_start():
-            in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size)] = chunk
+            in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size,
+                                            config.read_workers)] = chunk
 
     try:
         start()
@@ -220,7 +231,9 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
             except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
                 state.failed(chunk, error)
                 continue
-            state.landed(chunk, record["count"])
+            state.landed(chunk, record["count"], record.get("failed", []))
+            for entry in record.get("failed", []):
+                log(f"chunk {chunk}: item {entry['id']} keeps its transformed features: {entry['uri']}: {entry['reason']}")
             start()  # the next chunk starts before this one's bookkeeping
             if tracker.meter is not None:
                 tracker.meter.land(record["start"], record["stop"], bf.chunk_features(gallery.store, plan.id, chunk))

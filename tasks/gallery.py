@@ -171,9 +171,10 @@ def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, se
 
 
 @task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
-def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int) -> dict:
+def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int, read_workers: int = 16) -> dict:
     """Read the chunk's images, embed them with the new model, write features, then the marker."""
-    return bf.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size)
+    return bf.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size,
+                             read_workers=read_workers)
 
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)

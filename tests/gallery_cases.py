@@ -16,7 +16,8 @@ from components.platform.config import TrainConfig
 from components.gallery import lock as locking
 from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.catalog import IMAGE_CACHE
-from components.gallery.catalog import Gallery, GalleryError, ingest
+from components.gallery.adopt import adopt
+from components.gallery.catalog import Gallery, GalleryError, fetch_images, ingest
 from components.platform.registry import ModelRef
 from components.gallery.search import GallerySearch
 from components.gallery.store import (
@@ -248,6 +249,81 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
         searcher.search(bad)
 
 
+def _originals(store_uri: str) -> str:
+    """Where an adopted gallery's images live: beside the store (a folder, or the same bucket)."""
+    if store_uri.startswith("s3://"):
+        return f"s3://{store_uri[5:].split('/')[0]}/originals"
+    return str(os.path.join(os.path.dirname(store_uri.rstrip("/")), "originals"))
+
+
+def _put_original(root: str, name: str, data: bytes) -> None:
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[5:].partition("/")
+        boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    else:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, name), "wb") as out:
+            out.write(data)
+
+
+def _remove_original(root: str, name: str) -> None:
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[5:].partition("/")
+        boto3.client("s3").delete_object(Bucket=bucket, Key=f"{prefix}/{name}")
+    else:
+        os.remove(os.path.join(root, name))
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image[0], mode="L").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models, data):
+    import pyarrow as pa
+
+    old, new, h = models
+    images, labels = data
+    root = _originals(store_uri)
+    for i in range(N):
+        _put_original(root, f"img-{i:05d}.png", _png(images[i]))
+    table = pa.table({"id": np.arange(N) + 500, "uri": [f"img-{i:05d}.png" for i in range(N)], "label": labels})
+    features = embed(old, images)
+    adopt(open_store(store_uri), table, OLD, (1, 8, 8), root=root, features=iter([features[:20], features[20:]]),
+          part_size=10)
+    gallery = Gallery(open_store(store_uri))
+    assert gallery.adopted and gallery.image_root == root and gallery.store.list("images/") == []
+    np.testing.assert_array_equal(gallery.all_features(OLD), features)
+    got, failures = fetch_images(gallery, np.array([3, 40, 0]))
+    assert failures == [] and np.array_equal(got, images[[3, 40, 0]])
+
+    _remove_original(root, "img-00005.png")
+    _put_original(root, "img-00006.png", b"not a png")
+    plan = _plan(gallery, h)
+    for chunk in range(plan.num_chunks):
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+    failed = bf.failed_images(gallery.store, plan.id)
+    assert sorted((f["id"], f["position"], f["reason"].split(":")[0]) for f in failed) == [
+        (505, 5, "missing"), (506, 6, "undecodable")]
+    mixed, backfilled = bf.mixed_features(gallery, plan)
+    transformed, _ = apply_alignment(h, features)
+    np.testing.assert_allclose(mixed[[5, 6]], transformed[[5, 6]], rtol=1e-5, atol=1e-6)  # kept, not a gap
+    others = np.setdiff1d(np.arange(N), [5, 6])
+    np.testing.assert_allclose(mixed[others], embed(new, images)[others], rtol=1e-5, atol=1e-6)
+    state = up.status(gallery)
+    assert state["upgrade"]["failed_images"]["count"] == 2
+    assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {505, 506}
+    record = up.finish(gallery, plan)
+    assert record["failed_images"]["count"] == 2 and gallery.model == NEW
+
+
 STORE_CASES = [
     store_roundtrip_listing_and_create_only,
     checksum_mismatch_is_an_error_naming_the_object,
@@ -256,4 +332,5 @@ STORE_CASES = [
     a_corrupt_image_part_fails_its_chunk_without_a_marker,
     lock_refuses_a_second_upgrade_and_takes_over_a_dead_one,
     search_updates_vectors_by_id_as_chunks_land,
+    adopted_gallery_reads_images_by_uri_and_keeps_failed_items,
 ]

@@ -12,9 +12,11 @@ import uuid
 
 import numpy as np
 
-from components.gallery.catalog import IMAGE_CACHE, Gallery, GalleryError, check_features, gather_images, now
+from components.gallery.catalog import (
+    IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now,
+)
 from components.gallery.plan import (
-    Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, upgrade_key,
+    Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
 )
 from components.gallery.store import ObjectMissing, Store, StoreError
 
@@ -40,9 +42,11 @@ class _PlanCache:
 PLANS = _PlanCache()
 
 
-def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512) -> dict:
+def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
+                   read_workers: int = 16) -> dict:
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
-    marker. A chunk whose marker exists is not redone."""
+    marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
+    (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
     from components.experiment.inference import embed
 
     marker = marker_key(upgrade, chunk)
@@ -54,15 +58,45 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     plan, order = PLANS.get(store, upgrade)
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
-    images = gather_images(Gallery(store), positions, IMAGE_CACHE)
-    features = check_features(embed(model, images, batch_size=batch_size, device=device), plan.new.dim,
-                              f"new-model features of chunk {chunk}")
+    gallery = Gallery(store)
+    images, failures = fetch_images(gallery, positions, IMAGE_CACHE, workers=read_workers)
+    features = np.empty((len(positions), plan.new.dim), dtype=np.float32)
+    ok = np.ones(len(positions), dtype=bool)
+    ok[[f.row for f in failures]] = False
+    if ok.any():
+        features[ok] = check_features(embed(model, images[ok], batch_size=batch_size, device=device), plan.new.dim,
+                                      f"new-model features of chunk {chunk}")
+    failed = []
+    if failures:
+        failed_positions = positions[~ok]
+        features[~ok] = transformed_rows(gallery, upgrade, failed_positions)
+        ids = item_column(gallery, failed_positions, "id")
+        failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
+                  for i, f in enumerate(failures)]
     digest = store.put_array(chunk_key(upgrade, chunk), features)
     record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
-              "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "finished": now(),
-              "seconds": round(time.perf_counter() - started, 4)}
+              "failed": failed, "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+              "finished": now(), "seconds": round(time.perf_counter() - started, 4)}
     store.put_json(marker, record)
     return {**record, "skipped": False}
+
+
+def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
+    """h(old) of the items at ``positions`` (the upgrade's transformed parts), part by part."""
+    parts = positions // gallery.part_size
+    out = None
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        array = gallery.store.get_array(transformed_key(upgrade, int(part)))
+        out = np.empty((len(positions), array.shape[1]), dtype=np.float32) if out is None else out
+        out[rows] = array[positions[rows] - int(part) * gallery.part_size]
+    return out
+
+
+def failed_images(store: Store, upgrade: str) -> list[dict]:
+    """Every item whose image a backfill of ``upgrade`` could not read, from the chunk markers."""
+    return [entry for chunk in done_chunks(store, upgrade)
+            for entry in store.get_json(marker_key(upgrade, chunk)).get("failed", [])]
 
 
 def done_chunks(store: Store, upgrade: str) -> list[int]:

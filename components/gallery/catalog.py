@@ -3,8 +3,10 @@
 Under one prefix::
 
     gallery.json                            manifest: items, parts, image shape, the gallery's model
-    items/part-NNNNN.parquet                item id, image key, optional label and group
-    images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds
+    items/part-NNNNN.parquet                item id, image (key or URI), optional label and group
+    images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds;
+                                            an adopted gallery has none: its images stay where
+                                            they are, read by the URI in the items table
     features/<name>-v<version>/part-NNNNN.npy   features of one model version, written once
     upgrades/lock.json                      held while an upgrade runs
     upgrades/<upgrade-id>/...               see components.gallery.plan
@@ -97,6 +99,15 @@ class Gallery:
         return int(self.manifest()["num_items"])
 
     @property
+    def adopted(self) -> bool:
+        """Images read by URI where they are (``fastfill gallery adopt``), not packed parts."""
+        return self.manifest().get("images", {}).get("source") == "uri"
+
+    @property
+    def image_root(self) -> str | None:
+        return self.manifest().get("images", {}).get("root")
+
+    @property
     def part_size(self) -> int:
         return int(self.manifest()["part_size"])
 
@@ -116,6 +127,9 @@ class Gallery:
 
         return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))
                                  for p in range(self.num_parts)])
+
+    def items_part(self, part: int):
+        return self.store.get_parquet(part_key("items", part, "parquet"))
 
     def ids(self) -> np.ndarray:
         return self.items().column("id").to_numpy().astype(np.int64)
@@ -180,15 +194,47 @@ class ImageCache:
 IMAGE_CACHE = ImageCache()
 
 
-def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE) -> np.ndarray:
-    """The images of items at ``positions`` (any order), read part by part."""
+def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE, *,
+                 workers: int = 16) -> tuple[np.ndarray, list]:
+    """The images of items at ``positions`` (any order) and the failures
+    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts read part by part,
+    or an adopted gallery's images read by URI, ``workers`` at a time."""
     shape = tuple(gallery.manifest()["image_shape"])
+    positions = np.asarray(positions, dtype=np.int64)
+    if gallery.adopted:
+        from components.gallery.images import read_images
+
+        return read_images(item_column(gallery, positions, "image"), shape, root=gallery.image_root,
+                           workers=workers)
     out = np.empty((len(positions), *shape), dtype=np.uint8)
     parts = positions // gallery.part_size
     for part in np.unique(parts):
         rows = np.flatnonzero(parts == part)
         images = cache.get(gallery, int(part))
         out[rows] = images[positions[rows] - int(part) * gallery.part_size]
+    return out, []
+
+
+def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE) -> np.ndarray:
+    """The images of items at ``positions``; a GalleryError if any cannot be read."""
+    images, failures = fetch_images(gallery, positions, cache)
+    if failures:
+        first = failures[0]
+        raise GalleryError(f"{len(failures)} of {len(positions)} images could not be read (first: {first.uri}: "
+                           f"{first.reason})")
+    return images
+
+
+def item_column(gallery: Gallery, positions: np.ndarray, name: str) -> list:
+    """One column of the items table (id, image, label, group) at ``positions``, read part by
+    part."""
+    out: list[str] = [""] * len(positions)
+    parts = positions // gallery.part_size
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        column = gallery.items_part(int(part)).column(name).to_pylist()
+        for row, position in zip(rows, positions[rows] - int(part) * gallery.part_size):
+            out[row] = column[position]
     return out
 
 

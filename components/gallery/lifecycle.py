@@ -17,6 +17,11 @@ from components.gallery.catalog import GalleryError
 from components.gallery.plan import Plan
 
 
+def failure_limit(max_failed: float | int, num_items: int) -> int:
+    """Images that may fail before the upgrade stops: a fraction of the items (float) or a count."""
+    return int(max_failed * num_items) if isinstance(max_failed, float) else int(max_failed)
+
+
 def budget_items(budget: float | int | None, num_items: int) -> int:
     """Items a run may backfill: all (None), a fraction (float in (0, 1]) or a count (int)."""
     if budget is None:
@@ -85,6 +90,8 @@ class Backfill:
     done: set[int]
     limit: int
     max_concurrency: int
+    max_failed_images: int | None = None  # None: no limit
+    failed_images: list[dict] = field(default_factory=list)  # items whose image could not be read
     pending: list[int] = field(init=False)
     in_flight: set[int] = field(default_factory=set)
     items_done: int = field(init=False)
@@ -106,10 +113,22 @@ class Backfill:
             chosen.append(chunk)
         return chosen
 
-    def landed(self, chunk: int, count: int) -> None:
+    def landed(self, chunk: int, count: int, failed: list[dict] = ()) -> None:
+        """A chunk is done; ``failed`` lists its items whose image could not be read. Past
+        ``max_failed_images`` of them, nothing new starts and the failure says why."""
         self.in_flight.discard(chunk)
         self.done.add(chunk)
         self.items_done += count
+        self.failed_images += list(failed)
+        if self.max_failed_images is not None and len(self.failed_images) > self.max_failed_images:
+            first = self.failed_images[0]
+            self.failure = self.failure or GalleryError(
+                f"{len(self.failed_images)} image{'s' if len(self.failed_images) > 1 else ''} could not be read or "
+                "decoded, more than the "
+                f"{self.max_failed_images} that gallery.upgrade.max_failed_images allows (first: item {first['id']} at "
+                f"{first['uri']}: {first['reason']}); `fastfill upgrade status` lists them. Raise the limit and "
+                "run the same command to go on: done chunks are kept, and their failed items keep their transformed "
+                "features")
 
     def failed(self, chunk: int, error: BaseException) -> None:
         """The first failure stops new submissions; what is in flight still finishes."""
@@ -123,4 +142,5 @@ class Backfill:
     def summary(self) -> dict:
         return {"upgrade": self.plan.id, "chunks_done": len(self.done), "chunks": self.plan.num_chunks,
                 "items_done": self.items_done, "items": self.plan.num_items,
-                "fraction": self.items_done / self.plan.num_items, "complete": self.complete}
+                "fraction": self.items_done / self.plan.num_items, "complete": self.complete,
+                "failed_images": len(self.failed_images)}

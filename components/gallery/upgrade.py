@@ -5,11 +5,13 @@ order they run in is ``components.gallery.lifecycle``'s."""
 
 from __future__ import annotations
 
-from components.gallery.backfill import done_chunks, mixed_features
+from components.gallery.backfill import done_chunks, failed_images, mixed_features
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
 from components.gallery.lock import LOCK
 from components.gallery.plan import ENDINGS, FINISHED, REJECTED, Plan, load_plan, upgrade_key
 from components.gallery.store import ObjectMissing, Store
+
+FAILED_SHOWN = 20  # failed images listed by status (finished.json keeps them all)
 
 
 def finish(gallery: Gallery, plan: Plan) -> dict:
@@ -23,6 +25,9 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
         start, stop = gallery.part_bounds(part)
         gallery.store.put_array(features_key(plan.new, part), features[start:stop])
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
+    if gallery.adopted:
+        failed = failed_images(gallery.store, plan.id)
+        record["failed_images"] = {"count": len(failed), "items": failed}
     gallery.store.put_json(upgrade_key(plan.id, FINISHED), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()
@@ -51,7 +56,9 @@ def rejection(store: Store, upgrade: str) -> dict | None:
         return None
 
 
-def status(gallery: Gallery) -> dict:
+def status(gallery: Gallery, *, failures: bool = True) -> dict:
+    """The gallery's model, lock and upgrade in progress; ``failures``: with the adopted images a
+    backfill could not read (one read per done chunk)."""
     manifest = gallery.manifest(refresh=True)
     result = {"store": gallery.store.uri, "items": manifest["num_items"], "model": manifest["model"]["uri"],
               "state": "idle", "upgrade": None}
@@ -71,6 +78,9 @@ def status(gallery: Gallery) -> dict:
             "chunks_done": len(done), "chunks": plan.num_chunks if plan else None,
             "items_done": items, "fraction": items / manifest["num_items"],
             "mlflow_run_id": plan.mlflow_run_id if plan else None})
+        if failures and gallery.adopted:
+            failed = failed_images(gallery.store, upgrade)
+            result["upgrade"]["failed_images"] = {"count": len(failed), "items": failed[:FAILED_SHOWN]}
     return result
 
 

@@ -225,6 +225,10 @@ class UpgradeConfig(Section):
     eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
         default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
     batch_size: PositiveInt = 512
+    read_workers: PositiveInt = Field(default=16, description="parallel image reads per chunk (adopted galleries)")
+    max_failed_images: Annotated[float, Field(ge=0, lt=1)] | Annotated[int, Field(ge=1)] = Field(
+        default=0.01, description="images that may fail to read or decode before the upgrade stops: a fraction "
+        "of the items (0 <= f < 1) or a count; the failed items keep their transformed features")
     seed: int = 0
 
 

@@ -244,6 +244,19 @@ def load_model(uri: str):
     return mlflow.pytorch.load_model(uri, map_location="cpu")
 
 
+def input_shape(uri: str) -> tuple[int, ...] | None:
+    """The input shape of one example that a registered model was logged with (its signature),
+    e.g. (1, 28, 28) for a grey 28x28 image model; None if it has no tensor signature."""
+    import mlflow.models
+
+    signature = mlflow.models.get_model_info(uri).signature
+    try:
+        shape = signature.inputs.inputs[0].shape
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return tuple(int(x) for x in shape[1:]) if shape and all(int(x) > 0 for x in shape[1:]) else None
+
+
 class RegistryError(ValueError):
     """A model reference that the registry can't resolve; the message lists what exists."""
 

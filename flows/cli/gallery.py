@@ -72,6 +72,43 @@ def gallery_ingest(store: StoreOption = None,
     typer.echo(f"{uri}: {manifest['num_items']} items, model {manifest['model']['uri']}")
 
 
+def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(x) for x in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        fail(f"--image-shape {text!r}: give channels,height,width, e.g. 1,28,28 or 3,224,224", 2)
+    return shape
+
+
+@gallery_app.command("adopt")
+def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: id, uri (s3://bucket/key, a path, "
+                                                         "or a path under --root), optional label and group")],
+                  store: StoreOption = None,
+                  root: Annotated[str | None, typer.Option(help="where relative URIs live: a folder or "
+                                                           "s3://bucket/prefix")] = None,
+                  features: Annotated[list[Path] | None, typer.Option(
+                      help="the current features in the manifest's row order: .npy shards (repeat the option, in "
+                           "order) or one Parquet file; omitted: the model embeds the images")] = None,
+                  features_column: Annotated[str, typer.Option(help="the Parquet column of the features")] = "features",
+                  model: Annotated[str, typer.Option(help="the model the features come from; default: "
+                                                     "models:/<registered_model>@champion")] = "",
+                  image_shape: Annotated[str | None, typer.Option(help="C,H,W the model takes; default: from its "
+                                                                  "registered signature")] = None,
+                  params: ParamsOption = Path("params.yaml")) -> None:
+    """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
+    config = load(params)
+    from flows.gallery import adopt_flow
+
+    uri = store_uri(config, store)
+    result = call(adopt_flow, config, uri, manifest, model, root, features or None, features_column,
+                  _parse_shape(image_shape))
+    typer.echo(f"{uri}: {result['num_items']} items adopted, model {result['model']['uri']}; images read by URI")
+
+
 @gallery_app.command("info")
 def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's manifest and upgrade state, as JSON."""
@@ -120,7 +157,7 @@ class _ProgressBar:
         try:
             gallery = _gallery(self.uri)
             while not self._stop.wait(0.5):
-                state = status(gallery)
+                state = status(gallery, failures=False)
                 info = state.get("upgrade")
                 if not info or not info.get("chunks"):
                     continue
@@ -129,7 +166,7 @@ class _ProgressBar:
                 bar.n = info["items_done"]
                 bar.refresh()
             if bar is not None:
-                final = status(gallery)
+                final = status(gallery, failures=False)
                 bar.n = final["upgrade"]["items_done"] if final.get("upgrade") else final["items"]
                 bar.close()
         except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports errors

@@ -298,3 +298,80 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     assert len(versions) == (2 if tags["check"] == "fallback" else 1)
     assert plan.map_uri == f"models:/{params.mlflow.alignment_model}/{used.version}"
     assert plan.order_kind == order
+
+
+# ---- adopted in place ---------------------------------------------------------------------------
+
+
+def _photos(folder: Path, images: np.ndarray) -> list[str]:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, image in enumerate(images):
+        names.append(f"shelf-{i % 3}/item-{i:05d}.png")
+        (folder / names[-1]).parent.mkdir(exist_ok=True)
+        Image.fromarray(image[0], mode="L").save(folder / names[-1])
+    return names
+
+
+def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_harness):
+    from typer.testing import CliRunner
+
+    from components.experiment.inference import embed
+    from flows.cli import app
+    from flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    _, old_model, new_model, old_version, new_version = registry_models(params)
+    split = split_images(params)
+    n = len(split.labels)
+    names = _photos(tmp_path / "photos", split.images)
+    lines = ["id,uri,label"] + [f"{1000 + i},{name},{label}" for i, (name, label) in enumerate(zip(names, split.labels))]
+    (tmp_path / "photos" / "items.csv").write_text("\n".join(lines) + "\n")
+    runner = CliRunner()
+    store_uri = str(tmp_path / "adopted")
+    common = ["--store", store_uri, "--params", str(tmp_path / "params.yaml")]
+
+    # without --features the champion embeds the images where they are; relative URIs are under
+    # the manifest's folder; the image shape comes from the model's registered signature
+    result = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"), *common])
+    assert result.exit_code == 0 and f"{n} items adopted" in result.output, result.output
+    gallery = Gallery(open_store(store_uri))
+    assert gallery.adopted and gallery.image_root == str(tmp_path / "photos") and gallery.store.list("images/") == []
+    np.testing.assert_allclose(gallery.all_features(gallery.model), embed(old_model, split.images), rtol=1e-5,
+                               atol=1e-5)
+    (tmp_path / "photos" / names[7]).unlink()  # gone since it was adopted
+
+    tolerant = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 0.05})})})  # 3 of 72
+    done = upgrade_flow(tolerant, store_uri, gate=False)
+    assert done["state"] == "complete" and done["failed_images"] == 1
+    record = gallery.store.get_json(f"upgrades/{done['upgrade']}/finished.json")
+    assert [(f["id"], f["reason"]) for f in record["failed_images"]["items"]] == [
+        (1007, f"missing: no such file {tmp_path / 'photos' / names[7]}")]
+    gallery.manifest(refresh=True)
+    assert gallery.model.version == new_version
+    final = gallery.all_features(gallery.model)
+    keep = np.arange(n) != 7
+    np.testing.assert_allclose(final[keep], embed(new_model, split.images[keep]), rtol=1e-5, atol=1e-5)
+
+    # adopted with the current features (.npy shards); past max_failed_images the upgrade stops
+    # and says so, status lists the failures, and the done chunks stay
+    features = embed(old_model, split.images)
+    np.save(tmp_path / "f0.npy", features[:25])
+    np.save(tmp_path / "f1.npy", features[25:])
+    strict_uri = str(tmp_path / "strict")
+    result = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"),
+                                 "--features", str(tmp_path / "f0.npy"), "--features", str(tmp_path / "f1.npy"),
+                                 "--model", f"models:/embedder/{old_version}", "--store", strict_uri, "--params", str(tmp_path / "params.yaml")])
+    assert result.exit_code == 0, result.output
+    for i in (3, 11, 19):
+        (tmp_path / "photos" / names[i]).unlink()
+    strict = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 2, "max_concurrency": 1})})})
+    with pytest.raises(GalleryError, match=r"images could not be read or decoded, more than the 2"):
+        upgrade_flow(strict, strict_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
+    state = up.status(Gallery(open_store(strict_uri)))
+    assert state["state"] == "paused" and state["upgrade"]["failed_images"]["count"] == 3
+    assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {1003, 1011, 1019}
