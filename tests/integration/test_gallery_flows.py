@@ -2,6 +2,7 @@
 local folder and a real S3 HTTP endpoint, Prefect runs, a Dask cluster, the CLI in
 subprocesses killed with SIGKILL and resumed."""
 
+import io
 import json
 import os
 import signal
@@ -94,29 +95,84 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     assert float(min(found, key=lambda artifact: artifact.created).data) == pytest.approx(100 * paused["fraction"])
 
 
-def test_backfill_on_a_dask_cluster_of_two_workers(s3_endpoint, upgrade_env, prefect_harness):
-    from distributed import LocalCluster
-    from prefect_dask import DaskTaskRunner
+@pytest.fixture
+def dask_cluster(tmp_path):
+    """A real Dask cluster: a scheduler and 2 single-threaded workers, each its own process
+    started with the `dask` command line; yields (scheduler address, worker pids)."""
+    from distributed import Client
 
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    dask = str(Path(sys.executable).parent / "dask")
+    scheduler_file = tmp_path / "scheduler.json"
+    processes = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                   "--scheduler-file", str(scheduler_file)], cwd=root, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for name in ("w1", "w2"):
+            processes.append(subprocess.Popen([dask, "worker", "--scheduler-file", str(scheduler_file), "--name", name,
+                                               "--nworkers", "1", "--nthreads", "1", "--no-dashboard"], cwd=root,
+                                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
+            client.wait_for_workers(2, timeout=120)
+            info = client.scheduler_info()
+            address = info["address"]
+            pids = set(client.run(os.getpid).values())
+        yield address, pids
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_env, prefect_harness, dask_cluster):
+    """An adopted gallery in S3 (its images in the bucket), upgraded through ``run_upgrade`` with
+    task_runner dask at the cluster's address: the chunks run in the two workers, which read the
+    images and write the features to the store themselves."""
+    import boto3
+    import pyarrow as pa
+    from PIL import Image
+
+    from components.experiment.inference import embed
+    from components.gallery.adopt import adopt
+    from components.platform.registry import ModelRef
     from tests.environment import new_bucket
-    from flows.gallery import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from flows.upgrade import run_upgrade
 
+    address, worker_pids = dask_cluster
     params, _ = upgrade_env
-    uri = f"s3://{new_bucket(s3_endpoint)}/dask"
-    ingest_flow(params, uri)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
-        flow = upgrade_flow.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
-        result = flow(params, uri)
-        worker_pids = {info["pid"] for info in cluster.scheduler_info["workers"].values()} \
-            if "pid" in next(iter(cluster.scheduler_info["workers"].values())) else None
-    assert result["state"] == "complete"
+    _, old_model, new_model, old_version, _ = registry_models(params)
+    split = split_images(params)
+    bucket = new_bucket(s3_endpoint)
+    s3 = boto3.client("s3")
+    for i, image in enumerate(split.images):
+        buffer = io.BytesIO()
+        Image.fromarray(image[0], mode="L").save(buffer, format="PNG")
+        s3.put_object(Bucket=bucket, Key=f"photos/{i}.png", Body=buffer.getvalue())
+    uri = f"s3://{bucket}/dask"
+    table = pa.table({"id": np.arange(len(split.labels)), "uri": [f"s3://{bucket}/photos/{i}.png"
+                                                                   for i in range(len(split.labels))],
+                      "label": split.labels})
+    adopt(open_store(uri), table, ModelRef("embedder", old_version, old_model.embedding_dim),
+          split.images.shape[1:], features=iter([embed(old_model, split.images)]), part_size=20)
+    on_dask = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"task_runner": "dask", "dask_address": address})})})
+    result = run_upgrade(on_dask, uri, gate=False)
+    assert result["state"] == "complete" and result["failed_images"] == 0
     store = open_store(uri)
     plan = pl.load_plan(store, result["upgrade"])
     pids = {store.get_json(pl.marker_key(plan.id, c))["pid"] for c in range(plan.num_chunks)}
-    assert os.getpid() not in pids and len(pids) == 2, pids  # the chunks ran in both workers
-    if worker_pids is not None:
-        assert pids == worker_pids
+    assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
+    gallery = Gallery(store)
+    np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, split.images), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch, s3_endpoint):
