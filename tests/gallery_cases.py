@@ -223,6 +223,7 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
     queries_old = gallery.all_features(OLD)[:5]
     ids, _ = searcher.search(queries_old, k=4)
     np.testing.assert_array_equal(ids, _brute_force(gallery.all_features(OLD), gallery.ids(), queries_old, 4))
+    assert searcher.sources(ids) == [[OLD.uri] * 4] * 5
 
     plan = _plan(gallery, h)
     assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
@@ -236,6 +237,11 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
     np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
     item = int(gallery.ids()[pl.order_of(gallery.store, plan.id)[0]])
     np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[pl.order_of(gallery.store, plan.id)[0]])
+    _, backfilled = bf.mixed_features(gallery, plan)
+    position = {int(i): p for p, i in enumerate(gallery.ids())}
+    mapped = f"{OLD.uri} mapped by {plan.map_uri}"
+    assert searcher.sources(ids) == [[NEW.uri if backfilled[position[int(i)]] else mapped for i in row] for row in ids]
+    assert {src for row in searcher.sources(ids) for src in row} <= {NEW.uri, mapped}
 
     for chunk in range(plan.num_chunks):
         bf.backfill_chunk(gallery.store, plan.id, chunk, new)
@@ -320,8 +326,13 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     state = up.status(gallery)
     assert state["upgrade"]["failed_images"]["count"] == 2
     assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {505, 506}
+    searcher = GallerySearch(gallery)
+    assert searcher.sources(np.array([505, 507])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
     record = up.finish(gallery, plan)
     assert record["failed_images"]["count"] == 2 and gallery.model == NEW
+    assert searcher.refresh() >= 0 and searcher.sources(np.array([506, 500])) == [
+        f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]  # after the finish, the kept item still says so
+    assert GallerySearch(gallery).sources(np.array([506, 500])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
 
 
 STORE_CASES = [

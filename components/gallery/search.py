@@ -16,7 +16,8 @@ from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import chunk_features, done_chunks
-from components.gallery.plan import load_plan, order_of, transformed_all
+from components.gallery.plan import FINISHED, load_plan, marker_key, order_of, transformed_all, upgrade_key
+from components.gallery.store import ObjectMissing
 
 
 class GallerySearch:
@@ -36,7 +37,9 @@ class GallerySearch:
 
         manifest = self.gallery.manifest(refresh=True)
         self.ids = self.gallery.ids()
+        self._by_id = np.argsort(self.ids, kind="stable")
         self.upgrade = manifest.get("upgrade")
+        self.fresh = np.zeros(len(self.ids), dtype=bool)  # during an upgrade: items on the new model
         self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
         if self.plan is not None:
             base, self.query_model = transformed_all(self.gallery, self.plan.id), self.plan.new
@@ -44,6 +47,8 @@ class GallerySearch:
         else:
             self.upgrade = None
             base, self.query_model = self.gallery.all_features(self.gallery.model), self.gallery.model
+            self.fresh[:] = True
+            self._mark_kept_from(manifest)
         self.dim = base.shape[1]
         inner = faiss.IndexFlatIP(self.dim) if self.distance == "cosine" else faiss.IndexFlatL2(self.dim)
         self.index = faiss.IndexIDMap2(inner)
@@ -70,6 +75,8 @@ class GallerySearch:
                         and ModelRef.from_dict(manifest["model"]) == self.plan.new:
                     applied = self._apply_new_chunks()
                     self.upgrade, self.plan, self.query_model = None, None, ModelRef.from_dict(manifest["model"])
+                    self.fresh[:] = True
+                    self._mark_kept_from(manifest)
                     return applied
                 self._build()
                 return 0
@@ -84,7 +91,38 @@ class GallerySearch:
             self.index.remove_ids(ids)
             self.index.add_with_ids(features, ids)
             self.applied.add(chunk)
+            self.fresh[self.order[start:stop]] = True
+            for entry in self.gallery.store.get_json(marker_key(self.plan.id, chunk)).get("failed", []):
+                self.fresh[entry["position"]] = False  # its image could not be read: still h(old)
         return len(new)
+
+    def _mark_kept_from(self, manifest: dict) -> None:
+        """Items the last finished upgrade could not re-embed keep their transformed features."""
+        last = (manifest.get("history") or [{}])[-1].get("by")
+        if last and last not in ("ingest", "adopt"):
+            try:
+                record = self.gallery.store.get_json(upgrade_key(last, FINISHED))
+            except ObjectMissing:
+                return
+            failed = record.get("failed_images", {}).get("items", [])
+            plan = load_plan(self.gallery.store, last) if failed else None
+            for entry in failed:
+                self.fresh[entry["position"]] = False
+            self._mapped = f"{plan.old.uri} mapped by {plan.map_uri}" if plan else None
+
+    def sources(self, ids: np.ndarray) -> list:
+        """Where each hit's features come from: the model URI that embedded its image, or
+        ``<old model> mapped by <map>`` for transformed features (items not yet backfilled, or
+        whose image could not be read)."""
+        ids = np.asarray(ids)
+        rank = np.searchsorted(self.ids, ids.ravel(), sorter=self._by_id)
+        positions = self._by_id[np.minimum(rank, len(self.ids) - 1)]
+        if self.plan is not None:
+            new, mapped = self.plan.new.uri, f"{self.plan.old.uri} mapped by {self.plan.map_uri}"
+        else:
+            new, mapped = self.query_model.uri, getattr(self, "_mapped", None)
+        out = [new if self.fresh[p] else mapped if i >= 0 else None for p, i in zip(positions, ids.ravel())]
+        return np.array(out, dtype=object).reshape(ids.shape).tolist()
 
     @property
     def backfilled(self) -> int:

@@ -245,7 +245,8 @@ def search(store: StoreOption = None,
            k: Annotated[int, typer.Option("--k", "-k", help="results per query")] = 10,
            params: ParamsOption = Path("params.yaml")) -> None:
     """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
-    features where backfilled, transformed old features elsewhere). JSON to stdout."""
+    features where backfilled, transformed old features elsewhere), and for each hit where its
+    features come from (``sources``). JSON to stdout."""
     config = load(params)
     if (features is None) == (images is None):
         fail("give exactly one of --features or --images", 2)
@@ -266,5 +267,5 @@ def search(store: StoreOption = None,
 
     searcher, (ids, distances) = call(run_search)
     typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
-                           "items": searcher.gallery.num_items, "ids": ids.tolist(),
+                           "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))

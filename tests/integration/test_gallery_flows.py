@@ -245,13 +245,16 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     # search from the CLI: the new model's space, the mixed gallery
     from components.experiment.inference import embed
 
-    _, _, new_model, _, new_version = registry_models(params)
+    _, _, new_model, old_version, new_version = registry_models(params)
     np.save(tmp_path / "q.npy", embed(new_model, split_images(params).images[:2]))
     result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "q.npy"), "-k", "3"])
     assert result.exit_code == 0, result.output
     answer = json.loads(result.output.strip().splitlines()[-1])
     assert answer["query_model"] == f"models:/embedder/{new_version}"
     assert answer["backfilled"] == status["upgrade"]["items_done"] and len(answer["ids"][0]) == 3
+    sources = {src for row in answer["sources"] for src in row}  # each hit says where its features come from
+    assert sources <= {f"models:/embedder/{new_version}", f"models:/embedder/{old_version} mapped by "
+                       f"{pl.load_plan(open_store(uri), status['upgrade']['id']).map_uri}"}, sources
     np.save(tmp_path / "wide.npy", np.zeros((2, 5), np.float32))
     result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "wide.npy")])
     assert result.exit_code == 1 and "dimension 5, but the model's is 16" in result.output
