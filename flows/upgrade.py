@@ -6,6 +6,8 @@ mixed gallery throughout."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from prefect import flow
 from prefect.futures import as_completed
@@ -77,6 +79,25 @@ def run_upgrade(params: Params, store_uri: str, to_uri: str = "", budget: float 
     the triggers call)."""
     flow_with_runner = upgrade_flow.with_options(task_runner=runner_for(params.gallery.upgrade))
     return flow_with_runner(params, store_uri, to_uri, budget=budget, break_lock=break_lock, gate=gate)
+
+
+def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
+    """What ``upgrade_flow`` would do (components.gallery.estimate), writing nothing: no plan,
+    no lock, no MLflow run."""
+    from components.gallery.estimate import dry_run
+
+    store = store_at(store_uri)
+    store.check()
+    gallery = Gallery(store)
+    gallery.manifest(refresh=True)
+    client, _ = registry.setup(params.mlflow)
+    new = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    model = registry.load_model(new.uri).eval()
+    result = dry_run(gallery, params.gallery.upgrade, model, seed=params.gallery.upgrade.seed)
+    current = gallery.manifest().get("upgrade")
+    return {"from": gallery.model.uri, "to": new.uri, "in_progress": current,
+            "resumes": current == pl.upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim)),
+            **result}
 
 
 def runner_for(settings):
@@ -205,11 +226,13 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     the bookkeeping is ``lifecycle.Backfill``'s."""
     config = params.gallery.upgrade
     state = Backfill(plan, set(bf.done_chunks(gallery.store, plan.id)), budget_items(budget, plan.num_items),
-                     config.max_concurrency, failure_limit(config.max_failed_images, plan.num_items))
+                     config.max_concurrency, failure_limit(config.max_failed_images, plan.num_items),
+                     config.max_items_per_second, time.monotonic())
     if gallery.adopted:
         state.failed_images = bf.failed_images(gallery.store, plan.id)
     log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already done; {len(state.pending)} to go"
-        + (f", budget {state.limit} items" if state.limit < plan.num_items else ""))
+        + (f", budget {state.limit} items" if state.limit < plan.num_items else "")
+        + (f", at most {config.max_items_per_second:g} items/s" if config.max_items_per_second else ""))
     tracker = UpgradeProgress(params, store_uri, plan, meter_for(gallery, plan, sorted(state.done)),
                               progress_key(store_uri, plan.id))
     tracker.measure(state.done)
@@ -217,13 +240,17 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     ok = False
 
     def start() -> None:
-        for chunk in state.to_start():
+        for chunk in state.to_start(time.monotonic()):
             in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size,
                                             config.read_workers)] = chunk
 
     try:
         start()
-        while in_flight:
+        while in_flight or state.can_start_more:
+            if not in_flight:  # held back by the throttle: wait for its turn
+                time.sleep(max(state.wait_time(time.monotonic()), 0.01))
+                start()
+                continue
             future = next(as_completed(list(in_flight)))
             chunk = in_flight.pop(future)
             try:

@@ -91,6 +91,8 @@ class Backfill:
     limit: int
     max_concurrency: int
     max_failed_images: int | None = None  # None: no limit
+    max_items_per_second: float | None = None  # None: as fast as the chunks go
+    started: float = 0.0  # the clock (seconds) when this run began; the throttle counts from it
     failed_images: list[dict] = field(default_factory=list)  # items whose image could not be read
     pending: list[int] = field(init=False)
     in_flight: set[int] = field(default_factory=set)
@@ -101,13 +103,28 @@ class Backfill:
     def __post_init__(self) -> None:
         self.pending = [c for c in range(self.plan.num_chunks) if c not in self.done]
         self.items_done = self.submitted_items = self.plan.items_in(self.done)
+        self.run_items = 0  # items submitted by this run (what the throttle paces)
 
-    def to_start(self) -> list[int]:
-        """The chunks to submit now; they count as in flight from here."""
+    @property
+    def can_start_more(self) -> bool:
+        """Chunks remain that this run may start, now or once the throttle allows."""
+        return bool(self.pending) and self.failure is None and self.submitted_items < self.limit
+
+    def wait_time(self, now: float) -> float:
+        """Seconds until the throttle lets the next chunk start: the items this run has started,
+        at ``max_items_per_second``, must have had their time."""
+        if not self.max_items_per_second:
+            return 0.0
+        return max(0.0, self.run_items / self.max_items_per_second - (now - self.started))
+
+    def to_start(self, now: float | None = None) -> list[int]:
+        """The chunks to submit now (``now``: the clock, for the throttle); they count as in
+        flight from here."""
         chosen = []
-        while (self.pending and self.failure is None and len(self.in_flight) < self.max_concurrency
-               and self.submitted_items < self.limit):
+        while (self.can_start_more and len(self.in_flight) < self.max_concurrency
+               and (now is None or self.wait_time(now) <= 0)):
             chunk = self.pending.pop(0)
+            self.run_items += self.plan.items_in([chunk])
             self.in_flight.add(chunk)
             self.submitted_items += self.plan.items_in([chunk])
             chosen.append(chunk)

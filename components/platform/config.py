@@ -225,6 +225,8 @@ class UpgradeConfig(Section):
     eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
         default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
     batch_size: PositiveInt = 512
+    max_items_per_second: PositiveFloat | None = Field(
+        default=None, description="throttle: start chunks no faster than this many items per second (null: no limit)")
     read_workers: PositiveInt = Field(default=16, description="parallel image reads per chunk (adopted galleries)")
     max_failed_images: Annotated[float, Field(ge=0, lt=1)] | Annotated[int, Field(ge=1)] = Field(
         default=0.01, description="images that may fail to read or decode before the upgrade stops: a fraction "

@@ -174,6 +174,36 @@ class _ProgressBar:
                 bar.close()
 
 
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return ""
+
+
+def _describe_dry_run(plan: dict) -> str:
+    sample = plan["sample"]
+    seconds = plan["estimated_backfill_seconds"]
+    lines = [
+        f"dry run: nothing written. {plan['from']} -> {plan['to']} on {plan['store']}"
+        + (f" (resumes the upgrade in progress, {plan['in_progress']})" if plan["resumes"] else
+           f" (the gallery is in the middle of {plan['in_progress']}: a sequential upgrade)" if plan["in_progress"]
+           else ""),
+        f"  items {plan['items']:,} in {plan['parts']:,} parts; {plan['chunks']:,} chunks of {plan['chunk_size']:,}; "
+        f"images {plan['images']}",
+        f"  to read: {_size(plan['bytes_to_read']['total'])} (features {_size(plan['bytes_to_read']['features'])}, "
+        f"images {_size(plan['bytes_to_read']['images'])}, finish {_size(plan['bytes_to_read']['finish'])})",
+        f"  object-store requests: {plan['requests']['total']:,} (plan {plan['requests']['plan']:,}, backfill "
+        f"{plan['requests']['backfill']:,}, finish {plan['requests']['finish']:,})",
+        f"  measured on {sample['items']} items ({sample['failed']} unreadable): read {1000 * sample['read_seconds_per_item']:.2f} "
+        f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
+        f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
+        f"  ({plan['note']})",
+    ]
+    return "\n".join(lines)
+
+
 @upgrade_app.callback(invoke_without_command=True)
 def upgrade(ctx: typer.Context,
             store: StoreOption = None,
@@ -187,16 +217,23 @@ def upgrade(ctx: typer.Context,
             break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
             gate: Annotated[bool | None, typer.Option(help="check the promotion gates before switching; default: promotion.gate")] = None,
             progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
+            max_items_per_second: Annotated[float | None, typer.Option(
+                help="throttle: start chunks no faster than this many items per second")] = None,
+            dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
+                                                  "duration from a measured sample) and write nothing")] = False,
             params: ParamsOption = Path("params.yaml")) -> None:
     """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
     queries use the new model from the start. The same command resumes a stopped upgrade."""
     if ctx.invoked_subcommand is not None:
         return
     config = _with_upgrade(load(params), chunk_size=chunk_size, max_concurrency=concurrency, order=order,
-                           task_runner=runner, dask_address=dask_address)
-    from flows.upgrade import run_upgrade
+                           task_runner=runner, dask_address=dask_address, max_items_per_second=max_items_per_second)
+    from flows.upgrade import dry_run_upgrade, run_upgrade
 
     uri = store_uri(config, store)
+    if dry_run:
+        typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
+        return
     start = time.perf_counter()
     with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
         result = call(run_upgrade, config, uri, to, _parse_budget(budget), break_lock, gate)

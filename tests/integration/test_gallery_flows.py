@@ -236,9 +236,18 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert up.status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
     result = runner.invoke(app, ["upgrade", "unlock", *args])
     assert result.exit_code == 0 and "removed the lock of upgrade another-upgrade" in result.output
-    result = runner.invoke(app, ["upgrade", *args, "--budget", "25%", "--no-progress"])
+    store = open_store(uri)
+    before = {key: store.get(key) for key in store.list("")}
+    result = runner.invoke(app, ["upgrade", *args, "--dry-run", "--chunk-size", "10"])
     assert result.exit_code == 0, result.output
-    assert "paused:" in result.output
+    assert "dry run: nothing written" in result.output and "8 chunks of 10" in result.output
+    assert "object-store requests" in result.output and "estimated backfill" in result.output
+    assert {key: store.get(key) for key in store.list("")} == before  # no plan, no lock, nothing
+    started = time.monotonic()  # throttled: after the first chunk, 3 items/s for the next 16
+    result = runner.invoke(app, ["upgrade", *args, "--budget", "25%", "--no-progress", "--max-items-per-second", "3",
+                                 "--concurrency", "1"])
+    assert result.exit_code == 0, result.output
+    assert "paused:" in result.output and time.monotonic() - started >= 16 / 3
     status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
     assert status["state"] == "paused" and status["upgrade"]["fraction"] >= 0.25
 

@@ -76,3 +76,17 @@ def test_backfill_keeps_concurrency_budget_and_stops_after_a_failure():
     budgeted.landed(0, 3)
     budgeted.landed(1, 3)
     assert budgeted.to_start() == [] and budgeted.summary()["fraction"] == pytest.approx(0.6)
+
+
+def test_the_throttle_paces_chunk_starts_by_items_per_second():
+    plan = _plan(num_items=10, chunk_size=3)  # chunks of 3, 3, 3, 1
+    state = Backfill(plan, set(), limit=10, max_concurrency=4, max_items_per_second=1.5, started=100.0)
+    assert state.to_start(100.0) == [0]  # the first chunk at once; 3 items buy 2 seconds
+    assert state.wait_time(100.5) == 1.5 and state.to_start(101.0) == []
+    assert state.to_start(102.0) == [1] and state.wait_time(102.0) == 2.0
+    state.landed(0, 3)
+    state.landed(1, 3)
+    assert state.can_start_more and state.to_start(104.0) == [2] and state.to_start(106.0) == [3]
+    assert not state.can_start_more
+    unthrottled = Backfill(plan, set(), limit=10, max_concurrency=4)
+    assert unthrottled.wait_time(0.0) == 0.0 and unthrottled.to_start(0.0) == [0, 1, 2, 3]
