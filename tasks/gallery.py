@@ -197,11 +197,11 @@ def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
         raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
                            "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
                            "or set promotion.gate: false") from error
-    transformed = pl.transformed_all(gallery, plan.id)
-    new, _ = bf.mixed_features(gallery, plan, transformed)
-    champion = gallery.all_features(gallery.model)[positions]
+    transformed = bf.transformed_rows(gallery, plan.id, positions)
+    new = bf.mixed_rows(gallery, plan, positions)
+    champion = catalog.rows_at(gallery, positions, lambda part: catalog.features_key(gallery.model, part))
     order = restricted_order(pl.order_of(store, plan.id), positions)
-    return measure_gate(champion, queries, new[positions], transformed[positions], gallery.labels()[positions], order,
+    return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=config.curve_points)
 
 

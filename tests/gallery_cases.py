@@ -145,6 +145,10 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert set(np.flatnonzero(backfilled)) == set(rows)
     np.testing.assert_allclose(mixed[rows], expected_new[rows], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mixed[~backfilled], transformed[~backfilled], rtol=1e-5, atol=1e-6)
+    sample = np.array([order[0], 3, 50, int(rows[-1]), 17])  # the same rows, reading only what they need
+    np.testing.assert_array_equal(bf.mixed_rows(gallery, plan, sample), mixed[sample])
+    np.testing.assert_array_equal(bf.transformed_rows(gallery, plan.id, sample),
+                                  pl.transformed_all(gallery, plan.id)[sample])
     with pytest.raises(GalleryError, match="not complete: 5 chunks left"):
         up.finish(gallery, plan)
     state = up.status(gallery)

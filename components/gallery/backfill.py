@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 
 from components.gallery.catalog import (
-    IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now,
+    IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now, rows_at,
 )
 from components.gallery.plan import (
     Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
@@ -83,13 +83,25 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
 
 def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
     """h(old) of the items at ``positions`` (the upgrade's transformed parts), part by part."""
-    parts = positions // gallery.part_size
-    out = None
-    for part in np.unique(parts):
-        rows = np.flatnonzero(parts == part)
-        array = gallery.store.get_array(transformed_key(upgrade, int(part)))
-        out = np.empty((len(positions), array.shape[1]), dtype=np.float32) if out is None else out
-        out[rows] = array[positions[rows] - int(part) * gallery.part_size]
+    return rows_at(gallery, positions, lambda part: transformed_key(upgrade, part)).astype(np.float32, copy=False)
+
+
+def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarray:
+    """The features queries see now at ``positions`` only (new where backfilled, h(old)
+    elsewhere): each done chunk is read once and only its rows at ``positions`` are kept."""
+    positions = np.asarray(positions, dtype=np.int64)
+    out = transformed_rows(gallery, plan.id, positions)
+    order = order_of(gallery.store, plan.id)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    chunk_of = rank[positions] // plan.chunk_size
+    done = set(done_chunks(gallery.store, plan.id))
+    for chunk in np.unique(chunk_of):
+        if int(chunk) not in done:
+            continue
+        rows = np.flatnonzero(chunk_of == chunk)
+        features = chunk_features(gallery.store, plan.id, int(chunk))
+        out[rows] = features[rank[positions[rows]] - int(chunk) * plan.chunk_size]
     return out
 
 

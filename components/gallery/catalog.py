@@ -225,6 +225,21 @@ def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = I
     return images
 
 
+def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
+    """Rows at ``positions`` of a per-part array (``key_of_part(part)`` is its key), reading only
+    the parts they fall in, one at a time: memory grows with the rows asked for, not the gallery."""
+    positions = np.asarray(positions, dtype=np.int64)
+    parts = positions // gallery.part_size
+    out = None
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        array = gallery.store.get_array(key_of_part(int(part)))
+        if out is None:
+            out = np.empty((len(positions), *array.shape[1:]), dtype=array.dtype)
+        out[rows] = array[positions[rows] - int(part) * gallery.part_size]
+    return out if out is not None else np.zeros((0,), dtype=np.float32)
+
+
 def item_column(gallery: Gallery, positions: np.ndarray, name: str) -> list:
     """One column of the items table (id, image, label, group) at ``positions``, read part by
     part."""

@@ -24,12 +24,13 @@ def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class BackfillMeter:
     def __init__(self, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray, transformed: np.ndarray,
                  order: np.ndarray, distance: str = "l2"):
-        """``positions``: the sample S; ``labels``/``transformed``: of the whole gallery;
+        """``positions``: the sample S; ``labels``: of the whole gallery; ``transformed``: h(old)
+        of the whole gallery, or of S only (its rows in the order of ``positions``);
         ``queries``: new-model features of S; ``order``: the full backfill order."""
         self.positions, self.order, self.distance = positions, order, distance
         self.labels = labels[positions]
         self.queries = queries
-        self.old = transformed[positions]
+        self.old = transformed[positions] if len(transformed) == len(order) else np.asarray(transformed)
         self.new = self.old.copy()  # rows are replaced as their chunks land
         self.local_order = restricted_order(order, positions)
         self.slot = np.full(len(order), -1, dtype=np.int64)
@@ -52,15 +53,15 @@ class BackfillMeter:
 def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     """The meter of a planned upgrade, with the chunks already ``done`` landed; None when the
     plan has no evaluation sample."""
-    from components.gallery.backfill import chunk_features
-    from components.gallery.plan import eval_positions_key, eval_queries_key, order_of, transformed_all
+    from components.gallery.backfill import chunk_features, transformed_rows
+    from components.gallery.plan import eval_positions_key, eval_queries_key, order_of
 
     if plan.eval_queries < 2:
         return None
     store = gallery.store
-    meter = BackfillMeter(store.get_array(eval_positions_key(plan.id)), gallery.labels(),
-                          store.get_array(eval_queries_key(plan.id)), transformed_all(gallery, plan.id),
-                          order_of(store, plan.id), plan.distance)
+    positions = store.get_array(eval_positions_key(plan.id))
+    meter = BackfillMeter(positions, gallery.labels(), store.get_array(eval_queries_key(plan.id)),
+                          transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance)
     for chunk in done:
         meter.land(*plan.chunk_bounds(chunk), chunk_features(store, plan.id, chunk))
     return meter
