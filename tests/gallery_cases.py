@@ -145,6 +145,11 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert set(np.flatnonzero(backfilled)) == set(rows)
     np.testing.assert_allclose(mixed[rows], expected_new[rows], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mixed[~backfilled], transformed[~backfilled], rtol=1e-5, atol=1e-6)
+    for memory in (1, 2 * 10 * NEW_DIM * 4, 1 << 30):  # a part, two parts, everything per batch
+        parts = list(bf.iter_mixed_parts(gallery, plan, memory_bytes=memory))
+        assert [p for p, _, _ in parts] == list(range(gallery.num_parts))
+        np.testing.assert_array_equal(np.concatenate([f for _, f, _ in parts]), mixed)
+        np.testing.assert_array_equal(np.concatenate([b for _, _, b in parts]), backfilled)
     sample = np.array([order[0], 3, 50, int(rows[-1]), 17])  # the same rows, reading only what they need
     np.testing.assert_array_equal(bf.mixed_rows(gallery, plan, sample), mixed[sample])
     np.testing.assert_array_equal(bf.transformed_rows(gallery, plan.id, sample),

@@ -140,14 +140,39 @@ def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None 
     return features, backfilled
 
 
+def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20):
+    """(part, features, backfilled mask) of every part in turn, as ``mixed_features`` would give
+    them, in bounded memory: parts are gathered in batches of about ``memory_bytes`` of
+    features; each batch starts from the transformed parts and reads every done chunk that holds
+    some of its items once (one read per chunk and batch)."""
+    order = order_of(gallery.store, plan.id)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    done = set(done_chunks(gallery.store, plan.id))
+    parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * plan.new.dim * 4))
+    for first in range(0, gallery.num_parts, parts_per_batch):
+        last = min(first + parts_per_batch, gallery.num_parts)
+        start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
+        features = np.concatenate([gallery.store.get_array(transformed_key(plan.id, p)) for p in range(first, last)])
+        backfilled = np.zeros(stop - start, dtype=bool)
+        for chunk in np.unique(rank[start:stop] // plan.chunk_size):
+            if int(chunk) not in done:
+                continue
+            c_start, c_stop = plan.chunk_bounds(int(chunk))
+            positions = order[c_start:c_stop]
+            inside = (positions >= start) & (positions < stop)
+            features[positions[inside] - start] = chunk_features(gallery.store, plan.id, int(chunk))[inside]
+            backfilled[positions[inside] - start] = True
+        for part in range(first, last):
+            p_start, p_stop = gallery.part_bounds(part)
+            yield part, features[p_start - start:p_stop - start], backfilled[p_start - start:p_stop - start]
+
+
 def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
     """A sequential upgrade starts from the gallery as queries see it in the unfinished ``base``
     upgrade: its new model's features where backfilled, its transformed features elsewhere,
-    all in the space of ``base.new`` (the maps compose). Written per part; returns the parts."""
-    features, _ = mixed_features(gallery, base)
-    for part in range(gallery.num_parts):
-        start, stop = gallery.part_bounds(part)
-        gallery.store.put_array(source_key(upgrade, part), features[start:stop])
+    all in the space of ``base.new`` (the maps compose). Written per part, in bounded memory;
+    returns the parts."""
+    for part, features, _ in iter_mixed_parts(gallery, base):
+        gallery.store.put_array(source_key(upgrade, part), features)
     return gallery.num_parts
-
-

@@ -5,7 +5,7 @@ order they run in is ``components.gallery.lifecycle``'s."""
 
 from __future__ import annotations
 
-from components.gallery.backfill import done_chunks, failed_images, mixed_features
+from components.gallery.backfill import done_chunks, failed_images, iter_mixed_parts
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
 from components.gallery.lock import LOCK
 from components.gallery.plan import ENDINGS, FINISHED, REJECTED, Plan, load_plan, upgrade_key
@@ -19,11 +19,9 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.id)))
     if missing:
         raise GalleryError(f"upgrade {plan.id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
-    features, backfilled = mixed_features(gallery, plan)
-    assert backfilled.all()
-    for part in range(gallery.num_parts):
-        start, stop = gallery.part_bounds(part)
-        gallery.store.put_array(features_key(plan.new, part), features[start:stop])
+    for part, features, backfilled in iter_mixed_parts(gallery, plan):  # bounded memory, part by part
+        assert backfilled.all()
+        gallery.store.put_array(features_key(plan.new, part), features)
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
     if gallery.adopted:
         failed = failed_images(gallery.store, plan.id)
