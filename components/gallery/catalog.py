@@ -131,13 +131,19 @@ class Gallery:
     def items_part(self, part: int):
         return self.store.get_parquet(part_key("items", part, "parquet"))
 
+    def column(self, name: str) -> np.ndarray:
+        """One numeric column of the items table for every item, read part by part (the other
+        columns, image URIs among them, are not kept)."""
+        return np.concatenate([self.items_part(p).column(name).to_numpy().astype(np.int64)
+                               for p in range(self.num_parts)])
+
     def ids(self) -> np.ndarray:
-        return self.items().column("id").to_numpy().astype(np.int64)
+        return self.column("id")
 
     def labels(self) -> np.ndarray | None:
         if not self.manifest().get("has_labels"):
             return None
-        return self.items().column("label").to_numpy().astype(np.int64)
+        return self.column("label")
 
     # ---- arrays
 
