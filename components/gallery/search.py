@@ -16,25 +16,27 @@ from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import chunk_features, done_chunks
-from components.gallery.plan import FINISHED, load_plan, marker_key, order_of, transformed_all, upgrade_key
+from components.gallery.plan import FINISHED, load_plan, marker_key, order_of, transformed_key, upgrade_key
 from components.gallery.store import ObjectMissing
 
 
 class GallerySearch:
     """Top-k item ids for query features against the current (possibly mixed) gallery."""
 
-    def __init__(self, gallery: Gallery, distance: str = "l2"):
+    def __init__(self, gallery: Gallery, distance: str = "l2", index=None):
+        """``index``: an ``IndexConfig`` (flat by default)."""
+        from components.platform.config import IndexConfig
+
         if distance not in DISTANCES:
             raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
         self.gallery, self.distance = gallery, distance
+        self.index_config = index or IndexConfig()
         self._lock = threading.RLock()  # refresh() may rebuild, and a rebuild refreshes
         self._build()
 
     # ---- state
 
     def _build(self) -> None:
-        import faiss
-
         manifest = self.gallery.manifest(refresh=True)
         self.ids = self.gallery.ids()
         self._by_id = np.argsort(self.ids, kind="stable")
@@ -42,21 +44,58 @@ class GallerySearch:
         self.fresh = np.zeros(len(self.ids), dtype=bool)  # during an upgrade: items on the new model
         self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
         if self.plan is not None:
-            base, self.query_model = transformed_all(self.gallery, self.plan.id), self.plan.new
+            self.query_model = self.plan.new
             self.order = order_of(self.gallery.store, self.plan.id)
+
+            def part_features(part: int) -> np.ndarray:
+                return self.gallery.store.get_array(transformed_key(self.plan.id, part))
         else:
             self.upgrade = None
-            base, self.query_model = self.gallery.all_features(self.gallery.model), self.gallery.model
+            self.query_model = self.gallery.model
             self.fresh[:] = True
             self._mark_kept_from(manifest)
-        self.dim = base.shape[1]
-        inner = faiss.IndexFlatIP(self.dim) if self.distance == "cosine" else faiss.IndexFlatL2(self.dim)
-        self.index = faiss.IndexIDMap2(inner)
-        self.index.add_with_ids(self._prepare(base), self.ids)
+
+            def part_features(part: int) -> np.ndarray:
+                return self.gallery.features(self.gallery.model, part)
+        self.index = self._new_index(part_features)
+        for part in range(self.gallery.num_parts):  # part by part: never the whole gallery at once
+            start, stop = self.gallery.part_bounds(part)
+            self.index.add_with_ids(self._prepare(part_features(part)), self.ids[start:stop])
         self.applied: set[int] = set()
         self.rebuilds = getattr(self, "rebuilds", -1) + 1
         if self.plan is not None:
             self.refresh()
+
+    def _new_index(self, part_features):
+        """An empty index of the configured kind; inverted lists are trained on a sample of
+        ``train_size`` items drawn from a few random parts."""
+        import faiss
+
+        self.dim = part_features(0).shape[1]
+        metric = faiss.METRIC_INNER_PRODUCT if self.distance == "cosine" else faiss.METRIC_L2
+        config = self.index_config
+        if config.kind == "flat":
+            inner = faiss.IndexFlatIP(self.dim) if self.distance == "cosine" else faiss.IndexFlatL2(self.dim)
+            return faiss.IndexIDMap2(inner)
+        n = self.gallery.num_items
+        if n < 39 * config.nlist:
+            raise GalleryError(f"gallery.index.nlist {config.nlist} needs at least {39 * config.nlist} items to train "
+                               f"its lists; this gallery has {n}: lower nlist (about items / 100) or use kind: flat")
+        if config.kind == "ivfpq" and self.dim % config.pq_m:
+            raise GalleryError(f"gallery.index.pq_m {config.pq_m} must divide the features' dimension {self.dim}")
+        spec = f"IVF{config.nlist},Flat" if config.kind == "ivf" else f"IVF{config.nlist},PQ{config.pq_m}"
+        index = faiss.index_factory(self.dim, spec, metric)
+        rng = np.random.default_rng(0)
+        sample, have = [], 0
+        for part in rng.permutation(self.gallery.num_parts):
+            sample.append(self._prepare(part_features(int(part))))
+            have += len(sample[-1])
+            if have >= config.train_size:
+                break
+        index.train(np.concatenate(sample)[:config.train_size])
+        index.nprobe = config.nprobe
+        index.set_direct_map_type(faiss.DirectMap.Hashtable)  # remove_ids and reconstruct by id
+        return index
 
     def _prepare(self, features: np.ndarray) -> np.ndarray:
         features = np.ascontiguousarray(features, dtype=np.float32)

@@ -234,12 +234,25 @@ class UpgradeConfig(Section):
     seed: int = 0
 
 
+class IndexConfig(Section):
+    """The faiss index of `fastfill search`: exact (flat), or inverted lists for large galleries."""
+
+    kind: Literal["flat", "ivf", "ivfpq"] = Field(
+        default="flat", description="flat: exact, N x d floats in memory; ivf: inverted lists (faster, same "
+        "memory); ivfpq: inverted lists of product-quantised codes (pq_m bytes per item)")
+    nlist: PositiveInt = Field(default=1024, description="inverted lists (ivf, ivfpq); at most items / 39")
+    nprobe: PositiveInt = Field(default=16, description="lists searched per query (ivf, ivfpq)")
+    pq_m: PositiveInt = Field(default=16, description="sub-quantisers of ivfpq (must divide the dimension)")
+    train_size: PositiveInt = Field(default=50000, description="items sampled to train the lists")
+
+
 class GalleryConfig(Section):
     """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
 
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
+    index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
 
 

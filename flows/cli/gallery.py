@@ -293,7 +293,7 @@ def search(store: StoreOption = None,
     uri = store_uri(config, store)
 
     def run_search():
-        searcher = GallerySearch(_gallery(uri), config.gallery.distance)
+        searcher = GallerySearch(_gallery(uri), config.gallery.distance, config.gallery.index)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
         from components.platform import registry

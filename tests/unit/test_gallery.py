@@ -112,3 +112,46 @@ def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
     assert plan["sample"]["embed_seconds_per_item"] > 0 and plan["estimated_backfill_seconds"] > 0
     throttled = dry_run(gallery, UpgradeConfig(chunk_size=7, max_items_per_second=0.5), new, sample=4)
     assert throttled["estimated_backfill_seconds"] >= N / 0.5
+
+
+@pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
+def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, models, kind):
+    from components.experiment.inference import embed
+    from components.gallery import backfill as bf, plan as pl
+    from components.gallery.search import GallerySearch
+    from components.platform.config import IndexConfig
+    from tests.gallery_cases import NEW
+
+    old, new, h = models
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, size=(1200, 1, 8, 8), dtype=np.uint8)
+    ingest(open_store(tmp_path / "g"), images, embed(old, images), OLD, part_size=100)
+    gallery = Gallery(open_store(tmp_path / "g"))
+    exact_config = IndexConfig(kind=kind, nlist=8, nprobe=8, pq_m=4, train_size=500)  # every list searched
+    flat, approximate = GallerySearch(gallery), GallerySearch(gallery, index=exact_config)
+    assert approximate.index.ntotal == 1200 and approximate.index.nlist == 8
+    queries = embed(old, images[:20])
+    if kind == "ivf":  # all lists probed: the same neighbours as the exact index
+        np.testing.assert_array_equal(approximate.search(queries, 5)[0], flat.search(queries, 5)[0])
+    else:  # codes of 4 bytes: most nearest neighbours still found
+        hits = np.mean([a in f for a, f in zip(approximate.search(queries, 1)[0][:, 0], flat.search(queries, 10)[0])])
+        assert hits >= 0.5, hits
+
+    uid = pl.upgrade_id(OLD, NEW)
+    for part in range(gallery.num_parts):
+        pl.transform_part(gallery, uid, h, part)
+    plan = pl.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", 100, 1200, 0, "l2")
+    pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
+    for chunk in (0, 1, 2):
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+    assert flat.refresh() == 0 and approximate.refresh() == 0  # the plan: rebuilt on h(old), done chunks applied
+    for chunk in (3, 4):
+        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+    assert approximate.refresh() == 2 and approximate.backfilled == 500 and approximate.index.ntotal == 1200
+    assert approximate.query_model == NEW and approximate.rebuilds == 1
+    flat.refresh()
+    if kind == "ivf":
+        new_queries = embed(new, images[:20])
+        np.testing.assert_array_equal(approximate.search(new_queries, 5)[0], flat.search(new_queries, 5)[0])
+    with pytest.raises(GalleryError, match="needs at least 39000 items"):
+        GallerySearch(gallery, index=IndexConfig(kind=kind, nlist=1000))
