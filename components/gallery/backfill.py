@@ -153,7 +153,10 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
     for first in range(0, gallery.num_parts, parts_per_batch):
         last = min(first + parts_per_batch, gallery.num_parts)
         start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
-        features = np.concatenate([gallery.store.get_array(transformed_key(plan.id, p)) for p in range(first, last)])
+        features = np.empty((stop - start, plan.new.dim), dtype=np.float32)  # filled in place: no second copy
+        for part in range(first, last):
+            p_start, p_stop = gallery.part_bounds(part)
+            features[p_start - start:p_stop - start] = gallery.store.get_array(transformed_key(plan.id, part))
         backfilled = np.zeros(stop - start, dtype=bool)
         for chunk in np.unique(rank[start:stop] // plan.chunk_size):
             if int(chunk) not in done:
