@@ -8,7 +8,14 @@ to MLflow and a Prefect artifact. Both run on the same items with the same model
 alternate, and the median of each is reported with their ratio.
 
     .venv/bin/python benchmarks/backfill_throughput.py                 # local folder store
-    .venv/bin/python benchmarks/backfill_throughput.py --store s3      # a local moto S3 server
+    .venv/bin/python benchmarks/backfill_throughput.py --store s3      # a moto S3 server, its own process
+
+With ``--images files`` the gallery is adopted where its images are: one PNG file per item
+(the Fashion-MNIST images, repeated and lightly augmented, shifted and flipped, to reach
+``--items``) in a local folder, or in the S3 bucket with ``--store s3``; each chunk reads and
+decodes its images by URI. Bare embedding takes the same images already in memory.
+
+    .venv/bin/python benchmarks/backfill_throughput.py --images files --items 100000 --chunk-sizes 1000 --concurrency 2
 """
 
 from __future__ import annotations
@@ -30,15 +37,23 @@ from components.platform import runtime  # noqa: E402,F401  (Prefect settings be
 
 
 def _images(n: int) -> tuple[np.ndarray, str]:
-    from components.experiment.data import load_split
+    import tempfile as _tempfile
+
+    from components.experiment.data import DataError, load_raw_dataset, load_split
+    from components.platform.config import load_params
 
     try:
-        split = load_split(Path("data/splits"), "test")
-        images = split.images
+        images = load_split(Path("data/splits"), "test").images
         source = "Fashion-MNIST test split (data/splits)"
-    except FileNotFoundError:
-        images = np.random.default_rng(0).integers(0, 256, size=(n, 1, 28, 28), dtype=np.uint8)
-        source = "random 28x28 images (run `fastfill run` first for Fashion-MNIST)"
+    except (FileNotFoundError, DataError):
+        try:  # the raw test set from the Debian package, as the prepare stage reads it
+            images = load_raw_dataset(load_params("params.yaml").prepare, Path(_tempfile.mkdtemp())).test.images
+            source = "Fashion-MNIST test set (dataset-fashion-mnist)"
+        except Exception:  # noqa: BLE001 - no dataset here: random images of the same shape
+            images = np.random.default_rng(0).integers(0, 256, size=(n, 1, 28, 28), dtype=np.uint8)
+            source = "random 28x28 images (no Fashion-MNIST here)"
+    if images.ndim == 3:
+        images = images[:, None]
     reps = -(-n // len(images))
     return np.concatenate([images] * reps)[:n], source
 
@@ -57,8 +72,55 @@ def _models():
     return params, old, new, h
 
 
-def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
+def _augment(images: np.ndarray) -> np.ndarray:
+    """Light augmentation, so repeated images are not identical: a shift of up to 2 pixels and a
+    horizontal flip, drawn per item."""
+    rng = np.random.default_rng(0)
+    out = np.empty_like(images)
+    for i, image in enumerate(images):
+        dy, dx = rng.integers(-2, 3, size=2)
+        shifted = np.roll(image, (int(dy), int(dx)), axis=(1, 2))
+        out[i] = shifted[:, :, ::-1] if rng.random() < 0.5 else shifted
+    return out
+
+
+def _write_files(images: np.ndarray, root: str) -> float:
+    """One PNG per item under ``root`` (a folder or s3://bucket/prefix); returns the mean bytes."""
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    if root.startswith("s3://"):
+        import boto3
+
+        client = boto3.client("s3")
+        bucket, _, prefix = root[5:].partition("/")
+
+        def put(name: str, data: bytes) -> None:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    else:
+        os.makedirs(root, exist_ok=True)
+
+        def put(name: str, data: bytes) -> None:
+            Path(root, name).write_bytes(data)
+
+    def write(i: int) -> int:
+        buffer = io.BytesIO()
+        Image.fromarray(images[i, 0], mode="L").save(buffer, format="PNG")
+        put(f"{i}.png", buffer.getvalue())
+        return buffer.tell()
+
+    with ThreadPoolExecutor(16) as pool:
+        sizes = list(pool.map(write, range(len(images))))
+    return float(np.mean(sizes))
+
+
+def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, files_root: str | None = None):
+    import pyarrow as pa
+
     from components.gallery import plan as pl
+    from components.gallery.adopt import adopt
     from components.gallery.catalog import Gallery, ingest
     from components.platform.registry import ModelRef
     from components.gallery.store import open_store
@@ -66,7 +128,12 @@ def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str):
 
     store = open_store(uri)
     old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
-    ingest(store, images, embed(old, images), old_ref, part_size=1000)
+    if files_root is None:
+        ingest(store, images, embed(old, images), old_ref, part_size=1000)
+    else:
+        table = pa.table({"id": np.arange(len(images)), "uri": [f"{i}.png" for i in range(len(images))]})
+        adopt(store, table, old_ref, images.shape[1:], root=files_root, features=iter([embed(old, images)]),
+              part_size=1000)
     gallery = Gallery(store)
     uid = pl.upgrade_id(old_ref, new_ref)
     for part in range(gallery.num_parts):
@@ -88,6 +155,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--store", choices=["local", "s3"], default="local")
+    parser.add_argument("--images", choices=["packed", "files"], default="packed",
+                        help="packed parts in the store (ingest), or one PNG file per item read by URI (adopt)")
     args = parser.parse_args()
 
     import torch
@@ -105,20 +174,37 @@ def main() -> None:
     mlflow_uri = f"sqlite:///{work / 'mlflow.db'}"
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
     server = None
-    if args.store == "s3":
+    if args.store == "s3":  # moto's server in its own process, as a real endpoint would be
+        import socket
+        import subprocess
+
         import boto3
-        from moto.server import ThreadedMotoServer
 
         os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
-        boto3.client("s3").create_bucket(Bucket="bench")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.environ["AWS_ENDPOINT_URL_S3"] = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                boto3.client("s3").create_bucket(Bucket="bench")
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                time.sleep(0.2)
+    files_root = None
+    if args.images == "files":
+        images = _augment(images)
+        files_root = str(work / "images") if args.store == "local" else "s3://bench/images"
+        started = time.perf_counter()
+        mean_bytes = _write_files(images, files_root)
+        print(f"wrote {len(images)} PNG files ({mean_bytes:.0f} bytes each on average) to {files_root} in "
+              f"{time.perf_counter() - started:.0f} s")
 
     print(f"{len(images)} items: {source}; model {params.train.new.backbone} width {params.train.new.width}; "
           f"device {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} torch threads; "
-          f"store {args.store}")
+          f"store {args.store}, images {args.images}")
 
     @flow(name="benchmark-backfill")
     def run_backfill(run_params, gallery, uri, plan, model):
@@ -134,7 +220,7 @@ def main() -> None:
     def pipeline(chunk_size: int, concurrency: int) -> float:
         index = next(counter)
         uri = str(work / f"store-{index}") if args.store == "local" else f"s3://bench/run-{index}"
-        gallery, plan = _fresh_gallery(uri, images, old, h, chunk_size, mlflow_uri)
+        gallery, plan = _fresh_gallery(uri, images, old, h, chunk_size, mlflow_uri, files_root)
         data = params.model_dump(mode="json")
         data["gallery"]["upgrade"].update(chunk_size=chunk_size, max_concurrency=concurrency)
         data["mlflow"]["tracking_uri"] = mlflow_uri
@@ -167,7 +253,7 @@ def main() -> None:
     for chunk_size, concurrency, b, p, ratio in rows:
         print(f"| {chunk_size} | {concurrency} | {b:.0f} | {p:.0f} | {ratio:.3f} |")
     if server is not None:
-        server.stop()
+        server.terminate()
     shutil.rmtree(work, ignore_errors=True)
 
 
