@@ -11,7 +11,7 @@ from PIL import Image
 from components.gallery import plan as pl
 from components.gallery.adopt import adopt, npy_rows, parquet_rows, read_manifest
 from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.images import iter_images, read_images, resolve
+from components.gallery.images import read_images, resolve
 from components.gallery.lifecycle import Backfill, failure_limit
 from components.gallery.store import open_store
 from components.platform.registry import ModelRef
@@ -46,9 +46,10 @@ def test_images_are_decoded_to_the_model_shape_and_failures_named(tmp_path):
 def test_reads_are_bounded_and_in_order(tmp_path):
     for i in range(40):
         _save(tmp_path / f"{i}.png", np.full((4, 4), i, dtype=np.uint8))
-    values = [int(x[0, 0, 0]) for x in iter_images([f"{i}.png" for i in range(40)], (1, 4, 4), root=str(tmp_path),
-                                                   workers=2)]
-    assert values == list(range(40))
+    for workers in (1, 3, 64):
+        images, failures = read_images([f"{i}.png" for i in range(40)], (1, 4, 4), root=str(tmp_path),
+                                       workers=workers)
+        assert [int(x[0, 0, 0]) for x in images] == list(range(40)) and failures == []
     assert resolve("a/b.png", "s3://bucket/pre/") == "s3://bucket/pre/a/b.png"
     assert resolve("s3://x/y.png", "/root") == "s3://x/y.png"
 
