@@ -142,33 +142,64 @@ def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None 
 
 def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20):
     """(part, features, backfilled mask) of every part in turn, as ``mixed_features`` would give
-    them, in bounded memory: parts are gathered in batches of about ``memory_bytes`` of
-    features; each batch starts from the transformed parts and reads every done chunk that holds
-    some of its items once (one read per chunk and batch)."""
+    them, in bounded memory and linear I/O. Parts are gathered in batches of about
+    ``memory_bytes`` of features. When there is more than one batch, the done chunks are first
+    read once each and their rows appended to a local scratch file per batch (sigma-ordered
+    chunks hold items of every part, so reading them per batch would read each chunk once per
+    batch); each batch then starts from its transformed parts and takes its rows from its file."""
+    import tempfile
+
+    dim = plan.new.dim
+    parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * dim * 4))
+    batches = [(first, min(first + parts_per_batch, gallery.num_parts))
+               for first in range(0, gallery.num_parts, parts_per_batch)]
+    batch_rows = parts_per_batch * gallery.part_size
+    done = done_chunks(gallery.store, plan.id)
     order = order_of(gallery.store, plan.id)
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    done = set(done_chunks(gallery.store, plan.id))
-    parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * plan.new.dim * 4))
-    for first in range(0, gallery.num_parts, parts_per_batch):
-        last = min(first + parts_per_batch, gallery.num_parts)
-        start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
-        features = np.empty((stop - start, plan.new.dim), dtype=np.float32)  # filled in place: no second copy
-        for part in range(first, last):
-            p_start, p_stop = gallery.part_bounds(part)
-            features[p_start - start:p_stop - start] = gallery.store.get_array(transformed_key(plan.id, part))
-        backfilled = np.zeros(stop - start, dtype=bool)
-        for chunk in np.unique(rank[start:stop] // plan.chunk_size):
-            if int(chunk) not in done:
-                continue
-            c_start, c_stop = plan.chunk_bounds(int(chunk))
-            positions = order[c_start:c_stop]
-            inside = (positions >= start) & (positions < stop)
-            features[positions[inside] - start] = chunk_features(gallery.store, plan.id, int(chunk))[inside]
-            backfilled[positions[inside] - start] = True
-        for part in range(first, last):
-            p_start, p_stop = gallery.part_bounds(part)
-            yield part, features[p_start - start:p_stop - start], backfilled[p_start - start:p_stop - start]
+    with tempfile.TemporaryDirectory(prefix="fastfill-finish-") as scratch:
+        files = {}
+        if len(batches) > 1:  # pass 1: each done chunk read once, its rows sent to their batch's file
+            for chunk in done:
+                c_start, c_stop = plan.chunk_bounds(chunk)
+                positions = order[c_start:c_stop]
+                features = chunk_features(gallery.store, plan.id, chunk)
+                batch_of = positions // batch_rows
+                for batch in np.unique(batch_of):
+                    rows = batch_of == batch
+                    if int(batch) not in files:
+                        files[int(batch)] = open(os.path.join(scratch, f"batch-{int(batch)}.bin"), "w+b")
+                    record = np.empty(int(rows.sum()), dtype=[("position", np.int64), ("features", np.float32, dim)])
+                    record["position"], record["features"] = positions[rows], features[rows]
+                    files[int(batch)].write(record.tobytes())
+        for index, (first, last) in enumerate(batches):  # pass 2: one batch of parts at a time
+            start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
+            features = np.empty((stop - start, dim), dtype=np.float32)  # filled in place: no second copy
+            for part in range(first, last):
+                p_start, p_stop = gallery.part_bounds(part)
+                features[p_start - start:p_stop - start] = gallery.store.get_array(transformed_key(plan.id, part))
+            backfilled = np.zeros(stop - start, dtype=bool)
+            if len(batches) == 1:
+                for chunk in done:
+                    c_start, c_stop = plan.chunk_bounds(chunk)
+                    positions = order[c_start:c_stop]
+                    features[positions - start] = chunk_features(gallery.store, plan.id, chunk)
+                    backfilled[positions - start] = True
+            elif index in files:
+                handle = files.pop(index)
+                handle.seek(0)
+                while True:  # in blocks, so the file never sits whole in memory beside the batch
+                    record = np.fromfile(handle, dtype=[("position", np.int64), ("features", np.float32, dim)],
+                                         count=65536)
+                    if not len(record):
+                        break
+                    features[record["position"] - start] = record["features"]
+                    backfilled[record["position"] - start] = True
+                handle.close()
+            for part in range(first, last):
+                p_start, p_stop = gallery.part_bounds(part)
+                yield part, features[p_start - start:p_stop - start], backfilled[p_start - start:p_stop - start]
+        for handle in files.values():
+            handle.close()
 
 
 def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
