@@ -36,24 +36,24 @@ def resolve(uri: str, root: str | None) -> str:
 
 
 class _S3Reader:
-    """One boto3 client per process for ``s3://`` image reads (the endpoint from
+    """One boto3 client per endpoint and process for ``s3://`` image reads (the endpoint from
     AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, as the store's)."""
 
     _lock = threading.Lock()
-    _client = None
+    _clients: dict = {}
 
     @classmethod
     def client(cls):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         with cls._lock:
-            if cls._client is None:
+            if endpoint not in cls._clients:
                 import boto3
                 from botocore.config import Config
 
-                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                 config = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
                                 read_timeout=60, max_pool_connections=64)
-                cls._client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
-            return cls._client
+                cls._clients[endpoint] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            return cls._clients[endpoint]
 
     @classmethod
     def read(cls, uri: str) -> bytes:
