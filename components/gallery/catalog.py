@@ -246,16 +246,43 @@ def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
     return out if out is not None else np.zeros((0,), dtype=np.float32)
 
 
-def item_column(gallery: Gallery, positions: np.ndarray, name: str) -> list:
-    """One column of the items table (id, image, label, group) at ``positions``, read part by
-    part."""
-    out: list[str] = [""] * len(positions)
+class ColumnCache:
+    """Columns of item parts read recently (an adopted gallery's image URIs above all), shared by
+    the threads of one process: a sigma-ordered chunk holds items of every part, so without it
+    each chunk would read every part's items table again."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._columns: OrderedDict[tuple[str, int, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, gallery: Gallery, part: int, name: str):
+        key = (gallery.store.uri, part, name)
+        with self._lock:
+            if key in self._columns:
+                self._columns.move_to_end(key)
+                return self._columns[key]
+        column = gallery.items_part(part).column(name).combine_chunks()
+        with self._lock:
+            self._columns[key] = column
+            while sum(c.nbytes for c in self._columns.values()) > self.max_bytes and len(self._columns) > 1:
+                self._columns.popitem(last=False)
+        return column
+
+
+COLUMN_CACHE = ColumnCache()
+
+
+def item_column(gallery: Gallery, positions: np.ndarray, name: str, cache: ColumnCache = COLUMN_CACHE) -> list:
+    """One column of the items table (id, image, label, group) at ``positions``, part by part
+    (parts read recently come from ``cache``)."""
+    out: list = [None] * len(positions)
     parts = positions // gallery.part_size
     for part in np.unique(parts):
         rows = np.flatnonzero(parts == part)
-        column = gallery.items_part(int(part)).column(name).to_pylist()
-        for row, position in zip(rows, positions[rows] - int(part) * gallery.part_size):
-            out[row] = column[position]
+        values = cache.get(gallery, int(part), name).take(positions[rows] - int(part) * gallery.part_size).to_pylist()
+        for row, value in zip(rows, values):
+            out[row] = value
     return out
 
 
