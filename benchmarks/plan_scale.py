@@ -111,9 +111,10 @@ def finish(folder: Path) -> dict:
     return {"seconds": time.perf_counter() - started, "peak_rss_mb": _rss_mb(), "baseline_rss_mb": baseline}
 
 
-def _child(step: str, folder: Path, args) -> dict:
-    command = [sys.executable, __file__, "--child", step, "--folder", str(folder), "--part-size", str(args.part_size),
-               "--chunk-size", str(args.chunk_size), "--sizes", "0"]
+def run_child(script: str, step: str, folder: Path, *options: str) -> dict:
+    """Run ``script --child step --folder folder options`` in its own process (so its peak RSS is
+    its own) and return the JSON of its last line."""
+    command = [sys.executable, script, "--child", step, "--folder", str(folder), *options]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"{step} failed:\n{result.stderr[-3000:]}")
@@ -140,13 +141,10 @@ def main() -> None:
     for size in args.sizes:
         folder = args.workdir / f"n-{size}"
         shutil.rmtree(folder, ignore_errors=True)
-        command = [sys.executable, __file__, "--child", "make", "--folder", str(folder), "--sizes", str(size),
-                   "--part-size", str(args.part_size)]
-        made = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if made.returncode != 0:
-            raise SystemExit(f"making the gallery failed:\n{made.stderr[-3000:]}")
-        planned = _child("plan", folder, args)
-        finished = _child("finish", folder, args)
+        options = ("--sizes", str(size), "--part-size", str(args.part_size), "--chunk-size", str(args.chunk_size))
+        run_child(__file__, "make", folder, *options)
+        planned = run_child(__file__, "plan", folder, *options)
+        finished = run_child(__file__, "finish", folder, *options)
         rows.append({"items": size, "features_gb": size * DIM * 4 / 1e9, "plan": planned, "finish": finished})
         print(f"{size:>11,} items: plan {planned['seconds']:.1f} s, peak RSS {planned['peak_rss_mb']:.0f} MB; "
               f"finish {finished['seconds']:.1f} s, peak RSS {finished['peak_rss_mb']:.0f} MB", flush=True)

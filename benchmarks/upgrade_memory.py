@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,11 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plan_scale import _rss_mb, run_child  # noqa: E402
+
 DIM = 128
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def prepare(folder: Path, size: int) -> dict:
@@ -39,7 +36,6 @@ def prepare(folder: Path, size: int) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from backfill_throughput import _augment, _images, _write_files
 
     started = time.perf_counter()
@@ -145,14 +141,8 @@ def main() -> None:
         folder = args.workdir / f"n-{size}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        results = {}
-        for step in ("prepare", "upgrade"):
-            command = [sys.executable, __file__, "--child", step, "--folder", str(folder), "--sizes", str(size),
-                       "--chunk-size", str(args.chunk_size), "--concurrency", str(args.concurrency)]
-            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-            if done.returncode != 0:
-                raise SystemExit(f"{step} at {size} failed:\n{done.stderr[-3000:]}")
-            results[step] = json.loads(done.stdout.strip().splitlines()[-1])
+        options = ("--sizes", str(size), "--chunk-size", str(args.chunk_size), "--concurrency", str(args.concurrency))
+        results = {step: run_child(__file__, step, folder, *options) for step in ("prepare", "upgrade")}
         run = results["upgrade"]
         rows.append((size, run))
         print(f"{size:>9,} items ({results['prepare']['mean_bytes']:.0f}-byte PNGs): peak RSS {run['peak_rss_mb']:.0f} "
