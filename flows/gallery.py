@@ -96,7 +96,6 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
     if not shape or len(shape) != 3:
         raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
     config = params.gallery.upgrade
-    model = None
     if features:
         first = Path(features[0])
         rows = (parquet_rows(first, features_column) if first.suffix.lower() == ".parquet"

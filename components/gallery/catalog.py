@@ -200,6 +200,15 @@ class ImageCache:
 IMAGE_CACHE = ImageCache()
 
 
+def by_part(gallery: Gallery, positions: np.ndarray):
+    """(part, rows, offsets) for item ``positions`` (any order): the rows of the request that
+    fall in each part, and their offsets within it; each part once, in order."""
+    parts = positions // gallery.part_size
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        yield int(part), rows, positions[rows] - int(part) * gallery.part_size
+
+
 def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE, *,
                  workers: int = 16) -> tuple[np.ndarray, list]:
     """The images of items at ``positions`` (any order) and the failures
@@ -213,11 +222,8 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
         return read_images(item_column(gallery, positions, "image"), shape, root=gallery.image_root,
                            workers=workers)
     out = np.empty((len(positions), *shape), dtype=np.uint8)
-    parts = positions // gallery.part_size
-    for part in np.unique(parts):
-        rows = np.flatnonzero(parts == part)
-        images = cache.get(gallery, int(part))
-        out[rows] = images[positions[rows] - int(part) * gallery.part_size]
+    for part, rows, offsets in by_part(gallery, positions):
+        out[rows] = cache.get(gallery, part)[offsets]
     return out, []
 
 
@@ -234,15 +240,12 @@ def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = I
 def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
     """Rows at ``positions`` of a per-part array (``key_of_part(part)`` is its key), reading only
     the parts they fall in, one at a time: memory grows with the rows asked for, not the gallery."""
-    positions = np.asarray(positions, dtype=np.int64)
-    parts = positions // gallery.part_size
     out = None
-    for part in np.unique(parts):
-        rows = np.flatnonzero(parts == part)
-        array = gallery.store.get_array(key_of_part(int(part)))
+    for part, rows, offsets in by_part(gallery, np.asarray(positions, dtype=np.int64)):
+        array = gallery.store.get_array(key_of_part(part))
         if out is None:
             out = np.empty((len(positions), *array.shape[1:]), dtype=array.dtype)
-        out[rows] = array[positions[rows] - int(part) * gallery.part_size]
+        out[rows] = array[offsets]
     return out if out is not None else np.zeros((0,), dtype=np.float32)
 
 
@@ -277,11 +280,8 @@ def item_column(gallery: Gallery, positions: np.ndarray, name: str, cache: Colum
     """One column of the items table (id, image, label, group) at ``positions``, part by part
     (parts read recently come from ``cache``)."""
     out: list = [None] * len(positions)
-    parts = positions // gallery.part_size
-    for part in np.unique(parts):
-        rows = np.flatnonzero(parts == part)
-        values = cache.get(gallery, int(part), name).take(positions[rows] - int(part) * gallery.part_size).to_pylist()
-        for row, value in zip(rows, values):
+    for part, rows, offsets in by_part(gallery, np.asarray(positions, dtype=np.int64)):
+        for row, value in zip(rows, cache.get(gallery, part, name).take(offsets).to_pylist()):
             out[row] = value
     return out
 

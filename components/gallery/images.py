@@ -44,15 +44,12 @@ class _S3Reader:
 
     @classmethod
     def client(cls):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        from components.gallery.store import s3_client, s3_endpoint
+
+        endpoint = s3_endpoint()
         with cls._lock:
             if endpoint not in cls._clients:
-                import boto3
-                from botocore.config import Config
-
-                config = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
-                                read_timeout=60, max_pool_connections=64)
-                cls._clients[endpoint] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+                cls._clients[endpoint] = s3_client(endpoint, pool=64)
             return cls._clients[endpoint]
 
     @classmethod
@@ -90,7 +87,8 @@ def _why(error: BaseException) -> str:
         return f"missing: no such file {error.filename}" if error.filename else "missing: no such file"
     if isinstance(error, UnidentifiedImageError):
         return "undecodable: not an image Pillow can read"
-    code = getattr(error, "response", {}).get("Error", {}).get("Code") if hasattr(error, "response") else None
+    response = getattr(error, "response", None)  # botocore's ClientError carries the S3 error code
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
     if code in ("NoSuchKey", "404"):
         return "missing: no such object"
     if code:

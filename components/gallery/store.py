@@ -230,24 +230,34 @@ def _write_file(path: Path, data: bytes) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def s3_endpoint() -> str | None:
+    """The S3 endpoint from the environment (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL); None: AWS."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def s3_client(endpoint_url: str | None, *, attempts: int = 5, connect_timeout: float = 5, read_timeout: float = 60,
+              pool: int = 32):
+    """A boto3 S3 client with the product's retry and timeout settings (credentials and region
+    from boto3's standard configuration)."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=connect_timeout,
+                    read_timeout=read_timeout, max_pool_connections=pool)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
 class S3Store(Store):
     """``s3://bucket/prefix`` through boto3 (AWS, MinIO, any S3-compatible endpoint)."""
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: str | None = None):
-        import boto3
-        from botocore.config import Config
-
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint_url = endpoint_url or s3_endpoint()
         self.endpoint = endpoint_url or "AWS"
-        config = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60,
-                        max_pool_connections=32)
-        session = boto3.session.Session()
-        self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.client = s3_client(endpoint_url)
         # reachability is asked once, up front: fail fast instead of retrying with backoff
-        self._probe = session.client("s3", endpoint_url=endpoint_url, config=config.merge(
-            Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10)))
+        self._probe = s3_client(endpoint_url, attempts=1, connect_timeout=3, read_timeout=10)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
