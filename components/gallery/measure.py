@@ -25,12 +25,12 @@ class BackfillMeter:
     def __init__(self, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray, transformed: np.ndarray,
                  order: np.ndarray, distance: str = "l2"):
         """``positions``: the sample S; ``labels``: of the whole gallery; ``transformed``: h(old)
-        of the whole gallery, or of S only (its rows in the order of ``positions``);
-        ``queries``: new-model features of S; ``order``: the full backfill order."""
+        of S (its rows in the order of ``positions``); ``queries``: new-model features of S;
+        ``order``: the full backfill order."""
         self.positions, self.order, self.distance = positions, order, distance
         self.labels = labels[positions]
         self.queries = queries
-        self.old = transformed[positions] if len(transformed) == len(order) else np.asarray(transformed)
+        self.old = np.asarray(transformed)
         self.new = self.old.copy()  # rows are replaced as their chunks land
         self.local_order = restricted_order(order, positions)
         self.slot = np.full(len(order), -1, dtype=np.int64)

@@ -137,6 +137,7 @@ class GallerySearch:
 
     def _mark_kept_from(self, manifest: dict) -> None:
         """Items the last finished upgrade could not re-embed keep their transformed features."""
+        self._mapped = None  # how sources() names the kept items' features, when there are any
         last = (manifest.get("history") or [{}])[-1].get("by")
         if last and last not in ("ingest", "adopt"):
             try:
@@ -159,7 +160,7 @@ class GallerySearch:
         if self.plan is not None:
             new, mapped = self.plan.new.uri, f"{self.plan.old.uri} mapped by {self.plan.map_uri}"
         else:
-            new, mapped = self.query_model.uri, getattr(self, "_mapped", None)
+            new, mapped = self.query_model.uri, self._mapped
         out = [new if self.fresh[p] else mapped if i >= 0 else None for p, i in zip(positions, ids.ravel())]
         return np.array(out, dtype=object).reshape(ids.shape).tolist()
 

@@ -81,7 +81,7 @@ def test_meter_equals_the_simulated_curve_at_the_same_counts():
     labels = rng.integers(0, 4, size=n)
     order = rng.permutation(n)
     positions = np.sort(rng.choice(n, size=50, replace=False))
-    meter = BackfillMeter(positions, labels, new[positions], transformed, order)
+    meter = BackfillMeter(positions, labels, new[positions], transformed[positions], order)
     measured, chunk = {}, 16
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
