@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from prefect import flow
 from prefect.futures import as_completed
 
 from components.gallery import backfill as bf, plan as pl
 from components.gallery.upgrade import rejection as upgrade_rejection
 from components.gallery.catalog import Gallery, GalleryError, fetch_images
+from components.gallery.images import readable
 from components.gallery.lifecycle import (
     Backfill, budget_items, check_map_fits, choose_map, failure_limit, plan_fields, registered_map_order,
 )
@@ -200,8 +200,7 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     if failures:
         log(f"evaluation sample: {len(failures)} of {len(positions)} images could not be read and are left out "
             f"(first: {failures[0].uri}: {failures[0].reason})")
-        keep = np.ones(len(positions), dtype=bool)
-        keep[[f.row for f in failures]] = False
+        keep = readable(len(positions), failures)
         positions, images = positions[keep], images[keep]
     sampled = len(positions) >= 2
     queries = embed_images(new_model, images, config.batch_size) if sampled else None

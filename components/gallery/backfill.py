@@ -48,6 +48,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
     (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
     from components.experiment.inference import embed
+    from components.gallery.images import readable
 
     marker = marker_key(upgrade, chunk)
     try:
@@ -61,8 +62,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     gallery = Gallery(store)
     images, failures = fetch_images(gallery, positions, IMAGE_CACHE, workers=read_workers)
     features = np.empty((len(positions), plan.new.dim), dtype=np.float32)
-    ok = np.ones(len(positions), dtype=bool)
-    ok[[f.row for f in failures]] = False
+    ok = readable(len(positions), failures)
     if ok.any():
         features[ok] = check_features(embed(model, images[ok], batch_size=batch_size, device=device), plan.new.dim,
                                       f"new-model features of chunk {chunk}")

@@ -30,6 +30,7 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     """The plan of an upgrade of ``gallery`` to ``new_model`` under ``config``
     (gallery.upgrade), with measured per-item read and embedding times."""
     from components.experiment.inference import embed
+    from components.gallery.images import readable
 
     n, parts = gallery.num_items, gallery.num_parts
     chunks = math.ceil(n / config.chunk_size)
@@ -39,8 +40,7 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     started = time.perf_counter()
     images, failures = fetch_images(gallery, positions, workers=config.read_workers)
     read_seconds = time.perf_counter() - started
-    ok = np.ones(len(positions), dtype=bool)
-    ok[[f.row for f in failures]] = False
+    ok = readable(len(positions), failures)
     embed(new_model, images[ok][:2], batch_size=config.batch_size)  # warm-up: first-call costs are not per item
     started = time.perf_counter()
     embed(new_model, images[ok], batch_size=config.batch_size)
@@ -52,7 +52,8 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     image_reads = n if gallery.adopted else parts  # packed parts are cached per process
     requests = {
         "plan": 3 * parts + 5,  # features in, transformed and sigma out; order, eval sample, plan, manifest
-        "backfill": image_reads + (chunks * min(parts, config.chunk_size) if gallery.adopted else 0) + 2 * chunks,
+        # the images, each part's item URIs once (cached per process), a chunk's features and its marker
+        "backfill": image_reads + (parts if gallery.adopted else 0) + 2 * chunks,
         "finish": 2 * chunks + 2 * parts + 2,  # markers and chunks in; transformed in, features out
     }
     backfill_seconds = n * (per_read + per_embed) / max(1, config.max_concurrency)

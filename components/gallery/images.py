@@ -27,6 +27,13 @@ class ImageFailure:
     reason: str
 
 
+def readable(count: int, failures: Sequence[ImageFailure]) -> np.ndarray:
+    """The mask of the ``count`` rows of a request whose image was read (not in ``failures``)."""
+    mask = np.ones(count, dtype=bool)
+    mask[[failure.row for failure in failures]] = False
+    return mask
+
+
 def resolve(uri: str, root: str | None) -> str:
     """A full location: ``s3://`` and absolute paths as they are, others under ``root``."""
     if uri.startswith("s3://") or uri.startswith("/") or root is None:
