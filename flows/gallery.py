@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from prefect import flow
 
-from components.gallery.catalog import GalleryError, check_features
+from components.gallery.catalog import GalleryError, check_empty, check_features
 from components.platform import registry
 from components.platform.config import Params
 from components.platform.registry import ModelRef
@@ -39,9 +39,7 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
     """Put images (default: the prepared test split) into the store with the features of the
     ``model_uri`` model (default: the registry's champion), or with given features."""
     store = store_at(store_uri)
-    store.check()
-    if store.exists("gallery.json"):
-        raise GalleryError(f"{store.uri} already holds a gallery; ingest into a new prefix or folder")
+    check_empty(store, "ingest")  # before anything is embedded
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
     if images is None:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from components.gallery.catalog import FORMAT, MANIFEST, GalleryError, check_features, features_key, now, part_key
+from components.gallery.catalog import (
+    GalleryError, check_empty, check_features, commit_manifest, features_key, part_key,
+)
 from components.gallery.store import Store
 from components.platform.registry import ModelRef
 
@@ -133,9 +135,7 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
     part, from ``features`` (rows in table order) or ``embed_part(uris)``; the manifest last."""
     import pyarrow as pa
 
-    store.check()
-    if store.exists(MANIFEST):
-        raise GalleryError(f"{store.uri} already holds a gallery; adopt into a new prefix or folder")
+    check_empty(store, "adopt")
     if (features is None) == (embed_part is None):
         raise GalleryError("adopt needs either the current features or a model to embed the images")
     if part_size < 1:
@@ -169,12 +169,6 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
             on_part(part + 1, num_parts)
     if features is not None and (buffer or next(features, None) is not None):
         raise GalleryError(f"more feature rows than the manifest's {n} items; give one row per item, in its order")
-    manifest = {
-        "format": FORMAT, "created": now(), "num_items": n, "part_size": part_size, "num_parts": num_parts,
-        "image_shape": [int(x) for x in image_shape], "has_labels": "label" in table.column_names,
-        "has_groups": "group" in table.column_names, "images": {"source": "uri", "root": root},
-        "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": "adopt"}],
-        "upgrade": None,
-    }
-    store.put_json(MANIFEST, manifest)
-    return manifest
+    return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
+                           has_labels="label" in table.column_names, has_groups="group" in table.column_names,
+                           by="adopt", images={"source": "uri", "root": root})

@@ -286,6 +286,28 @@ def item_column(gallery: Gallery, positions: np.ndarray, name: str, cache: Colum
     return out
 
 
+def check_empty(store: Store, verb: str) -> None:
+    """The store is reachable and holds no gallery yet; else a GalleryError saying what to do."""
+    store.check()
+    if store.exists(MANIFEST):
+        raise GalleryError(f"{store.uri} already holds a gallery; {verb} into a new prefix or folder")
+
+
+def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,
+                    has_groups: bool, by: str, images: dict | None = None) -> dict:
+    """Write a new gallery's manifest, the last object of an ingest or an adopt: from here on
+    the gallery exists."""
+    manifest = {
+        "format": FORMAT, "created": now(), "num_items": num_items, "part_size": part_size,
+        "num_parts": -(-num_items // part_size), "image_shape": [int(x) for x in image_shape],
+        "has_labels": has_labels, "has_groups": has_groups, **({"images": images} if images else {}),
+        "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": by}],
+        "upgrade": None,
+    }
+    store.put_json(MANIFEST, manifest)
+    return manifest
+
+
 def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
            labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
            part_size: int = 1000, on_part=None) -> dict:
@@ -293,9 +315,7 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
     last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
     import pyarrow as pa
 
-    store.check()
-    if store.exists(MANIFEST):
-        raise GalleryError(f"{store.uri} already holds a gallery; ingest into a new prefix or folder")
+    check_empty(store, "ingest")
     images = np.asarray(images)
     if images.ndim == 3:
         images = images[:, None]
@@ -332,11 +352,5 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
         store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))
         if on_part is not None:
             on_part(part + 1, num_parts)
-    manifest = {
-        "format": FORMAT, "created": now(), "num_items": n, "part_size": part_size, "num_parts": num_parts,
-        "image_shape": list(images.shape[1:]), "has_labels": labels is not None, "has_groups": groups is not None,
-        "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": "ingest"}],
-        "upgrade": None,
-    }
-    store.put_json(MANIFEST, manifest)
-    return manifest
+    return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=images.shape[1:],
+                           has_labels=labels is not None, has_groups=groups is not None, by="ingest")
