@@ -30,13 +30,15 @@ def _gallery(uri: str):
 
 
 def _with_upgrade(config, **changes):
-    from components.platform.config import Params
+    """params with the command's gallery.upgrade options applied, checked as params.yaml is
+    (one line per bad value, naming its key)."""
+    from components.platform.config import ConfigError, parse_params
 
     data = config.model_dump()
     data["gallery"]["upgrade"].update({k: v for k, v in changes.items() if v is not None})
     try:
-        return Params.model_validate(data)
-    except ValueError as error:
+        return parse_params(data, Path("the command's options"))
+    except ConfigError as error:
         fail(error, 2)
 
 

@@ -132,3 +132,17 @@ def test_a_unified_map_cannot_drive_a_stored_gallery_upgrade():
     data["gallery"]["upgrade"]["method"] = "shared"
     with pytest.raises(ConfigError, match="unified map"):
         parse_params(data)
+
+
+@pytest.mark.parametrize("option, value, key", [
+    ("--max-items-per-second", "0", "gallery.upgrade.max_items_per_second"),
+    ("--concurrency", "0", "gallery.upgrade.max_concurrency"),
+])
+def test_a_bad_upgrade_option_is_refused_naming_its_key(option, value, key):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["upgrade", option, value, "--dry-run"])
+    assert result.exit_code == 2 and "the command's options: invalid configuration" in result.output
+    assert f"{key}: Input should be greater than 0" in result.output and "pydantic.dev" not in result.output
