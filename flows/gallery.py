@@ -116,7 +116,7 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
                 first = failures[0]
                 raise GalleryError(f"{len(failures)} of {len(uris)} images of a part could not be read (first: "
                                    f"{first.uri}: {first.reason}); fix them or leave them out of the manifest")
-            return embed_images(model, images, config.batch_size)
+            return embed_images(model, images, config.batch_size, config.precision)
 
         log(f"adopting {table.num_rows} items from {manifest}: embedding their images with {ref.uri} "
             f"({config.read_workers} reads at a time); the images stay where they are")

@@ -203,7 +203,7 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
         keep = readable(len(positions), failures)
         positions, images = positions[keep], images[keep]
     sampled = len(positions) >= 2
-    queries = embed_images(new_model, images, config.batch_size) if sampled else None
+    queries = embed_images(new_model, images, config.batch_size, config.precision) if sampled else None
     plan = pl.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
                    len(positions) if sampled else 0, params.gallery.distance, run_id, base=base.id if base else None)
     pl.commit_plan(gallery, plan, order, positions, queries)
@@ -241,7 +241,7 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     def start() -> None:
         for chunk in state.to_start(time.monotonic()):
             in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size,
-                                            config.read_workers)] = chunk
+                                            config.read_workers, config.precision)] = chunk
 
     try:
         start()

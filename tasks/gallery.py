@@ -31,10 +31,10 @@ def load_model(config: MlflowConfig, ref: ModelRef):
 
 
 @task(name="embed-images", tags=GPU_TAGS, **NO_CACHING)
-def embed_images(model, images: np.ndarray, batch_size: int = 512) -> np.ndarray:
+def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: str = "auto") -> np.ndarray:
     from components.experiment.inference import embed
 
-    return embed(model, images, batch_size=batch_size)
+    return embed(model, images, batch_size=batch_size, precision=precision)
 
 
 @task(name="write-gallery", **NO_CACHING)
@@ -171,10 +171,11 @@ def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, se
 
 
 @task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
-def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int, read_workers: int = 16) -> dict:
+def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int, read_workers: int = 16,
+                   precision: str = "auto") -> dict:
     """Read the chunk's images, embed them with the new model, write features, then the marker."""
     return bf.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size,
-                             read_workers=read_workers)
+                             read_workers=read_workers, precision=precision)
 
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)

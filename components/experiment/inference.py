@@ -23,16 +23,64 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """The dtype ``embed`` computes in under autocast, or None for plain float32. ``auto``:
+    bfloat16 on a CUDA device that supports it (float16 on one that does not), float32 on the
+    CPU; ``fp32`` turns mixed precision off."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    if device.type != "cuda":
+        if precision == "auto":
+            return None
+        raise ValueError(f"precision {precision} needs a CUDA device; on {device} use auto or fp32")
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if precision == "bf16" else torch.float16
+
+
 @torch.no_grad()
-def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None) -> np.ndarray:
-    """Features of uint8 images (N, C, H, W), float32 (N, d)."""
+def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None,
+          precision: str = "auto") -> np.ndarray:
+    """Features of uint8 images (N, C, H, W), float32 (N, d).
+
+    On CUDA the uint8 batches go through pinned host memory and a copy stream of their own,
+    so the next batch's host-to-device copy overlaps this batch's forward pass, and the model
+    runs under autocast (``precision``, see ``autocast_dtype``); features are always returned
+    in float32."""
     device = device or pick_device()
     model = model.to(device).eval()
     out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
+    if not len(images):
+        return out
+    dtype = autocast_dtype(device, precision)
+    copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def load(start: int) -> torch.Tensor:
+        batch = torch.from_numpy(np.ascontiguousarray(images[start: start + batch_size]))
+        if copies is None:
+            return batch
+        batch = batch.pin_memory()
+        with torch.cuda.stream(copies):
+            return batch.to(device, non_blocking=True)
+
+    pending = load(0)
     for start in range(0, len(images), batch_size):
-        batch = torch.from_numpy(images[start: start + batch_size]).to(device).float().div_(255.0)
-        batch = batch.contiguous(memory_format=CHANNELS_LAST)
-        out[start: start + len(batch)] = model(batch).cpu().numpy()
+        batch = pending
+        if copies is not None:
+            compute = torch.cuda.current_stream(device)
+            compute.wait_stream(copies)  # this batch has arrived
+            batch.record_stream(compute)  # allocated on the copy stream, used on this one
+        batch = batch.float().div_(255.0).contiguous(memory_format=CHANNELS_LAST)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            features = model(batch)  # queued on the GPU; the next copy is queued beside it
+        if start + batch_size < len(images):
+            pending = load(start + batch_size)
+        out[start: start + len(batch)] = features.float().cpu().numpy()
     return out
 
 

@@ -43,7 +43,7 @@ PLANS = _PlanCache()
 
 
 def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
-                   read_workers: int = 16) -> dict:
+                   read_workers: int = 16, precision: str = "auto") -> dict:
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
     marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
     (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
@@ -64,7 +64,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     features = np.empty((len(positions), plan.new.dim), dtype=np.float32)
     ok = readable(len(positions), failures)
     if ok.any():
-        features[ok] = check_features(embed(model, images[ok], batch_size=batch_size, device=device), plan.new.dim,
+        features[ok] = check_features(embed(model, images[ok], batch_size=batch_size, device=device, precision=precision), plan.new.dim,
                                       f"new-model features of chunk {chunk}")
     failed = []
     if failures:

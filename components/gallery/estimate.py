@@ -41,9 +41,9 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     images, failures = fetch_images(gallery, positions, workers=config.read_workers)
     read_seconds = time.perf_counter() - started
     ok = readable(len(positions), failures)
-    embed(new_model, images[ok][:2], batch_size=config.batch_size)  # warm-up: first-call costs are not per item
+    embed(new_model, images[ok][:2], batch_size=config.batch_size, precision=config.precision)  # warm-up: first-call costs are not per item
     started = time.perf_counter()
-    embed(new_model, images[ok], batch_size=config.batch_size)
+    embed(new_model, images[ok], batch_size=config.batch_size, precision=config.precision)
     embed_seconds = time.perf_counter() - started
     per_read, per_embed = read_seconds / len(positions), embed_seconds / max(1, int(ok.sum()))
 

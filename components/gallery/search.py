@@ -63,6 +63,8 @@ class GallerySearch:
             self.index.add_with_ids(self._prepare(part_features(part)), self.ids[start:stop])
         self.applied: set[int] = set()
         self.rebuilds = getattr(self, "rebuilds", -1) + 1
+        self.gpu = GpuCopy.choose(self.index_config, self.distance)
+        self.searched_on = self.gpu.name if self.gpu else "cpu (faiss)"
         if self.plan is not None:
             self.refresh()
 
@@ -129,6 +131,8 @@ class GallerySearch:
             features = self._prepare(chunk_features(self.gallery.store, self.plan.id, chunk))
             self.index.remove_ids(ids)
             self.index.add_with_ids(features, ids)
+            if self.gpu is not None:
+                self.gpu.stale = True
             self.applied.add(chunk)
             self.fresh[self.order[start:stop]] = True
             for entry in self.gallery.store.get_json(marker_key(self.plan.id, chunk)).get("failed", []):
@@ -182,7 +186,10 @@ class GallerySearch:
         features = check_features(features, self.dim, f"query features (for {self.query_model.uri})")
         k = min(k, self.gallery.num_items)
         with self._lock:
-            scores, ids = self.index.search(self._prepare(features), k)
+            if self.gpu is not None:
+                scores, ids = self.gpu.search(self.index, self._prepare(features), k)
+            else:
+                scores, ids = self.index.search(self._prepare(features), k)
         return ids, (1.0 - scores if self.distance == "cosine" else scores)
 
     def search_images(self, images: np.ndarray, model, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
@@ -198,3 +205,103 @@ class GallerySearch:
             raise GalleryError(f"query images must be uint8 of shape (N, {', '.join(map(str, expected))}), "
                                f"got {images.dtype} {images.shape}")
         return self.search(embed(model, images), k)
+
+
+def faiss_gpus() -> int:
+    """GPUs faiss can use: 0 with faiss-cpu (no GPU build) or no CUDA device."""
+    import faiss
+
+    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+
+
+class GpuCopy:
+    """The search index's copy on a CUDA GPU, where searches run. Updates still go to the faiss
+    index on the CPU (faiss's GPU indexes cannot remove ids, and the CPU index is what a
+    rebuild-free upgrade edits), and the copy is reloaded at the first search after a change:
+    one host-to-device copy per refresh that applied chunks, not per search.
+
+    With faiss's GPU build (``pip install -e .[gpu]``) the copy is faiss's own GPU index, of any
+    kind. With faiss-cpu and CUDA torch, a flat index's vectors are copied to the GPU and
+    searched exactly by torch (same squared-L2 or inner-product scores as faiss)."""
+
+    QUERY_SCORES = 1 << 28  # query x item scores in flight at once (1 GiB of float32)
+
+    def __init__(self, backend: str, distance: str):
+        import torch
+
+        self.backend, self.distance, self.stale = backend, distance, True
+        self.device = torch.device("cuda")
+        self.name = "cuda (faiss)" if backend == "faiss" else "cuda (torch, exact)"
+        self._copy = self._vectors = self._ids = self._norms = None
+        if backend == "faiss":
+            import faiss
+
+            self._resources = faiss.StandardGpuResources()
+
+    @classmethod
+    def choose(cls, config, distance: str) -> GpuCopy | None:
+        """The GPU copy ``config`` (gallery.index) asks for and this machine allows, or None (search
+        on the CPU). ``device: cuda`` that cannot be honoured is an error, never a silent CPU."""
+        import torch
+
+        from components.experiment.inference import pick_device
+
+        if config.device == "cpu" or (config.device == "auto" and pick_device().type != "cuda"):
+            return None  # auto follows FASTFILL_DEVICE too
+        if faiss_gpus() > 0:
+            return cls("faiss", distance)
+        cuda = torch.cuda.is_available()
+        if cuda and config.kind == "flat":
+            return cls("torch", distance)
+        if config.device == "cuda":
+            if not cuda:
+                raise GalleryError("gallery.index.device is cuda, but this machine has no CUDA device; set it to "
+                                   "auto (the GPU when there is one) or cpu")
+            raise GalleryError(f"gallery.index.kind {config.kind} on the GPU needs faiss's GPU build "
+                               "(pip install -e .[gpu]); without it use kind flat, or device auto or cpu")
+        return None
+
+    def load(self, index) -> None:
+        """Copy ``index`` (the CPU faiss index, already filled) to the GPU, replacing the last copy."""
+        import faiss
+        import torch
+
+        self._copy = self._vectors = self._ids = self._norms = None
+        if self.backend == "faiss":
+            self._copy = faiss.index_cpu_to_gpu(self._resources, 0, index)
+        else:
+            flat = faiss.downcast_index(index.index)
+            n, block = index.ntotal, 1 << 18
+            self._vectors = torch.empty((n, index.d), dtype=torch.float32, device=self.device)
+            for start in range(0, n, block):  # block by block: never a second N x d copy on the host
+                rows = flat.reconstruct_n(start, min(block, n - start))
+                self._vectors[start: start + len(rows)] = torch.from_numpy(rows).to(self.device)
+            self._ids = torch.from_numpy(faiss.vector_to_array(index.id_map).astype(np.int64)).to(self.device)
+            if self.distance != "cosine":
+                self._norms = (self._vectors * self._vectors).sum(dim=1)
+        self.stale = False
+
+    def search(self, index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) as faiss's ``index.search`` gives them: squared L2 ascending, or inner
+        product descending."""
+        import torch
+
+        if self.stale:
+            self.load(index)
+        if self.backend == "faiss":
+            return self._copy.search(queries, k)
+        n = len(self._ids)
+        step = max(1, self.QUERY_SCORES // max(n, 1))
+        scores, ids = [], []
+        with torch.no_grad():
+            for start in range(0, len(queries), step):
+                q = torch.from_numpy(queries[start: start + step]).to(self.device)
+                products = q @ self._vectors.T
+                if self.distance == "cosine":
+                    best, at = products.topk(k, dim=1, largest=True)
+                else:
+                    distances = ((q * q).sum(dim=1, keepdim=True) - 2 * products + self._norms).clamp_min_(0)
+                    best, at = distances.topk(k, dim=1, largest=False)
+                scores.append(best.cpu().numpy())
+                ids.append(self._ids[at].cpu().numpy())
+        return np.concatenate(scores).astype(np.float32), np.concatenate(ids)

@@ -225,6 +225,9 @@ class UpgradeConfig(Section):
     eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
         default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
     batch_size: PositiveInt = 512
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto", description="embedding on CUDA: auto = bfloat16 autocast (float16 where bfloat16 is not "
+        "supported), fp32 = off; the CPU always computes in float32 under auto")
     max_items_per_second: PositiveFloat | None = Field(
         default=None, description="throttle: start chunks no faster than this many items per second (null: no limit)")
     read_workers: PositiveInt = Field(default=16, description="parallel image reads per chunk (adopted galleries)")
@@ -244,6 +247,9 @@ class IndexConfig(Section):
     nprobe: PositiveInt = Field(default=16, description="lists searched per query (ivf, ivfpq)")
     pq_m: PositiveInt = Field(default=16, description="sub-quantisers of ivfpq (must divide the dimension)")
     train_size: PositiveInt = Field(default=50000, description="items sampled to train the lists")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="where searches run: auto = on a CUDA GPU when there is one (faiss's GPU "
+        "build from the gpu extra; without it, flat indexes are searched exactly by torch), else the CPU")
 
 
 class GalleryConfig(Section):

@@ -155,3 +155,30 @@ def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, m
         np.testing.assert_array_equal(approximate.search(new_queries, 5)[0], flat.search(new_queries, 5)[0])
     with pytest.raises(GalleryError, match="needs at least 39000 items"):
         GallerySearch(gallery, index=IndexConfig(kind=kind, nlist=1000))
+
+
+def test_precision_rules_name_the_setting_and_keep_the_cpu_in_float32():
+    import torch
+
+    from components.experiment.inference import autocast_dtype
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype(cpu, "auto") is None and autocast_dtype(cpu, "fp32") is None
+    with pytest.raises(ValueError, match="precision bf16 needs a CUDA device; on cpu use auto or fp32"):
+        autocast_dtype(cpu, "bf16")
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16, fp16, got 'half'"):
+        autocast_dtype(cpu, "half")
+
+
+def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tmp_path, models, data):
+    import torch
+
+    from components.gallery.search import GallerySearch
+    from components.platform.config import IndexConfig
+
+    gallery = _gallery(str(tmp_path / "store"), models, data)
+    assert GallerySearch(gallery).searched_on == "cpu (faiss)"  # auto follows FASTFILL_DEVICE=cpu (conftest)
+    if not torch.cuda.is_available():
+        with pytest.raises(GalleryError, match="gallery.index.device is cuda, but this machine has no CUDA"):
+            GallerySearch(gallery, index=IndexConfig(device="cuda"))
+    assert GallerySearch(gallery, index=IndexConfig(device="cpu")).searched_on == "cpu (faiss)"
