@@ -27,4 +27,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/pip install -q --disable-pip-version-check -c requirements.lock -e ".[test]"
     echo "$want" > "$stamp"
 fi
+# FASTFILL_GPU=1: faiss's GPU build in place of faiss-cpu (both install the module `faiss`).
+# Torch's CUDA build comes from your platform's torch index; this step does not change torch.
+if [ "${FASTFILL_GPU:-0}" = "1" ] && ! .venv/bin/python -c "import faiss, sys; sys.exit(not hasattr(faiss, 'StandardGpuResources'))" 2>/dev/null; then
+    echo "setup: replacing faiss-cpu with faiss's GPU build (the gpu extra)"
+    .venv/bin/pip uninstall -q -y faiss-cpu
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[gpu]"
+fi
 echo "setup: ready (.venv)"
