@@ -10,6 +10,7 @@ from prefect import flow
 
 from components.gallery.catalog import GalleryError, check_empty, check_features
 from components.platform import registry
+from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from tasks._policy import log
@@ -90,7 +91,7 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         root = str(Path(root.removeprefix("file://")).resolve())
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
-    shape = tuple(image_shape) if image_shape else registry.input_shape(ref.uri)
+    shape = tuple(image_shape) if image_shape else registered.input_shape(ref.uri)
     if not shape or len(shape) != 3:
         raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
     config = params.gallery.upgrade

@@ -20,14 +20,16 @@ from components.gallery.lifecycle import (
 )
 from components.gallery.lock import acquire_lock
 from components.gallery.measure import meter_for
+from components.gallery.store import StoreError
 from components.gallery.promotion import decide, decision_tags, gate_message
 from components.platform import registry
+from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from tasks._policy import log
 from tasks.gallery import (
-    UpgradeProgress, backfill_chunk, check_upgrade_map, embed_images, evaluate_gate, finish_upgrade, load_model,
-    open_upgrade_run, record_decision, reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part,
+    UpgradeProgress, backfill_chunk, check_upgrade_map, close_upgrade_run, embed_images, evaluate_gate,
+    finish_upgrade, load_model, open_upgrade_run, record_decision, reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part,
     write_sources,
 )
 
@@ -51,8 +53,7 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
     _refuse_rejected(store, uid)
     lock = acquire_lock(store, uid, break_lock=break_lock, log=log)
     try:
-        plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new,
-                                                 load_model(params.mlflow, old), new_model, base)
+        plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new, new_model, base)
         result = _backfill(params, gallery, store_uri, plan, new_model,
                            budget if budget is not None else params.gallery.upgrade.budget)
         result["mlflow_run_id"] = plan.mlflow_run_id
@@ -92,7 +93,7 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     gallery.manifest(refresh=True)
     client, _ = registry.setup(params.mlflow)
     new = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
-    model = registry.load_model(new.uri).eval()
+    model = registered.load_model(new.uri).eval()
     result = dry_run(gallery, params.gallery.upgrade, model, seed=params.gallery.upgrade.seed)
     current = gallery.manifest().get("upgrade")
     return {"from": gallery.model.uri, "to": new.uri, "in_progress": current,
@@ -171,16 +172,33 @@ def _alignment_map(params: Params, pairs, new_model, old: ModelRef, new: ModelRe
     order, why = registered_map_order(chosen.tags, config.order)
     if why:
         log(f"{map_uri} is {why}")
-    return registry.load_model(map_uri).eval(), map_uri, order
+    return registered.load_model(map_uri).eval(), map_uri, order
 
 
 def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
-          old_model, new_model, base: pl.Plan | None = None) -> pl.Plan:
+          new_model, base: pl.Plan | None = None) -> pl.Plan:
     """Map (checked), transformed features and sigma, order, evaluation sample; plan.json last.
     With ``base`` (an unfinished upgrade to ``old``), a sequential upgrade: the map applies to the
-    gallery as that upgrade left it, so items still on the gallery's model go through both maps."""
+    gallery as that upgrade left it, so items still on the gallery's model go through both maps.
+    A gallery whose parts are missing or foreign is refused before anything is written; one whose
+    content fails while planning (a NaN, a torn part) is refused and what planning wrote is removed."""
     config = params.gallery.upgrade
+    pl.check_sources(gallery, sequential=base is not None)  # before anything is written
     run_id = open_upgrade_run(params, plan_fields(config, uid, old.uri, new.uri, base.id if base else None), store_uri)
+    try:
+        return _make_plan(params, gallery, store_uri, uid, old, new, new_model, base, run_id)
+    except (GalleryError, StoreError) as error:
+        discarded = pl.discard_unplanned(gallery, uid)
+        close_upgrade_run(params, run_id, "FAILED", f"planning refused: {error}")
+        log(f"planning refused; {discarded} object(s) it had written under upgrades/{uid}/ were removed, so the store "
+            "is as it was")
+        raise
+
+
+def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
+               new_model, base: pl.Plan | None, run_id: str) -> pl.Plan:
+    config = params.gallery.upgrade
+    old_model = load_model(params.mlflow, old)
     pairs = training_pairs(params, old_model, new_model)
     alignment_map, map_uri, order_kind = _alignment_map(params, pairs, new_model, old, new, run_id)
     alignment_map, map_uri, order_kind = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,

@@ -8,6 +8,7 @@ import numpy as np
 from prefect import task
 
 from components.platform import registry
+from components.experiment import registered
 from components.platform.config import AlignConfig, MlflowConfig, Params
 from components.gallery import backfill as bf, catalog, plan as pl, upgrade
 from components.gallery.catalog import Gallery, GalleryError
@@ -26,7 +27,7 @@ def store_at(uri: str) -> Store:
 @task(name="load-model", **IO_RETRIES, **NO_CACHING)
 def load_model(config: MlflowConfig, ref: ModelRef):
     registry.setup(config)
-    model = registry.load_model(ref.uri)
+    model = registered.load_model(ref.uri)
     return model.eval()
 
 
@@ -93,7 +94,7 @@ def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, 
     client, _ = registry.setup(params.mlflow)
     tags = {"method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
             "registered_model": old.name, **(extra or {})}
-    version = registry.register_alignment(client, run_id, h, np.zeros((2, h.old_dim), dtype=np.float32),
+    version = registered.register_alignment(client, run_id, h, np.zeros((2, h.old_dim), dtype=np.float32),
                                           params.mlflow.alignment_model, tags)
     return f"models:/{params.mlflow.alignment_model}/{version}"
 
@@ -125,7 +126,7 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
              if v.tags.get("method") == "fct" and v.version != version]
     if found:
         reference_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
-        reference = registry.load_model(reference_uri).eval()
+        reference = registered.load_model(reference_uri).eval()
         log(f"map check: the l2-only reference is {reference_uri}")
     else:
         log("map check: training the l2-only reference on the same pairs")
@@ -191,13 +192,7 @@ def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
 
     gallery = Gallery(store_at(store_uri))
     store = gallery.store
-    try:
-        positions = store.get_array(pl.eval_positions_key(plan.id))
-        queries = store.get_array(pl.eval_queries_key(plan.id))
-    except Exception as error:  # noqa: BLE001 - a missing sample is a configuration problem
-        raise GalleryError(f"upgrade {plan.id} has no evaluation sample, so the promotion gate cannot measure it "
-                           "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
-                           "or set promotion.gate: false") from error
+    positions, queries = pl.stored_eval_sample(store, plan.id)
     transformed = bf.transformed_rows(gallery, plan.id, positions)
     new = bf.mixed_rows(gallery, plan, positions)
     champion = catalog.rows_at(gallery, positions, lambda part: catalog.features_key(gallery.model, part))
@@ -219,13 +214,30 @@ def reject_upgrade(store_uri: str, plan: pl.Plan, decision: dict) -> dict:
 
 @task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)
 def open_upgrade_run(params: Params, plan_fields: dict, store_uri: str) -> str:
-    """The upgrade's MLflow run, with the plan as params; its id goes into plan.json."""
+    """The upgrade's MLflow run, with the plan as params; its id goes into plan.json. Runs of the
+    same upgrade left RUNNING by a planning that was killed (no plan was written, and this process
+    holds the lock) are marked KILLED first."""
     client, experiment = registry.setup(params.mlflow)
+    name = f"upgrade {plan_fields['id']}"
+    stale = client.search_runs([experiment], filter_string=f"attributes.run_name = '{name}' and "
+                               f"attributes.status = 'RUNNING' and tags.`{registry.STAGE_TAG}` = 'upgrade' and "
+                               f"tags.store = '{store_uri}'")
+    for run in stale:
+        client.set_tag(run.info.run_id, "fastfill.interrupted", "planning was killed before its plan was written")
+        client.set_terminated(run.info.run_id, "KILLED")
+        log(f"MLflow run {run.info.run_id} of a killed planning of {plan_fields['id']} marked KILLED")
     run = client.create_run(experiment, run_name=f"upgrade {plan_fields['id']}", tags={
         registry.STAGE_TAG: "upgrade", "store": store_uri, "from": plan_fields["old"], "to": plan_fields["new"],
         "git_commit": registry.git_commit()})
     registry.log_params(client, run.info.run_id, plan_fields)
     return run.info.run_id
+
+
+def close_upgrade_run(params: Params, run_id: str, status: str, reason: str) -> None:
+    """End the upgrade's run (FAILED when planning was refused), with the reason as a tag."""
+    client, _ = registry.setup(params.mlflow)
+    client.set_tag(run_id, "fastfill.refused", reason[:5000])
+    client.set_terminated(run_id, status)
 
 
 class UpgradeProgress:

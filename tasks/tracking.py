@@ -9,6 +9,7 @@ import numpy as np
 from prefect import task
 
 from components.platform import registry
+from components.experiment import registered
 from components.platform.config import MlflowConfig, Params
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
@@ -77,7 +78,7 @@ def register_embedder(config: MlflowConfig, run_id: str, model, role: str, image
     client, _ = _client(config)
     alias = registry.ROLE_ALIASES[role] if alias == "" else alias
     example = np.zeros((1, *image_shape), dtype=np.float32)
-    version = registry.register_embedder(client, run_id, model, example, config.registered_model, alias,
+    version = registered.register_embedder(client, run_id, model, example, config.registered_model, alias,
                                          tags={"role": role, "run_id": run_id, **(tags or {})})
     log(f"registered {config.registered_model} version {version}" + (f" with alias @{alias}" if alias else ""))
     return {"name": config.registered_model, "version": version, "alias": alias, "run_id": run_id}
@@ -92,7 +93,7 @@ def register_alignment(config: MlflowConfig, run_id: str, h, method: str, joins:
     example = np.zeros((2, h.old_dim), dtype=np.float32)
     tags = {"method": method, "run_id": run_id, "from_version": joins["old"], "to_version": joins["new"],
             "registered_model": config.registered_model, **(check_tags or {})}
-    version = registry.register_alignment(client, run_id, h, example, config.alignment_model, tags)
+    version = registered.register_alignment(client, run_id, h, example, config.alignment_model, tags)
     log(f"registered {config.alignment_model} version {version} ({method}: "
         f"{config.registered_model} v{joins['old']} -> v{joins['new']})")
     return {"name": config.alignment_model, "version": version, **tags}

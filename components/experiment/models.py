@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
 from components.platform.config import AlignConfig, TrainConfig
@@ -63,6 +65,7 @@ class Embedder(nn.Module):
                  pixel_mean: float = 0.5, pixel_std: float = 0.25):
         super().__init__()
         self.in_channels = channels
+        self.architecture = {"backbone": config.backbone, "width": config.width, "embedding_dim": config.embedding_dim}
         self.backbone, feature_dim = BACKBONES[config.backbone](channels, config.width)
         self.embedding = nn.Linear(feature_dim, config.embedding_dim)
         self.classifier = nn.Linear(config.embedding_dim, len(classes), bias=False)
@@ -141,6 +144,8 @@ class AlignmentMap(nn.Module):
             raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp or rbt")
         self.uncertainty = nn.Linear(new_dim, 1) if uncertainty else None
         self.old_dim, self.new_dim = old_dim, new_dim
+        self.architecture = {"hidden": list(hidden), "uncertainty": uncertainty, "architecture": architecture,
+                             "rbt_blocks": rbt_blocks}
 
     @classmethod
     def from_config(cls, config: AlignConfig, old_dim: int, new_dim: int) -> AlignmentMap:
@@ -166,6 +171,7 @@ class UnifiedMaps(nn.Module):
         self.gallery = nn.Sequential(nn.Linear(old_dim, new_dim), *rbt_stack(new_dim, new_dim, blocks))
         self.classifier = nn.Linear(new_dim, num_classes, bias=False)
         self.old_dim, self.new_dim = old_dim, new_dim
+        self.blocks = blocks
 
     def forward(self, old_features: torch.Tensor) -> torch.Tensor:
         """The gallery side, so the map transforms stored old features like any alignment map."""
@@ -187,7 +193,7 @@ def save_embedder(model: Embedder, config: TrainConfig, path) -> None:
 
 
 def load_embedder(path) -> Embedder:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     model = Embedder(TrainConfig(**state["config"]), state["channels"], state["classes"])
     model.load_state_dict(state["state_dict"])
     return model.eval()
@@ -202,7 +208,7 @@ def save_alignment(h: AlignmentMap | UnifiedMaps, config: AlignConfig, path) -> 
 
 
 def load_alignment(path) -> AlignmentMap | UnifiedMaps:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     config = AlignConfig(**state["config"])
     if config.architecture == "unified":
         h = UnifiedMaps(state["old_dim"], state["new_dim"], state["num_classes"], config.rbt_blocks)
@@ -210,3 +216,66 @@ def load_alignment(path) -> AlignmentMap | UnifiedMaps:
         h = AlignmentMap.from_config(config, state["old_dim"], state["new_dim"])
     h.load_state_dict(state["state_dict"])
     return h.eval()
+
+
+# ---- a module as data: a typed description of its architecture plus its weights
+
+class EmbedderSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["embedder"] = "embedder"
+    backbone: Literal["cnn", "cnn_small", "resnet18"]
+    width: PositiveInt
+    embedding_dim: PositiveInt
+    channels: PositiveInt
+    classes: list[int]
+
+
+class AlignmentSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["alignment"] = "alignment"
+    old_dim: PositiveInt
+    new_dim: PositiveInt
+    hidden: list[PositiveInt]
+    uncertainty: bool
+    architecture: Literal["mlp", "rbt"]
+    rbt_blocks: PositiveInt
+
+
+class UnifiedSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["unified"] = "unified"
+    old_dim: PositiveInt
+    new_dim: PositiveInt
+    num_classes: PositiveInt
+    blocks: PositiveInt
+
+
+ModelSpec = Annotated[EmbedderSpec | AlignmentSpec | UnifiedSpec, Field(discriminator="kind")]
+SPEC = TypeAdapter(ModelSpec)
+
+
+def describe(module: nn.Module) -> dict:
+    """The typed description that ``build`` turns back into an untrained ``module``."""
+    if isinstance(module, Embedder):
+        spec = EmbedderSpec(**module.architecture, channels=module.in_channels, classes=module.classes.tolist())
+    elif isinstance(module, AlignmentMap):
+        spec = AlignmentSpec(old_dim=module.old_dim, new_dim=module.new_dim, **module.architecture)
+    elif isinstance(module, UnifiedMaps):
+        spec = UnifiedSpec(old_dim=module.old_dim, new_dim=module.new_dim,
+                           num_classes=module.classifier.out_features, blocks=module.blocks)
+    else:
+        raise TypeError(f"no description for {type(module).__name__}: only Embedder, AlignmentMap and UnifiedMaps")
+    return spec.model_dump(mode="json")
+
+
+def build(description: dict) -> nn.Module:
+    """An untrained module of the described architecture (validated: a ValidationError names a
+    field that is missing or wrong)."""
+    spec = SPEC.validate_python(description)
+    if isinstance(spec, EmbedderSpec):
+        config = TrainConfig(backbone=spec.backbone, width=spec.width, embedding_dim=spec.embedding_dim)
+        return Embedder(config, spec.channels, spec.classes)
+    if isinstance(spec, AlignmentSpec):
+        return AlignmentMap(spec.old_dim, spec.new_dim, spec.hidden, spec.uncertainty, spec.architecture,
+                            spec.rbt_blocks)
+    return UnifiedMaps(spec.old_dim, spec.new_dim, spec.num_classes, spec.blocks)

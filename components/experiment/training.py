@@ -81,7 +81,7 @@ def resume_checkpoint(path: Path | None, key: str, model: nn.Module, optimizer, 
     the checkpoint (its ``history``, ``epoch``, ...) or None when there is nothing to resume."""
     if path is None or not path.is_file():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("config_key") != key:
         return None
     model.load_state_dict(state["model"])

@@ -80,10 +80,11 @@ class Gallery:
     def manifest(self, refresh: bool = False) -> dict:
         if self._manifest is None or refresh:
             try:
-                self._manifest = self.store.get_json(MANIFEST)
+                manifest = self.store.get_json(MANIFEST)
             except ObjectMissing:
                 raise GalleryError(f"no gallery at {self.store.uri}: {MANIFEST} is missing; run "
                                    "`fastfill gallery ingest --store ...` first") from None
+            self._manifest = check_manifest(manifest, self.store.describe(MANIFEST))
         return self._manifest
 
     def write_manifest(self, manifest: dict) -> None:
@@ -291,6 +292,25 @@ def check_empty(store: Store, verb: str) -> None:
     store.check()
     if store.exists(MANIFEST):
         raise GalleryError(f"{store.uri} already holds a gallery; {verb} into a new prefix or folder")
+
+
+REQUIRED = ("num_items", "part_size", "num_parts", "image_shape", "model")
+
+
+def check_manifest(manifest: object, where: str) -> dict:
+    """A gallery manifest with every key the product reads, or a GalleryError naming what is
+    missing (a hand-edited or foreign ``gallery.json``)."""
+    if not isinstance(manifest, dict):
+        raise GalleryError(f"{where} is not a gallery manifest (a JSON object); restore it from the store's history "
+                           "or re-create the gallery with `fastfill gallery ingest` / `adopt`")
+    missing = [key for key in REQUIRED if key not in manifest]
+    model = manifest.get("model")
+    if not missing and not (isinstance(model, dict) and {"name", "version"} <= set(model)):
+        missing = ["model.name and model.version"]
+    if missing:
+        raise GalleryError(f"{where} lacks {', '.join(missing)}: it is not a manifest this product wrote; restore "
+                           "it, or re-create the gallery with `fastfill gallery ingest` / `adopt`")
+    return manifest
 
 
 def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,

@@ -15,13 +15,18 @@ from components.gallery.catalog import Gallery, fetch_images, item_column
 
 def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
     """Mean bytes of an adopted gallery's encoded images (the sample's, read once more)."""
-    from components.gallery.images import read_bytes, resolve
+    from components.gallery.images import ITEM_S3_CODES, read_bytes, resolve
 
     sizes = []
     for uri in item_column(gallery, positions, "image"):
         try:
             sizes.append(len(read_bytes(resolve(str(uri), gallery.image_root))))
-        except Exception:  # noqa: BLE001 - an unreadable image is counted by the sample's failures
+        except OSError:  # a missing or unreadable file is counted by the sample's failures
+            continue
+        except Exception as error:  # noqa: BLE001 - S3: only an object's own problem is skipped
+            response = getattr(error, "response", None)
+            if not (isinstance(response, dict) and response.get("Error", {}).get("Code") in ITEM_S3_CODES):
+                raise
             continue
     return float(np.mean(sizes)) if sizes else 0.0
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from components.gallery.store import StoreError
+
 DEFAULT_WORKERS = 16
 
 
@@ -86,22 +88,44 @@ def decode(data: bytes, shape: Sequence[int]) -> np.ndarray:
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
 
 
-def _why(error: BaseException) -> str:
-    """A short reason for the failure list: missing, unreadable or undecodable."""
-    from PIL import UnidentifiedImageError
+# S3 answers about one object (the item's problem) as opposed to the store's (outage, throttling
+# past the retries, a wrong bucket or credentials), which must stop the chunk, not fail its images
+ITEM_S3_CODES = {"NoSuchKey", "404", "AccessDenied", "403", "InvalidObjectState"}
 
-    if isinstance(error, FileNotFoundError):
-        return f"missing: no such file {error.filename}" if error.filename else "missing: no such file"
-    if isinstance(error, UnidentifiedImageError):
-        return "undecodable: not an image Pillow can read"
-    response = getattr(error, "response", None)  # botocore's ClientError carries the S3 error code
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    if code in ("NoSuchKey", "404"):
-        return "missing: no such object"
-    if code:
-        return f"unreadable: S3 {code}"
-    return f"{'undecodable' if isinstance(error, (OSError, ValueError, SyntaxError)) else 'unreadable'}: " \
-           f"{type(error).__name__}: {error}"[:300]
+
+class ImageStoreError(StoreError):
+    """The images' store itself failed (not one image): the chunk stops and is retried."""
+
+
+def read_image(location: str, shape: Sequence[int]) -> tuple[np.ndarray | None, str | None]:
+    """(image, None), or (None, why) when this one image is missing, forbidden or undecodable.
+    A failure of the store itself raises ImageStoreError: it says nothing about the image."""
+    from PIL import Image
+
+    try:
+        data = read_bytes(location)
+    except FileNotFoundError as error:
+        return None, f"missing: no such file {error.filename}" if error.filename else "missing: no such file"
+    except (IsADirectoryError, PermissionError) as error:
+        return None, f"unreadable: {type(error).__name__}: {error}"[:300]
+    except Exception as error:  # noqa: BLE001 - sorted below into the item's problem or the store's, then raised
+        response = getattr(error, "response", None)  # botocore's ClientError carries the S3 error code
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in ("NoSuchKey", "404"):
+            return None, "missing: no such object"
+        if code in ITEM_S3_CODES:
+            return None, f"unreadable: S3 {code}"
+        raise ImageStoreError(f"cannot read {location}: {type(error).__name__}: {error}"[:500]
+                              + " (the image store failed, not the image; check the endpoint and credentials, "
+                              "then run the upgrade again: finished chunks are kept)") from error
+    try:
+        return decode(data, shape), None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        from PIL import UnidentifiedImageError
+
+        if isinstance(error, UnidentifiedImageError):
+            return None, "undecodable: not an image Pillow can read"
+        return None, f"undecodable: {type(error).__name__}: {error}"[:300]
 
 
 def read_images(uris: Sequence[str], shape: Sequence[int], *, root: str | None = None,
@@ -109,7 +133,7 @@ def read_images(uris: Sequence[str], shape: Sequence[int], *, root: str | None =
     """The images at ``uris`` as uint8 (n, C, H, W), read by ``workers`` threads, each taking a
     contiguous slice and decoding straight into the result (no per-image task: the overhead per
     image stays at the read and the decode); a failed row is zeros and listed in the failures,
-    in row order."""
+    in row order. A failure of the store itself (not of one image) raises ImageStoreError."""
     out = np.zeros((len(uris), *shape), dtype=np.uint8)
     count = len(uris)
     if not count:
@@ -124,10 +148,11 @@ def read_images(uris: Sequence[str], shape: Sequence[int], *, root: str | None =
     def work(first: int, last: int) -> list[ImageFailure]:
         failed = []
         for row in range(first, last):
-            try:
-                out[row] = decode(read_bytes(resolve(str(uris[row]), root)), shape)
-            except Exception as error:  # noqa: BLE001 - every failure is recorded, never raised
-                failed.append(ImageFailure(row, str(uris[row]), _why(error)))
+            image, why = read_image(resolve(str(uris[row]), root), shape)
+            if why is None:
+                out[row] = image
+            else:
+                failed.append(ImageFailure(row, str(uris[row]), why))
         return failed
 
     if workers == 1:

@@ -207,6 +207,9 @@ class MlflowConfig(Section):
     experiment: str = "fastfill"
     registered_model: str = "embedder"
     alignment_model: str = "embedder-alignment"
+    allow_pickled_models: bool = Field(
+        default=False, description="load registry versions stored as pickled modules (an older format): "
+        "loading a pickle runs its code, so only for a registry whose writers you trust")
 
 
 class UpgradeConfig(Section):
@@ -234,6 +237,10 @@ class UpgradeConfig(Section):
     max_failed_images: Annotated[float, Field(ge=0, lt=1)] | Annotated[int, Field(ge=1)] = Field(
         default=0.01, description="images that may fail to read or decode before the upgrade stops: a fraction "
         "of the items (0 <= f < 1) or a count; the failed items keep their transformed features")
+    lease_seconds: Annotated[float, Field(ge=3, le=3600)] = Field(
+        default=60, description="the upgrade lock is a lease: its holder renews it every third of this; a lock not "
+        "renewed for this long (its holder died or lost the store) is taken over by the next upgrade from any host, "
+        "and a holder that could not renew it stops before its next write")
     seed: int = 0
 
 
@@ -252,6 +259,22 @@ class IndexConfig(Section):
         "build from the gpu extra; without it, flat indexes are searched exactly by torch), else the CPU")
 
 
+class S3Config(Section):
+    """How the S3 client of an ``s3://`` gallery meets a busy or failing endpoint: throttling (503
+    SlowDown), 5xx errors, dropped connections and slow answers are retried with boto3's
+    exponential backoff and jitter; a request failing every attempt stops the command."""
+
+    retry_mode: Literal["standard", "adaptive"] = Field(
+        default="standard", description="boto3's retry mode: standard = backoff with jitter; adaptive = that, "
+        "plus client-side rate limiting once the endpoint throttles")
+    max_attempts: Annotated[int, Field(ge=1, le=50)] = Field(
+        default=6, description="attempts per request, the first included (with the standard backoff, 6 attempts "
+        "wait about 15 s in all on average, 31 s at most, before the request fails)")
+    connect_timeout: PositiveFloat = Field(default=5, description="seconds to open a connection")
+    read_timeout: PositiveFloat = Field(
+        default=60, description="seconds the endpoint may stay silent during an answer before the attempt fails")
+
+
 class GalleryConfig(Section):
     """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
 
@@ -260,6 +283,7 @@ class GalleryConfig(Section):
     distance: Distance = "l2"
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
+    s3: S3Config = S3Config()
 
 
 class PromotionConfig(Section):
@@ -288,6 +312,13 @@ class TriggerConfig(Section):
     webhook_secret_env: str = Field(default="FASTFILL_WEBHOOK_SECRET",
                                     description="environment variable holding the webhook's HMAC secret")
     max_clock_skew_seconds: PositiveInt = Field(default=300, description="older signed deliveries are refused")
+    webhook_max_body_bytes: PositiveInt = Field(
+        default=1 << 20, description="a larger declared body is refused with 413 before any of it is read")
+    webhook_rate_per_minute: PositiveFloat = Field(
+        default=60, description="POSTs per minute per client address after the burst; more get 429 + Retry-After")
+    webhook_burst: PositiveInt = Field(default=10, description="POSTs a client address may send at once")
+    webhook_read_timeout_seconds: PositiveFloat = Field(
+        default=10, description="a request whose next bytes take longer is dropped (408 while reading the body)")
     nightly_cron: str | None = Field(default="0 2 * * *", description="check-and-upgrade; null = none")
     comparison_cron: str | None = Field(default="0 3 * * 0", description="re-run the comparison; null = none")
     timezone: str = "UTC"

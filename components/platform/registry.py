@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 from dataclasses import dataclass
 
 from components.platform.config import MlflowConfig
@@ -66,6 +65,8 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
     import mlflow
     from mlflow import MlflowClient
 
+    global _allow_pickled
+    _allow_pickled = config.allow_pickled_models
     uri = tracking_uri(config)
     # mlflow.set_*_uri also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI; left there, that
     # would read as the user's override and pin every later configuration of this process to
@@ -87,9 +88,11 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
     location = config.artifact_location
     if "://" not in location:
         location = Path(location).resolve().as_uri()
+    from mlflow.exceptions import MlflowException
+
     try:
         return client, client.create_experiment(config.experiment, artifact_location=location)
-    except Exception:  # another process created it first
+    except MlflowException:  # another process created it first
         experiment = client.get_experiment_by_name(config.experiment)
         if experiment is None:
             raise
@@ -201,60 +204,13 @@ def active(run_id: str):
         yield
 
 
-_PIP = ["torch==2.13.0", "torchvision==0.28.0"]
+PICKLE_OPT_IN = "FASTFILL_ALLOW_PICKLED_MODELS"
+_allow_pickled = False  # mlflow.allow_pickled_models, set by setup()
 
 
-def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
-              tags: Mapping[str, str]) -> str:
-    """Log a torch module under ``artifact`` in the run, register it as a new version of
-    ``name`` and tag that version; returns the version."""
-    import mlflow.pytorch
-
-    module = module.cpu().eval()
-    with active(run_id):
-        # pickle keeps the whole module (the embedder's classify() included); the default pt2
-        # export would keep only a traced forward() of the example's batch size
-        info = mlflow.pytorch.log_model(module, name=artifact, input_example=example, registered_model_name=name,
-                                        pip_requirements=_PIP, serialization_format="pickle")
-    version = str(info.registered_model_version)
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, str(value))
-    return version
-
-
-def register_embedder(client, run_id: str, model, example: np.ndarray, name: str, alias: str | None,
-                      tags: Mapping[str, str]) -> str:
-    """The embedding model (classifier head included) as a version of ``name``, with ``alias``
-    unless it is None."""
-    version = _register(client, run_id, model, example, name, "embedder", tags)
-    if alias:
-        client.set_registered_model_alias(name, alias, version)
-    return version
-
-
-def register_alignment(client, run_id: str, alignment_map, example: np.ndarray, name: str,
-                       tags: Mapping[str, str]) -> str:
-    return _register(client, run_id, alignment_map, example, name, "alignment", tags)
-
-
-def load_model(uri: str):
-    """A registered model by URI, e.g. ``models:/embedder@champion``."""
-    import mlflow.pytorch
-
-    return mlflow.pytorch.load_model(uri, map_location="cpu")
-
-
-def input_shape(uri: str) -> tuple[int, ...] | None:
-    """The input shape of one example that a registered model was logged with (its signature),
-    e.g. (1, 28, 28) for a grey 28x28 image model; None if it has no tensor signature."""
-    import mlflow.models
-
-    signature = mlflow.models.get_model_info(uri).signature
-    try:
-        shape = signature.inputs.inputs[0].shape
-    except (AttributeError, IndexError, TypeError):
-        return None
-    return tuple(int(x) for x in shape[1:]) if shape and all(int(x) > 0 for x in shape[1:]) else None
+def pickled_models_allowed() -> bool:
+    """Whether registry versions stored as pickled modules may be loaded (they run code)."""
+    return _allow_pickled or os.environ.get(PICKLE_OPT_IN, "") in ("1", "true", "yes")
 
 
 class RegistryError(ValueError):

@@ -153,6 +153,8 @@ class _ProgressBar:
     def _run(self) -> None:
         from tqdm import tqdm
 
+        from components.gallery.catalog import GalleryError
+        from components.gallery.store import StoreError
         from components.gallery.upgrade import status
 
         bar = None
@@ -171,7 +173,7 @@ class _ProgressBar:
                 final = status(gallery, failures=False)
                 bar.n = final["upgrade"]["items_done"] if final.get("upgrade") else final["items"]
                 bar.close()
-        except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports errors
+        except (StoreError, GalleryError):  # the bar is a convenience; the flow reports the store's errors
             if bar is not None:
                 bar.close()
 
@@ -299,9 +301,10 @@ def search(store: StoreOption = None,
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
         from components.platform import registry
+        from components.experiment import registered
 
         registry.setup(config.mlflow)
-        model = registry.load_model(searcher.query_model.uri)
+        model = registered.load_model(searcher.query_model.uri)
         return searcher, searcher.search_images(_load_array(images, "--images"), model, k)
 
     searcher, (ids, distances) = call(run_search)

@@ -217,6 +217,60 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
     assert not (tmp_path / "g2").exists() or not any((tmp_path / "g2").iterdir())
 
 
+def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings_are_closed(upgrade_env,
+                                                                                            prefect_harness):
+    from components.gallery.catalog import features_key
+    from components.platform import registry
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    registry_models(params)
+    ingest_flow(params, uri)
+    store = open_store(uri)
+    gallery = Gallery(store)
+    before = {key: store.get(key) for key in store.list("")}
+    client, experiment = registry.setup(params.mlflow)
+
+    def upgrade_runs(status=None):
+        runs = client.search_runs([experiment], filter_string=f"tags.store = '{uri}'")
+        return [r for r in runs if status is None or r.info.status == status]
+
+    missing = features_key(gallery.model, 2)
+    store.delete(missing)
+    with pytest.raises(GalleryError, match=f"1 of {gallery.num_parts} features parts are missing .first: {missing}"):
+        upgrade_flow(params, uri)
+    assert store.list("upgrades/") == [] and upgrade_runs() == []  # refused before any write, no run
+    store.put(missing, before[missing])
+
+    torn = features_key(gallery.model, gallery.num_parts - 1)
+    bad = store.get_array(torn).copy()
+    bad[0, 0] = np.nan
+    store.put_array(torn, bad)
+    with pytest.raises(GalleryError, match="NaN or infinite"):
+        upgrade_flow(params, uri)
+    assert store.list("upgrades/") == []  # what planning had written is gone, and the lock released
+    assert gallery.manifest(refresh=True)["upgrade"] is None
+    (refused,) = upgrade_runs()
+    assert refused.info.status == "FAILED" and "NaN" in refused.data.tags["fastfill.refused"]
+    store.put(torn, before[torn])
+
+    manifest = store.get_json("gallery.json")
+    store.put_json("gallery.json", {k: v for k, v in manifest.items() if k != "model"})
+    with pytest.raises(GalleryError, match="gallery.json.* lacks model: it is not a manifest this product wrote"):
+        upgrade_flow(params, uri)
+    store.put_json("gallery.json", manifest)
+
+    # a planning killed outright leaves its run RUNNING: the next start marks it KILLED
+    killed = client.create_run(experiment, run_name=refused.info.run_name,
+                               tags={registry.STAGE_TAG: "upgrade", "store": uri}).info.run_id
+    upgrade_flow(params, uri, budget=8)
+    assert client.get_run(killed).info.status == "KILLED"
+    assert {k: store.get(k) for k in before if not k.startswith("upgrades/") and k != "gallery.json"} == \
+        {k: v for k, v in before.items() if k != "gallery.json"}
+
+
 def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 

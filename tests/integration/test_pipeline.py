@@ -64,11 +64,13 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     assert "map_check" not in on_disk["fct"]
 
     # the champion loads by alias with its classifier head, and embeds like the stored features
-    import mlflow.pytorch
     import torch
 
-    mlflow.set_registry_uri(params.mlflow.tracking_uri)
-    champion = mlflow.pytorch.load_model("models:/embedder@champion", map_location="cpu")
+    from components.platform import registry
+    from components.experiment import registered
+
+    registry.setup(params.mlflow)
+    champion = registered.load_model("models:/embedder@champion")
     test_images = np.load(workdir / "data" / "splits" / "test_images.npy")[:5]
     with torch.no_grad():
         features = champion(torch.from_numpy(test_images).float() / 255)

@@ -121,9 +121,9 @@ def _client(stack):
 def _register(stack, model_or_path, alias: str | None, tags: dict | None = None) -> str:
     """Register an embedder version on the stack's MLflow server, as a platform team would."""
     import mlflow
-    import mlflow.pytorch
 
     from components.experiment.models import load_embedder
+    from components.experiment import registered
 
     model = load_embedder(model_or_path) if isinstance(model_or_path, Path) else model_or_path
     uri = stack["MLFLOW_TRACKING_URI"]
@@ -133,16 +133,9 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
         client = _client(stack)
         experiment = client.get_experiment_by_name("platform") or client.get_experiment(
             client.create_experiment("platform"))
-        with mlflow.start_run(experiment_id=experiment.experiment_id):
-            info = mlflow.pytorch.log_model(model.eval(), name="embedder", registered_model_name="embedder",
-                                            input_example=np.zeros((1, 1, 16, 16), np.float32),
-                                            pip_requirements=["torch==2.13.0"], serialization_format="pickle")
-        version = str(info.registered_model_version)
-        for key, value in (tags or {}).items():
-            client.set_model_version_tag("embedder", version, key, value)
-        if alias:
-            client.set_registered_model_alias("embedder", alias, version)
-        return version
+        with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
+            return registered.register_embedder(client, run.info.run_id, model.eval(),
+                                              np.zeros((1, 1, 16, 16), np.float32), "embedder", alias, tags or {})
 
 
 def _http_ok(url: str) -> bool:

@@ -28,12 +28,13 @@ def _register(params, model, tags):
     import torch
 
     from components.platform import registry
+    from components.experiment import registered
 
     client, experiment = registry.setup(params.mlflow)
     run = client.create_run(experiment, run_name="register")
     example = np.zeros((1, model.in_channels, 16, 16), np.float32)
     with torch.no_grad():
-        version = registry.register_embedder(client, run.info.run_id, model.eval(), example,
+        version = registered.register_embedder(client, run.info.run_id, model.eval(), example,
                                              params.mlflow.registered_model, None, tags)
     return client, str(version)
 
@@ -133,7 +134,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
     work through the composed maps, the new order covers every item, and it completes."""
-    from components.platform import registry
+    from components.experiment import registered
     from components.evaluation import pairwise_distances
     from components.experiment.inference import embed
     from flows.gallery import ingest_flow
@@ -168,7 +169,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     # queries use v3 against the gallery as it stands, and match a brute-force search
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == v3
-    v3_model_loaded = registry.load_model(f"models:/embedder/{v3}")
+    v3_model_loaded = registered.load_model(f"models:/embedder/{v3}")
     queries = embed(v3_model_loaded, split_images(params).images[:6])
     mixed2, backfilled2 = bf.mixed_features(gallery, plan2)
     assert backfilled2.sum() == second["items_done"]

@@ -182,3 +182,32 @@ def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tm
         with pytest.raises(GalleryError, match="gallery.index.device is cuda, but this machine has no CUDA"):
             GallerySearch(gallery, index=IndexConfig(device="cuda"))
     assert GallerySearch(gallery, index=IndexConfig(device="cpu")).searched_on == "cpu (faiss)"
+
+
+def test_a_store_outage_is_never_a_missing_measurement_or_a_failed_image(tmp_path, monkeypatch):
+    import socket
+
+    from components.gallery import plan as pl
+    from components.gallery.images import ImageStoreError, read_images
+    from components.gallery.store import LocalStore, StoreUnreachable
+
+    class Down(LocalStore):  # the store answers nothing: what an outage looks like to a reader
+        def _get(self, key):
+            raise StoreUnreachable(f"cannot reach {self.uri}")
+
+    with pytest.raises(GalleryError, match="has no evaluation sample"):  # absent: a configuration problem
+        pl.stored_eval_sample(LocalStore(tmp_path / "empty"), "u1")
+    with pytest.raises(StoreUnreachable, match="cannot reach"):  # unreachable: said as it is
+        pl.stored_eval_sample(Down(tmp_path / "down"), "u1")
+
+    with socket.socket() as probe:  # a port where nothing listens: the image store is down
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with pytest.raises(ImageStoreError, match="the image store failed, not the image"):
+        read_images(["s3://bucket/a.png", "s3://bucket/b.png"], (1, 8, 8), workers=2)
+    missing = read_images([str(tmp_path / "nowhere.png")], (1, 8, 8))[1]  # one file's problem: recorded
+    assert [f.reason.split(":")[0] for f in missing] == ["missing"]

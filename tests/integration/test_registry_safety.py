@@ -1,0 +1,146 @@
+"""Registry versions are data, never code: what is registered loads back as the same network,
+and nothing a writer to the registry (or to a checkpoint) can put there runs when it is loaded.
+A real MLflow store (SQLite and a local artifact folder)."""
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps, load_embedder, save_embedder
+from components.platform import registry
+from components.experiment import registered
+from components.platform.config import MlflowConfig, TrainConfig
+from components.platform.registry import RegistryError
+
+
+class _Payload:
+    """A pickle that creates a file when it is unpickled: what an attacker would register."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv(registry.PICKLE_OPT_IN, raising=False)
+    config = MlflowConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                          artifact_location=str(tmp_path / "artifacts"))
+    client, experiment = registry.setup(config)
+    run_id = client.create_run(experiment).info.run_id
+    return config, client, run_id
+
+
+def _embedder():
+    torch.manual_seed(0)
+    return Embedder(TrainConfig(backbone="cnn_small", width=4, embedding_dim=8), 1, [0, 3, 5], 0.3, 0.2).eval()
+
+
+def test_registered_models_load_back_as_the_same_networks(mlflow_store):
+    _, client, run_id = mlflow_store
+    model = _embedder()
+    version = registered.register_embedder(client, run_id, model, np.zeros((1, 1, 12, 12), np.float32), "embedder",
+                                         "champion", {"role": "old"})
+    loaded = registered.load_model("models:/embedder@champion")
+    images = torch.rand(4, 1, 12, 12)
+    with torch.no_grad():
+        np.testing.assert_array_equal(loaded(images).numpy(), model(images).numpy())
+        np.testing.assert_array_equal(loaded.classify(loaded(images)).numpy(), model.classify(model(images)).numpy())
+    assert loaded.classes.tolist() == [0, 3, 5] and float(loaded.pixel_std) == pytest.approx(0.2)
+    assert registered.input_shape(f"models:/embedder/{version}") == (1, 12, 12)
+    assert client.get_model_version("embedder", version).tags["role"] == "old"
+
+    for module in (AlignmentMap(8, 6, [16], uncertainty=True), AlignmentMap(8, 8, [], True, "rbt", 2),
+                   UnifiedMaps(8, 12, 4, blocks=2)):
+        module = module.eval()
+        v = registered.register_alignment(client, run_id, module, np.zeros((2, 8), np.float32), "maps", {})
+        back = registered.load_model(f"models:/maps/{v}")
+        assert type(back) is type(module)
+        x = torch.randn(5, 8)
+        with torch.no_grad():
+            np.testing.assert_array_equal(back(x).numpy(), module(x).numpy())
+
+
+def _version_folder(client, name: str, version: str) -> Path:
+    source = client.get_model_version(name, version).source
+    return Path(source.removeprefix("file://"))
+
+
+def test_weights_carrying_a_pickled_object_are_refused_and_run_nothing(mlflow_store, tmp_path):
+    _, client, run_id = mlflow_store
+    version = registered.register_embedder(client, run_id, _embedder(), np.zeros((1, 1, 12, 12), np.float32),
+                                         "embedder", None, {})
+    folder = _version_folder(client, "embedder", version)
+    marker = tmp_path / "code-ran"
+    # the attacker rewrites the weights and their recorded sha256 both
+    (folder / registered.WEIGHTS_FILE).write_bytes(pickle.dumps({"weight": _Payload(marker)}))
+    description = json.loads((folder / registered.MODEL_FILE).read_text())
+    description["sha256"] = hashlib.sha256((folder / registered.WEIGHTS_FILE).read_bytes()).hexdigest()
+    (folder / registered.MODEL_FILE).write_text(json.dumps(description))
+    with pytest.raises(RegistryError, match="could not be loaded as data: UnpicklingError"):
+        registered.load_model(f"models:/embedder/{version}")
+    assert not marker.exists()
+
+
+def test_altered_weights_or_description_are_refused_with_a_message(mlflow_store):
+    _, client, run_id = mlflow_store
+    version = registered.register_embedder(client, run_id, _embedder(), np.zeros((1, 1, 12, 12), np.float32),
+                                         "embedder", None, {})
+    folder = _version_folder(client, "embedder", version)
+    weights = folder / registered.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(RegistryError, match="does not match its recorded sha256"):
+        registered.load_model(f"models:/embedder/{version}")
+
+    version = registered.register_embedder(client, run_id, _embedder(), np.zeros((1, 1, 12, 12), np.float32),
+                                         "embedder", None, {})
+    folder = _version_folder(client, "embedder", version)
+    description = json.loads((folder / registered.MODEL_FILE).read_text())
+    description["spec"]["backbone"] = "os.system"
+    (folder / registered.MODEL_FILE).write_text(json.dumps(description))
+    with pytest.raises(RegistryError, match="backbone"):
+        registered.load_model(f"models:/embedder/{version}")
+
+
+def test_a_pickled_version_of_an_older_release_is_refused_unless_trusted(mlflow_store, monkeypatch):
+    import mlflow
+    import mlflow.pytorch
+
+    config, client, run_id = mlflow_store
+    model = _embedder()
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(model, name="legacy", registered_model_name="embedder",
+                                        pip_requirements=["torch==2.13.0"], serialization_format="pickle")
+    uri = f"models:/embedder/{info.registered_model_version}"
+    with pytest.raises(RegistryError, match="stored as a pickled module .* mlflow.allow_pickled_models: true"):
+        registered.load_model(uri)
+    monkeypatch.setenv(registry.PICKLE_OPT_IN, "1")
+    images = torch.rand(2, 1, 12, 12)
+    with torch.no_grad():
+        np.testing.assert_array_equal(registered.load_model(uri)(images).numpy(), model(images).numpy())
+    monkeypatch.delenv(registry.PICKLE_OPT_IN)
+    registry.setup(config.model_copy(update={"allow_pickled_models": True}))  # the setting, not the variable
+    try:
+        assert isinstance(registered.load_model(uri), Embedder)
+    finally:
+        registry.setup(config)
+
+
+def test_local_checkpoints_load_as_data_only(tmp_path):
+    path = tmp_path / "model.pt"
+    save_embedder(_embedder(), TrainConfig(backbone="cnn_small", width=4, embedding_dim=8), path)
+    assert load_embedder(path).classes.tolist() == [0, 3, 5]
+    marker = tmp_path / "code-ran"
+    torch.save({"config": {}, "state_dict": _Payload(marker)}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        load_embedder(path)
+    assert not marker.exists() and os.path.exists(path)
