@@ -11,13 +11,21 @@ Every path ends in the same Prefect deployment, ``upgrade-gallery/upgrade``:
 
 A version is claimed in the gallery's store (create-only) before its upgrade starts, and the
 flow run carries an idempotency key, so no version starts two upgrades.
+
+The receiver answers every request, malformed ones included: a body over
+``triggers.webhook_max_body_bytes`` (413), without a usable Content-Length (400/411) or chunked
+(411) is refused before it is read; more POSTs from one address than the token bucket allows get
+429 with Retry-After; a delivery id it accepted before gets a 200 that says "duplicate" and starts
+nothing; a missing upgrade deployment gets a 503 that says how to create it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,12 +35,46 @@ from components.platform import registry
 from components.platform.config import Params, load_params
 from components.gallery import plan as pl, upgrade as up
 from components.gallery.catalog import Gallery
-from components.gallery.triggers import WebhookRejected, alias_event, claim, release, verify, wants_upgrade
+from components.gallery.triggers import (
+    DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, claim, release, verify,
+    wants_upgrade,
+)
 from tasks._policy import log
 from tasks.gallery import store_at
 
 UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
-MAX_BODY = 1 << 20
+
+
+class DeploymentMissing(RuntimeError):
+    """The Prefect server has no upgrade deployment to start; the message says how to create it."""
+
+
+def missing_deployment_message() -> str:
+    """What to do when the Prefect server this process talks to has no upgrade deployment."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if url:
+        return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the Prefect server at {url}; create it by "
+                f"running `fastfill serve` with PREFECT_API_URL={url} (it serves every deployment; keep it running)")
+    return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the temporary Prefect server this process "
+            "started for itself, because PREFECT_API_URL is not set; set PREFECT_API_URL to the Prefect server "
+            "where `fastfill serve` runs (it serves every deployment) and restart this process")
+
+
+def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None):
+    """Start ``upgrade-gallery/upgrade`` without waiting; DeploymentMissing when the Prefect
+    server does not have it (Prefect's own error for that says only "None")."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters)
+    except ObjectNotFound as error:
+        request = getattr(getattr(error, "http_exc", None), "request", None)
+        if request is not None and "/deployments/name/" not in str(request.url):
+            raise
+        raise DeploymentMissing(missing_deployment_message()) from None
 
 
 @flow(name="upgrade-gallery", log_prints=True)
@@ -57,17 +99,14 @@ def comparison_entry(params_path: str = "params.yaml") -> dict:
 def start_upgrade(params: Params, store_uri: str, version: str, source: str, params_path: str) -> dict:
     """Claim ``version`` for this gallery and start the upgrade deployment (without waiting).
     A version claimed before is not started again."""
-    from prefect.deployments import run_deployment
-
     name = params.mlflow.registered_model
     store = store_at(store_uri)
     if not claim(store, name, version, source):
         log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
         return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
     try:
-        run = run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=f"upgrade:{store.uri}:{name}:{version}",
-                             parameters={"params_path": params_path, "store": store_uri,
-                                         "to": f"models:/{name}/{version}"})
+        run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": f"models:/{name}/{version}"},
+                                     idempotency_key=f"upgrade:{store.uri}:{name}:{version}")
     except BaseException:
         release(store, name, version)  # let a later trigger try again
         raise
@@ -99,10 +138,7 @@ def watch_flow(params_path: str = "params.yaml", store: str | None = None, resum
         gallery = Gallery(store_at(store_uri))
         state = up.status(gallery)
         if state["state"] == "paused":
-            from prefect.deployments import run_deployment
-
-            run = run_deployment(UPGRADE_DEPLOYMENT, timeout=0, parameters={
-                "params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
+            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
             log(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")
             return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
     return {"started": False, "reason": why_not}
@@ -135,60 +171,110 @@ def deployments(params: Params, params_path: str = "params.yaml") -> list:
 class WebhookReceiver:
     """An HTTP endpoint for MLflow registry webhooks. POST / with a signed
     ``model_version_alias.created`` delivery for ``challenger`` starts the upgrade; GET /health
-    answers ok. It listens on ``host`` (127.0.0.1 by default) only."""
+    answers ok. It listens on ``host`` (127.0.0.1 by default) only. Every request gets an answer
+    with a one-line reason; see the module's docstring for what is refused and how."""
 
     def __init__(self, params: Params, params_path: str, store_uri: str, secret: str, host: str, port: int,
                  on_event=None):
         self.params, self.params_path, self.store_uri, self.secret = params, params_path, store_uri, secret
         self.on_event = on_event or (lambda version: start_upgrade(params, store_uri, version, "webhook", params_path))
+        settings = params.triggers
+        self.max_body = settings.webhook_max_body_bytes
+        self.limiter = RateLimiter(settings.webhook_rate_per_minute, settings.webhook_burst)
+        # a replay older than the clock check's window is refused by that check, so the window is enough
+        self.deliveries = DeliveryLog(settings.max_clock_skew_seconds)
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = settings.webhook_read_timeout_seconds  # per read of the socket: a stalled sender is dropped
+            server_version = "fastfill-webhook"
+
             def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
                 log("webhook: " + format % args)
 
-            def _reply(self, code: int, body: dict) -> None:
+            def _reply(self, code: int, body: dict, headers: dict | None = None) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _refuse(self, code: int, message: str, headers: dict | None = None) -> None:
+                """Answer without reading the body; the connection closes, so its unread bytes are
+                never taken for a next request."""
+                log(f"webhook: refused a request from {self.client_address[0]} with {code}: {message}")
+                self.close_connection = True
+                self._reply(code, {"error": message}, headers)
 
             def do_GET(self):  # noqa: N802
                 self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": "not found"})
 
             def do_POST(self):  # noqa: N802
-                code, body = receiver.handle(dict(self.headers), self._body())
-                self._reply(code, body)
-
-            def _body(self) -> bytes:
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(min(length, MAX_BODY + 1))
+                wait = receiver.limiter.take(self.client_address[0])
+                if wait:
+                    retry = max(1, math.ceil(wait))
+                    return self._refuse(429, f"too many requests from this address; retry in {retry} s",
+                                        {"Retry-After": str(retry)})
+                try:
+                    length = body_length(self.headers.get_all("Content-Length") or [],
+                                         self.headers.get_all("Transfer-Encoding") or [], receiver.max_body)
+                except WebhookRejected as error:
+                    return self._refuse(error.status, str(error))
+                try:
+                    body = self.rfile.read(length)
+                except TimeoutError:
+                    return self._refuse(408, f"the body did not arrive within {self.timeout:g} s")
+                if len(body) < length:
+                    return self._refuse(400, f"the body ended after {len(body)} of {length} bytes")
+                code, reply = receiver.handle(dict(self.headers), body)
+                self._reply(code, reply)
 
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.address = self.server.server_address
         self._lock = threading.Lock()
 
     def handle(self, headers: dict, body: bytes) -> tuple[int, dict]:
-        if len(body) > MAX_BODY:
-            return 413, {"error": "body too large"}
+        """The answer to one delivery whose body has been read: (HTTP status, JSON body)."""
+        if len(body) > self.max_body:
+            return 413, {"error": f"the body is over this receiver's limit of {self.max_body} bytes"}
         try:
-            verify(self.secret, headers, body, max_skew=self.params.triggers.max_clock_skew_seconds)
+            delivery, sent = verify(self.secret, headers, body, max_skew=self.params.triggers.max_clock_skew_seconds)
             event = alias_event(body)
         except WebhookRejected as error:
             log(f"webhook: refused a delivery: {error}")
             return error.status, {"error": str(error)}
+        # one delivery at a time: the replay check, the start and the record of the id are one step
+        # (MLflow re-sends a delivery it got a 429 or 5xx for with the same id: only accepted ids count)
+        with self._lock:
+            accepted = self.deliveries.accepted_at(delivery)
+            if accepted is not None:
+                log(f"webhook: delivery {delivery} was accepted before; ignoring the replay")
+                return 200, {"started": False, "duplicate": True,
+                             "reason": f"delivery {delivery} was already accepted "
+                                       f"{max(0.0, time.time() - accepted):.0f} s ago; a repeat starts nothing"}
+            code, reply = self._act(event)
+            if code < 300:
+                self.deliveries.remember(delivery, sent)
+            return code, reply
+
+    def _act(self, event: dict | None) -> tuple[int, dict]:
         if event is None:
             return 200, {"started": False, "reason": "not a model_version_alias.created event"}
         if event["name"] != self.params.mlflow.registered_model or event["alias"] != registry.CHALLENGER:
             return 200, {"started": False, "reason": f"alias {event['alias']} of {event['name']} is not watched"}
-        with self._lock:  # one start at a time; the claim makes repeats no-ops
-            try:
-                return 200, self.on_event(event["version"])
-            except Exception as error:  # noqa: BLE001 - the sender gets a 500 and retries
-                log(f"webhook: could not start the upgrade of version {event['version']}: {error}")
-                return 500, {"error": f"could not start the upgrade: {error}"}
+        try:  # the claim in the gallery's store makes a repeated version a no-op
+            return 200, self.on_event(event["version"])
+        except DeploymentMissing as error:  # the sender gets a 503 and retries; the message says what to do
+            log(f"webhook: could not start the upgrade of version {event['version']}: {error}")
+            return 503, {"error": f"could not start the upgrade: {error}"}
+        except Exception as error:  # noqa: BLE001 - the sender gets a 500 and retries
+            log(f"webhook: could not start the upgrade of version {event['version']}: {error!r}")
+            return 500, {"error": f"could not start the upgrade: {type(error).__name__}: {error}"}
 
     def serve_forever(self) -> None:
         log(f"webhook receiver on http://{self.address[0]}:{self.address[1]}/ for "

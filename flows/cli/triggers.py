@@ -33,9 +33,13 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
           resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False) -> None:
     """Check the registry once: start the upgrade deployment when `challenger` is new to the gallery."""
     config = load(params)
-    from flows.triggers import params_file, watch_flow
+    from flows.triggers import DeploymentMissing, params_file, watch_flow
 
-    typer.echo(json.dumps(call(watch_flow, params_file(params), store_uri(config, store), resume), indent=1))
+    try:
+        result = call(watch_flow, params_file(params), store_uri(config, store), resume)
+    except DeploymentMissing as error:
+        fail(error, 1)
+    typer.echo(json.dumps(result, indent=1))
 
 
 @webhook_app.command("serve")
@@ -54,6 +58,16 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
                                host or config.triggers.webhook_host,
                                config.triggers.webhook_port if port is None else port)
     typer.echo(f"listening on http://{receiver.address[0]}:{receiver.address[1]}/", err=True)
+    limits = config.triggers
+    typer.echo(f"bodies up to {limits.webhook_max_body_bytes} bytes; {limits.webhook_burst} POSTs at once per address, "
+               f"then {limits.webhook_rate_per_minute:g} a minute; a repeated delivery id within "
+               f"{limits.max_clock_skew_seconds} s is answered as a duplicate", err=True)
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        typer.secho("warning: PREFECT_API_URL is not set, so a delivery would start the upgrade on a temporary "
+                    "Prefect server that has no deployments; point it at the server `fastfill serve` uses",
+                    fg=typer.colors.YELLOW, err=True)
     try:
         receiver.serve_forever()
     except KeyboardInterrupt:

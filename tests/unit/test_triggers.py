@@ -5,6 +5,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 
@@ -19,7 +20,9 @@ from tests.synthetic import tiny_params
 SECRET = "s3cret-for-tests"
 
 
-def _delivery(body: dict, secret: str = SECRET, timestamp: int | None = None, delivery: str = "d-1"):
+def _delivery(body: dict, secret: str = SECRET, timestamp: int | None = None, delivery: str | None = None):
+    """Headers and body of one delivery, signed; each gets its own delivery id unless given one."""
+    delivery = delivery or f"d-{uuid.uuid4()}"
     raw = json.dumps(body).encode()
     stamp = str(int(time.time()) if timestamp is None else timestamp)
     return {"X-MLflow-Delivery-Id": delivery, "X-MLflow-Timestamp": stamp,
