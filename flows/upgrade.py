@@ -11,7 +11,7 @@ import time
 from prefect import flow
 from prefect.futures import as_completed
 
-from components.gallery import backfill as bf, plan as pl
+from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
 from components.gallery.catalog import Gallery, GalleryError, fetch_images
 from components.gallery.images import readable
@@ -19,6 +19,7 @@ from components.gallery.lifecycle import (
     Backfill, budget_items, check_map_fits, choose_map, failure_limit, plan_fields, registered_map_order,
 )
 from components.gallery.lock import acquire_lock
+from components.gallery.store import configure_s3
 from components.gallery.measure import meter_for
 from components.gallery.store import StoreError
 from components.gallery.promotion import decide, decision_tags, gate_message
@@ -43,16 +44,35 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
     keeps serving the champion's features. Re-run the same command to resume a stopped or killed
     upgrade."""
     gate = params.promotion.gate if gate is None else gate
+    configure_s3(params.gallery.s3)  # S3 retries and timeouts of this process's clients
     store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
     gallery.manifest(refresh=True)
-    champion, new, new_model, base = _target(params, gallery, to_uri)
-    old = base.new if base is not None else champion
-    uid = pl.upgrade_id(old, new)
-    _refuse_rejected(store, uid)
-    lock = acquire_lock(store, uid, break_lock=break_lock, log=log)
+    client, _ = registry.setup(params.mlflow)
+    wanted = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    lock = acquire_lock(store, pl.upgrade_id(gallery.model, wanted), break_lock=break_lock, log=log,
+                        lease_seconds=params.gallery.upgrade.lease_seconds)
     try:
+        # Under the lock, the gallery as it is now: another upgrade may have finished (or been
+        # interrupted at its end) while this one started.
+        gallery.manifest(refresh=True)
+        ended = _complete_interrupted_ending(params, gallery)
+        if ended is not None and _same(ModelRef.from_dict(ended["decided"]["new"]), wanted):
+            return ended
+        if _same(gallery.model, wanted):
+            current = gallery.manifest().get("upgrade")
+            if current:
+                moving = pl.load_plan(store, current)
+                raise GalleryError(f"the gallery at {store.uri} is already built with {wanted.uri}, and upgrade {current}"
+                                   f" is half done; run `fastfill upgrade --to {moving.new.uri if moving else '...'}` "
+                                   "to finish it")
+            log(f"the gallery at {store.uri} is already built with {wanted.uri}; nothing to upgrade")
+            return _nothing_to_do(gallery, wanted)
+        champion, new, new_model, base = _target(params, gallery, wanted)
+        old = base.new if base is not None else champion
+        uid = pl.upgrade_id(old, new)
+        _refuse_rejected(store, uid)
         plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new, new_model, base)
         result = _backfill(params, gallery, store_uri, plan, new_model,
                            budget if budget is not None else params.gallery.upgrade.budget)
@@ -60,18 +80,12 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         if not result["complete"]:
             log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
             return {**result, "state": "paused"}
-        if gate:
-            result["promotion"] = _gate(params, store_uri, plan, champion)
-            result["state"] = "complete" if result["promotion"]["passed"] else "rejected"
-        else:
-            finish_upgrade(store_uri, plan)
-            record_decision(params.mlflow, plan, {"promotion": "ungated", "promotion.upgrade": plan.id}, promote=True)
-            result["state"] = "complete"
+        result.update(_end(params, store_uri, gallery, plan, champion, gate))
         log(f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
             f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
         return result
     finally:
-        lock.release()
+        lock.release()  # the last step of every ending
 
 
 def run_upgrade(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
@@ -87,6 +101,7 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     no lock, no MLflow run."""
     from components.gallery.estimate import dry_run
 
+    configure_s3(params.gallery.s3)
     store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
@@ -120,14 +135,20 @@ def runner_for(settings):
 # The steps
 
 
-def _target(params: Params, gallery: Gallery, to_uri: str):
+def _same(a: ModelRef, b: ModelRef) -> bool:
+    return (a.name, str(a.version)) == (b.name, str(b.version))
+
+
+def _nothing_to_do(gallery: Gallery, model: ModelRef) -> dict:
+    n = gallery.num_items
+    return {"state": "up-to-date", "model": model.uri, "items": n, "items_done": n, "fraction": 1.0,
+            "complete": True, "mlflow_run_id": None}
+
+
+def _target(params: Params, gallery: Gallery, new: ModelRef):
     """(champion, the new model's ref and loaded model, the unfinished upgrade to start from or
     None). A new model that arrives while an upgrade is unfinished starts a sequential upgrade."""
     champion = gallery.model
-    client, _ = registry.setup(params.mlflow)
-    new = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
-    if (new.name, new.version) == (champion.name, champion.version):
-        raise GalleryError(f"the gallery at {gallery.store.uri} is already built with {new.uri}; nothing to upgrade")
     base = None
     current = gallery.manifest().get("upgrade")
     if current:
@@ -138,6 +159,68 @@ def _target(params: Params, gallery: Gallery, to_uri: str):
                 "sequential upgrade from the gallery as it stands")
     new_model = load_model(params.mlflow, new)
     return champion, ModelRef(new.name, new.version, new_model.embedding_dim), new_model, base
+
+
+def _end(params: Params, store_uri: str, gallery: Gallery, plan: pl.Plan, champion: ModelRef, gate: bool) -> dict:
+    """The end of a complete backfill, as a recoverable sequence (components.gallery.upgrade):
+    the decision recorded first, then the gallery switched (or back on the champion's features),
+    then the registry; the caller releases the lock last. A decision already recorded (a re-run
+    after a kill) is completed, never measured again."""
+    decided = up.decision(gallery.store, plan.id)
+    if decided is None:
+        if gate:
+            numbers = evaluate_gate(store_uri, plan, params.promotion)
+            passed, reasons = decide(numbers, params.promotion)
+            log(gate_message(numbers, passed, reasons, plan.new.uri, champion.uri))
+            tags = decision_tags(passed, reasons, numbers, champion.version, plan.id)
+        else:
+            numbers, passed, reasons = None, True, []
+            tags = {"promotion": "ungated", "promotion.upgrade": plan.id}
+        decided = up.record_decision(gallery.store, plan, passed=passed, reasons=reasons, numbers=numbers, tags=tags,
+                                     champion=champion)
+        if numbers is not None and plan.mlflow_run_id:
+            client, _ = registry.setup(params.mlflow)
+            registry.log_series(client, plan.mlflow_run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
+            registry.log_metrics(client, plan.mlflow_run_id, {f"gate.{k}": numbers[k] for k in
+                                 ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
+    else:
+        log(f"completing the end of upgrade {plan.id}: its decision ({'passed' if decided['passed'] else 'rejected'}, "
+            f"{decided['decided']}) was recorded before the last run stopped")
+    if decided["passed"]:
+        finish_upgrade(store_uri, plan)
+    else:
+        reject_upgrade(store_uri, plan, {"reasons": decided["reasons"], "numbers": decided["numbers"]})
+    _follow_in_registry(params, gallery, decided)
+    return _ending_result(decided)
+
+
+def _ending_result(decided: dict) -> dict:
+    result = {"state": "complete" if decided["passed"] else "rejected"}
+    if decided["numbers"] is not None:
+        result["promotion"] = {"passed": decided["passed"], "reasons": decided["reasons"], "numbers": decided["numbers"]}
+    return result
+
+
+def _follow_in_registry(params: Params, gallery: Gallery, decided: dict) -> None:
+    """Step 3 of the ending: the decision's tags on the version and the upgrade's run, and
+    champion moved when it passed; then the decision says so."""
+    plan = pl.load_plan(gallery.store, decided["upgrade"])
+    record_decision(params.mlflow, plan, decided["tags"], promote=decided["passed"])
+    up.mark_registry_recorded(gallery.store, decided["upgrade"])
+
+
+def _complete_interrupted_ending(params: Params, gallery: Gallery) -> dict | None:
+    """An upgrade killed after its gallery switched (or went back) but before the registry
+    followed is completed now; returns its result, or None when there is none."""
+    decided = up.interrupted_ending(gallery)
+    if decided is None:
+        return None
+    log(f"upgrade {decided['upgrade']} was interrupted at its end, after the gallery "
+        f"{'switched' if decided['passed'] else 'went back'}: recording its decision in the registry now")
+    _follow_in_registry(params, gallery, decided)
+    n = gallery.num_items
+    return {**_ending_result(decided), "items": n, "items_done": n, "fraction": 1.0, "complete": True,
+            "resumed_ending": True, "decided": decided, "mlflow_run_id": pl.load_plan(gallery.store, decided["upgrade"]).mlflow_run_id}
 
 
 def _refuse_rejected(store, uid: str) -> None:
@@ -288,23 +371,3 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     finally:
         tracker.close(ok)
     return state.summary()
-
-
-def _gate(params: Params, store_uri: str, plan: pl.Plan, champion: ModelRef) -> dict:
-    """Measure the gates, record the decision in MLflow, and either switch the gallery and move
-    champion, or reject: the gallery keeps serving the champion's features."""
-    numbers = evaluate_gate(store_uri, plan, params.promotion)
-    passed, reasons = decide(numbers, params.promotion)
-    log(gate_message(numbers, passed, reasons, plan.new.uri, champion.uri))
-    if passed:
-        finish_upgrade(store_uri, plan)
-    else:
-        reject_upgrade(store_uri, plan, {"reasons": reasons, "numbers": numbers})
-    record_decision(params.mlflow, plan, decision_tags(passed, reasons, numbers, champion.version, plan.id),
-                    promote=passed)
-    if plan.mlflow_run_id:
-        client, _ = registry.setup(params.mlflow)
-        registry.log_series(client, plan.mlflow_run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
-        registry.log_metrics(client, plan.mlflow_run_id, {f"gate.{k}": numbers[k] for k in
-                             ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
-    return {"passed": passed, "reasons": reasons, "numbers": numbers}

@@ -6,7 +6,22 @@ for caching (DVC decides what re-runs, not Prefect's cache).
 
 from prefect.cache_policies import NO_CACHE
 
-IO_RETRIES = {"retries": 3, "retry_delay_seconds": [1, 5, 15]}
+def _worth_retrying(task, task_run, state) -> bool:
+    """Retry a task that failed on I/O, not one whose upgrade lost its lock (another process
+    owns the gallery now) or whose input is wrong (retrying cannot fix either)."""
+    from components.gallery.catalog import GalleryError
+    from components.gallery.lock import UpgradeLocked
+
+    try:
+        state.result()
+    except (UpgradeLocked, GalleryError):
+        return False
+    except BaseException:  # noqa: BLE001 - any other failure: the I/O retries below
+        return True
+    return True
+
+
+IO_RETRIES = {"retries": 3, "retry_delay_seconds": [1, 5, 15], "retry_condition_fn": _worth_retrying}
 NO_CACHING = {"cache_policy": NO_CACHE}
 # Training tasks: a work pool with GPU workers takes them first (tag concurrency limit `gpu`).
 GPU_TAGS = ["gpu"]

@@ -35,6 +35,7 @@ from components.platform.vocabulary import GALLERY_ORDERS
 
 ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
 ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
+DECISION = "decision.json"  # the promotion decision, written before the gallery switches (kept by gc)
 
 
 def upgrade_id(old: ModelRef, new: ModelRef) -> str:

@@ -36,9 +36,13 @@ def load(path: Path):
     from components.platform.config import ConfigError, load_params
 
     try:
-        return load_params(path)
+        params = load_params(path)
     except ConfigError as error:
         fail(error, 2)
+    from components.gallery.store import configure_s3
+
+    configure_s3(params.gallery.s3)  # every command's S3 clients retry as gallery.s3 says
+    return params
 
 
 def call(flow, *args, **kwargs):

@@ -241,6 +241,9 @@ def upgrade(ctx: typer.Context,
     start = time.perf_counter()
     with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
         result = call(run_upgrade, config, uri, to, _parse_budget(budget), break_lock, gate)
+    if result["state"] == "up-to-date":
+        typer.echo(f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
+        return
     typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
                f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
                f"MLflow run {result['mlflow_run_id']}")

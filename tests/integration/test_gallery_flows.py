@@ -193,14 +193,14 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
         upgrade_flow(params, uri, "models:/embedder@nope")
     with pytest.raises(RegistryError, match="unknown model"):
         upgrade_flow(params, uri, "models:/embedder/999")
-    with pytest.raises(GalleryError, match=f"already built with models:/embedder/{old_version}"):
-        upgrade_flow(params, uri, f"models:/embedder/{old_version}")
+    assert upgrade_flow(params, uri, f"models:/embedder/{old_version}")["state"] == "up-to-date"
     with pytest.raises(GalleryError, match="already holds a gallery"):
         ingest_flow(params, uri)
     assert snapshot() == before
 
     upgrade_flow(params, uri, budget=8)
-    with pytest.raises(GalleryError, match=f"already built with models:/embedder/{old_version}"):
+    with pytest.raises(GalleryError, match=f"already built with models:/embedder/{old_version}, and upgrade .* is "
+                       "half done; run `fastfill upgrade --to models:/embedder/"):
         upgrade_flow(params, uri, f"models:/embedder/{old_version}")
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
@@ -332,11 +332,12 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 # ---- SIGKILL ------------------------------------------------------------------------------------
 
 
-def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_env, cli_env, prefect_harness):
+def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env, prefect_harness):
     from flows.gallery import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
+    store_uri = str(tmp_path / "store")  # S3: the chaos test below
     ingest_flow(params, store_uri)
     reference_uri = str(tmp_path / "reference")
     ingest_flow(params, reference_uri)
@@ -386,6 +387,83 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(store_uri, upgrade_e
     upgrade_flow(changed, reference_uri)
     reference = Gallery(open_store(reference_uri))
     np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
+
+
+@pytest.mark.slow
+def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes_exactly_once(
+        s3_endpoint, upgrade_env, cli_env, prefect_harness):
+    """Chaos, small: the CLI's process group SIGKILLed at a random moment of each phase (planning,
+    backfill, the ending), the same command run again after each kill; then every item is covered
+    once, the features are bit-identical to an uninterrupted upgrade's, and the gallery, the
+    registry and the lock agree."""
+    import random
+
+    from components.platform import registry
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
+    from tests.environment import new_bucket
+
+    params, tmp_path = upgrade_env
+    store_uri = f"s3://{new_bucket(s3_endpoint)}/galleries/chaos"
+    ingest_flow(params, store_uri)
+    store = open_store(store_uri)
+    client, _, _, old_version, new_version = registry_models(params)
+    name = params.mlflow.registered_model
+    uid = pl.upgrade_id(registry.ModelRef(name, old_version), registry.ModelRef(name, new_version))
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
+               "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
+    rng = random.Random(0)
+
+    def planning_started():
+        return bool(store.list(f"upgrades/{uid}/"))
+
+    def backfilling(at_least=rng.randint(1, 4)):
+        return len(bf.done_chunks(store, uid)) >= at_least
+
+    def ending():
+        plan = pl.load_plan(store, uid)
+        return plan is not None and len(bf.done_chunks(store, uid)) == plan.num_chunks
+
+    killed_at = []
+    for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending)):
+        log = open(tmp_path / f"killed-{phase}.log", "wb")
+        process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            if started():
+                time.sleep({"planning": rng.uniform(0, 0.05), "backfill": rng.uniform(0, 0.3)}.get(phase, 0))
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        process.wait(timeout=60)
+        log.close()
+        output = (tmp_path / f"killed-{phase}.log").read_text()
+        assert process.returncode == -signal.SIGKILL, f"{phase}: ended before it could be killed:\n{output[-3000:]}"
+        killed_at.append((phase, len(bf.done_chunks(store, uid)), store.exists(pl.upgrade_key(uid, "decision.json"))))
+    print("killed at (phase, chunks done, decision recorded):", killed_at)
+
+    resumed = subprocess.run(command, cwd=root, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    plan = pl.load_plan(store, uid)
+    markers = [store.get_json(pl.marker_key(uid, c)) for c in bf.done_chunks(store, uid)]
+    assert len(markers) == plan.num_chunks and sum(m["count"] for m in markers) == plan.num_items
+    order = pl.order_of(store, uid)
+    assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in markers])) == list(range(plan.num_items))
+    gallery = Gallery(store)
+    assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == new_version
+    assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
+    assert up.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
+    assert up.status(gallery)["state"] == "idle"
+
+    reference_uri = str(tmp_path / "reference")
+    ingest_flow(params, reference_uri)
+    changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
+    client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
+    upgrade_flow(changed, reference_uri)
+    np.testing.assert_array_equal(gallery.all_features(plan.new), Gallery(open_store(reference_uri)).all_features(plan.new))
 
 
 def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):

@@ -11,6 +11,7 @@ from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
+from components.platform.registry import ModelRef
 from tests.integration.helpers import registry_models, split_images
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
@@ -186,3 +187,114 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
     up.collect_garbage(gallery)
     assert not store.list(f"features/embedder-v{v1}/") and not store.list(pl.upgrade_key(plan1.id, "done/"))
+
+
+def _ready_to_end(params, tmp_path, monkeypatch):
+    """A gallery whose backfill is complete and whose ending has not started (the ending failed
+    once at its very start), as a folder to copy for each scenario."""
+    import flows.upgrade as fu
+    from flows.gallery import ingest_flow
+
+    uri = str(tmp_path / "ready")
+    ingest_flow(params, uri)
+
+    def not_yet(*args, **kwargs):
+        raise RuntimeError("stop before the ending")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fu, "_end", not_yet)
+        with pytest.raises(RuntimeError, match="stop before the ending"):
+            fu.upgrade_flow(params, uri)
+    return uri
+
+
+def _failing_after(monkeypatch, owner, name, step):
+    original = getattr(owner, name)
+
+    def run_then_fail(*args, **kwargs):
+        original(*args, **kwargs)
+        raise RuntimeError(f"injected after {step}")
+
+    monkeypatch.setattr(owner, name, run_then_fail)
+
+
+@pytest.mark.parametrize("passes", [True, False], ids=["promotion", "rejection"])
+def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgrade_env, prefect_harness,
+                                                                          monkeypatch, passes):
+    import shutil
+
+    import flows.upgrade as fu
+    from components.gallery.lock import LOCK
+
+    params, tmp_path = upgrade_env
+    gain = -1.0 if passes else 1.0  # a gate every challenger passes, or one none can
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": gain, "max_nfr1": 1.0,
+                                      "max_fraction_to_gain": 1.0})
+    client, _, _, old_version, new_version = registry_models(params)
+    name = params.mlflow.registered_model
+    ready = _ready_to_end(params, tmp_path, monkeypatch)
+    steps = [("decision", fu.up, "record_decision"),
+             ("switch", fu, "finish_upgrade" if passes else "reject_upgrade"),
+             ("registry", fu, "record_decision")]  # after the last step (marking it recorded) it is over
+    for step, owner, function in steps:
+        client.set_registered_model_alias(name, "champion", old_version)  # the registry as before the ending
+        for key in [k for k in client.get_model_version(name, new_version).tags if k.startswith("promotion")]:
+            client.delete_model_version_tag(name, new_version, key)
+        uri = str(tmp_path / f"g-{step}")
+        shutil.copytree(ready, uri, symlinks=True)  # the local store keeps each key as a link to its object file
+        with monkeypatch.context() as patch:
+            _failing_after(patch, owner, function, step)
+            with pytest.raises(RuntimeError, match=f"injected after {step}"):
+                fu.upgrade_flow(params, uri)
+        gallery = Gallery(open_store(uri))
+        assert up.status(gallery)["state"] == "ending interrupted", step
+
+        result = fu.upgrade_flow(params, uri)  # the same command again
+
+        assert result["state"] == ("complete" if passes else "rejected"), step
+        expected = new_version if passes else old_version
+        assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == expected, step
+        assert str(client.get_model_version_by_alias(name, "champion").version) == expected, step
+        assert client.get_model_version(name, new_version).tags["promotion"] == ("passed" if passes else "rejected")
+        uid = pl.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
+        assert up.decision(gallery.store, uid)["registry_recorded"], step
+        assert not gallery.store.exists(LOCK) and up.status(gallery)["state"] == "idle", step
+        assert gallery.store.exists(pl.upgrade_key(uid, "rejected.json")) == (not passes), step
+        if passes:  # once more: nothing to upgrade, and a success
+            assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"
+        else:
+            with pytest.raises(GalleryError, match="rejected by the promotion gate"):
+                fu.upgrade_flow(params, uri)
+
+
+def test_a_second_upgrade_that_waited_for_the_first_finds_it_done(upgrade_env, prefect_harness, monkeypatch):
+    """The second process read the gallery before the first finished and takes the lock after:
+    it decides from the state under the lock (nothing to upgrade), never judges the new champion
+    against itself, and records no rejection."""
+    import flows.upgrade as fu
+    from flows.gallery import ingest_flow
+
+    params, tmp_path = upgrade_env
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
+                                      "max_fraction_to_gain": 1.0})
+    client, _, _, old_version, new_version = registry_models(params)
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    real_acquire, first = fu.acquire_lock, {}
+
+    def the_first_finishes_meanwhile(*args, **kwargs):
+        if not first:
+            with monkeypatch.context() as patch:
+                patch.setattr(fu, "acquire_lock", real_acquire)
+                first["result"] = fu.upgrade_flow(params, uri)
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(fu, "acquire_lock", the_first_finishes_meanwhile)
+    second = fu.upgrade_flow(params, uri)
+    assert first["result"]["state"] == "complete" and second["state"] == "up-to-date"
+    name = params.mlflow.registered_model
+    assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
+    assert client.get_model_version(name, new_version).tags["promotion"] == "passed"
+    store = open_store(uri)
+    assert Gallery(store).model.version == new_version
+    assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
