@@ -27,6 +27,9 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()
                   for order, curve in by_order.items() for key in ("top1", "top5", "map", "nfr1")}
+        alphas = next(curve["alpha"] for by_order in curves.values() for curve in by_order.values())
+        # step = the backfilled fraction in per mille: the MLflow chart's x axis is the backfill
         log_results(params.mlflow, run_id, metrics=flatten_numbers(metrics), series=series,
+                    steps=[round(1000 * float(a)) for a in alphas],
                     artifacts=[outputs["plot"], outputs["metrics"], outputs["curves"]])
     return metrics

@@ -24,6 +24,8 @@ def open_pipeline_run(params: Params, fresh: bool) -> str:
     commit = registry.git_commit()
     key = registry.pipeline_key(params.model_dump_json(), commit)
     run_id = registry.pipeline_run(client, experiment, key, fresh=fresh, tags={"git_commit": commit})
+    if fresh:  # the parent run carries the whole configuration; each stage's run its own section
+        registry.log_params(client, run_id, params.model_dump(mode="json", exclude={"compare"}))
     return run_id
 
 
@@ -50,14 +52,15 @@ def open_stage_run(config: MlflowConfig, parent_run_id: str, stage: str, section
 @task(name="log-results", **IO_RETRIES, **NO_CACHING)
 def log_results(config: MlflowConfig, run_id: str, metrics: Mapping[str, float] | None = None,
                 series: Mapping[str, list[float]] | None = None, artifacts: list[Path] | None = None,
-                json_artifacts: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None) -> None:
+                json_artifacts: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None,
+                steps: list[int] | None = None) -> None:
     client, _ = _client(config)
     for key, value in (tags or {}).items():
         client.set_tag(run_id, key, value)
     if metrics:
         registry.log_metrics(client, run_id, metrics)
     if series:
-        registry.log_series(client, run_id, series)
+        registry.log_series(client, run_id, series, steps)
     for path in artifacts or []:
         registry.log_artifact(client, run_id, Path(path))
     for name, data in (json_artifacts or {}).items():

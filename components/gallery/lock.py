@@ -171,7 +171,7 @@ class Lock:
             except LeaseLost as error:
                 self._log(str(error))
                 return
-            except Exception as error:  # noqa: BLE001 - the store is unreachable now: retry until the lease ends
+            except StoreError as error:  # the store is unreachable now: retry until the lease ends
                 self._renew_error = " ".join(str(error).split())
                 remaining = self._deadline - time.monotonic()
                 self._log(f"could not renew the upgrade lock of {self.store.uri} ({self._renew_error}); trying again, "

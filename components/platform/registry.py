@@ -84,19 +84,36 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     experiment = client.get_experiment_by_name(config.experiment)
     if experiment is not None:
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return client, experiment.experiment_id
-    location = config.artifact_location
-    if "://" not in location:
-        location = Path(location).resolve().as_uri()
     from mlflow.exceptions import MlflowException
 
+    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
     try:
-        return client, client.create_experiment(config.experiment, artifact_location=location)
+        return client, client.create_experiment(config.experiment, artifact_location=artifact_location(config, uri),
+                                                tags=tags)
     except MlflowException:  # another process created it first
         experiment = client.get_experiment_by_name(config.experiment)
         if experiment is None:
             raise
         return client, experiment.experiment_id
+
+
+# The MLflow UI opens an experiment of this kind on model training (runs, metrics, models), not on
+# GenAI traces
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def artifact_location(config: MlflowConfig, uri: str) -> str | None:
+    """Where a new experiment's artifacts go. Against a tracking server (http/https) None: the
+    server decides (its proxied ``mlflow-artifacts:`` store, or its default root), so artifacts
+    never land on the client's disk. With a local store, ``artifact_location`` (a relative folder
+    is resolved against the working directory, as a file: URI)."""
+    if uri.startswith(("http://", "https://")):
+        return None
+    location = config.artifact_location
+    return location if "://" in location else Path(location).resolve().as_uri()
 
 
 def git_commit() -> str:
@@ -174,10 +191,12 @@ def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0
     _send_metrics(client, run_id, ((name, value, step) for name, value in metrics.items()))
 
 
-def log_series(client, run_id: str, series: Mapping[str, Iterable[float]]) -> None:
-    """Each named series as one metric with step = position (curve points, epochs)."""
-    _send_metrics(client, run_id, ((name, value, step) for name, values in series.items()
-                                   for step, value in enumerate(values)))
+def log_series(client, run_id: str, series: Mapping[str, Iterable[float]], steps: Iterable[int] | None = None) -> None:
+    """Each named series as one metric; step = position (epochs), or ``steps`` (e.g. a backfill
+    curve's backfilled fraction in per mille, so the MLflow chart's x axis reads as the backfill)."""
+    steps = None if steps is None else list(steps)
+    _send_metrics(client, run_id, ((name, value, step if steps is None else steps[step])
+                                   for name, values in series.items() for step, value in enumerate(values)))
 
 
 def log_artifact(client, run_id: str, path: Path, artifact_path: str | None = None) -> None:
@@ -268,6 +287,10 @@ def record_decision(client, name: str, version: str, run_id: str | None, tags: M
             client.set_tag(run_id, key, value)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, str(version))
+        # the convention: `challenger` names a version under evaluation; once it is the champion
+        # there is none, and the next registered candidate gets the alias
+        if alias_version(client, name, CHALLENGER) == str(version):
+            client.delete_registered_model_alias(name, CHALLENGER)
 
 
 def alias_version(client, name: str, alias: str) -> str | None:

@@ -88,6 +88,8 @@ def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.info.run_name == "pipeline"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on training
+    assert parents[0].data.params["train.new.backbone"] == "cnn" and "compare.seeds" not in parents[0].data.params
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(r.info.run_name for r in children) == sorted(
         ["prepare", "train-old", "train-new", "align-fct", "align-fastfill", "evaluate"])
@@ -97,7 +99,8 @@ def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     evaluate = next(r for r in children if r.info.run_name == "evaluate")
     assert evaluate.data.params["evaluate.distance"] == "l2"
     history = client.get_metric_history(evaluate.info.run_id, "fastfill.sigma.top1")
-    assert [m.step for m in history] == list(range(6))  # curve_points 4 -> 6 points, step = point index
+    # curve_points 4 -> 6 points; step = the backfilled fraction in per mille
+    assert [m.step for m in history] == [0, 200, 400, 600, 800, 1000]
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert {"backfill.png", "metrics.json"} <= artifacts
     align = next(r for r in children if r.info.run_name == "align-fastfill")

@@ -144,3 +144,25 @@ def test_local_checkpoints_load_as_data_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         load_embedder(path)
     assert not marker.exists() and os.path.exists(path)
+
+
+def test_the_registry_conventions(mlflow_store):
+    """Artifacts go through a tracking server (never the client's disk), promotion clears
+    `challenger` when it named the promoted version, and a curve's steps can be its fractions."""
+    config, client, run_id = mlflow_store
+    assert registry.artifact_location(config, "http://mlflow.internal:5000") is None
+    assert registry.artifact_location(config, "sqlite:///x.db").startswith("file://")
+    model = _embedder()
+    example = np.zeros((1, 1, 12, 12), np.float32)
+    v1 = registered.register_embedder(client, run_id, model, example, "embedder", "champion", {})
+    v2 = registered.register_embedder(client, run_id, model, example, "embedder", "challenger", {})
+    v3 = registered.register_embedder(client, run_id, model, example, "embedder", None, {})
+    registry.record_decision(client, "embedder", v2, run_id, {"promotion": "passed"}, promote=True)
+    assert registry.alias_version(client, "embedder", "champion") == v2
+    assert registry.alias_version(client, "embedder", "challenger") is None
+    client.set_registered_model_alias("embedder", "challenger", v3)  # a newer candidate keeps its alias
+    registry.record_decision(client, "embedder", v1, run_id, {"promotion": "passed"}, promote=True)
+    assert registry.alias_version(client, "embedder", "challenger") == v3
+
+    registry.log_series(client, run_id, {"top1": [0.5, 0.6, 0.7]}, steps=[0, 500, 1000])
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(0, 0.5), (500, 0.6), (1000, 0.7)]
