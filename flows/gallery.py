@@ -67,7 +67,7 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
     manifest = write_gallery(store_uri, image_array, feature_array, ref, label_array, group_array, id_array,
-                             params.gallery.part_size)
+                             params.gallery.part_size, registry.identity(params.mlflow))
     log(f"gallery at {store.uri}: {manifest['num_items']} items in {manifest['num_parts']} parts, model {ref.uri}")
     return manifest
 
@@ -126,7 +126,7 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         log(f"adopt: part {done}/{total} written")
 
     result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
-                   part_size=params.gallery.part_size, on_part=on_part)
+                   part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow))
     log(f"gallery at {store.uri}: {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
         f"images read by URI{f' under {root}' if root else ''}")
     return result

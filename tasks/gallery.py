@@ -39,12 +39,13 @@ def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: st
 
 
 @task(name="write-gallery", **NO_CACHING)
-def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int) -> dict:
+def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int,
+                  registry_uri: str | None = None) -> dict:
     def on_part(done: int, total: int) -> None:
         log(f"ingest: part {done}/{total} written")
 
     return catalog.ingest(store_at(store_uri), images, features, model, labels=labels, groups=groups, ids=ids,
-                          part_size=part_size, on_part=on_part)
+                          part_size=part_size, on_part=on_part, registry=registry_uri)
 
 
 @task(name="embed-training-pairs", tags=GPU_TAGS, **NO_CACHING)

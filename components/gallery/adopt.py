@@ -130,7 +130,7 @@ def _take(rows: Iterator[np.ndarray], count: int, buffer: list[np.ndarray]) -> n
 def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, root: str | None = None,
           features: Iterator[np.ndarray] | None = None,
           embed_part: Callable[[list[str]], np.ndarray] | None = None, part_size: int = 1000,
-          on_part: Callable[[int, int], None] | None = None) -> dict:
+          on_part: Callable[[int, int], None] | None = None, registry: str | None = None) -> dict:
     """Write the gallery of ``table`` (``read_manifest``): items and ``model``'s features part by
     part, from ``features`` (rows in table order) or ``embed_part(uris)``; the manifest last."""
     import pyarrow as pa
@@ -171,4 +171,4 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
         raise GalleryError(f"more feature rows than the manifest's {n} items; give one row per item, in its order")
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
                            has_labels="label" in table.column_names, has_groups="group" in table.column_names,
-                           by="adopt", images={"source": "uri", "root": root})
+                           by="adopt", images={"source": "uri", "root": root}, registry=registry)

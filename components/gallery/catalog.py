@@ -297,6 +297,16 @@ def check_empty(store: Store, verb: str) -> None:
 REQUIRED = ("num_items", "part_size", "num_parts", "image_shape", "model")
 
 
+def check_registry(manifest: dict, where: str, registry: str) -> None:
+    """Refuse to work on a gallery whose model versions belong to another registry than
+    ``registry`` (``models:/embedder/3`` names a different model there). A gallery that records
+    none (written before galleries recorded it) is accepted."""
+    recorded = manifest.get("registry")
+    if recorded and recorded != registry:
+        raise GalleryError(f"{where} belongs to the model registry at {recorded}, but this command uses {registry}; "
+                           "point MLFLOW_TRACKING_URI (or mlflow.tracking_uri) at the gallery's registry")
+
+
 def check_manifest(manifest: object, where: str) -> dict:
     """A gallery manifest with every key the product reads, or a GalleryError naming what is
     missing (a hand-edited or foreign ``gallery.json``)."""
@@ -314,13 +324,14 @@ def check_manifest(manifest: object, where: str) -> dict:
 
 
 def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,
-                    has_groups: bool, by: str, images: dict | None = None) -> dict:
+                    has_groups: bool, by: str, images: dict | None = None, registry: str | None = None) -> dict:
     """Write a new gallery's manifest, the last object of an ingest or an adopt: from here on
     the gallery exists."""
     manifest = {
         "format": FORMAT, "created": now(), "num_items": num_items, "part_size": part_size,
         "num_parts": -(-num_items // part_size), "image_shape": [int(x) for x in image_shape],
         "has_labels": has_labels, "has_groups": has_groups, **({"images": images} if images else {}),
+        **({"registry": registry} if registry else {}),  # the model registry its model versions belong to
         "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": by}],
         "upgrade": None,
     }
@@ -330,7 +341,7 @@ def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size:
 
 def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
            labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
-           part_size: int = 1000, on_part=None) -> dict:
+           part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
     """Write a new gallery: items, images and the model's features, part by part; the manifest
     last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
     import pyarrow as pa
@@ -373,4 +384,5 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
         if on_part is not None:
             on_part(part + 1, num_parts)
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=images.shape[1:],
-                           has_labels=labels is not None, has_groups=groups is not None, by="ingest")
+                           has_labels=labels is not None, has_groups=groups is not None, by="ingest",
+                           registry=registry)

@@ -60,6 +60,22 @@ def tracking_uri(config: MlflowConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking_uri
 
 
+def identity(config: MlflowConfig) -> str:
+    """The registry's identity as a gallery records it: the tracking URI, a relative SQLite path
+    made absolute, credentials in a URL left out."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    uri = tracking_uri(config)
+    if uri.startswith("sqlite:///"):  # sqlite:///relative.db or sqlite:////absolute.db
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if not uri.startswith(("http://", "https://")):
+        return uri
+    parts = urlsplit(uri)
+    if parts.username or parts.password:
+        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+    return urlunsplit(parts)
+
+
 def setup(config: MlflowConfig) -> tuple[object, str]:
     """Point MLflow at the configured store and return (client, experiment id)."""
     import mlflow

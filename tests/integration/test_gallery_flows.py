@@ -257,6 +257,12 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
     store.put(torn, before[torn])
 
     manifest = store.get_json("gallery.json")
+    assert manifest["registry"] == registry.identity(params.mlflow)  # the gallery knows its registry
+    elsewhere = params.model_copy(update={"mlflow": params.mlflow.model_copy(
+        update={"tracking_uri": f"sqlite:///{tmp_path / 'another-registry.db'}"})})
+    with pytest.raises(GalleryError, match="belongs to the model registry at sqlite:///.*mlflow.db, but this command "
+                                           "uses sqlite:///.*another-registry.db"):
+        upgrade_flow(elsewhere, uri)
     store.put_json("gallery.json", {k: v for k, v in manifest.items() if k != "model"})
     with pytest.raises(GalleryError, match="gallery.json.* lacks model: it is not a manifest this product wrote"):
         upgrade_flow(params, uri)
