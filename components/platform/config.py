@@ -31,16 +31,17 @@ class Section(BaseModel):
 class PathsConfig(Section):
     """Where stage outputs go, relative to the working directory."""
 
-    data: Path = Path("data")
-    artifacts: Path = Path("artifacts")
-    reports: Path = Path("reports")
+    data: Path = Field(default=Path("data"), description="prepared splits (prepare's output)")
+    artifacts: Path = Field(default=Path("artifacts"), description='models, features and maps of the stages')
+    reports: Path = Field(default=Path("reports"), description='metrics.json, curves.json, plots')
 
 
 class PrepareConfig(Section):
     dataset: Literal["fashion-mnist", "imagefolder"] = "fashion-mnist"
     # Fashion-MNIST: the folder holding the IDX .gz files of the Debian package.
     # imagefolder: a folder with one sub-folder per class, or with train/ and test/ inside.
-    source: Path = Path(FASHION_MNIST_DEB)
+    source: Path = Field(
+        default=Path(FASHION_MNIST_DEB), description="fashion-mnist: the folder of the Debian package's IDX .gz files; imagefolder: a folder of class sub-folders, or with train/ and test/ inside")
     old_classes: list[int] | None = Field(
         default=None, description="classes the old model trains on; null = the first half"
     )
@@ -49,10 +50,11 @@ class PrepareConfig(Section):
     unseen_classes: list[int] | None = Field(
         default=None, description="open-class evaluation: no model or map trains on these classes and the test "
         "split holds only them; null = every class is seen")
-    image_size: PositiveInt = 28
-    channels: Literal[1, 3] = 1
-    test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    seed: int = 0
+    image_size: PositiveInt = Field(default=28, description='images are resized to this many pixels square')
+    channels: Literal[1, 3] = Field(default=1, description='1 = grey, 3 = RGB')
+    test_fraction: Annotated[float, Field(gt=0, lt=1)] = Field(
+        default=0.2, description='imagefolder without train/ and test/: the share of each class held out for test')
+    seed: int = Field(default=0, description="the split's and the per-class samples' seed")
 
 
     @model_validator(mode="after")
@@ -72,20 +74,22 @@ class PrepareConfig(Section):
 
 
 class TrainConfig(Section):
-    backbone: Literal["cnn", "cnn_small", "resnet18"] = "cnn"
-    width: PositiveInt = 32
-    embedding_dim: PositiveInt = 128
-    epochs: PositiveInt = 4
-    batch_size: PositiveInt = 128
-    optimizer: Literal["adam", "sgd"] = "adam"
-    lr: PositiveFloat = 2e-3
-    weight_decay: Annotated[float, Field(ge=0)] = 5e-4
-    label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    augment: bool = True
+    backbone: Literal["cnn", "cnn_small", "resnet18"] = Field(
+        default="cnn", description="cnn_small: 2 conv layers; cnn: 5 conv layers; resnet18: torchvision's, for small images")
+    width: PositiveInt = Field(default=32, description='channels of the first conv layer (doubling deeper)')
+    embedding_dim: PositiveInt = Field(default=128, description='feature dimension d')
+    epochs: PositiveInt = Field(default=4, description='passes over the training split')
+    batch_size: PositiveInt = Field(default=128, description='images per optimiser step')
+    optimizer: Literal["adam", "sgd"] = Field(default="adam", description='adam, or sgd with momentum 0.9')
+    lr: PositiveFloat = Field(default=2e-3, description='peak learning rate (warm-up, then cosine decay)')
+    weight_decay: Annotated[float, Field(ge=0)] = Field(default=5e-4, description='L2 weight decay')
+    label_smoothing: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.1, description='of the classification cross-entropy')
+    augment: bool = Field(default=True, description='random horizontal flips and small shifts')
     max_steps: PositiveInt | None = Field(
         default=None, description="stop after this many optimiser steps (tiny test runs)"
     )
-    seed: int = 0
+    seed: int = Field(default=0, description='weights, order and augmentation')
 
 
 class TrainSection(Section):
@@ -96,13 +100,19 @@ class TrainSection(Section):
 class AlignConfig(Section):
     """One alignment method: which loss terms train the map, and how."""
 
-    l2: bool = True
-    disc: bool = False
-    uncertainty: bool = False
-    l2_reduction: Literal["sum", "mean"] = "sum"
-    uncertainty_lambda: PositiveFloat = 1.0
-    disc_label_smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048])
+    l2: bool = Field(default=True, description='the point-to-point term ||phi_new - h(phi_old)||^2')
+    disc: bool = Field(
+        default=False, description="the point-to-cluster term: the new model's frozen classifier on h(phi_old) (FastFill)")
+    uncertainty: bool = Field(
+        default=False, description="the uncertainty head psi (log sigma^2 per item): FastFill's loss and sigma order")
+    l2_reduction: Literal["sum", "mean"] = Field(
+        default="sum", description="sum over dimensions (the paper's) or mean (the reference code's)")
+    uncertainty_lambda: PositiveFloat = Field(
+        default=1.0, description='lambda of the uncertainty loss (L / sigma^2 + log sigma^2 / lambda)')
+    disc_label_smoothing: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.1, description="of the disc term's cross-entropy")
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048],
+                                      description="widths of the mlp map's hidden layers (each Linear + BatchNorm + ReLU)")
     architecture: Literal["mlp", "rbt", "unified"] = Field(
         default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space")
     rbt_blocks: PositiveInt = Field(default=2, description="RBT blocks of the rbt map, or of each unified map")
@@ -113,13 +123,14 @@ class AlignConfig(Section):
         "always learns log sigma^2 from the (detached) loss in normalized and detached")
     uncertainty_warmup: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.0, description="fraction of the steps during which the map trains on the unweighted loss")
-    epochs: PositiveInt = 20
+    epochs: PositiveInt = Field(default=20, description='passes over the training pairs (raised to reach min_steps)')
     min_steps: Annotated[int, Field(ge=0)] = Field(
         default=2000, description="at least this many optimiser steps: small data gets more epochs")
-    warmup_epochs: Annotated[int, Field(ge=0)] = 5
-    batch_size: PositiveInt = 256
-    lr: PositiveFloat = 5e-4
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    warmup_epochs: Annotated[int, Field(ge=0)] = Field(
+        default=5, description='linear learning-rate warm-up, then cosine decay')
+    batch_size: PositiveInt = Field(default=256, description='pairs per step')
+    lr: PositiveFloat = Field(default=5e-4, description='peak learning rate (Adam)')
+    weight_decay: Annotated[float, Field(ge=0)] = Field(default=0.0, description='L2 weight decay')
     validation_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.1, description="feature pairs held out (seeded) for per-epoch validation, the best checkpoint "
         "and the map check; 0 = none (then no check and the last epoch is kept)")
@@ -136,7 +147,7 @@ class AlignConfig(Section):
         default=0.9, description="the map is kept only when, in this share of paired bootstrap resamples of the "
         "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
         "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
-    seed: int = 0
+    seed: int = Field(default=0, description='weights and batches')
 
     @model_validator(mode="after")
     def _some_loss(self) -> AlignConfig:
@@ -156,7 +167,7 @@ class CompatibleConfig(Section):
     """A new model trained to be compatible with the old one (BCT, RACT): train.new's model and
     schedule plus a compatibility term; it registers its own embedder version."""
 
-    loss: Literal["bct", "ract"]
+    loss: Literal["bct", "ract"] = Field(description="bct: BCT's influence loss; ract: RACT's contrastive term")
     lam: PositiveFloat = Field(default=1.0, description="weight of the compatibility term")
     tau: PositiveFloat = Field(default=0.05, description="RACT: temperature of the contrastive term")
     new_to_new: bool = Field(default=True, description="RACT: false = the vanilla compatible loss (ablation)")
@@ -175,18 +186,18 @@ Distance = Literal[DISTANCES]
 
 
 class EvaluateConfig(Section):
-    distance: Distance = "l2"
+    distance: Distance = Field(default="l2", description='l2, or cosine on L2-normalised features')
     curve_points: Annotated[int, Field(ge=0)] = Field(
         default=20, description="B: intermediate points; the curve has B + 2 points"
     )
     orders: dict[str, list[Order]] = Field(
-        default_factory=lambda: {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]}
-    )
+        default_factory=lambda: {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]},
+        description="backfill orders evaluated per method (random, sigma, oracle, distance, entropy, ...)")
     headline_order: dict[str, Order] = Field(
         default_factory=lambda: {"fct": "random", "fastfill": "sigma"},
         description="the order whose numbers stand for the method in metrics.json",
     )
-    seed: int = 0
+    seed: int = Field(default=0, description='of the random orders')
 
     @model_validator(mode="after")
     def _headline_in_orders(self) -> EvaluateConfig:
@@ -203,10 +214,13 @@ class MlflowConfig(Section):
     tracking_uri: str = Field(
         default="sqlite:///mlruns.db", description="overridden by MLFLOW_TRACKING_URI when set"
     )
-    artifact_location: str = "mlartifacts"
-    experiment: str = "fastfill"
-    registered_model: str = "embedder"
-    alignment_model: str = "embedder-alignment"
+    artifact_location: str = Field(
+        default="mlartifacts", description="a local store's artifact folder (a tracking server keeps its own)")
+    experiment: str = Field(default="fastfill", description='the MLflow experiment of every run')
+    registered_model: str = Field(
+        default="embedder", description='the registered model of the embedding models (aliases champion, challenger)')
+    alignment_model: str = Field(
+        default="embedder-alignment", description='the registered model of the alignment maps')
     allow_pickled_models: bool = Field(
         default=False, description="load registry versions stored as pickled modules (an older format): "
         "loading a pickle runs its code, so only for a registry whose writers you trust")
@@ -227,7 +241,7 @@ class UpgradeConfig(Section):
         default=None, description="stop the backfill after this fraction (0 < f <= 1.0) or count of items")
     eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
         default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
-    batch_size: PositiveInt = 512
+    batch_size: PositiveInt = Field(default=512, description='images embedded per forward pass')
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="embedding on CUDA: auto = bfloat16 autocast (float16 where bfloat16 is not "
         "supported), fp32 = off; the CPU always computes in float32 under auto")
@@ -241,7 +255,7 @@ class UpgradeConfig(Section):
         default=60, description="the upgrade lock is a lease: its holder renews it every third of this; a lock not "
         "renewed for this long (its holder died or lost the store) is taken over by the next upgrade from any host, "
         "and a holder that could not renew it stops before its next write")
-    seed: int = 0
+    seed: int = Field(default=0, description="the random order's and the evaluation sample's")
 
 
 class IndexConfig(Section):
@@ -308,7 +322,8 @@ class TriggerConfig(Section):
 
     poll_seconds: PositiveInt = Field(default=60, description="the registry watcher's interval")
     webhook_host: str = Field(default="127.0.0.1", description="the webhook receiver listens here only")
-    webhook_port: Annotated[int, Field(ge=0, le=65535)] = 8787
+    webhook_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        default=8787, description="the webhook receiver's port")
     webhook_secret_env: str = Field(default="FASTFILL_WEBHOOK_SECRET",
                                     description="environment variable holding the webhook's HMAC secret")
     max_clock_skew_seconds: PositiveInt = Field(default=300, description="older signed deliveries are refused")
@@ -321,7 +336,7 @@ class TriggerConfig(Section):
         default=10, description="a request whose next bytes take longer is dropped (408 while reading the body)")
     nightly_cron: str | None = Field(default="0 2 * * *", description="check-and-upgrade; null = none")
     comparison_cron: str | None = Field(default="0 3 * * 0", description="re-run the comparison; null = none")
-    timezone: str = "UTC"
+    timezone: str = Field(default="UTC", description='of the cron schedules')
 
 
 class ExperimentConfig(Section):
@@ -335,7 +350,8 @@ class CompareConfig(Section):
     the maps under align plus compare.align, and the compatible new models of compare.compatible;
     compare.orders lists each one's backfill orders, the first being its headline."""
 
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
+                             description="each method is trained and evaluated once per seed")
     out: Path = Field(default=Path("runs/compare"), description="per-seed outputs go to <out>/seed-<s>/")
     align: dict[str, AlignConfig] = Field(default_factory=dict)
     compatible: dict[str, CompatibleConfig] = Field(default_factory=dict)

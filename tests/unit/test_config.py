@@ -146,3 +146,15 @@ def test_a_bad_upgrade_option_is_refused_naming_its_key(option, value, key):
     result = CliRunner().invoke(app, ["upgrade", option, value, "--dry-run"])
     assert result.exit_code == 2 and "the command's options: invalid configuration" in result.output
     assert f"{key}: Input should be greater than 0" in result.output and "pydantic.dev" not in result.output
+
+
+def test_the_configuration_page_is_generated_from_the_definitions():
+    import subprocess
+    import sys
+
+    checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_docs.py"), "--check"],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert "| `gallery.upgrade.chunk_size` |" in page and "| `align.<name>.uncertainty` |" in page
+    assert "|  |\n" not in page  # every key says what it does
