@@ -1,4 +1,4 @@
-"""The comparison: every method of METHODS.md trained and evaluated over seeds, then one table.
+"""The comparison: every method of docs/methods.md trained and evaluated over seeds, then one table.
 
 compare_seed_flow is what the DVC stage compare@<seed> runs: the whole pipeline with every
 method, reseeded, under compare.out/seed-<s>/ (the models are registered without moving the

@@ -32,7 +32,7 @@ EXPECTATIONS = [
 
 
 def describe_method(config: AlignConfig | CompatibleConfig) -> str:
-    """What a method is, in the terms of METHODS.md (the table's second column)."""
+    """What a method is, in the terms of docs/methods.md (the table's second column)."""
     if isinstance(config, CompatibleConfig):
         if config.loss == "bct":
             return f"new model + BCT influence loss (lambda {config.lam:g}), no map"

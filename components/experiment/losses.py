@@ -1,4 +1,4 @@
-"""Losses of METHODS.md, per sample where a method needs per-sample values."""
+"""Losses of docs/methods.md, per sample where a method needs per-sample values."""
 
 from __future__ import annotations
 
