@@ -102,8 +102,8 @@ def main() -> None:
     np.save(workdir / "images.npy", np.concatenate([test.images] * reps)[:args.items])
     np.save(workdir / "labels.npy", np.concatenate([test.labels] * reps)[:args.items])
 
-    env = dict(os.environ, PREFECT_HOME=str(workdir / "prefect-home"), AWS_ACCESS_KEY_ID="testing",
-               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    env = dict(os.environ, PREFECT_HOME=str(workdir / "prefect-home"))
     env.pop("MLFLOW_TRACKING_URI", None)
     port = _free_port()
     moto = _moto(port)
@@ -123,14 +123,16 @@ def main() -> None:
         client, _ = registry.setup(params.mlflow)
         name = params.mlflow.registered_model
         old_version = str(client.get_model_version_by_alias(name, "champion").version)
+        new_version = str(client.get_model_version_by_alias(name, "challenger").version)
         reference = _cli(workdir, env, "upgrade", "--store", local, "--no-progress", timeout=3600)
         assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-2000:]
         results["reference_seconds"] = round(time.perf_counter() - started, 1)
         client.set_registered_model_alias(name, "champion", old_version)  # the chaos run starts where it did
+        client.set_registered_model_alias(name, "challenger", new_version)  # the promotion cleared it
 
         with FaultProxy(f"http://127.0.0.1:{port}", rate=args.fault_rate, kinds=STATUS_FAULTS + CONNECTION_FAULTS,
                         seed=args.seed, slow_seconds=1.0) as proxy:
-            env["AWS_ENDPOINT_URL_S3"] = proxy.url
+            env["AWS_ENDPOINT_URL_S3"] = os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url  # this process reads through it too
             started = time.perf_counter()
             done = _cli(workdir, env, *ingest, "--store", remote, timeout=3600)
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

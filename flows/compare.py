@@ -1,9 +1,11 @@
 """The comparison: every method of docs/methods.md trained and evaluated over seeds, then one table.
 
-compare_seed_flow is what the DVC stage compare@<seed> runs: the whole pipeline with every
-method, reseeded, under compare.out/seed-<s>/ (the models are registered without moving the
-champion/challenger aliases). comparison_report_flow (the stage `comparison`) reads the seeds'
-metrics and curves and writes reports/comparison.{json,md,png}, also logged to MLflow.
+compare_seed_flow is what the DVC stage compare@<seed> of comparison/dvc.yaml runs: the whole
+pipeline with every method, reseeded, under compare.out/seed-<s>/. Its models and maps are
+registered under compare.registered_model and compare.alignment_model, never as versions of
+production's registered model, and without aliases. comparison_report_flow (the stage
+`comparison`) reads the seeds' metrics and curves and writes reports/comparison.{json,md,png},
+also logged to MLflow.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def compare_seed_flow(params: Params, seed: int) -> dict:
     seeded = params.for_comparison(seed)
     log(f"comparison seed {seed}: {len(seeded.align)} maps ({', '.join(seeded.align)}), "
         f"{len(seeded.compatible)} compatible models ({', '.join(seeded.compatible)}), outputs in "
-        f"{seeded.paths.artifacts.parent}")
+        f"{seeded.paths.artifacts.parent}, registered as {seeded.mlflow.registered_model} and "
+        f"{seeded.mlflow.alignment_model}")
     return pipeline_flow(seeded, prepare=False, aliases=False)
 
 
@@ -47,7 +50,7 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
             metrics[str(seed)], curves[str(seed)] = read_json(layout.metrics), read_json(layout.curves)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"seed {seed} of the comparison has no results ({error}); "
-                                    f"run `fastfill compare --seed {seed}` or `dvc repro compare@{seed}`") from None
+                                    f"run `fastfill compare --seed {seed}` or `dvc --cd comparison repro compare@{seed}`") from None
     one = params.for_comparison(seeds[0])
     configs = {**one.align, **one.compatible}
     summary = summarize(metrics, curves, {m: describe_method(c) for m, c in configs.items()},

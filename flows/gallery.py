@@ -13,6 +13,7 @@ from components.platform import registry
 from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
+from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import embed_images, load_model, store_at, write_gallery
 
@@ -33,12 +34,21 @@ def _load_array(path: Path | None, what: str) -> np.ndarray | None:
         raise GalleryError(str(error)) from None
 
 
-@flow(name="gallery-ingest", log_prints=True)
-def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Path | None = None,
-                labels: Path | None = None, groups: Path | None = None, ids: Path | None = None,
-                features: Path | None = None) -> dict:
-    """Put images (default: the prepared test split) into the store with the features of the
-    ``model_uri`` model (default: the registry's champion), or with given features."""
+def _ingest_run_name() -> str:
+    parameters = run_parameters()
+    return f"ingest into {store_of(parameters)} with {parameters.get('model_uri') or 'champion'}"
+
+
+@flow(name="gallery-ingest", flow_run_name=_ingest_run_name, log_prints=True)
+def ingest_flow(params: Params | None = None, store_uri: str | None = None, model_uri: str = "",
+                images: Path | None = None, labels: Path | None = None, groups: Path | None = None,
+                ids: Path | None = None, features: Path | None = None, params_path: str | None = None) -> dict:
+    """Put images (default: the prepared test split) into the store (default gallery.store)
+    with the features of the ``model_uri`` model (default: the registry's champion), or with
+    given features. The configuration is ``params`` (the Python API) or the file
+    ``params_path`` (the CLI: small parameters, readable in the Prefect UI)."""
+    params = resolve_params(params, params_path, None)
+    store_uri = store_uri or params.gallery.store
     store = store_at(store_uri)
     check_empty(store, "ingest")  # before anything is embedded
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
@@ -72,7 +82,12 @@ def ingest_flow(params: Params, store_uri: str, model_uri: str = "", images: Pat
     return manifest
 
 
-@flow(name="gallery-adopt", log_prints=True)
+def _adopt_run_name() -> str:
+    parameters = run_parameters()
+    return f"adopt {parameters.get('manifest')} into {store_of(parameters)}"
+
+
+@flow(name="gallery-adopt", flow_run_name=_adopt_run_name, log_prints=True)
 def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = "", root: str | None = None,
                features: list[Path] | None = None, features_column: str = "features",
                image_shape: tuple[int, int, int] | None = None) -> dict:

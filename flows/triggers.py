@@ -2,8 +2,11 @@
 
 Every path ends in the same Prefect deployment, ``upgrade-gallery/upgrade``:
 
-- the registry watcher (deployment ``registry-watcher/poll``, on an interval; any MLflow backend)
-  starts it when `challenger` names a version the gallery is not on or moving to;
+- the registry watcher (``RegistryWatcher``, a thread of `fastfill serve` polling every
+  ``triggers.poll_seconds``; any MLflow backend) starts it when `challenger` names a version the
+  gallery is not on or moving to. Each check is a plain alias read and manifest read: no flow
+  run unless there is an upgrade to start. Pausing the deployment ``registry-watcher/poll``
+  (which has no schedule) pauses it;
 - ``registry-watcher/nightly`` (cron) does the same check and also resumes a paused upgrade;
 - the webhook receiver (`fastfill webhook serve`) starts it on a signed
   ``model_version_alias.created`` delivery for `challenger` from an MLflow server;
@@ -39,10 +42,12 @@ from components.gallery.triggers import (
     DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, claim, release, verify,
     wants_upgrade,
 )
+from flows.parameters import run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import store_at
 
 UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
+POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher
 
 
 class DeploymentMissing(RuntimeError):
@@ -63,13 +68,16 @@ def missing_deployment_message() -> str:
 
 
 def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None):
-    """Start ``upgrade-gallery/upgrade`` without waiting; DeploymentMissing when the Prefect
-    server does not have it (Prefect's own error for that says only "None")."""
+    """Start ``upgrade-gallery/upgrade`` without waiting, its run named after what it does
+    (``upgrade <store> to <model>``); DeploymentMissing when the Prefect server does not have it
+    (Prefect's own error for that says only "None")."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
+    name = f"upgrade {parameters.get('store') or 'gallery.store'} to {parameters.get('to') or 'challenger'}"
     try:
-        return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters)
+        return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters,
+                              flow_run_name=name)
     except ObjectNotFound as error:
         request = getattr(getattr(error, "http_exc", None), "request", None)
         if request is not None and "/deployments/name/" not in str(request.url):
@@ -77,14 +85,20 @@ def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None)
         raise DeploymentMissing(missing_deployment_message()) from None
 
 
-@flow(name="upgrade-gallery", log_prints=True)
+def _entry_run_name() -> str:
+    parameters = run_parameters()
+    return f"upgrade {store_of(parameters)} to {parameters.get('to') or 'challenger'}"
+
+
+@flow(name="upgrade-gallery", flow_run_name=_entry_run_name, log_prints=True)
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
-    """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings."""
-    from flows.upgrade import run_upgrade
+    """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
+    ``gallery-upgrade`` run on the task runner they name, with the same small parameters."""
+    from flows.upgrade import run_upgrade_file
 
     params = load_params(params_path)
-    return run_upgrade(params, store or params.gallery.store, to, budget=budget, gate=gate)
+    return run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
 
 
 @flow(name="comparison", log_prints=True)
@@ -124,35 +138,128 @@ def check_registry(params: Params, store_uri: str) -> tuple[str | None, str | No
     return candidate, wants_upgrade(gallery.model, plan.new if plan else None, candidate)
 
 
-@flow(name="registry-watcher", log_prints=True)
-def watch_flow(params_path: str = "params.yaml", store: str | None = None, resume: bool = False) -> dict:
-    """Start an upgrade when `challenger` is new to the gallery; with ``resume``, also resume a
-    paused upgrade (the nightly check-and-upgrade)."""
-    params = load_params(params_path)
-    store_uri = store or params.gallery.store
+def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = False,
+               say=log) -> dict:
+    """One check of the registry and the gallery, with plain MLflow and store reads: the upgrade
+    deployment is started (its one flow run) only when `challenger` is new to the gallery, or,
+    with ``resume``, when an upgrade is paused. Nothing changed: no flow run, nothing written."""
     candidate, why_not = check_registry(params, store_uri)
     if why_not is None:
         return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
-    log(f"registry watcher: nothing to start ({why_not})")
     if resume:
         gallery = Gallery(store_at(store_uri))
         state = up.status(gallery)
         if state["state"] == "paused":
             run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
-            log(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")
+            say(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")
             return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
     return {"started": False, "reason": why_not}
 
 
+def _watch_run_name() -> str:
+    return f"registry check for {store_of(run_parameters())}"
+
+
+@flow(name="registry-watcher", flow_run_name=_watch_run_name, log_prints=True)
+def watch_flow(params_path: str = "params.yaml", store: str | None = None, resume: bool = False) -> dict:
+    """One registry check as a flow run (``registry-watcher/nightly`` on its cron, with ``resume``;
+    ``registry-watcher/poll`` when run by hand): ``watch_once``. The polling itself is
+    ``RegistryWatcher``'s, which starts no run when nothing changed."""
+    params = load_params(params_path)
+    result = watch_once(params, store or params.gallery.store, params_path, resume)
+    if not result.get("started") and not result.get("resumed"):
+        log(f"registry watcher: nothing to start ({result['reason']})")
+    return result
+
+
+class RegistryWatcher:
+    """Polls the registry every ``interval`` seconds in a thread of `fastfill serve` (or `fastfill
+    watch --every`): each tick is ``watch_once``, plain client calls, so a registry where nothing
+    changed costs one alias read and one manifest read a minute and no Prefect flow run. While the
+    deployment ``registry-watcher/poll`` is paused (in the Prefect UI), the ticks check nothing.
+    A tick that fails (the registry or the store unreachable, no upgrade deployment) is logged and
+    the next one tries again."""
+
+    def __init__(self, params: Params, params_path: str, store_uri: str, interval: float, *,
+                 pause_deployment: str | None = POLL_DEPLOYMENT, say=None):
+        self.params, self.params_path, self.store_uri, self.interval = params, params_path, store_uri, interval
+        self.pause_deployment = pause_deployment
+        self.say = say or _print
+        self.ticks = 0  # checks made (paused ticks are not counted)
+        self.last: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said: str | None = None
+
+    def paused(self) -> bool:
+        """Whether the poll deployment is paused; a Prefect API without it counts as not paused."""
+        if not self.pause_deployment:
+            return False
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            with get_client(sync_client=True) as client:
+                return bool(client.read_deployment_by_name(self.pause_deployment).paused)
+        except ObjectNotFound:
+            return False
+
+    def tick(self) -> dict:
+        """One check now (nothing when paused)."""
+        if self.paused():
+            return {"started": False, "paused": True, "reason": f"the deployment {self.pause_deployment} is paused"}
+        result = watch_once(self.params, self.store_uri, self.params_path, say=self.say)
+        self.ticks += 1
+        self.last = result
+        if result.get("started") or result.get("resumed") or result["reason"] != self._said:
+            # a started upgrade, and each new reason, once: not a line a minute for nothing
+            self._said = result.get("reason")
+            self.say(f"registry watcher: {json.dumps(result)}")
+        return result
+
+    def run(self, delay: float = 0.0) -> None:
+        """Check every ``interval`` seconds, the first after ``delay``, until ``stop``."""
+        if self._stop.wait(delay):
+            return
+        while True:
+            try:
+                self.tick()
+            except Exception as error:  # noqa: BLE001 - a watcher keeps watching; the next tick tries again
+                self.say(f"registry watcher: this check failed ({type(error).__name__}: {error}); trying again in "
+                         f"{self.interval:g} s")
+            if self._stop.wait(self.interval):
+                return
+
+    def start(self, delay: float = 0.0) -> RegistryWatcher:
+        self._thread = threading.Thread(target=self.run, args=(delay,), name="registry-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, self.interval))
+
+
+def _print(message: str) -> None:
+    print(message, flush=True)
+
+
 def deployments(params: Params, params_path: str = "params.yaml") -> list:
-    """Every deployment, defined in this one place; `fastfill serve` serves them."""
+    """Every deployment, defined in this one place; `fastfill serve` serves them (and polls the
+    registry with a RegistryWatcher). ``registry-watcher/poll`` has no schedule: a schedule would
+    make a flow run a minute; the watcher polls instead, and this deployment is its pause switch
+    and a check on demand."""
     parameters = {"params_path": params_path}
     triggers = params.triggers
     found = [
         upgrade_entry.to_deployment(name="upgrade", parameters=parameters, concurrency_limit=1,
                                     description="Upgrade the stored gallery (started by the watcher or a webhook)"),
-        watch_flow.to_deployment(name="poll", parameters=parameters, interval=triggers.poll_seconds,
-                                 description="Start an upgrade when a new version has the alias challenger"),
+        watch_flow.to_deployment(name="poll", parameters=parameters,
+                                 description=f"One registry check now. `fastfill serve` checks every "
+                                             f"{triggers.poll_seconds} s without a flow run and starts the upgrade "
+                                             "when a new version has the alias challenger; pause this deployment "
+                                             "to pause those checks"),
     ]
     if triggers.nightly_cron:
         found.append(watch_flow.to_deployment(

@@ -2,18 +2,20 @@
 of ``components.gallery.lifecycle``: plan -> backfill (paused when the budget is reached) ->
 promotion gate -> finish or reject. The steps below call tasks (tasks/gallery.py, with retries)
 and decide with components (plan, backfill, lifecycle, promotion); queries are served from the
-mixed gallery throughout."""
+mixed gallery throughout. ``abort_flow`` drops an unfinished upgrade and ``rollback_flow`` undoes
+a finished one (components.gallery.upgrade)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prefect import flow
 from prefect.futures import as_completed
 
 from components.gallery import backfill as bf, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
-from components.gallery.catalog import Gallery, GalleryError, fetch_images
+from components.gallery.catalog import Gallery, GalleryError, check_registry, fetch_images
 from components.gallery.images import readable
 from components.gallery.lifecycle import (
     Backfill, budget_items, check_map_fits, choose_map, failure_limit, plan_fields, registered_map_order,
@@ -27,6 +29,7 @@ from components.platform import registry
 from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
+from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import (
     UpgradeProgress, backfill_chunk, check_upgrade_map, close_upgrade_run, embed_images, evaluate_gate,
@@ -35,20 +38,33 @@ from tasks.gallery import (
 )
 
 
-@flow(name="gallery-upgrade", log_prints=True)
-def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
-                 break_lock: bool = False, gate: bool | None = None) -> dict:
+def _upgrade_run_name() -> str:
+    parameters = run_parameters()
+    return f"upgrade {store_of(parameters)} to {parameters.get('to_uri') or 'challenger'}"
+
+
+@flow(name="gallery-upgrade", flow_run_name=_upgrade_run_name, log_prints=True)
+def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
+                 budget: float | int | None = None, break_lock: bool = False, gate: bool | None = None,
+                 params_path: str | None = None, overrides: dict[str, Any] | None = None) -> dict:
     """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
     chunks (sigma order by default, measured as they land), then the promotion gate (``gate``,
     default promotion.gate) switches the gallery and moves champion, or rejects and the gallery
     keeps serving the champion's features. Re-run the same command to resume a stopped or killed
-    upgrade."""
+    upgrade; an aborted or rolled-back upgrade asked for again is planned from scratch.
+
+    The configuration is ``params`` (the Python API), or, for runs that the CLI and the
+    deployments start, the file ``params_path`` with ``overrides`` by dotted key
+    (``{"gallery.upgrade.chunk_size": 4}``): small parameters, readable in the Prefect UI.
+    ``store_uri`` defaults to gallery.store."""
+    params = resolve_params(params, params_path, overrides)
+    store_uri = store_uri or params.gallery.store
     gate = params.promotion.gate if gate is None else gate
     configure_s3(params.gallery.s3)  # S3 retries and timeouts of this process's clients
     store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
-    gallery.manifest(refresh=True)
+    check_registry(gallery.manifest(refresh=True), store.uri, registry.identity(params.mlflow))
     client, _ = registry.setup(params.mlflow)
     wanted = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
     lock = acquire_lock(store, pl.upgrade_id(gallery.model, wanted), break_lock=break_lock, log=log,
@@ -57,9 +73,10 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         # Under the lock, the gallery as it is now: another upgrade may have finished (or been
         # interrupted at its end) while this one started.
         gallery.manifest(refresh=True)
+        _complete_interrupted_abort(gallery)
         ended = _complete_interrupted_ending(params, gallery)
         if ended is not None and _same(ModelRef.from_dict(ended["decided"]["new"]), wanted):
-            return ended
+            return _outcome(ended, store.uri, wanted.uri)
         if _same(gallery.model, wanted):
             current = gallery.manifest().get("upgrade")
             if current:
@@ -72,6 +89,7 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         champion, new, new_model, base = _target(params, gallery, wanted)
         old = base.new if base is not None else champion
         uid = pl.upgrade_id(old, new)
+        _start_over_if_undone(gallery, uid)
         _refuse_rejected(store, uid)
         plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new, new_model, base)
         result = _backfill(params, gallery, store_uri, plan, new_model,
@@ -83,17 +101,28 @@ def upgrade_flow(params: Params, store_uri: str, to_uri: str = "", budget: float
         result.update(_end(params, store_uri, gallery, plan, champion, gate))
         log(f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
             f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
-        return result
+        return _outcome(result, store.uri, new.uri)
     finally:
         lock.release()  # the last step of every ending
 
 
 def run_upgrade(params: Params, store_uri: str, to_uri: str = "", budget: float | int | None = None,
                 break_lock: bool = False, gate: bool | None = None) -> dict:
-    """``upgrade_flow`` on the task runner its settings name (what the CLI, the deployments and
-    the triggers call)."""
+    """``upgrade_flow`` on the task runner its settings name (the Python API)."""
     flow_with_runner = upgrade_flow.with_options(task_runner=runner_for(params.gallery.upgrade))
     return flow_with_runner(params, store_uri, to_uri, budget=budget, break_lock=break_lock, gate=gate)
+
+
+def run_upgrade_file(params: Params, params_path: str, store_uri: str | None = None, to_uri: str = "",
+                     budget: float | int | None = None, break_lock: bool = False, gate: bool | None = None,
+                     overrides: dict[str, Any] | None = None) -> dict:
+    """``upgrade_flow`` configured by the file ``params_path`` and ``overrides`` (what the CLI and
+    the upgrade deployment call): the flow run reads the file itself, so its Prefect parameters are
+    these few values, not the whole configuration. ``params`` is what they give, read by the
+    caller: it names the task runner."""
+    flow_with_runner = upgrade_flow.with_options(task_runner=runner_for(params.gallery.upgrade))
+    return flow_with_runner(store_uri=store_uri, to_uri=to_uri, budget=budget, break_lock=break_lock, gate=gate,
+                            params_path=params_path, overrides=overrides or None)
 
 
 def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
@@ -114,6 +143,143 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     return {"from": gallery.model.uri, "to": new.uri, "in_progress": current,
             "resumes": current == pl.upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim)),
             **result}
+
+
+# ------------------------------------------------------------------------------------------------
+# Undoing: abort an unfinished upgrade, roll back a finished one
+
+
+def _open_gallery(params: Params, store_uri: str) -> Gallery:
+    configure_s3(params.gallery.s3)
+    store = store_at(store_uri)
+    store.check()
+    return Gallery(store)
+
+
+def _take_lock(store, holder: str, doing: str, params: Params):
+    """The gallery's lock for ``doing``; held by another live process, a refusal that names it."""
+    from components.gallery.lock import LeaseLost, UpgradeLocked
+
+    try:
+        return acquire_lock(store, holder, log=log, lease_seconds=params.gallery.upgrade.lease_seconds)
+    except LeaseLost:
+        raise
+    except UpgradeLocked as error:
+        raise UpgradeLocked(f"cannot {doing} now: {error}") from None
+
+
+def _abort_run_name() -> str:
+    return f"abort the upgrade of {store_of(run_parameters())}"
+
+
+@flow(name="gallery-upgrade-abort", flow_run_name=_abort_run_name, log_prints=True)
+def abort_flow(params: Params | None = None, store_uri: str | None = None, params_path: str | None = None) -> dict:
+    """Drop the gallery's unfinished upgrade (planned, or part of the way through its backfill):
+    under the lock (refused while another process holds it), ``aborted.json`` records who, when
+    and how far it got, and the gallery serves its own model's (the champion's) features again.
+    Its working data is garbage for `fastfill gallery gc`; the version is claimed so the watcher
+    and the webhook do not start it again, and a later `fastfill upgrade` to it plans from
+    scratch. Its MLflow run ends KILLED with the tag ``fastfill.aborted``. A finished or rejected
+    upgrade, or one whose end has begun, cannot be aborted (the message says what to do)."""
+    from components.gallery.triggers import claim
+
+    params = resolve_params(params, params_path, None)
+    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    store = gallery.store
+    upgrade = up.abortable(gallery)  # refused with its reason before the lock is touched
+    lock = _take_lock(store, upgrade, f"abort upgrade {upgrade}", params)
+    try:
+        record = up.abort(gallery, upgrade)  # checked again under the lock
+        plan = pl.load_plan(store, upgrade)
+        if plan is not None and claim(store, plan.new.name, plan.new.version, "abort", upgrade=upgrade):
+            log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
+                "again (`fastfill upgrade` still can)")
+        _record_abort_in_mlflow(params, gallery, record)
+        log(f"aborted upgrade {upgrade} ({record['stage']}: {record['chunks_done']}/{record['chunks']} chunks, "
+            f"{record['items_done']}/{record['items']} items); {store.uri} serves {gallery.model.uri}'s features again")
+        return {**record, "state": "aborted", "model": gallery.model.uri}
+    finally:
+        lock.release()
+
+
+def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: dict) -> None:
+    """The aborted upgrade's MLflow run ends KILLED, tagged with who aborted it and where. The
+    store's ``aborted.json`` is the record that counts: a registry that cannot take this is
+    reported, and the abort stands."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = record.get("mlflow_run_id")
+    if not run_id:
+        return
+    by = record.get("by") or {}
+    try:
+        check_registry(gallery.manifest(), gallery.store.uri, registry.identity(params.mlflow))
+        client, _ = registry.setup(params.mlflow)
+        client.set_tag(run_id, "fastfill.aborted", f"{record['aborted']} by {by.get('user')}@{by.get('host')} at "
+                                                   f"{record['items_done']}/{record['items']} items ({record['stage']})")
+        client.set_terminated(run_id, "KILLED")
+    except (GalleryError, MlflowException, OSError) as error:
+        log(f"the abort stands, but MLflow run {run_id} could not be marked aborted: {error}")
+
+
+def _rollback_run_name() -> str:
+    return f"roll back {store_of(run_parameters())}"
+
+
+@flow(name="gallery-rollback", flow_run_name=_rollback_run_name, log_prints=True)
+def rollback_flow(params: Params | None = None, store_uri: str | None = None, params_path: str | None = None) -> dict:
+    """Return the gallery to the model it had before its last, finished upgrade, while that
+    model's features still exist (before `fastfill gallery gc`): under the lock, the record
+    ``rolled-back.json``, then the manifest (history entry ``rollback``), then the registry:
+    ``champion`` back on the previous version (when it still names the rolled-back one) and that
+    version tagged ``promotion=rolled-back``. Refused while an upgrade is in progress, and once gc
+    collected the old features. A rollback cut short before the registry followed is completed
+    by the next one. The version is claimed so the watcher and the webhook do not start it
+    again; a later `fastfill upgrade` to it plans from scratch."""
+    from components.gallery.triggers import claim
+
+    params = resolve_params(params, params_path, None)
+    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    store = gallery.store
+    check_registry(gallery.manifest(refresh=True), store.uri, registry.identity(params.mlflow))
+    pending = up.interrupted_rollback(gallery)
+    upgrade = pending["upgrade"] if pending is not None else up.rollback_target(gallery)[0]  # refusals first
+    lock = _take_lock(store, f"rollback of {upgrade}", "roll back", params)
+    try:
+        record = up.interrupted_rollback(gallery)
+        if record is None:
+            record = up.rollback(gallery)  # checked again under the lock
+            log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade} to "
+                f"{ModelRef.from_dict(record['from']).uri} rolled back)")
+        else:
+            log(f"completing the rollback of upgrade {upgrade} (recorded {record['rolled_back']}): the registry step")
+        rolled, previous = ModelRef.from_dict(record["from"]), ModelRef.from_dict(record["to"])
+        claim(store, rolled.name, rolled.version, "rollback", upgrade=upgrade)
+        moved = _record_rollback_in_registry(params, store, record, rolled, previous)
+        up.mark_rollback_recorded(store, upgrade)
+        return {"state": "rolled back", "upgrade": upgrade, "model": previous.uri, "from": rolled.uri,
+                "champion_moved": moved, "rolled_back": record["rolled_back"]}
+    finally:
+        lock.release()
+
+
+def _record_rollback_in_registry(params: Params, store, record: dict, rolled: ModelRef, previous: ModelRef) -> bool:
+    by = record.get("by") or {}
+    tags = {"promotion": "rolled-back", "promotion.rolled_back": record["rolled_back"],
+            "promotion.rolled_back_to": str(previous.version),
+            "promotion.rolled_back_by": f"{by.get('user')}@{by.get('host')}",
+            "promotion.rolled_back_upgrade": record["upgrade"]}
+    plan = pl.load_plan(store, record["upgrade"])
+    client, _ = registry.setup(params.mlflow)
+    if rolled.name != previous.name:  # another registered model: only the tags
+        registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan and plan.mlflow_run_id, tags)
+        return False
+    moved = registry.record_rollback(client, rolled.name, rolled.version, previous.version,
+                                     plan.mlflow_run_id if plan else None, tags)
+    champion = registry.alias_version(client, rolled.name, registry.CHAMPION)
+    log(f"champion moved back to {previous.uri}" if moved else
+        f"champion names version {champion}, not {rolled.version}: left as it is")
+    return moved
 
 
 def runner_for(settings):
@@ -143,6 +309,32 @@ def _nothing_to_do(gallery: Gallery, model: ModelRef) -> dict:
     n = gallery.num_items
     return {"state": "up-to-date", "model": model.uri, "items": n, "items_done": n, "fraction": 1.0,
             "complete": True, "mlflow_run_id": None}
+
+
+REJECTED_EVENT = "fastfill.upgrade.rejected"
+
+
+def _outcome(result: dict, store_uri: str, model_uri: str):
+    """What the flow returns. A rejection by the gate ends the flow run in a state of its own, a
+    Completed state named "Rejected" (the run did its work; its answer is no), and emits the
+    Prefect event ``fastfill.upgrade.rejected`` (resource: the gallery) for an Automation to act
+    on. Called as a function the flow returns the result dict either way."""
+    if result.get("state") != "rejected":
+        return result
+    from prefect.events import emit_event
+    from prefect.states import Completed
+
+    decided = result.get("decided") or {}
+    promotion = result.get("promotion") or {}
+    upgrade = result.get("upgrade") or decided.get("upgrade")
+    reasons = promotion.get("reasons") or decided.get("reasons") or []
+    numbers = {k: v for k, v in (promotion.get("numbers") or {}).items() if isinstance(v, int | float | None)}
+    emit_event(event=REJECTED_EVENT,
+               resource={"prefect.resource.id": f"fastfill.gallery.{store_uri}", "prefect.resource.name": store_uri},
+               payload={"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": reasons,
+                        "numbers": numbers, "mlflow_run_id": result.get("mlflow_run_id")})
+    message = f"{model_uri} rejected by the promotion gate: " + ("; ".join(reasons) or "see its decision.json")
+    return Completed(name="Rejected", message=message, data=result)
 
 
 def _target(params: Params, gallery: Gallery, new: ModelRef):
@@ -221,6 +413,27 @@ def _complete_interrupted_ending(params: Params, gallery: Gallery) -> dict | Non
     n = gallery.num_items
     return {**_ending_result(decided), "items": n, "items_done": n, "fraction": 1.0, "complete": True,
             "resumed_ending": True, "decided": decided, "mlflow_run_id": pl.load_plan(gallery.store, decided["upgrade"]).mlflow_run_id}
+
+
+def _complete_interrupted_abort(gallery: Gallery) -> None:
+    """An abort that recorded itself but stopped before the gallery went back is completed
+    first: the upgrade it dropped is never resumed, nor started from."""
+    current = gallery.manifest().get("upgrade")
+    if current and up.aborted(gallery.store, current) is not None:
+        log(f"upgrade {current} was aborted, but the abort stopped before the gallery went back to its own model's "
+            "features; completing the abort first")
+        up.abort(gallery, current)
+
+
+def _start_over_if_undone(gallery: Gallery, uid: str) -> None:
+    """An upgrade that was aborted or rolled back and is asked for again is planned from
+    scratch, never resumed: the user ended it, so its old plan and chunks count for nothing."""
+    undone = up.start_over(gallery, uid)
+    if undone is not None:
+        when = undone.get("aborted") or undone.get("rolled_back")
+        by = undone.get("by") or {}
+        log(f"upgrade {uid} was {undone['ended']} on {when} by {by.get('user')}@{by.get('host')}; planning it again "
+            "from scratch (its earlier objects were removed)")
 
 
 def _refuse_rejected(store, uid: str) -> None:

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The real services on loopback, for development and the end-to-end tests:
-#   an S3-compatible endpoint (moto's server), an MLflow server (SQLite backend, artifacts in the
-#   S3 endpoint, webhooks delivered to loopback receivers) and a Prefect server.
+#   an S3-compatible endpoint (moto's server, its data kept on disk: infra/s3_server.py), an
+#   MLflow server (SQLite backend, artifacts in the S3 endpoint, webhooks delivered to loopback
+#   receivers) and a Prefect server.
 #
-#   infra/local-stack.sh start    start all three, wait until each answers, write $STACK/env
-#   infra/local-stack.sh stop     stop them (their data stays in $STACK)
-#   infra/local-stack.sh status   which are up
-#   source infra/.stack/env       point fastfill, mlflow, prefect and boto3 at the stack
+#   infra/local-stack.sh start [SERVICE...]    start all three (or the ones named: s3 mlflow
+#                                              prefect), wait until each answers, write $STACK/env
+#   infra/local-stack.sh stop [SERVICE...]     stop them; their data stays in $STACK, and the
+#                                              next start has it all back (S3 included)
+#   infra/local-stack.sh status [SERVICE...]   which are up
+#   source infra/.stack/env                    point fastfill, mlflow, prefect, boto3 and dvc at the stack
 #
+# Buckets: mlflow-artifacts (the MLflow server's artifacts), gallery (galleries, e.g.
+# gallery.store: s3://gallery/main) and dvc-cache (the DVC remote `stack`: dvc push -r stack).
 # Settings (environment): FASTFILL_STACK_DIR (default infra/.stack), FASTFILL_S3_PORT (9000),
 # FASTFILL_MLFLOW_PORT (5000), FASTFILL_PREFECT_PORT (4200), FASTFILL_STACK_HOST (127.0.0.1).
 set -euo pipefail
@@ -76,41 +81,54 @@ EOF
     chmod 600 "$STACK/env"
 }
 
+wanted() {  # service ; true when it is one of CHOSEN
+    local name
+    for name in "${CHOSEN[@]}"; do [[ "$name" == "$1" ]] && return 0; done
+    return 1
+}
+
 start() {
     [[ -x "$BIN/mlflow" && -x "$BIN/prefect" && -x "$BIN/moto_server" ]] || \
         die "no mlflow/prefect/moto_server in $BIN; run scripts/setup.sh first (or set FASTFILL_VENV)"
-    mkdir -p "$STACK/pids" "$STACK/logs" "$STACK/prefect"
+    mkdir -p "$STACK/pids" "$STACK/logs" "$STACK/prefect" "$STACK/s3"
     write_env
     # shellcheck disable=SC1091
     source "$STACK/env"
 
-    launch s3 "$BIN/moto_server" -H "$HOST" -p "$S3_PORT"
-    wait_http s3 "http://$HOST:$S3_PORT/" 30
-    "$BIN/python" - <<'EOF'
+    if wanted s3; then
+        # replays $STACK/s3/requests.jsonl before it listens: the buckets and objects of the last run
+        launch s3 "$BIN/python" "$ROOT/infra/s3_server.py" --host "$HOST" --port "$S3_PORT" --state "$STACK/s3"
+        wait_http s3 "http://$HOST:$S3_PORT/" 300
+        "$BIN/python" - <<'EOF'
 import boto3
 s3 = boto3.client("s3")
 existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
-for bucket in ("mlflow-artifacts", "gallery"):
+for bucket in ("mlflow-artifacts", "gallery", "dvc-cache"):
     if bucket not in existing:
         s3.create_bucket(Bucket=bucket)
 EOF
+    fi
 
-    MLFLOW_S3_ENDPOINT_URL="$AWS_ENDPOINT_URL_S3" \
-    MLFLOW_WEBHOOK_ALLOWED_SCHEMES=https,http MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true MLFLOW_WEBHOOK_CACHE_TTL=5 \
-    launch mlflow "$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
-        --backend-store-uri "sqlite:///$STACK/mlflow.db" --artifacts-destination s3://mlflow-artifacts/
+    if wanted mlflow; then
+        MLFLOW_S3_ENDPOINT_URL="$AWS_ENDPOINT_URL_S3" \
+        MLFLOW_WEBHOOK_ALLOWED_SCHEMES=https,http MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true MLFLOW_WEBHOOK_CACHE_TTL=5 \
+        launch mlflow "$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
+            --backend-store-uri "sqlite:///$STACK/mlflow.db" --artifacts-destination s3://mlflow-artifacts/
+    fi
+    if wanted prefect; then
+        PREFECT_HOME="$STACK/prefect" launch prefect "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
+    fi
 
-    PREFECT_HOME="$STACK/prefect" launch prefect "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
-
-    wait_http mlflow "http://$HOST:$MLFLOW_PORT/health" 120
-    wait_http prefect "http://$HOST:$PREFECT_PORT/api/health" 120
-    echo "local stack up: S3 $AWS_ENDPOINT_URL_S3, MLflow $MLFLOW_TRACKING_URI, Prefect $PREFECT_API_URL"
+    if wanted mlflow; then wait_http mlflow "http://$HOST:$MLFLOW_PORT/health" 120; fi
+    if wanted prefect; then wait_http prefect "http://$HOST:$PREFECT_PORT/api/health" 120; fi
+    echo "local stack up (${CHOSEN[*]}): S3 $AWS_ENDPOINT_URL_S3, MLflow $MLFLOW_TRACKING_URI, Prefect $PREFECT_API_URL"
     echo "use it: source $STACK/env"
 }
 
-stop() {
-    local name pid
-    for name in "${SERVICES[@]}"; do
+stop() {  # in reverse order: nothing writes to S3 after it has stopped
+    local name pid i
+    for ((i = ${#CHOSEN[@]} - 1; i >= 0; i--)); do
+        name="${CHOSEN[$i]}"
         pid="$(pid_of "$name")"
         if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
             kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
@@ -124,16 +142,26 @@ stop() {
 
 status() {
     local name up=0
-    for name in "${SERVICES[@]}"; do
+    for name in "${CHOSEN[@]}"; do
         if running "$name"; then echo "$name: running (pid $(pid_of "$name"))"; up=$((up + 1));
         else echo "$name: stopped"; fi
     done
-    [[ $up -eq ${#SERVICES[@]} ]]
+    [[ $up -eq ${#CHOSEN[@]} ]]
 }
 
-case "${1:-}" in
+COMMAND="${1:-}"
+shift || true
+CHOSEN=()
+for name in "${SERVICES[@]}"; do  # the services named, in the order they start; none named = all
+    if [[ $# -eq 0 ]] || [[ " $* " == *" $name "* ]]; then CHOSEN+=("$name"); fi
+done
+for name in "$@"; do
+    [[ " ${SERVICES[*]} " == *" $name "* ]] || die "unknown service '$name' (known: ${SERVICES[*]})"
+done
+
+case "$COMMAND" in
     start) start ;;
     stop) stop ;;
     status) status ;;
-    *) die "usage: $0 start|stop|status" ;;
+    *) die "usage: $0 start|stop|status [s3] [mlflow] [prefect]" ;;
 esac

@@ -11,7 +11,7 @@ from components.evaluation.assessment import MethodOutputs, method_curves, refer
 from components.platform.config import EvaluateConfig
 from components.experiment.data import load_split
 from components.platform.layout import Layout, load_array, read_json, write_json
-from components.evaluation.reports import build_metrics, plot_curves, write_plot_data
+from components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 
 
@@ -67,6 +67,8 @@ def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, k
     write_json(layout.metrics, metrics)
     write_json(layout.curves, {"reference": reference, "curves": curves})
     write_plot_data(layout.plot_data, reference, curves)
+    write_summary(layout.paths.reports / "summary", reference, curves)  # what `dvc metrics show` reads
     gaps = ", ".join(f"{k.split('_minus_')[1].removesuffix('_top1_0')} {100 * v:.2f}" for k, v in metrics["headroom"].items())
-    plot_curves(layout.plot, reference, curves, title=f"Backfill curves (top-1 headroom at 0%: {gaps})")
+    plot_curves(layout.plot, reference, curves, title=f"Backfill curves (top-1 headroom at 0%: {gaps})",
+                headline=config.headline_order)
     return {"metrics": layout.metrics, "curves": layout.curves, "plot": layout.plot}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from components.experiment.training import (
     Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
 )
 from components.platform.config import AlignConfig
+
+PROGRESS_SECONDS = 30.0  # the longest a map's training goes without a line in its log
 
 
 def _set_batchnorm_eval(module: nn.Module) -> None:
@@ -98,6 +101,10 @@ def _train_on_features(
     if start_epoch == 0 and epochs > config.epochs:
         log(f"{num_items} training pairs make {plan['steps_per_epoch']} steps an epoch: training {epochs} epochs "
             f"to reach min_steps {config.min_steps}")
+    log(f"training {epochs - start_epoch} epochs of {plan['steps_per_epoch']} steps on {num_items} pairs"
+        + (f" (from epoch {start_epoch + 1})" if start_epoch else "")
+        + (f", measured on the held-out pairs every {plan['validate_every']} epochs" if validate is not None else ""))
+    started = last_said = time.monotonic()
 
     for epoch in range(start_epoch, epochs):
         module.train()
@@ -126,8 +133,16 @@ def _train_on_features(
                 best = {"score": _score(record), "epoch": epoch + 1,
                         "state": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}}
         history.append(record)
-        if "val_top1" in record or epochs <= 100 or (epoch + 1) % 10 == 0:
-            log(f"epoch {epoch + 1}/{epochs}: {describe(record)}")
+        clock = time.monotonic()
+        # every epoch of a usual run; of a long run of short epochs, each validation, every
+        # tenth, and at least one line every PROGRESS_SECONDS, so a long training is seen alive
+        if ("val_top1" in record or epochs <= 100 or (epoch + 1) % 10 == 0 or epoch + 1 == epochs
+                or clock - last_said >= PROGRESS_SECONDS):
+            last_said = clock
+            elapsed, done = clock - started, epoch + 1 - start_epoch
+            left = elapsed / done * (epochs - epoch - 1)
+            log(f"epoch {epoch + 1}/{epochs} ({elapsed:.0f} s" + (f", about {left:.0f} s left" if left >= 1 else "")
+                + f"): {describe(record)}")
         save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1, step=step, best=best)

@@ -22,7 +22,9 @@ from components.gallery.store import ObjectMissing, Store, StoreError
 
 
 class _PlanCache:
-    """Plans and orders read once per process (chunks of one upgrade share them)."""
+    """Orders read once per process per plan (chunks of one upgrade share them). The small
+    plan.json is read each time: an upgrade aborted and planned again under the same id has a
+    new plan, and a process (a Dask worker) that served the old one must not use its order."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -30,11 +32,11 @@ class _PlanCache:
 
     def get(self, store: Store, upgrade: str) -> tuple[Plan, np.ndarray]:
         key = (store.uri, upgrade)
+        plan = load_plan(store, upgrade)
+        if plan is None:
+            raise GalleryError(f"upgrade {upgrade} has no plan in {store.uri}; start it with `fastfill upgrade`")
         with self._lock:
-            if key not in self._items:
-                plan = load_plan(store, upgrade)
-                if plan is None:
-                    raise GalleryError(f"upgrade {upgrade} has no plan in {store.uri}; start it with `fastfill upgrade`")
+            if key not in self._items or self._items[key][0] != plan:
                 self._items[key] = (plan, order_of(store, upgrade))
             return self._items[key]
 

@@ -121,6 +121,9 @@ class GallerySearch:
                     return applied
                 self._build()
                 return 0
+            if self.plan is None and ModelRef.from_dict(manifest["model"]) != self.query_model:
+                self._build()  # the model changed without an upgrade: a rollback
+                return 0
             return self._apply_new_chunks() if self.plan is not None else 0
 
     def _apply_new_chunks(self) -> int:

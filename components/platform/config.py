@@ -353,6 +353,11 @@ class CompareConfig(Section):
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
                              description="each method is trained and evaluated once per seed")
     out: Path = Field(default=Path("runs/compare"), description="per-seed outputs go to <out>/seed-<s>/")
+    registered_model: str = Field(
+        default="embedder-comparison", description="the registered model of the comparison's embedding models "
+        "(never mlflow.registered_model: the comparison's models are not candidates for production)")
+    alignment_model: str = Field(
+        default="embedder-comparison-alignment", description="the registered model of the comparison's maps")
     align: dict[str, AlignConfig] = Field(default_factory=dict)
     compatible: dict[str, CompatibleConfig] = Field(default_factory=dict)
     orders: dict[str, list[Order]] = Field(default_factory=dict)
@@ -428,10 +433,25 @@ class Params(Section):
             raise ValueError(f"compare.orders has no entry for {missing}; list at least [random] for each method")
         return self
 
+    def registry_name_problems(self) -> list[str]:
+        """A loaded configuration's comparison names against production's (checked by
+        parse_params, not by the model: a comparison seed's own copy registers under them)."""
+        problems = []
+        production = {self.mlflow.registered_model, self.mlflow.alignment_model}
+        for key in ("registered_model", "alignment_model"):
+            name = getattr(self.compare, key)
+            if name in production:
+                problems.append(f"compare.{key}: {name!r} is a registered model of production (mlflow.*); "
+                                "the comparison's models need names of their own")
+        if self.compare.registered_model == self.compare.alignment_model:
+            problems.append("compare.alignment_model: the same name as compare.registered_model; give each its own")
+        return problems
+
     def for_comparison(self, seed: int) -> Params:
         """The configuration of one seed of the comparison: every method (align + compare.align,
         compatible + compare.compatible), evaluated with compare.orders (the first order of each
-        is its headline), reseeded, with outputs under compare.out/seed-<seed>/."""
+        is its headline), reseeded, with outputs under compare.out/seed-<seed>/, registering its
+        models and maps as compare.registered_model / compare.alignment_model."""
         data = self.model_dump(mode="json")
         compare = data["compare"]
         data["align"] = {**data["align"], **compare["align"]}
@@ -441,7 +461,10 @@ class Params(Section):
         data["evaluate"]["orders"] = orders
         data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
         root = Path(compare["out"]) / f"seed-{seed}"
-        return Params.model_validate(data).with_seed(seed).with_outputs_under(root)
+        seeded = Params.model_validate(data).with_seed(seed).with_outputs_under(root)
+        # its models and maps are registered under compare's names, never as production versions
+        names = {"registered_model": self.compare.registered_model, "alignment_model": self.compare.alignment_model}
+        return seeded.model_copy(update={"mlflow": seeded.mlflow.model_copy(update=names)})
 
     def with_seed(self, seed: int) -> Params:
         """A copy where every stage's seed is ``seed`` (the data split keeps its own)."""
@@ -478,9 +501,13 @@ def parse_params(data: object, source: Path = DEFAULT_PARAMS) -> Params:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     try:
-        return Params.model_validate(data)
+        params = Params.model_validate(data)
     except ValidationError as error:
         raise ConfigError(_format_errors(error, source)) from None
+    problems = params.registry_name_problems()
+    if problems:
+        raise ConfigError("\n".join([f"{source}: invalid configuration", *(f"  {p}" for p in problems)]))
+    return params
 
 
 def load_params(path: Path | str = DEFAULT_PARAMS) -> Params:

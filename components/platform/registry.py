@@ -309,6 +309,21 @@ def record_decision(client, name: str, version: str, run_id: str | None, tags: M
             client.delete_registered_model_alias(name, CHALLENGER)
 
 
+def record_rollback(client, name: str, version: str, previous: str, run_id: str | None,
+                    tags: Mapping[str, str]) -> bool:
+    """A promoted ``version`` rolled back: ``tags`` on it (and on its upgrade's run), and
+    ``champion`` back on ``previous`` when it still names ``version`` (a champion moved since by
+    someone else is left alone). Returns whether champion moved."""
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), key, value)
+        if run_id:
+            client.set_tag(run_id, key, value)
+    if alias_version(client, name, CHAMPION) != str(version):
+        return False
+    client.set_registered_model_alias(name, CHAMPION, str(previous))
+    return True
+
+
 def alias_version(client, name: str, alias: str) -> str | None:
     """The version an alias points at, or None when the alias (or the model) does not exist."""
     from mlflow.exceptions import MlflowException
@@ -317,3 +332,36 @@ def alias_version(client, name: str, alias: str) -> str | None:
         return str(client.get_model_version_by_alias(name, alias).version)
     except MlflowException:
         return None
+
+
+class TrackingUnreachable(RuntimeError):
+    """The MLflow tracking server does not answer; the message names it and what to do."""
+
+
+def check_tracking_server(config: MlflowConfig, timeout: float = 5.0) -> str:
+    """A tracking server (http/https URI) must answer ``GET <uri>/health`` within ``timeout``
+    seconds, once, without MLflow's retries; raises TrackingUnreachable otherwise. A local store
+    (SQLite, a folder) needs no server. Returns what was found, for a report."""
+    uri = tracking_uri(config)
+    if not uri.startswith(("http://", "https://")):
+        return f"{identity(config)} (a local store: no server to reach)"
+    import requests
+
+    shown = identity(config)  # without credentials
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
+    verify = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    todo = ("check that the server is running and that MLFLOW_TRACKING_URI (or mlflow.tracking_uri in params.yaml) "
+            "names it, then run the command again")
+    started = time.monotonic()
+    try:
+        answer = requests.get(uri.rstrip("/") + "/health", timeout=timeout, verify=verify)
+    except requests.exceptions.Timeout:
+        raise TrackingUnreachable(f"the MLflow tracking server at {shown} did not answer within {timeout:g} s; "
+                                  f"{todo}") from None
+    except requests.exceptions.RequestException as error:
+        reason = type(error).__name__
+        raise TrackingUnreachable(f"cannot reach the MLflow tracking server at {shown} ({reason}); {todo}") from None
+    if answer.status_code >= 500:
+        raise TrackingUnreachable(f"the MLflow tracking server at {shown} answered HTTP {answer.status_code}; "
+                                  f"{todo}")
+    return f"{shown} answered in {time.monotonic() - started:.2f} s"

@@ -1,8 +1,11 @@
-"""What every command shares: the root app, the options, loading params.yaml, running a flow
-with bad input reported as one line (``fail``: the one place that prints an error and exits)."""
+"""What every command shares: the root app, the options, loading params.yaml, and running a flow
+so that its outcome is an exit code and one line, not a traceback (``fail``: the one place that
+prints an error and exits; ``outcome``: which known failure is which kind)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -18,17 +21,38 @@ ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configur
 StoreOption = Annotated[str | None, typer.Option("--store", help="a local folder or s3://bucket/prefix; "
                                                  "default: gallery.store in params.yaml")]
 
+# Exit codes (the README's table). 0: done (an upgrade paused by its budget, or with nothing to
+# do, included).
+FAILED = 1    # the work failed (a map check), or an unexpected error, shown with its traceback
+USAGE = 2     # a bad option or params.yaml
+REJECTED = 3  # the promotion gate rejected the upgrade
+CLAIM = 4     # `sweep`: the claim does not hold at every size
+SERVICE = 5   # a service does not answer or refuses: the store, the MLflow server, the Prefect API
+INPUT = 6     # bad input: an unknown model, a missing, broken or tampered gallery, wrong data, a held lock
+
+SERVICE_TIMEOUT = 5.0  # seconds a service has to answer the check before a flow starts
+
+# MLflow retries a request 7 times with a backoff that grows to 2 minutes: a server that is down
+# takes about 4.5 minutes to be reported. The commands cap that, unless the environment says
+# otherwise: 3 retries (about 15 s) and 30 s per request.
+MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+                      "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
 
 def store_uri(config, store: str | None) -> str:
     """--store, or gallery.store of params.yaml."""
     return store or config.gallery.store
 
 
-def fail(error: Exception | str, code: int = 1) -> NoReturn:
-    """Print ``error: ...`` in red on stderr and end the command with ``code`` (1: the work
-    failed, 2: bad input, 3: refused, 4: a claim does not hold)."""
+def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
+    """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
+    codes above)."""
     typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code) from None
+
+
+class ServiceUnavailable(RuntimeError):
+    """A service a command needs (the Prefect API) does not answer; the message says what to do."""
 
 
 def load(path: Path):
@@ -38,37 +62,196 @@ def load(path: Path):
     try:
         params = load_params(path)
     except ConfigError as error:
-        fail(error, 2)
+        fail(error, USAGE)
     from components.gallery.store import configure_s3
 
     configure_s3(params.gallery.s3)  # every command's S3 clients retry as gallery.s3 says
+    for key, value in MLFLOW_HTTP_LIMITS.items():  # read by MLflow at each request
+        os.environ.setdefault(key, value)
     return params
 
 
-def call(flow, *args, **kwargs):
-    """Run a flow; bad or missing input ends the command with its message, not a traceback."""
+def outcome(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) of a known failure, or None for anything else (a bug: it keeps its
+    traceback). The message is the error's own: it names the problem and what to do."""
     from components.experiment.data import DataError
     from components.experiment.map_check import MapCheckError
     from components.gallery.catalog import GalleryError
-    from components.gallery.store import StoreError
-    from components.gallery.lock import UpgradeLocked
+    from components.gallery.images import ImageStoreError
+    from components.gallery.lock import LeaseLost, UpgradeLocked
+    from components.gallery.store import StoreError, StoreUnreachable
     from components.platform.config import ConfigError
-    from components.platform.registry import RegistryError
+    from components.platform.layout import ArrayFileError
+    from components.platform.registry import RegistryError, TrackingUnreachable
+
+    # a lost lease comes from a store that could not be reached in time, or from a takeover
+    if isinstance(error, (StoreUnreachable, ImageStoreError, LeaseLost, TrackingUnreachable, ServiceUnavailable)):
+        return SERVICE, str(error)
+    triggers = sys.modules.get("flows.triggers")  # loaded wherever one of its errors can come from
+    if triggers is not None and isinstance(error, triggers.DeploymentMissing):
+        return SERVICE, str(error)
+    service = _service_problem(error)
+    if service is not None:
+        return SERVICE, service
+    if isinstance(error, ConfigError):
+        return USAGE, str(error)
+    if isinstance(error, MapCheckError):
+        return FAILED, str(error)
+    if isinstance(error, (GalleryError, RegistryError, StoreError, UpgradeLocked, DataError, ArrayFileError,
+                          FileNotFoundError)):
+        return INPUT, str(error)
+    return None
+
+
+def _one_line(text: object, limit: int = 400) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _service_problem(error: BaseException) -> str | None:
+    """The message of an MLflow or Prefect client error that says the service did not answer or
+    refused the credentials; None for any other error."""
+    mlflow_errors = sys.modules.get("mlflow.exceptions")
+    if mlflow_errors is not None and isinstance(error, mlflow_errors.MlflowException):
+        code = getattr(error, "error_code", "")
+        text = _one_line(getattr(error, "message", error))
+        if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return (f"the MLflow tracking server refused the request ({code}: {text}); check MLFLOW_TRACKING_USERNAME "
+                    "and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN")
+        if text.startswith("API request to "):  # the server did not answer, or answered an HTTP error
+            return (f"the MLflow tracking server failed: {text}. Check that it is up and that MLFLOW_TRACKING_URI "
+                    "names it, then run the same command again: finished work is kept")
+        return None
+    httpx = sys.modules.get("httpx")
+    if (httpx is not None and isinstance(error, httpx.TransportError)) or (
+            isinstance(error, RuntimeError) and str(error).startswith("Failed to reach API at")):
+        return (f"the Prefect API did not answer ({_one_line(error)}); check that the server PREFECT_API_URL names "
+                "is up, then run the same command again: finished work is kept")
+    return None
+
+
+def check_prefect_api(timeout: float = SERVICE_TIMEOUT) -> str:
+    """When PREFECT_API_URL is set, its ``/health`` must answer within ``timeout`` seconds (with
+    the API key or auth string Prefect's client would send); raises ServiceUnavailable otherwise.
+    Without it, a flow runs on a temporary server of its own and there is nothing to check.
+    Returns what was found, for a report."""
+    import time
+
+    import httpx
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    url = settings.api.url
+    if not url:
+        return "PREFECT_API_URL is not set: each command runs its flows on a temporary local Prefect server"
+    headers = {}
+    key, auth = settings.api.key, settings.api.auth_string
+    if key:
+        headers["Authorization"] = f"Bearer {getattr(key, 'get_secret_value', lambda: key)()}"
+    elif auth:
+        import base64
+
+        secret = getattr(auth, "get_secret_value", lambda: auth)()
+        headers["Authorization"] = "Basic " + base64.b64encode(secret.encode()).decode()
+    todo = ("start it (`prefect server start`), point PREFECT_API_URL at the right one, or unset it to run flows on "
+            "a temporary local server")
+    started = time.monotonic()
+    try:
+        answer = httpx.get(url.rstrip("/") + "/health", headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        raise ServiceUnavailable(f"the Prefect API at {url} did not answer within {timeout:g} s; {todo}") from None
+    except httpx.HTTPError as error:
+        raise ServiceUnavailable(f"cannot reach the Prefect API at {url} ({type(error).__name__}); {todo}") from None
+    if answer.status_code in (401, 403):
+        raise ServiceUnavailable(f"the Prefect API at {url} refused the credentials (HTTP {answer.status_code}); "
+                                 "check PREFECT_API_KEY or PREFECT_API_AUTH_STRING")
+    if answer.status_code >= 500:
+        raise ServiceUnavailable(f"the Prefect API at {url} answered HTTP {answer.status_code}; {todo}")
+    return f"{url} answered in {time.monotonic() - started:.2f} s"
+
+
+_answered: set[tuple] = set()  # the services found answering in this process
+
+
+def require_services(config) -> None:
+    """Before a flow starts: the MLflow tracking server (for an http(s) URI) and the Prefect API
+    (when PREFECT_API_URL is set) answer within a few seconds; raises otherwise. Once per
+    process and pair of services."""
+    from prefect.settings import get_current_settings
+
+    from components.platform.registry import check_tracking_server, tracking_uri
+
+    services = (tracking_uri(config.mlflow), get_current_settings().api.url)
+    if services in _answered:
+        return
+    check_tracking_server(config.mlflow, timeout=SERVICE_TIMEOUT)
+    check_prefect_api(SERVICE_TIMEOUT)
+    _answered.add(services)
+
+
+def need_services(config) -> None:
+    """``require_services``, ending the command with exit code 5 and one line when one does not
+    answer."""
+    call(require_services, config)
+
+
+class _KnownFailuresOffTheConsole(logging.Filter):
+    """Prefect logs the exception that ends a task or flow run with its traceback. For a known
+    failure the command prints one line of its own, so the console leaves those records out.
+    The filter sits on the console handler only: the run's logs sent to the Prefect API (the
+    flow-run and task-run loggers' own handler, which sees each record first) keep them whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or outcome(error) is None
+
+
+_QUIET = _KnownFailuresOffTheConsole()
+
+
+def quiet_known_failures() -> None:
+    """Put the filter on Prefect's console handlers (once Prefect has configured logging)."""
+    if "prefect" not in sys.modules:
+        return  # no Prefect, no Prefect logs
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and _QUIET not in handler.filters:
+                handler.addFilter(_QUIET)
+
+
+def call(flow, *args, **kwargs):
+    """Run a flow (or any function of the store). With the configuration among its arguments, the
+    services it needs are checked first. A known failure ends the command with its kind's exit
+    code and its message on one line; anything else keeps its traceback."""
+    from components.platform.config import Params
 
     try:
+        config = next((arg for arg in args if isinstance(arg, Params)), None)
+        if config is not None:
+            require_services(config)
+        quiet_known_failures()
         return flow(*args, **kwargs)
-    except (DataError, FileNotFoundError, GalleryError, StoreError, RegistryError, UpgradeLocked,
-            MapCheckError, ConfigError) as error:
-        fail(error, 1)
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is a known failure
+        known = outcome(error)
+        if known is None:
+            raise
+        code, message = known
+        fail(message, code)
 
 
-def record_in_dvc(params_path: Path, targets: list[str], done: str | None = None) -> None:
+def record_in_dvc(params_path: Path, targets: list[str], done: str | None = None, project: Path = Path(".")) -> None:
     """Record what a command produced in dvc.lock (``targets``: `dvc commit` arguments), so
-    `dvc repro` of those stages redoes nothing. Only for the repository's own params.yaml."""
-    if params_path.resolve() != Path("params.yaml").resolve() or not Path("dvc.yaml").is_file():
+    `dvc repro` of those stages redoes nothing. Only for the repository's own params.yaml.
+    ``project``: the folder of the DVC project (comparison/ is one of its own)."""
+    if params_path.resolve() != Path("params.yaml").resolve() or not (project / "dvc.yaml").is_file():
         return
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
-    result = subprocess.run([dvc, "commit", "--force", "--quiet", *targets], capture_output=True, text=True)
+    result = subprocess.run([dvc, "commit", "--force", "--quiet", *targets], capture_output=True, text=True,
+                            cwd=project)
     if result.returncode != 0:
         typer.secho(f"warning: `dvc commit` failed, DVC does not know about this run:\n{result.stderr}",
                     fg=typer.colors.YELLOW, err=True)

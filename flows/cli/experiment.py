@@ -42,7 +42,7 @@ def run(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"\npipeline finished in {time.perf_counter() - start:.0f} s; "
                f"reports in {config.paths.reports}/ (metrics.json, backfill.png)")
     if dvc_commit:
-        record_in_dvc(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc repro evaluate` has nothing to redo")
+        record_in_dvc(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc status` is clean, `dvc repro` has nothing to redo")
 
 
 @app.command()
@@ -94,9 +94,11 @@ def sweep(params: ParamsOption = Path("params.yaml"),
 @app.command()
 def compare(params: ParamsOption = Path("params.yaml"),
             seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
-            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
+            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True) -> None:
     """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
-    over seeds; write reports/comparison.{md,json,png} and log them to MLflow."""
+    over seeds; write reports/comparison.{md,json,png} and log them to MLflow. The same as
+    `dvc --cd comparison repro` (the stages of comparison/dvc.yaml); the models are registered as
+    compare.registered_model, never as versions of production's model."""
     config = load(params)
     from components.evaluation.comparison import ranking
     from flows.compare import compare_flow, comparison_outputs
@@ -109,8 +111,14 @@ def compare(params: ParamsOption = Path("params.yaml"),
         typer.echo(f"  {metric}: " + " > ".join(f"{label} {100 * v:.2f}" for label, v in ranking(summary, metric)))
     outputs = comparison_outputs(config)
     typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
-    if dvc_commit and sorted(chosen) == sorted(config.compare.seeds):
-        record_in_dvc(params, ["prepare", *(f"compare@{s}" for s in chosen), "comparison"])
+    if dvc_commit:
+        # the splits in the pipeline's project; the seeds (and, when every seed of compare.seeds
+        # ran, the report) in the comparison's own project, comparison/
+        record_in_dvc(params, ["prepare"])
+        every_seed = sorted(chosen) == sorted(config.compare.seeds)
+        stages = [f"compare@{s}" for s in chosen if s in config.compare.seeds] + (["comparison"] if every_seed else [])
+        record_in_dvc(params, stages, "comparison/dvc.lock updated: `dvc --cd comparison repro` has nothing to redo"
+                      if every_seed else None, project=Path("comparison"))
 
 
 class Role(str, Enum):

@@ -10,7 +10,9 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.common import ParamsOption, StoreOption, app, call, fail, load, store_uri
+from flows.cli.common import (
+    REJECTED, USAGE, ParamsOption, StoreOption, app, call, fail, load, need_services, require_services, store_uri,
+)
 
 
 gallery_app = typer.Typer(no_args_is_help=True, help="The gallery in object storage: ingest, info, garbage collection.")
@@ -29,17 +31,29 @@ def _gallery(uri: str):
     return Gallery(store)
 
 
+# the upgrade's options and the gallery.upgrade keys they set
+_UPGRADE_OPTIONS = {"chunk_size": "--chunk-size", "max_concurrency": "--concurrency", "order": "--order",
+                    "task_runner": "--runner", "dask_address": "--dask-address",
+                    "max_items_per_second": "--max-items-per-second"}
+
+
 def _with_upgrade(config, **changes):
     """params with the command's gallery.upgrade options applied, checked as params.yaml is
-    (one line per bad value, naming its key)."""
+    (one line per bad value, naming its key and the option that set it)."""
     from components.platform.config import ConfigError, parse_params
 
+    given = {k: v for k, v in changes.items() if v is not None}
     data = config.model_dump()
-    data["gallery"]["upgrade"].update({k: v for k, v in changes.items() if v is not None})
+    data["gallery"]["upgrade"].update(given)
     try:
         return parse_params(data, Path("the command's options"))
     except ConfigError as error:
-        fail(error, 2)
+        lines = str(error).splitlines()
+        for i, line in enumerate(lines):
+            key = line.strip().split(":", 1)[0].removeprefix("gallery.upgrade.")
+            if key in given and key in _UPGRADE_OPTIONS:
+                lines[i] = f"{line}; set by {_UPGRADE_OPTIONS[key]}"
+        fail("\n".join(lines), USAGE)
 
 
 def _parse_budget(text: str | None) -> float | int | None:
@@ -70,7 +84,10 @@ def gallery_ingest(store: StoreOption = None,
     from flows.gallery import ingest_flow
 
     uri = store_uri(config, store)
-    manifest = call(ingest_flow, config, uri, model, images, labels, groups, ids, features)
+    need_services(config)
+    # the flow run reads params.yaml itself: its Prefect parameters are these few values
+    manifest = call(ingest_flow, store_uri=uri, model_uri=model, images=images, labels=labels, groups=groups, ids=ids,
+                    features=features, params_path=str(params.resolve()))
     typer.echo(f"{uri}: {manifest['num_items']} items, model {manifest['model']['uri']}")
 
 
@@ -127,6 +144,12 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
     deleted = call(lambda: collect_garbage(_gallery(uri)))
     typer.echo(f"{uri}: deleted {deleted['features']} feature objects and {deleted['upgrade_objects']} "
                "objects of finished upgrades")
+
+
+def progress_wanted(progress: bool | None, stream=None) -> bool:
+    """``--progress`` / ``--no-progress``; neither: on when stderr (``stream``) is a terminal."""
+    stream = sys.stderr if stream is None else stream
+    return stream.isatty() if progress is None else progress
 
 
 class _ProgressBar:
@@ -230,17 +253,22 @@ def upgrade(ctx: typer.Context,
     queries use the new model from the start. The same command resumes a stopped upgrade."""
     if ctx.invoked_subcommand is not None:
         return
-    config = _with_upgrade(load(params), chunk_size=chunk_size, max_concurrency=concurrency, order=order,
-                           task_runner=runner, dask_address=dask_address, max_items_per_second=max_items_per_second)
-    from flows.upgrade import dry_run_upgrade, run_upgrade
+    options = {"chunk_size": chunk_size, "max_concurrency": concurrency, "order": order, "task_runner": runner,
+               "dask_address": dask_address, "max_items_per_second": max_items_per_second}
+    config = _with_upgrade(load(params), **options)
+    from flows.upgrade import dry_run_upgrade, run_upgrade_file
 
     uri = store_uri(config, store)
+    need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
     if dry_run:
         typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
         return
     start = time.perf_counter()
-    with _ProgressBar(uri, sys.stderr.isatty() if progress is None else progress):
-        result = call(run_upgrade, config, uri, to, _parse_budget(budget), break_lock, gate)
+    # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
+    overrides = {f"gallery.upgrade.{key}": value for key, value in options.items() if value is not None}
+    with _ProgressBar(uri, progress_wanted(progress)):
+        result = call(run_upgrade_file, config, str(params.resolve()), uri, to, _parse_budget(budget), break_lock,
+                      gate, overrides)
     if result["state"] == "up-to-date":
         typer.echo(f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
         return
@@ -257,7 +285,7 @@ def upgrade(ctx: typer.Context,
         for reason in decision["reasons"]:
             typer.echo(f"  - {reason}")
     if result["state"] == "rejected":
-        raise typer.Exit(3)
+        raise typer.Exit(REJECTED)
 
 
 @upgrade_app.command("status")
@@ -280,6 +308,41 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
     held = call(lambda: break_lock(_gallery(uri).store))
     typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
                              f"{held.get('host')})" if held else "no lock was held"))
+
+
+@upgrade_app.command("abort")
+def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Drop the unfinished upgrade; the gallery serves the champion's features again (see README)."""
+    # Planned or part of the way through its backfill; refused while another process holds the
+    # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
+    # later `fastfill upgrade` to the same version plans it again from scratch.
+    config = load(params)
+    from flows.upgrade import abort_flow
+
+    uri = store_uri(config, store)
+    need_services(config)
+    record = call(abort_flow, store_uri=uri, params_path=str(params.resolve()))
+    typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
+               f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
+               f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "
+               f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
+
+
+@gallery_app.command("rollback")
+def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Undo the last finished upgrade while the old features exist (before gc): champion moves back."""
+    # The gallery serves the previous model's features again, champion moves back to that
+    # version (when it still names the rolled-back one), and the rolled-back version is tagged
+    # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
+    config = load(params)
+    from flows.upgrade import rollback_flow
+
+    uri = store_uri(config, store)
+    need_services(config)
+    result = call(rollback_flow, store_uri=uri, params_path=str(params.resolve()))
+    typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "
+               + ("champion moved back" if result["champion_moved"] else "champion left as it was (it no longer "
+                                                                       f"named {result['from']})"))
 
 
 @app.command()
@@ -306,6 +369,7 @@ def search(store: StoreOption = None,
         from components.platform import registry
         from components.experiment import registered
 
+        require_services(config)  # the model comes from the registry
         registry.setup(config.mlflow)
         model = registered.load_model(searcher.query_model.uri)
         return searcher, searcher.search_images(_load_array(images, "--images"), model, k)

@@ -16,27 +16,48 @@ app.add_typer(webhook_app, name="webhook")
 
 @app.command()
 def serve(params: ParamsOption = Path("params.yaml")) -> None:
-    """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the registry
-    watcher on its interval, the nightly check-and-upgrade and the weekly comparison."""
+    """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
+    check-and-upgrade and the weekly comparison; and poll the registry every
+    triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
+    deployment registry-watcher/poll pauses the polling)."""
     config = load(params)
     from prefect import serve as prefect_serve
 
-    from flows.triggers import deployments, params_file
+    from flows.triggers import RegistryWatcher, deployments, params_file
 
     found = deployments(config, params_file(params))
     typer.echo("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in found))
-    prefect_serve(*found)
+    interval = config.triggers.poll_seconds
+    watcher = RegistryWatcher(config, params_file(params), store_uri(config, None), interval)
+    typer.echo(f"watching {config.mlflow.registered_model}@challenger for {store_uri(config, None)} every {interval} s")
+    watcher.start(delay=min(interval, 5))  # once the deployments it starts are registered
+    try:
+        prefect_serve(*found)
+    finally:
+        watcher.stop()
 
 
 @app.command()
 def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
-          resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False) -> None:
-    """Check the registry once: start the upgrade deployment when `challenger` is new to the gallery."""
+          resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False,
+          every: Annotated[float | None, typer.Option(help="keep checking, every this many seconds (as `fastfill "
+                                                      "serve` does), until interrupted")] = None) -> None:
+    """Check the registry once: start the upgrade deployment when `challenger` is new to the
+    gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
-    from flows.triggers import DeploymentMissing, params_file, watch_flow
+    from flows.triggers import DeploymentMissing, RegistryWatcher, params_file, watch_once
 
+    uri = store_uri(config, store)
+    if every is not None:
+        if every <= 0:
+            fail(f"--every {every:g}: give a positive number of seconds", 2)
+        watcher = RegistryWatcher(config, params_file(params), uri, every)
+        try:
+            watcher.run()
+        except KeyboardInterrupt:
+            return
     try:
-        result = call(watch_flow, params_file(params), store_uri(config, store), resume)
+        result = call(watch_once, config, uri, params_file(params), resume)
     except DeploymentMissing as error:
         fail(error, 1)
     typer.echo(json.dumps(result, indent=1))

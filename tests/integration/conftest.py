@@ -106,7 +106,9 @@ def tiny_workdir(tmp_path, monkeypatch, image_folder) -> Path:
 @pytest.fixture
 def repo_copy(tmp_path, image_folder) -> Path:
     """The repository's tracked files in a fresh git repo, with a tiny params.yaml."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    # tracked files and new ones not yet added (a work tree as it would be committed)
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
     if not files:
         pytest.fail("git ls-files found nothing: run the tests from a git checkout")
     target = tmp_path / "repo"

@@ -80,17 +80,20 @@ def test_each_seed_trains_every_method_under_its_own_folder(comparison):
 
 
 def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison):
+    """Under the comparison's own names: production's registered models get no version."""
     params, _, _ = comparison
     client, _ = _client(params)
-    versions = client.search_model_versions(f"name = '{params.mlflow.registered_model}'")
+    for production in (params.mlflow.registered_model, params.mlflow.alignment_model):
+        assert client.search_model_versions(f"name = '{production}'") == []
+    versions = client.search_model_versions(f"name = '{params.compare.registered_model}'")
     by_method = {}
     for version in versions:
         by_method.setdefault(version.tags.get("method", version.tags.get("role")), []).append(version)
     # per seed: old, new, bct, ract
     assert {k: len(v) for k, v in by_method.items()} == {"old": 2, "new": 2, "bct": 2, "ract": 2}
     assert all(v.tags["compatible_with"] in {str(o.version) for o in by_method["old"]} for v in by_method["bct"])
-    assert client.get_registered_model(params.mlflow.registered_model).aliases == {}
-    maps = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert client.get_registered_model(params.compare.registered_model).aliases == {}
+    maps = client.search_model_versions(f"name = '{params.compare.alignment_model}'")
     assert sorted({v.tags["method"] for v in maps}) == ["fastfill", "fct", "l2_disc", "rbt", "unified"]
 
 

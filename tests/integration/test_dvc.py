@@ -1,6 +1,8 @@
-"""`dvc repro` in a temporary copy of the repository, with the real dvc CLI."""
+"""`dvc repro` in a temporary copy of the repository, with the real dvc CLI: the pipeline in the
+repository's dvc.yaml, the comparison in its own DVC project (comparison/)."""
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from components.evaluation.reports import ROW_KEYS
+
 pytestmark = pytest.mark.slow  # `dvc repro` of the tiny pipeline: minutes on 2 cores
+
+PIPELINE = {"prepare", "train@old", "train@new", "align@fct", "align@fastfill", "evaluate"}
+LINES = {"old_old", "new_new", "fct-random", "fastfill-random", "fastfill-sigma", "fastfill-oracle"}
+UP_TO_DATE = "Data and pipelines are up to date."
 
 
 def _run(args, cwd, env, timeout=900):
@@ -21,33 +29,88 @@ def _dvc(*args):
     return [str(Path(sys.executable).with_name("dvc")), *args]
 
 
-def test_dvc_repro_reproduces_and_reruns_only_what_changed(repo_copy, cli_env):
+def _ran(out: str) -> set[str]:
+    return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+
+
+def _versions(repo: Path) -> dict[str, int]:
+    """Versions per registered model in the copy's MLflow store (sqlite:///mlruns.db)."""
+    with sqlite3.connect(repo / "mlruns.db") as db:
+        return dict(db.execute("SELECT name, COUNT(*) FROM model_versions GROUP BY name").fetchall())
+
+
+def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(repo_copy, cli_env):
     out = _run(_dvc("repro"), repo_copy, cli_env)
-    for stage in ("prepare", "train@old", "train@new", "align@fct", "align@fastfill", "evaluate", "compare@0",
-                  "comparison"):
-        assert f"'{stage}'" in out, stage
+    assert _ran(out) == PIPELINE, out  # a bare `dvc repro` never starts the comparison
+    assert not (repo_copy / "runs").exists()
     metrics = json.loads((repo_copy / "reports" / "metrics.json").read_text())
     assert {"old_old", "new_new", "fct", "fastfill"} <= set(metrics)
+    assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
+
+    # `dvc metrics show`: one row per line of the plot, one column per number
+    table = _run(_dvc("metrics", "show"), repo_copy, cli_env).strip().splitlines()
+    assert table[0].split() == ["Path", *sorted(ROW_KEYS)], table[0]
+    assert {row.split()[0] for row in table[1:]} == {f"reports/summary/{line}.json" for line in LINES}
+    fastfill = next(row.split() for row in table if row.startswith("reports/summary/fastfill-sigma.json"))
+    assert float(fastfill[1 + sorted(ROW_KEYS).index("top1_auc")]) == pytest.approx(
+        metrics["fastfill"]["by_order"]["sigma"]["top1_auc"], abs=1e-5)
+
+    # `dvc plots show`: each chart with its title and axis labels, one colour per line
+    shown = json.loads(_run(_dvc("plots", "show", "--json", "--split"), repo_copy, cli_env))["data"]
+    for name in ("top1_along_backfill", "map_along_backfill", "top5_along_backfill"):
+        content, anchors = shown[name][0]["content"], shown[name][0]["anchor_definitions"]
+        assert content["encoding"]["color"]["field"] == "field", content["encoding"]  # not the revision
+        assert anchors["<DVC_METRIC_TITLE>"].endswith("against the fraction of the gallery backfilled")
+        assert anchors["<DVC_METRIC_X_LABEL>"].startswith("fraction of the gallery backfilled")
+        assert anchors["<DVC_METRIC_Y_LABEL>"].split()[0] in ("top-1", "top-5", "mAP")
+        assert {point["field"] for point in anchors["<DVC_METRIC_DATA>"]} == LINES, name
+    _run(_dvc("plots", "show"), repo_copy, cli_env)
+    assert (repo_copy / "dvc_plots" / "index.html").is_file()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "dvc_plots/index.html"], cwd=repo_copy)
+    assert ignored.returncode == 0  # .gitignore keeps the rendered plots out of git
+
+    # the comparison: its own DVC project, reproduced only when asked, registered under its own names
+    before = _versions(repo_copy)
+    assert before == {"embedder": 2, "embedder-alignment": 2}, before
+    out = _run(_dvc("--cd", "comparison", "repro"), repo_copy, cli_env, timeout=1500)
+    assert _ran(out) == {"compare@0", "comparison"}, out
     comparison = json.loads((repo_copy / "reports" / "comparison.json").read_text())
     assert {"bct (random)", "ract (entropy)", "unified (random)", "fastfill (sigma)"} <= set(comparison["rows"])
     assert comparison["seeds"] == ["0"]
-    assert "up to date" in _run(_dvc("status"), repo_copy, cli_env)
+    assert _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env).strip() == UP_TO_DATE
+    assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
+    after = _versions(repo_copy)
+    assert after["embedder"] == 2 and after["embedder-alignment"] == 2, after  # production untouched
+    assert after["embedder-comparison"] == 4  # old, new, bct, ract
+    assert after["embedder-comparison-alignment"] == 5  # fct, fastfill, l2_disc, rbt, unified
+    with sqlite3.connect(repo_copy / "mlruns.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM registered_model_aliases WHERE name LIKE 'embedder-comparison%'"
+                          ).fetchone() == (0,)
 
-    # an alignment param changes: only that method's alignment, the evaluation and the
-    # comparison (which trains every align method) re-run
+    # an alignment param changes: in the pipeline only that method's alignment and the evaluation
+    # re-run; the comparison (which trains every align method) sees it too, but only when asked
     params = yaml.safe_load((repo_copy / "params.yaml").read_text())
     params["align"]["fastfill"]["epochs"] = 6  # 216 training pairs: 7 steps an epoch, 42 >= min_steps 30
     (repo_copy / "params.yaml").write_text(yaml.safe_dump(params))
     out = _run(_dvc("repro"), repo_copy, cli_env)
-    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"align@fastfill", "evaluate", "compare@0", "comparison"}, out
+    assert _ran(out) == {"align@fastfill", "evaluate"}, out
     history = json.loads((repo_copy / "artifacts" / "align" / "fastfill" / "history.json").read_text())
     assert len(history) == 6
+    status = _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env)
+    assert "compare@0" in status and "align" in status, status
 
 
 def test_fastfill_run_leaves_dvc_up_to_date(repo_copy, cli_env):
-    """`fastfill run` records the pipeline's stages (not the comparison's) in dvc.lock."""
-    _run([str(Path(sys.executable).with_name("fastfill")), "run"], repo_copy, cli_env)
-    assert "up to date" in _run(_dvc("status", "--with-deps", "evaluate"), repo_copy, cli_env)
-    out = _run(_dvc("repro", "evaluate"), repo_copy, cli_env)
+    """`fastfill run` on a fresh clone records the pipeline's stages in dvc.lock: `dvc status` is
+    clean and `dvc repro` has nothing to do; dvc.lock holds the pipeline's stages and nothing else."""
+    out = _run([str(Path(sys.executable).with_name("fastfill")), "run"], repo_copy, cli_env)
+    assert "dvc.lock updated" in out, out
+    assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
+    out = _run(_dvc("repro"), repo_copy, cli_env)
     assert "Running stage" not in out, out
+    lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
+    assert set(lock["stages"]) == PIPELINE
+    assert not (repo_copy / "comparison" / "dvc.lock").exists()
+    # the comparison's project knows its stages have not run, without disturbing the pipeline's
+    status = _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env)
+    assert "compare@0" in status and "comparison" in status, status

@@ -290,7 +290,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     runner = CliRunner()
     args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
     result = runner.invoke(app, ["upgrade", *args])
-    assert result.exit_code == 1
+    assert result.exit_code == 6  # bad input: the gallery is locked
     assert "is being upgraded: upgrade another-upgrade by process" in result.output
     assert "fastfill upgrade unlock" in result.output
     assert up.status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
@@ -326,7 +326,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
                        f"{pl.load_plan(open_store(uri), status['upgrade']['id']).map_uri}"}, sources
     np.save(tmp_path / "wide.npy", np.zeros((2, 5), np.float32))
     result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "wide.npy")])
-    assert result.exit_code == 1 and "dimension 5, but the model's is 16" in result.output
+    assert result.exit_code == 6 and "dimension 5, but the model's is 16" in result.output
 
     result = runner.invoke(app, ["upgrade", *args, "--no-progress"])
     assert result.exit_code == 0 and "complete:" in result.output, result.output
@@ -390,7 +390,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     # the same features as an uninterrupted run with the same chunking
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
-    upgrade_flow(changed, reference_uri)
+    upgrade_flow(changed, reference_uri, plan.new.uri)  # by version: the promotion cleared `challenger`
     reference = Gallery(open_store(reference_uri))
     np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
 
@@ -464,11 +464,12 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     assert up.status(gallery)["state"] == "idle"
 
     reference_uri = str(tmp_path / "reference")
+    client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
     ingest_flow(params, reference_uri)
+    assert Gallery(open_store(reference_uri)).model.version == old_version
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
-    client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
-    upgrade_flow(changed, reference_uri)
+    assert upgrade_flow(changed, reference_uri, plan.new.uri)["state"] == "complete"
     np.testing.assert_array_equal(gallery.all_features(plan.new), Gallery(open_store(reference_uri)).all_features(plan.new))
 
 

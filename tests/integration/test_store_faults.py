@@ -103,7 +103,7 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     assert f"failed 3 times at the S3 endpoint {proxy.url}" in message
     assert "run the same command again: finished work is kept" in message
     cli = CliRunner().invoke(app, ["upgrade", "status", "--store", store_uri])  # what a command prints
-    assert cli.exit_code == 1 and f"error: {store_uri}: reaching the bucket failed 3 times" in cli.output
+    assert cli.exit_code == 5 and f"error: {store_uri}: reaching the bucket failed 3 times" in cli.output
     assert len([line for line in cli.output.splitlines() if line.strip()]) == 1, cli.output
     assert proxy.faults["down"] >= 3 + 3  # every attempt of both
 

@@ -1,0 +1,293 @@
+"""One look at the state: `fastfill doctor` checks what the product needs (the tracking server,
+the registry, the store, the Prefect API, the webhook secret), one line each; `fastfill status`
+says where the gallery and its upgrade stand, with the last gate decision and links to the runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from flows.cli.common import (
+    SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, app, call, check_prefect_api, load, outcome, store_uri,
+)
+
+UPGRADE_FLOW = "gallery-upgrade"  # flows/upgrade.py's flow, whose runs end in "Rejected" on a rejection
+
+
+def _line(ok: bool, name: str, text: str) -> None:
+    typer.echo(f"{'ok' if ok else 'FAIL':<5} {name:<9} {text}")
+
+
+def _problem(error: Exception) -> str:
+    """One line for a failed check: a known failure's own message, else the error's type and text."""
+    known = outcome(error)
+    return known[1] if known else " ".join(f"{type(error).__name__}: {error}".split())[:400]
+
+
+def _local_store_missing(uri: str) -> Path | None:
+    """The file or folder of a local MLflow store that does not exist (opening it would create
+    an empty one), or None."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        return None if path.is_file() else path
+    if uri.startswith("file:") or "://" not in uri:
+        path = Path(uri.removeprefix("file://").removeprefix("file:"))
+        return None if path.is_dir() else path
+    return None
+
+
+def _mlflow_client(config):
+    """(client, what was checked): the tracking store's client, after the server answered (an
+    http(s) URI) or the local store was found; raises for either problem."""
+    from mlflow import MlflowClient
+
+    from components.platform import registry
+
+    uri = registry.tracking_uri(config.mlflow)
+    missing = _local_store_missing(uri)
+    if missing is not None:
+        raise FileNotFoundError(f"no MLflow store at {missing}: run `fastfill run` (it creates the store and registers "
+                                "the models), or point MLFLOW_TRACKING_URI (mlflow.tracking_uri) at yours")
+    found = registry.check_tracking_server(config.mlflow, timeout=SERVICE_TIMEOUT)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri), found
+
+
+def _registry_line(client, config) -> tuple[bool, str]:
+    from mlflow.exceptions import MlflowException
+
+    from components.platform.registry import CHALLENGER, CHAMPION
+
+    name = config.mlflow.registered_model
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as error:
+        if getattr(error, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return False, (f"no registered model {name!r}: run `fastfill run` (it registers {name} with the aliases "
+                           f"{CHAMPION} and {CHALLENGER}), or set mlflow.registered_model to yours")
+        raise
+    aliases = dict(model.aliases)
+    text = f"{name}: " + ", ".join(f"{alias} -> v{aliases[alias]}" if alias in aliases else f"no {alias}"
+                                   for alias in (CHAMPION, CHALLENGER))
+    if CHAMPION not in aliases:
+        return False, (f"{text}; give the version the gallery serves the alias {CHAMPION} "
+                       f"(MlflowClient().set_registered_model_alias({name!r}, {CHAMPION!r}, VERSION))")
+    if CHALLENGER not in aliases:
+        text += " (nothing waits to be upgraded to)"
+    return True, text
+
+
+def _store_line(config, uri: str) -> tuple[bool, str]:
+    from components.gallery.catalog import Gallery, check_registry
+    from components.gallery.store import open_store
+    from components.gallery.upgrade import status
+    from components.platform import registry
+
+    store = open_store(uri)
+    store.check()
+    gallery = Gallery(store)
+    if not gallery.exists():
+        return False, (f"{store.uri} is reachable but holds no gallery: run `fastfill gallery ingest` (or `gallery "
+                       "adopt`), or pass --store")
+    manifest = gallery.manifest(refresh=True)
+    check_registry(manifest, store.uri, registry.identity(config.mlflow))
+    state = status(gallery, failures=False)
+    text = f"{store.uri}: {state['items']:,} items, model {state['model']}, {state['state']}"
+    if state.get("upgrade"):
+        text += f" ({state['upgrade']['id']})"
+    return True, text
+
+
+def _webhook_line(config) -> tuple[bool, str]:
+    variable = config.triggers.webhook_secret_env
+    if os.environ.get(variable):
+        return True, f"{variable} is set"
+    return False, (f"{variable} is not set: the webhook receiver cannot verify a delivery; set it to the secret given "
+                   "to `fastfill webhook register` (the watcher works without it)")
+
+
+@app.command()
+def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Check the tracking server, the registry (the model and its champion and challenger
+    aliases), the store (reachable, holding a gallery), the Prefect API (when PREFECT_API_URL
+    is set) and the webhook secret: one line each, what is wrong and what to do. Exit 0 when
+    all are ok, else 5."""
+    config = load(params)
+    results: list[bool] = []
+
+    def check(name: str, run) -> object:
+        try:
+            ok, text, value = run()
+        except Exception as error:  # noqa: BLE001 - every problem is one line of the report
+            ok, text, value = False, _problem(error), None
+        _line(ok, name, text)
+        results.append(ok)
+        return value
+
+    def tracking():
+        client, found = _mlflow_client(config)
+        return True, found, client
+
+    client = check("tracking", tracking)
+    if client is None:
+        _line(False, "registry", "not checked: the tracking store is not available")
+        results.append(False)
+    else:
+        check("registry", lambda: (*_registry_line(client, config), None))
+    check("store", lambda: (*_store_line(config, store_uri(config, store)), None))
+    check("prefect", lambda: (True, check_prefect_api(SERVICE_TIMEOUT), None))
+    check("webhook", lambda: (*_webhook_line(config), None))
+    if not all(results):
+        raise typer.Exit(SERVICE)
+
+
+# ---- status
+
+
+def _last_decision(store) -> dict | None:
+    """The newest promotion decision recorded in the gallery (``upgrades/<id>/decision.json``)."""
+    from components.gallery import upgrade as up
+    from components.gallery.plan import DECISION
+
+    upgrades = sorted({key.split("/")[1] for key in store.list("upgrades/") if key.endswith("/" + DECISION)})
+    decisions = [d for d in (up.decision(store, u) for u in upgrades) if d is not None]
+    return max(decisions, key=lambda d: d["decided"], default=None)
+
+
+def _same_store(uri: str, store) -> bool:
+    if uri.startswith("s3://"):
+        return uri.rstrip("/") == store.uri
+    return str(Path(uri.removeprefix("file://")).resolve()) == store.identity
+
+
+def _mlflow_lines(config, run_id: str | None, decided: dict | None) -> list[tuple[str, str]]:
+    """The run's link and the decision's record in the registry; raises when the tracking
+    store cannot be used."""
+    from mlflow.exceptions import MlflowException
+
+    from components.platform import registry
+
+    client, _ = _mlflow_client(config)
+    lines = []
+    if decided is not None:
+        new = decided["new"]
+        try:
+            tags = client.get_model_version(new["name"], str(new["version"])).tags
+            tag = tags.get("promotion")
+            lines.append(("registry", f"{new['name']} v{new['version']}: promotion={tag}" if tag else
+                          f"{new['name']} v{new['version']} has no promotion tag yet; run the same `fastfill upgrade` "
+                          "again to record the decision"))
+        except MlflowException as error:
+            if getattr(error, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            lines.append(("registry", f"{new['name']} v{new['version']} no longer exists"))
+    if run_id:
+        shown = registry.identity(config.mlflow)
+        experiment = client.get_run(run_id).info.experiment_id
+        if shown.startswith(("http://", "https://")):
+            where = f"{shown.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+        else:
+            where = (f"experiment {experiment}, run {run_id} in {shown} (`mlflow ui --backend-store-uri {shown}`, then "
+                     f"/#/experiments/{experiment}/runs/{run_id})")
+        lines.append(("mlflow", where))
+    return lines
+
+
+def _prefect_line(gallery_store) -> str | None:
+    """The newest upgrade flow run of this gallery on the Prefect server, with its state, as a
+    link to the UI; None without PREFECT_API_URL. Raises when the server does not answer."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if not settings.api.url:
+        return None
+    check_prefect_api(SERVICE_TIMEOUT)
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    ui = (settings.ui_url or settings.api.url.rstrip("/").removesuffix("/api")).rstrip("/")
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[UPGRADE_FLOW])),
+                                     sort=FlowRunSort.START_TIME_DESC, limit=50)
+    for run in runs:
+        uri = run.parameters.get("store_uri")
+        if isinstance(uri, str) and _same_store(uri, gallery_store):
+            state = run.state.name if run.state else "unknown"
+            return f"{ui}/runs/flow-run/{run.id} ({run.name}, {state})"
+    return f"{ui}/runs (no {UPGRADE_FLOW} flow run of this gallery on {settings.api.url})"
+
+
+def _show(name: str, text: str) -> None:
+    typer.echo(f"{name:<8} {text}")
+
+
+@app.command()
+def status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Where the gallery stands: its model, the upgrade in progress and how far it is, the last
+    promotion decision, and links to the upgrade's MLflow run and (with PREFECT_API_URL) its
+    Prefect flow run. Exit 5 when a service could not be reached (what it could read is shown)."""
+    config = load(params)
+    from components.gallery import plan as pl
+    from components.gallery.catalog import Gallery
+    from components.gallery.store import open_store
+    from components.gallery.upgrade import status as upgrade_status
+
+    uri = store_uri(config, store)
+
+    def read():
+        opened = open_store(uri)
+        opened.check()
+        gallery = Gallery(opened)
+        return gallery, upgrade_status(gallery, failures=False), _last_decision(opened)
+
+    gallery, state, decided = call(read)
+    _show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
+    info = state.get("upgrade")
+    if info and info.get("chunks"):
+        _show("upgrade", f"{state['state']}: {info['id']} ({info['from']} -> {info['to']}, {info['order']} order), "
+                         f"{info['chunks_done']}/{info['chunks']} chunks, {info['items_done']:,}/{state['items']:,} "
+                         f"items ({100 * info['fraction']:.1f}%)")
+    elif info:
+        _show("upgrade", f"{state['state']}: {info['id']} to {info.get('to')}")
+    else:
+        _show("upgrade", "none in progress")
+    lock = state.get("lock")
+    if lock:
+        _show("lock", f"held by upgrade {lock.get('upgrade')}, process {lock.get('pid')} on {lock.get('host')}"
+                      + (" (its lease has expired)" if lock.get("expired") else ""))
+    if state.get("next"):
+        _show("next", state["next"])
+    if decided is None:
+        _show("gate", "no promotion decision recorded in this gallery")
+    else:
+        verdict = ("passed" if decided["passed"] else "rejected") if decided.get("numbers") is not None else (
+            "ungated (promoted without the gate)")
+        reasons = "; ".join(decided.get("reasons") or [])
+        _show("gate", f"{verdict} on {decided['decided']}: {decided['upgrade']}, {_uri(decided['new'])} against "
+                      f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
+    run_id = (info or {}).get("mlflow_run_id")
+    if run_id is None and decided is not None:
+        plan = pl.load_plan(gallery.store, decided["upgrade"])
+        run_id = plan.mlflow_run_id if plan else None
+    healthy = True
+    try:
+        for name, text in _mlflow_lines(config, run_id, decided):
+            _show(name, text)
+    except Exception as error:  # noqa: BLE001 - reported as one line
+        healthy = False
+        _show("mlflow", f"unavailable: {_problem(error)}")
+    try:
+        link = _prefect_line(gallery.store)
+        if link is not None:
+            _show("prefect", link)
+    except Exception as error:  # noqa: BLE001 - reported as one line
+        healthy = False
+        _show("prefect", f"unavailable: {_problem(error)}")
+    if not healthy:
+        raise typer.Exit(SERVICE)
+
+
+def _uri(model: dict) -> str:
+    return f"models:/{model['name']}/{model['version']}"

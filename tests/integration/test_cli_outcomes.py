@@ -1,0 +1,284 @@
+"""What a command says and how it ends, run as a user runs it (the `fastfill` executable in a
+subprocess): a known failure is one `error:` line and an exit code of its kind (2 usage, 5 a
+service, 6 bad input), never a traceback; services are checked up front, so an unreachable one
+ends the command in seconds; a gate rejection exits 3 and its flow run ends in the state
+"Rejected" with the event fastfill.upgrade.rejected; `fastfill status` and `fastfill doctor`."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from components.gallery.store import open_store
+from tests.integration.helpers import registry_models
+
+FASTFILL = str(Path(sys.executable).with_name("fastfill"))
+
+
+def _run(args: list[str], env: dict, cwd: Path, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = subprocess.run([FASTFILL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+def _error_line(result: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
+    """The exit code is ``code``, there is no traceback, and stderr has exactly one `error:` line
+    (holding ``fragments``); returns it."""
+    both = result.stdout + result.stderr
+    assert result.returncode == code, both[-3000:]
+    assert "Traceback" not in both and "╭─" not in both, both[-3000:]  # neither Python's nor rich's
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def prefect_env(cli_env, prefect_harness) -> dict:
+    """The CLI's environment pointed at the tests' Prefect server (no temporary server per command,
+    and its flow runs can be read afterwards)."""
+    from prefect.settings import get_current_settings
+
+    return {**cli_env, "PREFECT_API_URL": get_current_settings().api.url}
+
+
+def _snapshot(store) -> dict:
+    return {key: store.get(key) for key in store.list("")}
+
+
+def test_a_bad_option_is_a_usage_error_naming_the_option(tiny_workdir, cli_env):
+    result, _ = _run(["upgrade", "--concurrency", "0", "--order", "bogus", "--dry-run"], cli_env, tiny_workdir)
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    assert "validation error for" not in result.stderr  # pydantic's own wording, which named no option
+    assert "gallery.upgrade.max_concurrency: Input should be greater than 0 (got 0); set by --concurrency" in result.stderr
+    assert "gallery.upgrade.order: Input should be 'sigma' or 'random' (got 'bogus'); set by --order" in result.stderr
+    result, _ = _run(["upgrade", "--budget", "2x"], cli_env, tiny_workdir)
+    _error_line(result, 2, "--budget '2x'")
+    result, _ = _run(["upgrade", "--chunk-size", "many"], cli_env, tiny_workdir)  # refused by the parser itself
+    assert result.returncode == 2 and "Invalid value for '--chunk-size'" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_endpoint, tiny_workdir, prefect_env):
+    closed = _closed_port()
+    # the MLflow server: nothing listens on the port
+    env = {**prefect_env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed}"}
+    result, seconds = _run(["upgrade"], env, tiny_workdir)
+    _error_line(result, 5, f"cannot reach the MLflow tracking server at http://127.0.0.1:{closed}",
+                "check that the server is running")
+    assert seconds < 20, seconds
+    result, _ = _run(["gallery", "ingest"], env, tiny_workdir)
+    _error_line(result, 5, "cannot reach the MLflow tracking server")
+
+    # the MLflow server: the port accepts connections but nothing ever answers
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        env = {**prefect_env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        result, seconds = _run(["upgrade"], env, tiny_workdir)
+    _error_line(result, 5, "did not answer within 5 s")
+    assert seconds < 20, seconds
+
+    # the Prefect API
+    env = {**prefect_env, "PREFECT_API_URL": f"http://127.0.0.1:{closed}/api"}
+    result, seconds = _run(["gallery", "ingest"], env, tiny_workdir)
+    _error_line(result, 5, f"cannot reach the Prefect API at http://127.0.0.1:{closed}/api", "prefect server start")
+    assert seconds < 20, seconds
+
+    # the S3 endpoint: nothing listens; then a bucket that does not exist
+    env = {**prefect_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}"}
+    result, seconds = _run(["upgrade", "--store", "s3://some-bucket/g"], env, tiny_workdir)
+    _error_line(result, 5, "s3://some-bucket/g: cannot connect to the S3 endpoint")
+    assert seconds < 60, seconds
+    result, _ = _run(["gallery", "ingest", "--store", "s3://no-such-bucket-here/g"], prefect_env, tiny_workdir)
+    _error_line(result, 5, "bucket 'no-such-bucket-here' does not exist")
+    result, _ = _run(["status", "--store", "s3://no-such-bucket-here/g"], prefect_env, tiny_workdir)
+    _error_line(result, 5, "bucket 'no-such-bucket-here' does not exist")
+
+
+def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_env):
+    from flows.gallery import ingest_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    _, _, _, old_version, new_version = registry_models(params)
+    store = open_store(uri)
+    before = _snapshot(store)
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+
+    result, _ = _run(["upgrade", *args, "--to", "models:/embedder/999"], prefect_env, tmp_path)
+    _error_line(result, 6, "unknown model 'models:/embedder/999'", f"champion -> v{old_version}")
+    result, _ = _run(["upgrade", *args, "--store", str(tmp_path / "nothing")], prefect_env, tmp_path)
+    _error_line(result, 6, f"no gallery at {tmp_path / 'nothing'}", "fastfill gallery ingest")
+    result, _ = _run(["gallery", "ingest", *args], prefect_env, tmp_path)  # a second ingest into the same place
+    _error_line(result, 6, "already holds a gallery")
+    assert _snapshot(store) == before
+
+    result, _ = _run(["upgrade", *args, "--to", f"models:/embedder/{old_version}", "--no-progress"], prefect_env,
+                     tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines() == [
+        f"up-to-date: the gallery is already built with models:/embedder/{old_version}; nothing to upgrade"]
+    assert _snapshot(store) == before
+
+    # a paused upgrade, as `fastfill status` shows it
+    result, _ = _run(["upgrade", *args, "--budget", "25%", "--no-progress"], prefect_env, tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("paused: "), result.stdout + result.stderr[-3000:]
+    result, _ = _run(["status", *args], prefect_env, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in result.stdout.splitlines()}
+    upgrade = f"embedder-v{old_version}-to-embedder-v{new_version}"
+    assert lines["upgrade"].startswith(f"paused: {upgrade} (models:/embedder/{old_version} -> models:/embedder/"
+                                       f"{new_version}, "), lines["upgrade"]
+    assert lines["upgrade"].endswith(" order), 3/9 chunks, 24/72 items (33.3%)"), lines["upgrade"]
+    assert lines["gate"] == "no promotion decision recorded in this gallery"
+    assert "experiment " in lines["mlflow"] and "run " in lines["mlflow"]
+    assert lines["prefect"].endswith(", Completed)"), lines["prefect"]
+
+
+def _worse_version(params) -> str:
+    """A further embedder version that knows nothing (same architecture, untrained), registered
+    without an alias: the gate rejects it."""
+    import torch
+
+    from components.experiment import registered
+    from components.experiment.models import Embedder
+    from components.platform import registry
+    from components.platform.config import TrainConfig
+
+    _, _, new_model, _, _ = registry_models(params)
+    torch.manual_seed(3)
+    fresh = Embedder(TrainConfig(backbone="cnn", width=4, embedding_dim=16), new_model.in_channels,
+                     new_model.classes.tolist(), float(new_model.pixel_mean), float(new_model.pixel_std)).eval()
+    client, experiment = registry.setup(params.mlflow)
+    run = client.create_run(experiment, run_name="register")
+    example = np.zeros((1, fresh.in_channels, 16, 16), np.float32)
+    with torch.no_grad():
+        version = registered.register_embedder(client, run.info.run_id, fresh, example,
+                                               params.mlflow.registered_model, None, {"role": "new"})
+    return str(version)
+
+
+def _upgrade_runs(uri: str) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gallery-upgrade"])))
+    return [run for run in runs if (run.parameters.get("store_uri") or run.parameters.get("store")) == uri]
+
+
+def _events(name: str, flow_run_id, as_resource: bool = False) -> list[dict]:
+    """The events called ``name`` about the flow run (its resource, or one of its related ones)."""
+    from prefect import get_client
+
+    about = {"resource" if as_resource else "related": {"id": [f"prefect.flow-run.{flow_run_id}"]}}
+    with get_client(sync_client=True) as client:
+        for _ in range(20):  # the server stores events a moment after they arrive
+            answer = client.request("POST", "/events/filter", json={
+                "filter": {"event": {"name": [name]}, **about}, "limit": 10})
+            events = answer.json()["events"]
+            if events:
+                return events
+            time.sleep(0.5)
+    return []
+
+
+def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor_show_it(s3_endpoint, upgrade_env,
+                                                                                         prefect_env):
+    from flows.gallery import ingest_flow
+
+    params, tmp_path = upgrade_env
+    worse = _worse_version(params)
+    uri = str(tmp_path / "gallery")  # gallery.store of this params.yaml
+    ingest_flow(params, uri)
+    _, _, _, old_version, new_version = registry_models(params)
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+
+    result, seconds = _run(["upgrade", *args, "--to", f"models:/embedder/{worse}", "--gate", "--no-progress"],
+                           prefect_env, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output[-3000:]
+    assert "Traceback" not in output and "promotion gate: REJECTED" in result.stdout
+    print(f"\nrejected upgrade: {seconds:.0f} s")
+
+    # Prefect: the flow run ended in the state named Rejected, and the event names it
+    runs = _upgrade_runs(uri)
+    assert len(runs) == 1, [(r.name, r.parameters) for r in runs]
+    run = runs[0]
+    assert run.state.name == "Rejected" and run.state.is_completed(), run.state
+    assert f"models:/embedder/{worse} rejected by the promotion gate" in run.state.message
+    assert len(_events("prefect.flow-run.Rejected", run.id, as_resource=True)) == 1  # the server's own event
+    events = _events("fastfill.upgrade.rejected", run.id)
+    assert len(events) == 1, events
+    assert events[0]["resource"]["prefect.resource.id"] == f"fastfill.gallery.{uri}"
+    payload = events[0]["payload"]
+    assert payload["model"] == f"models:/embedder/{worse}" and payload["reasons"], payload
+
+    # status: the gallery, no upgrade, the decision and where it is recorded, links to both runs
+    result, _ = _run(["status", *args], prefect_env, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    print(f"fastfill status:\n{result.stdout}")
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in result.stdout.splitlines() if line.strip()}
+    assert lines["gallery"] == f"{uri}: 72 items, model models:/embedder/{old_version}", result.stdout
+    assert lines["upgrade"] == "none in progress"
+    assert lines["gate"].startswith("rejected on ") and f"models:/embedder/{worse} against champion " \
+        f"models:/embedder/{old_version}: " in lines["gate"], lines["gate"]
+    assert lines["registry"] == f"embedder v{worse}: promotion=rejected"
+    assert f"run {payload['mlflow_run_id']} in sqlite:///{tmp_path / 'mlflow.db'}" in lines["mlflow"], lines["mlflow"]
+    assert lines["prefect"].endswith(f"/runs/flow-run/{run.id} ({run.name}, Rejected)"), lines["prefect"]
+
+    # doctor: every check passes with the secret set; without it, or with a bad store, it says what to do
+    env = {**prefect_env, "FASTFILL_WEBHOOK_SECRET": "s3cret"}
+    result, _ = _run(["doctor", *args], env, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(f"fastfill doctor:\n{result.stdout}")
+    checks = [line.split()[:2] for line in result.stdout.splitlines()]
+    assert checks == [["ok", "tracking"], ["ok", "registry"], ["ok", "store"], ["ok", "prefect"], ["ok", "webhook"]]
+    assert f"embedder: champion -> v{old_version}, challenger -> v{new_version}" in result.stdout
+    assert f"{uri}: 72 items, model models:/embedder/{old_version}, idle" in result.stdout
+    assert "FASTFILL_WEBHOOK_SECRET is set" in result.stdout and "s3cret" not in result.stdout
+
+    env.pop("FASTFILL_WEBHOOK_SECRET")
+    closed = _closed_port()
+    result, seconds = _run(["doctor", *args[:2], "--store", "s3://some-bucket/g"],
+                           {**env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}"}, tmp_path)
+    assert result.returncode == 5 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    print(f"fastfill doctor, a bad store and no secret ({seconds:.0f} s):\n{result.stdout}")
+    report = {line.split()[1]: line for line in result.stdout.splitlines()}
+    assert report["store"].startswith("FAIL") and "cannot connect to the S3 endpoint" in report["store"]
+    assert report["webhook"].startswith("FAIL") and "FASTFILL_WEBHOOK_SECRET is not set" in report["webhook"]
+    assert all(report[name].startswith("ok") for name in ("tracking", "registry", "prefect")), result.stdout
+    assert seconds < 30, seconds
+
+
+def test_doctor_and_status_without_a_registry_or_a_gallery(tiny_workdir, cli_env):
+    (tiny_workdir / "empty").mkdir()
+    env = {**cli_env, "FASTFILL_WEBHOOK_SECRET": "x"}
+    env.pop("PREFECT_API_URL", None)
+    result, _ = _run(["doctor", "--store", "empty"], env, tiny_workdir)
+    assert result.returncode == 5 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    report = {line.split()[1]: line for line in result.stdout.splitlines()}
+    assert report["tracking"].startswith("FAIL") and f"no MLflow store at {tiny_workdir / 'mlflow.db'}" in \
+        report["tracking"] and "fastfill run" in report["tracking"]
+    assert not (tiny_workdir / "mlflow.db").exists()  # the check created nothing
+    assert report["registry"].startswith("FAIL")
+    assert report["store"].startswith("FAIL") and "holds no gallery" in report["store"]
+    assert report["prefect"].startswith("ok") and "PREFECT_API_URL is not set" in report["prefect"]
+    assert report["webhook"].startswith("ok")
+    result, _ = _run(["status", "--store", "empty"], env, tiny_workdir)
+    _error_line(result, 6, "no gallery at empty")
+    assert os.listdir(tiny_workdir / "empty") == []

@@ -1,0 +1,118 @@
+"""Which failure is which kind (flows/cli/common.py ``outcome``), the console filter that keeps
+Prefect's tracebacks of known failures off the terminal, and the up-front service checks."""
+
+import logging
+import socket
+import sys
+import time
+
+import pytest
+
+from components.experiment.data import DataError
+from components.experiment.map_check import MapCheckError
+from components.gallery.catalog import GalleryError
+from components.gallery.images import ImageStoreError
+from components.gallery.lock import LeaseLost, UpgradeLocked
+from components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
+from components.platform.config import ConfigError, MlflowConfig
+from components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server
+from flows.cli.common import (
+    FAILED, INPUT, SERVICE, USAGE, ServiceUnavailable, _KnownFailuresOffTheConsole, check_prefect_api, outcome,
+)
+
+
+@pytest.mark.parametrize("error, code", [
+    (StoreUnreachable("s3://b/g: cannot connect"), SERVICE),
+    (ImageStoreError("the image store failed"), SERVICE),
+    (LeaseLost("no longer holds the lock"), SERVICE),
+    (TrackingUnreachable("cannot reach"), SERVICE),
+    (ServiceUnavailable("cannot reach the Prefect API"), SERVICE),
+    (ConfigError("params.yaml: invalid configuration"), USAGE),
+    (MapCheckError("the map lost"), FAILED),
+    (RegistryError("unknown model 'models:/embedder/9'"), INPUT),
+    (GalleryError("no gallery at g"), INPUT),
+    (ChecksumMismatch("g/items/part-00000.parquet: checksum mismatch"), INPUT),
+    (ObjectMissing("g/gallery.json does not exist"), INPUT),
+    (StoreError("'ftp://x': unsupported store URI"), INPUT),
+    (UpgradeLocked("g is being upgraded"), INPUT),
+    (DataError("run the prepare stage first"), INPUT),
+    (FileNotFoundError("no such file"), INPUT),
+])
+def test_each_known_failure_has_its_kind_and_keeps_its_message(error, code):
+    assert outcome(error) == (code, str(error))
+
+
+def test_anything_else_is_not_a_known_failure():
+    assert outcome(RuntimeError("a bug")) is None
+    assert outcome(KeyError("model")) is None
+    assert outcome(ValueError("something")) is None
+
+
+def test_mlflow_and_prefect_client_errors_that_say_a_service_is_down_are_service_failures():
+    from mlflow.exceptions import MlflowException
+
+    down = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/get failed with exception "
+                           "HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded\nwith url")
+    code, message = outcome(down)
+    assert code == SERVICE and "\n" not in message and "Check that it is up" in message
+    from mlflow.protos.databricks_pb2 import UNAUTHENTICATED
+
+    refused = MlflowException("API request to endpoint /api/2.0/mlflow/runs/get failed with error code 401 != 200",
+                              error_code=UNAUTHENTICATED)  # as MLflow raises it for a 401 answer
+    assert outcome(refused)[0] == SERVICE and "MLFLOW_TRACKING_USERNAME" in outcome(refused)[1]
+    assert outcome(MlflowException("RESOURCE_DOES_NOT_EXIST: Run 'x' not found")) is None
+    import httpx
+
+    assert outcome(httpx.ConnectError("All connection attempts failed"))[0] == SERVICE
+    assert outcome(RuntimeError("Failed to reach API at http://127.0.0.1:9/api/"))[0] == SERVICE
+
+
+def _record(error: BaseException | None, message: str = "Encountered exception during execution") -> logging.LogRecord:
+    exc_info = None
+    if error is not None:
+        try:
+            raise error
+        except BaseException:  # noqa: BLE001 - what logger.exception captures
+            exc_info = sys.exc_info()
+    return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, message, (), exc_info)
+
+
+def test_the_console_leaves_out_prefect_s_records_of_known_failures_only():
+    quiet = _KnownFailuresOffTheConsole()
+    assert not quiet.filter(_record(RegistryError("unknown model")))
+    assert not quiet.filter(_record(StoreUnreachable("cannot connect")))
+    assert quiet.filter(_record(ZeroDivisionError("a bug")))  # a bug keeps its traceback
+    assert quiet.filter(_record(None, "Finished in state Failed('...')"))
+
+
+def test_a_local_tracking_store_needs_no_server():
+    found = check_tracking_server(MlflowConfig(tracking_uri="sqlite:///nowhere/mlflow.db"))
+    assert "a local store" in found
+
+
+def test_a_tracking_server_that_does_not_answer_is_reported_in_the_timeout(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with socket.socket() as silent:  # accepts connections, answers nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(TrackingUnreachable, match=f"at http://127.0.0.1:{port} did not answer within 1 s"):
+            check_tracking_server(MlflowConfig(tracking_uri=f"http://u:secret@127.0.0.1:{port}"), timeout=1)
+        assert time.monotonic() - started < 5
+    with pytest.raises(TrackingUnreachable, match="cannot reach the MLflow tracking server") as caught:
+        check_tracking_server(MlflowConfig(tracking_uri=f"http://u:secret@127.0.0.1:{port}"), timeout=1)
+    assert "secret" not in str(caught.value)  # credentials are never shown
+
+
+def test_the_prefect_api_is_checked_only_when_it_is_set(monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert "PREFECT_API_URL is not set" in check_prefect_api()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
+        with pytest.raises(ServiceUnavailable, match=f"cannot reach the Prefect API at http://127.0.0.1:{port}/api"):
+            check_prefect_api(1)
