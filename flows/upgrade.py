@@ -66,7 +66,9 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     gallery = Gallery(store)
     check_registry(gallery.manifest(refresh=True), store.uri, registry.identity(params.mlflow))
     client, _ = registry.setup(params.mlflow)
-    wanted = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    wanted = _wanted(params, client, gallery, to_uri)
+    if wanted is None:
+        return _no_challenger(params, client, gallery)
     lock = acquire_lock(store, pl.upgrade_id(gallery.model, wanted), break_lock=break_lock, log=log,
                         lease_seconds=params.gallery.upgrade.lease_seconds)
     try:
@@ -136,7 +138,9 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     gallery = Gallery(store)
     gallery.manifest(refresh=True)
     client, _ = registry.setup(params.mlflow)
-    new = registry.resolve_model(client, to_uri or f"models:/{params.mlflow.registered_model}@{registry.CHALLENGER}")
+    new = _wanted(params, client, gallery, to_uri)
+    if new is None:
+        return {"from": gallery.model.uri, "to": None, **_no_challenger(params, client, gallery)}
     model = registered.load_model(new.uri).eval()
     result = dry_run(gallery, params.gallery.upgrade, model, seed=params.gallery.upgrade.seed)
     current = gallery.manifest().get("upgrade")
@@ -303,6 +307,40 @@ def runner_for(settings):
 
 def _same(a: ModelRef, b: ModelRef) -> bool:
     return (a.name, str(a.version)) == (b.name, str(b.version))
+
+
+def _wanted(params: Params, client, gallery: Gallery, to_uri: str) -> ModelRef | None:
+    """The model to upgrade to: ``to_uri``, else the registry's challenger. Without a challenger
+    (the convention clears it once its version is promoted) the upgrade this gallery is in the
+    middle of, if any, so that the same command resumes or completes it; None when there is
+    nothing to upgrade to. An unknown model, or a registry without the registered model, is
+    refused as such."""
+    name = params.mlflow.registered_model
+    if to_uri:
+        return registry.resolve_model(client, to_uri)
+    version = registry.alias_version(client, name, registry.CHALLENGER)
+    if version is not None:
+        return ModelRef(name, version)
+    registry.resolve_model(client, f"models:/{name}@{registry.CHAMPION}")  # refuses an unknown registered model
+    ending = up.interrupted_ending(gallery)
+    if ending is not None:
+        return ModelRef.from_dict(ending["new"])
+    current = gallery.manifest().get("upgrade")
+    plan = pl.load_plan(gallery.store, current) if current else None
+    return plan.new if plan is not None else None
+
+
+def _no_challenger(params: Params, client, gallery: Gallery) -> dict:
+    """Nothing to upgrade because no version is the challenger: a success that says so."""
+    name = params.mlflow.registered_model
+    champion = registry.alias_version(client, name, registry.CHAMPION)
+    serving = gallery.model
+    where = ("which the gallery serves" if champion == str(serving.version) and name == serving.name else
+             f"while the gallery serves {serving.uri}")
+    message = (f"{name} has no `{registry.CHALLENGER}` (champion is version {champion}, {where}); nothing to "
+               f"upgrade. Set the alias `{registry.CHALLENGER}` on a new version, or pass --to models:/{name}/VERSION")
+    log(message)
+    return {**_nothing_to_do(gallery, serving), "message": message}
 
 
 def _nothing_to_do(gallery: Gallery, model: ModelRef) -> dict:

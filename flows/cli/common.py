@@ -21,8 +21,8 @@ ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configur
 StoreOption = Annotated[str | None, typer.Option("--store", help="a local folder or s3://bucket/prefix; "
                                                  "default: gallery.store in params.yaml")]
 
-# Exit codes (the README's table). 0: done (an upgrade paused by its budget, or with nothing to
-# do, included).
+# Exit codes (the table in docs/operations.md). 0: done (an upgrade paused by its budget, or with
+# nothing to do, included).
 FAILED = 1    # the work failed (a map check), or an unexpected error, shown with its traceback
 USAGE = 2     # a bad option or params.yaml
 REJECTED = 3  # the promotion gate rejected the upgrade

@@ -210,6 +210,8 @@ def _size(count: float) -> str:
 
 
 def _describe_dry_run(plan: dict) -> str:
+    if plan.get("to") is None:  # no challenger and no upgrade in progress
+        return f"dry run: nothing written. {plan['message']}"
     sample = plan["sample"]
     seconds = plan["estimated_backfill_seconds"]
     lines = [
@@ -270,7 +272,8 @@ def upgrade(ctx: typer.Context,
         result = call(run_upgrade_file, config, str(params.resolve()), uri, to, _parse_budget(budget), break_lock,
                       gate, overrides)
     if result["state"] == "up-to-date":
-        typer.echo(f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
+        typer.echo(f"up-to-date: {result['message']}" if result.get("message") else
+                   f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
         return
     typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
                f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
@@ -312,7 +315,7 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
 
 @upgrade_app.command("abort")
 def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
-    """Drop the unfinished upgrade; the gallery serves the champion's features again (see README)."""
+    """Drop the unfinished upgrade; the gallery serves the champion's features again (see docs/upgrade.md)."""
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.

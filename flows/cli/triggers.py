@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.common import ParamsOption, StoreOption, app, call, fail, load, store_uri
+from flows.cli.common import INPUT, USAGE, ParamsOption, StoreOption, app, call, fail, load, store_uri
 
-webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them, register one.")
+webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook")
 
 
@@ -45,21 +45,18 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     """Check the registry once: start the upgrade deployment when `challenger` is new to the
     gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
-    from flows.triggers import DeploymentMissing, RegistryWatcher, params_file, watch_once
+    from flows.triggers import RegistryWatcher, params_file, watch_once
 
     uri = store_uri(config, store)
     if every is not None:
         if every <= 0:
-            fail(f"--every {every:g}: give a positive number of seconds", 2)
+            fail(f"--every {every:g}: give a positive number of seconds", USAGE)
         watcher = RegistryWatcher(config, params_file(params), uri, every)
         try:
             watcher.run()
         except KeyboardInterrupt:
             return
-    try:
-        result = call(watch_once, config, uri, params_file(params), resume)
-    except DeploymentMissing as error:
-        fail(error, 1)
+    result = call(watch_once, config, uri, params_file(params), resume)  # a missing deployment: exit 5
     typer.echo(json.dumps(result, indent=1))
 
 
@@ -74,7 +71,7 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
     try:
         secret = webhook_secret(config)
     except ValueError as error:
-        fail(error, 2)
+        fail(error, USAGE)
     receiver = WebhookReceiver(config, params_file(params), store_uri(config, store), secret,
                                host or config.triggers.webhook_host,
                                config.triggers.webhook_port if port is None else port)
@@ -95,11 +92,48 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
         receiver.shutdown()
 
 
+WEBHOOK_EVENTS = ["model_version_alias.created"]
+WebhookName = Annotated[str, typer.Option("--name", help="the webhook's name in MLflow")]
+
+
+def _webhooks(client) -> list:
+    """Every webhook on the MLflow server, all pages."""
+    hooks, token = [], None
+    while True:
+        page = client.list_webhooks(max_results=100, page_token=token)
+        hooks.extend(page)
+        token = page.token
+        if not token:
+            return hooks
+
+
+def _events(hook) -> list[str]:
+    return sorted(str(getattr(event, "value", event)) for event in hook.events)
+
+
+def _refused_as_input(write, *args, **kwargs):
+    """A webhook write; the MLflow server's refusal of the URL becomes bad input that says what to
+    change (MLflow accepts only https URLs, and no private address, unless its server allows them)."""
+    from mlflow.exceptions import MlflowException
+
+    from components.platform.registry import RegistryError
+
+    try:
+        return write(*args, **kwargs)
+    except MlflowException as error:
+        if getattr(error, "error_code", "") != "INVALID_PARAMETER_VALUE":
+            raise
+        raise RegistryError(f"the MLflow server refused the webhook: {error.message}. An http:// or private-address "
+                            "URL needs MLFLOW_WEBHOOK_ALLOWED_SCHEMES=https,http and MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true "
+                            "in the MLflow server's environment (infra/local-stack.sh sets both)") from None
+
+
 @webhook_app.command("register")
 def webhook_register(url: Annotated[str, typer.Option(help="where the receiver listens, e.g. http://127.0.0.1:8787/")],
-                     params: ParamsOption = Path("params.yaml"),
-                     name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "fastfill-upgrade") -> None:
-    """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created."""
+                     params: ParamsOption = Path("params.yaml"), name: WebhookName = "fastfill-upgrade") -> None:
+    """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created.
+    Idempotent: a webhook of the same name is updated in place (URL, events, secret), never
+    registered twice."""
     config = load(params)
     from components.platform import registry
     from flows.triggers import webhook_secret
@@ -107,11 +141,62 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
     try:
         secret = webhook_secret(config)
     except ValueError as error:
-        fail(error, 2)
+        fail(error, USAGE)
     client, _ = registry.setup(config.mlflow)
-    hook = client.create_webhook(name=name, url=url, events=["model_version_alias.created"], secret=secret,
-                                 description="fastfill: a new challenger starts the gallery upgrade")
-    typer.echo(f"webhook {hook.webhook_id} -> {url} (model_version_alias.created)")
+    same = sorted((hook for hook in call(_webhooks, client) if hook.name == name),
+                  key=lambda hook: (hook.creation_timestamp or 0, hook.webhook_id))  # the first registered stays
+    description = "fastfill: a new challenger starts the gallery upgrade"
+    if not same:
+        hook = call(_refused_as_input, client.create_webhook, name=name, url=url, events=WEBHOOK_EVENTS,
+                    secret=secret, description=description)
+        typer.echo(f"webhook {hook.webhook_id} ({name}) registered -> {url} ({', '.join(WEBHOOK_EVENTS)})")
+        return
+    hook, *extra = same
+    before = (hook.url, _events(hook))
+    # the secret cannot be read back: it is always set again, so a changed secret takes effect
+    call(_refused_as_input, client.update_webhook, hook.webhook_id, url=url, events=WEBHOOK_EVENTS, secret=secret,
+         description=description, status="ACTIVE")
+    changed = "unchanged" if before == (url, sorted(WEBHOOK_EVENTS)) else f"updated from {before[0]}"
+    typer.echo(f"webhook {hook.webhook_id} ({name}) already registered -> {url} ({changed}; secret set again)")
+    for duplicate in extra:  # left by an older release that registered a webhook on every call
+        client.delete_webhook(duplicate.webhook_id)
+        typer.echo(f"webhook {duplicate.webhook_id} ({name}) deleted: a duplicate of {hook.webhook_id}")
+
+
+@webhook_app.command("list")
+def webhook_list(params: ParamsOption = Path("params.yaml")) -> None:
+    """The webhooks registered with the MLflow server: id, name, status, events and URL."""
+    config = load(params)
+    from components.platform import registry
+
+    client, _ = registry.setup(config.mlflow)
+    hooks = call(_webhooks, client)
+    if not hooks:
+        typer.echo(f"no webhooks on {registry.identity(config.mlflow)}; `fastfill webhook register --url ...` adds one")
+        return
+    for hook in hooks:
+        status = getattr(hook.status, "value", hook.status)
+        typer.echo(f"{hook.webhook_id}  {hook.name}  {status}  {','.join(_events(hook))}  {hook.url}")
+
+
+@webhook_app.command("delete")
+def webhook_delete(params: ParamsOption = Path("params.yaml"), name: WebhookName = "fastfill-upgrade",
+                   webhook_id: Annotated[str | None, typer.Option("--id", help="delete this id instead of by name")] = None
+                   ) -> None:
+    """Delete the webhook of that name (or id) from the MLflow server."""
+    config = load(params)
+    from components.platform import registry
+
+    client, _ = registry.setup(config.mlflow)
+    hooks = call(_webhooks, client)
+    doomed = [hook for hook in hooks if (hook.webhook_id == webhook_id if webhook_id else hook.name == name)]
+    if not doomed:
+        known = ", ".join(f"{hook.name} ({hook.webhook_id})" for hook in hooks) or "none"
+        fail(f"no webhook {'with id ' + webhook_id if webhook_id else 'named ' + repr(name)} on "
+             f"{registry.identity(config.mlflow)}; registered: {known}", INPUT)
+    for hook in doomed:
+        client.delete_webhook(hook.webhook_id)
+        typer.echo(f"webhook {hook.webhook_id} ({hook.name}) deleted")
 
 
 if __name__ == "__main__":

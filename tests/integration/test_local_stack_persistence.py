@@ -152,7 +152,7 @@ def test_the_s3_endpoint_keeps_buckets_and_objects_across_a_stop_and_a_kill(stac
 
 def test_dvc_push_and_pull_through_the_stack_remote_survive_a_restart(stack, tmp_path):
     """The repository's remote `stack` (bucket dvc-cache, which the stack creates), pointed at
-    this stack's port with `dvc remote modify --local`, as the README says for another port."""
+    this stack's port with `dvc remote modify --local`, as docs/pipeline.md says for another port."""
     stack("start", "s3")
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -242,7 +242,21 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     parameters = {"params_path": str(params_path)}
     upgrade_id = upgrade_entry.to_deployment(name="upgrade", parameters=parameters).apply()
     poll_id = watch_flow.to_deployment(name="poll", parameters=parameters).apply()
-    return params, str(params_path), uri, client, upgrade_id, poll_id
+    yield params, str(params_path), uri, client, upgrade_id, poll_id
+    # the harness's server is shared by the whole session: later tests expect no deployments there
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        for deployment in (upgrade_id, poll_id):
+            for run in prefect.read_flow_runs(deployment_filter=_deployment_is(deployment)):
+                prefect.delete_flow_run(run.id)
+            prefect.delete_deployment(deployment)
+
+
+def _deployment_is(deployment_id):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    return DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
 
 
 def _runs_of(deployment_id=None) -> int:

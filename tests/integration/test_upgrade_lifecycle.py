@@ -267,34 +267,93 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
                 fu.upgrade_flow(params, uri)
 
 
-def test_a_second_upgrade_that_waited_for_the_first_finds_it_done(upgrade_env, prefect_harness, monkeypatch):
-    """The second process read the gallery before the first finished and takes the lock after:
-    it decides from the state under the lock (nothing to upgrade), never judges the new champion
-    against itself, and records no rejection."""
+def _run_then(owner, name, then):
+    original = getattr(owner, name)
+
+    def run_then(*args, **kwargs):
+        result = original(*args, **kwargs)
+        then()
+        return result
+
+    return run_then
+
+
+@pytest.mark.parametrize("offset", ["read-before-lock", "after-decision", "after-switch", "after-registry",
+                                    "after-finish"])
+def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_again(
+        upgrade_env, prefect_harness, monkeypatch, offset):
+    """Two upgrades to the same challenger, the second started at several moments around the
+    first one's finish (injected at each step of the ending). Exactly one upgrade runs; the second
+    decides from the gallery's state under the lock: it finds the upgrade done (nothing to
+    upgrade, a success), or is refused while the first holds the lock, naming it. It never
+    judges the new champion against itself: the gallery, champion, the version's tags and the
+    rejection records agree."""
+    import shutil
+
     import flows.upgrade as fu
-    from flows.gallery import ingest_flow
+    from components.gallery.lock import LOCK, UpgradeLocked
 
     params, tmp_path = upgrade_env
     params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
                                       "max_fraction_to_gain": 1.0})
     client, _, _, old_version, new_version = registry_models(params)
-    uri = str(tmp_path / "gallery")
-    ingest_flow(params, uri)
-    real_acquire, first = fu.acquire_lock, {}
-
-    def the_first_finishes_meanwhile(*args, **kwargs):
-        if not first:
-            with monkeypatch.context() as patch:
-                patch.setattr(fu, "acquire_lock", real_acquire)
-                first["result"] = fu.upgrade_flow(params, uri)
-        return real_acquire(*args, **kwargs)
-
-    monkeypatch.setattr(fu, "acquire_lock", the_first_finishes_meanwhile)
-    second = fu.upgrade_flow(params, uri)
-    assert first["result"]["state"] == "complete" and second["state"] == "up-to-date"
     name = params.mlflow.registered_model
+    uri = str(tmp_path / "gallery")
+    shutil.copytree(_ready_to_end(params, tmp_path, monkeypatch), uri, symlinks=True)
+    second = {}
+
+    def start_the_second():
+        if second:
+            return
+        try:
+            second["result"] = fu.upgrade_flow(params, uri)
+        except UpgradeLocked as error:
+            second["refused"] = str(error)
+
+    if offset == "read-before-lock":  # the second read the registry and the gallery before the first began
+        real_acquire = fu.acquire_lock
+
+        def the_first_finishes_meanwhile(*args, **kwargs):
+            if not second:
+                with monkeypatch.context() as patch:
+                    patch.setattr(fu, "acquire_lock", real_acquire)
+                    second["first"] = fu.upgrade_flow(params, uri)
+            return real_acquire(*args, **kwargs)
+
+        monkeypatch.setattr(fu, "acquire_lock", the_first_finishes_meanwhile)
+        second["result"] = fu.upgrade_flow(params, uri)
+        first = second.pop("first")
+    else:
+        steps = {"after-decision": (fu.up, "record_decision"), "after-switch": (fu, "finish_upgrade"),
+                 "after-registry": (fu, "record_decision")}
+        if offset in steps:
+            owner, function = steps[offset]
+            monkeypatch.setattr(owner, function, _run_then(owner, function, start_the_second))
+        first = fu.upgrade_flow(params, uri)
+        monkeypatch.undo()
+        start_the_second()  # after-finish: the first has returned; for the others a no-op
+
+    assert first["state"] == "complete"
+    if offset in ("read-before-lock", "after-finish"):
+        assert second["result"]["state"] == "up-to-date", second
+        if offset == "after-finish":  # the promotion cleared `challenger`: nothing names a model to upgrade to
+            assert "has no `challenger`" in second["result"]["message"], second
+    else:  # the first still holds the lock: refused, naming the holder, having changed nothing
+        assert "is being upgraded" in second["refused"] and "by process" in second["refused"], second
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     assert client.get_model_version(name, new_version).tags["promotion"] == "passed"
+    assert registry_alias(client, name, "challenger") is None  # cleared by the promotion
     store = open_store(uri)
-    assert Gallery(store).model.version == new_version
+    gallery = Gallery(store)
+    assert gallery.model.version == new_version and gallery.manifest()["upgrade"] is None
     assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
+    assert not store.exists(LOCK) and up.status(gallery)["state"] == "idle"
+    uid = pl.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
+    assert up.decision(store, uid)["registry_recorded"] and up.decision(store, uid)["passed"]
+    assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"  # and once more, later: still nothing to do
+
+
+def registry_alias(client, name, alias):
+    from components.platform.registry import alias_version
+
+    return alias_version(client, name, alias)
