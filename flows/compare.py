@@ -14,8 +14,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.evaluation.comparison import comparison_markdown, describe_method, plot_comparison, summarize
-from components.platform.config import Params
+from components.evaluation.comparison import (
+    comparison_markdown, describe_adapter, describe_method, plot_comparison, summarize,
+)
+from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json, write_json
 from flows.pipeline import pipeline_flow
 from flows.prepare import prepare_flow
@@ -53,8 +55,10 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
                                     f"run `fastfill compare --seed {seed}` or `dvc --cd comparison repro compare@{seed}`") from None
     one = params.for_comparison(seeds[0])
     configs = {**one.align, **one.compatible}
-    summary = summarize(metrics, curves, {m: describe_method(c) for m, c in configs.items()},
-                        one.evaluate.headline_order)
+    descriptions = {m: describe_method(c) for m, c in configs.items()}
+    descriptions.update({adapter_method(kind): describe_adapter(kind, one.evaluate.adapter_rank)
+                         for kind in one.evaluate.adapters})
+    summary = summarize(metrics, curves, descriptions, one.evaluate.headlines)
     outputs = comparison_outputs(params)
     write_json(outputs["json"], summary)
     outputs["markdown"].write_text(comparison_markdown(summary))

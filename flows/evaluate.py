@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params
+from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json
 from components.evaluation.reports import flatten_numbers
 from flows._stage import stage_run
-from tasks.evaluation import evaluate_method, evaluate_reference, write_reports
+from tasks.evaluation import evaluate_adapter, evaluate_method, evaluate_reference, write_reports
 from tasks.tracking import log_results
 
 
@@ -23,6 +23,8 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
             curves[method], tau = evaluate_method(config, method, orders, layout, method in params.compatible)
             if tau is not None:
                 kendall[method] = tau
+        for kind in config.adapters:  # the zero-write alternative (the comparison lists them)
+            curves[adapter_method(kind)] = evaluate_adapter(config, kind, layout)
         outputs = write_reports(config, reference, curves, kendall, layout)
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()

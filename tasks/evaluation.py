@@ -59,16 +59,37 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
     return curves, tau
 
 
+@task(name="evaluate-adapter", **NO_CACHING)
+def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
+    """A query-side adapter as a method (docs/methods.md): fitted on the maps' pairs (the
+    new_train split's old and new features), it maps the new model's test features into the old
+    space. Queries search the old gallery as stored; a backfilled item's new features go through
+    the same adapter, so every distance is in the old space. One order: random."""
+    from components.experiment.adapters import fit_adapter
+
+    labels = load_split(layout.splits, "test").labels
+    adapter = fit_adapter(kind, load_array(layout.features("new", "new_train")),
+                          load_array(layout.features("old", "new_train")), rank=config.adapter_rank, seed=config.seed)
+    new_test = load_array(layout.features("new", "test"))
+    outputs = MethodOutputs(gallery_old=load_array(layout.features("old", "test")), query=adapter(new_test))
+    curves, _ = method_curves(outputs, new_test, labels, ["random"], distance=config.distance,
+                              curve_points=config.curve_points, seed=config.seed)
+    curve = curves["random"]
+    log(f"adapter {kind}: top-1 {100 * curve['top1'][0]:.2f} at 0% (the stored gallery untouched) -> "
+        f"{100 * curve['top1'][-1]:.2f}, top1_auc {100 * curve['top1_auc']:.2f}, map_auc {100 * curve['map_auc']:.2f}")
+    return curves
+
+
 @task(name="write-reports", **IO_RETRIES, **NO_CACHING)
 def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, kendall: Mapping, layout: Layout) -> dict[str, Path]:
     checks = {method: read_json(layout.align_dir(method) / "check.json") for method in curves
               if (layout.align_dir(method) / "check.json").is_file()}
-    metrics = build_metrics(reference, curves, config.headline_order, kendall, checks)
+    metrics = build_metrics(reference, curves, config.headlines, kendall, checks)
     write_json(layout.metrics, metrics)
     write_json(layout.curves, {"reference": reference, "curves": curves})
     write_plot_data(layout.plot_data, reference, curves)
     write_summary(layout.paths.reports / "summary", reference, curves)  # what `dvc metrics show` reads
     gaps = ", ".join(f"{k.split('_minus_')[1].removesuffix('_top1_0')} {100 * v:.2f}" for k, v in metrics["headroom"].items())
     plot_curves(layout.plot, reference, curves, title=f"Backfill curves (top-1 headroom at 0%: {gaps})",
-                headline=config.headline_order)
+                headline=config.headlines)
     return {"metrics": layout.metrics, "curves": layout.curves, "plot": layout.plot}

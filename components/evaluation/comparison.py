@@ -45,6 +45,13 @@ def describe_method(config: AlignConfig | CompatibleConfig) -> str:
     return f"map ({shape}), {terms}"
 
 
+def describe_adapter(kind: str, rank: int) -> str:
+    """A query-side adapter's row description (docs/methods.md, "Query-side adapters")."""
+    what = {"procrustes": "orthogonal Procrustes with a scale", "low_rank": f"affine map of rank {rank}",
+            "residual_mlp": f"affine map of rank {rank} + residual MLP"}[kind]
+    return f"query-side adapter, new -> old space ({what}); the stored gallery untouched"
+
+
 def _mean_curve(curves: list[Mapping], key: str) -> list[float]:
     return [statistics.fmean(values) for values in zip(*(c[key] for c in curves))]
 

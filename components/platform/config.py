@@ -182,6 +182,12 @@ class CompatibleConfig(Section):
 
 
 Order = Literal[ORDERS]
+AdapterKind = Literal["procrustes", "low_rank", "residual_mlp"]  # components.experiment.adapters.ADAPTERS
+
+
+def adapter_method(kind: str) -> str:
+    """The method name of a query-side adapter in metrics.json and the comparison."""
+    return f"adapter_{kind}"
 Distance = Literal[DISTANCES]
 
 
@@ -198,6 +204,17 @@ class EvaluateConfig(Section):
         description="the order whose numbers stand for the method in metrics.json",
     )
     seed: int = Field(default=0, description='of the random orders')
+    adapters: list[AdapterKind] = Field(
+        default_factory=list, description="query-side adapters evaluated as methods adapter_<kind> (random order): "
+        "new queries mapped into the old space, the stored gallery untouched (procrustes, low_rank, residual_mlp; "
+        "the comparison sets compare.adapters)")
+    adapter_rank: Annotated[int, Field(ge=1)] = Field(
+        default=32, description="the rank of the low_rank adapter's linear part (and the residual MLP's start)")
+
+    @property
+    def headlines(self) -> dict[str, str]:
+        """headline_order, and each adapter's only order (random)."""
+        return {**self.headline_order, **{adapter_method(kind): "random" for kind in self.adapters}}
 
     @model_validator(mode="after")
     def _headline_in_orders(self) -> EvaluateConfig:
@@ -361,6 +378,10 @@ class CompareConfig(Section):
     align: dict[str, AlignConfig] = Field(default_factory=dict)
     compatible: dict[str, CompatibleConfig] = Field(default_factory=dict)
     orders: dict[str, list[Order]] = Field(default_factory=dict)
+    adapters: list[AdapterKind] = Field(
+        default_factory=lambda: ["procrustes", "low_rank", "residual_mlp"],
+        description="the query-side adapters among the rows (evaluate.adapters of each seed): the zero-write "
+        "alternative, fitted on the maps' pairs")
 
 
 def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, AlignConfig],
@@ -460,6 +481,7 @@ class Params(Section):
         orders = compare["orders"] or {m: ["random"] for m in [*data["align"], *data["compatible"]]}
         data["evaluate"]["orders"] = orders
         data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
+        data["evaluate"]["adapters"] = compare["adapters"]
         root = Path(compare["out"]) / f"seed-{seed}"
         seeded = Params.model_validate(data).with_seed(seed).with_outputs_under(root)
         # its models and maps are registered under compare's names, never as production versions

@@ -14,6 +14,18 @@ webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: 
 app.add_typer(webhook_app, name="webhook")
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a service manager's stop, `docker stop`, `kill`) ends a long-running command as
+    Ctrl-C does: through its shutdown and the exit handlers, so a temporary Prefect server it
+    started is stopped with it instead of being left running."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @app.command()
 def serve(params: ParamsOption = Path("params.yaml")) -> None:
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
@@ -86,6 +98,7 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
         typer.secho("warning: PREFECT_API_URL is not set, so a delivery would start the upgrade on a temporary "
                     "Prefect server that has no deployments; point it at the server `fastfill serve` uses",
                     fg=typer.colors.YELLOW, err=True)
+    _stop_on_sigterm()
     try:
         receiver.serve_forever()
     except KeyboardInterrupt:

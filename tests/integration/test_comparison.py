@@ -38,6 +38,9 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
     params, summary, workdir = comparison
     seeded = params.for_comparison(0)
     expected = {"old/old", "new/new"} | {f"{m} ({o})" for m, orders in seeded.evaluate.orders.items() for o in orders}
+    adapters = {f"adapter_{kind} (random)" for kind in ("procrustes", "low_rank", "residual_mlp")}
+    assert set(seeded.evaluate.adapters) == {"procrustes", "low_rank", "residual_mlp"}  # compare.adapters' default
+    expected |= adapters
     assert set(summary["rows"]) == expected
     assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
             "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
@@ -49,6 +52,13 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
             assert set(stat["per_seed"]) == {"0", "1"}, (label, key)
             assert all(0 <= v <= 1 for v in stat["per_seed"].values()), (label, key)
             assert math.isfinite(stat["std"]) and stat["std"] >= 0
+    for label in adapters:
+        assert summary["rows"][label]["description"].startswith("query-side adapter"), label
+    # Procrustes is a similarity transform: once every item is backfilled through it, the ranking
+    # is the new model's own, so its curve ends at new/new
+    procrustes, paragon = summary["rows"]["adapter_procrustes (random)"], summary["rows"]["new/new"]
+    for seed in ("0", "1"):
+        assert procrustes["top1_100"]["per_seed"][seed] == pytest.approx(paragon["top1_0"]["per_seed"][seed], abs=0.01)
     # seeds really differ: the models were retrained with each seed
     assert any(row["top1_auc"]["std"] > 0 for row in summary["rows"].values() if row["kind"] == "method")
     reports = workdir / "reports"

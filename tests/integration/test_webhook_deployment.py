@@ -3,10 +3,25 @@ own process, `fastfill webhook serve`) answers 503 with a message that names the
 the command that creates it, and releases the version's claim so MLflow's retry can start it."""
 
 import os
+import time
+from pathlib import Path
 
 from components.gallery.store import LocalStore
 from components.gallery.triggers import claimed
 from tests.unit.test_webhook_receiver import _alias_body, _post, _signed, receiver_process
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
 
 def _deliver_twice(address):
     """The same signed delivery twice, as MLflow retries a 503; both answers."""
@@ -38,6 +53,14 @@ def test_a_receiver_without_prefect_api_url_says_so(tmp_path):
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     with receiver_process(tmp_path, env) as (process, address):
         status, _, reply = _deliver_twice(address)[1]
+        children = _children(process.pid)  # the temporary Prefect server among them
+    # stopped with SIGTERM (what receiver_process sends, as a service manager does), the receiver
+    # stops its temporary server too: nothing is left running
+    assert children, "the receiver started no temporary Prefect server"
+    deadline = time.monotonic() + 20
+    while (left := [pid for pid in children if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
     assert status == 503, reply
     assert reply["error"] == (
         "could not start the upgrade: the deployment upgrade-gallery/upgrade does not exist on the temporary "
