@@ -2,7 +2,8 @@
 map the new model's queries into the old space, against FCT and FastFill, at 0% backfill and
 along a random-order backfill, at several data sizes.
 
-    .venv/bin/python benchmarks/query_adapter.py --size 1000 --size all --seed 0
+    .venv/bin/python benchmarks/query_adapter.py --size 300 --size 1000 --seed 0
+    .venv/bin/python benchmarks/query_adapter.py --default-run --report reports/query_adapter-default
 
 Each (size, seed) is the sweep's run (`fastfill sweep`, under --out; reused when it exists, run
 otherwise). The adapters are fitted on the same pairs as the maps (the new_train split's old and
@@ -104,11 +105,17 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="runs/sweep", help="the sweep's folder (runs are reused)")
     parser.add_argument("--report", default="reports/query_adapter", help="writes REPORT.md and REPORT.json")
+    parser.add_argument("--default-run", action="store_true",
+                        help="measure the outputs of `fastfill run` (params.yaml's paths) instead of sweep runs")
     args = parser.parse_args()
     from components.evaluation.sweep_report import size_label
     from flows.sweep import sized, sweep_flow
 
     params = load_params(args.params)
+    if args.default_run:  # what `fastfill run` left: train_per_class and seed of params.yaml
+        label = size_label(params.prepare.train_per_class)
+        results = {label: {str(params.evaluate.seed): evaluate_run(params, params.evaluate.seed, args.rank)}}
+        return _write(results, args.rank, Path(args.report))
     sizes, seeds, out = args.sizes or [None], args.seeds or [0], Path(args.out)
     sweep_flow(params, sizes, seeds, out, resume=True)  # runs only the (size, seed) pairs not there yet
     results = {}
@@ -117,11 +124,14 @@ def main() -> None:
         for seed in seeds:
             seeded = sized(params, size, out).with_seed(seed).with_outputs_under(out / f"n-{label}" / f"seed-{seed}")
             results.setdefault(label, {})[str(seed)] = evaluate_run(seeded, seed, args.rank)
-    text = markdown(results, args.rank)
-    report = Path(args.report)
+    _write(results, args.rank, Path(args.report))
+
+
+def _write(results: dict, rank: int, report: Path) -> None:
+    text = markdown(results, rank)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.with_suffix(".md").write_text(text)
-    report.with_suffix(".json").write_text(json.dumps({"rank": args.rank, "results": results}, indent=1))
+    report.with_suffix(".json").write_text(json.dumps({"rank": rank, "results": results}, indent=1))
     print(text)
 
 

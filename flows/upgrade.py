@@ -68,7 +68,9 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     client, _ = registry.setup(params.mlflow)
     wanted = _wanted(params, client, gallery, to_uri)
     if wanted is None:
-        return _no_challenger(params, client, gallery)
+        result = _no_challenger(params, client, gallery)
+        log(result["message"])
+        return result
     lock = acquire_lock(store, pl.upgrade_id(gallery.model, wanted), break_lock=break_lock, log=log,
                         lease_seconds=params.gallery.upgrade.lease_seconds)
     try:
@@ -321,7 +323,13 @@ def _wanted(params: Params, client, gallery: Gallery, to_uri: str) -> ModelRef |
     version = registry.alias_version(client, name, registry.CHALLENGER)
     if version is not None:
         return ModelRef(name, version)
-    registry.resolve_model(client, f"models:/{name}@{registry.CHAMPION}")  # refuses an unknown registered model
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:  # no such registered model: refused with what the registry holds
+        registry.resolve_model(client, f"models:/{name}@{registry.CHALLENGER}")
+        raise
     ending = up.interrupted_ending(gallery)
     if ending is not None:
         return ModelRef.from_dict(ending["new"])
@@ -337,9 +345,9 @@ def _no_challenger(params: Params, client, gallery: Gallery) -> dict:
     serving = gallery.model
     where = ("which the gallery serves" if champion == str(serving.version) and name == serving.name else
              f"while the gallery serves {serving.uri}")
-    message = (f"{name} has no `{registry.CHALLENGER}` (champion is version {champion}, {where}); nothing to "
+    held = f"champion is version {champion}" if champion else f"no `{registry.CHAMPION}` either"
+    message = (f"{name} has no `{registry.CHALLENGER}` ({held}, {where}); nothing to "
                f"upgrade. Set the alias `{registry.CHALLENGER}` on a new version, or pass --to models:/{name}/VERSION")
-    log(message)
     return {**_nothing_to_do(gallery, serving), "message": message}
 
 

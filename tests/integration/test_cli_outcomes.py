@@ -134,6 +134,21 @@ def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_e
         f"up-to-date: the gallery is already built with models:/embedder/{old_version}; nothing to upgrade"]
     assert _snapshot(store) == before
 
+    # no challenger (the convention clears it once its version is promoted) and nothing in progress
+    from components.platform import registry
+
+    client, _ = registry.setup(params.mlflow)
+    client.delete_registered_model_alias("embedder", "challenger")
+    said = (f"embedder has no `challenger` (champion is version {old_version}, which the gallery serves); nothing to "
+            "upgrade. Set the alias `challenger` on a new version, or pass --to models:/embedder/VERSION")
+    result, _ = _run(["upgrade", *args, "--no-progress"], prefect_env, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines() == [f"up-to-date: {said}"]
+    result, _ = _run(["upgrade", *args, "--dry-run"], prefect_env, tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"dry run: nothing written. {said}", result.stdout
+    assert _snapshot(store) == before
+    client.set_registered_model_alias("embedder", "challenger", new_version)
+
     # a paused upgrade, as `fastfill status` shows it
     result, _ = _run(["upgrade", *args, "--budget", "25%", "--no-progress"], prefect_env, tmp_path)
     assert result.returncode == 0 and result.stdout.startswith("paused: "), result.stdout + result.stderr[-3000:]
