@@ -117,7 +117,9 @@ def main() -> None:
         results = {label: {str(params.evaluate.seed): evaluate_run(params, params.evaluate.seed, args.rank)}}
         return _write(results, args.rank, Path(args.report))
     sizes, seeds, out = args.sizes or [None], args.seeds or [0], Path(args.out)
-    sweep_flow(params, sizes, seeds, out, resume=True)  # runs only the (size, seed) pairs not there yet
+    # runs only the (size, seed) pairs not there yet; its table goes under --out, not over reports/sweep.*
+    elsewhere = params.model_copy(update={"paths": params.paths.model_copy(update={"reports": out / "reports"})})
+    sweep_flow(elsewhere, sizes, seeds, out, resume=True)
     results = {}
     for size in sizes:
         label = size_label(size)
