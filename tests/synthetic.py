@@ -66,6 +66,8 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
                             "batch_size": 32, "min_steps": 30, "hidden": [16, 16]},
             },
             "compatible": {"bct": {"loss": "bct"}, "ract": {"loss": "ract"}},
+            # every key comparison/dvc.yaml reads must be in params.yaml (DVC fails on a missing one)
+            "adapters": ["procrustes", "low_rank", "residual_mlp"],
             "orders": {"fct": ["random"], "fastfill": ["sigma", "random", "oracle"], "l2_disc": ["random"],
                        "rbt": ["random"], "unified": ["random"], "bct": ["random"],
                        "ract": ["entropy", "least_confidence", "margin", "random"]},
