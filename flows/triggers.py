@@ -245,12 +245,13 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
-def deployments(params: Params, params_path: str = "params.yaml") -> list:
+def deployments(params: Params, params_path: str = "params.yaml", store_uri: str | None = None) -> list:
     """Every deployment, defined in this one place; `fastfill serve` serves them (and polls the
     registry with a RegistryWatcher). ``registry-watcher/poll`` has no schedule: a schedule would
     make a flow run a minute; the watcher polls instead, and this deployment is its pause switch
-    and a check on demand."""
-    parameters = {"params_path": params_path}
+    and a check on demand. ``store_uri``: the gallery the upgrade and the checks work on, when it
+    is not gallery.store (`fastfill serve --store`)."""
+    parameters = {"params_path": params_path, **({"store": store_uri} if store_uri else {})}
     triggers = params.triggers
     found = [
         upgrade_entry.to_deployment(name="upgrade", parameters=parameters, concurrency_limit=1,
@@ -266,7 +267,8 @@ def deployments(params: Params, params_path: str = "params.yaml") -> list:
             name="nightly", parameters={**parameters, "resume": True},
             cron=triggers.nightly_cron, description="Check the registry and resume a paused upgrade"))
     if triggers.comparison_cron:
-        found.append(comparison_entry.to_deployment(name="weekly", parameters=parameters, cron=triggers.comparison_cron,
+        found.append(comparison_entry.to_deployment(name="weekly", parameters={"params_path": params_path},
+                                                    cron=triggers.comparison_cron,
                                                     description="Re-run the comparison of every method"))
     return found
 

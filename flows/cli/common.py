@@ -18,8 +18,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation.")
 
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configuration file")]
-StoreOption = Annotated[str | None, typer.Option("--store", help="a local folder or s3://bucket/prefix; "
-                                                 "default: gallery.store in params.yaml")]
+StoreOption = Annotated[str | None, typer.Option("--store", envvar="FASTFILL_STORE",
+                                                 help="a local folder or s3://bucket/prefix; default: FASTFILL_STORE, "
+                                                 "else gallery.store in params.yaml")]
 
 # Exit codes (the table in docs/operations.md). 0: done (an upgrade paused by its budget, or with
 # nothing to do, included).

@@ -27,7 +27,7 @@ def _stop_on_sigterm() -> None:
 
 
 @app.command()
-def serve(params: ParamsOption = Path("params.yaml")) -> None:
+def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
     check-and-upgrade and the weekly comparison; and poll the registry every
     triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
@@ -37,11 +37,12 @@ def serve(params: ParamsOption = Path("params.yaml")) -> None:
 
     from flows.triggers import RegistryWatcher, deployments, params_file
 
-    found = deployments(config, params_file(params))
+    uri = store_uri(config, store)
+    found = deployments(config, params_file(params), uri)
     typer.echo("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in found))
     interval = config.triggers.poll_seconds
-    watcher = RegistryWatcher(config, params_file(params), store_uri(config, None), interval)
-    typer.echo(f"watching {config.mlflow.registered_model}@challenger for {store_uri(config, None)} every {interval} s")
+    watcher = RegistryWatcher(config, params_file(params), uri, interval)
+    typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {interval} s")
     watcher.start(delay=min(interval, 5))  # once the deployments it starts are registered
     try:
         prefect_serve(*found)
@@ -74,8 +75,10 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
 
 @webhook_app.command("serve")
 def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
-                  host: Annotated[str | None, typer.Option(help="default triggers.webhook_host (127.0.0.1)")] = None,
-                  port: Annotated[int | None, typer.Option(help="default triggers.webhook_port")] = None) -> None:
+                  host: Annotated[str | None, typer.Option(envvar="FASTFILL_WEBHOOK_HOST",
+                                                           help="default triggers.webhook_host (127.0.0.1)")] = None,
+                  port: Annotated[int | None, typer.Option(envvar="FASTFILL_WEBHOOK_PORT",
+                                                           help="default triggers.webhook_port")] = None) -> None:
     """Receive MLflow registry webhooks; a signed alias event for `challenger` starts the upgrade."""
     config = load(params)
     from flows.triggers import WebhookReceiver, params_file, webhook_secret

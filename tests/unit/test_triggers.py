@@ -6,6 +6,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,30 @@ def test_the_receiver_starts_each_version_once_over_http(tmp_path):
             assert json.loads(response.read()) == {"ok": True}
     finally:
         receiver.shutdown()
+
+
+def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
+    """`fastfill serve --store X` (or FASTFILL_STORE): the upgrade and the registry checks work on
+    X, not on gallery.store; without it they read gallery.store from the params file."""
+    from typer.main import get_command
+
+    from components.platform.config import load_params
+    from flows.cli import app
+    from flows.triggers import deployments
+
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    by_name = {d.name: d for d in deployments(params, "/p/params.yaml", "s3://bucket/gallery")}
+    for name in ("upgrade", "poll", "nightly"):
+        if name in by_name:
+            assert by_name[name].parameters["store"] == "s3://bucket/gallery", name
+            assert by_name[name].parameters["params_path"] == "/p/params.yaml", name
+    if "weekly" in by_name:
+        assert "store" not in by_name["weekly"].parameters  # the comparison has no gallery
+    assert all("store" not in d.parameters for d in deployments(params, "/p/params.yaml"))
+
+    serve = get_command(app).commands["serve"]
+    store = next(option for option in serve.params if option.name == "store")
+    assert store.envvar == "FASTFILL_STORE"
+    webhook = get_command(app).commands["webhook"].commands["serve"]
+    assert {option.name: option.envvar for option in webhook.params if option.name in ("host", "port", "store")} == {
+        "host": "FASTFILL_WEBHOOK_HOST", "port": "FASTFILL_WEBHOOK_PORT", "store": "FASTFILL_STORE"}
