@@ -44,19 +44,16 @@ def _point(curve: dict, index: int = 0) -> dict:
     return {"top1": curve["top1"][index], "map": curve["map"][index]}
 
 
-def evaluate_run(params, seed: int, rank: int) -> dict:
+def evaluate_run(params, rank: int) -> dict:
     """Rows for one (size, seed) run: references, FCT and FastFill from its metrics.json, and each
     adapter measured here."""
-    from components.evaluation.assessment import MethodOutputs, method_curves
-    from components.experiment.adapters import ADAPTERS, fit_adapter
-    from components.experiment.data import load_split
+    from components.experiment.adapters import ADAPTERS
     from components.platform.layout import Layout, load_array, read_json
+    from tasks.evaluation import adapter_curves
 
     layout = Layout(params.paths)
     metrics = read_json(layout.metrics)
-    labels = load_split(layout.splits, "test").labels
-    old_train, new_train = load_array(layout.features("old", "new_train")), load_array(layout.features("new", "new_train"))
-    old_test, new_test = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
+    pairs = load_array(layout.features("new", "new_train")).shape[0]
     curves = read_json(layout.curves)["curves"]
     rows = {
         "old/old": {"top1_0": metrics["old_old"]["top1_0"], "map_0": metrics["old_old"]["map_0"]},
@@ -66,17 +63,15 @@ def evaluate_run(params, seed: int, rank: int) -> dict:
         curve = curves[method][order]
         rows[f"{method} ({order})"] = {"top1_0": curve["top1"][0], "map_0": curve["map"][0],
                                        "top1_auc": curve["top1_auc"], "map_auc": curve["map_auc"]}
-    for kind in ADAPTERS:
+    config = params.evaluate.model_copy(update={"adapter_rank": rank})
+    for kind in ADAPTERS:  # as the evaluation stage measures them (the comparison's rows adapter_<kind>)
         started = time.perf_counter()
-        adapter = fit_adapter(kind, new_train, old_train, rank=rank, seed=seed)
-        fitted = time.perf_counter() - started
-        outputs = MethodOutputs(gallery_old=old_test, query=adapter(new_test))
-        curve = method_curves(outputs, new_test, labels, ["random"], distance=params.evaluate.distance,
-                              curve_points=params.evaluate.curve_points, seed=params.evaluate.seed)[0]["random"]
+        curve = adapter_curves(config, kind, layout)["random"]
         rows[f"adapter {kind} (random)"] = {"top1_0": curve["top1"][0], "map_0": curve["map"][0],
                                             "top1_auc": curve["top1_auc"], "map_auc": curve["map_auc"],
-                                            "top1_100": curve["top1"][-1], "fit_seconds": round(fitted, 2)}
-    return {"pairs": int(new_train.shape[0]), "rows": rows}
+                                            "top1_100": curve["top1"][-1],
+                                            "seconds": round(time.perf_counter() - started, 2)}  # fit and measure
+    return {"pairs": int(pairs), "rows": rows}
 
 
 def markdown(results: dict, rank: int) -> str:
@@ -114,7 +109,7 @@ def main() -> None:
     params = load_params(args.params)
     if args.default_run:  # what `fastfill run` left: train_per_class and seed of params.yaml
         label = size_label(params.prepare.train_per_class)
-        results = {label: {str(params.evaluate.seed): evaluate_run(params, params.evaluate.seed, args.rank)}}
+        results = {label: {str(params.evaluate.seed): evaluate_run(params, args.rank)}}
         return _write(results, args.rank, Path(args.report))
     sizes, seeds, out = args.sizes or [None], args.seeds or [0], Path(args.out)
     # runs only the (size, seed) pairs not there yet; its table goes under --out, not over reports/sweep.*
@@ -125,7 +120,7 @@ def main() -> None:
         label = size_label(size)
         for seed in seeds:
             seeded = sized(params, size, out).with_seed(seed).with_outputs_under(out / f"n-{label}" / f"seed-{seed}")
-            results.setdefault(label, {})[str(seed)] = evaluate_run(seeded, seed, args.rank)
+            results.setdefault(label, {})[str(seed)] = evaluate_run(seeded, args.rank)
     _write(results, args.rank, Path(args.report))
 
 

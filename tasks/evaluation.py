@@ -59,12 +59,12 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
     return curves, tau
 
 
-@task(name="evaluate-adapter", **NO_CACHING)
-def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
+def adapter_curves(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
     """A query-side adapter as a method (docs/methods.md): fitted on the maps' pairs (the
     new_train split's old and new features), it maps the new model's test features into the old
     space. Queries search the old gallery as stored; a backfilled item's new features go through
-    the same adapter, so every distance is in the old space. One order: random."""
+    the same adapter, so every distance is in the old space. One order: random. (The evaluation
+    stage and benchmarks/query_adapter.py both measure adapters with this.)"""
     from components.experiment.adapters import fit_adapter
 
     labels = load_split(layout.splits, "test").labels
@@ -74,6 +74,13 @@ def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
     outputs = MethodOutputs(gallery_old=load_array(layout.features("old", "test")), query=adapter(new_test))
     curves, _ = method_curves(outputs, new_test, labels, ["random"], distance=config.distance,
                               curve_points=config.curve_points, seed=config.seed)
+    return curves
+
+
+@task(name="evaluate-adapter", **NO_CACHING)
+def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
+    """``adapter_curves``, logged."""
+    curves = adapter_curves(config, kind, layout)
     curve = curves["random"]
     log(f"adapter {kind}: top-1 {100 * curve['top1'][0]:.2f} at 0% (the stored gallery untouched) -> "
         f"{100 * curve['top1'][-1]:.2f}, top1_auc {100 * curve['top1_auc']:.2f}, map_auc {100 * curve['map_auc']:.2f}")

@@ -313,18 +313,24 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
                              f"{held.get('host')})" if held else "no lock was held"))
 
 
+def _undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
+    """Run an undoing flow (abort, rollback) on the gallery, the services checked first: (its
+    store's URI, the flow's result). The flow reads the configuration file itself."""
+    config = load(params)
+    uri = store_uri(config, store)
+    need_services(config)
+    return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
+
+
 @upgrade_app.command("abort")
 def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Drop the unfinished upgrade; the gallery serves the champion's features again (see docs/upgrade.md)."""
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    config = load(params)
     from flows.upgrade import abort_flow
 
-    uri = store_uri(config, store)
-    need_services(config)
-    record = call(abort_flow, store_uri=uri, params_path=str(params.resolve()))
+    uri, record = _undo(abort_flow, store, params)
     typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
                f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
                f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "
@@ -337,12 +343,9 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    config = load(params)
     from flows.upgrade import rollback_flow
 
-    uri = store_uri(config, store)
-    need_services(config)
-    result = call(rollback_flow, store_uri=uri, params_path=str(params.resolve()))
+    uri, result = _undo(rollback_flow, store, params)
     typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "
                + ("champion moved back" if result["champion_moved"] else "champion left as it was (it no longer "
                                                                        f"named {result['from']})"))

@@ -8,13 +8,12 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from components.evaluation import backfill_curve, retrieval_metrics
 from components.evaluation.reports import ROW_KEYS, method_colours, plot_curves, summary_rows, write_summary
 from components.platform.config import ConfigError, load_params, parse_params
+from tests.synthetic import tiny_curves
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,20 +129,8 @@ def test_a_comparison_seeds_configuration_survives_being_validated_again():
     assert again.mlflow.alignment_model == "embedder-comparison-alignment"
 
 
-def _curves():
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 3, 30)
-    new = rng.normal(size=(30, 4)).astype(np.float32) + labels[:, None]
-    old = new + rng.normal(size=(30, 4)).astype(np.float32)
-    reference = {"old_old": retrieval_metrics(old, old, labels), "new_new": retrieval_metrics(new, new, labels)}
-    curves = {"fct": {"random": backfill_curve(new, new, old, labels, rng.permutation(30), num_intermediate=3).to_dict()},
-              "fastfill": {o: backfill_curve(new, new, old, labels, rng.permutation(30), num_intermediate=3).to_dict()
-                           for o in ("sigma", "random")}}
-    return reference, curves
-
-
 def test_summary_rows_are_flat_with_the_same_keys_per_line(tmp_path):
-    reference, curves = _curves()
+    reference, curves = tiny_curves()
     rows = summary_rows(reference, curves)
     assert set(rows) == {"old_old", "new_new", "fct-random", "fastfill-sigma", "fastfill-random"}
     for name in ("fct-random", "fastfill-sigma", "fastfill-random"):
@@ -172,6 +159,6 @@ def test_each_method_has_its_own_colour_and_none_is_a_reference_grey(tmp_path):
     for colour in colours.values():
         red, green, blue = matplotlib.colors.to_rgb(colour)
         assert max(red, green, blue) - min(red, green, blue) > 0.05  # not a grey (nor black)
-    reference, curves = _curves()
+    reference, curves = tiny_curves()
     png = plot_curves(tmp_path / "b.png", reference, curves, headline={"fct": "random", "fastfill": "sigma"})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,25 +1,11 @@
 import json
 
-import numpy as np
-
-from components.evaluation import backfill_curve, retrieval_metrics
 from components.evaluation.reports import build_metrics, plot_curves, write_plot_data
-
-
-def _inputs():
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 3, 30)
-    new = rng.normal(size=(30, 4)).astype(np.float32) + labels[:, None]
-    old = new + rng.normal(size=(30, 4)).astype(np.float32)
-    reference = {"old_old": retrieval_metrics(old, old, labels), "new_new": retrieval_metrics(new, new, labels)}
-    curves = {"fct": {"random": backfill_curve(new, new, old, labels, rng.permutation(30), num_intermediate=3).to_dict()},
-              "fastfill": {o: backfill_curve(new, new, old, labels, rng.permutation(30), num_intermediate=3).to_dict()
-                           for o in ("random", "sigma")}}
-    return reference, curves
+from tests.synthetic import tiny_curves
 
 
 def test_metrics_schema():
-    reference, curves = _inputs()
+    reference, curves = tiny_curves()
     metrics = build_metrics(reference, curves, {"fct": "random", "fastfill": "sigma"}, {"fastfill": 0.5})
     keys = {f"{m}_{p}" for m in ("top1", "top5", "map") for p in ("0", "100", "auc")}
     for row in ("old_old", "new_new", "fct", "fastfill"):
@@ -32,7 +18,7 @@ def test_metrics_schema():
 
 
 def test_plot_data_and_png(tmp_path):
-    reference, curves = _inputs()
+    reference, curves = tiny_curves()
     paths = write_plot_data(tmp_path / "plots", reference, curves)
     header = paths[0].read_text().splitlines()[0].split(",")
     assert header == ["alpha", "old_old", "new_new", "fct-random", "fastfill-random", "fastfill-sigma"]
