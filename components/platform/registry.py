@@ -293,14 +293,21 @@ def find_alignment(client, name: str, old_version: str, new_version: str) -> lis
     return sorted(joins, key=lambda v: (v.tags.get("method") == "fastfill", int(v.version)), reverse=True)
 
 
+def _tag_verdict_last(client, name: str, version: str, run_id: str | None, tags: Mapping[str, str]) -> None:
+    """Tags one at a time (MLflow has no batch for model versions), the details first and the
+    verdict (``promotion``, the key without a dot) last: whoever sees the verdict sees its
+    reason, the champion it was measured against, the numbers."""
+    for key in sorted(tags, key=lambda k: "." not in k):
+        client.set_model_version_tag(name, str(version), key, tags[key])
+        if run_id:
+            client.set_tag(run_id, key, tags[key])
+
+
 def record_decision(client, name: str, version: str, run_id: str | None, tags: Mapping[str, str],
                     promote: bool) -> None:
     """The promotion decision as tags on the model version and the upgrade's run; when
     ``promote``, ``champion`` moves to the version."""
-    for key, value in tags.items():
-        client.set_model_version_tag(name, str(version), key, value)
-        if run_id:
-            client.set_tag(run_id, key, value)
+    _tag_verdict_last(client, name, version, run_id, tags)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, str(version))
         # the convention: `challenger` names a version under evaluation; once it is the champion
@@ -314,10 +321,7 @@ def record_rollback(client, name: str, version: str, previous: str, run_id: str 
     """A promoted ``version`` rolled back: ``tags`` on it (and on its upgrade's run), and
     ``champion`` back on ``previous`` when it still names ``version`` (a champion moved since by
     someone else is left alone). Returns whether champion moved."""
-    for key, value in tags.items():
-        client.set_model_version_tag(name, str(version), key, value)
-        if run_id:
-            client.set_tag(run_id, key, value)
+    _tag_verdict_last(client, name, version, run_id, tags)
     if alias_version(client, name, CHAMPION) != str(version):
         return False
     client.set_registered_model_alias(name, CHAMPION, str(previous))

@@ -164,5 +164,21 @@ def test_the_registry_conventions(mlflow_store):
     registry.record_decision(client, "embedder", v1, run_id, {"promotion": "passed"}, promote=True)
     assert registry.alias_version(client, "embedder", "challenger") == v3
 
+    # the verdict is written last: a reader polling for `promotion` finds its reason already there
+    seen = []
+    set_tag = client.set_model_version_tag
+
+    def recording(name, version, key, value):
+        seen.append((key, dict(client.get_model_version(name, version).tags)))
+        set_tag(name, version, key, value)
+
+    client.set_model_version_tag = recording
+    registry.record_decision(client, "embedder", v3, run_id,
+                             {"promotion": "rejected", "promotion.reason": "r", "promotion.champion_version": v1},
+                             promote=False)
+    del client.set_model_version_tag
+    assert seen[-1][0] == "promotion" and seen[-1][1]["promotion.reason"] == "r"
+    assert client.get_model_version("embedder", v3).tags["promotion"] == "rejected"
+
     registry.log_series(client, run_id, {"top1": [0.5, 0.6, 0.7]}, steps=[0, 500, 1000])
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(0, 0.5), (500, 0.6), (1000, 0.7)]
