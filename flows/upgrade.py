@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from prefect import flow
 from prefect.futures import as_completed
 
-from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery import advisor, backfill as bf, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
 from components.gallery.catalog import Gallery, GalleryError, check_registry, fetch_images
 from components.gallery.images import readable
@@ -96,12 +98,22 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         _start_over_if_undone(gallery, uid)
         _refuse_rejected(store, uid)
         plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new, new_model, base)
-        result = _backfill(params, gallery, store_uri, plan, new_model,
-                           budget if budget is not None else params.gallery.upgrade.budget)
+        advice = _advice(params, gallery, plan)
+        budget = budget if budget is not None else params.gallery.upgrade.budget
+        stop = _advised_stop(params, advice, budget)
+        result = _backfill(params, gallery, store_uri, plan, new_model, stop["items"] if stop else budget)
         result["mlflow_run_id"] = plan.mlflow_run_id
+        if advice is not None:
+            result["advice"] = {"recommendation": advisor.at_stop(advice, params.gallery.upgrade.stop_when_gain_below),
+                                "fractions": advice["fractions"], "top1": advice["top1"], "map": advice["map"]}
         if not result["complete"]:
+            if stop:
+                log(f"stopped at {result['items_done']}/{plan.num_items} items: the recommended stop for a gain below "
+                    f"{stop['gain_below']:g} top-1 points per 5% ({100 * stop['fraction']:.0f}%); queries are served "
+                    "by the mixed gallery. To go on, run again with a --budget, or without stop_when_gain_below")
+                return {**result, "state": "paused", "stopped": "recommended"}
             log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
-            return {**result, "state": "paused"}
+            return {**result, "state": "paused", "stopped": "budget"}
         result.update(_end(params, store_uri, gallery, plan, champion, gate))
         log(f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
             f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
@@ -146,9 +158,63 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     model = registered.load_model(new.uri).eval()
     result = dry_run(gallery, params.gallery.upgrade, model, seed=params.gallery.upgrade.seed)
     current = gallery.manifest().get("upgrade")
-    return {"from": gallery.model.uri, "to": new.uri, "in_progress": current,
-            "resumes": current == pl.upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim)),
-            **result}
+    resumes = current == pl.upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
+    return {"from": gallery.model.uri, "to": new.uri, "in_progress": current, "resumes": resumes, **result,
+            "advice": _dry_run_advice(params, gallery, new, model, current if resumes else None,
+                                      sequential=bool(current) and not resumes)}
+
+
+def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resumes: str | None,
+                    sequential: bool) -> dict:
+    """The budget advisor's prediction without writing anything: the stored one of the upgrade
+    this would resume; else, when the registry holds a map joining the two versions, computed
+    here (the evaluation sample embedded with the new model, the gallery's features sent
+    through the map part by part, twice: its sigma order first, then the search). Otherwise a
+    note saying when the prediction appears."""
+    from components.evaluation.ordering import random_order, sigma_order
+    from components.experiment.inference import apply_alignment
+
+    config = params.gallery.upgrade
+    gain_below = config.stop_when_gain_below
+    if resumes:
+        stored = advisor.stored_advice(gallery.store, resumes)
+        if stored is not None:
+            return {**stored, "recommendation": advisor.at_stop(stored, gain_below)}
+    labels = gallery.labels()
+    if labels is None or config.eval_queries == 0:
+        return {"note": "no prediction: it needs labeled items (an evaluation sample; gallery.upgrade.eval_queries > 0)"}
+    if sequential:
+        return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
+    client, _ = registry.setup(params.mlflow)
+    chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, gallery.model.version,
+                                                new.version), config.order)
+    if chosen is None:
+        return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
+                        "trains one when it plans, and `fastfill upgrade status` then shows the predicted curve"}
+    order_kind, _ = registered_map_order(chosen.tags, config.order)
+    alignment_map = registered.load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
+    positions = pl.eval_sample(labels, None if config.eval_queries == "all" else int(config.eval_queries), config.seed)
+    images, failures = fetch_images(gallery, positions, workers=config.read_workers)
+    keep = readable(len(positions), failures)
+    positions = positions[keep]
+    from components.experiment.inference import embed
+
+    queries = embed(model, images[keep], batch_size=config.batch_size, precision=config.precision)
+
+    def transformed(part: int):
+        return apply_alignment(alignment_map, gallery.features(gallery.model, part))
+
+    if order_kind == "sigma":
+        sigma = [transformed(p)[1] for p in range(gallery.num_parts)]
+        if any(s is None for s in sigma):
+            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
+                            "for the sigma order; use --order random"}
+        order = sigma_order(np.concatenate(sigma))
+    else:
+        order = random_order(gallery.num_items, config.seed)
+    parts = ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
+    return advisor.advise(parts, order, positions, queries, labels, distance=params.gallery.distance,
+                          gain_below=gain_below)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -570,6 +636,40 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
     log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
         f"{new.uri} against the mixed gallery")
     return plan
+
+
+def _advice(params: Params, gallery: Gallery, plan: pl.Plan) -> dict | None:
+    """The budget advisor's prediction for the planned upgrade (stored beside the plan, made
+    once), logged as lines and, the first time, to the upgrade's MLflow run as the series
+    predicted_top1 and predicted_map (step: items backfilled)."""
+    gain_below = params.gallery.upgrade.stop_when_gain_below
+    advice = advisor.stored_advice(gallery.store, plan.id)
+    if advice is None:
+        started = time.perf_counter()
+        advice = advisor.advise_upgrade(gallery, plan, gain_below)
+        if advice is None:
+            if gain_below is not None:
+                log("stop_when_gain_below is set, but this upgrade has no labeled evaluation sample to predict the "
+                    "curve from (an unlabeled gallery, or eval_queries 0): the backfill goes to its budget")
+            return None
+        log(f"budget advisor: predicted the backfill curve in {time.perf_counter() - started:.1f} s")
+        client, _ = registry.setup(params.mlflow)
+        steps = [int(f * plan.num_items) for f in advice["fractions"]]
+        registry.log_series(client, plan.mlflow_run_id, {"predicted_top1": advice["top1"], "predicted_map": advice["map"]},
+                            steps=steps)
+    for line in advisor.describe(advice, gain_below=gain_below):
+        log(line)
+    return advice
+
+
+def _advised_stop(params: Params, advice: dict | None, budget) -> dict | None:
+    """The recommended stop when stop_when_gain_below asks for one and no explicit budget is
+    given (a budget is the user's own limit and wins); None when it is 100%."""
+    gain_below = params.gallery.upgrade.stop_when_gain_below
+    if gain_below is None or advice is None or budget is not None:
+        return None
+    stop = advisor.at_stop(advice, gain_below)
+    return stop if stop["fraction"] < 1 else None
 
 
 def progress_key(store_uri: str, upgrade_id: str) -> str:

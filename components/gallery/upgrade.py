@@ -15,6 +15,7 @@ later is planned again from scratch (``start_over``), never resumed.
 
 from __future__ import annotations
 
+from components.gallery.advisor import stored_advice
 from components.gallery.backfill import done_chunks, failed_images, iter_mixed_parts
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
 from components.gallery.lock import LOCK, lease_expired
@@ -163,6 +164,15 @@ def status(gallery: Gallery, *, failures: bool = True) -> dict:
             "chunks_done": len(done), "chunks": plan.num_chunks if plan else None,
             "items_done": items, "fraction": items / manifest["num_items"],
             "mlflow_run_id": plan.mlflow_run_id if plan else None})
+        advice = stored_advice(gallery.store, upgrade)
+        if advice is not None:  # the budget advisor's prediction, every 10% (points)
+            every = range(0, len(advice["fractions"]), 2)
+            result["upgrade"]["predicted"] = {
+                "sample": advice["sample"],
+                "top1": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["top1"][i], 2) for i in every},
+                "map": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["map"][i], 2) for i in every},
+                "top1_standard_error": round(100 * max(advice["top1_se"]), 2),
+                "recommendation": advice.get("recommendation")}
         if failures and gallery.adopted:
             failed = failed_images(gallery.store, upgrade)
             result["upgrade"]["failed_images"] = {"count": len(failed), "items": failed[:FAILED_SHOWN]}

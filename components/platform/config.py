@@ -258,6 +258,10 @@ class UpgradeConfig(Section):
         default=None, description="stop the backfill after this fraction (0 < f <= 1.0) or count of items")
     eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
         default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
+    stop_when_gain_below: PositiveFloat | None = Field(
+        default=None, description="stop the backfill at the budget advisor's recommended fraction: where no later "
+        "point of the predicted curve gains this many top-1 points per 5% of the gallery (e.g. 0.1); null: go to "
+        "100%. Needs the evaluation sample (eval_queries > 0)")
     batch_size: PositiveInt = Field(default=512, description='images embedded per forward pass')
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="embedding on CUDA: auto = bfloat16 autocast (float16 where bfloat16 is not "

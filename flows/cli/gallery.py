@@ -34,7 +34,7 @@ def _gallery(uri: str):
 # the upgrade's options and the gallery.upgrade keys they set
 _UPGRADE_OPTIONS = {"chunk_size": "--chunk-size", "max_concurrency": "--concurrency", "order": "--order",
                     "task_runner": "--runner", "dask_address": "--dask-address",
-                    "max_items_per_second": "--max-items-per-second"}
+                    "max_items_per_second": "--max-items-per-second", "stop_when_gain_below": "--stop-when-gain-below"}
 
 
 def _with_upgrade(config, **changes):
@@ -230,6 +230,13 @@ def _describe_dry_run(plan: dict) -> str:
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
         f"  ({plan['note']})",
     ]
+    advice = plan.get("advice") or {}
+    if "top1" in advice:
+        from components.gallery.advisor import describe
+
+        lines += ["  " + line for line in describe(advice)]
+    elif advice.get("note"):
+        lines.append(f"  budget advisor: {advice['note']}")
     return "\n".join(lines)
 
 
@@ -248,15 +255,20 @@ def upgrade(ctx: typer.Context,
             progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
             max_items_per_second: Annotated[float | None, typer.Option(
                 help="throttle: start chunks no faster than this many items per second")] = None,
+            stop_when_gain_below: Annotated[float | None, typer.Option(
+                help="stop at the budget advisor's recommended fraction: where the predicted curve gains less than "
+                     "this many top-1 points per 5% of the gallery (e.g. 0.1)")] = None,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
-                                                  "duration from a measured sample) and write nothing")] = False,
+                                                  "duration from a measured sample, the predicted backfill curve) "
+                                                  "and write nothing")] = False,
             params: ParamsOption = Path("params.yaml")) -> None:
     """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
     queries use the new model from the start. The same command resumes a stopped upgrade."""
     if ctx.invoked_subcommand is not None:
         return
     options = {"chunk_size": chunk_size, "max_concurrency": concurrency, "order": order, "task_runner": runner,
-               "dask_address": dask_address, "max_items_per_second": max_items_per_second}
+               "dask_address": dask_address, "max_items_per_second": max_items_per_second,
+               "stop_when_gain_below": stop_when_gain_below}
     config = _with_upgrade(load(params), **options)
     from flows.upgrade import dry_run_upgrade, run_upgrade_file
 
@@ -278,6 +290,13 @@ def upgrade(ctx: typer.Context,
     typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
                f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
                f"MLflow run {result['mlflow_run_id']}")
+    advised = (result.get("advice") or {}).get("recommendation")
+    if advised:
+        typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} top-1 points per 5% is "
+                   f"{100 * advised['fraction']:.0f}% (predicted top-1 {100 * advised['top1']:.2f}, "
+                   f"{100 * advised['top1_full']:.2f} at 100%)"
+                   + ("; stopped there: the same command stays there, a --budget goes on"
+                      if result.get("stopped") == "recommended" else ""))
     if "promotion" in result:
         numbers, decision = result["promotion"]["numbers"], result["promotion"]
         reached = numbers["fraction_to_gain"]

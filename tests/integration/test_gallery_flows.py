@@ -83,6 +83,18 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
         assert history["top1"][step] == pytest.approx(curve.top1[i], abs=1e-6)
         assert history["top5"][step] == pytest.approx(curve.top5[i], abs=1e-6)
         assert history["map"][step] == pytest.approx(curve.map[i], abs=1e-6)
+    # the budget advisor's prediction, made when planning: its sample is the whole gallery here
+    # (eval_queries all), so it is the curve itself, every 5%, before a single item was embedded
+    advice = gallery.store.get_json(f"upgrades/{plan.id}/advice.json")
+    cuts = [int(np.floor(round(f * n, 9))) for f in advice["fractions"]]
+    exact = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
+                            transformed[positions], labels, restricted_order(order, positions),
+                            [int(np.isin(order[:c], positions).sum()) for c in cuts])
+    np.testing.assert_allclose(advice["top1"], exact.top1, atol=1e-9)
+    np.testing.assert_allclose(advice["map"], exact.map, atol=1e-9)
+    predicted = {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, "predicted_top1")}
+    assert sorted(predicted) == sorted(set(cuts)) and state["upgrade"]["predicted"]["top1"]["100%"] == \
+        pytest.approx(100 * exact.top1[-1], abs=0.01)
     fraction = client.get_metric_history(plan.mlflow_run_id, "backfill_fraction")
     assert max(m.value for m in fraction) == 1.0
     assert client.get_run(plan.mlflow_run_id).info.status == "FINISHED"
@@ -505,6 +517,71 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     assert len(versions) == (2 if tags["check"] == "fallback" else 1)
     assert plan.map_uri == f"models:/{params.mlflow.alignment_model}/{used.version}"
     assert plan.order_kind == order
+
+
+def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, prefect_harness):
+    """A sample of the gallery (not all of it): the dry run predicts the curve from the registry's
+    map, the upgrade predicts the same one when it plans, stops at the recommended fraction, stays
+    there when asked again, and goes on to 100% without the stop."""
+    from typer.testing import CliRunner
+
+    from components.gallery.advisor import recommend
+    from flows.cli import app
+    from flows.gallery import ingest_flow
+    from flows.upgrade import dry_run_upgrade, upgrade_flow
+
+    import yaml
+
+    from components.platform.config import parse_params
+
+    base, tmp_path = upgrade_env
+
+    def configured(**upgrade):  # params.yaml (which the CLI reads) and the params the flows get
+        data = base.model_dump(mode="json")
+        data["gallery"]["upgrade"].update(eval_queries=40, **upgrade)
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+        return parse_params(data)
+
+    params = configured()
+    uri = str(tmp_path / "g")
+    n = ingest_flow(params, uri)["num_items"]
+    store = open_store(uri)
+    before = {key: store.get(key) for key in store.list("")}
+    dry = dry_run_upgrade(params, uri)
+    assert {key: store.get(key) for key in store.list("")} == before  # the prediction wrote nothing
+    predicted = dry["advice"]
+    assert predicted["sample"] == 40 and predicted["items"] == n and len(predicted["top1"]) == 21
+    assert predicted["error_scale"] > 0 and all(0 <= v <= 1 for v in predicted["top1"] + predicted["map"])
+    # a gain that stops the backfill part of the way (the tiny curve is steep: a few points per 5%)
+    gains = [g for g in (0.5, 1, 2, 3, 5, 8, 13, 20) if 0 < recommend(predicted, g)["fraction"] < 1]
+    assert gains, f"no gain stops this curve part of the way: {predicted['top1']}"
+    gain = gains[0]
+    stop = recommend(predicted, gain)
+    params = configured(stop_when_gain_below=gain)
+
+    paused = upgrade_flow(params, uri)
+    assert paused["state"] == "paused" and paused["stopped"] == "recommended", paused
+    assert stop["items"] <= paused["items_done"] < stop["items"] + 2 * params.gallery.upgrade.chunk_size
+    assert paused["advice"]["recommendation"]["fraction"] == stop["fraction"]
+    stored = store.get_json(f"upgrades/{paused['upgrade']}/advice.json")
+    np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve
+    np.testing.assert_allclose(stored["map"], predicted["map"], atol=1e-6)
+    again = upgrade_flow(params, uri)  # the same command stays at the recommended stop
+    assert again["state"] == "paused" and again["items_done"] == paused["items_done"]
+
+    runner = CliRunner()
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+    shown = runner.invoke(app, ["upgrade", *args, "--dry-run", "--stop-when-gain-below", str(gain)])
+    assert shown.exit_code == 0, shown.output
+    assert "predicted backfill curve (from 40 labeled items of" in shown.output
+    assert f"recommended stop for a gain below {gain:g} top-1 points per 5%: {100 * stop['fraction']:.0f}%" in shown.output
+    status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
+    assert status["upgrade"]["predicted"]["sample"] == 40 and len(status["upgrade"]["predicted"]["top1"]) == 11
+    refused = runner.invoke(app, ["upgrade", *args, "--stop-when-gain-below", "-1"])
+    assert refused.exit_code == 2 and "--stop-when-gain-below" in refused.output, refused.output
+
+    done = upgrade_flow(configured(), uri)
+    assert done["state"] == "complete" and done["items_done"] == n
 
 
 # ---- adopted in place ---------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""The budget advisor: the backfill curve predicted before the backfill, and where to stop.
+
+What is known before any gallery item is re-embedded: the transformed features h(old) and
+the backfill order (sigma's, or random) of every item, and the upgrade's evaluation sample S,
+labeled items whose new-model features are computed when the upgrade is planned. The
+prediction (docs/upgrade.md, "How much backfill is enough"):
+
+- mAP at fraction f: the curve of S measured on S alone (S the queries and the gallery, the
+  first f of the order new within S, as ``BackfillMeter`` measures it). Average precision
+  does not change, in expectation, when the gallery is a uniform sample of itself, so S
+  alone estimates it.
+- top-1 at fraction f: the same curve of S, corrected for the gallery's size. Top-1 does
+  depend on it (a denser gallery has a nearer same-class neighbour). At 0% the correction is
+  measured exactly: the S queries searched against the whole transformed gallery give the
+  whole gallery's error rate, and its ratio to the S-only curve's first point scales the S-only
+  error rate at every point of the curve.
+- Each point has a standard error from the spread of the S queries' own hits and average
+  precisions (with the finite-population factor 1 - |S|/N): the sample's size, not the
+  method, is the limit of the prediction's accuracy (docs/results.md measures both).
+
+The recommended stop for a marginal gain ``g`` (top-1 points per 5% of the gallery) is the
+first fraction from which no later point of the predicted curve is worth reaching at that
+rate: for every later f', top1(f') - top1(f) < g * (f' - f) / 5%.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+STEP = 0.05  # the advisor's curve: every 5% of the gallery
+ADVICE = "advice.json"
+
+
+def fractions(step: float = STEP) -> np.ndarray:
+    points = int(round(1 / step))
+    return np.arange(points + 1) / points
+
+
+def ranks_of(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Where each of ``positions`` comes in the backfill ``order``."""
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank[np.asarray(positions, dtype=np.int64)]
+
+
+class NearestLabel:
+    """The S queries' nearest item (self excluded) in a gallery read part by part, so a gallery
+    of any size is searched in the memory of one part: ``add`` each part of transformed
+    features, then ``hits`` says which queries' nearest item has their label."""
+
+    def __init__(self, queries: np.ndarray, positions: np.ndarray, labels: np.ndarray, distance: str = "l2"):
+        self.queries, self.positions = np.asarray(queries, dtype=np.float32), np.asarray(positions, dtype=np.int64)
+        self.labels, self.distance = np.asarray(labels), distance
+        self.best = np.full(len(self.positions), np.inf)
+        self.best_label = np.full(len(self.positions), -1, dtype=np.int64)
+        self.seen = 0
+
+    def add(self, start: int, features: np.ndarray, block: int = 4096) -> None:
+        from components.evaluation.retrieval import pairwise_distances
+
+        for offset in range(0, len(features), block):
+            rows = np.asarray(features[offset:offset + block], dtype=np.float32)
+            first = start + offset
+            d = pairwise_distances(self.queries, rows, self.distance)
+            inside = (self.positions >= first) & (self.positions < first + len(rows))
+            d[np.flatnonzero(inside), self.positions[inside] - first] = np.inf  # not itself
+            nearest = d.argmin(axis=1)
+            value = d[np.arange(len(d)), nearest]
+            better = value < self.best
+            self.best[better] = value[better]
+            self.best_label[better] = self.labels[first + nearest[better]]
+            self.seen += len(rows)
+
+    def hits(self) -> np.ndarray:
+        return self.best_label == self.labels[self.positions]
+
+
+def predict(queries: np.ndarray, transformed: np.ndarray, labels: np.ndarray, ranks: np.ndarray, num_items: int,
+            anchor_hits: np.ndarray | None = None, *, distance: str = "l2", step: float = STEP) -> dict:
+    """The predicted curve at every ``step`` of the gallery.
+
+    ``queries``: new-model features of S; ``transformed``: h(old) of S; ``labels``: of S;
+    ``ranks``: each S item's place in the backfill order of the ``num_items`` items;
+    ``anchor_hits``: whether each S query's nearest item in the whole transformed gallery has
+    its label (``NearestLabel``); None leaves top-1 as S measures it (S is the whole gallery)."""
+    # the ranking code of the evaluation, per query (its public curves give only the means)
+    from components.evaluation.retrieval import _evaluate
+
+    m = len(queries)
+    if m < 2:
+        raise ValueError(f"the advisor needs an evaluation sample of at least 2 labeled items, got {m}")
+    points = fractions(step)
+    counts = [int((ranks < math.floor(round(f * num_items, 9))).sum()) for f in points]
+    local = np.argsort(ranks, kind="stable")
+    totals = _evaluate(np.asarray(queries, np.float32), np.asarray(queries, np.float32),
+                       np.asarray(transformed, np.float32), np.asarray(labels), local, distance, counts, 1024, 2,
+                       per_query=True)
+    hits, ap = totals.query_top1.astype(np.float64), totals.query_ap
+    _, inverse, sizes = np.unique(labels, return_inverse=True, return_counts=True)
+    with_positive = sizes[inverse] > 1
+    fpc = max(0.0, 1.0 - m / max(num_items, m))  # finite population: S is drawn without replacement
+    top1 = hits.mean(axis=1)
+    # the gallery's size scales the error rate: the ratio measured at 0% is kept along the curve
+    scale = 1.0 if anchor_hits is None else (1 - float(np.mean(anchor_hits))) / max(1e-9, 1 - float(top1[0]))
+    top1_se = np.sqrt(hits.var(axis=1, ddof=1) / m * fpc)
+    if anchor_hits is not None:  # the correction's own error: the anchor and the first point are paired
+        top1_se = np.sqrt(top1_se ** 2 + np.var(np.asarray(anchor_hits, float) - hits[0], ddof=1) / m * fpc)
+    ap = ap[:, with_positive]
+    return {
+        "fractions": points.tolist(), "sample": m, "items": int(num_items),
+        "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(), "top1_se": top1_se.tolist(),
+        "map": ap.mean(axis=1).tolist(), "map_se": np.sqrt(ap.var(axis=1, ddof=1) / max(1, ap.shape[1]) * fpc).tolist(),
+        "sample_top1": top1.tolist(), "error_scale": scale,
+    }
+
+
+def recommend(prediction: dict, gain_below: float, step: float = STEP) -> dict:
+    """The recommended stop for a marginal gain of ``gain_below`` top-1 points per ``step``."""
+    if not gain_below > 0:
+        raise ValueError(f"the marginal gain must be positive (top-1 points per 5% of the gallery), got {gain_below!r}")
+    f = np.asarray(prediction["fractions"])
+    top1 = 100 * np.asarray(prediction["top1"])
+    stop = len(f) - 1
+    for k in range(len(f)):
+        later = np.arange(k + 1, len(f))
+        if not len(later) or np.all(top1[later] - top1[k] < gain_below * (f[later] - f[k]) / step):
+            stop = k
+            break
+    items = prediction["items"]
+    embedded = min(items, math.ceil(round(f[stop] * items, 9)))
+    return {"gain_below": gain_below, "fraction": float(f[stop]), "items": int(embedded),
+            "items_saved": int(items - embedded), "top1": float(top1[stop] / 100),
+            "top1_full": float(top1[-1] / 100), "top1_given_up": float((top1[-1] - top1[stop]) / 100),
+            "map": float(prediction["map"][stop]), "map_full": float(prediction["map"][-1])}
+
+
+def advise(parts: Iterable[tuple[int, np.ndarray]], order: np.ndarray, positions: np.ndarray,
+           queries: np.ndarray, labels: np.ndarray, *, distance: str = "l2", gain_below: float | None = None) -> dict:
+    """The prediction (and, with ``gain_below``, the recommended stop) from the gallery's
+    transformed features given as ``(first item, rows)`` parts, the backfill ``order``, and the
+    evaluation sample: ``positions`` of its items, ``queries`` their new-model features."""
+    positions = np.asarray(positions, dtype=np.int64)
+    anchor = NearestLabel(queries, positions, labels, distance)
+    transformed = np.empty((len(positions), np.asarray(queries).shape[1]), dtype=np.float32)
+    for start, rows in parts:
+        anchor.add(start, rows)
+        inside = (positions >= start) & (positions < start + len(rows))
+        transformed[inside] = rows[positions[inside] - start]
+    if anchor.seen != len(order):
+        raise ValueError(f"the transformed parts hold {anchor.seen} items, the order {len(order)}")
+    full = len(positions) == len(order)  # S is the gallery: nothing to shift
+    prediction = predict(queries, transformed, labels[positions], ranks_of(order, positions), len(order),
+                         None if full else anchor.hits(), distance=distance)
+    if gain_below is not None:
+        prediction["recommendation"] = recommend(prediction, gain_below)
+    return prediction
+
+
+def at_stop(prediction: dict, gain_below: float | None) -> dict | None:
+    """The recommendation for ``gain_below`` (recomputed when it differs from the stored one)."""
+    if gain_below is None:
+        return prediction.get("recommendation")
+    stored = prediction.get("recommendation")
+    return stored if stored and stored["gain_below"] == gain_below else recommend(prediction, gain_below)
+
+
+def describe(prediction: dict, measured: dict[float, float] | None = None, gain_below: float | None = None,
+             every: int = 2) -> list[str]:
+    """Lines for the terminal: the predicted curve every ``every`` steps (10% by default), the
+    measured top-1 beside it where the backfill has reached, and the recommended stop."""
+    f = prediction["fractions"]
+    lines = [f"predicted backfill curve (from {prediction['sample']} labeled items of {prediction['items']:,}; "
+             "± one standard error):",
+             "  backfilled   top-1            mAP" + ("              measured top-1" if measured else "")]
+    for i in range(0, len(f), every):
+        row = (f"  {100 * f[i]:>5.0f}%      {100 * prediction['top1'][i]:6.2f} ± {100 * prediction['top1_se'][i]:.2f}"
+               f"   {100 * prediction['map'][i]:6.2f} ± {100 * prediction['map_se'][i]:.2f}")
+        if measured:
+            near = [v for k, v in measured.items() if abs(k - f[i]) < 1e-9]
+            row += f"    {100 * near[0]:6.2f}" if near else ""
+        lines.append(row)
+    stop = at_stop(prediction, gain_below)
+    if stop is not None:
+        lines.append(
+            f"recommended stop for a gain below {stop['gain_below']:g} top-1 points per 5%: {100 * stop['fraction']:.0f}% "
+            f"({stop['items']:,} items embedded, {stop['items_saved']:,} not); predicted top-1 {100 * stop['top1']:.2f} "
+            f"there, {100 * stop['top1_full']:.2f} at 100% ({100 * stop['top1_given_up']:.2f} points given up)")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# A planned upgrade's advice, kept beside its plan
+
+
+def advice_key(upgrade: str) -> str:
+    from components.gallery.plan import upgrade_key
+
+    return upgrade_key(upgrade, ADVICE)
+
+
+def stored_advice(store, upgrade: str) -> dict | None:
+    from components.gallery.store import ObjectMissing
+
+    try:
+        return store.get_json(advice_key(upgrade))
+    except ObjectMissing:
+        return None
+
+
+def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | None:
+    """The prediction of a planned upgrade from what its plan stored (transformed parts, order,
+    evaluation sample), written to upgrades/<id>/advice.json; None when the upgrade has no
+    evaluation sample (an unlabeled gallery, or eval_queries 0): nothing to predict from."""
+    from components.gallery.plan import order_of, stored_eval_sample, transformed_key
+
+    labels = gallery.labels()
+    if plan.eval_queries < 2 or labels is None:
+        return None
+    store = gallery.store
+    positions, queries = stored_eval_sample(store, plan.id)
+    parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
+    prediction = advise(parts, order_of(store, plan.id), positions, queries, labels, distance=plan.distance,
+                        gain_below=gain_below)
+    prediction["upgrade"] = plan.id
+    store.put_json(advice_key(plan.id), prediction)
+    return prediction

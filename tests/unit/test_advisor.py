@@ -1,0 +1,84 @@
+"""The budget advisor: its search of the whole gallery, its prediction and its recommended stop."""
+
+import numpy as np
+import pytest
+
+from components.evaluation import curve_at_counts
+from components.evaluation.retrieval import pairwise_distances
+from components.gallery.advisor import NearestLabel, advise, fractions, predict, ranks_of, recommend
+
+
+def _gallery(n=300, d=8, classes=5, seed=0):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    centers = rng.normal(size=(classes, d)) * 2
+    new = (centers[labels] + rng.normal(size=(n, d))).astype(np.float32)
+    old = (new + 1.5 * rng.normal(size=(n, d))).astype(np.float32)  # h(old): the new features, blurred
+    return labels, new, old, rng.permutation(n)
+
+
+def test_the_nearest_item_of_the_whole_gallery_read_part_by_part_is_the_brute_force_one():
+    labels, new, old, _ = _gallery()
+    positions = np.array([0, 7, 19, 150, 299])
+    search = NearestLabel(new[positions], positions, labels)
+    for start in range(0, len(old), 64):
+        search.add(start, old[start:start + 64], block=16)
+    d = pairwise_distances(new[positions], old)
+    d[np.arange(len(positions)), positions] = np.inf  # itself excluded
+    np.testing.assert_array_equal(search.hits(), labels[d.argmin(axis=1)] == labels[positions])
+    assert search.seen == len(old)
+
+
+def test_a_sample_that_is_the_whole_gallery_predicts_the_curve_exactly():
+    labels, new, old, order = _gallery()
+    n = len(labels)
+    positions = np.arange(n)
+    parts = ((s, old[s:s + 100]) for s in range(0, n, 100))
+    predicted = advise(parts, order, positions, new, labels)
+    counts = [int(np.floor(round(f * n, 9))) for f in fractions()]
+    exact = curve_at_counts(new, new, old, labels, order, counts)
+    np.testing.assert_allclose(predicted["top1"], exact.top1, atol=1e-12)
+    np.testing.assert_allclose(predicted["map"], exact.map, atol=1e-12)
+    assert predicted["error_scale"] == 1.0 and predicted["sample"] == n
+
+
+def test_a_sample_predicts_the_curve_of_the_whole_gallery_within_its_error():
+    """On a synthetic gallery where the new features win everywhere: the predicted curve from a
+    third of the items rises as the measured one does, and each point is within 3 standard
+    errors (plus the spread of 5 samples' own predictions)."""
+    labels, new, old, order = _gallery(n=900, seed=1)
+    n = len(labels)
+    counts = [int(np.floor(round(f * n, 9))) for f in fractions()]
+    measured = curve_at_counts(new, new, old, labels, order, counts)
+    assert measured.top1[-1] - measured.top1[0] > 0.05  # a curve worth predicting
+    for seed in range(3):
+        positions = np.sort(np.random.default_rng(seed).choice(n, 300, replace=False))
+        parts = ((s, old[s:s + 128]) for s in range(0, n, 128))
+        predicted = advise(parts, order, positions, new[positions], labels)
+        gap = np.abs(np.asarray(predicted["top1"]) - measured.top1)
+        assert np.all(gap <= 3 * np.asarray(predicted["top1_se"]) + 0.02), (seed, gap.max())
+        assert np.abs(np.asarray(predicted["map"]) - measured.map).max() < 0.05
+        assert predicted["top1"][-1] > predicted["top1"][0]
+
+
+def test_the_recommended_stop_is_where_no_later_point_is_worth_its_cost():
+    curve = {"fractions": fractions().tolist(), "items": 2000, "map": [0.5] * 21,
+             # +1 point per 5% up to 40%, then +0.05 per 5%, then a last jump of 0.5 at 100%
+             "top1": [(80 + min(i, 8) + 0.05 * max(0, min(i, 19) - 8) + (0.5 if i == 20 else 0)) / 100
+                      for i in range(21)]}
+    late = recommend(curve, 0.1)
+    # the last step alone gains 0.55, but from 40% the 12 steps to 100% gain 1.05: < 0.1 per step
+    assert late["fraction"] == pytest.approx(0.40)
+    assert late["items"] == 800 and late["items_saved"] == 1200
+    assert late["top1_given_up"] == pytest.approx((curve["top1"][-1] - curve["top1"][8]))
+    assert recommend(curve, 2.0)["fraction"] == 0.0  # nothing gains 2 points per 5%
+    assert recommend(curve, 0.01)["fraction"] == 1.0  # every step gains more than that
+    with pytest.raises(ValueError, match="must be positive"):
+        recommend(curve, 0)
+
+
+def test_ranks_and_a_too_small_sample():
+    order = np.array([3, 0, 2, 1])
+    np.testing.assert_array_equal(ranks_of(order, np.array([0, 1, 3])), [1, 3, 0])
+    with pytest.raises(ValueError, match="at least 2 labeled items"):
+        predict(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), np.zeros(1), 10)
