@@ -115,3 +115,26 @@ def test_methods_are_described_in_the_terms_of_the_methods_page():
     assert "unified space, 4 RBT" in describe_method(AlignConfig(architecture="unified", rbt_blocks=4))
     assert "BCT influence" in describe_method(CompatibleConfig(loss="bct"))
     assert "vanilla" in describe_method(CompatibleConfig(loss="ract", new_to_new=False))
+
+
+def test_every_method_of_a_20_curve_plot_has_its_own_colour_and_the_papers_methods_stand_out():
+    from components.evaluation.comparison import curve_styles
+
+    methods = ["fct", "fastfill", "bct", "ract", "disc", "l2_disc", "l2_uncertainty", "disc_uncertainty", "rbt",
+               "unified", "ract_vanilla", "adapter_procrustes", "adapter_low_rank", "adapter_residual_mlp"]
+    labels, headline = [], {}
+    for method in methods:
+        for i, order in enumerate(("sigma", "random", "oracle") if method == "fastfill" else ("random", "entropy")):
+            label = f"{method} ({order})"
+            labels.append(label)
+            headline[label] = i == 0
+    assert len(labels) >= 20
+    styles = curve_styles(labels, headline)
+    colours = {label.split(" (")[0]: styles[label]["color"] for label in labels if headline[label]}
+    assert len(set(colours.values())) == len(methods)  # no two methods share a colour
+    for label in labels:
+        method = label.split(" (")[0]
+        assert styles[label]["color"] == colours[method]  # a method's orders share its colour
+        assert (styles[label]["linestyle"] == "-") == headline[label]
+    assert styles["fastfill (sigma)"]["linewidth"] > styles["disc (random)"]["linewidth"] > styles["fastfill (random)"]["linewidth"]
+    assert styles["fastfill (random)"]["linestyle"] != styles["fastfill (oracle)"]["linestyle"]
