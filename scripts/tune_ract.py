@@ -9,6 +9,10 @@ by the mean of top1_auc and map_auc in the headline order is the one to put in
 compare.compatible.ract; this script prints it and writes the grid, it edits nothing.
 
     python scripts/tune_ract.py --lam 0.3 1 3 --tau 0.05 0.1 --out reports/ract_grid
+
+``--test``: then the chosen point, trained on the whole new_train split as the comparison trains
+it (its seed 0), measured once on the test split, beside the comparison's rows of that seed
+(reports/comparison.json): the numbers that say where a tuned RACT ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ def held_out(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
         rows = np.flatnonzero(labels == label)
         chosen.append(rng.choice(rows, size=max(2, int(round(fraction * len(rows)))), replace=False))
     return np.sort(np.concatenate(chosen))
+
+
+def _values(grid: list[dict], key: str) -> str:
+    return " ".join(f"{v:g}" for v in sorted({g[key] for g in grid}))
 
 
 def measure(model, old_model, split, *, distance: str, curve_points: int, seed: int) -> dict:
@@ -67,6 +75,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tau", type=float, nargs="+", default=[0.05, 0.1])
     parser.add_argument("--fraction", type=float, default=0.1, help="of the new model's training split, held out")
     parser.add_argument("--out", type=Path, default=Path("reports/ract_grid"))
+    parser.add_argument("--test", action="store_true", help="then train the chosen point on all of new_train and "
+                        "measure it on the test split")
+    parser.add_argument("--comparison", type=Path, default=Path("reports/comparison.json"))
+    parser.add_argument("--reuse-grid", action="store_true", help="keep the points already in OUT.json; train only the others")
     args = parser.parse_args(argv)
 
     params = load_params(args.params)
@@ -80,9 +92,11 @@ def main(argv=None) -> int:
     classes = meta.get("new_classes", list(range(meta["num_classes"])))
     print(f"RACT grid: lambda {args.lam} x tau {args.tau}; training on {len(train)} images, measured on {len(val)} "
           f"held out of new_train", flush=True)
-    grid = []
+    grid = json.loads(args.out.with_suffix(".json").read_text())["grid"] if args.reuse_grid else []
     for lam in args.lam:
         for tau in args.tau:
+            if any(g["lam"] == lam and g["tau"] == tau for g in grid):
+                continue
             started = time.perf_counter()
             model, _ = train_embedder(params.train.new, train, classes, (meta["pixel_mean"], meta["pixel_std"]),
                                       compatibility=RACTCompatibility(old_model, tau=tau, lam=lam))
@@ -99,8 +113,8 @@ def main(argv=None) -> int:
              f"RACT new models trained on new_train less a stratified {100 * args.fraction:g}% held out ({len(val)} "
              "images), measured on the held-out images (query = gallery, the old side their old features), in RACT's "
              "headline order (entropy) and in random order. Numbers in %. Chosen: the best mean of top1_auc and "
-             f"map_auc in the entropy order. Command: `python scripts/tune_ract.py --lam {' '.join(map(str, args.lam))} "
-             f"--tau {' '.join(map(str, args.tau))}`.", "",
+             f"map_auc in the entropy order. Command: `python scripts/tune_ract.py --lam {_values(grid, 'lam')} "
+             f"--tau {_values(grid, 'tau')}{' --test' if args.test else ''}`.", "",
              "| lambda | tau | top1_auc (entropy) | map_auc (entropy) | top-1 0% | top-1 100% | top1_auc (random) "
              "| map_auc (random) |", "|---|---|---|---|---|---|---|---|"]
     for g in grid:
@@ -110,10 +124,28 @@ def main(argv=None) -> int:
                      f"{100 * g['entropy']['top1_1']:.2f} | {100 * g['random']['top1_auc']:.2f} | "
                      f"{100 * g['random']['map_auc']:.2f} |")
     lines += ["", f"Chosen: lambda {best['lam']:g}, tau {best['tau']:g} (compare.compatible.ract in params.yaml)."]
+    result = {"grid": grid, "best": {"lam": best["lam"], "tau": best["tau"]}, "validation_images": len(val)}
+    if args.test:
+        started = time.perf_counter()
+        model, _ = train_embedder(params.train.new, split, classes, (meta["pixel_mean"], meta["pixel_std"]),
+                                  compatibility=RACTCompatibility(old_model, tau=best["tau"], lam=best["lam"]))
+        test = measure(model.eval(), old_model.eval(), load_split(layout.splits, "test"),
+                       distance=params.evaluate.distance, curve_points=params.evaluate.curve_points,
+                       seed=params.evaluate.seed)
+        result["test"] = {**test, "seconds": round(time.perf_counter() - started, 1)}
+        lines += ["", f"On the test split (trained on all of new_train, seed {params.train.new.seed}), beside the "
+                  f"comparison's headline rows of {args.comparison} (seed 0), top1_auc / map_auc:", ""]
+        rows = json.loads(args.comparison.read_text())["rows"] if args.comparison.is_file() else {}
+        shown = [(f"ract tuned (lambda {best['lam']:g}, tau {best['tau']:g}) (entropy)", test["entropy"]),
+                 (f"ract tuned (lambda {best['lam']:g}, tau {best['tau']:g}) (random)", test["random"])]
+        for label, row in rows.items():
+            if row.get("headline") or label in ("old/old", "new/new"):
+                shown.append((label, {k: row[k]["per_seed"]["0"] for k in ("top1_auc", "map_auc")}))
+        for label, numbers in sorted(shown, key=lambda item: -(item[1]["top1_auc"] or 0)):
+            lines.append(f"- {label}: {100 * numbers['top1_auc']:.2f} / {100 * numbers['map_auc']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"grid": grid, "best": {"lam": best["lam"], "tau": best["tau"]},
-                                                         "validation_images": len(val)}, indent=2))
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     print("\n".join(lines))
     return 0
 
