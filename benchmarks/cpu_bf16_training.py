@@ -1,0 +1,70 @@
+"""Training steps in float32 against bfloat16 autocast on this CPU, side by side in one run.
+
+The comparison's time is almost all training (docs/results.md, "The comparison of every
+method": the MLP maps and the CNN models). A CPU with avx512_bf16 or AMX runs bfloat16
+matrix products faster; this measures by how much, for the shapes the comparison trains:
+an alignment map (MLP 128 -> 256 -> 256 -> 1024 -> 1024 -> 129, batch 256) and a CNN
+embedder step (batch 128, 28 x 28 images). Ratios are float32 time / bfloat16 time.
+
+    python benchmarks/cpu_bf16_training.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1024),
+                         nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 129))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(64 * 49, 128)).to(memory_format=torch.channels_last)
+
+
+def seconds(model: nn.Module, x: torch.Tensor, steps: int, bf16: bool) -> float:
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(5):  # warm-up: first-call costs are not per step
+        step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    cases = {"alignment map (MLP), 200 steps": (_mlp, torch.randn(256, 128), 200),
+             "CNN embedder, 30 steps": (_cnn, torch.randn(128, 1, 28, 28).to(memory_format=torch.channels_last), 30)}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, (build, x, steps) in cases.items():
+        times = {False: [], True: []}
+        for _ in range(args.repeats):  # interleaved, so a busy moment hits both
+            for bf16 in (False, True):
+                times[bf16].append(seconds(build(), x, steps, bf16))
+        fp32, bf16 = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{name}: float32 {fp32:.2f} s, bfloat16 {bf16:.2f} s, ratio {fp32 / bf16:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
