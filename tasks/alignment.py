@@ -86,6 +86,9 @@ def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, dista
     directory = layout.align_dir(method)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "check.json").unlink(missing_ok=True)
+    if config.check == "off":
+        log(f"{method}: align.{method}.check is off, so the map is used unchecked")
+        return h, config, None
     if is_reference(config):
         log(f"{method} is an l2-only map: it is the reference of the map check")
         return h, config, None

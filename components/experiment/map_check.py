@@ -25,7 +25,7 @@ CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
 # The settings the l2-only reference shares with the map it checks: same pairs, same split,
 # same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).
 _SHARED = ("l2_reduction", "epochs", "min_steps", "warmup_epochs", "batch_size", "lr", "weight_decay",
-           "validation_fraction", "validation_items", "seed")
+           "validation_fraction", "validation_items", "seed", "precision")
 
 
 class MapCheckError(RuntimeError):

@@ -22,6 +22,7 @@ from components.experiment.losses import (
 )
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
+    describe_precision, forward_precision, training_dtype,
     Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
 )
 from components.platform.config import AlignConfig
@@ -166,6 +167,13 @@ def _describe_validation(record: dict) -> str:
             f"{100 * record['val_top1']:.2f}, mAP {100 * record['val_map']:.2f}")
 
 
+def _precision(config: AlignConfig, device: torch.device, log: Log) -> torch.dtype | None:
+    dtype = training_dtype(device, config.precision)
+    if dtype is not None:
+        log(f"precision {config.precision}: the map's forward passes in {describe_precision(dtype)} on {device}")
+    return dtype
+
+
 def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The map's training and held-out pairs (see components.experiment.map_validation)."""
     from components.experiment.map_validation import validation_split
@@ -200,8 +208,12 @@ def train_alignment(
     new = torch.from_numpy(new_features[train_index]).to(device)
     rows = torch.from_numpy(class_rows[train_index]).to(device)
 
+    dtype = _precision(config, device, log)
+
     def batch_loss(index: torch.Tensor, warm: bool) -> dict:
-        transformed = h(old[index])
+        with forward_precision(device, dtype):
+            transformed = h(old[index])
+        transformed = transformed.float()
         # psi's own term reaches h through psi's input in every weighting: that is what makes the
         # transformed features carry the uncertainty (detaching the input leaves sigma near random)
         log_sigma2 = h.log_sigma2(transformed) if config.uncertainty else None
@@ -267,8 +279,12 @@ def train_unified(
     new = torch.from_numpy(new_features[train_index]).to(device)
     rows = torch.from_numpy(class_rows[train_index]).to(device)
 
+    dtype = _precision(config, device, log)
+
     def batch_loss(index: torch.Tensor, warm: bool) -> dict:
-        parts = unified_loss(maps.query(new[index]), maps.gallery(old[index]), maps.classifier, rows[index],
+        with forward_precision(device, dtype):
+            query, gallery = maps.query(new[index]), maps.gallery(old[index])
+        parts = unified_loss(query.float(), gallery.float(), maps.classifier, rows[index],
                              label_smoothing=config.disc_label_smoothing)
         return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
                 "kl": parts.kl}

@@ -9,6 +9,8 @@ killed training loses at most one epoch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -42,6 +44,45 @@ class TrainingRun:
     checkpoint: Path | None = None
     log: Log = print
     on_epoch: Progress | None = None
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (avx512_bf16 or AMX): there
+    bfloat16 autocast trains about twice as fast (benchmarks/cpu_bf16_training.py); elsewhere it
+    is emulated and slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def training_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype of a training's forward passes, or None for float32. ``fp32``: none;
+    ``bf16``: bfloat16 on any device; ``auto``: bfloat16 where the hardware runs it fast (a
+    CUDA device that supports it, a CPU with avx512_bf16/AMX), float32 elsewhere."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision != "auto":
+        raise ValueError(f"training precision must be fp32, bf16 or auto, got {precision!r}")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else None
+
+
+def forward_precision(device: torch.device, dtype: torch.dtype | None):
+    """Autocast for the forward passes of a training step; weights, optimiser state, gradients
+    and every loss stay float32 (callers take ``.float()`` of the outputs before the loss)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def describe_precision(dtype: torch.dtype | None) -> str:
+    return "float32" if dtype is None else "bfloat16 autocast"
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -128,6 +169,9 @@ def train_embedder(
     rows[classes] = np.arange(len(classes))
     if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():
         raise ValueError(f"the training split has labels outside the model's classes {classes}")
+    dtype = training_dtype(device, config.precision)
+    if dtype is not None:
+        log(f"precision {config.precision}: the forward passes in {describe_precision(dtype)} on {device}")
     images = torch.from_numpy(split.images).to(device)
     targets = torch.from_numpy(rows[split.labels]).to(device)
     labels = torch.from_numpy(split.labels).to(device)
@@ -166,8 +210,10 @@ def train_embedder(
             if config.augment:
                 batch = _augment(batch, generator)
             batch = batch.contiguous(memory_format=CHANNELS_LAST)
-            features = model(batch)
-            logits = model.classify(features)
+            with forward_precision(device, dtype):
+                features = model(batch)
+                logits = model.classify(features)
+            features, logits = features.float(), logits.float()
             loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
             if compatibility is not None:
                 term = compatibility(batch, features, labels[index])

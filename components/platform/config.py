@@ -73,6 +73,9 @@ class PrepareConfig(Section):
         return self
 
 
+TrainingPrecision = Literal["fp32", "bf16", "auto"]  # components.experiment.training.training_dtype
+
+
 class TrainConfig(Section):
     backbone: Literal["cnn", "cnn_small", "resnet18"] = Field(
         default="cnn", description="cnn_small: 2 conv layers; cnn: 5 conv layers; resnet18: torchvision's, for small images")
@@ -90,6 +93,10 @@ class TrainConfig(Section):
         default=None, description="stop after this many optimiser steps (tiny test runs)"
     )
     seed: int = Field(default=0, description='weights, order and augmentation')
+    precision: TrainingPrecision = Field(
+        default="fp32", description="of the training's forward passes: fp32; bf16 = bfloat16 autocast (weights, "
+        "optimiser and losses stay float32); auto = bf16 where the hardware runs it fast (a CUDA device that "
+        "supports it, a CPU with avx512_bf16/AMX), else fp32. About 2x faster there: benchmarks/cpu_bf16_training.py")
 
 
 class TrainSection(Section):
@@ -136,10 +143,11 @@ class AlignConfig(Section):
         "and the map check; 0 = none (then no check and the last epoch is kept)")
     validation_items: Annotated[int, Field(ge=2)] = Field(
         default=2000, description="at most this many held-out pairs measured per validation")
-    check: Literal["fail", "fallback", "warn"] = Field(
+    check: Literal["fail", "fallback", "warn", "off"] = Field(
         default="fallback", description="when the map retrieves worse on the validation pairs than the l2-only "
         "map trained on the same pairs: fail = stop with both numbers, fallback = use the l2 map and record why, "
-        "warn = keep the map and record the warning")
+        "warn = keep the map and record the warning; off = no check (the comparison's setting: each of its rows "
+        "is its method's own map, measured against FCT's on the test split)")
     check_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
         default=0.0, description="the map may trail the l2-only map by this much (fraction, e.g. 0.005) in "
         "top1_auc and map_auc on the validation curve")
@@ -148,6 +156,10 @@ class AlignConfig(Section):
         "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
         "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
     seed: int = Field(default=0, description='weights and batches')
+    precision: TrainingPrecision = Field(
+        default="fp32", description="of the training's forward passes: fp32; bf16 = bfloat16 autocast (weights, "
+        "optimiser and losses stay float32); auto = bf16 where the hardware runs it fast (a CUDA device that "
+        "supports it, a CPU with avx512_bf16/AMX), else fp32. About 2x faster there: benchmarks/cpu_bf16_training.py")
 
     @model_validator(mode="after")
     def _some_loss(self) -> AlignConfig:
@@ -386,6 +398,12 @@ class CompareConfig(Section):
         default_factory=lambda: ["procrustes", "low_rank", "residual_mlp"],
         description="the query-side adapters among the rows (evaluate.adapters of each seed): the zero-write "
         "alternative, fitted on the maps' pairs")
+    precision: TrainingPrecision | None = Field(
+        default="auto", description="the precision of every training of the comparison (the models, the maps, "
+        "the compatible models), the same for every method; null = each configuration's own")
+    jobs: PositiveInt = Field(
+        default=1, description="seeds trained at once, each in its own process with cores/jobs threads: on a "
+        "CPU, two or three small trainings side by side use the cores better than one (`fastfill compare --jobs`)")
 
 
 def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, AlignConfig],
@@ -486,6 +504,12 @@ class Params(Section):
         data["evaluate"]["orders"] = orders
         data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
         data["evaluate"]["adapters"] = compare["adapters"]
+        # each row is its method's own map: the map check's fallback would put FCT's map in its place
+        for method in data["align"].values():
+            method["check"] = "off"
+        if compare["precision"] is not None:
+            for section in (data["train"]["old"], data["train"]["new"], *data["align"].values()):
+                section["precision"] = compare["precision"]
         root = Path(compare["out"]) / f"seed-{seed}"
         seeded = Params.model_validate(data).with_seed(seed).with_outputs_under(root)
         # its models and maps are registered under compare's names, never as production versions

@@ -94,7 +94,9 @@ def sweep(params: ParamsOption = Path("params.yaml"),
 @app.command()
 def compare(params: ParamsOption = Path("params.yaml"),
             seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
-            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True) -> None:
+            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True,
+            jobs: Annotated[int | None, typer.Option(min=1, help="seeds trained side by side, each in its own process "
+                                                     "(logs in compare.out/seed-<s>.log); default: compare.jobs")] = None) -> None:
     """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
     over seeds; write reports/comparison.{md,json,png} and log them to MLflow. The same as
     `dvc --cd comparison repro` (the stages of comparison/dvc.yaml); the models are registered as
@@ -105,7 +107,7 @@ def compare(params: ParamsOption = Path("params.yaml"),
 
     chosen = seed or list(config.compare.seeds)
     start = time.perf_counter()
-    summary = call(compare_flow, config, chosen)
+    summary = call(compare_flow, config, chosen, jobs)
     typer.echo(f"\ncomparison of seeds {chosen} finished in {time.perf_counter() - start:.0f} s")
     for metric in ("top1_auc", "map_auc"):
         typer.echo(f"  {metric}: " + " > ".join(f"{label} {100 * v:.2f}" for label, v in ranking(summary, metric)))

@@ -107,6 +107,26 @@ def test_the_comparison_covers_every_method_of_the_papers():
     assert params.compatible == {}  # the main pipeline trains no compatible model
 
 
+def test_the_comparison_trains_every_method_at_one_precision_and_checks_no_map():
+    import yaml
+
+    params = load_params(ROOT / "params.yaml")
+    seeded = params.for_comparison(0)
+    assert params.align["fastfill"].check == "fallback" and params.train.new.precision == "fp32"  # the pipeline's
+    trainings = [seeded.train.old, seeded.train.new, *seeded.align.values()]
+    assert {c.precision for c in trainings} == {params.compare.precision} == {"auto"}
+    # the map check's fallback would evaluate FCT's map in another method's row
+    assert {c.check for c in seeded.align.values()} == {"off"}
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["compare"]["precision"] = None  # each configuration keeps its own
+    data["align"]["fct"]["precision"] = "bf16"
+    kept = parse_params(data).for_comparison(0)
+    assert kept.align["fct"].precision == "bf16" and kept.align["fastfill"].precision == "fp32"
+    data["compare"]["precision"] = "fp16"
+    with pytest.raises(ConfigError, match="precision"):
+        parse_params(data)
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["compare"]["orders"].__setitem__("bct", ["sigma"]), r"order 'sigma' does not apply to a compatible"),
     (lambda d: d["compare"]["orders"].__setitem__("fct", ["entropy"]), r"order 'entropy' does not apply to an alignment"),
