@@ -104,7 +104,8 @@ def _progress_line(log_file: Path) -> str | None:
         return None
     for line in reversed(lines):
         message = line.split(" - ", 1)[-1].strip()
-        if " - " in line and (message.startswith(("training the", "epoch ", "evaluat", "kept the weights"))):
+        if " - " in line and (message.startswith(("training the", "epoch ", "evaluat", "kept the weights"))
+                              or "top1_auc" in message):  # an evaluated row
             return message[:160]
     return None
 
