@@ -38,8 +38,17 @@ def held_out(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     return np.sort(np.concatenate(chosen))
 
 
-def _values(grid: list[dict], key: str) -> str:
-    return " ".join(f"{v:g}" for v in sorted({g[key] for g in grid}))
+def _command(grid: list[dict], test: bool) -> str:
+    """The command that measures these points: one when they are every pair of their lambdas and
+    taus; otherwise the points are the union of several runs with --reuse-grid."""
+    pairs = {(g["lam"], g["tau"]) for g in grid}
+    lams, taus = sorted({g["lam"] for g in grid}), sorted({g["tau"] for g in grid})
+    flags = " --test" if test else ""
+    if len(pairs) == len(lams) * len(taus):
+        return (f"Command: `python scripts/tune_ract.py --lam {' '.join(f'{v:g}' for v in lams)} "
+                f"--tau {' '.join(f'{v:g}' for v in taus)}{flags}`.")
+    return (f"{len(pairs)} points, measured by several runs of `python scripts/tune_ract.py --lam ... --tau ... "
+            f"--reuse-grid{flags}` (each trains every lambda x tau pair it is given and keeps those already measured).")
 
 
 def measure(model, old_model, split, *, distance: str, curve_points: int, seed: int) -> dict:
@@ -113,8 +122,7 @@ def main(argv=None) -> int:
              f"RACT new models trained on new_train less a stratified {100 * args.fraction:g}% held out ({len(val)} "
              "images), measured on the held-out images (query = gallery, the old side their old features), in RACT's "
              "headline order (entropy) and in random order. Numbers in %. Chosen: the best mean of top1_auc and "
-             f"map_auc in the entropy order. Command: `python scripts/tune_ract.py --lam {_values(grid, 'lam')} "
-             f"--tau {_values(grid, 'tau')}{' --test' if args.test else ''}`.", "",
+             f"map_auc in the entropy order. {_command(grid, args.test)}", "",
              "| lambda | tau | top1_auc (entropy) | map_auc (entropy) | top-1 0% | top-1 100% | top1_auc (random) "
              "| map_auc (random) |", "|---|---|---|---|---|---|---|---|"]
     for g in grid:
