@@ -45,7 +45,7 @@ def _class_rows(model, labels: np.ndarray) -> np.ndarray:
     return model.class_index(torch.from_numpy(labels)).numpy()
 
 
-def measure(params, seed: int) -> list[dict]:
+def measure(params, seed: int, methods: list[str], precisions: list[str]) -> list[dict]:
     seeded = params.for_comparison(seed)
     layout = Layout(seeded.paths)
     new_model = load_embedder(layout.model_dir("new") / "model.pt")
@@ -55,8 +55,9 @@ def measure(params, seed: int) -> list[dict]:
     old_test, new_test = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
     rows = _class_rows(new_model, train_labels)
     results = []
-    for method, order_name in METHODS.items():
-        for precision in PRECISIONS:
+    for method in methods:
+        order_name = METHODS[method]
+        for precision in precisions:
             config = seeded.align[method].model_copy(update={"precision": precision})
             started = time.perf_counter()
             h, _ = train_alignment(config, old_train, new_train, rows, new_model.classifier, log=lambda m: None,
@@ -69,6 +70,7 @@ def measure(params, seed: int) -> list[dict]:
                                    distance=seeded.evaluate.distance, num_intermediate=seeded.evaluate.curve_points)
             numbers = curve.to_dict()
             row = {"seed": seed, "method": method, "order": order_name, "precision": precision,
+                   "threads": torch.get_num_threads(),
                    "train_seconds": round(seconds, 1), "top1_auc": numbers["top1_auc"], "map_auc": numbers["map_auc"],
                    "top1_0": numbers["top1"][0], "map_0": numbers["map"][0]}
             print(json.dumps(row), flush=True)
@@ -80,14 +82,17 @@ def markdown(rows: list[dict]) -> str:
     lines = ["# Map training in float32 and in bfloat16 autocast, on the same features", "",
              "`.venv/bin/python benchmarks/training_precision.py " + " ".join(
                  f"--seed {s}" for s in sorted({r['seed'] for r in rows})) + "`, in %; train s: seconds to train.", "",
-             "| seed | map (order) | precision | top1_auc | map_auc | top-1 0% | mAP 0% | train s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| seed | map (order) | precision | threads | top1_auc | map_auc | top-1 0% | mAP 0% | train s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['method']} ({r['order']}) | {r['precision']} | {100 * r['top1_auc']:.2f} | "
+        lines.append(f"| {r['seed']} | {r['method']} ({r['order']}) | {r['precision']} | {r.get('threads', '')} | "
+                     f"{100 * r['top1_auc']:.2f} | "
                      f"{100 * r['map_auc']:.2f} | {100 * r['top1_0']:.2f} | {100 * r['map_0']:.2f} | "
                      f"{r['train_seconds']:.0f} |")
+    if {r["precision"] for r in rows} != set(PRECISIONS):
+        return "\n".join(lines) + "\n"
     lines += ["", "bf16 minus fp32, per seed (points):", ""]
-    for method in METHODS:
+    for method in sorted({r["method"] for r in rows}, key=list(METHODS).index):
         for key in ("top1_auc", "map_auc"):
             gaps = []
             for seed in sorted({r["seed"] for r in rows}):
@@ -102,12 +107,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, action="append", help="a finished comparison seed (repeat)")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--method", action="append", choices=sorted(METHODS), help="default: both")
+    parser.add_argument("--precision", action="append", choices=PRECISIONS, help="default: both")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--out", default="reports/training_precision")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     params = load_params(args.params)
     rows = []
     for seed in args.seed or [0]:
-        rows += measure(params, seed)
+        rows += measure(params, seed, args.method or list(METHODS), args.precision or list(PRECISIONS))
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
     out.with_suffix(".md").write_text(markdown(rows))
