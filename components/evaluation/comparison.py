@@ -176,8 +176,8 @@ def comparison_markdown(summary: Mapping) -> str:
 # The papers' own methods, drawn thick and on top; every other method gets its own colour, and
 # a method's extra orders share its colour with another line style.
 LEADING_COLOURS = {"fastfill": "#d62728", "fct": "#1f77b4", "ract": "#2ca02c", "bct": "#9467bd"}
-OTHER_COLOURS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939",
-                 "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363")
+OTHER_COLOURS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#e7ba52",
+                 "#a55194", "#252525", "#637939", "#843c39", "#3182bd", "#e6550d", "#31a354", "#756bb1")
 EXTRA_ORDER_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
 
 
