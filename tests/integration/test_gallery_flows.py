@@ -519,6 +519,34 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     assert plan.order_kind == order
 
 
+def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade_env, prefect_harness):
+    """align.<method>.check: off (the comparison's setting) in an upgrade: the map is trained,
+    registered and used as trained; the version and the run say the check was skipped, and why."""
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    client, _, _, old_version, new_version = registry_models(params)
+    client.delete_registered_model(params.mlflow.alignment_model)
+    align = dict(params.align)
+    align["fastfill"] = align["fastfill"].model_copy(update={"check": "off"})
+    unchecked = params.model_copy(update={"align": align})
+    uri = str(tmp_path / "g")
+    ingest_flow(unchecked, uri)
+    result = upgrade_flow(unchecked, uri)
+    assert result["state"] == "complete"
+    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert len(versions) == 1  # no l2-only fallback map was trained or registered
+    tags = versions[0].tags
+    assert tags["check"] == "skipped (align.fastfill.check is off)"
+    run = client.get_run(plan.mlflow_run_id)
+    assert run.data.tags["check"] == tags["check"]
+    assert not {m for m in run.data.metrics if m.startswith("check.")}
+    assert plan.map_uri == f"models:/{params.mlflow.alignment_model}/{versions[0].version}"
+    assert plan.order_kind == "sigma"
+
+
 def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, prefect_harness):
     """A sample of the gallery (not all of it): the dry run predicts the curve from the registry's
     map, the upgrade predicts the same one when it plans, stops at the recommended fraction, stays
