@@ -22,7 +22,7 @@ from components.experiment.losses import (
 )
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
-    describe_precision, forward_precision, training_dtype,
+    announced_dtype, forward_precision,
     Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
 )
 from components.platform.config import AlignConfig
@@ -167,13 +167,6 @@ def _describe_validation(record: dict) -> str:
             f"{100 * record['val_top1']:.2f}, mAP {100 * record['val_map']:.2f}")
 
 
-def _precision(config: AlignConfig, device: torch.device, log: Log) -> torch.dtype | None:
-    dtype = training_dtype(device, config.precision)
-    if dtype is not None:
-        log(f"precision {config.precision}: the map's forward passes in {describe_precision(dtype)} on {device}")
-    return dtype
-
-
 def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The map's training and held-out pairs (see components.experiment.map_validation)."""
     from components.experiment.map_validation import validation_split
@@ -208,7 +201,7 @@ def train_alignment(
     new = torch.from_numpy(new_features[train_index]).to(device)
     rows = torch.from_numpy(class_rows[train_index]).to(device)
 
-    dtype = _precision(config, device, log)
+    dtype = announced_dtype(config.precision, device, log, "the map's")
 
     def batch_loss(index: torch.Tensor, warm: bool) -> dict:
         with forward_precision(device, dtype):
@@ -279,7 +272,7 @@ def train_unified(
     new = torch.from_numpy(new_features[train_index]).to(device)
     rows = torch.from_numpy(class_rows[train_index]).to(device)
 
-    dtype = _precision(config, device, log)
+    dtype = announced_dtype(config.precision, device, log, "the map's")
 
     def batch_loss(index: torch.Tensor, warm: bool) -> dict:
         with forward_precision(device, dtype):

@@ -81,8 +81,12 @@ def forward_precision(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def describe_precision(dtype: torch.dtype | None) -> str:
-    return "float32" if dtype is None else "bfloat16 autocast"
+def announced_dtype(precision: str, device: torch.device, log: Log, what: str) -> torch.dtype | None:
+    """``training_dtype``, said in the log when it is not float32 (``what``: whose forward passes)."""
+    dtype = training_dtype(device, precision)
+    if dtype is not None:
+        log(f"precision {precision}: {what} forward passes in bfloat16 autocast on {device}")
+    return dtype
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -169,9 +173,7 @@ def train_embedder(
     rows[classes] = np.arange(len(classes))
     if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():
         raise ValueError(f"the training split has labels outside the model's classes {classes}")
-    dtype = training_dtype(device, config.precision)
-    if dtype is not None:
-        log(f"precision {config.precision}: the forward passes in {describe_precision(dtype)} on {device}")
+    dtype = announced_dtype(config.precision, device, log, "the model's")
     images = torch.from_numpy(split.images).to(device)
     targets = torch.from_numpy(rows[split.labels]).to(device)
     labels = torch.from_numpy(split.labels).to(device)

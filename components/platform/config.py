@@ -76,6 +76,14 @@ class PrepareConfig(Section):
 TrainingPrecision = Literal["fp32", "bf16", "auto"]  # components.experiment.training.training_dtype
 
 
+def _precision_field():
+    """The precision of a training (train.<role>, align.<method>): one description for both."""
+    return Field(
+        default="fp32", description="of the training's forward passes: fp32; bf16 = bfloat16 autocast (weights, "
+        "optimiser and losses stay float32); auto = bf16 where the hardware runs it fast (a CUDA device that "
+        "supports it, a CPU with avx512_bf16/AMX), else fp32. About 2x faster there: benchmarks/cpu_bf16_training.py")
+
+
 class TrainConfig(Section):
     backbone: Literal["cnn", "cnn_small", "resnet18"] = Field(
         default="cnn", description="cnn_small: 2 conv layers; cnn: 5 conv layers; resnet18: torchvision's, for small images")
@@ -93,10 +101,7 @@ class TrainConfig(Section):
         default=None, description="stop after this many optimiser steps (tiny test runs)"
     )
     seed: int = Field(default=0, description='weights, order and augmentation')
-    precision: TrainingPrecision = Field(
-        default="fp32", description="of the training's forward passes: fp32; bf16 = bfloat16 autocast (weights, "
-        "optimiser and losses stay float32); auto = bf16 where the hardware runs it fast (a CUDA device that "
-        "supports it, a CPU with avx512_bf16/AMX), else fp32. About 2x faster there: benchmarks/cpu_bf16_training.py")
+    precision: TrainingPrecision = _precision_field()
 
 
 class TrainSection(Section):
@@ -156,10 +161,7 @@ class AlignConfig(Section):
         "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
         "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
     seed: int = Field(default=0, description='weights and batches')
-    precision: TrainingPrecision = Field(
-        default="fp32", description="of the training's forward passes: fp32; bf16 = bfloat16 autocast (weights, "
-        "optimiser and losses stay float32); auto = bf16 where the hardware runs it fast (a CUDA device that "
-        "supports it, a CPU with avx512_bf16/AMX), else fp32. About 2x faster there: benchmarks/cpu_bf16_training.py")
+    precision: TrainingPrecision = _precision_field()
 
     @model_validator(mode="after")
     def _some_loss(self) -> AlignConfig:
