@@ -160,6 +160,12 @@ class AlignConfig(Section):
         default=0.9, description="the map is kept only when, in this share of paired bootstrap resamples of the "
         "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
         "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
+    divergence_factor: Annotated[float, Field(gt=1)] | None = Field(
+        default=10.0, description="training stops when an epoch's loss is not finite, or exceeds its best epoch's by "
+        "this factor of the best's magnitude; the best epoch's weights are restored and the log says so. null = "
+        "only a non-finite loss stops it. A map whose outputs on the held-out pairs are still not finite is never "
+        "used: under check fallback or warn the l2-only map replaces it (tag, metric and log line say why), under "
+        "fail the run stops with that reason, under off (the comparison) its row is reported as diverged")
     seed: int = Field(default=0, description='weights and batches')
     precision: TrainingPrecision = _precision_field()
 
@@ -290,7 +296,25 @@ class UpgradeConfig(Section):
         default=60, description="the upgrade lock is a lease: its holder renews it every third of this; a lock not "
         "renewed for this long (its holder died or lost the store) is taken over by the next upgrade from any host, "
         "and a holder that could not renew it stops before its next write")
-    seed: int = Field(default=0, description="the random order's and the evaluation sample's")
+    map_pairs: Literal["gallery", "splits"] = Field(
+        default="gallery", description="where the pairs that train and check a map come from when the registry's "
+        "map for the two versions has not passed its check on that source: gallery = a seeded sample of the "
+        "gallery's own items (old features from the store, new ones by embedding their images; they are written "
+        "as backfilled, so no embedding is wasted); splits = the pipeline's prepared new-train split on this host")
+    map_sample: Annotated[float, Field(gt=0, le=1)] | Annotated[int, Field(ge=2)] = Field(
+        default=0.1, description="map_pairs gallery: the items sampled, a fraction of the gallery (0 < f <= 1.0, "
+        "raised to map_sample_min) or a count")
+    map_sample_min: Annotated[int, Field(ge=0)] = Field(
+        default=5000, description="map_pairs gallery: a fractional map_sample is at least this many items (all "
+        "of a smaller gallery)")
+    recheck: bool = Field(
+        default=False, description="check the registry's map again on this upgrade's pairs even when it already "
+        "passed its check on the same source")
+    judgments: str | None = Field(
+        default=None, description="judged queries that the promotion gate and the budget advisor take as their "
+        "truth before the gallery's labels: a CSV or Parquet file (local path or s3://) with columns `query` "
+        "(a gallery id, or an image URI) and `relevant` (a gallery id), one relevant item per row")
+    seed: int = Field(default=0, description="the random order's, the evaluation sample's and the map sample's")
 
 
 class IndexConfig(Section):
