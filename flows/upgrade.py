@@ -20,7 +20,8 @@ from components.gallery.upgrade import rejection as upgrade_rejection
 from components.gallery.catalog import Gallery, GalleryError, check_registry, fetch_images
 from components.gallery.images import readable
 from components.gallery.lifecycle import (
-    Backfill, budget_items, check_map_fits, choose_map, failure_limit, plan_fields, registered_map_order,
+    SPLITS_SOURCE, Backfill, budget_items, check_map_fits, cut_for_limit, choose_map, failure_limit, needs_check,
+    plan_fields, registered_map_order, TRUTH_JUDGMENTS, TRUTH_NONE, no_truth_refusal, truth_of,
 )
 from components.gallery.lock import acquire_lock
 from components.gallery.store import configure_s3
@@ -35,7 +36,8 @@ from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import (
     UpgradeProgress, backfill_chunk, check_upgrade_map, close_upgrade_run, embed_images, evaluate_gate,
-    finish_upgrade, load_model, open_upgrade_run, record_decision, reject_upgrade, store_at, train_upgrade_map, training_pairs, transform_part,
+    finish_upgrade, gallery_pairs, load_model, open_upgrade_run, record_decision, reject_upgrade, split_pairs, store_at,
+    train_upgrade_map, transform_part,
     write_sources,
 )
 
@@ -97,11 +99,13 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         uid = pl.upgrade_id(old, new)
         _start_over_if_undone(gallery, uid)
         _refuse_rejected(store, uid)
+        _decide_truth(params, gallery, gate)  # before any embedding
         plan = _resume(gallery, uid) or _plan(params, gallery, store_uri, uid, old, new, new_model, base)
         advice = _advice(params, gallery, plan)
         budget = budget if budget is not None else params.gallery.upgrade.budget
         stop = _advised_stop(params, advice, budget)
         result = _backfill(params, gallery, store_uri, plan, new_model, stop["items"] if stop else budget)
+        plan = pl.load_plan(store, plan.id)  # as the backfill left it (a stop inside a chunk cuts it)
         result["mlflow_run_id"] = plan.mlflow_run_id
         if advice is not None:
             result["advice"] = {"recommendation": advisor.at_stop(advice, params.gallery.upgrade.stop_when_gain_below),
@@ -155,12 +159,19 @@ def dry_run_upgrade(params: Params, store_uri: str, to_uri: str = "") -> dict:
     new = _wanted(params, client, gallery, to_uri)
     if new is None:
         return {"from": gallery.model.uri, "to": None, **_no_challenger(params, client, gallery)}
+    config = params.gallery.upgrade
+    truth = truth_of(gallery.labels() is not None, config.judgments)
+    truth_line = {TRUTH_NONE: "none: the gallery has no labels and no judged queries are configured; "
+                  + ("the upgrade would be refused before planning (promotion.gate true)" if params.promotion.gate
+                     else "the upgrade runs ungated"),
+                  TRUTH_JUDGMENTS: f"the judged queries of {config.judgments}",
+                  }.get(truth, "the gallery's labels")
     model = registered.load_model(new.uri).eval()
-    result = dry_run(gallery, params.gallery.upgrade, model, seed=params.gallery.upgrade.seed)
+    result = dry_run(gallery, config, model, seed=config.seed)
     current = gallery.manifest().get("upgrade")
     resumes = current == pl.upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
     return {"from": gallery.model.uri, "to": new.uri, "in_progress": current, "resumes": resumes, **result,
-            "advice": _dry_run_advice(params, gallery, new, model, current if resumes else None,
+            "truth": truth_line, "map_pairs": _pairs_description(params, gallery), "advice": _dry_run_advice(params, gallery, new, model, current if resumes else None,
                                       sequential=bool(current) and not resumes)}
 
 
@@ -181,16 +192,26 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
         if stored is not None:
             return {**stored, "recommendation": advisor.at_stop(stored, gain_below)}
     labels = gallery.labels()
-    if labels is None or config.eval_queries == 0:
-        return {"note": "no prediction: it needs labeled items (an evaluation sample; gallery.upgrade.eval_queries > 0)"}
+    if truth_of(labels is not None, config.judgments) == TRUTH_NONE:
+        return {"note": "no prediction: the gallery has no labels and no judged queries are configured ("
+                        + ("the upgrade would be refused before planning: " + no_truth_refusal(gallery.store.uri)
+                           if params.promotion.gate else "the upgrade runs ungated") + ")"}
+    if labels is None:
+        return {"note": "no prediction yet from judged queries: the gate measures them once the backfill is complete"}
+    if config.eval_queries == 0:
+        return {"note": "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"}
     if sequential:
         return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
-    client, _ = registry.setup(params.mlflow)
-    chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, gallery.model.version,
-                                                new.version), config.order)
+    source = _pairs_source(params, gallery.store.uri)
+    chosen = _registry_map(params, gallery.model, new, source)
     if chosen is None:
         return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
-                        "trains one when it plans, and `fastfill upgrade status` then shows the predicted curve"}
+                        f"trains one when it plans (on {_pairs_description(params, gallery)}), and `fastfill upgrade "
+                        "status` then shows the predicted curve"}
+    if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
+        return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
+                        f"{source}; the upgrade checks it first (on {_pairs_description(params, gallery)}) and may "
+                        "replace it, and `fastfill upgrade status` then shows the predicted curve"}
     order_kind, _ = registered_map_order(chosen.tags, config.order)
     alignment_map = registered.load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
     positions = pl.eval_sample(labels, None if config.eval_queries == "all" else int(config.eval_queries), config.seed)
@@ -212,9 +233,21 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
         order = sigma_order(np.concatenate(sigma))
     else:
         order = random_order(gallery.num_items, config.seed)
+    # the evaluation sample is embedded while planning and backfilled first: its stand-in places
+    ranks = pl.stand_in_ranks(order, positions, positions, config.seed)
     parts = ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
-    return advisor.advise(parts, order, positions, queries, labels, distance=params.gallery.distance,
-                          gain_below=gain_below)
+    return {**advisor.advise(parts, order, positions, queries, labels, distance=params.gallery.distance,
+                             gain_below=gain_below, ranks=ranks), "map_version": str(chosen.version)}
+
+
+def _pairs_description(params: Params, gallery: Gallery) -> str:
+    config = params.gallery.upgrade
+    if config.map_pairs == "splits":
+        return "this host's new-train split"
+    from components.gallery.pairs import map_sample_size
+
+    return (f"a sample of {map_sample_size(config.map_sample, config.map_sample_min, gallery.num_items):,} gallery "
+            "items, embedded once and kept as backfilled")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -555,6 +588,20 @@ def _refuse_rejected(store, uid: str) -> None:
                            f"({'; '.join(rejected.get('reasons', []))}); register a better version")
 
 
+def _decide_truth(params: Params, gallery: Gallery, gate: bool) -> str:
+    """What the gate and the advisor measure against (``lifecycle.truth_of``), decided before any
+    work: with nothing, the gate's policy decides up front (refused, or run ungated)."""
+    truth = truth_of(gallery.labels() is not None, params.gallery.upgrade.judgments)
+    if truth == TRUTH_NONE and gate:
+        raise GalleryError(no_truth_refusal(gallery.store.uri))
+    if truth == TRUTH_NONE:
+        log(f"{gallery.store.uri} has no labels and no judged queries: the upgrade runs ungated (promotion.gate false), "
+            "and no retrieval is measured along the backfill")
+    elif truth == TRUTH_JUDGMENTS:
+        log(f"the gate and the advisor measure against the judged queries of {params.gallery.upgrade.judgments}")
+    return truth
+
+
 def _resume(gallery: Gallery, uid: str) -> pl.Plan | None:
     """The upgrade's plan if it was made before (the gallery pointed at it again if a crash came
     between the plan and that switch), else None."""
@@ -566,21 +613,76 @@ def _resume(gallery: Gallery, uid: str) -> pl.Plan | None:
     return plan
 
 
-def _alignment_map(params: Params, pairs, new_model, old: ModelRef, new: ModelRef, run_id: str):
-    """(map, its URI, the backfill order): the registry's map for this pair of versions with the
-    order its tags allow, or a map trained now."""
-    config = params.gallery.upgrade
+def _pairs_source(params: Params, store_uri: str) -> str:
+    from components.gallery.pairs import gallery_source
+
+    return SPLITS_SOURCE if params.gallery.upgrade.map_pairs == "splits" else gallery_source(store_uri)
+
+
+def _registry_map(params: Params, old: ModelRef, new: ModelRef, source: str):
+    """The registry's map version for this pair of versions that the upgrade would use (see
+    ``lifecycle.choose_map``), or None."""
     client, _ = registry.setup(params.mlflow)
-    chosen = choose_map(registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version),
-                        config.order)
-    if chosen is None:
-        return (*train_upgrade_map(params, pairs, new_model, old, new, run_id), config.order)
-    map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
-    log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})")
-    order, why = registered_map_order(chosen.tags, config.order)
-    if why:
-        log(f"{map_uri} is {why}")
-    return registered.load_model(map_uri).eval(), map_uri, order
+    return choose_map(registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version),
+                      params.gallery.upgrade.order, source)
+
+
+def _map_sample(params: Params, gallery: Gallery) -> np.ndarray:
+    from components.gallery.pairs import map_sample_size, sample_positions
+
+    config = params.gallery.upgrade
+    size = map_sample_size(config.map_sample, config.map_sample_min, gallery.num_items)
+    return sample_positions(gallery.num_items, size, config.seed)
+
+
+def _map_pairs(params: Params, gallery: Gallery, store_uri: str, uid: str, old_model_ref: ModelRef, new_model,
+               sequential: bool):
+    """The pairs that train and check the map, from ``gallery.upgrade.map_pairs``."""
+    config = params.gallery.upgrade
+    if config.map_pairs == "splits":
+        return split_pairs(params, load_model(params.mlflow, old_model_ref), new_model)
+    positions = _map_sample(params, gallery)
+    log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
+        f"{config.map_sample}, at least {config.map_sample_min})")
+    return gallery_pairs(store_uri, positions, new_model, config, uid if sequential else None)
+
+
+def _alignment_map(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
+                   new_model, run_id: str, sequential: bool):
+    """(map, its URI, the backfill order, the pairs embedded for it or None): the registry's map
+    for this pair of versions, checked first on this upgrade's pairs unless it already passed on
+    the same source (``recheck`` forces it); or a map trained now on those pairs and checked."""
+    config = params.gallery.upgrade
+    source = _pairs_source(params, gallery.store.uri)
+    chosen = _registry_map(params, old, new, source)
+    policy = params.align[config.method].check
+    if chosen is not None:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
+        order, why = registered_map_order(chosen.tags, config.order)
+        log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})" + (f"; it is {why}" if why else ""))
+        alignment_map = registered.load_model(map_uri).eval()
+        if policy == "off" or not needs_check(chosen.tags, source, config.recheck):
+            said = (f"align.{config.method}.check is off" if policy == "off" else
+                    "an l2-only map needs no check" if chosen.tags.get("method") == "fct" else
+                    f"it passed its check on {source} (check: {chosen.tags.get('check')}); --recheck checks it again")
+            log(f"{map_uri} is used as it is: {said}")
+            _tag_run(params, run_id, {"check": f"not repeated ({said})", "map_version": str(chosen.version)})
+            return alignment_map, map_uri, order, None
+        pairs = _map_pairs(params, gallery, store_uri, uid, old, new_model, sequential)
+    else:
+        pairs = _map_pairs(params, gallery, store_uri, uid, old, new_model, sequential)
+        alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
+        order = config.order
+    alignment_map, map_uri, order = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
+                                                      run_id, order)
+    _tag_run(params, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
+    return alignment_map, map_uri, order, pairs
+
+
+def _tag_run(params: Params, run_id: str, tags: dict) -> None:
+    client, _ = registry.setup(params.mlflow)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
 
 
 def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
@@ -606,36 +708,61 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
 def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: ModelRef, new: ModelRef,
                new_model, base: pl.Plan | None, run_id: str) -> pl.Plan:
     config = params.gallery.upgrade
-    old_model = load_model(params.mlflow, old)
-    pairs = training_pairs(params, old_model, new_model)
-    alignment_map, map_uri, order_kind = _alignment_map(params, pairs, new_model, old, new, run_id)
-    alignment_map, map_uri, order_kind = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
-                                                           run_id, order_kind)
-    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
-    if base is not None:
+    if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
         write_sources(store_uri, uid, base)
         log(f"sequential upgrade: starting from {base.id} as it stands ({len(bf.done_chunks(gallery.store, base.id))}"
-            f"/{base.num_chunks} chunks on {base.new.uri}, the rest through its map), then {map_uri}")
+            f"/{base.num_chunks} chunks on {base.new.uri}, the rest through its map)")
+    alignment_map, map_uri, order_kind, pairs = _alignment_map(params, gallery, store_uri, uid, old, new, new_model,
+                                                               run_id, base is not None)
+    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None) for p in range(gallery.num_parts)]
     for future in futures:
         future.result()
     order = pl.make_order(gallery, uid, order_kind, config.seed)
+    embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
+    positions, queries = _evaluation_sample(params, gallery, new_model, embedded)
+    embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
+    # the items embedded while planning are backfilled from the start: the first chunks of the order
+    prefilled = np.fromiter(sorted(embedded), dtype=np.int64, count=len(embedded))
+    ranks = pl.stand_in_ranks(order, prefilled, positions, config.seed) if len(prefilled) and queries is not None else None
+    if len(prefilled):
+        order = pl.front_loaded(order, prefilled)
+    plan = pl.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
+                   len(positions) if queries is not None else 0, params.gallery.distance, run_id,
+                   base=base.id if base else None, bounds=pl.chunk_grid(gallery.num_items, config.chunk_size,
+                                                                       [len(prefilled)]),
+                   prefilled=len(prefilled))
+    if len(prefilled):
+        chunks = bf.write_prefilled(gallery.store, plan, order, embedded)
+        log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "
+            f"first: chunks 0-{chunks - 1} written")
+    pl.commit_plan(gallery, plan, order, positions, queries, ranks)
+    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
+        + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
+        + f"; queries now use {new.uri} against the mixed gallery")
+    return plan
+
+
+def _evaluation_sample(params: Params, gallery: Gallery, new_model, embedded: dict) -> tuple:
+    """(positions, new-model features) of the evaluation sample, or (empty, None) without one;
+    items already embedded while planning (the map sample) are not embedded again."""
+    config = params.gallery.upgrade
     positions = pl.eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
                                config.seed)
-    images, failures = fetch_images(gallery, positions, workers=config.read_workers)
+    missing = np.array([p for p in positions.tolist() if p not in embedded], dtype=np.int64)
+    images, failures = fetch_images(gallery, missing, workers=config.read_workers) if len(missing) else (None, [])
     if failures:
         log(f"evaluation sample: {len(failures)} of {len(positions)} images could not be read and are left out "
             f"(first: {failures[0].uri}: {failures[0].reason})")
-        keep = readable(len(positions), failures)
-        positions, images = positions[keep], images[keep]
-    sampled = len(positions) >= 2
-    queries = embed_images(new_model, images, config.batch_size, config.precision) if sampled else None
-    plan = pl.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
-                   len(positions) if sampled else 0, params.gallery.distance, run_id, base=base.id if base else None)
-    pl.commit_plan(gallery, plan, order, positions, queries)
-    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order; queries now use "
-        f"{new.uri} against the mixed gallery")
-    return plan
+        keep = readable(len(missing), failures)
+        unreadable = set(missing[~keep].tolist())
+        missing, images = missing[keep], images[keep]
+        positions = np.array([p for p in positions.tolist() if p not in unreadable], dtype=np.int64)
+    if len(positions) < 2:
+        return positions, None
+    fresh = embed_images(new_model, images, config.batch_size, config.precision) if len(missing) else None
+    new_of = {**embedded, **(dict(zip(missing.tolist(), fresh)) if fresh is not None else {})}
+    return positions, np.stack([new_of[int(p)] for p in positions]).astype(np.float32)
 
 
 def _advice(params: Params, gallery: Gallery, plan: pl.Plan) -> dict | None:
@@ -684,7 +811,14 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     """Run the chunks the budget allows, ``max_concurrency`` at a time, measuring as they land;
     the bookkeeping is ``lifecycle.Backfill``'s."""
     config = params.gallery.upgrade
-    state = Backfill(plan, set(bf.done_chunks(gallery.store, plan.id)), budget_items(budget, plan.num_items),
+    done = set(bf.done_chunks(gallery.store, plan.id))
+    limit = budget_items(budget, plan.num_items)
+    cut, split = cut_for_limit(plan, done, limit)
+    if split is not None:  # the stop falls inside a chunk: that chunk becomes two, so the stop is exact
+        pl.write_plan(gallery.store, cut)
+        log(f"chunk {split} of {plan.id} cut in two at item {limit}, where this run stops")
+        plan = cut
+    state = Backfill(plan, done, limit,
                      config.max_concurrency, failure_limit(config.max_failed_images, plan.num_items),
                      config.max_items_per_second, time.monotonic())
     if gallery.adopted:

@@ -12,7 +12,8 @@ from components.experiment import registered
 from components.platform.config import AlignConfig, MlflowConfig, Params
 from components.gallery import backfill as bf, catalog, plan as pl, upgrade
 from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.lifecycle import done_prefix
+from components.gallery.lifecycle import CHECK_SOURCE_TAG, SPLITS_SOURCE, checked_on, done_prefix
+from components.gallery.pairs import TARGETS_LABELS, MapPairs
 from components.platform.registry import ModelRef
 from components.gallery.store import Store, open_store
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
@@ -48,46 +49,90 @@ def write_gallery(store_uri: str, images, features, model: ModelRef, labels, gro
                           part_size=part_size, on_part=on_part, registry=registry_uri)
 
 
-@task(name="embed-training-pairs", tags=GPU_TAGS, **NO_CACHING)
-def training_pairs(params: Params, old_model, new_model) -> tuple | None:
-    """Both models' features of the prepared new-train split (what a map trains and is checked
-    on) with kappa_new's row of each label, or None when no split is prepared here."""
+@task(name="embed-split-pairs", tags=GPU_TAGS, **NO_CACHING)
+def split_pairs(params: Params, old_model, new_model) -> MapPairs | None:
+    """Both models' features of this host's prepared new-train split (``map_pairs: splits``)
+    with kappa_new's row of each label, or None when no split is prepared here."""
     import torch
 
-    from components.experiment.data import load_split
-    from components.platform.layout import Layout
+    from components.experiment.data import DataError, load_split
     from components.experiment.inference import embed
+    from components.platform.layout import Layout
 
     try:
         split = load_split(Layout(params.paths).splits, "new_train")
-    except FileNotFoundError:
+    except (DataError, FileNotFoundError):
         return None
     rows = new_model.class_index(torch.from_numpy(split.labels)).numpy()
     keep = rows >= 0
-    return embed(old_model, split.images[keep]), embed(new_model, split.images[keep]), rows[keep]
+    images = split.images[keep]
+    log(f"map pairs: embedding {len(images)} images of the new-train split with both models")
+    return MapPairs(embed(old_model, images), embed(new_model, images), rows[keep], rows[keep], SPLITS_SOURCE,
+                    TARGETS_LABELS)
+
+
+@task(name="embed-gallery-pairs", tags=GPU_TAGS, **IO_RETRIES, **NO_CACHING)
+def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequential: str | None = None) -> MapPairs:
+    """The map sample's pairs (``map_pairs: gallery``): old features from the store (the
+    gallery's model's, or for a ``sequential`` upgrade the source parts it starts from), new ones
+    by embedding the items' images; unreadable images are left out of the sample."""
+    from components.experiment.inference import embed
+    from components.gallery.images import readable
+    from components.gallery.pairs import from_gallery
+
+    gallery = Gallery(store_at(store_uri))
+    images, failures = catalog.fetch_images(gallery, positions, workers=config.read_workers)
+    if failures:
+        log(f"map sample: {len(failures)} of {len(positions)} images could not be read and are left out "
+            f"(first: {failures[0].uri}: {failures[0].reason})")
+        keep = readable(len(positions), failures)
+        positions, images = positions[keep], images[keep]
+    log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
+        "are kept as backfilled)")
+    new = catalog.check_features(embed(new_model, images, batch_size=config.batch_size, precision=config.precision),
+                                 None, "new-model features of the map sample")
+    labels = gallery.labels()
+    old = catalog.rows_at(gallery, positions, (lambda part: pl.source_key(sequential, part)) if sequential else
+                          (lambda part: catalog.features_key(gallery.model, part)))
+    return from_gallery(new_model, positions, old, new, None if labels is None else labels[positions],
+                        gallery.store.uri)
+
+
+def _method_config(params: Params, pairs: MapPairs) -> tuple[str, AlignConfig]:
+    """The upgrade's map method and its configuration: without classes for the disc term (a new
+    model without a classifier) the term is off."""
+    method = params.gallery.upgrade.method
+    config: AlignConfig = params.align[method]
+    if pairs is not None and pairs.targets is None and config.disc:
+        config = config.model_copy(update={"disc": False})
+    return method, config
 
 
 @task(name="train-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
-def train_upgrade_map(params: Params, pairs: tuple | None, new_model, old: ModelRef, new: ModelRef,
+def train_upgrade_map(params: Params, pairs: MapPairs | None, new_model, old: ModelRef, new: ModelRef,
                       run_id: str) -> tuple:
-    """No registered map joins the two versions: train one on the prepared new-train split and
-    register it."""
+    """No registered map joins the two versions: train one on ``pairs`` and register it."""
     from components.platform.layout import Layout
     from components.experiment.inference import pick_device
     from components.experiment.map_training import train_alignment
 
-    method = params.gallery.upgrade.method
-    config: AlignConfig = params.align[method]
     if pairs is None:
         raise GalleryError(
             f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
-            f"{Layout(params.paths).splits} to train one; run `fastfill stage prepare` (or `fastfill run`), or "
-            f"register a map tagged from_version={old.version}, to_version={new.version}")
-    old_features, new_features, rows = pairs
-    log(f"training a {method} map {old.key} -> {new.key} on {len(rows)} images of the new-train split")
-    h, history = train_alignment(config, old_features, new_features, rows, new_model.classifier,
-                                 device=pick_device(), log=log, method=method)
-    return h.eval(), _register_map(params, h, method, old, new, run_id)
+            f"{Layout(params.paths).splits} to train one (gallery.upgrade.map_pairs: splits); use map_pairs: gallery "
+            f"(--pairs gallery), run `fastfill stage prepare`, or register a map tagged from_version={old.version}, "
+            f"to_version={new.version}")
+    method, config = _method_config(params, pairs)
+    log(f"training a {method} map {old.key} -> {new.key} on {len(pairs)} pairs ({pairs.source}); disc term "
+        f"targets: {pairs.targets_from}")
+    h, history = train_alignment(config, *pairs.training, new_model.classifier, device=pick_device(), log=log,
+                                 method=method)
+    return h.eval(), _register_map(params, h, method, old, new, run_id, pair_tags(pairs))
+
+
+def pair_tags(pairs: MapPairs) -> dict:
+    """What a map's registered version says of the pairs it trained on."""
+    return {"pairs": pairs.source, "pairs.count": str(len(pairs)), "disc_targets": pairs.targets_from}
 
 
 def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, run_id: str,
@@ -101,45 +146,45 @@ def _register_map(params: Params, h, method: str, old: ModelRef, new: ModelRef, 
 
 
 @task(name="check-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
-def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple | None, new_model, old: ModelRef,
-                      new: ModelRef, run_id: str, order: str) -> tuple:
-    """The map check (components.experiment.map_check) on the held-out pairs of the new-train split: the
-    l2-only reference is the registry's FCT map for the same two versions, or one trained here.
-    Returns the map to use, its URI and the backfill order (``order``, or random for a fallback
-    map whose fitted sigma head is not shown to help); the outcome is tagged on the
-    map's version and the upgrade's run. Raises MapCheckError under ``check: fail``."""
+def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: MapPairs | None, new_model, old: ModelRef,
+                      new: ModelRef, run_id: str, order: str, why_unchecked: str | None = None) -> tuple:
+    """The map check (components.experiment.map_check) on the held-out part of ``pairs`` (the
+    same source the map trains on: the gallery's sample, or the split): the l2-only reference
+    is the registry's FCT map for the same two versions when it passed on this source, or one
+    trained here. Returns the map to use, its URI and the backfill order (``order``, or random
+    for a fallback map whose fitted sigma head is not shown to help); the outcome and its source
+    are tagged on the map's version and the upgrade's run. Raises MapCheckError under ``check: fail``."""
     from components.experiment.map_check import check_map, check_metrics, check_tags, fallback_map, held_out, reference_config
     from components.experiment.inference import pick_device
     from components.experiment.map_training import train_alignment
 
-    method = params.gallery.upgrade.method
-    config: AlignConfig = params.align[method]
+    method, config = _method_config(params, pairs)
     client, _ = registry.setup(params.mlflow)
     version = map_uri.rsplit("/", 1)[1]
-    held = None if pairs is None or config.check == "off" else held_out(config, *pairs, method)
+    held = None if pairs is None or config.check == "off" else held_out(config, *pairs.checking, method)
     if held is None:
-        why = ("no prepared training split here" if pairs is None else f"align.{method}.check is off"
-               if config.check == "off" else f"align.{method}.validation_fraction is 0")
+        why = why_unchecked or ("no prepared training split here" if pairs is None else f"align.{method}.check is off"
+                                if config.check == "off" else f"align.{method}.validation_fraction is 0")
         log(f"map check skipped: {why}")
         client.set_model_version_tag(params.mlflow.alignment_model, version, "check", f"skipped ({why})")
         client.set_tag(run_id, "check", f"skipped ({why})")
         return alignment_map, map_uri, order
     found = [v for v in registry.find_alignment(client, params.mlflow.alignment_model, old.version, new.version)
-             if v.tags.get("method") == "fct" and v.version != version]
+             if v.tags.get("method") == "fct" and v.version != version and checked_on(v.tags, pairs.source)]
     if found:
         reference_uri = f"models:/{params.mlflow.alignment_model}/{found[0].version}"
         reference = registered.load_model(reference_uri).eval()
         log(f"map check: the l2-only reference is {reference_uri}")
     else:
-        log("map check: training the l2-only reference on the same pairs")
-        reference, _ = train_alignment(reference_config(config), *pairs, new_model.classifier, device=pick_device(),
-                                       log=log)
+        log(f"map check: training the l2-only reference on the same {len(pairs)} pairs ({pairs.source})")
+        reference, _ = train_alignment(reference_config(config), *pairs.training, new_model.classifier,
+                                       device=pick_device(), log=log)
         reference_uri = None
     result = check_map(method, config, alignment_map, reference, held, distance=params.gallery.distance).to_dict()
-    log(f"map check ({config.check}): {result['message']}")
+    log(f"map check ({config.check}) on {pairs.source}: {result['message']}")
     used = alignment_map
     if result["action"] == "fallback" and order == "sigma":
-        used, _, decision = fallback_map(method, config, reference, pairs, held, new_model.classifier,
+        used, _, decision = fallback_map(method, config, reference, pairs.training, held, new_model.classifier,
                                          distance=params.gallery.distance, device=pick_device())
         if decision is not None:
             log(f"map check fallback: {decision['message']}")
@@ -147,7 +192,7 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
             order = decision["order"]
     elif result["action"] == "fallback":
         used = reference
-    tags = check_tags(result)
+    tags = {**check_tags(result), CHECK_SOURCE_TAG: pairs.source}
     for key, value in tags.items():
         client.set_model_version_tag(params.mlflow.alignment_model, version, key, value)
     registry.log_metrics(client, run_id, check_metrics(result))
@@ -155,7 +200,7 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: tuple 
         client.set_tag(run_id, key, value)
     if used is alignment_map:
         return alignment_map, map_uri, order
-    fallback_tags = {"check": "fallback map", "replaces": map_uri}
+    fallback_tags = {"check": "fallback map", "replaces": map_uri, CHECK_SOURCE_TAG: pairs.source, **pair_tags(pairs)}
     if used is not reference:  # the reference with a fitted head: a map of the method
         return used.eval(), _register_map(params, used, method, old, new, run_id, fallback_tags), order
     if reference_uri is None:
@@ -189,7 +234,6 @@ def finish_upgrade(store_uri: str, plan: pl.Plan) -> dict:
 @task(name="evaluate-gate", **NO_CACHING)
 def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
     """The promotion gate's numbers on the upgrade's evaluation sample (components.gallery.promotion)."""
-    from components.gallery.measure import restricted_order
     from components.gallery.promotion import measure_gate
 
     gallery = Gallery(store_at(store_uri))
@@ -198,7 +242,7 @@ def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
     transformed = bf.transformed_rows(gallery, plan.id, positions)
     new = bf.mixed_rows(gallery, plan, positions)
     champion = catalog.rows_at(gallery, positions, lambda part: catalog.features_key(gallery.model, part))
-    order = restricted_order(pl.order_of(store, plan.id), positions)
+    order = np.argsort(pl.eval_ranks(store, plan, positions), kind="stable")  # the sample's places in the backfill
     return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=config.curve_points)
 

@@ -138,10 +138,13 @@ def recommend(prediction: dict, gain_below: float, step: float = STEP) -> dict:
 
 
 def advise(parts: Iterable[tuple[int, np.ndarray]], order: np.ndarray, positions: np.ndarray,
-           queries: np.ndarray, labels: np.ndarray, *, distance: str = "l2", gain_below: float | None = None) -> dict:
+           queries: np.ndarray, labels: np.ndarray, *, distance: str = "l2", gain_below: float | None = None,
+           ranks: np.ndarray | None = None) -> dict:
     """The prediction (and, with ``gain_below``, the recommended stop) from the gallery's
     transformed features given as ``(first item, rows)`` parts, the backfill ``order``, and the
-    evaluation sample: ``positions`` of its items, ``queries`` their new-model features."""
+    evaluation sample: ``positions`` of its items, ``queries`` their new-model features;
+    ``ranks``: their places in the backfill where these are not their places in ``order``
+    (``plan.stand_in_ranks``)."""
     positions = np.asarray(positions, dtype=np.int64)
     anchor = NearestLabel(queries, positions, labels, distance)
     transformed = np.empty((len(positions), np.asarray(queries).shape[1]), dtype=np.float32)
@@ -152,7 +155,8 @@ def advise(parts: Iterable[tuple[int, np.ndarray]], order: np.ndarray, positions
     if anchor.seen != len(order):
         raise ValueError(f"the transformed parts hold {anchor.seen} items, the order {len(order)}")
     full = len(positions) == len(order)  # S is the gallery: nothing to shift
-    prediction = predict(queries, transformed, labels[positions], ranks_of(order, positions), len(order),
+    ranks = ranks_of(order, positions) if ranks is None else ranks
+    prediction = predict(queries, transformed, labels[positions], ranks, len(order),
                          None if full else anchor.hits(), distance=distance)
     if gain_below is not None:
         prediction["recommendation"] = recommend(prediction, gain_below)
@@ -214,7 +218,7 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     """The prediction of a planned upgrade from what its plan stored (transformed parts, order,
     evaluation sample), written to upgrades/<id>/advice.json; None when the upgrade has no
     evaluation sample (an unlabeled gallery, or eval_queries 0): nothing to predict from."""
-    from components.gallery.plan import order_of, stored_eval_sample, transformed_key
+    from components.gallery.plan import eval_ranks, order_of, stored_eval_sample, transformed_key
 
     labels = gallery.labels()
     if plan.eval_queries < 2 or labels is None:
@@ -223,7 +227,7 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     positions, queries = stored_eval_sample(store, plan.id)
     parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
     prediction = advise(parts, order_of(store, plan.id), positions, queries, labels, distance=plan.distance,
-                        gain_below=gain_below)
+                        gain_below=gain_below, ranks=eval_ranks(store, plan, positions))
     prediction["upgrade"] = plan.id
     store.put_json(advice_key(plan.id), prediction)
     return prediction

@@ -75,12 +75,33 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
         ids = item_column(gallery, failed_positions, "id")
         failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
                   for i, f in enumerate(failures)]
+    return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed), "skipped": False}
+
+
+def write_chunk(store: Store, upgrade: str, chunk: int, start: int, stop: int, features: np.ndarray,
+                started: float, failed: list | None = None, **extra) -> dict:
+    """A chunk's new features, then its completion marker (the chunk counts as done from here)."""
     digest = store.put_array(chunk_key(upgrade, chunk), features)
     record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
-              "failed": failed, "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-              "finished": now(), "seconds": round(time.perf_counter() - started, 4)}
-    store.put_json(marker, record)
-    return {**record, "skipped": False}
+              "failed": failed or [], "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+              "finished": now(), "seconds": round(time.perf_counter() - started, 4), **extra}
+    store.put_json(marker_key(upgrade, chunk), record)
+    return record
+
+
+def write_prefilled(store: Store, plan: Plan, order: np.ndarray, features_at: dict[int, np.ndarray]) -> int:
+    """The chunks at the front of the order whose items were embedded while planning (the map
+    sample and the evaluation sample, ``features_at``: position -> new features), written as
+    done chunks: they are backfilled from the start. Returns the chunks written."""
+    written = 0
+    for chunk in range(plan.num_chunks):
+        start, stop = plan.chunk_bounds(chunk)
+        if stop > plan.prefilled:
+            break
+        rows = np.stack([features_at[int(p)] for p in order[start:stop]]).astype(np.float32)
+        write_chunk(store, plan.id, chunk, start, stop, rows, time.perf_counter(), prefilled=True)
+        written += 1
+    return written
 
 
 def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
@@ -96,14 +117,14 @@ def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarra
     order = order_of(gallery.store, plan.id)
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    chunk_of = rank[positions] // plan.chunk_size
+    chunk_of = plan.chunk_of(rank[positions])
     done = set(done_chunks(gallery.store, plan.id))
     for chunk in np.unique(chunk_of):
         if int(chunk) not in done:
             continue
         rows = np.flatnonzero(chunk_of == chunk)
         features = chunk_features(gallery.store, plan.id, int(chunk))
-        out[rows] = features[rank[positions[rows]] - int(chunk) * plan.chunk_size]
+        out[rows] = features[rank[positions[rows]] - plan.chunk_bounds(int(chunk))[0]]
     return out
 
 

@@ -31,6 +31,19 @@ def budget_items(budget: float | int | None, num_items: int) -> int:
     return min(num_items, int(budget))
 
 
+def cut_for_limit(plan: Plan, done: set[int], limit: int) -> tuple[Plan, int | None]:
+    """The plan with a chunk boundary at ``limit`` items of the backfill, so that a budget or a
+    recommended stop ends exactly there; (plan, None) when ``limit`` already is a boundary, or
+    when chunks past it are done (cutting would renumber them; the backfill then stops at the
+    last whole chunk within the limit)."""
+    if limit >= plan.num_items:
+        return plan, None
+    cut, split = plan.cut_at(limit)
+    if split is None or any(c >= split for c in done):
+        return plan, None
+    return cut, split
+
+
 def done_prefix(done: set[int], num_chunks: int) -> int:
     """How many chunks from the start of the order are done (retrieval is measured at the
     prefix, where the gallery is exactly the first items of the order)."""
@@ -40,11 +53,46 @@ def done_prefix(done: set[int], num_chunks: int) -> int:
     return count
 
 
-def choose_map(found: list, order: str):
-    """Of the registry's map versions for this pair of models (newest first), the one to use: a
-    map with an uncertainty head for the sigma order (not FCT's), else the newest; None if none."""
+CHECK_SOURCE_TAG = "check.source"  # the pairs a map's check was measured on: "splits", or "gallery <store>"
+SPLITS_SOURCE = "splits"  # the pipeline's new-train split (what a map without the tag was checked on)
+
+
+def check_source(tags: dict) -> str:
+    return tags.get(CHECK_SOURCE_TAG, SPLITS_SOURCE)
+
+
+def failed_on(tags: dict, source: str) -> bool:
+    """An upgrade's check on ``source`` failed this version and replaced it (the pipeline's own
+    versions carry no source tag: a pipeline version tagged ``fallback`` is the map it fell back to)."""
+    return CHECK_SOURCE_TAG in tags and tags[CHECK_SOURCE_TAG] == source and tags.get("check") == "fallback"
+
+
+def checked_on(tags: dict, source: str) -> bool:
+    """The version came out of a check on ``source`` fit to use: it passed, was kept under warn,
+    or is the map a failed check chose in its place."""
+    return check_source(tags) == source and tags.get("check") in ("passed", "warned", "fallback map")
+
+
+def needs_check(tags: dict, source: str, recheck: bool = False) -> bool:
+    """Whether a registered map must be checked on this upgrade's pairs before it is used: not an
+    l2-only map (it is the check's own reference), nor one already checked on the same source,
+    unless ``recheck``."""
+    if recheck:
+        return True
+    return tags.get("method") != "fct" and not checked_on(tags, source)
+
+
+def choose_map(found: list, order: str, source: str | None = None):
+    """Of the registry's map versions for this pair of models (newest first), the one to use:
+    none that a check on ``source`` replaced; of the rest, one already checked on ``source``
+    first; for the sigma order, a map with an uncertainty head (not FCT's) before an FCT map;
+    else the newest. None if none."""
+    if source is not None:
+        found = [v for v in found if not failed_on(v.tags, source)]
     if not found:
         return None
+    if source is not None:
+        found = sorted(found, key=lambda v: not checked_on(v.tags, source))  # stable: newest first within each
     if order == "sigma":
         with_sigma = [v for v in found if v.tags.get("method") != "fct"]
         return (with_sigma or found)[0]
@@ -71,6 +119,23 @@ def check_map_fits(alignment_map, map_uri: str, order: str, old_dim: int, new_di
     if alignment_map.old_dim != old_dim or alignment_map.new_dim != new_dim:
         raise GalleryError(f"{map_uri} maps {alignment_map.old_dim} -> {alignment_map.new_dim} dimensions, but the "
                            f"gallery's features are {old_dim}-d and {new_uri} makes {new_dim}-d ones")
+
+
+TRUTH_JUDGMENTS, TRUTH_LABELS, TRUTH_NONE = "judgments", "labels", "none"
+
+
+def truth_of(has_labels: bool, judgments: str | None) -> str:
+    """What the promotion gate and the budget advisor measure against: a judgments file first,
+    then the gallery's labels, else nothing."""
+    return TRUTH_JUDGMENTS if judgments else TRUTH_LABELS if has_labels else TRUTH_NONE
+
+
+def no_truth_refusal(store_uri: str) -> str:
+    """Why an upgrade of a gallery with no labels and no judgments is refused under the gate."""
+    return (f"the gallery at {store_uri} has no labels and no judged queries are configured, so the promotion gate "
+            "has nothing to measure the upgrade against; nothing was planned or embedded. Give a judgments file "
+            "(--judgments FILE or gallery.upgrade.judgments: CSV/Parquet with columns query, relevant), adopt the "
+            "gallery with a label column, or run it ungated (--no-gate or promotion.gate: false)")
 
 
 def plan_fields(config, upgrade: str, old_uri: str, new_uri: str, base: str | None) -> dict:
@@ -107,8 +172,11 @@ class Backfill:
 
     @property
     def can_start_more(self) -> bool:
-        """Chunks remain that this run may start, now or once the throttle allows."""
-        return bool(self.pending) and self.failure is None and self.submitted_items < self.limit
+        """Chunks remain that this run may start, now or once the throttle allows: the next one
+        fits within the budget whole (a stop is never rounded up; ``cut_for_limit`` makes the
+        budget a chunk boundary where it can)."""
+        return (bool(self.pending) and self.failure is None
+                and self.submitted_items + self.plan.items_in([self.pending[0]]) <= self.limit)
 
     def wait_time(self, now: float) -> float:
         """Seconds until the throttle lets the next chunk start: the items this run has started,

@@ -23,20 +23,24 @@ def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 class BackfillMeter:
     def __init__(self, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray, transformed: np.ndarray,
-                 order: np.ndarray, distance: str = "l2"):
+                 order: np.ndarray, distance: str = "l2", ranks: np.ndarray | None = None):
         """``positions``: the sample S; ``labels``: of the whole gallery; ``transformed``: h(old)
         of S (its rows in the order of ``positions``); ``queries``: new-model features of S;
-        ``order``: the full backfill order."""
+        ``order``: the full backfill order; ``ranks``: each S item's place in the backfill when it
+        is not its place in ``order`` (``plan.stand_in_ranks``: S was embedded while planning)."""
         self.positions, self.order, self.distance = positions, order, distance
         self.labels = labels[positions]
         self.queries = queries
         self.old = np.asarray(transformed)
         self.new = self.old.copy()  # rows are replaced as their chunks land
-        self.local_order = restricted_order(order, positions)
+        if ranks is None:
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            ranks = rank[positions]
+        self.local_order = np.argsort(ranks, kind="stable")
+        self.sorted_ranks = np.sort(np.asarray(ranks, dtype=np.float64))
         self.slot = np.full(len(order), -1, dtype=np.int64)
         self.slot[positions] = np.arange(len(positions))
-        in_sample = self.slot[order] >= 0
-        self.sample_prefix = np.concatenate([[0], np.cumsum(in_sample)])  # S-items among the first p
 
     def land(self, start: int, stop: int, features: np.ndarray) -> None:
         slots = self.slot[self.order[start:stop]]
@@ -44,7 +48,7 @@ class BackfillMeter:
         self.new[slots[keep]] = features[keep]
 
     def measure(self, backfilled: int) -> dict:
-        count = int(self.sample_prefix[backfilled])
+        count = int(np.searchsorted(self.sorted_ranks, backfilled, side="left"))  # S items placed before it
         curve = curve_at_counts(self.queries, self.new, self.old, self.labels, self.local_order, [count],
                                 distance=self.distance)
         return {"top1": float(curve.top1[0]), "top5": float(curve.top5[0]), "map": float(curve.map[0])}
@@ -54,14 +58,15 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     """The meter of a planned upgrade, with the chunks already ``done`` landed; None when the
     plan has no evaluation sample."""
     from components.gallery.backfill import chunk_features, transformed_rows
-    from components.gallery.plan import eval_positions_key, eval_queries_key, order_of
+    from components.gallery.plan import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
     if plan.eval_queries < 2:
         return None
     store = gallery.store
     positions = store.get_array(eval_positions_key(plan.id))
     meter = BackfillMeter(positions, gallery.labels(), store.get_array(eval_queries_key(plan.id)),
-                          transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance)
+                          transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance,
+                          eval_ranks(store, plan, positions))
     for chunk in done:
         meter.land(*plan.chunk_bounds(chunk), chunk_features(store, plan.id, chunk))
     return meter

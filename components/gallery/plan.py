@@ -18,14 +18,17 @@ command finds the same upgrade)::
                                 same upgrade is then refused until a better version is registered
     superseded.json             written when a sequential upgrade starts from this unfinished one
 
-Chunk c holds the items ``order[c * chunk_size : (c + 1) * chunk_size]``. A chunk is done when
-its marker exists; a killed backfill resumes by listing markers, and a chunk redone after a
-crash before its marker rewrites the same key with the same features.
+Chunk c holds the items ``order[bounds[c] : bounds[c + 1]]``: chunk_size items each, except where
+the plan is cut (``Plan.bounds``): after the items embedded while planning (the map sample and
+the evaluation sample, written as done chunks at the front of the order) and where a budget or
+the recommended stop ends a run, so a stop is exact, never rounded up to a whole chunk. A chunk
+is done when its marker exists; a killed backfill resumes by listing markers, and a chunk redone
+after a crash before its marker rewrites the same key with the same features.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -76,6 +79,10 @@ def eval_queries_key(upgrade: str) -> str:
     return upgrade_key(upgrade, "eval/queries.npy")
 
 
+def eval_ranks_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/ranks.npy")
+
+
 def sigma_key(upgrade: str, part: int) -> str:
     return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
 
@@ -99,32 +106,75 @@ class Plan:
     mlflow_run_id: str | None = None
     created: str = field(default_factory=now)
     base: str | None = None  # a sequential upgrade: the unfinished upgrade whose mixed gallery it starts from
+    # chunk boundaries (0, ..., num_items) where they are not the plain chunk_size grid; see chunk_grid
+    bounds: tuple[int, ...] | None = None
+    prefilled: int = 0  # items at the front of the order embedded while planning (done chunks from the start)
 
     @property
     def num_chunks(self) -> int:
-        return -(-self.num_items // self.chunk_size)
+        return len(self.bounds) - 1 if self.bounds else -(-self.num_items // self.chunk_size)
 
     def chunk_bounds(self, chunk: int) -> tuple[int, int]:
         if not 0 <= chunk < self.num_chunks:
             raise IndexError(f"chunk {chunk} is outside 0..{self.num_chunks - 1}")
+        if self.bounds:
+            return self.bounds[chunk], self.bounds[chunk + 1]
         start = chunk * self.chunk_size
         return start, min(start + self.chunk_size, self.num_items)
+
+    def chunk_of(self, ranks: np.ndarray) -> np.ndarray:
+        """The chunk that holds each place ``ranks`` of the order."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        if self.bounds:
+            return np.searchsorted(np.asarray(self.bounds), ranks, side="right") - 1
+        return ranks // self.chunk_size
 
     def items_in(self, chunks) -> int:
         """How many items the given chunks hold."""
         return sum(self.chunk_bounds(c)[1] - self.chunk_bounds(c)[0] for c in chunks)
 
+    def cut_at(self, item: int) -> tuple[Plan, int | None]:
+        """This plan with a chunk boundary at ``item`` (a place in the order), and the chunk that
+        was split in two (None when ``item`` already is a boundary). Chunks after the split one
+        move up by one index: only cut where no chunk from the split one on is done."""
+        if not 0 < item < self.num_items:
+            return self, None
+        edges = [self.chunk_bounds(c)[0] for c in range(self.num_chunks)] + [self.num_items]
+        if item in edges:
+            return self, None
+        split = int(np.searchsorted(edges, item, side="right")) - 1
+        return replace(self, bounds=tuple(sorted({*edges, item}))), split
+
     def to_dict(self) -> dict:
-        return {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
+        data = {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
                 "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
                 "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
-                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base}
+                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base,
+                "prefilled": self.prefilled}
+        if self.bounds:
+            data["bounds"] = list(self.bounds)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        bounds = data.get("bounds")
         return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
                    data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
-                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"))
+                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"),
+                   tuple(int(b) for b in bounds) if bounds else None, int(data.get("prefilled", 0)))
+
+
+def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | None:
+    """Chunk boundaries: ``chunk_size`` items each, restarting at every cut (so the chunks after
+    the front's prefilled items are whole again); None when there is no cut (the plain grid)."""
+    cuts = sorted({int(c) for c in cuts if 0 < int(c) < num_items})
+    if not cuts:
+        return None
+    edges, start = [], 0
+    for stop in [*cuts, num_items]:
+        edges.extend(range(start, stop, chunk_size))
+        start = stop
+    return tuple([*edges, num_items])
 
 
 def load_plan(store: Store, upgrade: str) -> Plan | None:
@@ -174,7 +224,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarr
 
 
 def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions: np.ndarray | None = None,
-                eval_queries: np.ndarray | None = None) -> None:
+                eval_queries: np.ndarray | None = None, eval_ranks: np.ndarray | None = None) -> None:
     """Write the order (and evaluation sample), then plan.json, then point the gallery at the
     upgrade: from here on queries use the new model against the mixed gallery. Needs the
     transformed parts written first."""
@@ -189,6 +239,8 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     if eval_positions is not None and len(eval_positions) >= 2:
         store.put_array(eval_positions_key(plan.id), eval_positions)
         store.put_array(eval_queries_key(plan.id), eval_queries)
+        if eval_ranks is not None:
+            store.put_array(eval_ranks_key(plan.id), np.asarray(eval_ranks, dtype=np.float64))
     write_plan(store, plan)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
     if plan.base:
@@ -204,6 +256,53 @@ def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.nd
     if size is None or size >= n:
         return np.arange(n, dtype=np.int64)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)).astype(np.int64)
+
+
+def front_loaded(order: np.ndarray, prefilled: np.ndarray) -> np.ndarray:
+    """``order`` with the ``prefilled`` positions (embedded while planning) first, in the
+    sequence ``order`` gives them, then every other item as ``order`` has it."""
+    first = np.zeros(len(order), dtype=bool)
+    first[np.asarray(prefilled, dtype=np.int64)] = True
+    in_front = first[order]
+    return np.concatenate([order[in_front], order[~in_front]]).astype(np.int64)
+
+
+def stand_in_ranks(order: np.ndarray, prefilled: np.ndarray, positions: np.ndarray, seed: int) -> np.ndarray:
+    """Where each evaluation item stands in the backfill when the items embedded while planning
+    (``prefilled``, which holds every one of ``positions``) come first: the place a random item
+    of the gallery would have. The sample is a uniform sample of the gallery, so a share
+    |prefilled| / N of it (seeded) stands for the front and takes places spread over it; each
+    other item takes the place it has in ``order`` (sigma's or the random one, before the
+    prefilled items were moved to the front) among the items that were not prefilled. The
+    measurement along the backfill, the advisor and the gate count an evaluation item as
+    backfilled once the backfill passes its place, so the curves they give stand for the whole
+    gallery, not for a sample that is all backfilled from the start."""
+    order, positions = np.asarray(order, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+    n, m, front = len(order), len(positions), len(np.unique(prefilled))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    rest = np.ones(n, dtype=bool)
+    rest[np.asarray(prefilled, dtype=np.int64)] = False
+    rest_ranks = np.sort(rank[rest])  # original places of the items that were not prefilled
+    places = front + np.searchsorted(rest_ranks, rank[positions]).astype(np.float64)
+    rng = np.random.default_rng([seed, 27])
+    chosen = rng.choice(m, size=int(round(m * front / max(n, 1))), replace=False)
+    places[chosen] = rng.uniform(0, front, size=len(chosen))
+    return places
+
+
+def eval_ranks(store: Store, plan: Plan, positions: np.ndarray) -> np.ndarray:
+    """Each evaluation item's place in the backfill (see ``stand_in_ranks`` when items were
+    embedded while planning; else its place in the order)."""
+    if plan.prefilled:
+        try:
+            return store.get_array(eval_ranks_key(plan.id))
+        except ObjectMissing:
+            pass
+    order = order_of(store, plan.id)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank[np.asarray(positions, dtype=np.int64)].astype(np.float64)
 
 
 def order_of(store: Store, upgrade: str) -> np.ndarray:

@@ -56,7 +56,8 @@ def upgrade_env(tiny_pipeline, image_folder, tmp_path, monkeypatch):
                      "reports": str(tmp_path / "reports")}
     data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     data["gallery"] = {"store": str(tmp_path / "gallery"), "part_size": 20,
-                       "upgrade": {"chunk_size": 8, "eval_queries": "all", "max_concurrency": 2}}
+                       # the split's pairs: the pipeline's maps were checked on them, so they are used as they are
+                       "upgrade": {"chunk_size": 8, "eval_queries": 24, "max_concurrency": 2, "map_pairs": "splits"}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return parse_params(data), tmp_path

@@ -3,13 +3,17 @@ whether the map fits, and the chunk scheduler's bookkeeping."""
 
 from types import SimpleNamespace
 
+import numpy as np
+
 import pytest
 
 from components.gallery import plan as pl
 from components.gallery.catalog import GalleryError
 from components.gallery.lifecycle import (
-    Backfill, budget_items, check_map_fits, choose_map, done_prefix, plan_fields, registered_map_order,
+    Backfill, budget_items, check_map_fits, checked_on, choose_map, cut_for_limit, done_prefix, failed_on, needs_check,
+    plan_fields, registered_map_order,
 )
+from components.gallery.plan import Plan, chunk_grid, front_loaded, stand_in_ranks
 from components.platform.config import UpgradeConfig
 from components.platform.registry import ModelRef
 
@@ -72,10 +76,33 @@ def test_backfill_keeps_concurrency_budget_and_stops_after_a_failure():
     assert state.summary()["chunks_done"] == 3 and state.summary()["items_done"] == 7
 
     budgeted = Backfill(plan, set(), limit=4, max_concurrency=4)
-    assert budgeted.to_start() == [0, 1]  # 6 items submitted reach the budget of 4
+    assert budgeted.to_start() == [0]  # a second chunk would pass the budget of 4: never rounded up
     budgeted.landed(0, 3)
-    budgeted.landed(1, 3)
-    assert budgeted.to_start() == [] and budgeted.summary()["fraction"] == pytest.approx(0.6)
+    assert budgeted.to_start() == [] and budgeted.summary()["fraction"] == pytest.approx(0.3)
+
+
+def test_a_stop_inside_a_chunk_cuts_that_chunk_so_the_backfill_ends_exactly_there():
+    plan = _plan(num_items=10, chunk_size=6)  # chunks of 6, 4: one chunk larger than the stop
+    cut, split = cut_for_limit(plan, set(), 4)
+    assert split == 0 and [cut.chunk_bounds(c) for c in range(cut.num_chunks)] == [(0, 4), (4, 6), (6, 10)]
+    state = Backfill(cut, set(), limit=4, max_concurrency=4)
+    assert state.to_start() == [0]
+    state.landed(0, 4)
+    assert state.to_start() == [] and state.items_done == 4
+    # resumed without a limit, the rest of the split chunk and the chunks after it follow
+    rest = Backfill(cut, {0}, limit=10, max_concurrency=4)
+    assert rest.to_start() == [1, 2]
+    assert list(cut.chunk_of(np.arange(10))) == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2]
+    # on a boundary, or with a chunk past it done (cutting would renumber it), nothing is cut
+    assert cut_for_limit(cut, set(), 6) == (cut, None)
+    assert cut_for_limit(plan, {1}, 4) == (plan, None)
+    assert Plan.from_dict(cut.to_dict()) == cut
+
+
+def test_the_chunk_grid_restarts_after_the_prefilled_front():
+    assert chunk_grid(10, 4, [3]) == (0, 3, 7, 10)
+    assert chunk_grid(10, 4, []) is None and chunk_grid(10, 4, [10]) is None
+    assert chunk_grid(9, 3, [5]) == (0, 3, 5, 8, 9)
 
 
 def test_the_throttle_paces_chunk_starts_by_items_per_second():
@@ -90,3 +117,39 @@ def test_the_throttle_paces_chunk_starts_by_items_per_second():
     assert not state.can_start_more
     unthrottled = Backfill(plan, set(), limit=10, max_concurrency=4)
     assert unthrottled.wait_time(0.0) == 0.0 and unthrottled.to_start(0.0) == [0, 1, 2, 3]
+
+
+def _version(number: str, **tags) -> SimpleNamespace:
+    return SimpleNamespace(version=number, tags=tags)
+
+
+def test_a_map_checked_on_the_same_source_is_used_as_it_is_and_one_that_failed_there_is_passed_over():
+    here, there = "gallery s3://team/main", "gallery s3://team/other"
+    passed = _version("3", method="fastfill", check="passed", **{"check.source": here})
+    assert checked_on(passed.tags, here) and not needs_check(passed.tags, here)
+    assert needs_check(passed.tags, there) and needs_check(passed.tags, here, recheck=True)
+    pipeline = _version("1", method="fastfill", check="passed")  # the pipeline's map: checked on its split
+    assert checked_on(pipeline.tags, "splits") and needs_check(pipeline.tags, here)
+    assert not needs_check({"method": "fct"}, here)  # an l2-only map is the check's own reference
+    failed = _version("4", method="fastfill", check="fallback", **{"check.source": here})
+    fallback = _version("5", method="fct", check="fallback map", **{"check.source": here})
+    assert failed_on(failed.tags, here) and not failed_on(failed.tags, there)
+    assert choose_map([fallback, failed, passed], "sigma", here) is passed  # checked here, with a sigma head
+    assert choose_map([fallback, failed], "sigma", here) is fallback  # never the map that failed here
+    assert choose_map([failed, pipeline], "sigma", there) is failed  # on another gallery it is checked again
+
+
+def test_prefilled_items_come_first_and_the_sample_stands_for_the_whole_gallery():
+    order = np.array([5, 3, 9, 0, 1, 2, 4, 6, 7, 8])
+    assert list(front_loaded(order, np.array([0, 9]))) == [9, 0, 5, 3, 1, 2, 4, 6, 7, 8]
+    rng = np.random.default_rng(0)
+    n = 10_000
+    order = rng.permutation(n)
+    prefilled = np.sort(rng.choice(n, 2000, replace=False))
+    sample = prefilled[:1000]
+    ranks = stand_in_ranks(order, prefilled, sample, seed=0)
+    # about a fifth of the sample stands for the prefilled front; the rest spreads over the remaining places
+    assert (ranks < 2000).sum() == 200
+    assert 2000 <= ranks[ranks >= 2000].min() and ranks.max() <= n
+    assert abs(np.median(ranks[ranks >= 2000]) - 6000) < 400
+    np.testing.assert_array_equal(ranks, stand_in_ranks(order, prefilled, sample, seed=0))  # seeded
