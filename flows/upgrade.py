@@ -15,7 +15,7 @@ import numpy as np
 from prefect import flow
 from prefect.futures import as_completed
 
-from components.gallery import advisor, backfill as bf, plan as pl, upgrade as up
+from components.gallery import advisor, backfill as bf, judgments, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
 from components.gallery.catalog import Gallery, GalleryError, check_registry, fetch_images
 from components.gallery.images import readable
@@ -720,6 +720,7 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
         future.result()
     order = pl.make_order(gallery, uid, order_kind, config.seed)
     embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
+    judged = _judged_queries(params, gallery, uid, new_model, embedded) if config.judgments else None
     positions, queries = _evaluation_sample(params, gallery, new_model, embedded)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
     # the items embedded while planning are backfilled from the start: the first chunks of the order
@@ -736,11 +737,52 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
         chunks = bf.write_prefilled(gallery.store, plan, order, embedded)
         log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "
             f"first: chunks 0-{chunks - 1} written")
+    if judged is not None:
+        judgments.store_judged(gallery.store, uid, *judged)
     pl.commit_plan(gallery, plan, order, positions, queries, ranks)
     log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
         + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
         + f"; queries now use {new.uri} against the mixed gallery")
     return plan
+
+
+def _judged_queries(params: Params, gallery: Gallery, uid: str, new_model, embedded: dict) -> tuple:
+    """The judged queries (``gallery.upgrade.judgments``) resolved against the gallery, with
+    their features on both sides of the gate: a gallery item's new features are embedded here
+    (and join ``embedded``, so they are backfilled from the start) and its champion features are
+    the stored ones; an image query is embedded by both models."""
+    from components.gallery.catalog import features_key, rows_at
+    from components.gallery.images import read_images
+
+    config = params.gallery.upgrade
+    judged = judgments.load_judgments(config.judgments, gallery.ids())
+    log(judged.describe())
+    items = judged.query_positions[judged.query_positions >= 0]
+    missing = np.array([p for p in items.tolist() if p not in embedded], dtype=np.int64)
+    if len(missing):
+        images, failures = fetch_images(gallery, missing, workers=config.read_workers)
+        if failures:
+            raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0].uri}: "
+                               f"{failures[0].reason}); fix them or leave those queries out of {config.judgments}")
+        embedded.update(zip(missing.tolist(), embed_images(new_model, images, config.batch_size, config.precision)))
+    inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
+    new_rows, old_rows = {}, {}
+    if len(inside):
+        new_rows.update(zip(inside.tolist(), (embedded[int(p)] for p in judged.query_positions[inside])))
+        old_rows.update(zip(inside.tolist(), rows_at(gallery, judged.query_positions[inside],
+                                                     lambda part: features_key(gallery.model, part))))
+    if len(outside):
+        images, failures = read_images([judged.query_uris[i] for i in outside], gallery.manifest()["image_shape"],
+                                       root=gallery.image_root, workers=config.read_workers)
+        if failures:
+            raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0].uri}: "
+                               f"{failures[0].reason}); fix them or leave those queries out of {config.judgments}")
+        champion = load_model(params.mlflow, gallery.model)
+        new_rows.update(zip(outside.tolist(), embed_images(new_model, images, config.batch_size, config.precision)))
+        old_rows.update(zip(outside.tolist(), embed_images(champion, images, config.batch_size, config.precision)))
+    new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)
+    old = np.stack([old_rows[i] for i in range(len(judged))]).astype(np.float32)
+    return judged, new, old
 
 
 def _evaluation_sample(params: Params, gallery: Gallery, new_model, embedded: dict) -> tuple:

@@ -200,7 +200,8 @@ def check_upgrade_map(params: Params, alignment_map, map_uri: str, pairs: MapPai
         client.set_tag(run_id, key, value)
     if used is alignment_map:
         return alignment_map, map_uri, order
-    fallback_tags = {"check": "fallback map", "replaces": map_uri, CHECK_SOURCE_TAG: pairs.source, **pair_tags(pairs)}
+    fallback_tags = {"check": "fallback map", "replaces": map_uri, CHECK_SOURCE_TAG: pairs.source, "fallback_order": order,
+                     **pair_tags(pairs)}
     if used is not reference:  # the reference with a fitted head: a map of the method
         return used.eval(), _register_map(params, used, method, old, new, run_id, fallback_tags), order
     if reference_uri is None:
@@ -234,10 +235,18 @@ def finish_upgrade(store_uri: str, plan: pl.Plan) -> dict:
 @task(name="evaluate-gate", **NO_CACHING)
 def evaluate_gate(store_uri: str, plan: pl.Plan, config) -> dict:
     """The promotion gate's numbers on the upgrade's evaluation sample (components.gallery.promotion)."""
+    from components.gallery.judgments import measure_judged_gate, stored_judged
     from components.gallery.promotion import measure_gate
 
     gallery = Gallery(store_at(store_uri))
     store = gallery.store
+    judged = stored_judged(store, plan.id)
+    if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
+        judgments, new_queries, champion_queries = judged
+        final, _ = bf.mixed_features(gallery, plan)
+        return measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries, final,
+                                   pl.transformed_all(gallery, plan.id), judgments, pl.order_of(store, plan.id),
+                                   distance=plan.distance, curve_points=config.curve_points)
     positions, queries = pl.stored_eval_sample(store, plan.id)
     transformed = bf.transformed_rows(gallery, plan.id, positions)
     new = bf.mixed_rows(gallery, plan, positions)
@@ -316,6 +325,11 @@ class UpgradeProgress:
             return
         prefix = done_prefix(done, self.plan.num_chunks)
         items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
+        if items and 0 not in self.measured:  # the curve starts at 0%, also when items were embedded while planning
+            self._measure_at(0)
+        self._measure_at(items)
+
+    def _measure_at(self, items: int) -> None:
         if items in self.measured:
             return
         metrics = self.meter.measure(items)

@@ -455,3 +455,35 @@ def _smallest(values: np.ndarray, k: int) -> np.ndarray:
     if values.shape[1] <= k:
         return np.broadcast_to(np.arange(values.shape[1]), values.shape)
     return np.argpartition(values, k - 1, axis=1)[:, :k]
+
+
+# ------------------------------------------------------------------------------------------------
+# An upgrade's judged queries, kept beside its plan (the gate measures them when the backfill ends)
+
+JUDGED = "eval/judgments.json"
+
+
+def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray, champion_queries: np.ndarray) -> None:
+    """The resolved judgments and both sides' query features, under ``upgrades/<upgrade>/eval/``."""
+    from components.gallery.plan import upgrade_key
+
+    store.put_array(upgrade_key(upgrade, "eval/judged_new.npy"), np.asarray(new_queries, dtype=np.float32))
+    store.put_array(upgrade_key(upgrade, "eval/judged_champion.npy"), np.asarray(champion_queries, dtype=np.float32))
+    store.put_json(upgrade_key(upgrade, JUDGED), {
+        "source": judged.source, "query_positions": judged.query_positions.tolist(), "query_uris": judged.query_uris,
+        "relevant": [r.tolist() for r in judged.relevant]})
+
+
+def stored_judged(store, upgrade: str) -> tuple[Judgments, np.ndarray, np.ndarray] | None:
+    """(judgments, new-model query features, champion query features) of a planned upgrade, or None."""
+    from components.gallery.plan import upgrade_key
+    from components.gallery.store import ObjectMissing
+
+    try:
+        record = store.get_json(upgrade_key(upgrade, JUDGED))
+    except ObjectMissing:
+        return None
+    judged = Judgments(record["source"], np.asarray(record["query_positions"], dtype=np.int64), record["query_uris"],
+                       [np.asarray(r, dtype=np.int64) for r in record["relevant"]])
+    return (judged, store.get_array(upgrade_key(upgrade, "eval/judged_new.npy")),
+            store.get_array(upgrade_key(upgrade, "eval/judged_champion.npy")))

@@ -70,7 +70,9 @@ def failed_on(tags: dict, source: str) -> bool:
 def checked_on(tags: dict, source: str) -> bool:
     """The version came out of a check on ``source`` fit to use: it passed, was kept under warn,
     or is the map a failed check chose in its place."""
-    return check_source(tags) == source and tags.get("check") in ("passed", "warned", "fallback map")
+    outcome = tags.get("check")
+    pipeline_fallback = outcome == "fallback" and CHECK_SOURCE_TAG not in tags  # the align stage's chosen map
+    return check_source(tags) == source and (outcome in ("passed", "warned", "fallback map") or pipeline_fallback)
 
 
 def needs_check(tags: dict, source: str, recheck: bool = False) -> bool:

@@ -43,7 +43,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
 
     paused = upgrade_flow(params, store_uri, budget=0.4)
     assert paused["state"] == "paused"
-    assert 0.4 * n <= paused["items_done"] < 0.4 * n + 2 * 8
+    assert paused["items_done"] == int(np.ceil(0.4 * n))  # exact: the chunk the budget falls in was cut
     gallery = Gallery(open_store(store_uri))
     state = up.status(gallery)
     assert state["state"] == "paused" and state["lock"] is None
@@ -71,30 +71,36 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     history = {name: {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, name)}
                for name in ("top1", "top5", "map")}
     steps = sorted(history["top1"])
+    plan = pl.load_plan(gallery.store, plan.id)
+    # the evaluation sample was embedded while planning: the first chunks, backfilled from the start
+    assert plan.prefilled == 24 and plan.chunk_bounds(2) == (16, 24) and steps[1] == plan.prefilled
     assert steps[0] == 0 and steps[-1] == n and len(steps) >= 3
     positions = gallery.store.get_array(f"upgrades/{plan.id}/eval/positions.npy")
     order = pl.order_of(gallery.store, plan.id)
+    assert set(order[:plan.prefilled]) == set(positions)
+    # ... and stands for the gallery: its items count as backfilled at their stand-in places
+    ranks = gallery.store.get_array(f"upgrades/{plan.id}/eval/ranks.npy")
+    local = np.argsort(ranks, kind="stable")
     transformed = pl.transformed_all(gallery, plan.id)
     labels = split.labels[positions]
-    counts = [int(np.isin(order[:s], positions).sum()) for s in steps]
+    counts = [int((ranks < s).sum()) for s in steps]
     curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
-                            transformed[positions], labels, restricted_order(order, positions), counts)
+                            transformed[positions], labels, local, counts)
     for i, step in enumerate(steps):
         assert history["top1"][step] == pytest.approx(curve.top1[i], abs=1e-6)
         assert history["top5"][step] == pytest.approx(curve.top5[i], abs=1e-6)
         assert history["map"][step] == pytest.approx(curve.map[i], abs=1e-6)
-    # the budget advisor's prediction, made when planning: its sample is the whole gallery here
-    # (eval_queries all), so it is the curve itself, every 5%, before a single item was embedded
+    # the budget advisor's prediction, made when planning: the sample's own curve at the same stand-in
+    # places, every 5% (top-1 then scaled to the whole gallery's size), before the backfill began
     advice = gallery.store.get_json(f"upgrades/{plan.id}/advice.json")
     cuts = [int(np.floor(round(f * n, 9))) for f in advice["fractions"]]
     exact = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
-                            transformed[positions], labels, restricted_order(order, positions),
-                            [int(np.isin(order[:c], positions).sum()) for c in cuts])
-    np.testing.assert_allclose(advice["top1"], exact.top1, atol=1e-9)
+                            transformed[positions], labels, local, [int((ranks < c).sum()) for c in cuts])
+    np.testing.assert_allclose(advice["sample_top1"], exact.top1, atol=1e-9)
     np.testing.assert_allclose(advice["map"], exact.map, atol=1e-9)
     predicted = {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, "predicted_top1")}
     assert sorted(predicted) == sorted(set(cuts)) and state["upgrade"]["predicted"]["top1"]["100%"] == \
-        pytest.approx(100 * exact.top1[-1], abs=0.01)
+        pytest.approx(100 * advice["top1"][-1], abs=0.01)
     fraction = client.get_metric_history(plan.mlflow_run_id, "backfill_fraction")
     assert max(m.value for m in fraction) == 1.0
     assert client.get_run(plan.mlflow_run_id).info.status == "FINISHED"
@@ -180,8 +186,12 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     assert result["state"] == "complete" and result["failed_images"] == 0
     store = open_store(uri)
     plan = pl.load_plan(store, result["upgrade"])
-    pids = {store.get_json(pl.marker_key(plan.id, c))["pid"] for c in range(plan.num_chunks)}
+    markers = [store.get_json(pl.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
+    pids = {m["pid"] for m in markers if not m.get("prefilled")}
     assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
+    # the evaluation sample's chunks were written while planning, here, from the features it embedded
+    assert {m["pid"] for m in markers if m.get("prefilled")} == {os.getpid()}
+    assert sum(m["count"] for m in markers if m.get("prefilled")) == plan.prefilled == 24
     gallery = Gallery(store)
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, split.images), rtol=1e-5,
                                atol=1e-5)
@@ -315,13 +325,13 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert "dry run: nothing written" in result.output and "8 chunks of 10" in result.output
     assert "object-store requests" in result.output and "estimated backfill" in result.output
     assert {key: store.get(key) for key in store.list("")} == before  # no plan, no lock, nothing
-    started = time.monotonic()  # throttled: after the first chunk, 3 items/s for the next 16
-    result = runner.invoke(app, ["upgrade", *args, "--budget", "25%", "--no-progress", "--max-items-per-second", "3",
+    started = time.monotonic()  # throttled: after the first chunk past the 24 prefilled, 3 items/s for the next 16
+    result = runner.invoke(app, ["upgrade", *args, "--budget", "60%", "--no-progress", "--max-items-per-second", "3",
                                  "--concurrency", "1"])
     assert result.exit_code == 0, result.output
     assert "paused:" in result.output and time.monotonic() - started >= 16 / 3
     status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
-    assert status["state"] == "paused" and status["upgrade"]["fraction"] >= 0.25
+    assert status["state"] == "paused" and status["upgrade"]["items_done"] == 44  # 60% of 72, exactly
 
     # search from the CLI: the new model's space, the mixed gallery
     from components.experiment.inference import embed
@@ -582,14 +592,17 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert predicted["error_scale"] > 0 and all(0 <= v <= 1 for v in predicted["top1"] + predicted["map"])
     # a gain that stops the backfill part of the way (the tiny curve is steep: a few points per 5%)
     gains = [g for g in (0.5, 1, 2, 3, 5, 8, 13, 20) if 0 < recommend(predicted, g)["fraction"] < 1]
+    # a stop past the 40 items embedded while planning shows the cut best; any stop short of 100% does
+    gains.sort(key=lambda g: recommend(predicted, g)["items"] <= 40)
     assert gains, f"no gain stops this curve part of the way: {predicted['top1']}"
     gain = gains[0]
     stop = recommend(predicted, gain)
-    params = configured(stop_when_gain_below=gain)
+    params = configured(stop_when_gain_below=gain, chunk_size=64)  # one chunk larger than the stop's count
 
     paused = upgrade_flow(params, uri)
     assert paused["state"] == "paused" and paused["stopped"] == "recommended", paused
-    assert stop["items"] <= paused["items_done"] < stop["items"] + 2 * params.gallery.upgrade.chunk_size
+    prefilled = pl.load_plan(store, paused["upgrade"]).prefilled  # the evaluation sample, embedded while planning
+    assert paused["items_done"] == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
     assert paused["advice"]["recommendation"]["fraction"] == stop["fraction"]
     stored = store.get_json(f"upgrades/{paused['upgrade']}/advice.json")
     np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve

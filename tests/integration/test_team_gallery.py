@@ -1,0 +1,174 @@
+"""A retrieval team's own gallery: a registry with its two versions and no map joining them, PNG
+files adopted in place without labels, and none of the pipeline's files on the host."""
+
+import numpy as np
+import pytest
+import yaml
+
+from components.gallery import plan as pl
+from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.store import open_store
+from tests.integration.helpers import registry_models, split_images
+
+
+def _photos(folder, images) -> list[str]:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, image in enumerate(images):
+        names.append(f"item-{i:05d}.png")
+        Image.fromarray(image[0], mode="L").save(folder / names[-1])
+    return names
+
+
+def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harness):
+    from typer.testing import CliRunner
+
+    from components.experiment.inference import embed
+    from components.platform.config import parse_params
+    from flows.cli import app
+    from flows.upgrade import upgrade_flow
+
+    base, tmp_path = upgrade_env
+    client, old_model, new_model, old_version, new_version = registry_models(base)
+    client.delete_registered_model(base.mlflow.alignment_model)  # no map joins the two versions
+    split = split_images(base)  # the images the team has; their labels stay here
+    n = len(split.labels)
+    names = _photos(tmp_path / "photos", split.images)
+    (tmp_path / "photos" / "items.csv").write_text("id,uri\n" + "".join(f"{500 + i},{name}\n" for i, name in
+                                                                        enumerate(names)))
+    data = base.model_dump(mode="json")
+    data["paths"]["data"] = str(tmp_path / "no-pipeline-here")  # no prepared split on this host
+    data["gallery"]["upgrade"].update(map_pairs="gallery", map_sample=30, chunk_size=64)
+    data["promotion"]["gate"] = True
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    team = parse_params(data)
+    uri = str(tmp_path / "adopted")
+    runner = CliRunner()
+    common = ["--store", uri, "--params", str(tmp_path / "params.yaml")]
+
+    adopted = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"), *common])
+    assert adopted.exit_code == 0, adopted.output
+    assert "has no label column and no judged queries are configured" in adopted.output
+
+    # under the gate there is nothing to measure the upgrade against: refused in one line, before any work
+    store = open_store(uri)
+    before = set(store.list(""))
+    refused = runner.invoke(app, ["upgrade", *common, "--no-progress"])
+    assert refused.exit_code == 6, refused.output
+    assert "has no labels and no judged queries" in refused.output and "--no-gate" in refused.output
+    assert "Traceback" not in refused.output
+    assert set(store.list("")) == before
+    dry = runner.invoke(app, ["upgrade", *common, "--dry-run"])
+    assert dry.exit_code == 0 and "would be refused before planning" in dry.output, dry.output
+
+    # ungated: the map trains on 30 of the gallery's own items, checked on held-out items of the same sample;
+    # their new features are the first backfilled chunks, and the budget ends the backfill exactly
+    paused = upgrade_flow(team, uri, budget=40, gate=False)
+    assert paused["state"] == "paused" and paused["items_done"] == 40  # a chunk of 64 cut at 40
+    plan = pl.load_plan(store, paused["upgrade"])
+    assert plan.prefilled == 30 and plan.eval_queries == 0
+    assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, 30), (30, 40), (40, 72)]
+    versions = client.search_model_versions(f"name = '{base.mlflow.alignment_model}'")
+    trained = min(versions, key=lambda v: int(v.version))
+    assert trained.tags["pairs"] == f"gallery {uri}" and trained.tags["pairs.count"] == "30"
+    assert trained.tags["disc_targets"] == "the new model's predicted classes"
+    assert trained.tags["check.source"] == f"gallery {uri}" and trained.tags["check"] in ("passed", "fallback",
+                                                                                          "warned")
+    gallery = Gallery(store)
+    sampled = pl.order_of(store, plan.id)[:30]
+    from components.gallery.backfill import mixed_features
+
+    mixed, backfilled = mixed_features(gallery, plan)
+    assert backfilled.sum() == 40 and backfilled[sampled].all()
+    np.testing.assert_allclose(mixed[sampled], embed(new_model, split.images[sampled]), rtol=1e-5, atol=1e-5)
+
+    done = upgrade_flow(team, uri, gate=False)
+    assert done["state"] == "complete" and done["items_done"] == n
+    gallery.manifest(refresh=True)
+    assert gallery.model.version == new_version
+    np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, split.images), rtol=1e-5,
+                               atol=1e-5)
+    run = client.get_run(plan.mlflow_run_id)
+    assert run.data.tags["check.source"] == f"gallery {uri}"
+
+
+def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_harness):
+    """The pipeline's map was checked on its split: on this gallery's pairs it is checked once;
+    planned again (after an abort), the upgrade uses the map that check left without embedding a
+    map sample, the dry run predicts from that very version, and --recheck checks it again."""
+    from flows.gallery import ingest_flow
+    from flows.upgrade import abort_flow, dry_run_upgrade, upgrade_flow
+
+    params, tmp_path = upgrade_env
+    client, *_ = registry_models(params)
+
+    def configured(**changes):
+        return params.model_copy(update={"gallery": params.gallery.model_copy(update={
+            "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery", "map_sample": 40,
+                                                                 "map_sample_min": 0, **changes})})})
+
+    on_gallery = configured()
+    uri = str(tmp_path / "g")
+    ingest_flow(on_gallery, uri)
+    assert "has not passed its check on gallery" in dry_run_upgrade(on_gallery, uri)["advice"]["note"]
+    first = upgrade_flow(on_gallery, uri, budget=50)
+    store = open_store(uri)
+    plan = pl.load_plan(store, first["upgrade"])
+    tags = client.get_run(plan.mlflow_run_id).data.tags
+    assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 40
+    used = tags["map_version"]
+    assert plan.map_uri.endswith(f"/{used}")
+    registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
+
+    abort_flow(on_gallery, uri)
+    predicted = dry_run_upgrade(on_gallery, uri)["advice"]
+    assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
+    again = upgrade_flow(on_gallery, uri, budget=50)
+    replanned = pl.load_plan(store, again["upgrade"])
+    tags = client.get_run(replanned.mlflow_run_id).data.tags
+    assert replanned.map_uri == plan.map_uri and tags["map_version"] == used
+    assert tags["check"].startswith("not repeated") and "check.source" not in tags
+    assert replanned.prefilled == replanned.eval_queries == 24  # only the evaluation sample was embedded
+    assert len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")) == registered
+
+    abort_flow(on_gallery, uri)
+    rechecked = upgrade_flow(configured(recheck=True), uri, budget=50)
+    tags = client.get_run(pl.load_plan(store, rechecked["upgrade"]).mlflow_run_id).data.tags
+    assert tags["check.source"] == f"gallery {uri}"
+
+
+def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
+    """No labels, a judgments file (query ids and their relevant ids): the gate measures the judged
+    queries against the whole gallery along the backfill, and the judged items are embedded once."""
+    from components.gallery.adopt import adopt
+    from components.experiment.inference import embed
+    from components.platform.registry import ModelRef
+    from flows.upgrade import upgrade_flow
+    import pyarrow as pa
+
+    params, tmp_path = upgrade_env
+    _, old_model, _, old_version, _ = registry_models(params)
+    split = split_images(params)
+    n = len(split.labels)
+    names = _photos(tmp_path / "photos", split.images)
+    uri = str(tmp_path / "judged")
+    table = pa.table({"id": np.arange(100, 100 + n), "uri": [str(tmp_path / "photos" / name) for name in names]})
+    adopt(open_store(uri), table, ModelRef("embedder", old_version, old_model.embedding_dim), split.images.shape[1:],
+          features=iter([embed(old_model, split.images)]), part_size=20)
+    queries = np.arange(0, n, 6)  # 12 judged queries, each with every other item of its class relevant
+    rows = [(100 + q, 100 + r) for q in queries for r in np.flatnonzero(split.labels == split.labels[q]) if r != q]
+    (tmp_path / "judged.csv").write_text("query,relevant\n" + "".join(f"{q},{r}\n" for q, r in rows))
+    judged = params.model_copy(update={
+        "promotion": params.promotion.model_copy(update={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
+                                                         "max_fraction_to_gain": 1.0}),
+        "gallery": params.gallery.model_copy(update={"upgrade": params.gallery.upgrade.model_copy(update={
+            "judgments": str(tmp_path / "judged.csv")})})})
+    result = upgrade_flow(judged, uri)
+    assert result["state"] in ("complete", "rejected"), result
+    numbers = result["promotion"]["numbers"]
+    assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
+    assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
+    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    assert plan.prefilled == len(queries) and plan.eval_queries == 0  # the judged items, embedded once
