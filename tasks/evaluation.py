@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -41,11 +42,38 @@ def _method_outputs(method: str, layout: Layout, compatible: bool) -> MethodOutp
                          sigma_is_random=order == "random")
 
 
+def diverged_curve(curve_points: int, reason: str) -> dict:
+    """The curve of a method whose stored outputs are not finite (a map that diverged, used
+    unchecked: check off, as in the comparison): every number NaN, and ``diverged``: why."""
+    from components.evaluation import curve_alphas
+
+    alphas = [float(a) for a in curve_alphas(curve_points)]
+    keys = ("top1", "top5", "map", "nfr1", "pfr1", "negative_flips", "positive_flips")
+    scalars = ("top1_auc", "top5_auc", "map_auc", "top1_trapz", "top5_trapz", "map_trapz", "nfr1_mean")
+    return {"alpha": alphas, **{k: [math.nan] * len(alphas) for k in keys}, **dict.fromkeys(scalars, math.nan),
+            "diverged": reason}
+
+
+def _non_finite(outputs: MethodOutputs) -> list[str]:
+    from components.experiment.map_check import non_finite_rows
+
+    named = {"gallery_old": outputs.gallery_old, "query": outputs.query, "log_sigma2": outputs.log_sigma2}
+    return [f"{name} in {non_finite_rows(values)} of {len(values)} rows" for name, values in named.items()
+            if values is not None and non_finite_rows(values)]
+
+
 @task(name="evaluate-method", **NO_CACHING)
 def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], layout: Layout,
                     compatible: bool = False) -> tuple[dict, float | None]:
+    """Each order's curve of ``method`` and its Kendall tau; a method whose stored outputs are
+    not finite gets ``diverged_curve`` for every order (its rows report NaN, the others go on)."""
     labels = load_split(layout.splits, "test").labels
     outputs = _method_outputs(method, layout, compatible)
+    bad = _non_finite(outputs)
+    if bad:
+        reason = f"diverged: its outputs are not finite ({'; '.join(bad)})"
+        log(f"{method}: {reason}, so its rows ({', '.join(orders)}) are reported as diverged, with NaN numbers")
+        return {order: diverged_curve(config.curve_points, reason) for order in orders}, None
     if outputs.sigma_is_random and "sigma" in orders:
         log(f"{method} (sigma): its fallback map's sigma order was not shown to help on the held-out pairs, so it "
             "is backfilled, and measured, in random order (see check.json)")

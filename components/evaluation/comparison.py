@@ -9,6 +9,7 @@ every seed, and written down whichever way they come out.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 
@@ -56,6 +57,13 @@ def _mean_curve(curves: list[Mapping], key: str) -> list[float]:
     return [statistics.fmean(values) for values in zip(*(c[key] for c in curves))]
 
 
+def _spread(values_by_seed: Mapping) -> dict:
+    """``spread``, or NaN mean and std when a seed's value is NaN (its map diverged)."""
+    if all(math.isfinite(v) for v in values_by_seed.values()):
+        return spread(values_by_seed)
+    return {"mean": math.nan, "std": math.nan, "per_seed": {str(s): v for s, v in values_by_seed.items()}}
+
+
 def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[str, Mapping],
               descriptions: Mapping[str, str], headline: Mapping[str, str]) -> dict:
     """``per_seed_metrics[seed]``: a seed's metrics.json; ``per_seed_curves[seed]``: its
@@ -82,9 +90,14 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
             rows[label] = {
                 "method": method, "order": each, "kind": "method", "headline": each == order,
                 "description": descriptions.get(method, ""),
-                **{k: spread({s: per_seed_metrics[s][method]["by_order"][each][k] for s in seeds}) for k in ROW_KEYS}}
-            if "kendall_tau" in first[method] and each == "sigma":
-                rows[label]["kendall_tau"] = spread({s: per_seed_metrics[s][method]["kendall_tau"] for s in seeds})
+                **{k: _spread({s: per_seed_metrics[s][method]["by_order"][each][k] for s in seeds}) for k in ROW_KEYS}}
+            diverged = [s for s in seeds
+                        if not math.isfinite(per_seed_metrics[s][method]["by_order"][each]["top1_auc"])]
+            if diverged:  # the evaluation gives a map whose outputs are not finite NaN numbers
+                rows[label]["diverged"] = diverged
+            if any("kendall_tau" in per_seed_metrics[s][method] for s in seeds) and each == "sigma":
+                rows[label]["kendall_tau"] = _spread({s: per_seed_metrics[s][method].get("kendall_tau", math.nan)
+                                                      for s in seeds})
             runs = [per_seed_curves[s]["curves"][method][each] for s in seeds]
             curves[label] = {"alpha": runs[0]["alpha"], "top1": _mean_curve(runs, "top1"),
                              "map": _mean_curve(runs, "map"), "headline": each == order}
@@ -112,6 +125,10 @@ def check_expectations(summary: Mapping, headline: Mapping[str, str]) -> list[di
         if a is None or b is None:
             out.append({"claim": text, "checked": False, "why": f"no row {better if a is None else worse!r}"})
             continue
+        if a.get("diverged") or b.get("diverged"):
+            out.append({"claim": text, "checked": False,
+                        "why": f"{better if a.get('diverged') else worse!r} diverged"})
+            continue
         per_seed = {s: a[metric]["per_seed"][s] > b[metric]["per_seed"][s] for s in a[metric]["per_seed"]}
         gap = a[metric]["mean"] - b[metric]["mean"]
         out.append({"claim": text, "checked": True, "metric": metric, "better": better, "worse": worse,
@@ -121,14 +138,20 @@ def check_expectations(summary: Mapping, headline: Mapping[str, str]) -> list[di
 
 
 def ranking(summary: Mapping, metric: str) -> list[tuple[str, float]]:
-    """Headline rows (one per method) by descending mean ``metric``."""
+    """Headline rows (one per method) by descending mean ``metric``; diverged rows are left out."""
     rows = [(label, row[metric]["mean"]) for label, row in summary["rows"].items()
-            if row["kind"] == "method" and row["headline"]]
+            if row["kind"] == "method" and row["headline"] and not row.get("diverged")]
     return sorted(rows, key=lambda item: -item[1])
 
 
 def _pct(stat: Mapping) -> str:
+    if not math.isfinite(stat["mean"]):
+        return "diverged"
     return f"{100 * stat['mean']:.2f} ± {100 * stat['std']:.2f}"
+
+
+def _diverged_note(row: Mapping) -> str:
+    return f" (diverged: seed {', '.join(map(str, row['diverged']))})" if row.get("diverged") else ""
 
 
 def comparison_markdown(summary: Mapping) -> str:
@@ -145,13 +168,15 @@ def comparison_markdown(summary: Mapping) -> str:
         "|---|---|" + "---|" * len(columns),
     ]
     for label, row in summary["rows"].items():
-        name = f"**{label}**" if row["kind"] == "method" and row["headline"] else label
+        name = (f"**{label}**" if row["kind"] == "method" and row["headline"] else label) + _diverged_note(row)
         cells = [_pct(row[key]) if key in row else "" for key, _ in columns]
         lines.append(f"| {name} | {row['description']} | " + " | ".join(cells) + " |")
     lines += ["", "## Ranking (headline rows)", ""]
+    diverged = [label for label, row in summary["rows"].items() if row["kind"] == "method" and row["headline"]
+                and row.get("diverged")]
     for metric in ("top1_auc", "map_auc"):
         order = " > ".join(f"{label} {100 * value:.2f}" for label, value in ranking(summary, metric))
-        lines.append(f"- {metric}: {order}")
+        lines.append(f"- {metric}: {order}" + (f" (left out, diverged: {', '.join(diverged)})" if diverged else ""))
     lines += ["", "## What the papers lead us to expect, checked on this data", ""]
     for item in summary["expectations"]:
         if not item["checked"]:
@@ -160,14 +185,16 @@ def comparison_markdown(summary: Mapping) -> str:
         verdict = "holds" if item["holds_on_mean"] else "does NOT hold"
         lines.append(f"- {item['claim']}: {verdict} on the mean (gap {100 * item['gap']:+.2f} points), "
                      f"on {item['seeds_holding']} of {item['seeds']} seeds")
-    taus = [(label, row["kendall_tau"]) for label, row in summary["rows"].items() if "kendall_tau" in row]
+    taus = [(label, row["kendall_tau"]) for label, row in summary["rows"].items()
+            if "kendall_tau" in row and math.isfinite(row["kendall_tau"]["mean"])]
     for label, tau in taus:
         lines.append(f"- Kendall tau between the sigma and oracle orders, {label.split(' ')[0]}: "
                      f"{tau['mean']:.3f} ± {tau['std']:.3f}")
     lines += ["", "## Per seed", "", "| row | " + " | ".join(f"top-1~ s{s}" for s in seeds) + " | "
               + " | ".join(f"mAP~ s{s}" for s in seeds) + " |", "|---|" + "---|" * (2 * len(seeds))]
     for label, row in summary["rows"].items():
-        cells = [f"{100 * row[m]['per_seed'][s]:.2f}" for m in ("top1_auc", "map_auc") for s in seeds]
+        cells = [f"{100 * row[m]['per_seed'][s]:.2f}" if math.isfinite(row[m]["per_seed"][s]) else "diverged"
+                 for m in ("top1_auc", "map_auc") for s in seeds]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Curves (mean over seeds, headline orders): comparison.png.", ""]
     return "\n".join(lines)
@@ -230,7 +257,7 @@ def plot_comparison(path, summary: Mapping) -> None:
             ax.set_ylabel(title + (" (the top 10 points)" if row else ""))
             ax.grid(alpha=0.3)
             if row and top is not None:
-                highest = max([top] + [100 * max(c[key]) for c in curves.values()])
+                highest = max([top] + [100 * v for c in curves.values() for v in c[key] if math.isfinite(v)])
                 ax.set_ylim(top - 10, highest + 1)
         axes[1, column].set_xlabel("gallery backfilled (%)")
     handles, names = axes[0, 0].get_legend_handles_labels()

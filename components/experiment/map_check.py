@@ -8,6 +8,10 @@ to try, ``fallback`` uses the l2 map instead and records why, ``warn`` keeps the
 the warning. When the method orders by sigma, the fallback map gets an uncertainty head fitted on
 it, and keeps the sigma order only where the same rule shows it at least as good as a random
 order; otherwise it is backfilled in random order, exactly as FCT.
+
+A map whose outputs on the held-out pairs are not finite (it diverged) is never used: ``fail``
+stops, ``fallback`` and ``warn`` both use the l2 map, and the record (its message, tags and
+metrics) says which outputs were not finite.
 """
 
 from __future__ import annotations
@@ -156,10 +160,13 @@ class MapCheck:
 
 def check_tags(record: dict) -> dict[str, str]:
     """The check as tags (on the map's registered version and its run): ``check`` is
-    ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed)."""
+    ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed);
+    ``check_reason`` its message (for a map that diverged, beginning "non-finite outputs")."""
     from components.evaluation.reports import check_outcome
 
     tags = {"check": check_outcome(record), "check_policy": record["policy"], "check_reason": record["message"][:4900]}
+    if record.get("non_finite"):
+        tags["check_non_finite"] = ", ".join(record["non_finite"])
     if "fallback_order" in record:
         tags.update(fallback_order=record["fallback_order"]["order"],
                     fallback_order_reason=record["fallback_order"]["message"][:4900])
@@ -173,6 +180,8 @@ def check_metrics(record: dict) -> dict[str, float]:
     out.update({f"check.map.{key}_support": record["candidate"][f"{key}_support"] for key in ("top1_auc", "map_auc")
                 if f"{key}_support" in record["candidate"]})
     out["check.passed"] = float(record["passed"])
+    if "non_finite" in record:
+        out["check.non_finite"] = float(bool(record["non_finite"]))
     if "fallback_order" in record:
         decision = record["fallback_order"]
         out.update({f"check.fallback.{order}_{key}": decision[order][key] for order in ("sigma", "random")
@@ -185,14 +194,76 @@ def _pct(value: float) -> str:
     return f"{100 * value:.2f}"
 
 
+# A feature row whose squared norm reaches this overflows the float32 distances retrieval ranks by.
+_UNRANKABLE = float(np.finfo(np.float32).max) / 4
+
+
+def non_finite_rows(values: np.ndarray) -> int:
+    """How many rows of features (n, d), or values (n,), are not finite in float32; for
+    features, also those so large that their distances would overflow (retrieval refuses both)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.asarray(values, dtype=np.float32)  # beyond float32's range: inf
+        if values.ndim == 1:
+            return int((~np.isfinite(values)).sum())
+        return int((~(np.einsum("ij,ij->i", values, values) < _UNRANKABLE)).sum())  # NaN compares False
+
+
+def non_finite_outputs(side: SideOutputs) -> list[str]:
+    """Which of a map's outputs on the held-out pairs are not finite, e.g. ["transformed
+    features in 40 of 40 rows"]; empty for a map that did not diverge."""
+    names = {"gallery_old": "transformed features", "new_side": "new-side features", "log_sigma2": "log sigma^2"}
+    found = []
+    for name, what in names.items():
+        values = getattr(side, name)
+        bad = 0 if values is None else non_finite_rows(values)
+        if bad:
+            found.append(f"{what} in {bad} of {len(values)} rows")
+    return found
+
+
+def _diverged(method: str, config: AlignConfig, candidate: SideOutputs, reference: SideOutputs, labels: np.ndarray,
+              bad: list[str], distance: str) -> MapCheck:
+    """The check of a map whose held-out outputs are not finite: a failed map that no policy
+    keeps (``fail`` raises, ``fallback`` and ``warn`` use the l2-only map)."""
+    reason = (f"non-finite outputs: {method}'s outputs on the {len(labels)} held-out pairs are not finite "
+              f"({'; '.join(bad)}): the map diverged and is never used")
+    if config.check == "fail":
+        raise MapCheckError(f"map check failed: {reason}. What to try: a lower align.{method}.lr, "
+                            f"align.{method}.uncertainty_weighting: normalized, or align.{method}.check: fallback "
+                            "to use the l2 map")
+    if non_finite_outputs(reference):
+        raise MapCheckError(f"map check failed: {reason}, and the l2-only map that would replace it diverged too "
+                            f"({'; '.join(non_finite_outputs(reference))}). What to try: a lower align.{method}.lr")
+    baseline = curve_numbers(reference, labels, "random", config.seed, distance)
+    missing = dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))
+    order = "sigma" if candidate.log_sigma2 is not None else "random"
+    return MapCheck(method, config.check, False, "fallback", {"order": order, **missing}, baseline,
+                    config.check_tolerance, confidence=config.check_confidence, extra={"non_finite": bad},
+                    message=f"{reason}; the stage uses the l2-only map instead"
+                    + (" (check: warn cannot keep a map that diverged)" if config.check == "warn" else ""))
+
+
 def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: SideOutputs, labels: np.ndarray,
           *, distance: str = "l2") -> MapCheck:
     """Measure both maps on the held-out pairs and apply ``config.check``. Raises MapCheckError
     under ``fail`` when the map trails the l2-only map by more than ``config.check_tolerance``
-    in top1_auc or map_auc."""
+    in top1_auc or map_auc, or when its outputs are not finite (then ``fallback`` and ``warn``
+    both replace it by the l2-only map)."""
     if config.check not in POLICIES:
         raise ValueError(f"align.{method}.check must be one of {POLICIES}, got {config.check!r}")
+    bad = non_finite_outputs(candidate)
+    if bad:
+        return _diverged(method, config, candidate, reference, labels, bad, distance)
     order = "sigma" if candidate.log_sigma2 is not None else "random"
+    if non_finite_outputs(reference):  # nothing to measure against, nor to fall back on
+        reason = (f"the l2-only map's outputs on the {len(labels)} held-out pairs are not finite "
+                  f"({'; '.join(non_finite_outputs(reference))}), so {method} cannot be checked")
+        if config.check == "fail":
+            raise MapCheckError(f"map check failed: {reason}. What to try: a lower align.{method}.lr")
+        missing = dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))
+        return MapCheck(method, config.check, False, "kept", curve_numbers(candidate, labels, order, config.seed,
+                                                                           distance), {"order": "random", **missing},
+                        config.check_tolerance, f"{reason}; the stage keeps the map", config.check_confidence)
     numbers, baseline, short = _contest(config, (candidate, order), (reference, "random"), labels, distance)
     tolerance, confidence = config.check_tolerance, config.check_confidence
     summary = (f"{method} ({order} order) on {len(labels)} held-out pairs: top1_auc {_pct(numbers['top1_auc'])}, "
@@ -251,6 +322,13 @@ def judge_order(method: str, config: AlignConfig, side: SideOutputs, labels: np.
     """Whether a fallback map's sigma order (its fitted head) is shown to be at least as good as a
     random order of the same map on the held-out pairs, by the map check's own rule. Returns
     ``order`` (``sigma``, or ``random`` when it is not), both orders' numbers and a message."""
+    if non_finite_outputs(side):  # only its fitted head can be: the l2-only map's were checked
+        random = curve_numbers(side, labels, "random", config.seed, distance)
+        return {"method": method, "order": "random", "random": random,
+                "sigma": {"order": "sigma", **dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))},
+                "message": f"the head fitted on the l2-only map gives non-finite outputs on the held-out pairs "
+                           f"({'; '.join(non_finite_outputs(side))}), so the fallback map is backfilled in random "
+                           "order (FCT)"}
     sigma, random, short = _contest(config, (side, "sigma"), (side, "random"), labels, distance)
     order = "random" if short else "sigma"
     summary = (f"on {len(labels)} held-out pairs, the sigma order of the head fitted on the l2-only map: top1_auc "

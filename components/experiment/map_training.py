@@ -64,6 +64,42 @@ def _score(record: dict) -> float:
     return 0.5 * (record["val_top1"] + record["val_map"])
 
 
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def _finite_weights(module: nn.Module) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in module.state_dict().values() if v.is_floating_point())
+
+
+def _rankable(*features: torch.Tensor) -> bool:
+    """Features retrieval can rank: finite, and not so large that their float32 distances
+    overflow (NaN compares False)."""
+    limit = float(torch.finfo(torch.float32).max) / 4
+    return all(bool((f.float().pow(2).sum(dim=1) < limit).all()) for f in features)
+
+
+def divergence(loss: float, best: float, first: float, factor: float | None) -> str | None:
+    """Why an epoch's mean ``loss`` says the training diverged, or None when it does not.
+
+    The rule: the loss is not finite; or, with a ``factor`` (align.<m>.divergence_factor), it
+    exceeds the best epoch's loss ``best`` by more than ``factor`` times the loss's scale,
+    max(|best|, |first|), ``first`` being the first epoch's loss:
+
+        loss - best > factor * max(|best|, |first|)
+
+    The scale is a magnitude, so the rule holds for a loss that is negative (FastFill's joint
+    loss has a log sigma^2 term); the first epoch's magnitude keeps a best that happens to lie
+    near zero from turning an ordinary wobble into a "divergence"."""
+    if not math.isfinite(loss):
+        return f"loss {loss}"
+    if factor is not None and math.isfinite(best):
+        scale = max(abs(best), abs(first) if math.isfinite(first) else 0.0)
+        if loss - best > factor * scale:
+            return f"loss {loss:.6g} exceeds the best epoch's {best:.6g} by more than {factor:g} x {scale:.6g}"
+    return None
+
+
 def _train_on_features(
     module: nn.Module,
     config: AlignConfig,
@@ -86,7 +122,14 @@ def _train_on_features(
     ``{"loss": total, term: value or None}`` (``warm``: inside the uncertainty warm-up); the
     history holds each term's per-item epoch mean (0 for a term that is None). With
     ``validate``, the held-out pairs are measured every ``validate_every`` epochs and at the
-    end, and the module ends with the weights of the best validation."""
+    end, and the module ends with the weights of the best validation.
+
+    Divergence (see ``divergence``): a batch whose loss is not finite ends its epoch at once; an
+    epoch whose mean loss diverges, or whose weights or held-out outputs are not finite, ends
+    the training. The module then gets the best validation's weights (without one yet, those of
+    the epoch with the lowest loss, or the initial ones), which are always finite, the log says
+    so in one line, and the diverged epoch's record, last in the history, has ``diverged``:
+    {"reason", "restored_epoch"}."""
     # Tiny gradients (the joint uncertainty loss divides them by ~lambda L) reach denormal
     # floats in Adam's state; on CPU those run many times slower. Flushing them changes nothing
     # that a float32 result can show.
@@ -95,10 +138,14 @@ def _train_on_features(
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
-    history, start_epoch, step, best = [], 0, 0, None
+    history, start_epoch, step, best, lowest = [], 0, 0, None, None
     state = resume_checkpoint(checkpoint, key, module, optimizer, scheduler, generator, log)
     if state is not None:
         history, start_epoch, step, best = state["history"], state["epoch"], state.get("step", 0), state.get("best")
+        lowest = state.get("lowest")
+    if lowest is None:  # what a divergence restores without a validation: epoch 0 = the initial weights
+        lowest = {"epoch": start_epoch, "loss": history[-1]["loss"] if history else math.inf,
+                  "state": _snapshot(module)}
     if start_epoch == 0 and epochs > config.epochs:
         log(f"{num_items} training pairs make {plan['steps_per_epoch']} steps an epoch: training {epochs} epochs "
             f"to reach min_steps {config.min_steps}")
@@ -118,21 +165,41 @@ def _train_on_features(
             if len(index) < 2:
                 continue  # BatchNorm cannot train on one sample
             parts = batch_loss(index, step < warm_steps)
+            for name, value in parts.items():
+                if value is not None:
+                    sums[name] += value.item() * len(index)
+            if not math.isfinite(sums["loss"]):
+                break  # no step on a non-finite loss: the epoch ends here, and the training with it
             optimizer.zero_grad(set_to_none=True)
             parts["loss"].backward()
             optimizer.step()
             scheduler.step()
             step += 1
-            for name, value in parts.items():
-                if value is not None:
-                    sums[name] += value.item() * len(index)
         record = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
-        if validate is not None and ((epoch + 1) % plan["validate_every"] == 0 or epoch + 1 == epochs):
+        first = history[0]["loss"] if history else record["loss"]
+        reason = divergence(record["loss"], lowest["loss"], first, config.divergence_factor)
+        if reason is None and not _finite_weights(module):
+            reason = "the weights are not finite"
+        if reason is None and validate is not None and (
+                (epoch + 1) % plan["validate_every"] == 0 or epoch + 1 == epochs):
             module.eval()
             record.update(validate())
-            if best is None or _score(record) > best["score"]:
-                best = {"score": _score(record), "epoch": epoch + 1,
-                        "state": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}}
+            if not math.isfinite(_score(record)):
+                reason = "the outputs on the held-out pairs are not finite"
+            elif best is None or _score(record) > best["score"]:
+                best = {"score": _score(record), "epoch": epoch + 1, "state": _snapshot(module)}
+        if reason is not None:
+            restored = best if best is not None else lowest
+            record["diverged"] = {"reason": reason, "restored_epoch": restored["epoch"]}
+            history.append(record)
+            module.load_state_dict(restored["state"])
+            which = ("the initial weights" if not restored["epoch"] else f"the weights of epoch {restored['epoch']}"
+                     + (", the best on the held-out pairs" if best is not None else ", the lowest loss"))
+            low = f"; the lowest loss was {lowest['loss']:.6g}, at epoch {lowest['epoch']}" if lowest["epoch"] else ""
+            log(f"training diverged at epoch {epoch + 1}/{epochs} ({reason}{low}): stopped, and restored {which}")
+            break
+        if record["loss"] < lowest["loss"]:
+            lowest = {"epoch": epoch + 1, "loss": record["loss"], "state": _snapshot(module)}
         history.append(record)
         clock = time.monotonic()
         # every epoch of a usual run; of a long run of short epochs, each validation, every
@@ -146,7 +213,7 @@ def _train_on_features(
                 + f"): {describe(record)}")
         save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
-                         history=history, epoch=epoch + 1, step=step, best=best)
+                         history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
         if on_epoch is not None:
             on_epoch(epoch + 1, epochs)
     if best is not None:
@@ -235,10 +302,12 @@ def train_alignment(
 def validation_record(config: AlignConfig, h: AlignmentMap, pairs, classifier: nn.Module,
                       device: torch.device) -> dict[str, float]:
     """l2 and disc (per-item means, the map's own reduction) and retrieval at 0% backfill on
-    held-out pairs."""
+    held-out pairs; all NaN when the map's outputs are not finite."""
     from components.experiment.map_validation import retrieval_at_zero
 
     transformed = h(torch.from_numpy(pairs.old).to(device))
+    if not _rankable(transformed):
+        return dict.fromkeys(("val_l2", "val_disc", "val_top1", "val_map"), math.nan)  # a diverged map
     new = torch.from_numpy(pairs.new).to(device)
     rows = torch.from_numpy(pairs.rows).to(device)
     l2 = l2_per_sample(new, transformed, config.l2_reduction).mean().item()
@@ -305,6 +374,8 @@ def unified_validation_record(config: AlignConfig, maps: UnifiedMaps, pairs, dev
 
     query = maps.query(torch.from_numpy(pairs.new).to(device))
     gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))
+    if not _rankable(query, gallery):
+        return dict.fromkeys(("val_l2", "val_disc", "val_top1", "val_map"), math.nan)  # diverged maps
     l2 = l2_per_sample(query, gallery, "sum").mean().item()
     disc = classification_per_sample(maps.classifier(gallery), torch.from_numpy(pairs.rows).to(device),
                                      config.disc_label_smoothing).mean().item()
