@@ -161,9 +161,10 @@ class AlignConfig(Section):
         "held-out queries, it is at least as good as the l2-only map (minus the tolerance) in both top1_auc and "
         "map_auc: few held-out pairs are weak evidence, and then the baseline is used")
     divergence_factor: Annotated[float, Field(gt=1)] | None = Field(
-        default=10.0, description="training stops when an epoch's loss is not finite, or exceeds its best epoch's by "
-        "this factor of the best's magnitude; the best epoch's weights are restored and the log says so. null = "
-        "only a non-finite loss stops it. A map whose outputs on the held-out pairs are still not finite is never "
+        default=10.0, description="training stops when an epoch's loss is not finite, or exceeds the lowest epoch "
+        "loss so far by more than this factor times the larger of that loss's and the first epoch's magnitude; the "
+        "best weights (by validation, else by loss) are restored and the log says so. null = only a non-finite loss "
+        "stops it. A map whose outputs on the held-out pairs are still not finite is never "
         "used: under check fallback or warn the l2-only map replaces it (tag, metric and log line say why), under "
         "fail the run stops with that reason, under off (the comparison) its row is reported as diverged")
     seed: int = Field(default=0, description='weights and batches')
