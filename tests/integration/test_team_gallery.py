@@ -40,7 +40,8 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
                                                                         enumerate(names)))
     data = base.model_dump(mode="json")
     data["paths"]["data"] = str(tmp_path / "no-pipeline-here")  # no prepared split on this host
-    data["gallery"]["upgrade"].update(map_pairs="gallery", map_sample=30, chunk_size=64)
+    data["gallery"]["upgrade"].update(map_pairs="gallery", map_sample=48, chunk_size=64)
+    data["align"]["fastfill"]["validation_fraction"] = 0.5  # 24 held-out pairs of this tiny sample for the check
     data["promotion"]["gate"] = True
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     team = parse_params(data)
@@ -63,25 +64,25 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     dry = runner.invoke(app, ["upgrade", *common, "--dry-run"])
     assert dry.exit_code == 0 and "would be refused before planning" in dry.output, dry.output
 
-    # ungated: the map trains on 30 of the gallery's own items, checked on held-out items of the same sample;
+    # ungated: the map trains on 48 of the gallery's own items, checked on held-out items of the same sample;
     # their new features are the first backfilled chunks, and the budget ends the backfill exactly
-    paused = upgrade_flow(team, uri, budget=40, gate=False)
-    assert paused["state"] == "paused" and paused["items_done"] == 40  # a chunk of 64 cut at 40
+    paused = upgrade_flow(team, uri, budget=60, gate=False)
+    assert paused["state"] == "paused" and paused["items_done"] == 60  # a chunk of 64 cut at 60
     plan = pl.load_plan(store, paused["upgrade"])
-    assert plan.prefilled == 30 and plan.eval_queries == 0
-    assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, 30), (30, 40), (40, 72)]
+    assert plan.prefilled == 48 and plan.eval_queries == 0
+    assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, 48), (48, 60), (60, 72)]
     versions = client.search_model_versions(f"name = '{base.mlflow.alignment_model}'")
     trained = min(versions, key=lambda v: int(v.version))
-    assert trained.tags["pairs"] == f"gallery {uri}" and trained.tags["pairs.count"] == "30"
+    assert trained.tags["pairs"] == f"gallery {uri}" and trained.tags["pairs.count"] == "48"
     assert trained.tags["disc_targets"] == "the new model's predicted classes"
     assert trained.tags["check.source"] == f"gallery {uri}" and trained.tags["check"] in ("passed", "fallback",
                                                                                           "warned")
     gallery = Gallery(store)
-    sampled = pl.order_of(store, plan.id)[:30]
+    sampled = pl.order_of(store, plan.id)[:48]
     from components.gallery.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
-    assert backfilled.sum() == 40 and backfilled[sampled].all()
+    assert backfilled.sum() == 60 and backfilled[sampled].all()
     np.testing.assert_allclose(mixed[sampled], embed(new_model, split.images[sampled]), rtol=1e-5, atol=1e-5)
 
     done = upgrade_flow(team, uri, gate=False)
@@ -104,20 +105,22 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     params, tmp_path = upgrade_env
     client, *_ = registry_models(params)
 
+    align = {**params.align, "fastfill": params.align["fastfill"].model_copy(update={"validation_fraction": 0.5})}
+
     def configured(**changes):
-        return params.model_copy(update={"gallery": params.gallery.model_copy(update={
-            "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery", "map_sample": 40,
+        return params.model_copy(update={"align": align, "gallery": params.gallery.model_copy(update={
+            "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery", "map_sample": 48,
                                                                  "map_sample_min": 0, **changes})})})
 
     on_gallery = configured()
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
     assert "has not passed its check on gallery" in dry_run_upgrade(on_gallery, uri)["advice"]["note"]
-    first = upgrade_flow(on_gallery, uri, budget=50)
+    first = upgrade_flow(on_gallery, uri, budget=60)
     store = open_store(uri)
     plan = pl.load_plan(store, first["upgrade"])
     tags = client.get_run(plan.mlflow_run_id).data.tags
-    assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 40
+    assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 48
     used = tags["map_version"]
     assert plan.map_uri.endswith(f"/{used}")
     registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
@@ -125,7 +128,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     abort_flow(on_gallery, uri)
     predicted = dry_run_upgrade(on_gallery, uri)["advice"]
     assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
-    again = upgrade_flow(on_gallery, uri, budget=50)
+    again = upgrade_flow(on_gallery, uri, budget=60)
     replanned = pl.load_plan(store, again["upgrade"])
     tags = client.get_run(replanned.mlflow_run_id).data.tags
     assert replanned.map_uri == plan.map_uri and tags["map_version"] == used
@@ -134,7 +137,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     assert len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")) == registered
 
     abort_flow(on_gallery, uri)
-    rechecked = upgrade_flow(configured(recheck=True), uri, budget=50)
+    rechecked = upgrade_flow(configured(recheck=True), uri, budget=60)
     tags = client.get_run(pl.load_plan(store, rechecked["upgrade"]).mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}"
 
