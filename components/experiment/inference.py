@@ -5,6 +5,7 @@ upgrade and search need at serving time, without the training loops."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,8 +46,12 @@ def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype
 
 @torch.no_grad()
 def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None,
-          precision: str = "auto") -> np.ndarray:
+          precision: str = "auto", on_batch: Callable[[int], None] | None = None) -> np.ndarray:
     """Features of uint8 images (N, C, H, W), float32 (N, d).
+
+    ``on_batch``: called after each batch, its features copied back, with the number of images
+    that batch embedded (an increment: ``on_batch=bar.advance`` of
+    ``components.platform.progress`` counts up to N).
 
     On CUDA the uint8 batches go through pinned host memory and a copy stream of their own,
     so the next batch's host-to-device copy overlaps this batch's forward pass, and the model
@@ -81,6 +86,8 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
         if start + batch_size < len(images):
             pending = load(start + batch_size)
         out[start: start + len(batch)] = features.float().cpu().numpy()
+        if on_batch is not None:
+            on_batch(len(batch))
     return out
 
 

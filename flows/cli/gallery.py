@@ -147,21 +147,36 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
 
 
 def progress_wanted(progress: bool | None, stream=None) -> bool:
-    """``--progress`` / ``--no-progress``; neither: on when stderr (``stream``) is a terminal."""
+    """``--progress`` / ``--no-progress``; neither: FASTFILL_PROGRESS when it says ``bar`` (on),
+    ``log`` or ``off`` (off), else on when stderr (``stream``) is a terminal."""
+    from components.platform.progress import resolve_mode
+
     stream = sys.stderr if stream is None else stream
-    return stream.isatty() if progress is None else progress
+    return resolve_mode(None, stream) == "bar" if progress is None else progress
+
+
+def progress_mode(progress: bool | None) -> str | None:
+    """What ``--progress`` / ``--no-progress`` make of FASTFILL_PROGRESS for the steps the
+    command runs in this process (components.platform.progress): ``bar``, or ``log`` (lines
+    through the flow's logger, no bar); neither: None, the environment decides."""
+    return None if progress is None else ("bar" if progress else "log")
 
 
 class _ProgressBar:
-    """A progress bar on the terminal fed by polling the store's chunk markers, so it moves the
-    same whatever runs the chunks (threads here, or Dask workers elsewhere)."""
+    """The backfill's bar on the terminal, fed by polling the store's chunk markers, so it moves
+    the same whatever runs the chunks (threads here, or Dask workers elsewhere). ``finish`` with
+    the flow's result draws the final count, also when the backfill was over before the first
+    poll saw it (a small gallery)."""
 
-    def __init__(self, uri: str, enabled: bool):
+    def __init__(self, uri: str, enabled: bool, stream=None, interval: float = 0.5):
         import threading
 
-        self.uri, self.enabled = uri, enabled
+        self.uri, self.enabled, self.interval = uri, enabled, interval
+        self.stream = sys.stderr if stream is None else stream
+        self.bar = None  # a components.platform.progress.Progress, from the first poll that sees chunks
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fastfill-progress", daemon=True)
 
     def __enter__(self):
         if self.enabled:
@@ -169,36 +184,48 @@ class _ProgressBar:
         return self
 
     def __exit__(self, *exc):
+        self._halt()
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+
+    def _halt(self) -> None:
         self._stop.set()
-        if self.enabled:
+        if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _run(self) -> None:
-        from tqdm import tqdm
+    def _show(self, label: str, total: int, done: int) -> None:
+        from components.platform.progress import progress
 
-        from components.gallery.catalog import GalleryError
-        from components.gallery.store import StoreError
+        with self._lock:
+            if self.bar is None:
+                # counted from what was done when it was first seen: a resumed backfill's rate is this run's
+                self.bar = progress(label, total=total, unit="item", mode="bar", stream=self.stream, initial=done)
+            self.bar.update_to(done)
+
+    def finish(self, result: dict) -> None:
+        """The flow's result: the bar ends at its count of backfilled items (no bar for an
+        upgrade with nothing to do)."""
+        self._halt()
+        if not self.enabled or result.get("state") == "up-to-date" or not {"items", "items_done"} <= result.keys():
+            return
+        label = f"backfill {result.get('upgrade') or ''}".rstrip()
+        if self.bar is None:
+            self._show(label, result["items"], 0)
+        self._show(label, result["items"], result["items_done"])
+
+    def _run(self) -> None:
         from components.gallery.upgrade import status
 
-        bar = None
         try:
             gallery = _gallery(self.uri)
-            while not self._stop.wait(0.5):
+            while not self._stop.wait(self.interval):
                 state = status(gallery, failures=False)
                 info = state.get("upgrade")
-                if not info or not info.get("chunks"):
-                    continue
-                if bar is None:
-                    bar = tqdm(total=state["items"], unit="item", desc=f"backfill {info['id']}", file=sys.stderr)
-                bar.n = info["items_done"]
-                bar.refresh()
-            if bar is not None:
-                final = status(gallery, failures=False)
-                bar.n = final["upgrade"]["items_done"] if final.get("upgrade") else final["items"]
-                bar.close()
-        except (StoreError, GalleryError):  # the bar is a convenience; the flow reports the store's errors
-            if bar is not None:
-                bar.close()
+                if info and info.get("chunks") and not self._stop.is_set():
+                    self._show(f"backfill {info['id']}", state["items"], info["items_done"])
+        except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports the store's errors
+            return
 
 
 def _size(count: float) -> str:
@@ -270,19 +297,22 @@ def upgrade(ctx: typer.Context,
                "dask_address": dask_address, "max_items_per_second": max_items_per_second,
                "stop_when_gain_below": stop_when_gain_below}
     config = _with_upgrade(load(params), **options)
+    from components.platform.progress import forced_mode
     from flows.upgrade import dry_run_upgrade, run_upgrade_file
 
     uri = store_uri(config, store)
     need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
     if dry_run:
-        typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
+        with forced_mode(progress_mode(progress)):
+            typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
         return
     start = time.perf_counter()
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = {f"gallery.upgrade.{key}": value for key, value in options.items() if value is not None}
-    with _ProgressBar(uri, progress_wanted(progress)):
+    with forced_mode(progress_mode(progress)), _ProgressBar(uri, progress_wanted(progress)) as bar:
         result = call(run_upgrade_file, config, str(params.resolve()), uri, to, _parse_budget(budget), break_lock,
                       gate, overrides)
+        bar.finish(result)
     if result["state"] == "up-to-date":
         typer.echo(f"up-to-date: {result['message']}" if result.get("message") else
                    f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
