@@ -14,6 +14,7 @@ from components.gallery import backfill as bf, catalog, plan as pl, upgrade
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.lifecycle import CHECK_SOURCE_TAG, SPLITS_SOURCE, checked_on, done_prefix
 from components.gallery.pairs import TARGETS_LABELS, MapPairs
+from components.platform.progress import progress
 from components.platform.registry import ModelRef
 from components.gallery.store import Store, open_store
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
@@ -67,8 +68,9 @@ def split_pairs(params: Params, old_model, new_model) -> MapPairs | None:
     keep = rows >= 0
     images = split.images[keep]
     log(f"map pairs: embedding {len(images)} images of the new-train split with both models")
-    return MapPairs(embed(old_model, images), embed(new_model, images), rows[keep], rows[keep], SPLITS_SOURCE,
-                    TARGETS_LABELS)
+    with progress("embedding the split's pairs", total=2 * len(images), unit="image", log=log) as bar:
+        old, new = embed(old_model, images, on_batch=bar.advance), embed(new_model, images, on_batch=bar.advance)
+    return MapPairs(old, new, rows[keep], rows[keep], SPLITS_SOURCE, TARGETS_LABELS)
 
 
 @task(name="embed-gallery-pairs", tags=GPU_TAGS, **IO_RETRIES, **NO_CACHING)
@@ -89,8 +91,9 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
         positions, images = positions[keep], images[keep]
     log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
         "are kept as backfilled)")
-    new = catalog.check_features(embed(new_model, images, batch_size=config.batch_size, precision=config.precision),
-                                 None, "new-model features of the map sample")
+    with progress("embedding the map sample", total=len(images), unit="image", log=log) as bar:
+        new = catalog.check_features(embed(new_model, images, batch_size=config.batch_size, precision=config.precision,
+                                           on_batch=bar.advance), None, "new-model features of the map sample")
     labels = gallery.labels()
     old = catalog.rows_at(gallery, positions, (lambda part: pl.source_key(sequential, part)) if sequential else
                           (lambda part: catalog.features_key(gallery.model, part)))

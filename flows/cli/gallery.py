@@ -34,7 +34,8 @@ def _gallery(uri: str):
 # the upgrade's options and the gallery.upgrade keys they set
 _UPGRADE_OPTIONS = {"chunk_size": "--chunk-size", "max_concurrency": "--concurrency", "order": "--order",
                     "task_runner": "--runner", "dask_address": "--dask-address",
-                    "max_items_per_second": "--max-items-per-second", "stop_when_gain_below": "--stop-when-gain-below"}
+                    "max_items_per_second": "--max-items-per-second", "stop_when_gain_below": "--stop-when-gain-below",
+                    "map_pairs": "--pairs", "recheck": "--recheck", "judgments": "--judgments"}
 
 
 def _with_upgrade(config, **changes):
@@ -54,6 +55,17 @@ def _with_upgrade(config, **changes):
             if key in given and key in _UPGRADE_OPTIONS:
                 lines[i] = f"{line}; set by {_UPGRADE_OPTIONS[key]}"
         fail("\n".join(lines), USAGE)
+
+
+def _judgments_path(text: str | None) -> str | None:
+    """A local judgments file as an absolute path (the flow run reads it, wherever it runs from);
+    a missing one is refused here, in one line."""
+    if text is None or "://" in text:
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        fail(f"--judgments {text}: no such file; give a CSV or Parquet file with columns query and relevant", USAGE)
+    return str(path.resolve())
 
 
 def _parse_budget(text: str | None) -> float | int | None:
@@ -126,6 +138,10 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
     result = call(adopt_flow, config, uri, manifest, model, root, features or None, features_column,
                   _parse_shape(image_shape))
     typer.echo(f"{uri}: {result['num_items']} items adopted, model {result['model']['uri']}; images read by URI")
+    if not result.get("has_labels") and not config.gallery.upgrade.judgments:
+        typer.echo(f"warning: {manifest} has no label column and no judged queries are configured: an upgrade of this "
+                   "gallery has nothing to gate on; give --judgments FILE (or gallery.upgrade.judgments) to "
+                   "`fastfill upgrade`, or run it with --no-gate", err=True)
 
 
 @gallery_app.command("info")
@@ -256,6 +272,8 @@ def _describe_dry_run(plan: dict) -> str:
         f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
         f"  ({plan['note']})",
+        f"  truth of the gate and the advisor: {plan['truth']}",
+        f"  map pairs (when the registry's map must be trained or checked): {plan['map_pairs']}",
     ]
     advice = plan.get("advice") or {}
     if "top1" in advice:
@@ -285,6 +303,14 @@ def upgrade(ctx: typer.Context,
             stop_when_gain_below: Annotated[float | None, typer.Option(
                 help="stop at the budget advisor's recommended fraction: where the predicted curve gains less than "
                      "this many top-1 points per 5% of the gallery (e.g. 0.1)")] = None,
+            pairs: Annotated[str | None, typer.Option(
+                "--pairs", help="where a map's training and check pairs come from: gallery (a sample of its items) "
+                                "or splits (this host's prepared split)")] = None,
+            recheck: Annotated[bool | None, typer.Option(
+                "--recheck", help="check the registry's map again even if it passed on the same pairs' source")] = None,
+            judgments: Annotated[str | None, typer.Option(
+                help="judged queries for the gate and the advisor: CSV/Parquet with columns query (gallery id or "
+                     "image URI) and relevant (gallery id)")] = None,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
                                                   "duration from a measured sample, the predicted backfill curve) "
                                                   "and write nothing")] = False,
@@ -295,7 +321,8 @@ def upgrade(ctx: typer.Context,
         return
     options = {"chunk_size": chunk_size, "max_concurrency": concurrency, "order": order, "task_runner": runner,
                "dask_address": dask_address, "max_items_per_second": max_items_per_second,
-               "stop_when_gain_below": stop_when_gain_below}
+               "stop_when_gain_below": stop_when_gain_below, "map_pairs": pairs, "recheck": recheck,
+               "judgments": _judgments_path(judgments)}
     config = _with_upgrade(load(params), **options)
     from components.platform.progress import forced_mode
     from flows.upgrade import dry_run_upgrade, run_upgrade_file
