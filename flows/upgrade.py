@@ -17,7 +17,7 @@ from prefect.futures import as_completed
 
 from components.gallery import advisor, backfill as bf, judgments, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
-from components.gallery.catalog import Gallery, GalleryError, check_registry, fetch_images
+from components.gallery.catalog import Gallery, GalleryError, check_registry, features_key, fetch_images
 from components.gallery.images import readable
 from components.gallery.lifecycle import (
     SPLITS_SOURCE, Backfill, budget_items, check_map_fits, cut_for_limit, choose_map, failure_limit, needs_check,
@@ -32,6 +32,7 @@ from components.platform import registry
 from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
+from components.platform.progress import progress, resolve_mode
 from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import (
@@ -108,12 +109,14 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         plan = pl.load_plan(store, plan.id)  # as the backfill left it (a stop inside a chunk cuts it)
         result["mlflow_run_id"] = plan.mlflow_run_id
         if advice is not None:
+            curves = ("agreement",) if advice.get("metric") == "agreement" else ("top1", "map")
             result["advice"] = {"recommendation": advisor.at_stop(advice, params.gallery.upgrade.stop_when_gain_below),
-                                "fractions": advice["fractions"], "top1": advice["top1"], "map": advice["map"]}
+                                "fractions": advice["fractions"], **{key: advice[key] for key in curves}}
         if not result["complete"]:
             if stop:
+                metric = "top-1" if stop.get("metric", "top1") == "top1" else "agreement"
                 log(f"stopped at {result['items_done']}/{plan.num_items} items: the recommended stop for a gain below "
-                    f"{stop['gain_below']:g} top-1 points per 5% ({100 * stop['fraction']:.0f}%); queries are served "
+                    f"{stop['gain_below']:g} {metric} points per 5% ({100 * stop['fraction']:.0f}%); queries are served "
                     "by the mixed gallery. To go on, run again with a --budget, or without stop_when_gain_below")
                 return {**result, "state": "paused", "stopped": "recommended"}
             log(f"stopped at {result['items_done']}/{plan.num_items} items (budget); run the same command to go on")
@@ -192,12 +195,9 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
         if stored is not None:
             return {**stored, "recommendation": advisor.at_stop(stored, gain_below)}
     labels = gallery.labels()
-    if truth_of(labels is not None, config.judgments) == TRUTH_NONE:
-        return {"note": "no prediction: the gallery has no labels and no judged queries are configured ("
-                        + ("the upgrade would be refused before planning: " + no_truth_refusal(gallery.store.uri)
-                           if params.promotion.gate else "the upgrade runs ungated") + ")"}
-    if labels is None:
-        return {"note": "no prediction yet from judged queries: the gate measures them once the backfill is complete"}
+    if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
+        return {"note": "no prediction: the upgrade would be refused before planning: "
+                        + no_truth_refusal(gallery.store.uri)}
     if config.eval_queries == 0:
         return {"note": "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"}
     if sequential:
@@ -214,10 +214,15 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
                         "replace it, and `fastfill upgrade status` then shows the predicted curve"}
     order_kind, _ = registered_map_order(chosen.tags, config.order)
     alignment_map = registered.load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
-    positions = pl.eval_sample(labels, None if config.eval_queries == "all" else int(config.eval_queries), config.seed)
+    positions = pl.eval_sample(labels, None if config.eval_queries == "all" else int(config.eval_queries), config.seed,
+                               gallery.num_items)
     images, failures = fetch_images(gallery, positions, workers=config.read_workers)
     keep = readable(len(positions), failures)
     positions = positions[keep]
+    prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
+    if config.judgments:
+        judged = judgments.load_judgments(config.judgments, gallery.ids()).query_positions
+        prefilled = np.union1d(positions, judged[judged >= 0])
     from components.experiment.inference import embed
 
     queries = embed(model, images[keep], batch_size=config.batch_size, precision=config.precision)
@@ -234,7 +239,16 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
     else:
         order = random_order(gallery.num_items, config.seed)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
-    ranks = pl.stand_in_ranks(order, positions, positions, config.seed)
+    ranks = pl.stand_in_ranks(order, prefilled, positions, config.seed)
+    if labels is None:  # the label-free prediction (components.gallery.advisor.predict_agreement)
+        from components.gallery.catalog import rows_at
+
+        old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+        prediction = advisor.predict_agreement(queries, apply_alignment(alignment_map, old_side)[0], ranks,
+                                               gallery.num_items, distance=params.gallery.distance)
+        if gain_below is not None:
+            prediction["recommendation"] = advisor.recommend(prediction, gain_below)
+        return {**prediction, "map_version": str(chosen.version)}
     parts = ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
     return {**advisor.advise(parts, order, positions, queries, labels, distance=params.gallery.distance,
                              gain_below=gain_below, ranks=ranks), "map_version": str(chosen.version)}
@@ -716,8 +730,9 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
                                                                run_id, base is not None)
     check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None) for p in range(gallery.num_parts)]
-    for future in futures:
-        future.result()
+    with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
+        for future in as_completed(futures):
+            bar.advance(future.result())
     order = pl.make_order(gallery, uid, order_kind, config.seed)
     embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
     judged = _judged_queries(params, gallery, uid, new_model, embedded) if config.judgments else None
@@ -790,7 +805,7 @@ def _evaluation_sample(params: Params, gallery: Gallery, new_model, embedded: di
     items already embedded while planning (the map sample) are not embedded again."""
     config = params.gallery.upgrade
     positions = pl.eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
-                               config.seed)
+                               config.seed, gallery.num_items)
     missing = np.array([p for p in positions.tolist() if p not in embedded], dtype=np.int64)
     images, failures = fetch_images(gallery, missing, workers=config.read_workers) if len(missing) else (None, [])
     if failures:
@@ -802,7 +817,8 @@ def _evaluation_sample(params: Params, gallery: Gallery, new_model, embedded: di
         positions = np.array([p for p in positions.tolist() if p not in unreadable], dtype=np.int64)
     if len(positions) < 2:
         return positions, None
-    fresh = embed_images(new_model, images, config.batch_size, config.precision) if len(missing) else None
+    fresh = embed_images(new_model, images, config.batch_size, config.precision,
+                         label="embedding the evaluation sample") if len(missing) else None
     new_of = {**embedded, **(dict(zip(missing.tolist(), fresh)) if fresh is not None else {})}
     return positions, np.stack([new_of[int(p)] for p in positions]).astype(np.float32)
 
@@ -818,14 +834,15 @@ def _advice(params: Params, gallery: Gallery, plan: pl.Plan) -> dict | None:
         advice = advisor.advise_upgrade(gallery, plan, gain_below)
         if advice is None:
             if gain_below is not None:
-                log("stop_when_gain_below is set, but this upgrade has no labeled evaluation sample to predict the "
-                    "curve from (an unlabeled gallery, or eval_queries 0): the backfill goes to its budget")
+                log("stop_when_gain_below is set, but this upgrade has no evaluation sample to predict the curve from "
+                    "(eval_queries 0): the backfill goes to its budget")
             return None
         log(f"budget advisor: predicted the backfill curve in {time.perf_counter() - started:.1f} s")
         client, _ = registry.setup(params.mlflow)
         steps = [int(f * plan.num_items) for f in advice["fractions"]]
-        registry.log_series(client, plan.mlflow_run_id, {"predicted_top1": advice["top1"], "predicted_map": advice["map"]},
-                            steps=steps)
+        series = ({"predicted_agreement": advice["agreement"]} if advice.get("metric") == "agreement" else
+                  {"predicted_top1": advice["top1"], "predicted_map": advice["map"]})
+        registry.log_series(client, plan.mlflow_run_id, series, steps=steps)
     for line in advisor.describe(advice, gain_below=gain_below):
         log(line)
     return advice
@@ -871,6 +888,9 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
     tracker = UpgradeProgress(params, store_uri, plan, meter_for(gallery, plan, sorted(state.done)),
                               progress_key(store_uri, plan.id))
     tracker.measure(state.done)
+    # log lines with rate and time left; a terminal's bar is the CLI's (it polls the store, wherever chunks run)
+    shown = progress(f"backfill {plan.id}", total=min(state.limit, plan.num_items), log=log, initial=state.items_done,
+                     mode="off" if resolve_mode() == "bar" else "log")
     in_flight: dict = {}
     ok = False
 
@@ -900,9 +920,11 @@ def _backfill(params: Params, gallery: Gallery, store_uri: str, plan: pl.Plan, n
             if tracker.meter is not None:
                 tracker.meter.land(record["start"], record["stop"], bf.chunk_features(gallery.store, plan.id, chunk))
             tracker.chunk_done(state.done, state.items_done)
+            shown.update_to(state.items_done)
         if state.failure is not None:
             raise state.failure
         ok = True
     finally:
+        shown.close(failed=not ok)
         tracker.close(ok)
     return state.summary()

@@ -34,10 +34,15 @@ def load_model(config: MlflowConfig, ref: ModelRef):
 
 
 @task(name="embed-images", tags=GPU_TAGS, **NO_CACHING)
-def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: str = "auto") -> np.ndarray:
+def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: str = "auto",
+                 label: str | None = None) -> np.ndarray:
+    """``images`` embedded by ``model``; with ``label``, its progress shown (a bar, or log lines)."""
     from components.experiment.inference import embed
 
-    return embed(model, images, batch_size=batch_size, precision=precision)
+    if label is None:
+        return embed(model, images, batch_size=batch_size, precision=precision)
+    with progress(label, total=len(images), unit="image", log=log) as bar:
+        return embed(model, images, batch_size=batch_size, precision=precision, on_batch=bar.advance)
 
 
 @task(name="write-gallery", **NO_CACHING)

@@ -118,23 +118,60 @@ def predict(queries: np.ndarray, transformed: np.ndarray, labels: np.ndarray, ra
 
 
 def recommend(prediction: dict, gain_below: float, step: float = STEP) -> dict:
-    """The recommended stop for a marginal gain of ``gain_below`` top-1 points per ``step``."""
+    """The recommended stop for a marginal gain of ``gain_below`` points per ``step`` of the
+    prediction's metric (top-1, or the label-free agreement)."""
     if not gain_below > 0:
-        raise ValueError(f"the marginal gain must be positive (top-1 points per 5% of the gallery), got {gain_below!r}")
+        raise ValueError(f"the marginal gain must be positive (points per 5% of the gallery), got {gain_below!r}")
+    metric = prediction.get("metric", "top1")
     f = np.asarray(prediction["fractions"])
-    top1 = 100 * np.asarray(prediction["top1"])
+    values = 100 * np.asarray(prediction[metric])
     stop = len(f) - 1
     for k in range(len(f)):
         later = np.arange(k + 1, len(f))
-        if not len(later) or np.all(top1[later] - top1[k] < gain_below * (f[later] - f[k]) / step):
+        if not len(later) or np.all(values[later] - values[k] < gain_below * (f[later] - f[k]) / step):
             stop = k
             break
     items = prediction["items"]
     embedded = min(items, math.ceil(round(f[stop] * items, 9)))
-    return {"gain_below": gain_below, "fraction": float(f[stop]), "items": int(embedded),
-            "items_saved": int(items - embedded), "top1": float(top1[stop] / 100),
-            "top1_full": float(top1[-1] / 100), "top1_given_up": float((top1[-1] - top1[stop]) / 100),
-            "map": float(prediction["map"][stop]), "map_full": float(prediction["map"][-1])}
+    result = {"gain_below": gain_below, "fraction": float(f[stop]), "items": int(embedded),
+              "items_saved": int(items - embedded), "metric": metric}
+    if metric == "top1":
+        return {**result, "top1": float(values[stop] / 100), "top1_full": float(values[-1] / 100),
+                "top1_given_up": float((values[-1] - values[stop]) / 100),
+                "map": float(prediction["map"][stop]), "map_full": float(prediction["map"][-1])}
+    return {**result, metric: float(values[stop] / 100), f"{metric}_full": float(values[-1] / 100),
+            f"{metric}_given_up": float((values[-1] - values[stop]) / 100)}
+
+
+AGREEMENT_K = 10  # the label-free prediction compares each query's 10 nearest items
+
+
+def predict_agreement(queries: np.ndarray, transformed: np.ndarray, ranks: np.ndarray, num_items: int, *,
+                      k: int = AGREEMENT_K, distance: str = "l2", step: float = STEP) -> dict:
+    """The label-free prediction, for a gallery with neither labels nor judged queries: at every
+    ``step``, the agreement (a fraction; points in the logs) of the mixed gallery's top-``k``
+    with the finished upgrade's top-``k`` for the evaluation sample's items as queries (their
+    new features are known). The sample is its own gallery, as for top-1 and mAP: its items
+    count as backfilled once the backfill passes their ``ranks``. It says how far the mixed
+    gallery already answers as the finished one will, not whether either answer is right."""
+    from components.gallery.judgments import agreement_at
+
+    queries = np.asarray(queries, dtype=np.float32)
+    transformed = np.asarray(transformed, dtype=np.float32)
+    m = len(queries)
+    if m < 2:
+        raise ValueError(f"the advisor needs an evaluation sample of at least 2 items, got {m}")
+    points = fractions(step)
+    local = np.argsort(ranks, kind="stable")
+    own = np.arange(m)
+    values = []
+    for f in points:
+        count = int((ranks < math.floor(round(f * num_items, 9))).sum())
+        mixed = transformed.copy()
+        mixed[local[:count]] = queries[local[:count]]
+        values.append(agreement_at(queries, mixed, queries, own, k=k, distance=distance) / 100)
+    return {"metric": "agreement", "k": min(k, m - 1), "fractions": points.tolist(), "sample": m,
+            "items": int(num_items), "agreement": values}
 
 
 def advise(parts: Iterable[tuple[int, np.ndarray]], order: np.ndarray, positions: np.ndarray,
@@ -176,6 +213,19 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
     """Lines for the terminal: the predicted curve every ``every`` steps (10% by default), the
     measured top-1 beside it where the backfill has reached, and the recommended stop."""
     f = prediction["fractions"]
+    if prediction.get("metric") == "agreement":
+        lines = [f"predicted agreement with the finished upgrade (label-free: the gallery has no labels and no judged "
+                 f"queries; from {prediction['sample']} items of {prediction['items']:,}, each a query; the share of "
+                 f"its {prediction['k']} nearest items that the finished upgrade also returns, not whether they are "
+                 "right):", "  backfilled   agreement"]
+        lines += [f"  {100 * f[i]:>5.0f}%      {100 * prediction['agreement'][i]:6.2f}" for i in range(0, len(f), every)]
+        stop = at_stop(prediction, gain_below)
+        if stop is not None:
+            lines.append(
+                f"recommended stop for a gain below {stop['gain_below']:g} agreement points per 5%: "
+                f"{100 * stop['fraction']:.0f}% ({stop['items']:,} items embedded, {stop['items_saved']:,} not); "
+                f"predicted agreement {100 * stop['agreement']:.2f} there")
+        return lines
     lines = [f"predicted backfill curve (from {prediction['sample']} labeled items of {prediction['items']:,}; "
              "± one standard error):",
              "  backfilled   top-1            mAP" + ("              measured top-1" if measured else "")]
@@ -221,10 +271,20 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     from components.gallery.plan import eval_ranks, order_of, stored_eval_sample, transformed_key
 
     labels = gallery.labels()
-    if plan.eval_queries < 2 or labels is None:
+    if plan.eval_queries < 2:
         return None
     store = gallery.store
     positions, queries = stored_eval_sample(store, plan.id)
+    if labels is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
+        from components.gallery.backfill import transformed_rows
+
+        prediction = predict_agreement(queries, transformed_rows(gallery, plan.id, positions),
+                                       eval_ranks(store, plan, positions), plan.num_items, distance=plan.distance)
+        if gain_below is not None:
+            prediction["recommendation"] = recommend(prediction, gain_below)
+        prediction["upgrade"] = plan.id
+        store.put_json(advice_key(plan.id), prediction)
+        return prediction
     parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
     prediction = advise(parts, order_of(store, plan.id), positions, queries, labels, distance=plan.distance,
                         gain_below=gain_below, ranks=eval_ranks(store, plan, positions))

@@ -60,11 +60,12 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     from components.gallery.backfill import chunk_features, transformed_rows
     from components.gallery.plan import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
-    if plan.eval_queries < 2:
+    labels = gallery.labels()
+    if plan.eval_queries < 2 or labels is None:  # nothing to measure retrieval against
         return None
     store = gallery.store
     positions = store.get_array(eval_positions_key(plan.id))
-    meter = BackfillMeter(positions, gallery.labels(), store.get_array(eval_queries_key(plan.id)),
+    meter = BackfillMeter(positions, labels, store.get_array(eval_queries_key(plan.id)),
                           transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance,
                           eval_ranks(store, plan, positions))
     for chunk in done:

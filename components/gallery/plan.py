@@ -247,12 +247,13 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
         store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
 
 
-def eval_sample(labels: np.ndarray | None, size: int | None, seed: int) -> np.ndarray:
-    """Positions of the labeled items that serve as queries (and their own gallery) while the
-    backfill is measured; ``size`` None = all of them, 0 = none."""
-    if labels is None or size == 0:
+def eval_sample(labels: np.ndarray | None, size: int | None, seed: int, num_items: int | None = None) -> np.ndarray:
+    """Positions of the items that serve as queries (and their own gallery) while the backfill
+    is measured and predicted; ``size`` None = all of them, 0 = none. Without labels, a sample
+    of the ``num_items`` items (the label-free prediction's), or none when that is not given."""
+    if size == 0 or (labels is None and not num_items):
         return np.zeros(0, dtype=np.int64)
-    n = len(labels)
+    n = len(labels) if labels is not None else int(num_items)
     if size is None or size >= n:
         return np.arange(n, dtype=np.int64)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)).astype(np.int64)

@@ -165,7 +165,14 @@ def status(gallery: Gallery, *, failures: bool = True) -> dict:
             "items_done": items, "fraction": items / manifest["num_items"],
             "mlflow_run_id": plan.mlflow_run_id if plan else None})
         advice = stored_advice(gallery.store, upgrade)
-        if advice is not None:  # the budget advisor's prediction, every 10% (points)
+        if advice is not None and advice.get("metric") == "agreement":  # the label-free prediction (points)
+            every = range(0, len(advice["fractions"]), 2)
+            result["upgrade"]["predicted"] = {
+                "sample": advice["sample"], "metric": f"agreement with the finished upgrade's top-{advice['k']}",
+                "agreement": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["agreement"][i], 2)
+                              for i in every},
+                "recommendation": advice.get("recommendation")}
+        elif advice is not None:  # the budget advisor's prediction, every 10% (points)
             every = range(0, len(advice["fractions"]), 2)
             result["upgrade"]["predicted"] = {
                 "sample": advice["sample"],

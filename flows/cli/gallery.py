@@ -349,9 +349,11 @@ def upgrade(ctx: typer.Context,
                f"MLflow run {result['mlflow_run_id']}")
     advised = (result.get("advice") or {}).get("recommendation")
     if advised:
-        typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} top-1 points per 5% is "
-                   f"{100 * advised['fraction']:.0f}% (predicted top-1 {100 * advised['top1']:.2f}, "
-                   f"{100 * advised['top1_full']:.2f} at 100%)"
+        metric = "top-1" if advised.get("metric", "top1") == "top1" else "agreement"
+        value = advised["top1" if metric == "top-1" else "agreement"]
+        full = advised["top1_full" if metric == "top-1" else "agreement_full"]
+        typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per 5% is "
+                   f"{100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}, {100 * full:.2f} at 100%)"
                    + ("; stopped there: the same command stays there, a --budget goes on"
                       if result.get("stopped") == "recommended" else ""))
     if "promotion" in result:

@@ -66,11 +66,17 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
 
     # ungated: the map trains on 48 of the gallery's own items, checked on held-out items of the same sample;
     # their new features are the first backfilled chunks, and the budget ends the backfill exactly
-    paused = upgrade_flow(team, uri, budget=60, gate=False)
-    assert paused["state"] == "paused" and paused["items_done"] == 60  # a chunk of 64 cut at 60
+    paused = upgrade_flow(team, uri, budget=64, gate=False)
+    assert paused["state"] == "paused" and paused["items_done"] == 64  # a chunk of 64 cut at 64
     plan = pl.load_plan(store, paused["upgrade"])
-    assert plan.prefilled == 48 and plan.eval_queries == 0
-    assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, 48), (48, 60), (60, 72)]
+    # the map sample and the (unlabeled) evaluation sample, embedded while planning
+    assert 48 <= plan.prefilled < 64 and plan.eval_queries == 24
+    assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, plan.prefilled), (plan.prefilled, 64),
+                                                                       (64, 72)]
+    # no labels, no judgments: the advisor predicts the label-free agreement with the finished upgrade
+    advice = store.get_json(f"upgrades/{plan.id}/advice.json")
+    assert advice["metric"] == "agreement" and advice["agreement"][-1] == pytest.approx(1.0)
+    assert all(0 <= a <= 1 for a in advice["agreement"]) and advice["agreement"][0] < 1
     versions = client.search_model_versions(f"name = '{base.mlflow.alignment_model}'")
     trained = min(versions, key=lambda v: int(v.version))
     assert trained.tags["pairs"] == f"gallery {uri}" and trained.tags["pairs.count"] == "48"
@@ -82,7 +88,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     from components.gallery.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
-    assert backfilled.sum() == 60 and backfilled[sampled].all()
+    assert backfilled.sum() == 64 and backfilled[sampled].all()
     np.testing.assert_allclose(mixed[sampled], embed(new_model, split.images[sampled]), rtol=1e-5, atol=1e-5)
 
     done = upgrade_flow(team, uri, gate=False)
@@ -174,4 +180,5 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
     assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
     plan = pl.load_plan(open_store(uri), result["upgrade"])
-    assert plan.prefilled == len(queries) and plan.eval_queries == 0  # the judged items, embedded once
+    front = set(pl.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
+    assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
