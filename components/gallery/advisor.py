@@ -214,8 +214,9 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
     measured top-1 beside it where the backfill has reached, and the recommended stop."""
     f = prediction["fractions"]
     if prediction.get("metric") == "agreement":
-        lines = [f"predicted agreement with the finished upgrade (label-free: the gallery has no labels and no judged "
-                 f"queries; from {prediction['sample']} items of {prediction['items']:,}, each a query; the share of "
+        lines = [f"predicted agreement with the finished upgrade (label-free: the gallery has no labels, and judged "
+                 f"queries are measured by the gate only; from {prediction['sample']} items of "
+                 f"{prediction['items']:,}, each a query; the share of "
                  f"its {prediction['k']} nearest items that the finished upgrade also returns, not whether they are "
                  "right):", "  backfilled   agreement"]
         lines += [f"  {100 * f[i]:>5.0f}%      {100 * prediction['agreement'][i]:6.2f}" for i in range(0, len(f), every)]

@@ -139,9 +139,9 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
                   _parse_shape(image_shape))
     typer.echo(f"{uri}: {result['num_items']} items adopted, model {result['model']['uri']}; images read by URI")
     if not result.get("has_labels") and not config.gallery.upgrade.judgments:
-        typer.echo(f"warning: {manifest} has no label column and no judged queries are configured: an upgrade of this "
-                   "gallery has nothing to gate on; give --judgments FILE (or gallery.upgrade.judgments) to "
-                   "`fastfill upgrade`, or run it with --no-gate", err=True)
+        typer.echo(f"warning: {manifest} has no label column and gallery.upgrade.judgments is not set: the promotion "
+                   "gate of an upgrade of this gallery needs judged queries (`fastfill upgrade --judgments FILE`), or "
+                   "the upgrade runs with --no-gate", err=True)
 
 
 @gallery_app.command("info")

@@ -67,7 +67,8 @@ def platform(stack, tiny_pipeline, tmp_path_factory):
     data["paths"] = {"data": str(pipeline_dir / "data"), "artifacts": str(workdir / "artifacts"),
                      "reports": str(workdir / "reports")}
     data["mlflow"]["tracking_uri"] = stack["MLFLOW_TRACKING_URI"]
-    data["gallery"] = {"store": STORE, "part_size": 20, "upgrade": {"chunk_size": 8, "eval_queries": "all"}}
+    data["gallery"] = {"store": STORE, "part_size": 20,  # the split's pairs: the pipeline's maps passed on them
+                       "upgrade": {"chunk_size": 8, "eval_queries": "all", "map_pairs": "splits"}}
     # tiny models on tiny data are a small upgrade (top-1 along the backfill about 19 points below
     # the old model's, 36% negative flips on 72 queries); a broken model is far worse on every gate
     data["promotion"] = {"gate": True, "min_top1_auc_gain": -0.4, "max_nfr1": 0.6, "max_fraction_to_gain": 1.0}

@@ -51,7 +51,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
 
     adopted = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"), *common])
     assert adopted.exit_code == 0, adopted.output
-    assert "has no label column and no judged queries are configured" in adopted.output
+    assert "has no label column and gallery.upgrade.judgments is not set" in adopted.output
 
     # under the gate there is nothing to measure the upgrade against: refused in one line, before any work
     store = open_store(uri)

@@ -226,7 +226,7 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     data = tiny_params(tmp_path)
     data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     uri = str(tmp_path / "gallery")
-    data["gallery"] = {"store": uri}
+    data["gallery"] = {"store": uri, "upgrade": {"map_pairs": "splits"}}
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(data))
     params = parse_params(data)
