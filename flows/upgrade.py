@@ -708,6 +708,9 @@ def _plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: Model
     content fails while planning (a NaN, a torn part) is refused and what planning wrote is removed."""
     config = params.gallery.upgrade
     pl.check_sources(gallery, sequential=base is not None)  # before anything is written
+    leftover = pl.discard_unplanned(gallery, uid)  # a killed planning's objects (its prefilled chunks too)
+    if leftover:
+        log(f"removed {leftover} object(s) that a planning of {uid} killed before its plan was written had left")
     run_id = open_upgrade_run(params, plan_fields(config, uid, old.uri, new.uri, base.id if base else None), store_uri)
     try:
         return _make_plan(params, gallery, store_uri, uid, old, new, new_model, base, run_id)

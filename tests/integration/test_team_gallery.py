@@ -122,9 +122,18 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
     assert "has not passed its check on gallery" in dry_run_upgrade(on_gallery, uri)["advice"]["note"]
-    first = upgrade_flow(on_gallery, uri, budget=60)
+    # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
+    from components.platform.registry import ModelRef
+
+    _, _, _, old_version, new_version = registry_models(params)
+    uid = pl.upgrade_id(ModelRef("embedder", old_version), ModelRef("embedder", new_version))
     store = open_store(uri)
+    store.put_array(pl.chunk_key(uid, 7), np.zeros((3, 16), dtype=np.float32))
+    store.put_json(pl.marker_key(uid, 7), {"chunk": 7, "start": 0, "stop": 3, "count": 3})
+    first = upgrade_flow(on_gallery, uri, budget=60)
     plan = pl.load_plan(store, first["upgrade"])
+    marker = pl.marker_key(uid, 7)
+    assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 48
     used = tags["map_version"]
