@@ -407,7 +407,9 @@ def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.
     to the loss terms of ``config`` (what a fallback map orders by). The map is unchanged."""
     device = device or pick_device()
     generator = seed_everything(config.seed)
-    fitted = AlignmentMap(h.old_dim, h.new_dim, [], uncertainty=True).to(device)
+    shape = h.architecture  # the same network as h, so the fitted map is described (and registered) as it is
+    fitted = AlignmentMap(h.old_dim, h.new_dim, shape["hidden"], True, shape["architecture"],
+                          shape["rbt_blocks"]).to(device)
     fitted.transform = copy.deepcopy(h.transform).to(device).eval().requires_grad_(False)
     train_index, _ = split_pairs(config, len(old_features))
     with torch.no_grad():

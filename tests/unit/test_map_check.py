@@ -107,6 +107,12 @@ def test_a_deliberately_broken_trained_map_is_caught_and_replaced():
     transformed, log_sigma2 = apply_alignment(fitted, old, device=CPU)
     np.testing.assert_allclose(transformed, apply_alignment(reference, old, device=CPU)[0], atol=1e-6)
     assert log_sigma2 is not None and np.isfinite(log_sigma2).all() and log_sigma2.std() > 0
+    # described as the network it is, so its registered version loads back (the fallback map is registered)
+    from components.experiment.models import build, describe
+
+    rebuilt = build(describe(fitted))
+    rebuilt.load_state_dict(fitted.state_dict())
+    np.testing.assert_allclose(apply_alignment(rebuilt.eval(), old, device=CPU)[1], log_sigma2, atol=1e-6)
 
 
 def _partly_broken(sigma_sign: float):
