@@ -19,7 +19,9 @@ gallery: top1_auc and map_auc of the used map in its order against the l2-only m
 the same pairs) in random order, both with the same sampled items backfilled first.
 
     .venv/bin/python benchmarks/map_source.py --seeds 0 1 2
-    .venv/bin/python benchmarks/map_source.py --run runs/open-class/n-all/seed-0 --name open-class --seeds 0
+    .venv/bin/python benchmarks/open_class.py --unseen 6 7 8 9 --train-per-class all --seed 0
+    .venv/bin/python benchmarks/map_source.py --run runs/open-class/nall/seed-0 --data runs/open-class/nall/data \
+        --name open-class --seeds 0
 
 Writes reports/map_source[-<name>].{md,json}.
 """
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--run", default=None, help="a pipeline run's root (data/ and artifacts/ under it); "
                                                      "default: the paths of params.yaml")
+    parser.add_argument("--data", default=None, help="the run's prepared data folder (default: <run>/data if it "
+                                                      "exists, else params.yaml's)")
     parser.add_argument("--name", default="", help="suffix of the report's file names")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
@@ -98,8 +102,8 @@ def main() -> None:
     paths = params.paths
     if args.run:
         root = Path(args.run)
-        paths = paths.model_copy(update={"data": root / "data" if (root / "data").is_dir() else paths.data,
-                                         "artifacts": root / "artifacts"})
+        data = Path(args.data) if args.data else root / "data" if (root / "data").is_dir() else paths.data
+        paths = paths.model_copy(update={"data": data, "artifacts": root / "artifacts"})
     layout = Layout(paths)
     distance, points = params.evaluate.distance, params.evaluate.curve_points
     method_config = params.align[params.gallery.upgrade.method]

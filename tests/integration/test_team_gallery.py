@@ -191,3 +191,40 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     plan = pl.load_plan(open_store(uri), result["upgrade"])
     front = set(pl.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
+
+
+def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env, prefect_harness):
+    """The registry's map for the two versions gives non-finite outputs (a training that
+    diverged): the upgrade's check never uses it; the l2-only map takes its place, with the
+    reason on the version and the run, and the upgrade completes."""
+    import torch
+
+    from components.experiment import registered
+    from flows.gallery import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    client, _, _, old_version, new_version = registry_models(params)
+    name = params.mlflow.alignment_model
+    found = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("method") == "fastfill"]
+    source = max(found, key=lambda v: int(v.version))
+    broken = registered.load_model(f"models:/{name}/{source.version}")
+    with torch.no_grad():
+        for parameter in broken.transform.parameters():
+            parameter.fill_(float("nan"))
+    client.delete_registered_model(name)  # the broken map is the only one joining the versions
+    run = client.create_run(client.get_experiment_by_name(params.mlflow.experiment).experiment_id)
+    version = registered.register_alignment(client, run.info.run_id, broken, np.zeros((2, broken.old_dim), np.float32),
+                                            name, {"method": "fastfill", "from_version": old_version,
+                                                   "to_version": new_version, "registered_model": "embedder"})
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    result = upgrade_flow(params, uri)
+    assert result["state"] == "complete", result
+    tags = client.get_model_version(name, version).tags
+    assert tags["check"] == "fallback" and "non-finite" in tags["check_reason"]
+    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    assert plan.map_uri != f"models:/{name}/{version}"
+    assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
+    gallery = Gallery(open_store(uri))
+    assert np.isfinite(gallery.all_features(gallery.model)).all()
