@@ -84,6 +84,30 @@ def curve(h, order_kind: str, old: np.ndarray, new: np.ndarray, labels: np.ndarr
             "order": order_kind}
 
 
+def write_report(rows_out: list[dict], args, n: int) -> list[str]:
+    """The table so far (written after every row, so a long run that is stopped keeps its rows)."""
+    suffix = f"-{args.name}" if args.name else ""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"map_source{suffix}.json").write_text(json.dumps(rows_out, indent=1))
+    lines = [f"Map source{f' ({args.name})' if args.name else ''}: FastFill-sigma minus FCT-random (top1_auc / "
+             f"map_auc, points) on the {n}-item gallery, by where the map's pairs come from; `used`: the map the "
+             "upgrade uses after its check (fallback: the l2-only map, with a fitted head when its sigma order "
+             "helps). Command: `.venv/bin/python benchmarks/map_source.py " + " ".join(sys.argv[1:]) + "`", "",
+             "| seed | source | disc targets | pairs | check | used | top1_auc gain | map_auc gain | FastFill top1_auc "
+             "| FCT top1_auc | s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows_out:
+        lines.append(f"| {r['seed']} | {r['source']} | {r['targets']} | {r['pairs']} | {r['check']} | {r['used']} | "
+                     f"{100 * r['gain_top1_auc']:+.2f} | {100 * r['gain_map_auc']:+.2f} | "
+                     f"{100 * r['fastfill']['top1_auc']:.2f} | {100 * r['fct']['top1_auc']:.2f} | {r['seconds']} |")
+    losing = [r for r in rows_out if (r["gain_top1_auc"] < 0 or r["gain_map_auc"] < 0) and r["check"] != "fallback"]
+    lines += ["", f"Rows where the kept FastFill map trails FCT-random in either metric: {len(losing)} of "
+              f"{len(rows_out)}" + ("" if not losing else ": " + "; ".join(
+                  f"seed {r['seed']} {r['source']} ({r['targets']})" for r in losing))]
+    (out / f"map_source{suffix}.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
@@ -154,30 +178,12 @@ def main() -> None:
                    "gain_map_auc": fastfill["map_auc"] - fct["map_auc"],
                    "seconds": round(time.perf_counter() - started, 1), "check_message": verdict.get("message", "")}
             rows_out.append(row)
+            write_report(rows_out, args, n)
             print(f"seed {seed} {name} ({targets}): check {row['check']}, used {row['used']}; FastFill-sigma minus "
                   f"FCT-random {100 * row['gain_top1_auc']:+.2f} / {100 * row['gain_map_auc']:+.2f} "
                   f"({row['seconds']} s)", flush=True)
 
-    suffix = f"-{args.name}" if args.name else ""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"map_source{suffix}.json").write_text(json.dumps(rows_out, indent=1))
-    lines = [f"Map source{f' ({args.name})' if args.name else ''}: FastFill-sigma minus FCT-random (top1_auc / "
-             f"map_auc, points) on the {n}-item gallery, by where the map's pairs come from; `used`: the map the "
-             "upgrade uses after its check (fallback: the l2-only map, with a fitted head when its sigma order "
-             "helps). Command: `.venv/bin/python benchmarks/map_source.py " + " ".join(sys.argv[1:]) + "`", "",
-             "| seed | source | disc targets | pairs | check | used | top1_auc gain | map_auc gain | FastFill top1_auc "
-             "| FCT top1_auc | s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows_out:
-        lines.append(f"| {r['seed']} | {r['source']} | {r['targets']} | {r['pairs']} | {r['check']} | {r['used']} | "
-                     f"{100 * r['gain_top1_auc']:+.2f} | {100 * r['gain_map_auc']:+.2f} | "
-                     f"{100 * r['fastfill']['top1_auc']:.2f} | {100 * r['fct']['top1_auc']:.2f} | {r['seconds']} |")
-    losing = [r for r in rows_out if (r["gain_top1_auc"] < 0 or r["gain_map_auc"] < 0) and r["check"] != "fallback"]
-    lines += ["", f"Rows where the kept FastFill map trails FCT-random in either metric: {len(losing)} of "
-              f"{len(rows_out)}" + ("" if not losing else ": " + "; ".join(
-                  f"seed {r['seed']} {r['source']} ({r['targets']})" for r in losing))]
-    (out / f"map_source{suffix}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print("\n".join(write_report(rows_out, args, n)))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     import torch
 
     module = module.cpu().eval()
+    # a folder of its own in the run: a second model registered from the same run (a fallback map
+    # beside the map it replaces, two versions copied in one run) must not overwrite the first's files
+    taken = {entry.path for entry in client.list_artifacts(run_id)}
+    artifact = next(path for path in (artifact, *(f"{artifact}-{k}" for k in range(2, 10_000))) if path not in taken)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, folder / WEIGHTS_FILE)

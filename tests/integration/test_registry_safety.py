@@ -59,10 +59,14 @@ def test_registered_models_load_back_as_the_same_networks(mlflow_store):
     assert registered.input_shape(f"models:/embedder/{version}") == (1, 12, 12)
     assert client.get_model_version("embedder", version).tags["role"] == "old"
 
+    registered_maps = []
     for module in (AlignmentMap(8, 6, [16], uncertainty=True), AlignmentMap(8, 8, [], True, "rbt", 2),
                    UnifiedMaps(8, 12, 4, blocks=2)):
         module = module.eval()
         v = registered.register_alignment(client, run_id, module, np.zeros((2, 8), np.float32), "maps", {})
+        registered_maps.append((v, module))
+    # every version registered from the one run keeps its own files (a later one overwrote them before)
+    for v, module in registered_maps:
         back = registered.load_model(f"models:/maps/{v}")
         assert type(back) is type(module)
         x = torch.randn(5, 8)
