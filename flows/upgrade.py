@@ -611,8 +611,9 @@ def _decide_truth(params: Params, gallery: Gallery, gate: bool) -> str:
     if truth == TRUTH_NONE:
         log(f"{gallery.store.uri} has no labels and no judged queries: the upgrade runs ungated (promotion.gate false), "
             "and no retrieval is measured along the backfill")
-    elif truth == TRUTH_JUDGMENTS:
-        log(f"the gate and the advisor measure against the judged queries of {params.gallery.upgrade.judgments}")
+    elif truth == TRUTH_JUDGMENTS:  # read and checked against the gallery now, before any work
+        judged = judgments.load_judgments(params.gallery.upgrade.judgments, gallery.ids())
+        log(f"the gate measures against {judged.describe()}")
     return truth
 
 

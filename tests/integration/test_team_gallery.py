@@ -228,3 +228,20 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
     gallery = Gallery(open_store(uri))
     assert np.isfinite(gallery.all_features(gallery.model)).all()
+
+
+def test_a_bad_judgments_file_is_refused_in_one_line_before_any_work(upgrade_env, prefect_harness):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from flows.gallery import ingest_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    (tmp_path / "judged.csv").write_text("query,relevant\n0,1\n0,99999\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["upgrade", "--store", uri, "--params", str(tmp_path / "params.yaml"), "--no-progress",
+                                 "--judgments", str(tmp_path / "judged.csv")])
+    assert result.exit_code == 6 and "99999" in result.output and "Traceback" not in result.output, result.output
+    assert open_store(uri).list("upgrades/") == []  # nothing planned
