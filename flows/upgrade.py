@@ -240,10 +240,21 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
         order = random_order(gallery.num_items, config.seed)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
     ranks = pl.stand_in_ranks(order, prefilled, positions, config.seed)
-    if labels is None:  # the label-free prediction (components.gallery.advisor.predict_agreement)
-        from components.gallery.catalog import rows_at
+    from components.gallery.catalog import rows_at
 
-        old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    if config.judgments:  # judged queries first, as the gate (advisor.predict_judged)
+        judged, judged_new, _ = _judged_queries(params, gallery, model, {})
+        anchor = advisor.judged_anchor(judged_new, judged, ((gallery.part_bounds(p)[0], transformed(p)[0])
+                                                            for p in range(gallery.num_parts)), params.gallery.distance)
+        prediction = advisor.predict_judged(judged_new, judged, positions, queries,
+                                            apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
+                                            anchor, distance=params.gallery.distance)
+        if prediction is not None:
+            if gain_below is not None:
+                prediction["recommendation"] = advisor.recommend(prediction, gain_below)
+            return {**prediction, "map_version": str(chosen.version)}
+    if labels is None:  # the label-free prediction (components.gallery.advisor.predict_agreement)
         prediction = advisor.predict_agreement(queries, apply_alignment(alignment_map, old_side)[0], ranks,
                                                gallery.num_items, distance=params.gallery.distance)
         if gain_below is not None:
@@ -739,7 +750,7 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
             bar.advance(future.result())
     order = pl.make_order(gallery, uid, order_kind, config.seed)
     embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
-    judged = _judged_queries(params, gallery, uid, new_model, embedded) if config.judgments else None
+    judged = _judged_queries(params, gallery, new_model, embedded) if config.judgments else None
     positions, queries = _evaluation_sample(params, gallery, new_model, embedded)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
     # the items embedded while planning are backfilled from the start: the first chunks of the order
@@ -765,7 +776,7 @@ def _make_plan(params: Params, gallery: Gallery, store_uri: str, uid: str, old: 
     return plan
 
 
-def _judged_queries(params: Params, gallery: Gallery, uid: str, new_model, embedded: dict) -> tuple:
+def _judged_queries(params: Params, gallery: Gallery, new_model, embedded: dict) -> tuple:
     """The judged queries (``gallery.upgrade.judgments``) resolved against the gallery, with
     their features on both sides of the gate: a gallery item's new features are embedded here
     (and join ``embedded``, so they are backfilled from the start) and its champion features are

@@ -143,6 +143,79 @@ def recommend(prediction: dict, gain_below: float, step: float = STEP) -> dict:
             f"{metric}_given_up": float((values[-1] - values[stop]) / 100)}
 
 
+def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_new: np.ndarray,
+                   sample_transformed: np.ndarray, ranks: np.ndarray, num_items: int, anchor_hits: np.ndarray,
+                   *, distance: str = "l2", step: float = STEP) -> dict | None:
+    """The predicted curve from judged queries, with the protocol of the labeled one: the judged
+    queries (``queries``: their new-model features) search the evaluation sample S (uniform, its
+    new and transformed features known, each item backfilled once the backfill passes its
+    ``ranks``), a hit being an item the judgments call relevant; top-1 is scaled to the whole
+    gallery by ``anchor_hits`` (each query's nearest item in the whole transformed gallery,
+    relevant or not), mAP is S's. Queries with no relevant item in S are left out; None when
+    fewer than 2 are left (judgments too sparse for a sample: the gate still measures them)."""
+    from components.evaluation.retrieval import pairwise_distances
+
+    slot = np.full(int(max(positions.max(), judged.query_positions.max(), 0)) + 1, -1, dtype=np.int64)
+    slot[positions] = np.arange(len(positions))
+    relevant, used = [], []
+    for i, rel in enumerate(judged.relevant):
+        inside = slot[rel[rel < len(slot)]]
+        inside = inside[inside >= 0]
+        if len(inside):
+            relevant.append(inside)
+            used.append(i)
+    if len(used) < 2:
+        return None
+    used = np.asarray(used)
+    own = np.array([slot[p] if 0 <= p < len(slot) else -1 for p in judged.query_positions[used]])
+    d_new = pairwise_distances(np.asarray(queries, np.float32)[used], np.asarray(sample_new, np.float32), distance)
+    d_old = pairwise_distances(np.asarray(queries, np.float32)[used], np.asarray(sample_transformed, np.float32),
+                               distance)
+    rows = np.flatnonzero(own >= 0)
+    d_new[rows, own[rows]] = d_old[rows, own[rows]] = np.inf  # a query never retrieves itself
+    points = fractions(step)
+    hits = np.zeros((len(points), len(used)))
+    ap = np.zeros((len(points), len(used)))
+    for p, f in enumerate(points):
+        d = np.where(ranks[None, :] < math.floor(round(f * num_items, 9)), d_new, d_old)
+        hits[p] = [row.argmin() in set(rel.tolist()) for row, rel in zip(d, relevant)]
+        for q, (row, rel) in enumerate(zip(d, relevant)):
+            rank_of = np.argsort(np.argsort(row, kind="stable"), kind="stable")
+            found = np.sort(rank_of[rel]) + 1  # 1-based places of the relevant items
+            ap[p, q] = float(np.mean(np.arange(1, len(found) + 1) / found))
+    m = len(used)
+    fpc = max(0.0, 1.0 - len(positions) / max(num_items, len(positions)))
+    top1 = hits.mean(axis=1)
+    anchor = np.asarray(anchor_hits, dtype=np.float64)[used]
+    scale = (1 - float(anchor.mean())) / max(1e-9, 1 - float(top1[0]))
+    top1_se = np.sqrt(hits.var(axis=1, ddof=1) / m * fpc + np.var(anchor - hits[0], ddof=1) / m * fpc)
+    return {"truth": "judgments", "fractions": points.tolist(), "sample": int(len(positions)), "queries": int(m),
+            "queries_left_out": int(len(judged.relevant) - m), "items": int(num_items),
+            "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(), "top1_se": top1_se.tolist(),
+            "map": ap.mean(axis=1).tolist(), "map_se": np.sqrt(ap.var(axis=1, ddof=1) / m).tolist(),
+            "sample_top1": top1.tolist(), "error_scale": scale}
+
+
+def judged_anchor(queries: np.ndarray, judged, parts: Iterable[tuple[int, np.ndarray]], distance: str = "l2"
+                  ) -> np.ndarray:
+    """Whether each judged query's nearest item in the whole transformed gallery (given as
+    ``(first item, rows)`` parts; itself excluded) is relevant to it."""
+    from components.evaluation.retrieval import pairwise_distances
+
+    queries = np.asarray(queries, dtype=np.float32)
+    best = np.full(len(queries), np.inf)
+    nearest = np.full(len(queries), -1, dtype=np.int64)
+    for start, rows in parts:
+        d = pairwise_distances(queries, np.asarray(rows, np.float32), distance)
+        inside = (judged.query_positions >= start) & (judged.query_positions < start + len(rows))
+        d[np.flatnonzero(inside), judged.query_positions[inside] - start] = np.inf
+        index = d.argmin(axis=1)
+        value = d[np.arange(len(d)), index]
+        better = value < best
+        best[better], nearest[better] = value[better], start + index[better]
+    return np.array([n in set(rel.tolist()) for n, rel in zip(nearest, judged.relevant)])
+
+
 AGREEMENT_K = 10  # the label-free prediction compares each query's 10 nearest items
 
 
@@ -227,8 +300,10 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
                 f"{100 * stop['fraction']:.0f}% ({stop['items']:,} items embedded, {stop['items_saved']:,} not); "
                 f"predicted agreement {100 * stop['agreement']:.2f} there")
         return lines
-    lines = [f"predicted backfill curve (from {prediction['sample']} labeled items of {prediction['items']:,}; "
-             "± one standard error):",
+    source = (f"{prediction['queries']} judged queries against {prediction['sample']} sampled items of "
+              f"{prediction['items']:,}" if prediction.get("truth") == "judgments" else
+              f"{prediction['sample']} labeled items of {prediction['items']:,}")
+    lines = [f"predicted backfill curve (from {source}; ± one standard error):",
              "  backfilled   top-1            mAP" + ("              measured top-1" if measured else "")]
     for i in range(0, len(f), every):
         row = (f"  {100 * f[i]:>5.0f}%      {100 * prediction['top1'][i]:6.2f} ± {100 * prediction['top1_se'][i]:.2f}"
@@ -276,6 +351,24 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
         return None
     store = gallery.store
     positions, queries = stored_eval_sample(store, plan.id)
+    from components.gallery.judgments import stored_judged
+
+    judged = stored_judged(store, plan.id)
+    if judged is not None:  # judged queries first, as the gate: the sample is their gallery
+        from components.gallery.backfill import transformed_rows
+
+        parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p)))
+                 for p in range(gallery.num_parts))
+        anchor = judged_anchor(judged[1], judged[0], parts, plan.distance)
+        prediction = predict_judged(judged[1], judged[0], positions, queries,
+                                    transformed_rows(gallery, plan.id, positions), eval_ranks(store, plan, positions),
+                                    plan.num_items, anchor, distance=plan.distance)
+        if prediction is not None:
+            if gain_below is not None:
+                prediction["recommendation"] = recommend(prediction, gain_below)
+            prediction["upgrade"] = plan.id
+            store.put_json(advice_key(plan.id), prediction)
+            return prediction
     if labels is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
         from components.gallery.backfill import transformed_rows
 

@@ -191,6 +191,10 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     plan = pl.load_plan(open_store(uri), result["upgrade"])
     front = set(pl.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
+    # the advisor predicted the curve with the gate's protocol: the judged queries against the sample
+    advice = open_store(uri).get_json(f"upgrades/{plan.id}/advice.json")
+    assert advice["truth"] == "judgments" and len(advice["top1"]) == 21 and advice["queries"] >= 2
+    assert all(0 <= v <= 1 for v in advice["top1"] + advice["map"])
 
 
 def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env, prefect_harness):

@@ -82,3 +82,31 @@ def test_ranks_and_a_too_small_sample():
     np.testing.assert_array_equal(ranks_of(order, np.array([0, 1, 3])), [1, 3, 0])
     with pytest.raises(ValueError, match="at least 2 labeled items"):
         predict(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), np.zeros(1), 10)
+
+
+def test_the_judged_prediction_is_the_labeled_one_when_judgments_say_the_same_label():
+    """Judgments that call every other item of a query's class relevant, every item a query and
+    the sample the whole gallery: the judged curve is the labeled curve, point by point."""
+    from components.gallery.advisor import judged_anchor, predict, predict_judged
+    from components.gallery.judgments import Judgments
+
+    rng = np.random.default_rng(3)
+    n, d = 90, 6
+    labels = rng.integers(0, 3, n)
+    centres = rng.normal(size=(3, d)) * 2
+    new = (centres[labels] + rng.normal(size=(n, d))).astype(np.float32)
+    transformed = (new + rng.normal(scale=1.5, size=(n, d))).astype(np.float32)
+    ranks = rng.permutation(n).astype(np.float64)
+    positions = np.arange(n)
+    judged = Judgments("test", positions.copy(), [None] * n,
+                       [np.flatnonzero((labels == labels[i]) & (np.arange(n) != i)) for i in range(n)])
+    anchor = judged_anchor(new, judged, [(0, transformed[:50]), (50, transformed[50:])])
+    got = predict_judged(new, judged, positions, new, transformed, ranks, n, anchor)
+    want = predict(new, transformed, labels, ranks, n, None)
+    np.testing.assert_allclose(got["top1"], want["top1"], atol=1e-9)
+    np.testing.assert_allclose(got["map"], want["map"], atol=1e-6)
+    assert got["queries"] == n and got["error_scale"] == pytest.approx(1.0)
+    # judgments with no relevant item in the sample give no judged prediction
+    sparse = Judgments("test", positions[:3], [None] * 3, [np.array([80]), np.array([81]), np.array([82])])
+    assert predict_judged(new[:3], sparse, positions[:40], new[:40], transformed[:40], ranks[:40], n,
+                          np.zeros(3, bool)) is None
