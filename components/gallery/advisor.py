@@ -342,46 +342,40 @@ def stored_advice(store, upgrade: str) -> dict | None:
 
 def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | None:
     """The prediction of a planned upgrade from what its plan stored (transformed parts, order,
-    evaluation sample), written to upgrades/<id>/advice.json; None when the upgrade has no
-    evaluation sample (an unlabeled gallery, or eval_queries 0): nothing to predict from."""
+    evaluation sample, judged queries), written to upgrades/<id>/advice.json: from the judged
+    queries when there are (``predict_judged``), else from the labels (``advise``), else the
+    label-free agreement (``predict_agreement``). None when the upgrade has no evaluation sample
+    (eval_queries 0): nothing to predict from."""
+    from components.gallery.backfill import transformed_rows
+    from components.gallery.judgments import stored_judged
     from components.gallery.plan import eval_ranks, order_of, stored_eval_sample, transformed_key
 
-    labels = gallery.labels()
     if plan.eval_queries < 2:
         return None
     store = gallery.store
     positions, queries = stored_eval_sample(store, plan.id)
-    from components.gallery.judgments import stored_judged
+    ranks = eval_ranks(store, plan, positions)
 
+    def transformed_parts():
+        return ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
+
+    prediction = None
     judged = stored_judged(store, plan.id)
     if judged is not None:  # judged queries first, as the gate: the sample is their gallery
-        from components.gallery.backfill import transformed_rows
-
-        parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p)))
-                 for p in range(gallery.num_parts))
-        anchor = judged_anchor(judged[1], judged[0], parts, plan.distance)
-        prediction = predict_judged(judged[1], judged[0], positions, queries,
-                                    transformed_rows(gallery, plan.id, positions), eval_ranks(store, plan, positions),
-                                    plan.num_items, anchor, distance=plan.distance)
-        if prediction is not None:
-            if gain_below is not None:
-                prediction["recommendation"] = recommend(prediction, gain_below)
-            prediction["upgrade"] = plan.id
-            store.put_json(advice_key(plan.id), prediction)
-            return prediction
-    if labels is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
-        from components.gallery.backfill import transformed_rows
-
-        prediction = predict_agreement(queries, transformed_rows(gallery, plan.id, positions),
-                                       eval_ranks(store, plan, positions), plan.num_items, distance=plan.distance)
-        if gain_below is not None:
-            prediction["recommendation"] = recommend(prediction, gain_below)
-        prediction["upgrade"] = plan.id
-        store.put_json(advice_key(plan.id), prediction)
-        return prediction
-    parts = ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
-    prediction = advise(parts, order_of(store, plan.id), positions, queries, labels, distance=plan.distance,
-                        gain_below=gain_below, ranks=eval_ranks(store, plan, positions))
+        judgments, judged_queries, _ = judged
+        anchor = judged_anchor(judged_queries, judgments, transformed_parts(), plan.distance)
+        prediction = predict_judged(judged_queries, judgments, positions, queries,
+                                    transformed_rows(gallery, plan.id, positions), ranks, plan.num_items, anchor,
+                                    distance=plan.distance)
+    labels = gallery.labels()
+    if prediction is None and labels is not None:
+        prediction = advise(transformed_parts(), order_of(store, plan.id), positions, queries, labels,
+                            distance=plan.distance, ranks=ranks)
+    elif prediction is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
+        prediction = predict_agreement(queries, transformed_rows(gallery, plan.id, positions), ranks, plan.num_items,
+                                       distance=plan.distance)
+    if gain_below is not None:
+        prediction["recommendation"] = recommend(prediction, gain_below)
     prediction["upgrade"] = plan.id
     store.put_json(advice_key(plan.id), prediction)
     return prediction
