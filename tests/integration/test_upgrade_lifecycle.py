@@ -97,7 +97,9 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     from components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
-    params = _with(params, promotion={"gate": True})  # the default gates
+    # the default gates, measured on every item (a 24-item sample is too noisy to be sure which gate fails)
+    params = _with(params, promotion={"gate": True},
+                   gallery={"upgrade": {**params.gallery.upgrade.model_dump(mode="json"), "eval_queries": "all"}})
     client, old_model, new_model, old_version, _ = registry_models(params)
     _, worse = _register(params, _random_model(new_model, seed=3), {"role": "new"})
     uri = str(tmp_path / "gallery")
