@@ -17,7 +17,7 @@ from prefect.futures import as_completed
 
 from components.gallery import advisor, backfill as bf, judgments, plan as pl, upgrade as up
 from components.gallery.upgrade import rejection as upgrade_rejection
-from components.gallery.catalog import Gallery, GalleryError, check_registry, features_key, fetch_images
+from components.gallery.catalog import Gallery, GalleryError, check_registry, features_key, fetch_images, rows_at
 from components.gallery.images import readable
 from components.gallery.lifecycle import (
     SPLITS_SOURCE, Backfill, budget_items, check_map_fits, cut_for_limit, choose_map, failure_limit, needs_check,
@@ -219,13 +219,13 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
     images, failures = fetch_images(gallery, positions, workers=config.read_workers)
     keep = readable(len(positions), failures)
     positions = positions[keep]
-    prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
-    if config.judgments:
-        judged = judgments.load_judgments(config.judgments, gallery.ids()).query_positions
-        prefilled = np.union1d(positions, judged[judged >= 0])
     from components.experiment.inference import embed
 
     queries = embed(model, images[keep], batch_size=config.batch_size, precision=config.precision)
+    judged = _judged_queries(params, gallery, model, {})[:2] if config.judgments else None
+    prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
+    if judged is not None:
+        prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
 
     def transformed(part: int):
         return apply_alignment(alignment_map, gallery.features(gallery.model, part))
@@ -240,29 +240,12 @@ def _dry_run_advice(params: Params, gallery: Gallery, new: ModelRef, model, resu
         order = random_order(gallery.num_items, config.seed)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
     ranks = pl.stand_in_ranks(order, prefilled, positions, config.seed)
-    from components.gallery.catalog import rows_at
-
     old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
-    if config.judgments:  # judged queries first, as the gate (advisor.predict_judged)
-        judged, judged_new, _ = _judged_queries(params, gallery, model, {})
-        anchor = advisor.judged_anchor(judged_new, judged, ((gallery.part_bounds(p)[0], transformed(p)[0])
-                                                            for p in range(gallery.num_parts)), params.gallery.distance)
-        prediction = advisor.predict_judged(judged_new, judged, positions, queries,
-                                            apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
-                                            anchor, distance=params.gallery.distance)
-        if prediction is not None:
-            if gain_below is not None:
-                prediction["recommendation"] = advisor.recommend(prediction, gain_below)
-            return {**prediction, "map_version": str(chosen.version)}
-    if labels is None:  # the label-free prediction (components.gallery.advisor.predict_agreement)
-        prediction = advisor.predict_agreement(queries, apply_alignment(alignment_map, old_side)[0], ranks,
-                                               gallery.num_items, distance=params.gallery.distance)
-        if gain_below is not None:
-            prediction["recommendation"] = advisor.recommend(prediction, gain_below)
-        return {**prediction, "map_version": str(chosen.version)}
-    parts = ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
-    return {**advisor.advise(parts, order, positions, queries, labels, distance=params.gallery.distance,
-                             gain_below=gain_below, ranks=ranks), "map_version": str(chosen.version)}
+    prediction = advisor.predict_upgrade(
+        positions, queries, apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
+        lambda: ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts)), order,
+        labels=labels, judged=judged, distance=params.gallery.distance, gain_below=gain_below)
+    return {**prediction, "map_version": str(chosen.version)}
 
 
 def _pairs_description(params: Params, gallery: Gallery) -> str:

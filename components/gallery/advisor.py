@@ -340,12 +340,34 @@ def stored_advice(store, upgrade: str) -> dict | None:
         return None
 
 
+def predict_upgrade(positions: np.ndarray, queries: np.ndarray, sample_transformed: np.ndarray, ranks: np.ndarray,
+                    num_items: int, parts, order: np.ndarray, *, labels: np.ndarray | None, judged: tuple | None,
+                    distance: str = "l2", gain_below: float | None = None) -> dict:
+    """The prediction an upgrade makes (when planning, and in the dry run): from the judged
+    queries when there are (``judged``: (judgments, their new-model features); ``predict_judged``),
+    else from the labels (``advise``), else the label-free agreement (``predict_agreement``).
+    ``positions``/``queries``/``sample_transformed``/``ranks``: the evaluation sample; ``parts()``
+    gives the whole gallery's transformed features as ``(first item, rows)`` parts."""
+    prediction = None
+    if judged is not None:  # judged queries first, as the gate: the sample is their gallery
+        judgments, judged_queries = judged
+        anchor = judged_anchor(judged_queries, judgments, parts(), distance)
+        prediction = predict_judged(judged_queries, judgments, positions, queries, sample_transformed, ranks,
+                                    num_items, anchor, distance=distance)
+    if prediction is None and labels is not None:
+        prediction = advise(parts(), order, positions, queries, labels, distance=distance, ranks=ranks)
+    elif prediction is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
+        prediction = predict_agreement(queries, sample_transformed, ranks, num_items, distance=distance)
+    if gain_below is not None:
+        prediction["recommendation"] = recommend(prediction, gain_below)
+    return prediction
+
+
 def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | None:
-    """The prediction of a planned upgrade from what its plan stored (transformed parts, order,
-    evaluation sample, judged queries), written to upgrades/<id>/advice.json: from the judged
-    queries when there are (``predict_judged``), else from the labels (``advise``), else the
-    label-free agreement (``predict_agreement``). None when the upgrade has no evaluation sample
-    (eval_queries 0): nothing to predict from."""
+    """The prediction of a planned upgrade (``predict_upgrade``) from what its plan stored
+    (transformed parts, order, evaluation sample, judged queries), written to
+    upgrades/<id>/advice.json. None when the upgrade has no evaluation sample (eval_queries 0):
+    nothing to predict from."""
     from components.gallery.backfill import transformed_rows
     from components.gallery.judgments import stored_judged
     from components.gallery.plan import eval_ranks, order_of, stored_eval_sample, transformed_key
@@ -354,28 +376,16 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
         return None
     store = gallery.store
     positions, queries = stored_eval_sample(store, plan.id)
-    ranks = eval_ranks(store, plan, positions)
 
     def transformed_parts():
         return ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
 
-    prediction = None
     judged = stored_judged(store, plan.id)
-    if judged is not None:  # judged queries first, as the gate: the sample is their gallery
-        judgments, judged_queries, _ = judged
-        anchor = judged_anchor(judged_queries, judgments, transformed_parts(), plan.distance)
-        prediction = predict_judged(judged_queries, judgments, positions, queries,
-                                    transformed_rows(gallery, plan.id, positions), ranks, plan.num_items, anchor,
-                                    distance=plan.distance)
-    labels = gallery.labels()
-    if prediction is None and labels is not None:
-        prediction = advise(transformed_parts(), order_of(store, plan.id), positions, queries, labels,
-                            distance=plan.distance, ranks=ranks)
-    elif prediction is None:  # nothing says what is right: how far the mixed gallery agrees with the finished one
-        prediction = predict_agreement(queries, transformed_rows(gallery, plan.id, positions), ranks, plan.num_items,
-                                       distance=plan.distance)
-    if gain_below is not None:
-        prediction["recommendation"] = recommend(prediction, gain_below)
+    prediction = predict_upgrade(positions, queries, transformed_rows(gallery, plan.id, positions),
+                                 eval_ranks(store, plan, positions), plan.num_items, transformed_parts,
+                                 order_of(store, plan.id), labels=gallery.labels(),
+                                 judged=judged[:2] if judged is not None else None, distance=plan.distance,
+                                 gain_below=gain_below)
     prediction["upgrade"] = plan.id
     store.put_json(advice_key(plan.id), prediction)
     return prediction
