@@ -50,7 +50,8 @@ def main() -> None:
     from components.platform.layout import Layout
     from components.experiment import registered
     from flows.gallery import ingest_flow
-    from flows.upgrade import abort_flow, upgrade_flow
+    from flows.undo import abort_flow
+    from flows.upgrade import upgrade_flow
 
     base = load_params(args.params)
     source_db = Path(base.mlflow.tracking_uri.removeprefix("sqlite:///"))

@@ -406,7 +406,7 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    from flows.upgrade import abort_flow
+    from flows.undo import abort_flow
 
     uri, record = _undo(abort_flow, store, params)
     typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
@@ -421,7 +421,7 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    from flows.upgrade import rollback_flow
+    from flows.undo import rollback_flow
 
     uri, result = _undo(rollback_flow, store, params)
     typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "

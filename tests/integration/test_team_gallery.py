@@ -106,7 +106,8 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     planned again (after an abort), the upgrade uses the map that check left without embedding a
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
     from flows.gallery import ingest_flow
-    from flows.upgrade import abort_flow, dry_run_upgrade, upgrade_flow
+    from flows.undo import abort_flow
+    from flows.upgrade import dry_run_upgrade, upgrade_flow
 
     params, tmp_path = upgrade_env
     client, *_ = registry_models(params)

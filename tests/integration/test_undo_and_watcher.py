@@ -71,7 +71,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     from components.gallery.lock import UpgradeLocked, acquire_lock
     from flows.cli import app
     from flows.gallery import ingest_flow
-    from flows.upgrade import abort_flow, run_upgrade_file, upgrade_flow
+    from flows.undo import abort_flow
+    from flows.upgrade import run_upgrade_file, upgrade_flow
 
     params, tmp_path = upgrade_env
     params_path = str(tmp_path / "params.yaml")
@@ -146,7 +147,8 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
 
     from flows.cli import app
     from flows.gallery import ingest_flow
-    from flows.upgrade import rollback_flow, upgrade_flow
+    from flows.undo import rollback_flow
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     params_path = str(tmp_path / "params.yaml")

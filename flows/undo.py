@@ -1,0 +1,150 @@
+"""Undoing an upgrade, as Prefect runs it: ``abort_flow`` drops an unfinished upgrade and
+``rollback_flow`` undoes a finished one. The decisions and records are
+``components.gallery.undo``'s; the flows take the lock, call them and follow in the registry."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.gallery import plan as pl, upgrade as up
+from components.gallery.catalog import Gallery, GalleryError, check_registry
+from components.gallery.lock import acquire_lock
+from components.gallery.store import configure_s3
+from components.platform import registry
+from components.platform.config import Params
+from components.platform.registry import ModelRef
+from flows.parameters import resolve_params, run_parameters, store_of
+from tasks._policy import log
+from tasks.gallery import store_at
+
+def _open_gallery(params: Params, store_uri: str) -> Gallery:
+    configure_s3(params.gallery.s3)
+    store = store_at(store_uri)
+    store.check()
+    return Gallery(store)
+
+
+def _take_lock(store, holder: str, doing: str, params: Params):
+    """The gallery's lock for ``doing``; held by another live process, a refusal that names it."""
+    from components.gallery.lock import LeaseLost, UpgradeLocked
+
+    try:
+        return acquire_lock(store, holder, log=log, lease_seconds=params.gallery.upgrade.lease_seconds)
+    except LeaseLost:
+        raise
+    except UpgradeLocked as error:
+        raise UpgradeLocked(f"cannot {doing} now: {error}") from None
+
+
+def _abort_run_name() -> str:
+    return f"abort the upgrade of {store_of(run_parameters())}"
+
+
+@flow(name="gallery-upgrade-abort", flow_run_name=_abort_run_name, log_prints=True)
+def abort_flow(params: Params | None = None, store_uri: str | None = None, params_path: str | None = None) -> dict:
+    """Drop the gallery's unfinished upgrade (planned, or part of the way through its backfill):
+    under the lock (refused while another process holds it), ``aborted.json`` records who, when
+    and how far it got, and the gallery serves its own model's (the champion's) features again.
+    Its working data is garbage for `fastfill gallery gc`; the version is claimed so the watcher
+    and the webhook do not start it again, and a later `fastfill upgrade` to it plans from
+    scratch. Its MLflow run ends KILLED with the tag ``fastfill.aborted``. A finished or rejected
+    upgrade, or one whose end has begun, cannot be aborted (the message says what to do)."""
+    from components.gallery.triggers import claim
+
+    params = resolve_params(params, params_path, None)
+    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    store = gallery.store
+    upgrade = up.abortable(gallery)  # refused with its reason before the lock is touched
+    lock = _take_lock(store, upgrade, f"abort upgrade {upgrade}", params)
+    try:
+        record = up.abort(gallery, upgrade)  # checked again under the lock
+        plan = pl.load_plan(store, upgrade)
+        if plan is not None and claim(store, plan.new.name, plan.new.version, "abort", upgrade=upgrade):
+            log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
+                "again (`fastfill upgrade` still can)")
+        _record_abort_in_mlflow(params, gallery, record)
+        log(f"aborted upgrade {upgrade} ({record['stage']}: {record['chunks_done']}/{record['chunks']} chunks, "
+            f"{record['items_done']}/{record['items']} items); {store.uri} serves {gallery.model.uri}'s features again")
+        return {**record, "state": "aborted", "model": gallery.model.uri}
+    finally:
+        lock.release()
+
+
+def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: dict) -> None:
+    """The aborted upgrade's MLflow run ends KILLED, tagged with who aborted it and where. The
+    store's ``aborted.json`` is the record that counts: a registry that cannot take this is
+    reported, and the abort stands."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = record.get("mlflow_run_id")
+    if not run_id:
+        return
+    by = record.get("by") or {}
+    try:
+        check_registry(gallery.manifest(), gallery.store.uri, registry.identity(params.mlflow))
+        client, _ = registry.setup(params.mlflow)
+        client.set_tag(run_id, "fastfill.aborted", f"{record['aborted']} by {by.get('user')}@{by.get('host')} at "
+                                                   f"{record['items_done']}/{record['items']} items ({record['stage']})")
+        client.set_terminated(run_id, "KILLED")
+    except (GalleryError, MlflowException, OSError) as error:
+        log(f"the abort stands, but MLflow run {run_id} could not be marked aborted: {error}")
+
+
+def _rollback_run_name() -> str:
+    return f"roll back {store_of(run_parameters())}"
+
+
+@flow(name="gallery-rollback", flow_run_name=_rollback_run_name, log_prints=True)
+def rollback_flow(params: Params | None = None, store_uri: str | None = None, params_path: str | None = None) -> dict:
+    """Return the gallery to the model it had before its last, finished upgrade, while that
+    model's features still exist (before `fastfill gallery gc`): under the lock, the record
+    ``rolled-back.json``, then the manifest (history entry ``rollback``), then the registry:
+    ``champion`` back on the previous version (when it still names the rolled-back one) and that
+    version tagged ``promotion=rolled-back``. Refused while an upgrade is in progress, and once gc
+    collected the old features. A rollback cut short before the registry followed is completed
+    by the next one. The version is claimed so the watcher and the webhook do not start it
+    again; a later `fastfill upgrade` to it plans from scratch."""
+    from components.gallery.triggers import claim
+
+    params = resolve_params(params, params_path, None)
+    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    store = gallery.store
+    check_registry(gallery.manifest(refresh=True), store.uri, registry.identity(params.mlflow))
+    pending = up.interrupted_rollback(gallery)
+    upgrade = pending["upgrade"] if pending is not None else up.rollback_target(gallery)[0]  # refusals first
+    lock = _take_lock(store, f"rollback of {upgrade}", "roll back", params)
+    try:
+        record = up.interrupted_rollback(gallery)
+        if record is None:
+            record = up.rollback(gallery)  # checked again under the lock
+            log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade} to "
+                f"{ModelRef.from_dict(record['from']).uri} rolled back)")
+        else:
+            log(f"completing the rollback of upgrade {upgrade} (recorded {record['rolled_back']}): the registry step")
+        rolled, previous = ModelRef.from_dict(record["from"]), ModelRef.from_dict(record["to"])
+        claim(store, rolled.name, rolled.version, "rollback", upgrade=upgrade)
+        moved = _record_rollback_in_registry(params, store, record, rolled, previous)
+        up.mark_rollback_recorded(store, upgrade)
+        return {"state": "rolled back", "upgrade": upgrade, "model": previous.uri, "from": rolled.uri,
+                "champion_moved": moved, "rolled_back": record["rolled_back"]}
+    finally:
+        lock.release()
+
+
+def _record_rollback_in_registry(params: Params, store, record: dict, rolled: ModelRef, previous: ModelRef) -> bool:
+    by = record.get("by") or {}
+    tags = {"promotion": "rolled-back", "promotion.rolled_back": record["rolled_back"],
+            "promotion.rolled_back_to": str(previous.version),
+            "promotion.rolled_back_by": f"{by.get('user')}@{by.get('host')}",
+            "promotion.rolled_back_upgrade": record["upgrade"]}
+    plan = pl.load_plan(store, record["upgrade"])
+    client, _ = registry.setup(params.mlflow)
+    if rolled.name != previous.name:  # another registered model: only the tags
+        registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan and plan.mlflow_run_id, tags)
+        return False
+    moved = registry.record_rollback(client, rolled.name, rolled.version, previous.version,
+                                     plan.mlflow_run_id if plan else None, tags)
+    champion = registry.alias_version(client, rolled.name, registry.CHAMPION)
+    log(f"champion moved back to {previous.uri}" if moved else
+        f"champion names version {champion}, not {rolled.version}: left as it is")
+    return moved
