@@ -227,7 +227,7 @@ def predict_agreement(queries: np.ndarray, transformed: np.ndarray, ranks: np.nd
     new features are known). The sample is its own gallery, as for top-1 and mAP: its items
     count as backfilled once the backfill passes their ``ranks``. It says how far the mixed
     gallery already answers as the finished one will, not whether either answer is right."""
-    from components.gallery.judgments import agreement_at
+    from components.gallery.judged_gate import agreement_at
 
     queries = np.asarray(queries, dtype=np.float32)
     transformed = np.asarray(transformed, dtype=np.float32)

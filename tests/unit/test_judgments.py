@@ -9,7 +9,8 @@ import pytest
 
 from components.evaluation import backfill_curve, retrieval_metrics
 from components.gallery.catalog import GalleryError
-from components.gallery.judgments import Judgments, agreement_at, load_judgments, measure_judged_gate
+from components.gallery.judged_gate import agreement_at, measure_judged_gate
+from components.gallery.judgments import Judgments, load_judgments
 from components.gallery.promotion import measure_gate
 
 IDS = np.array([10, 20, 30, 40, 50])
@@ -221,7 +222,7 @@ def test_agreement_is_full_when_the_mixed_gallery_is_the_final_one():
 
 
 def test_agreement_read_in_gallery_blocks_is_the_brute_force_one(monkeypatch):
-    import components.gallery.judgments as judgments
+    from components.gallery import judged_gate
 
     rng = np.random.default_rng(5)
     final = rng.normal(size=(300, 6)).astype(np.float32)
@@ -235,6 +236,6 @@ def test_agreement_read_in_gallery_blocks_is_the_brute_force_one(monkeypatch):
         return np.argsort(distances, axis=1)[:, :5]
 
     expected = 100 * np.mean([len(np.intersect1d(a, b)) / 5 for a, b in zip(top(mixed), top(final))])
-    monkeypatch.setattr(judgments, "BLOCK_BYTES", 4 * 20 * 7)  # blocks of 7 items
+    monkeypatch.setattr(judged_gate, "BLOCK_BYTES", 4 * 20 * 7)  # blocks of 7 items
     assert agreement_at(queries, mixed, final, positions, k=5) == pytest.approx(expected)
     assert 0 < expected < 100
