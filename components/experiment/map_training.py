@@ -1,11 +1,10 @@
 """Training alignment maps: the feature-pair loop of FCT, FastFill (with its uncertainty head)
-and the unified maps, their held-out validation, and the uncertainty head fitted on a fixed map.
-Checkpoints and seeding are ``training``'s.
+and the unified maps, and their held-out validation. Checkpoints and seeding are ``training``'s;
+the uncertainty head fitted on a fixed map is ``uncertainty_head_fit``'s (re-exported here).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import time
@@ -18,14 +17,18 @@ from torch import nn
 
 from components.experiment.inference import pick_device
 from components.experiment.losses import (
-    alignment_loss, classification_per_sample, l2_per_sample, uncertainty_weighted, unified_loss,
+    alignment_loss, classification_per_sample, l2_per_sample, unified_loss,
 )
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
     announced_dtype, forward_precision,
     Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
 )
+from components.experiment.uncertainty_head_fit import fit_uncertainty_head, true_alignment_loss
 from components.platform.config import AlignConfig
+
+__all__ = ["PROGRESS_SECONDS", "Validate", "divergence", "feature_schedule", "fit_uncertainty_head", "split_pairs",
+           "train_alignment", "train_unified", "true_alignment_loss", "unified_validation_record", "validation_record"]
 
 PROGRESS_SECONDS = 30.0  # the longest a map's training goes without a line in its log
 
@@ -381,48 +384,3 @@ def unified_validation_record(config: AlignConfig, maps: UnifiedMaps, pairs, dev
                                      config.disc_label_smoothing).mean().item()
     retrieval = retrieval_at_zero(gallery.cpu().numpy(), query.cpu().numpy(), pairs.rows)
     return {"val_l2": l2, "val_disc": disc, "val_top1": retrieval["top1"], "val_map": retrieval["map"]}
-
-
-@torch.no_grad()
-def true_alignment_loss(config: AlignConfig, transformed: np.ndarray, new_features: np.ndarray,
-                        class_rows: np.ndarray, new_classifier: nn.Module) -> np.ndarray:
-    """The per-item loss the map was trained on (l2 and/or disc, unweighted), measured with the
-    new features: what the oracle order sorts by. Needs phi_new, so analysis only."""
-    transformed_t = torch.from_numpy(transformed)
-    new_classifier = new_classifier.cpu().eval()
-    per_item = torch.zeros(len(transformed))
-    if config.l2:
-        per_item += l2_per_sample(torch.from_numpy(new_features), transformed_t, config.l2_reduction)
-    known = torch.from_numpy(class_rows) >= 0  # classes the new model never saw have no disc term
-    if config.disc and known.any():
-        per_item[known] += classification_per_sample(new_classifier(transformed_t[known]),
-                                                     torch.from_numpy(class_rows)[known], config.disc_label_smoothing)
-    return per_item.numpy().astype(np.float32)
-
-
-def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.ndarray, new_features: np.ndarray,
-                         class_rows: np.ndarray, new_classifier: nn.Module, *, steps: int = 500,
-                         device: torch.device | None = None) -> AlignmentMap:
-    """A copy of an l2-only map ``h`` with an uncertainty head psi fitted on its frozen outputs
-    to the loss terms of ``config`` (what a fallback map orders by). The map is unchanged."""
-    device = device or pick_device()
-    generator = seed_everything(config.seed)
-    shape = h.architecture  # the same network as h, so the fitted map is described (and registered) as it is
-    fitted = AlignmentMap(h.old_dim, h.new_dim, shape["hidden"], True, shape["architecture"],
-                          shape["rbt_blocks"]).to(device)
-    fitted.transform = copy.deepcopy(h.transform).to(device).eval().requires_grad_(False)
-    train_index, _ = split_pairs(config, len(old_features))
-    with torch.no_grad():
-        transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
-    per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
-                                                    class_rows[train_index], new_classifier)).to(device)
-    optimizer = torch.optim.Adam(fitted.uncertainty.parameters(), lr=1e-2)
-    batch = min(1024, len(transformed))
-    for _ in range(steps):
-        index = torch.randint(0, len(transformed), (batch,), generator=generator).to(device)
-        loss = uncertainty_weighted(per_item[index], fitted.log_sigma2(transformed[index]),
-                                    config.uncertainty_lambda).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return fitted.eval()
