@@ -45,6 +45,10 @@ class ModelRef:
     def key(self) -> str:
         return f"{self.name}-v{self.version}"
 
+    def same_version(self, other: ModelRef) -> bool:
+        """Both name one registered version (the dimension left aside)."""
+        return (self.name, str(self.version)) == (other.name, str(other.version))
+
     def to_dict(self) -> dict:
         return {"name": self.name, "version": self.version, "dim": self.dim, "uri": self.uri}
 
