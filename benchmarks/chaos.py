@@ -75,9 +75,9 @@ def main() -> None:
     from components.platform import registry
     from components.platform.config import parse_params
     from flows.pipeline import pipeline_flow
-    from tests.environment import in_workdir
-    from tests.integration.fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
-    from tests.synthetic import make_image_folder, tiny_params
+    from components.platform.process_state import in_workdir
+    from components.gallery.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
+    from components.experiment.tiny_demo import make_image_folder, tiny_params
 
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))

@@ -52,7 +52,7 @@ lines, and the script goes on with the next one.
     .venv/bin/python benchmarks/team_upgrade.py                        # the default run's models, 2000 items
     .venv/bin/python benchmarks/team_upgrade.py --tiny --out /tmp/team  # tiny models trained here, 200 items
 
-``--tiny`` trains two tiny models first (``fastfill run`` on ``tests/synthetic.tiny_params`` and a
+``--tiny`` trains two tiny models first (``fastfill run`` on ``components/experiment/tiny_demo.tiny_params`` and a
 small ImageFolder, in a temporary folder of its own, outside the scratch folder) and adopts ~200
 PNGs of the same synthetic kind, judged 40: a check that the whole path works, in a few minutes.
 
@@ -330,11 +330,11 @@ def clean_env() -> dict:
 
 
 def train_tiny_models(folder: Path, timeout: float) -> dict:
-    """Two tiny models (embedder v1 @champion, v2 @challenger) by ``fastfill run`` on the tests'
-    tiny configuration and a small synthetic ImageFolder, in ``folder`` (outside the scratch)."""
+    """Two tiny models (embedder v1 @champion, v2 @challenger) by ``fastfill run`` on the tiny demo's
+    configuration and a small synthetic ImageFolder, in ``folder`` (outside the scratch)."""
     import yaml
 
-    from tests.synthetic import make_image_folder, tiny_params
+    from components.experiment.tiny_demo import make_image_folder, tiny_params
 
     images = make_image_folder(folder / "imagefolder", num_classes=6, train_per_class=40, test_per_class=12)
     data = tiny_params(images)
@@ -426,12 +426,12 @@ def gallery_images(tiny: bool, items: int, seed: int):
 
     rng = np.random.default_rng(seed)
     if tiny:
-        from tests.synthetic import class_image
+        from components.experiment.tiny_demo import class_image
 
         labels = rng.integers(0, 6, size=items)
         images = np.stack([class_image(int(label), rng, 16, 6) for label in labels])
         ids = np.sort(rng.choice(100_000, size=items, replace=False))
-        return ids, images, labels, "synthetic 16x16 bars, 6 classes (tests/synthetic.class_image)"
+        return ids, images, labels, "synthetic 16x16 bars, 6 classes (components/experiment/tiny_demo.class_image)"
     from components.experiment.data import load_raw_dataset
     from components.platform.config import PrepareConfig
 
@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         setup["train_tiny_models"] = {k: v for k, v in trained.items() if k != "params"}
         source = trained["tracking_uri"]
         base_params = trained["params"]
-        base_params.pop("promotion", None)  # the tests' configuration turns the gate off; a team keeps it
+        base_params.pop("promotion", None)  # the tiny demo's configuration turns the gate off; a team keeps it
         base_params.pop("prepare", None)  # the training images are the model builders', not the team's
         base_params["gallery"] = {"part_size": 50}
         chunk_size = args.chunk_size or 20

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.environment import in_workdir, new_bucket, restored_environ
+from components.platform.process_state import in_workdir, restored_environ
+from tests.environment import new_bucket
 from components.platform.config import parse_params
-from tests.synthetic import make_image_folder, tiny_params
+from components.experiment.tiny_demo import make_image_folder, tiny_params
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tests.environment import in_workdir
-from tests.synthetic import tiny_params
+from components.platform.process_state import in_workdir
+from components.experiment.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from components.platform.config import parse_params
-from tests.environment import in_workdir
-from tests.synthetic import tiny_params
+from components.platform.process_state import in_workdir
+from components.experiment.tiny_demo import tiny_params
 
 
 @pytest.fixture

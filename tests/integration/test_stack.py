@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.environment import restored_environ
-from tests.synthetic import tiny_params
+from components.platform.process_state import restored_environ
+from components.experiment.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 

@@ -1,4 +1,4 @@
-"""The gallery on an S3 endpoint that fails as S3 does: a proxy of ours (fault_proxy.py) between
+"""The gallery on an S3 endpoint that fails as S3 does: a proxy of ours (s3_fault_proxy.py) between
 the product and moto's server fails about 10% of requests, with S3 error answers or with lost
 connections and late answers; the upgrade's work through it ends bit-identical to the same work
 without faults. An outage longer than the retries ends in one clear line, and the next run
@@ -17,7 +17,7 @@ from components.gallery.store import StoreUnreachable, configure_s3, open_store
 from components.platform.config import S3Config
 from tests.environment import new_bucket
 from tests.gallery_cases import NEW, _gallery, _plan, make_data, make_models
-from tests.integration.fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
+from components.gallery.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
 
 # the proxy answers "late" after 1.5 s: with a 1 s read timeout that is a timed-out attempt, retried
 PATIENT = S3Config(retry_mode="standard", max_attempts=10, connect_timeout=2, read_timeout=1)

@@ -222,7 +222,7 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     from components.platform.config import parse_params
     from components.platform.registry import ModelRef
     from flows.triggers import upgrade_entry, watch_flow
-    from tests.synthetic import tiny_params
+    from components.experiment.tiny_demo import tiny_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = tiny_params(tmp_path)

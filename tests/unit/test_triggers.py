@@ -16,7 +16,7 @@ from components.gallery.store import LocalStore
 from components.gallery.triggers import (
     WebhookRejected, alias_event, claim, claimed, release, sign, verify, wants_upgrade,
 )
-from tests.synthetic import tiny_params
+from components.experiment.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
 

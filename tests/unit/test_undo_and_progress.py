@@ -245,7 +245,7 @@ def test_the_progress_bar_is_on_by_default_on_a_terminal():
 def test_overrides_by_dotted_key_are_checked_like_params_yaml(tmp_path):
     from components.platform.config import ConfigError, parse_params
     from flows.parameters import apply_overrides, resolve_params
-    from tests.synthetic import tiny_params
+    from components.experiment.tiny_demo import tiny_params
 
     params = parse_params(tiny_params(tmp_path))
     changed = apply_overrides(params, {"gallery.upgrade.chunk_size": 4, "gallery.upgrade.order": "random"})

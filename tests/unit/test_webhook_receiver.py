@@ -18,7 +18,7 @@ import yaml
 from components.gallery.store import LocalStore
 from components.gallery.triggers import DeliveryLog, RateLimiter, claim, sign
 from components.platform.config import parse_params
-from tests.synthetic import tiny_params
+from components.experiment.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
 ROOT = Path(__file__).resolve().parents[2]

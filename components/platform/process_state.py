@@ -1,0 +1,33 @@
+"""Process state a block changes and gives back: environment variables, the working folder."""
+
+import os
+from contextlib import contextmanager
+
+
+@contextmanager
+def restored_environ(*keys: str):
+    """Whatever the block does to ``keys`` in os.environ is undone afterwards (set, changed or
+    removed alike)."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
+def in_workdir(path):
+    """Run the block in ``path`` with no MLFLOW_TRACKING_URI from the caller's environment, so a
+    flow uses the MLflow store its params name."""
+    previous = os.getcwd()
+    with restored_environ("MLFLOW_TRACKING_URI"):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        os.chdir(path)
+        try:
+            yield
+        finally:
+            os.chdir(previous)
