@@ -49,7 +49,7 @@ def main() -> None:
     from components.platform.config import load_params
     from components.platform.layout import Layout
     from components.experiment import registered
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.undo import abort_flow
     from flows.upgrade import upgrade_flow
 

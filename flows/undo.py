@@ -49,7 +49,7 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
     and the webhook do not start it again, and a later `fastfill upgrade` to it plans from
     scratch. Its MLflow run ends KILLED with the tag ``fastfill.aborted``. A finished or rejected
     upgrade, or one whose end has begun, cannot be aborted (the message says what to do)."""
-    from components.gallery.triggers import claim
+    from components.gallery.claims import claim
 
     params = resolve_params(params, params_path, None)
     gallery = _open_gallery(params, store_uri or params.gallery.store)
@@ -104,7 +104,7 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     collected the old features. A rollback cut short before the registry followed is completed
     by the next one. The version is claimed so the watcher and the webhook do not start it
     again; a later `fastfill upgrade` to it plans from scratch."""
-    from components.gallery.triggers import claim
+    from components.gallery.claims import claim
 
     params = resolve_params(params, params_path, None)
     gallery = _open_gallery(params, store_uri or params.gallery.store)

@@ -33,6 +33,7 @@ from components.experiment import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from components.platform.progress import progress, resolve_mode
+from components.platform.vocabulary import UPGRADE_FLOW
 from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery import (
@@ -48,7 +49,7 @@ def _upgrade_run_name() -> str:
     return f"upgrade {store_of(parameters)} to {parameters.get('to_uri') or 'challenger'}"
 
 
-@flow(name="gallery-upgrade", flow_run_name=_upgrade_run_name, log_prints=True)
+@flow(name=UPGRADE_FLOW, flow_run_name=_upgrade_run_name, log_prints=True)
 def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
                  budget: float | int | None = None, break_lock: bool = False, gate: bool | None = None,
                  params_path: str | None = None, overrides: dict[str, Any] | None = None) -> dict:

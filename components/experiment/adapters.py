@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ADAPTERS = ("procrustes", "low_rank", "residual_mlp")
+from components.platform.vocabulary import ADAPTERS
 
 
 class AdapterError(ValueError):

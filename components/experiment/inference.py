@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps
+from components.platform.vocabulary import PRECISIONS
 
 CHANNELS_LAST = torch.channels_last
 
@@ -22,9 +23,6 @@ def pick_device() -> torch.device:
     if forced:
         return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:

@@ -15,7 +15,9 @@ import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from components.platform.vocabulary import COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, ORDERS
+from components.platform.vocabulary import (
+    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, ORDERS, PRECISIONS, TRAINING_PRECISIONS,
+)
 
 DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
@@ -73,7 +75,7 @@ class PrepareConfig(Section):
         return self
 
 
-TrainingPrecision = Literal["fp32", "bf16", "auto"]  # components.experiment.training.training_dtype
+TrainingPrecision = Literal[TRAINING_PRECISIONS]
 
 
 def _precision_field():
@@ -203,13 +205,13 @@ class CompatibleConfig(Section):
 
 
 Order = Literal[ORDERS]
-AdapterKind = Literal["procrustes", "low_rank", "residual_mlp"]  # components.experiment.adapters.ADAPTERS
+AdapterKind = Literal[ADAPTERS]
+Distance = Literal[DISTANCES]
 
 
 def adapter_method(kind: str) -> str:
     """The method name of a query-side adapter in metrics.json and the comparison."""
     return f"adapter_{kind}"
-Distance = Literal[DISTANCES]
 
 
 class EvaluateConfig(Section):
@@ -284,7 +286,7 @@ class UpgradeConfig(Section):
         "point of the predicted curve gains this many top-1 points per 5% of the gallery (e.g. 0.1); null: go to "
         "100%. Needs the evaluation sample (eval_queries > 0)")
     batch_size: PositiveInt = Field(default=512, description='images embedded per forward pass')
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    precision: Literal[PRECISIONS] = Field(
         default="auto", description="embedding on CUDA: auto = bfloat16 autocast (float16 where bfloat16 is not "
         "supported), fp32 = off; the CPU always computes in float32 under auto")
     max_items_per_second: PositiveFloat | None = Field(
@@ -422,7 +424,7 @@ class CompareConfig(Section):
     compatible: dict[str, CompatibleConfig] = Field(default_factory=dict)
     orders: dict[str, list[Order]] = Field(default_factory=dict)
     adapters: list[AdapterKind] = Field(
-        default_factory=lambda: ["procrustes", "low_rank", "residual_mlp"],
+        default_factory=lambda: list(ADAPTERS),
         description="the query-side adapters among the rows (evaluate.adapters of each seed): the zero-write "
         "alternative, fitted on the maps' pairs")
     precision: TrainingPrecision | None = Field(

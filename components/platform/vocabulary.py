@@ -1,5 +1,6 @@
-"""The names every layer shares, defined once: backfill orders, distances, registry aliases.
-Configuration validates against these tuples, and the code that acts on a name imports them."""
+"""The names every layer shares, defined once: backfill orders, distances, adapters, precisions,
+registry aliases, the upgrade flow's name. Configuration validates against these tuples, and the
+code that acts on a name imports them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,18 @@ GALLERY_ORDERS = ("sigma", "random")
 
 DISTANCES = ("l2", "cosine")
 
+# Query-side adapters (components.experiment.adapters): new queries mapped into the old space.
+ADAPTERS = ("procrustes", "low_rank", "residual_mlp")
+
+# Precision of a training's forward passes (components.experiment.training.training_dtype).
+TRAINING_PRECISIONS = ("fp32", "bf16", "auto")
+# Precision of embedding images (components.experiment.inference.autocast_dtype).
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
 CHAMPION = "champion"      # the model the gallery serves
 CHALLENGER = "challenger"  # the model an upgrade moves to
 ROLE_ALIASES = {"old": CHAMPION, "new": CHALLENGER}
+
+# The gallery upgrade's flow (flows/upgrade.py): its runs, found by this name, end in "Rejected"
+# on a rejection.
+UPGRADE_FLOW = "gallery-upgrade"

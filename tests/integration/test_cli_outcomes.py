@@ -109,7 +109,7 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
 
 
 def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_env):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -214,7 +214,7 @@ def _events(name: str, flow_run_id, as_resource: bool = False) -> list[dict]:
 
 def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor_show_it(s3_endpoint, upgrade_env,
                                                                                          prefect_env):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     worse = _worse_version(params)

@@ -30,7 +30,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from components.evaluation import curve_at_counts
     from components.gallery.measure import restricted_order
     from components.experiment.inference import embed
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import progress_key, upgrade_flow
 
     params, _ = upgrade_env
@@ -198,7 +198,7 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
 
 
 def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch, s3_endpoint):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -243,7 +243,7 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
                                                                                             prefect_harness):
     from components.gallery.catalog import features_key
     from components.platform import registry
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -302,8 +302,8 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
 def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from flows.gallery import ingest_flow
+    from cli import app
+    from flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -361,7 +361,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 
 
 def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env, prefect_harness):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -371,7 +371,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     ingest_flow(params, reference_uri)
     store = open_store(store_uri)
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
+    command = [sys.executable, "-m", "cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
     log = open(tmp_path / "killed.log", "wb")
     # its own process group: the kill takes the CLI and its children (Prefect's ephemeral server)
@@ -427,7 +427,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     import random
 
     from components.platform import registry
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
     from tests.environment import new_bucket
 
@@ -439,7 +439,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     name = params.mlflow.registered_model
     uid = pl.upgrade_id(registry.ModelRef(name, old_version), registry.ModelRef(name, new_version))
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "flows.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
+    command = [sys.executable, "-m", "cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
     rng = random.Random(0)
 
@@ -496,7 +496,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
 
 
 def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -532,7 +532,7 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
 def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade_env, prefect_harness):
     """align.<method>.check: off (the comparison's setting) in an upgrade: the map is trained,
     registered and used as trained; the version and the run say the check was skipped, and why."""
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -564,8 +564,8 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     from typer.testing import CliRunner
 
     from components.gallery.advisor import recommend
-    from flows.cli import app
-    from flows.gallery import ingest_flow
+    from cli import app
+    from flows.ingest import ingest_flow
     from flows.upgrade import dry_run_upgrade, upgrade_flow
 
     import yaml
@@ -644,7 +644,7 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_ha
     from typer.testing import CliRunner
 
     from components.experiment.inference import embed
-    from flows.cli import app
+    from cli import app
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env

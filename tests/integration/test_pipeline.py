@@ -124,7 +124,7 @@ def test_training_progress_is_a_prefect_artifact(finished_pipeline):
 def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli import app
 
     tmp_path = tiny_workdir
     result = CliRunner().invoke(app, ["seeds", "--seed", "3", "--seed", "4"])
@@ -142,7 +142,7 @@ def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_ha
 def test_a_stage_without_its_inputs_says_what_to_run(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli import app
 
     result = CliRunner().invoke(app, ["stage", "train", "--role", "old"])
     assert result.exit_code == 6  # bad input: the splits are missing

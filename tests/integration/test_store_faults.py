@@ -85,7 +85,7 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
         s3_endpoint, faulty, without_faults, tiny_workdir):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli import app
 
     store_uri = f"s3://{new_bucket(s3_endpoint)}/galleries/main"
     proxy = faulty(S3Config(max_attempts=3, connect_timeout=1, read_timeout=2), rate=0)

@@ -27,7 +27,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
 
     from components.experiment.inference import embed
     from components.platform.config import parse_params
-    from flows.cli import app
+    from cli import app
     from flows.upgrade import upgrade_flow
 
     base, tmp_path = upgrade_env
@@ -105,7 +105,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     """The pipeline's map was checked on its split: on this gallery's pairs it is checked once;
     planned again (after an abort), the upgrade uses the map that check left without embedding a
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.undo import abort_flow
     from flows.upgrade import dry_run_upgrade, upgrade_flow
 
@@ -205,7 +205,7 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     import torch
 
     from components.experiment import registered
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -238,8 +238,8 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
 def test_a_bad_judgments_file_is_refused_in_one_line_before_any_work(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from flows.gallery import ingest_flow
+    from cli import app
+    from flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")

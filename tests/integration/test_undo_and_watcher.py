@@ -14,7 +14,7 @@ from components.gallery import plan as pl, upgrade as up
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
-from components.gallery.triggers import claimed
+from components.gallery.claims import claimed
 from tests.integration.helpers import registry_models, split_images
 
 
@@ -69,8 +69,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     from typer.testing import CliRunner
 
     from components.gallery.lock import UpgradeLocked, acquire_lock
-    from flows.cli import app
-    from flows.gallery import ingest_flow
+    from cli import app
+    from flows.ingest import ingest_flow
     from flows.undo import abort_flow
     from flows.upgrade import run_upgrade_file, upgrade_flow
 
@@ -145,8 +145,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
 def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_features(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from flows.gallery import ingest_flow
+    from cli import app
+    from flows.ingest import ingest_flow
     from flows.undo import rollback_flow
     from flows.upgrade import upgrade_flow
 
@@ -221,7 +221,7 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     from components.platform import registry
     from components.platform.config import parse_params
     from components.platform.registry import ModelRef
-    from flows.triggers import upgrade_entry, watch_flow
+    from flows.deployments import upgrade_entry, watch_flow
     from components.experiment.tiny_demo import tiny_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -275,7 +275,7 @@ def test_the_watcher_starts_no_flow_run_until_the_challenger_moves(watched):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-    from flows.triggers import RegistryWatcher
+    from services.registry_watcher import RegistryWatcher
 
     params, params_path, uri, client, upgrade_id, poll_id = watched
     said: list[str] = []

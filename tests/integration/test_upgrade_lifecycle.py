@@ -66,7 +66,7 @@ def _perturbed(model, seed, scale=0.05):
 
 
 def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -92,7 +92,7 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
     from components.experiment.inference import embed
 
@@ -140,7 +140,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     from components.experiment import registered
     from components.evaluation import pairwise_distances
     from components.experiment.inference import embed
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -195,7 +195,7 @@ def _ready_to_end(params, tmp_path, monkeypatch):
     """A gallery whose backfill is complete and whose ending has not started (the ending failed
     once at its very start), as a folder to copy for each scenario."""
     import flows.upgrade as fu
-    from flows.gallery import ingest_flow
+    from flows.ingest import ingest_flow
 
     uri = str(tmp_path / "ready")
     ingest_flow(params, uri)

@@ -27,7 +27,7 @@ def _hooks(client):
 
 
 def test_register_is_idempotent_and_list_and_delete_work(tmp_path, monkeypatch):
-    from flows.cli import app
+    from cli import app
 
     params, client = _setup(tmp_path, monkeypatch)
     runner = CliRunner()

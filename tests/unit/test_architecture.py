@@ -1,6 +1,7 @@
-"""The layering, read from the source: components/ never imports Prefect, tasks/ or flows/;
-its packages import only downward (platform < evaluation < experiment < gallery); tasks/
-never imports flows/."""
+"""The layering, read from the source: components/ never imports Prefect, tasks/, flows/, cli/
+or services/; its packages import only downward (platform < evaluation < experiment <
+gallery); tasks/ never imports flows/, cli/ or services/; flows/ never imports cli/ or
+services/; services/ never imports cli/ (the command line sits on top of everything)."""
 
 import ast
 from pathlib import Path
@@ -37,12 +38,23 @@ def test_components_import_only_downward_and_never_the_orchestration(path):
     package = path.relative_to(ROOT / "components").parts[0]
     for name in _imports(path):
         top = name.split(".")[0]
-        assert top not in {"prefect", "flows", "tasks"}, f"{path.name} imports {name}"
+        assert top not in {"prefect", "flows", "tasks", "cli", "services"}, f"{path.name} imports {name}"
         if top == "components" and len(name.split(".")) > 1 and name.split(".")[1] in RANK:
             target = name.split(".")[1]
             assert RANK[target] <= RANK[package], f"{package}/{path.name} imports {name}, a layer above it"
 
 
-@pytest.mark.parametrize("path", _modules("tasks"), ids=lambda p: str(p.relative_to(ROOT)))
-def test_tasks_never_import_flows(path):
-    assert not [n for n in _imports(path) if n.split(".")[0] == "flows"]
+# each room and the rooms above it, which it never imports
+ABOVE = {"tasks": {"flows", "cli", "services"}, "flows": {"cli", "services"}, "services": {"cli"}}
+
+
+@pytest.mark.parametrize("path", [p for room in ABOVE for p in _modules(room)], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_room_imports_a_room_above_it(path):
+    room = path.relative_to(ROOT).parts[0]
+    found = sorted({n for n in _imports(path) if n.split(".")[0] in ABOVE[room]})
+    assert not found, f"{path.relative_to(ROOT)} imports {found}, from a room above {room}/"
+
+
+def test_the_rooms_are_packages():
+    for room in ("components", "tasks", "flows", "services", "cli"):
+        assert (ROOT / room / "__init__.py").is_file(), f"{room}/ is not a package"

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from components.evaluation import backfill_curve
-from flows.cli import app
+from cli import app
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""Which failure is which kind (flows/cli/common.py ``outcome``), the console filter that keeps
+"""Which failure is which kind (cli/command_support.py ``outcome``), the console filter that keeps
 Prefect's tracebacks of known failures off the terminal, and the up-front service checks."""
 
 import logging
@@ -16,7 +16,7 @@ from components.gallery.lock import LeaseLost, UpgradeLocked
 from components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
 from components.platform.config import ConfigError, MlflowConfig
 from components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server
-from flows.cli.common import (
+from cli.command_support import (
     FAILED, INPUT, SERVICE, USAGE, ServiceUnavailable, _KnownFailuresOffTheConsole, check_prefect_api, outcome,
 )
 

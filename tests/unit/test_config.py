@@ -161,7 +161,7 @@ def test_a_unified_map_cannot_drive_a_stored_gallery_upgrade():
 def test_a_bad_upgrade_option_is_refused_naming_its_key(option, value, key):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli import app
 
     result = CliRunner().invoke(app, ["upgrade", option, value, "--dry-run"])
     assert result.exit_code == 2 and "the command's options: invalid configuration" in result.output

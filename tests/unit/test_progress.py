@@ -140,7 +140,7 @@ def test_the_mode_comes_from_the_argument_then_fastfill_progress_then_the_termin
 
 
 def test_the_cli_maps_its_option_onto_the_mode(monkeypatch):
-    from flows.cli.gallery import progress_mode, progress_wanted
+    from cli.upgrade_progress import progress_mode, progress_wanted
 
     monkeypatch.delenv(pg.ENV_MODE, raising=False)
     assert (progress_mode(True), progress_mode(False), progress_mode(None)) == ("bar", "log", None)

@@ -13,9 +13,8 @@ import pytest
 from components.platform.config import parse_params
 from components.platform.registry import ModelRef
 from components.gallery.store import LocalStore
-from components.gallery.triggers import (
-    WebhookRejected, alias_event, claim, claimed, release, sign, verify, wants_upgrade,
-)
+from components.gallery.claims import claim, claimed, release, wants_upgrade
+from components.gallery.webhook_checks import WebhookRejected, alias_event, sign, verify
 from components.experiment.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
@@ -102,7 +101,7 @@ def _post(address, headers, body):
 
 
 def test_the_receiver_starts_each_version_once_over_http(tmp_path):
-    from flows.triggers import WebhookReceiver
+    from services.webhook_receiver import WebhookReceiver
 
     params = parse_params(tiny_params(tmp_path))
     store = LocalStore(tmp_path / "gallery")
@@ -146,8 +145,8 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
     from typer.main import get_command
 
     from components.platform.config import load_params
-    from flows.cli import app
-    from flows.triggers import deployments
+    from cli import app
+    from flows.deployments import deployments
 
     params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
     by_name = {d.name: d for d in deployments(params, "/p/params.yaml", "s3://bucket/gallery")}

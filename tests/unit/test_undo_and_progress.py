@@ -227,7 +227,7 @@ def test_a_long_map_training_says_it_is_alive(monkeypatch):
 def test_the_progress_bar_is_on_by_default_on_a_terminal():
     import io
 
-    from flows.cli.gallery import progress_wanted
+    from cli.upgrade_progress import progress_wanted
 
     main, side = os.openpty()  # a real terminal device
     try:

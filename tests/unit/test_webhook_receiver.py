@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from components.gallery.store import LocalStore
-from components.gallery.triggers import DeliveryLog, RateLimiter, claim, sign
+from components.gallery.claims import claim
+from components.gallery.webhook_checks import DeliveryLog, RateLimiter, sign
 from components.platform.config import parse_params
 from components.experiment.tiny_demo import tiny_params
 
@@ -72,7 +73,7 @@ def _post(address, headers: dict, body: bytes, **kwargs) -> tuple[int, dict, dic
 @pytest.fixture
 def serve(tmp_path):
     """Start receivers in threads: ``serve(triggers={...}, on_event=...)`` -> the receiver."""
-    from flows.triggers import WebhookReceiver
+    from services.webhook_receiver import WebhookReceiver
 
     running = []
 

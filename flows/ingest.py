@@ -1,5 +1,6 @@
-"""The gallery's ingest flow: images (or given features) into the store with a registered
-model's features. The upgrade is flows/upgrade.py."""
+"""The flows that fill a stored gallery: ingest (images, or given features, into the store with a
+registered model's features) and adopt (a gallery where it is, its images read by URI). The
+upgrade is flows/upgrade.py."""
 
 from __future__ import annotations
 

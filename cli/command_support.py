@@ -1,4 +1,4 @@
-"""What every command shares: the root app, the options, loading params.yaml, and running a flow
+"""What every command shares: the options, the exit codes, loading params.yaml, and running a flow
 so that its outcome is an exit code and one line, not a traceback (``fail``: the one place that
 prints an error and exits; ``outcome``: which known failure is which kind)."""
 
@@ -13,9 +13,6 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation.")
 
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configuration file")]
 StoreOption = Annotated[str | None, typer.Option("--store", envvar="FASTFILL_STORE",
@@ -88,8 +85,8 @@ def outcome(error: BaseException) -> tuple[int, str] | None:
     # a lost lease comes from a store that could not be reached in time, or from a takeover
     if isinstance(error, (StoreUnreachable, ImageStoreError, LeaseLost, TrackingUnreachable, ServiceUnavailable)):
         return SERVICE, str(error)
-    triggers = sys.modules.get("flows.triggers")  # loaded wherever one of its errors can come from
-    if triggers is not None and isinstance(error, triggers.DeploymentMissing):
+    deployments = sys.modules.get("flows.deployments")  # loaded wherever one of its errors can come from
+    if deployments is not None and isinstance(error, deployments.DeploymentMissing):
         return SERVICE, str(error)
     service = _service_problem(error)
     if service is not None:

@@ -1,15 +1,11 @@
-"""What starts an upgrade by itself: a new `challenger` in the registry, seen by a watcher that
-polls or delivered by an MLflow registry webhook. Both paths claim the version in the gallery's
-store with a create-only write before starting anything, so one version never starts two
-upgrades, whichever path (or how many watchers, or webhook retries) saw it first.
+"""The checks of an MLflow registry webhook delivery, free of HTTP. The signature follows
+MLflow's delivery: headers ``X-MLflow-Delivery-Id``, ``X-MLflow-Timestamp`` (Unix seconds) and
+``X-MLflow-Signature`` = ``v1,<base64 HMAC-SHA256 of "<delivery id>.<timestamp>.<body>">`` with the
+webhook's secret.
 
-The webhook check follows MLflow's delivery: headers ``X-MLflow-Delivery-Id``,
-``X-MLflow-Timestamp`` (Unix seconds) and ``X-MLflow-Signature`` = ``v1,<base64 HMAC-SHA256 of
-"<delivery id>.<timestamp>.<body>">`` with the webhook's secret.
-
-What keeps the receiver standing under abuse lives here too, free of HTTP: the check of a
-request's declared body length (made before any of the body is read), a token bucket per client
-address, and the memory of accepted delivery ids that turns a replay into a no-op.
+What keeps the receiver (services/webhook_receiver.py) standing under abuse lives here too: the
+check of a request's declared body length (made before any of the body is read), a token bucket
+per client address, and the memory of accepted delivery ids that turns a replay into a no-op.
 """
 
 from __future__ import annotations
@@ -24,51 +20,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
-from components.gallery.catalog import now
-from components.platform.registry import ModelRef
-from components.gallery.store import AlreadyExists, ObjectMissing, Store
-
 SIGNATURE_HEADER = "X-MLflow-Signature"
 TIMESTAMP_HEADER = "X-MLflow-Timestamp"
 DELIVERY_HEADER = "X-MLflow-Delivery-Id"
 MAX_DELIVERY_ID = 200  # MLflow sends a UUID (36 characters); the id is kept in memory
-
-
-def trigger_key(name: str, version: str) -> str:
-    return f"triggers/{name}-v{version}.json"
-
-
-def claim(store: Store, name: str, version: str, source: str, **details) -> bool:
-    """True for the first claim of this version in this gallery, False for every later one."""
-    record = {"name": name, "version": str(version), "source": source, "claimed": now(), **details}
-    try:
-        store.put_json(trigger_key(name, version), record, create_only=True)
-    except AlreadyExists:
-        return False
-    return True
-
-
-def release(store: Store, name: str, version: str) -> None:
-    """Undo a claim whose upgrade could not be started, so a later trigger may try again."""
-    store.delete(trigger_key(name, version))
-
-
-def claimed(store: Store, name: str, version: str) -> dict | None:
-    try:
-        return store.get_json(trigger_key(name, version))
-    except ObjectMissing:
-        return None
-
-
-def wants_upgrade(gallery_model: ModelRef, upgrading_to: ModelRef | None, candidate: str | None) -> str | None:
-    """Why the candidate version should NOT start an upgrade, or None when it should."""
-    if candidate is None:
-        return "no version has the alias"
-    if str(candidate) == str(gallery_model.version):
-        return f"the gallery is already on version {candidate}"
-    if upgrading_to is not None and str(candidate) == str(upgrading_to.version):
-        return f"the gallery is already upgrading to version {candidate}"
-    return None
 
 
 class WebhookRejected(ValueError):

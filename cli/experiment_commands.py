@@ -11,7 +11,9 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.common import ParamsOption, app, call, fail, load, record_in_dvc
+from cli import app
+from cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
+from components.platform.vocabulary import DISTANCES
 
 stage_app = typer.Typer(no_args_is_help=True, help="Run one pipeline stage (what each DVC stage calls).")
 app.add_typer(stage_app, name="stage")
@@ -78,7 +80,7 @@ def sweep(params: ParamsOption = Path("params.yaml"),
     sizes = []
     for text in size or ["100", "300", "1000", "all"]:
         if text != "all" and not (text.isdigit() and int(text) > 0):
-            fail(f"--size {text!r} must be a positive number of images per class, or all", 2)
+            fail(f"--size {text!r} must be a positive number of images per class, or all", USAGE)
         sizes.append(None if text == "all" else int(text))
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
@@ -88,7 +90,7 @@ def sweep(params: ParamsOption = Path("params.yaml"),
     typer.echo(outputs["markdown"].read_text())
     typer.echo(f"written: {outputs['markdown']}, {outputs['json'].name}, {outputs['plot'].name}")
     if not summary["holds_everywhere"]:
-        raise typer.Exit(4)
+        raise typer.Exit(CLAIM)
 
 
 @app.command()
@@ -153,7 +155,7 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
     """Train one alignment method's map on the stored features and transform the gallery."""
     config = load(params)
     if method not in config.align:
-        fail(f"unknown method {method!r}; params.yaml defines {sorted(config.align)}", 2)
+        fail(f"unknown method {method!r}; params.yaml defines {sorted(config.align)}", USAGE)
     from flows.align import align_flow
 
     call(align_flow, config, method)
@@ -188,9 +190,7 @@ def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
     typer.echo((config.paths.reports / "comparison.md").read_text())
 
 
-class Distance(str, Enum):
-    l2 = "l2"
-    cosine = "cosine"
+Distance = Enum("Distance", {name: name for name in DISTANCES}, type=str)  # the choices of --distance
 
 
 @app.command()
@@ -204,7 +204,7 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
     try:
         result = evaluate_feature_folder(features, distance=distance.value, num_intermediate=points)
     except EvaluationInputError as error:
-        fail(error, 2)
+        fail(error, USAGE)
     text = json.dumps(result, indent=2)
     if out is None:
         typer.echo(text)

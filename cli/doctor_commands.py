@@ -9,11 +9,11 @@ from pathlib import Path
 
 import typer
 
-from flows.cli.common import (
-    SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, app, call, check_prefect_api, load, outcome, store_uri,
+from cli import app
+from cli.command_support import (
+    SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, call, check_prefect_api, load, outcome, store_uri,
 )
-
-UPGRADE_FLOW = "gallery-upgrade"  # flows/upgrade.py's flow, whose runs end in "Rejected" on a rejection
+from components.platform.vocabulary import UPGRADE_FLOW
 
 
 def _line(ok: bool, name: str, text: str) -> None:
@@ -81,7 +81,7 @@ def _registry_line(client, config) -> tuple[bool, str]:
 def _store_line(config, uri: str) -> tuple[bool, str]:
     from components.gallery.catalog import Gallery, check_registry
     from components.gallery.store import open_store
-    from components.gallery.upgrade import status
+    from components.gallery.status import status
     from components.platform import registry
 
     store = open_store(uri)
@@ -147,11 +147,11 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
 
 def _last_decision(store) -> dict | None:
     """The newest promotion decision recorded in the gallery (``upgrades/<id>/decision.json``)."""
-    from components.gallery import upgrade as up
-    from components.gallery.plan import DECISION
+    from components.gallery.ending import decision
+    from components.gallery.planning import DECISION
 
     upgrades = sorted({key.split("/")[1] for key in store.list("upgrades/") if key.endswith("/" + DECISION)})
-    decisions = [d for d in (up.decision(store, u) for u in upgrades) if d is not None]
+    decisions = [d for d in (decision(store, u) for u in upgrades) if d is not None]
     return max(decisions, key=lambda d: d["decided"], default=None)
 
 
@@ -223,16 +223,16 @@ def _show(name: str, text: str) -> None:
     typer.echo(f"{name:<8} {text}")
 
 
-@app.command()
-def status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@app.command("status")
+def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Where the gallery stands: its model, the upgrade in progress and how far it is, the last
     promotion decision, and links to the upgrade's MLflow run and (with PREFECT_API_URL) its
     Prefect flow run. Exit 5 when a service could not be reached (what it could read is shown)."""
     config = load(params)
-    from components.gallery import plan as pl
     from components.gallery.catalog import Gallery
+    from components.gallery.planning import load_plan
+    from components.gallery.status import status
     from components.gallery.store import open_store
-    from components.gallery.upgrade import status as upgrade_status
 
     uri = store_uri(config, store)
 
@@ -240,7 +240,7 @@ def status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
         opened = open_store(uri)
         opened.check()
         gallery = Gallery(opened)
-        return gallery, upgrade_status(gallery, failures=False), _last_decision(opened)
+        return gallery, status(gallery, failures=False), _last_decision(opened)
 
     gallery, state, decided = call(read)
     _show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
@@ -269,7 +269,7 @@ def status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
                       f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
     run_id = (info or {}).get("mlflow_run_id")
     if run_id is None and decided is not None:
-        plan = pl.load_plan(gallery.store, decided["upgrade"])
+        plan = load_plan(gallery.store, decided["upgrade"])
         run_id = plan.mlflow_run_id if plan else None
     healthy = True
     try:

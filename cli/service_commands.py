@@ -1,4 +1,5 @@
-"""Commands of the upgrades that run themselves: deployments, the watcher, webhooks."""
+"""Commands of the upgrades that run themselves: the deployments (`serve`), the registry watcher
+(`watch`), MLflow registry webhooks (`webhook serve`, `register`, `list`, `delete`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.common import INPUT, USAGE, ParamsOption, StoreOption, app, call, fail, load, store_uri
+from cli import app
+from cli.command_support import INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri
 
 webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook")
+
+
+def params_file(path: Path) -> str:
+    """The configuration file as an absolute path: what the deployments' flow runs read."""
+    return str(Path(path).resolve())
 
 
 def _stop_on_sigterm() -> None:
@@ -33,9 +40,10 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
     deployment registry-watcher/poll pauses the polling)."""
     config = load(params)
-    from prefect import serve as prefect_serve
+    import prefect
 
-    from flows.triggers import RegistryWatcher, deployments, params_file
+    from flows.deployments import deployments
+    from services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
     found = deployments(config, params_file(params), uri)
@@ -45,7 +53,7 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {interval} s")
     watcher.start(delay=min(interval, 5))  # once the deployments it starts are registered
     try:
-        prefect_serve(*found)
+        prefect.serve(*found)
     finally:
         watcher.stop()
 
@@ -58,7 +66,8 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     """Check the registry once: start the upgrade deployment when `challenger` is new to the
     gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
-    from flows.triggers import RegistryWatcher, params_file, watch_once
+    from flows.deployments import watch_once
+    from services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
     if every is not None:
@@ -81,7 +90,7 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
                                                            help="default triggers.webhook_port")] = None) -> None:
     """Receive MLflow registry webhooks; a signed alias event for `challenger` starts the upgrade."""
     config = load(params)
-    from flows.triggers import WebhookReceiver, params_file, webhook_secret
+    from services.webhook_receiver import WebhookReceiver, webhook_secret
 
     try:
         secret = webhook_secret(config)
@@ -152,7 +161,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
     registered twice."""
     config = load(params)
     from components.platform import registry
-    from flows.triggers import webhook_secret
+    from services.webhook_receiver import webhook_secret
 
     try:
         secret = webhook_secret(config)
@@ -214,6 +223,3 @@ def webhook_delete(params: ParamsOption = Path("params.yaml"), name: WebhookName
         client.delete_webhook(hook.webhook_id)
         typer.echo(f"webhook {hook.webhook_id} ({hook.name}) deleted")
 
-
-if __name__ == "__main__":
-    app()

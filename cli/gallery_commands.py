@@ -1,0 +1,176 @@
+"""Commands of the stored gallery: ingest, adopt, info, gc, rollback, and search."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import app
+from cli.command_support import (
+    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
+)
+
+gallery_app = typer.Typer(no_args_is_help=True, help="The gallery in object storage: ingest, info, garbage collection.")
+app.add_typer(gallery_app, name="gallery")
+
+
+def open_gallery(uri: str):
+    """The gallery in the store at ``uri``, the store checked first."""
+    from components.gallery.catalog import Gallery
+    from components.gallery.store import open_store
+
+    store = open_store(uri)
+    store.check()
+    return Gallery(store)
+
+
+def show_status(store: str | None, params: Path) -> None:
+    """The gallery's manifest and upgrade state, as JSON on stdout."""
+    config = load(params)
+    from components.gallery.status import status
+
+    uri = store_uri(config, store)
+    typer.echo(json.dumps(call(lambda: status(open_gallery(uri))), indent=2))
+
+
+def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
+    """Run an undoing flow (abort, rollback) on the gallery, the services checked first: (its
+    store's URI, the flow's result). The flow reads the configuration file itself."""
+    config = load(params)
+    uri = store_uri(config, store)
+    need_services(config)
+    return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
+
+
+@gallery_app.command("ingest")
+def gallery_ingest(store: StoreOption = None,
+                   model: Annotated[str, typer.Option(help="whose features the gallery stores; default: "
+                                                     "models:/<registered_model>@champion")] = "",
+                   images: Annotated[Path | None, typer.Option(help="uint8 .npy, (N, C, H, W) or (N, H, W); default: "
+                                                            "the prepared test split")] = None,
+                   labels: Annotated[Path | None, typer.Option(help=".npy of N integer labels")] = None,
+                   groups: Annotated[Path | None, typer.Option(help=".npy of N group names or numbers")] = None,
+                   ids: Annotated[Path | None, typer.Option(help=".npy of N unique integer item ids; default 0..N-1")] = None,
+                   features: Annotated[Path | None, typer.Option(help=".npy of precomputed features of the model")] = None,
+                   params: ParamsOption = Path("params.yaml")) -> None:
+    """Put images (and labels, groups) into the store with the champion model's features."""
+    config = load(params)
+    from flows.ingest import ingest_flow
+
+    uri = store_uri(config, store)
+    need_services(config)
+    # the flow run reads params.yaml itself: its Prefect parameters are these few values
+    manifest = call(ingest_flow, store_uri=uri, model_uri=model, images=images, labels=labels, groups=groups, ids=ids,
+                    features=features, params_path=str(params.resolve()))
+    typer.echo(f"{uri}: {manifest['num_items']} items, model {manifest['model']['uri']}")
+
+
+def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(x) for x in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        fail(f"--image-shape {text!r}: give channels,height,width, e.g. 1,28,28 or 3,224,224", USAGE)
+    return shape
+
+
+@gallery_app.command("adopt")
+def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: id, uri (s3://bucket/key, a path, "
+                                                         "or a path under --root), optional label and group")],
+                  store: StoreOption = None,
+                  root: Annotated[str | None, typer.Option(help="where relative URIs live: a folder or "
+                                                           "s3://bucket/prefix")] = None,
+                  features: Annotated[list[Path] | None, typer.Option(
+                      help="the current features in the manifest's row order: .npy shards (repeat the option, in "
+                           "order) or one Parquet file; omitted: the model embeds the images")] = None,
+                  features_column: Annotated[str, typer.Option(help="the Parquet column of the features")] = "features",
+                  model: Annotated[str, typer.Option(help="the model the features come from; default: "
+                                                     "models:/<registered_model>@champion")] = "",
+                  image_shape: Annotated[str | None, typer.Option(help="C,H,W the model takes; default: from its "
+                                                                  "registered signature")] = None,
+                  params: ParamsOption = Path("params.yaml")) -> None:
+    """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
+    config = load(params)
+    from flows.ingest import adopt_flow
+
+    uri = store_uri(config, store)
+    result = call(adopt_flow, config, uri, manifest, model, root, features or None, features_column,
+                  _parse_shape(image_shape))
+    typer.echo(f"{uri}: {result['num_items']} items adopted, model {result['model']['uri']}; images read by URI")
+    if not result.get("has_labels") and not config.gallery.upgrade.judgments:
+        typer.echo(f"warning: {manifest} has no label column and gallery.upgrade.judgments is not set: the promotion "
+                   "gate of an upgrade of this gallery needs judged queries (`fastfill upgrade --judgments FILE`), or "
+                   "the upgrade runs with --no-gate", err=True)
+
+
+@gallery_app.command("info")
+def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """The gallery's manifest and upgrade state, as JSON."""
+    show_status(store, params)
+
+
+@gallery_app.command("gc")
+def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
+    config = load(params)
+    from components.gallery.garbage import collect_garbage
+
+    uri = store_uri(config, store)
+    deleted = call(lambda: collect_garbage(open_gallery(uri)))
+    typer.echo(f"{uri}: deleted {deleted['features']} feature objects and {deleted['upgrade_objects']} "
+               "objects of finished upgrades")
+
+
+@gallery_app.command("rollback")
+def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Undo the last finished upgrade while the old features exist (before gc): champion moves back."""
+    # The gallery serves the previous model's features again, champion moves back to that
+    # version (when it still names the rolled-back one), and the rolled-back version is tagged
+    # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
+    from flows.undo import rollback_flow
+
+    uri, result = run_undo(rollback_flow, store, params)
+    typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "
+               + ("champion moved back" if result["champion_moved"] else "champion left as it was (it no longer "
+                                                                       f"named {result['from']})"))
+
+
+@app.command()
+def search(store: StoreOption = None,
+           features: Annotated[Path | None, typer.Option(help=".npy of query features (the query model's)")] = None,
+           images: Annotated[Path | None, typer.Option(help=".npy of uint8 query images, embedded with the query model")] = None,
+           k: Annotated[int, typer.Option("--k", "-k", help="results per query")] = 10,
+           params: ParamsOption = Path("params.yaml")) -> None:
+    """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
+    features where backfilled, transformed old features elsewhere), and for each hit where its
+    features come from (``sources``). JSON to stdout."""
+    config = load(params)
+    if (features is None) == (images is None):
+        fail("give exactly one of --features or --images", USAGE)
+    from components.gallery.search import GallerySearch
+    from flows.ingest import _load_array
+
+    uri = store_uri(config, store)
+
+    def run_search():
+        searcher = GallerySearch(open_gallery(uri), config.gallery.distance, config.gallery.index)
+        if features is not None:
+            return searcher, searcher.search(_load_array(features, "--features"), k)
+        from components.platform import registry
+        from components.experiment import registered
+
+        require_services(config)  # the model comes from the registry
+        registry.setup(config.mlflow)
+        model = registered.load_model(searcher.query_model.uri)
+        return searcher, searcher.search_images(_load_array(images, "--images"), model, k)
+
+    searcher, (ids, distances) = call(run_search)
+    typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
+                           "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
+                           "distances": [[round(float(d), 6) for d in row] for row in distances]}))

@@ -1,0 +1,233 @@
+"""Commands of the gallery's upgrade: the upgrade itself (and its dry run), its status, unlock
+and abort."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import app
+from cli.command_support import REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri
+from cli.gallery_commands import open_gallery, run_undo, show_status
+from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
+
+upgrade_app = typer.Typer(help="Upgrade the stored gallery to a new model (`fastfill upgrade --to ...`), "
+                               "or see its state (`fastfill upgrade status`).")
+app.add_typer(upgrade_app, name="upgrade")
+
+# The gallery.upgrade keys the upgrade's options set, and the option that sets each; an option's
+# parameter is its name in snake case (--chunk-size: chunk_size).
+UPGRADE_OPTIONS = {"chunk_size": "--chunk-size", "max_concurrency": "--concurrency", "order": "--order",
+                   "task_runner": "--runner", "dask_address": "--dask-address",
+                   "max_items_per_second": "--max-items-per-second", "stop_when_gain_below": "--stop-when-gain-below",
+                   "map_pairs": "--pairs", "recheck": "--recheck", "judgments": "--judgments"}
+
+
+def upgrade_overrides(given: dict) -> dict:
+    """The overrides (dotted keys, for flows.parameters.apply_overrides) that the options among
+    the command's parameters ``given`` set; a local judgments file as an absolute path."""
+    overrides = {}
+    for key, option in UPGRADE_OPTIONS.items():
+        value = given[option.removeprefix("--").replace("-", "_")]
+        if value is not None:
+            overrides[f"gallery.upgrade.{key}"] = _judgments_path(value) if key == "judgments" else value
+    return overrides
+
+
+def _with_upgrade(config, overrides: dict):
+    """params with the command's gallery.upgrade options applied, checked as params.yaml is
+    (one line per bad value, naming its key and the option that set it)."""
+    from components.platform.config import ConfigError
+    from flows.parameters import apply_overrides
+
+    try:
+        return apply_overrides(config, overrides, "the command's options")
+    except ConfigError as error:
+        fail("\n".join(_naming_the_option(line, overrides) for line in str(error).splitlines()), USAGE)
+
+
+def _naming_the_option(line: str, overrides: dict) -> str:
+    key = line.strip().split(":", 1)[0]
+    if key not in overrides:
+        return line
+    return f"{line}; set by {UPGRADE_OPTIONS[key.removeprefix('gallery.upgrade.')]}"
+
+
+def _judgments_path(text: str | None) -> str | None:
+    """A local judgments file as an absolute path (the flow run reads it, wherever it runs from);
+    a missing one is refused here, in one line."""
+    if text is None or "://" in text:
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        fail(f"--judgments {text}: no such file; give a CSV or Parquet file with columns query and relevant", USAGE)
+    return str(path.resolve())
+
+
+def _parse_budget(text: str | None) -> float | int | None:
+    if text is None:
+        return None
+    try:
+        value = float(text.rstrip("%")) / 100 if text.endswith("%") else (float(text) if "." in text else int(text))
+    except ValueError:
+        fail(f"--budget {text!r}: give a fraction (0.25 or 25%) or a count of items (2500)", USAGE)
+    if (isinstance(value, float) and not 0 < value <= 1) or (isinstance(value, int) and value < 1):
+        fail(f"--budget {text!r}: a fraction must be in (0, 1], a count at least 1", USAGE)
+    return value
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return ""
+
+
+def _describe_dry_run(plan: dict) -> str:
+    if plan.get("to") is None:  # no challenger and no upgrade in progress
+        return f"dry run: nothing written. {plan['message']}"
+    sample = plan["sample"]
+    seconds = plan["estimated_backfill_seconds"]
+    lines = [
+        f"dry run: nothing written. {plan['from']} -> {plan['to']} on {plan['store']}"
+        + (f" (resumes the upgrade in progress, {plan['in_progress']})" if plan["resumes"] else
+           f" (the gallery is in the middle of {plan['in_progress']}: a sequential upgrade)" if plan["in_progress"]
+           else ""),
+        f"  items {plan['items']:,} in {plan['parts']:,} parts; {plan['chunks']:,} chunks of {plan['chunk_size']:,}; "
+        f"images {plan['images']}",
+        f"  to read: {_size(plan['bytes_to_read']['total'])} (features {_size(plan['bytes_to_read']['features'])}, "
+        f"images {_size(plan['bytes_to_read']['images'])}, finish {_size(plan['bytes_to_read']['finish'])})",
+        f"  object-store requests: {plan['requests']['total']:,} (plan {plan['requests']['plan']:,}, backfill "
+        f"{plan['requests']['backfill']:,}, finish {plan['requests']['finish']:,})",
+        f"  measured on {sample['items']} items ({sample['failed']} unreadable): read {1000 * sample['read_seconds_per_item']:.2f} "
+        f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
+        f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
+        f"  ({plan['note']})",
+        f"  truth of the gate and the advisor: {plan['truth']}",
+        f"  map pairs (when the registry's map must be trained or checked): {plan['map_pairs']}",
+    ]
+    advice = plan.get("advice") or {}
+    if "top1" in advice:
+        from components.gallery.advisor import describe
+
+        lines += ["  " + line for line in describe(advice)]
+    elif advice.get("note"):
+        lines.append(f"  budget advisor: {advice['note']}")
+    return "\n".join(lines)
+
+
+@upgrade_app.callback(invoke_without_command=True)
+def upgrade(ctx: typer.Context,
+            store: StoreOption = None,
+            to: Annotated[str, typer.Option("--to", help="the new model; default models:/<registered_model>@challenger")] = "",
+            budget: Annotated[str | None, typer.Option(help="stop after a fraction (0.25, 25%) or a count of items")] = None,
+            chunk_size: Annotated[int | None, typer.Option(help="items per backfill chunk (a new upgrade only)")] = None,
+            concurrency: Annotated[int | None, typer.Option(help="chunks in flight at once")] = None,
+            order: Annotated[str | None, typer.Option(help="sigma or random (a new upgrade only)")] = None,
+            runner: Annotated[str | None, typer.Option(help="threads, or dask")] = None,
+            dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
+            break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
+            gate: Annotated[bool | None, typer.Option(help="check the promotion gates before switching; default: promotion.gate")] = None,
+            progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
+            max_items_per_second: Annotated[float | None, typer.Option(
+                help="throttle: start chunks no faster than this many items per second")] = None,
+            stop_when_gain_below: Annotated[float | None, typer.Option(
+                help="stop at the budget advisor's recommended fraction: where the predicted curve gains less than "
+                     "this many top-1 points per 5% of the gallery (e.g. 0.1)")] = None,
+            pairs: Annotated[str | None, typer.Option(
+                "--pairs", help="where a map's training and check pairs come from: gallery (a sample of its items) "
+                                "or splits (this host's prepared split)")] = None,
+            recheck: Annotated[bool | None, typer.Option(
+                "--recheck", help="check the registry's map again even if it passed on the same pairs' source")] = None,
+            judgments: Annotated[str | None, typer.Option(
+                help="judged queries for the gate and the advisor: CSV/Parquet with columns query (gallery id or "
+                     "image URI) and relevant (gallery id)")] = None,
+            dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
+                                                  "duration from a measured sample, the predicted backfill curve) "
+                                                  "and write nothing")] = False,
+            params: ParamsOption = Path("params.yaml")) -> None:
+    """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
+    queries use the new model from the start. The same command resumes a stopped upgrade."""
+    if ctx.invoked_subcommand is not None:
+        return
+    # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
+    overrides = upgrade_overrides(ctx.params)
+    config = _with_upgrade(load(params), overrides)
+    from components.platform.progress import forced_mode
+    from flows.upgrade import dry_run_upgrade, run_upgrade_file
+
+    uri = store_uri(config, store)
+    need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
+    if dry_run:
+        with forced_mode(progress_mode(progress)):
+            typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
+        return
+    start = time.perf_counter()
+    with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
+        result = call(run_upgrade_file, config, str(params.resolve()), uri, to, _parse_budget(budget), break_lock,
+                      gate, overrides)
+        bar.finish(result)
+    if result["state"] == "up-to-date":
+        typer.echo(f"up-to-date: {result['message']}" if result.get("message") else
+                   f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
+        return
+    typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
+               f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
+               f"MLflow run {result['mlflow_run_id']}")
+    advised = (result.get("advice") or {}).get("recommendation")
+    if advised:
+        metric = "top-1" if advised.get("metric", "top1") == "top1" else "agreement"
+        value = advised["top1" if metric == "top-1" else "agreement"]
+        full = advised["top1_full" if metric == "top-1" else "agreement_full"]
+        typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per 5% is "
+                   f"{100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}, {100 * full:.2f} at 100%)"
+                   + ("; stopped there: the same command stays there, a --budget goes on"
+                      if result.get("stopped") == "recommended" else ""))
+    if "promotion" in result:
+        numbers, decision = result["promotion"]["numbers"], result["promotion"]
+        reached = numbers["fraction_to_gain"]
+        typer.echo(f"promotion gate: {'passed, champion moved' if decision['passed'] else 'REJECTED'}: champion top-1 "
+                   f"{100 * numbers['champion_top1']:.2f}, challenger mean top-1 along the backfill "
+                   f"{100 * numbers['top1_auc']:.2f}, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                   f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
+        for reason in decision["reasons"]:
+            typer.echo(f"  - {reason}")
+    if result["state"] == "rejected":
+        raise typer.Exit(REJECTED)
+
+
+@upgrade_app.command("status")
+def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """The gallery's model and the running or paused upgrade, with how much is done (JSON)."""
+    show_status(store, params)
+
+
+@upgrade_app.command("unlock")
+def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Break a stale upgrade lock (its process is gone); the next `fastfill upgrade` resumes."""
+    config = load(params)
+    from components.gallery.lock import break_lock
+
+    uri = store_uri(config, store)
+    held = call(lambda: break_lock(open_gallery(uri).store))
+    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
+                             f"{held.get('host')})" if held else "no lock was held"))
+
+
+@upgrade_app.command("abort")
+def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+    """Drop the unfinished upgrade; the gallery serves the champion's features again (see docs/upgrade.md)."""
+    # Planned or part of the way through its backfill; refused while another process holds the
+    # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
+    # later `fastfill upgrade` to the same version plans it again from scratch.
+    from flows.undo import abort_flow
+
+    uri, record = run_undo(abort_flow, store, params)
+    typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
+               f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
+               f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "
+               f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")

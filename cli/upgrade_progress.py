@@ -1,0 +1,90 @@
+"""The upgrade's progress on the terminal: whether to show a bar (``--progress``, the
+environment, a terminal), and the bar of the backfill, fed by the store's chunk markers."""
+
+from __future__ import annotations
+
+import sys
+
+from cli.gallery_commands import open_gallery
+
+
+def progress_wanted(progress: bool | None, stream=None) -> bool:
+    """``--progress`` / ``--no-progress``; neither: FASTFILL_PROGRESS when it says ``bar`` (on),
+    ``log`` or ``off`` (off), else on when stderr (``stream``) is a terminal."""
+    from components.platform.progress import resolve_mode
+
+    stream = sys.stderr if stream is None else stream
+    return resolve_mode(None, stream) == "bar" if progress is None else progress
+
+
+def progress_mode(progress: bool | None) -> str | None:
+    """What ``--progress`` / ``--no-progress`` make of FASTFILL_PROGRESS for the steps the
+    command runs in this process (components.platform.progress): ``bar``, or ``log`` (lines
+    through the flow's logger, no bar); neither: None, the environment decides."""
+    return None if progress is None else ("bar" if progress else "log")
+
+
+class ProgressBar:
+    """The backfill's bar on the terminal, fed by polling the store's chunk markers, so it moves
+    the same whatever runs the chunks (threads here, or Dask workers elsewhere). ``finish`` with
+    the flow's result draws the final count, also when the backfill was over before the first
+    poll saw it (a small gallery)."""
+
+    def __init__(self, uri: str, enabled: bool, stream=None, interval: float = 0.5):
+        import threading
+
+        self.uri, self.enabled, self.interval = uri, enabled, interval
+        self.stream = sys.stderr if stream is None else stream
+        self.bar = None  # a components.platform.progress.Progress, from the first poll that sees chunks
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastfill-progress", daemon=True)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._halt()
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _show(self, label: str, total: int, done: int) -> None:
+        from components.platform.progress import progress
+
+        with self._lock:
+            if self.bar is None:
+                # counted from what was done when it was first seen: a resumed backfill's rate is this run's
+                self.bar = progress(label, total=total, unit="item", mode="bar", stream=self.stream, initial=done)
+            self.bar.update_to(done)
+
+    def finish(self, result: dict) -> None:
+        """The flow's result: the bar ends at its count of backfilled items (no bar for an
+        upgrade with nothing to do)."""
+        self._halt()
+        if not self.enabled or result.get("state") == "up-to-date" or not {"items", "items_done"} <= result.keys():
+            return
+        label = f"backfill {result.get('upgrade') or ''}".rstrip()
+        if self.bar is None:
+            self._show(label, result["items"], 0)
+        self._show(label, result["items"], result["items_done"])
+
+    def _run(self) -> None:
+        from components.gallery.status import status
+
+        try:
+            gallery = open_gallery(self.uri)
+            while not self._stop.wait(self.interval):
+                state = status(gallery, failures=False)
+                info = state.get("upgrade")
+                if info and info.get("chunks") and not self._stop.is_set():
+                    self._show(f"backfill {info['id']}", state["items"], info["items_done"])
+        except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports the store's errors
+            return

@@ -1,3 +1,0 @@
-from flows.cli import app
-
-app()

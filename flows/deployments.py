@@ -1,0 +1,187 @@
+"""The deployments and the flows they run: the upgrade, the registry check, the comparison.
+
+Every path that starts an upgrade by itself ends in the same Prefect deployment,
+``upgrade-gallery/upgrade``:
+
+- the registry watcher (services/registry_watcher.py, a thread of `fastfill serve` polling every
+  ``triggers.poll_seconds``; any MLflow backend) starts it when `challenger` names a version the
+  gallery is not on or moving to. Each check (``watch_once``) is a plain alias read and manifest
+  read: no flow run unless there is an upgrade to start. Pausing the deployment
+  ``registry-watcher/poll`` (which has no schedule) pauses it;
+- ``registry-watcher/nightly`` (cron) does the same check and also resumes a paused upgrade;
+- the webhook receiver (services/webhook_receiver.py, `fastfill webhook serve`) starts it on a
+  signed ``model_version_alias.created`` delivery for `challenger` from an MLflow server;
+- ``comparison/weekly`` (cron) re-runs the comparison of methods.
+
+A version is claimed in the gallery's store (create-only) before its upgrade starts, and the
+flow run carries an idempotency key, so no version starts two upgrades.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.gallery.catalog import Gallery
+from components.gallery.claims import claim, release, wants_upgrade
+from components.gallery.planning import load_plan
+from components.gallery.status import status
+from components.platform import registry
+from components.platform.config import Params, load_params
+from flows.parameters import run_parameters, store_of
+from tasks._policy import log
+from tasks.gallery import store_at
+
+UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
+POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher
+
+
+class DeploymentMissing(RuntimeError):
+    """The Prefect server has no upgrade deployment to start; the message says how to create it."""
+
+
+def missing_deployment_message() -> str:
+    """What to do when the Prefect server this process talks to has no upgrade deployment."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if url:
+        return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the Prefect server at {url}; create it by "
+                f"running `fastfill serve` with PREFECT_API_URL={url} (it serves every deployment; keep it running)")
+    return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the temporary Prefect server this process "
+            "started for itself, because PREFECT_API_URL is not set; set PREFECT_API_URL to the Prefect server "
+            "where `fastfill serve` runs (it serves every deployment) and restart this process")
+
+
+def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None):
+    """Start ``upgrade-gallery/upgrade`` without waiting, its run named after what it does
+    (``upgrade <store> to <model>``); DeploymentMissing when the Prefect server does not have it
+    (Prefect's own error for that says only "None")."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    name = f"upgrade {parameters.get('store') or 'gallery.store'} to {parameters.get('to') or 'challenger'}"
+    try:
+        return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters,
+                              flow_run_name=name)
+    except ObjectNotFound as error:
+        request = getattr(getattr(error, "http_exc", None), "request", None)
+        if request is not None and "/deployments/name/" not in str(request.url):
+            raise
+        raise DeploymentMissing(missing_deployment_message()) from None
+
+
+def _entry_run_name() -> str:
+    parameters = run_parameters()
+    return f"upgrade {store_of(parameters)} to {parameters.get('to') or 'challenger'}"
+
+
+@flow(name="upgrade-gallery", flow_run_name=_entry_run_name, log_prints=True)
+def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
+                  gate: bool | None = None, budget: float | None = None) -> dict:
+    """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
+    run of the upgrade flow (flows/upgrade.py) on the task runner they name, with the same small
+    parameters."""
+    from flows.upgrade import run_upgrade_file
+
+    params = load_params(params_path)
+    return run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
+
+
+@flow(name="comparison", log_prints=True)
+def comparison_entry(params_path: str = "params.yaml") -> dict:
+    """What the scheduled comparison runs: every method over compare.seeds."""
+    from flows.compare import compare_flow
+
+    summary = compare_flow(load_params(params_path))
+    return {"seeds": summary["seeds"], "expectations": summary["expectations"]}
+
+
+def start_upgrade(params: Params, store_uri: str, version: str, source: str, params_path: str) -> dict:
+    """Claim ``version`` for this gallery and start the upgrade deployment (without waiting).
+    A version claimed before is not started again."""
+    name = params.mlflow.registered_model
+    store = store_at(store_uri)
+    if not claim(store, name, version, source):
+        log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
+        return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
+    try:
+        run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": f"models:/{name}/{version}"},
+                                     idempotency_key=f"upgrade:{store.uri}:{name}:{version}")
+    except BaseException:
+        release(store, name, version)  # let a later trigger try again
+        raise
+    log(f"{source}: started {UPGRADE_DEPLOYMENT} for {name} version {version} on {store.uri}: flow run {run.id}")
+    return {"started": True, "flow_run_id": str(run.id), "version": version}
+
+
+def registry_candidate(params: Params, store_uri: str) -> tuple[str | None, str | None]:
+    """The registry's candidate for the gallery: (the challenger's version, why it should not
+    start an upgrade or None)."""
+    client, _ = registry.setup(params.mlflow)
+    candidate = registry.alias_version(client, params.mlflow.registered_model, registry.CHALLENGER)
+    gallery = Gallery(store_at(store_uri))
+    manifest = gallery.manifest(refresh=True)
+    planned = load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
+    return candidate, wants_upgrade(gallery.model, planned.new if planned else None, candidate)
+
+
+def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = False,
+               say=log) -> dict:
+    """One check of the registry and the gallery, with plain MLflow and store reads: the upgrade
+    deployment is started (its one flow run) only when `challenger` is new to the gallery, or,
+    with ``resume``, when an upgrade is paused. Nothing changed: no flow run, nothing written."""
+    candidate, why_not = registry_candidate(params, store_uri)
+    if why_not is None:
+        return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
+    if resume:
+        gallery = Gallery(store_at(store_uri))
+        state = status(gallery)
+        if state["state"] == "paused":
+            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
+            say(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")
+            return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
+    return {"started": False, "reason": why_not}
+
+
+def _watch_run_name() -> str:
+    return f"registry check for {store_of(run_parameters())}"
+
+
+@flow(name="registry-watcher", flow_run_name=_watch_run_name, log_prints=True)
+def watch_flow(params_path: str = "params.yaml", store: str | None = None, resume: bool = False) -> dict:
+    """One registry check as a flow run (``registry-watcher/nightly`` on its cron, with ``resume``;
+    ``registry-watcher/poll`` when run by hand): ``watch_once``. The polling itself is the
+    registry watcher's (services/registry_watcher.py), which starts no run when nothing changed."""
+    params = load_params(params_path)
+    result = watch_once(params, store or params.gallery.store, params_path, resume)
+    if not result.get("started") and not result.get("resumed"):
+        log(f"registry watcher: nothing to start ({result['reason']})")
+    return result
+
+
+def deployments(params: Params, params_path: str = "params.yaml", store_uri: str | None = None) -> list:
+    """Every deployment, defined in this one place; `fastfill serve` serves them (and polls the
+    registry with the registry watcher). ``registry-watcher/poll`` has no schedule: a schedule would
+    make a flow run a minute; the watcher polls instead, and this deployment is its pause switch
+    and a check on demand. ``store_uri``: the gallery the upgrade and the checks work on, when it
+    is not gallery.store (`fastfill serve --store`)."""
+    parameters = {"params_path": params_path, **({"store": store_uri} if store_uri else {})}
+    triggers = params.triggers
+    found = [
+        upgrade_entry.to_deployment(name="upgrade", parameters=parameters, concurrency_limit=1,
+                                    description="Upgrade the stored gallery (started by the watcher or a webhook)"),
+        watch_flow.to_deployment(name="poll", parameters=parameters,
+                                 description=f"One registry check now. `fastfill serve` checks every "
+                                             f"{triggers.poll_seconds} s without a flow run and starts the upgrade "
+                                             "when a new version has the alias challenger; pause this deployment "
+                                             "to pause those checks"),
+    ]
+    if triggers.nightly_cron:
+        found.append(watch_flow.to_deployment(
+            name="nightly", parameters={**parameters, "resume": True},
+            cron=triggers.nightly_cron, description="Check the registry and resume a paused upgrade"))
+    if triggers.comparison_cron:
+        found.append(comparison_entry.to_deployment(name="weekly", parameters={"params_path": params_path},
+                                                    cron=triggers.comparison_cron,
+                                                    description="Re-run the comparison of every method"))
+    return found
