@@ -29,7 +29,7 @@ from components.platform import registry
 from components.platform.config import Params, load_params
 from flows.parameters import run_parameters, store_of
 from tasks._policy import log
-from tasks.gallery import store_at
+from tasks.gallery_store import store_at
 
 UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
 POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher

@@ -16,7 +16,8 @@ from components.platform.config import Params
 from components.platform.registry import ModelRef
 from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
-from tasks.gallery import embed_images, load_model, store_at, write_gallery
+from tasks.embedding import embed_images, load_model
+from tasks.gallery_store import store_at, write_gallery
 
 
 def _resolve(params: Params, uri: str) -> ModelRef:
@@ -67,7 +68,7 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     feature_array = _load_array(features, "--features")
     if image_array.ndim == 3:
         image_array = image_array[:, None]
-    model = load_model(params.mlflow, ref)
+    model = load_model(ref)
     ref = ModelRef(ref.name, ref.version, model.embedding_dim)
     if image_array.ndim != 4 or image_array.dtype != np.uint8 or image_array.shape[1] != model.in_channels:
         raise GalleryError(f"images must be uint8 (N, {model.in_channels}, H, W) for {ref.uri}, got "
@@ -117,14 +118,14 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
                 else npy_rows([Path(p) for p in features]))
         dim = ref.dim or None
         if dim is None:
-            model = load_model(params.mlflow, ref)
+            model = load_model(ref)
             dim = model.embedding_dim
         ref = ModelRef(ref.name, ref.version, dim)
         embed_part = None
         log(f"adopting {table.num_rows} items from {manifest} with the features of {ref.uri} in {len(features)} "
             f"file(s); the images stay where they are")
     else:
-        model = load_model(params.mlflow, ref)
+        model = load_model(ref)
         ref, rows = ModelRef(ref.name, ref.version, model.embedding_dim), None
 
         def embed_part(uris: list[str]) -> np.ndarray:

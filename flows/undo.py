@@ -1,27 +1,21 @@
 """Undoing an upgrade, as Prefect runs it: ``abort_flow`` drops an unfinished upgrade and
 ``rollback_flow`` undoes a finished one. The decisions and records are
-``components.gallery.undo``'s; the flows take the lock, call them and follow in the registry."""
+``components.gallery.reversal``'s; the flows take the lock, call them and follow in the registry."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery import plan as pl, upgrade as up
+from components.gallery import planning, reversal
 from components.gallery.catalog import Gallery, GalleryError, check_registry
+from components.gallery.claims import claim
 from components.gallery.lock import acquire_lock
-from components.gallery.store import configure_s3
 from components.platform import registry
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
-from tasks.gallery import store_at
-
-def _open_gallery(params: Params, store_uri: str) -> Gallery:
-    configure_s3(params.gallery.s3)
-    store = store_at(store_uri)
-    store.check()
-    return Gallery(store)
+from tasks.gallery_store import open_gallery
 
 
 def _take_lock(store, holder: str, doing: str, params: Params):
@@ -49,16 +43,14 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
     and the webhook do not start it again, and a later `fastfill upgrade` to it plans from
     scratch. Its MLflow run ends KILLED with the tag ``fastfill.aborted``. A finished or rejected
     upgrade, or one whose end has begun, cannot be aborted (the message says what to do)."""
-    from components.gallery.claims import claim
-
     params = resolve_params(params, params_path, None)
-    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    gallery = open_gallery(params.gallery, store_uri)
     store = gallery.store
-    upgrade = up.abortable(gallery)  # refused with its reason before the lock is touched
+    upgrade = reversal.abortable(gallery)  # refused with its reason before the lock is touched
     lock = _take_lock(store, upgrade, f"abort upgrade {upgrade}", params)
     try:
-        record = up.abort(gallery, upgrade)  # checked again under the lock
-        plan = pl.load_plan(store, upgrade)
+        record = reversal.abort(gallery, upgrade)  # checked again under the lock
+        plan = planning.load_plan(store, upgrade)
         if plan is not None and claim(store, plan.new.name, plan.new.version, "abort", upgrade=upgrade):
             log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
                 "again (`fastfill upgrade` still can)")
@@ -104,41 +96,38 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     collected the old features. A rollback cut short before the registry followed is completed
     by the next one. The version is claimed so the watcher and the webhook do not start it
     again; a later `fastfill upgrade` to it plans from scratch."""
-    from components.gallery.claims import claim
-
     params = resolve_params(params, params_path, None)
-    gallery = _open_gallery(params, store_uri or params.gallery.store)
+    gallery = open_gallery(params.gallery, store_uri, registry.identity(params.mlflow))
     store = gallery.store
-    check_registry(gallery.manifest(refresh=True), store.uri, registry.identity(params.mlflow))
-    pending = up.interrupted_rollback(gallery)
-    upgrade = pending["upgrade"] if pending is not None else up.rollback_target(gallery)[0]  # refusals first
+    client, _ = registry.setup(params.mlflow)  # the run's one registry client
+    pending = reversal.interrupted_rollback(gallery)
+    upgrade = pending["upgrade"] if pending is not None else reversal.rollback_target(gallery)[0]  # refusals first
     lock = _take_lock(store, f"rollback of {upgrade}", "roll back", params)
     try:
-        record = up.interrupted_rollback(gallery)
+        record = reversal.interrupted_rollback(gallery)
         if record is None:
-            record = up.rollback(gallery)  # checked again under the lock
+            record = reversal.rollback(gallery)  # checked again under the lock
             log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade} to "
                 f"{ModelRef.from_dict(record['from']).uri} rolled back)")
         else:
             log(f"completing the rollback of upgrade {upgrade} (recorded {record['rolled_back']}): the registry step")
         rolled, previous = ModelRef.from_dict(record["from"]), ModelRef.from_dict(record["to"])
         claim(store, rolled.name, rolled.version, "rollback", upgrade=upgrade)
-        moved = _record_rollback_in_registry(params, store, record, rolled, previous)
-        up.mark_rollback_recorded(store, upgrade)
+        moved = _record_rollback_in_registry(client, store, record, rolled, previous)
+        reversal.mark_rollback_recorded(store, upgrade)
         return {"state": "rolled back", "upgrade": upgrade, "model": previous.uri, "from": rolled.uri,
                 "champion_moved": moved, "rolled_back": record["rolled_back"]}
     finally:
         lock.release()
 
 
-def _record_rollback_in_registry(params: Params, store, record: dict, rolled: ModelRef, previous: ModelRef) -> bool:
+def _record_rollback_in_registry(client, store, record: dict, rolled: ModelRef, previous: ModelRef) -> bool:
     by = record.get("by") or {}
     tags = {"promotion": "rolled-back", "promotion.rolled_back": record["rolled_back"],
             "promotion.rolled_back_to": str(previous.version),
             "promotion.rolled_back_by": f"{by.get('user')}@{by.get('host')}",
             "promotion.rolled_back_upgrade": record["upgrade"]}
-    plan = pl.load_plan(store, record["upgrade"])
-    client, _ = registry.setup(params.mlflow)
+    plan = planning.load_plan(store, record["upgrade"])
     if rolled.name != previous.name:  # another registered model: only the tags
         registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan and plan.mlflow_run_id, tags)
         return False

@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from components.gallery.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, no_truth_refusal, truth_of
-from components.gallery.plan import upgrade_id
+from components.gallery.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
+from components.gallery.planning import upgrade_id
 from components.platform.registry import CHALLENGER, CHAMPION, ModelRef
 
 # what a course does after its preliminaries
@@ -195,10 +195,11 @@ class UpgradeDecider:
 
     # ---- the backfill's stop
 
-    def advised_stop(self, advice: dict | None, budget, at_stop) -> dict | None:
-        """The recommended stop (``at_stop(advice, gain_below)``, the advisor's) when
-        stop_when_gain_below asks for one and no explicit budget is given (a budget is the
-        user's own limit and wins); None when it is 100%."""
+    def advised_stop(self, advice: dict | None, budget) -> dict | None:
+        """The budget advisor's recommended stop when stop_when_gain_below asks for one and no
+        explicit budget is given (a budget is the user's own limit and wins); None when it is 100%."""
+        from components.gallery.advisor import at_stop
+
         if self.gain_below is None or advice is None or budget is not None:
             return None
         stop = at_stop(advice, self.gain_below)
@@ -277,7 +278,7 @@ class GalleryView:
         self.has_labels = gallery.labels() is not None
 
     def planned_new(self, upgrade: str) -> ModelRef | None:
-        from components.gallery.plan import load_plan
+        from components.gallery.planning import load_plan
 
         plan = load_plan(self.gallery.store, upgrade)
         return plan.new if plan is not None else None

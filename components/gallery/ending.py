@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from components.gallery.backfill import done_chunks, failed_images, iter_mixed_parts
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
-from components.gallery.plan import DECISION, FINISHED, REJECTED, Plan, upgrade_key
+from components.gallery.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key
 from components.gallery.store import ObjectMissing, Store
 
 

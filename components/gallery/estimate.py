@@ -77,3 +77,121 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
         "note": "the estimate covers reading and embedding at max_concurrency chunks in flight; training a map "
                 "(when the registry has none for the two versions) and the store's latency under load are not in it",
     }
+
+
+def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "") -> dict:
+    """What ``fastfill upgrade`` would do to ``gallery`` (``params``: the configuration;
+    ``client``: the registry's), writing nothing: no plan, no lock, no MLflow run. The version
+    as the upgrade chooses it (``decider.UpgradeDecider.target``), the cost (``dry_run``), what
+    the gate would measure against, where the map's pairs come from, and the budget advisor's
+    prediction when it can be made without writing."""
+    from components.experiment.registered import load_model
+    from components.gallery.decider import GalleryView, UpgradeDecider
+    from components.gallery.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, truth_of
+    from components.gallery.planning import upgrade_id
+    from components.gallery.samples import pairs_description
+    from components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
+
+    config, name = params.gallery.upgrade, params.mlflow.registered_model
+    view = GalleryView(gallery)
+    decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate, config.judgments,
+                             config.stop_when_gain_below)
+    new = decider.target(asked_version(client, name, to_uri), view)
+    if new is None:
+        return {"from": gallery.model.uri, "to": None, **decider.no_target(view, alias_version(client, name, CHAMPION))}
+    truth = truth_of(view.has_labels, config.judgments)
+    truth_line = {TRUTH_NONE: "none: the gallery has no labels and no judged queries are configured; "
+                  + ("the upgrade would be refused before planning (promotion.gate true)" if params.promotion.gate
+                     else "the upgrade runs ungated"),
+                  TRUTH_JUDGMENTS: f"the judged queries of {config.judgments}"}.get(truth, "the gallery's labels")
+    model = load_model(new.uri).eval()
+    result = dry_run(gallery, config, model, seed=config.seed)
+    resumes = view.current == upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
+    advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
+                        sequential=bool(view.current) and not resumes)
+    return {"from": gallery.model.uri, "to": new.uri, "in_progress": view.current, "resumes": resumes, **result,
+            "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice}
+
+
+def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool) -> dict:
+    """The budget advisor's prediction without writing anything: the stored one of the upgrade
+    this would resume; else, when the registry holds a checked map joining the two versions,
+    computed here (the evaluation sample embedded with the new model, the gallery's features
+    sent through the map part by part, twice: its sigma order first, then the search). Otherwise
+    a note saying when the prediction appears."""
+    from components.evaluation.ordering import random_order, sigma_order
+    from components.experiment.inference import apply_alignment, embed
+    from components.experiment.registered import load_model
+    from components.gallery import advisor
+    from components.gallery.catalog import features_key, rows_at
+    from components.gallery.judgments import load_judgments
+    from components.gallery.lifecycle import TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
+    from components.gallery.planning import stand_in_ranks
+    from components.gallery.samples import (
+        evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map,
+    )
+
+    config = params.gallery.upgrade
+    gain_below = config.stop_when_gain_below
+    if resumes:
+        stored = advisor.stored_advice(gallery.store, resumes)
+        if stored is not None:
+            return {**stored, "recommendation": advisor.at_stop(stored, gain_below)}
+    labels = gallery.labels()
+    if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
+        return {"note": "no prediction: the upgrade would be refused before planning: "
+                        + no_truth_refusal(gallery.store.uri)}
+    if config.eval_queries == 0:
+        return {"note": "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"}
+    if sequential:
+        return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
+    source, pairs = pairs_source(config, gallery.store.uri), pairs_description(config, gallery.num_items)
+    chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, config.order, source)
+    if chosen is None:
+        return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
+                        f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
+                        "predicted curve"}
+    if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
+        return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
+                        f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
+                        "status` then shows the predicted curve"}
+    order_kind, _ = registered_map_order(chosen.tags, config.order)
+    alignment_map = load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
+
+    def embed_new(images, label=None):
+        return embed(model, images, batch_size=config.batch_size, precision=config.precision)
+
+    def embed_champion(images, label=None):
+        return embed(load_model(gallery.model.uri).eval(), images, batch_size=config.batch_size,
+                     precision=config.precision)
+
+    positions, images = readable_images(gallery, evaluation_positions(gallery, config), config.read_workers,
+                                        "evaluation sample", lambda line: None)
+    queries = embed_new(images)
+    judged = None
+    if config.judgments:
+        judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
+                                embed_champion, {})[:2]
+    prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
+    if judged is not None:
+        prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
+
+    def transformed(part: int):
+        return apply_alignment(alignment_map, gallery.features(gallery.model, part))
+
+    if order_kind == "sigma":
+        sigma = [transformed(p)[1] for p in range(gallery.num_parts)]
+        if any(s is None for s in sigma):
+            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
+                            "for the sigma order; use --order random"}
+        order = sigma_order(np.concatenate(sigma))
+    else:
+        order = random_order(gallery.num_items, config.seed)
+    # the evaluation sample is embedded while planning and backfilled first: its stand-in places
+    ranks = stand_in_ranks(order, prefilled, positions, config.seed)
+    old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    prediction = advisor.predict_upgrade(
+        positions, queries, apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
+        lambda: ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts)), order,
+        labels=labels, judged=judged, distance=params.gallery.distance, gain_below=gain_below)
+    return {**prediction, "map_version": str(chosen.version)}

@@ -4,7 +4,7 @@ of ended upgrades."""
 from __future__ import annotations
 
 from components.gallery.catalog import Gallery, GalleryError, ModelRef
-from components.gallery.plan import DECISION, ENDINGS, upgrade_key
+from components.gallery.planning import DECISION, ENDINGS, upgrade_key
 from components.gallery.reversal import ABORTED, ROLLED_BACK
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from components.gallery.backfill import done_chunks
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
 from components.gallery.ending import decision, interrupted_ending, rejection
-from components.gallery.plan import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key
+from components.gallery.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key
 from components.gallery.store import ObjectMissing, Store
 
 ABORTED, ROLLED_BACK = "aborted.json", "rolled-back.json"

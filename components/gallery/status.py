@@ -8,7 +8,7 @@ from components.gallery.backfill import done_chunks, failed_images
 from components.gallery.catalog import Gallery, ModelRef
 from components.gallery.ending import decision, interrupted_ending
 from components.gallery.lock import LOCK, lease_expired
-from components.gallery.plan import load_plan
+from components.gallery.planning import load_plan
 from components.gallery.reversal import aborted, interrupted_rollback
 from components.gallery.store import ObjectMissing
 

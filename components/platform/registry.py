@@ -260,7 +260,6 @@ def resolve_model(client, uri: str):
     """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> ModelRef (name, concrete version)."""
     from mlflow.exceptions import MlflowException
 
-
     if not uri.startswith("models:/") or uri.count("/") < 1:
         raise RegistryError(f"{uri!r} is not a model reference; use models:/NAME@ALIAS or models:/NAME/VERSION")
     rest = uri[len("models:/"):]
@@ -307,8 +306,8 @@ def _tag_verdict_last(client, name: str, version: str, run_id: str | None, tags:
             client.set_tag(run_id, key, tags[key])
 
 
-def record_decision(client, name: str, version: str, run_id: str | None, tags: Mapping[str, str],
-                    promote: bool) -> None:
+def record_promotion(client, name: str, version: str, run_id: str | None, tags: Mapping[str, str],
+                     promote: bool) -> None:
     """The promotion decision as tags on the model version and the upgrade's run; when
     ``promote``, ``champion`` moves to the version."""
     _tag_verdict_last(client, name, version, run_id, tags)
@@ -340,6 +339,25 @@ def alias_version(client, name: str, alias: str) -> str | None:
         return str(client.get_model_version_by_alias(name, alias).version)
     except MlflowException:
         return None
+
+
+def asked_version(client, name: str, to_uri: str = "") -> ModelRef | None:
+    """The version an upgrade is asked for: ``to_uri`` resolved, else ``name``'s challenger;
+    None when there is none. A registry without the registered model ``name`` is refused with
+    what it holds (RegistryError)."""
+    from mlflow.exceptions import MlflowException
+
+    if to_uri:
+        return resolve_model(client, to_uri)
+    version = alias_version(client, name, CHALLENGER)
+    if version is not None:
+        return ModelRef(name, version)
+    try:
+        client.get_registered_model(name)
+    except MlflowException:  # no such registered model: refused with what the registry holds
+        resolve_model(client, f"models:/{name}@{CHALLENGER}")
+        raise
+    return None
 
 
 class TrackingUnreachable(RuntimeError):

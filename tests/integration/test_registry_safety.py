@@ -161,11 +161,11 @@ def test_the_registry_conventions(mlflow_store):
     v1 = registered.register_embedder(client, run_id, model, example, "embedder", "champion", {})
     v2 = registered.register_embedder(client, run_id, model, example, "embedder", "challenger", {})
     v3 = registered.register_embedder(client, run_id, model, example, "embedder", None, {})
-    registry.record_decision(client, "embedder", v2, run_id, {"promotion": "passed"}, promote=True)
+    registry.record_promotion(client, "embedder", v2, run_id, {"promotion": "passed"}, promote=True)
     assert registry.alias_version(client, "embedder", "champion") == v2
     assert registry.alias_version(client, "embedder", "challenger") is None
     client.set_registered_model_alias("embedder", "challenger", v3)  # a newer candidate keeps its alias
-    registry.record_decision(client, "embedder", v1, run_id, {"promotion": "passed"}, promote=True)
+    registry.record_promotion(client, "embedder", v1, run_id, {"promotion": "passed"}, promote=True)
     assert registry.alias_version(client, "embedder", "challenger") == v3
 
     # the verdict is written last: a reader polling for `promotion` finds its reason already there
@@ -177,7 +177,7 @@ def test_the_registry_conventions(mlflow_store):
         set_tag(name, version, key, value)
 
     client.set_model_version_tag = recording
-    registry.record_decision(client, "embedder", v3, run_id,
+    registry.record_promotion(client, "embedder", v3, run_id,
                              {"promotion": "rejected", "promotion.reason": "r", "promotion.champion_version": v1},
                              promote=False)
     del client.set_model_version_tag

@@ -235,9 +235,9 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
     client, _, _, old_version, new_version = registry_models(params)
     name = params.mlflow.registered_model
     ready = _ready_to_end(params, tmp_path, monkeypatch)
-    steps = [("decision", fu.up, "record_decision"),
+    steps = [("decision", fu.ending, "write_decision"),
              ("switch", fu, "finish_upgrade" if passes else "reject_upgrade"),
-             ("registry", fu, "record_decision")]  # after the last step (marking it recorded) it is over
+             ("registry", fu, "record_promotion")]  # after the last step (marking it recorded) it is over
     for step, owner, function in steps:
         client.set_registered_model_alias(name, "champion", old_version)  # the registry as before the ending
         for key in [k for k in client.get_model_version(name, new_version).tags if k.startswith("promotion")]:
@@ -326,8 +326,8 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
         second["result"] = fu.upgrade_flow(params, uri)
         first = second.pop("first")
     else:
-        steps = {"after-decision": (fu.up, "record_decision"), "after-switch": (fu, "finish_upgrade"),
-                 "after-registry": (fu, "record_decision")}
+        steps = {"after-decision": (fu.ending, "write_decision"), "after-switch": (fu, "finish_upgrade"),
+                 "after-registry": (fu, "record_promotion")}
         if offset in steps:
             owner, function = steps[offset]
             monkeypatch.setattr(owner, function, _run_then(owner, function, start_the_second))

@@ -1,0 +1,115 @@
+"""The items an upgrade embeds while it plans, chosen and read once for the plan and the dry
+run: the map sample (the pairs the map trains and is checked on), the evaluation sample (the
+queries the curve, the advisor and the gate measure), the judged queries; and where the map's
+pairs come from. Embedding is the caller's (``embed``: images -> new-model features), so the
+flow can run it as a task on its GPU worker and the dry run in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from components.gallery.catalog import Gallery, GalleryError, features_key, fetch_images, rows_at
+from components.gallery.images import read_images, readable
+from components.gallery.lifecycle import SPLITS_SOURCE, choose_map
+from components.gallery.pairs import gallery_source, map_sample_size, sample_positions
+from components.gallery.planning import eval_sample
+from components.platform.registry import ModelRef, find_alignment
+
+Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
+
+
+def pairs_source(config, store_uri: str) -> str:
+    """What the map's pairs are read from (``gallery.upgrade.map_pairs``), as its check records it."""
+    return SPLITS_SOURCE if config.map_pairs == "splits" else gallery_source(store_uri)
+
+
+def pairs_description(config, num_items: int) -> str:
+    if config.map_pairs == "splits":
+        return "this host's new-train split"
+    return (f"a sample of {map_sample_size(config.map_sample, config.map_sample_min, num_items):,} gallery items, "
+            "embedded once and kept as backfilled")
+
+
+def map_sample(config, num_items: int) -> np.ndarray:
+    """The positions of the map sample (seeded)."""
+    return sample_positions(num_items, map_sample_size(config.map_sample, config.map_sample_min, num_items), config.seed)
+
+
+def registry_map(client, alignment_model: str, old: ModelRef, new: ModelRef, order: str, source: str):
+    """The registry's map version for this pair of versions that an upgrade uses
+    (``lifecycle.choose_map``), or None."""
+    return choose_map(find_alignment(client, alignment_model, old.version, new.version), order, source)
+
+
+def readable_images(gallery: Gallery, positions: np.ndarray, workers: int, what: str,
+                    log: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the positions whose image could be read, their images); the others are left out and
+    said so (``what``: the sample's name)."""
+    if not len(positions):
+        return positions, None
+    images, failures = fetch_images(gallery, positions, workers=workers)
+    if failures:
+        log(f"{what}: {len(failures)} of {len(positions)} images could not be read and are left out "
+            f"(first: {failures[0].uri}: {failures[0].reason})")
+        keep = readable(len(positions), failures)
+        positions, images = positions[keep], images[keep]
+    return positions, images
+
+
+def evaluation_positions(gallery: Gallery, config) -> np.ndarray:
+    return eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
+                       config.seed, gallery.num_items)
+
+
+def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
+                      log: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(positions, new-model features) of the evaluation sample, or (positions, None) with fewer
+    than two readable items; items already in ``embedded`` (position -> features: the map
+    sample) are not embedded again."""
+    positions = evaluation_positions(gallery, config)
+    missing = np.array([p for p in positions.tolist() if p not in embedded], dtype=np.int64)
+    kept, images = readable_images(gallery, missing, config.read_workers, "evaluation sample", log)
+    unreadable = set(missing.tolist()) - set(kept.tolist())
+    positions = np.array([p for p in positions.tolist() if p not in unreadable], dtype=np.int64)
+    if len(positions) < 2:
+        return positions, None
+    fresh = dict(zip(kept.tolist(), embed(images, label="embedding the evaluation sample"))) if len(kept) else {}
+    new_of = {**embedded, **fresh}
+    return positions, np.stack([new_of[int(p)] for p in positions]).astype(np.float32)
+
+
+def judged_queries(gallery: Gallery, config, judged, embed: Embed, embed_champion: Embed, embedded: dict) -> tuple:
+    """The judged queries (``judged``: ``judgments.load_judgments``'s) with their features on both
+    sides of the gate: a gallery item's new features are embedded here (and join ``embedded``,
+    so they are backfilled from the start) and its champion features are the stored ones; an
+    image query is embedded by both models (``embed_champion``). Unreadable query images are
+    refused: the judgments name them."""
+    items = judged.query_positions[judged.query_positions >= 0]
+    missing = np.array([p for p in items.tolist() if p not in embedded], dtype=np.int64)
+    if len(missing):
+        images, failures = fetch_images(gallery, missing, workers=config.read_workers)
+        _refuse_unreadable(failures, config.judgments)
+        embedded.update(zip(missing.tolist(), embed(images)))
+    inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
+    new_rows, old_rows = {}, {}
+    if len(inside):
+        new_rows.update(zip(inside.tolist(), (embedded[int(p)] for p in judged.query_positions[inside])))
+        old_rows.update(zip(inside.tolist(), rows_at(gallery, judged.query_positions[inside],
+                                                     lambda part: features_key(gallery.model, part))))
+    if len(outside):
+        images, failures = read_images([judged.query_uris[i] for i in outside], gallery.manifest()["image_shape"],
+                                       root=gallery.image_root, workers=config.read_workers)
+        _refuse_unreadable(failures, config.judgments)
+        new_rows.update(zip(outside.tolist(), embed(images)))
+        old_rows.update(zip(outside.tolist(), embed_champion(images)))
+    new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)
+    old = np.stack([old_rows[i] for i in range(len(judged))]).astype(np.float32)
+    return judged, new, old
+
+
+def _refuse_unreadable(failures: list, judgments: str) -> None:
+    if failures:
+        raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0].uri}: "
+                           f"{failures[0].reason}); fix them or leave those queries out of {judgments}")

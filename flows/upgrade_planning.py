@@ -1,0 +1,149 @@
+"""The upgrade's planning step, as the flow runs it: the alignment map (the registry's, checked
+once per source, or trained on this upgrade's pairs), the gallery's features through it part by
+part, the backfill order, the samples embedded while planning (backfilled first), and the plan
+written last. A planning refused half way removes what it wrote."""
+
+from __future__ import annotations
+
+import numpy as np
+from prefect.futures import as_completed
+
+from components.gallery import backfill, judgments, planning, samples
+from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.decider import Course
+from components.gallery.lifecycle import check_map_fits, needs_check, plan_fields, registered_map_order
+from components.gallery.store import StoreError
+from components.experiment import registered
+from components.platform.config import Params
+from components.platform.layout import Layout
+from components.platform.progress import progress
+from components.platform.registry import ModelRef
+from tasks._policy import log
+from tasks.embedding import embed_images, gallery_pairs, load_model, split_pairs
+from tasks.gallery_store import transform_part, write_sources
+from tasks.upgrade_map import check_upgrade_map, train_upgrade_map
+from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
+
+
+def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, course: Course, new: ModelRef,
+                 new_model) -> planning.Plan:
+    """Plan ``course``'s upgrade to ``new``. With a base (an unfinished upgrade to ``course.old``),
+    a sequential upgrade: the map applies to the gallery as that upgrade left it, so items still
+    on the gallery's model go through both maps. A gallery whose parts are missing or foreign is
+    refused before anything is written; one whose content fails while planning (a NaN, a torn
+    part) is refused and what planning wrote is removed."""
+    config, uid = params.gallery.upgrade, course.uid
+    base = planning.load_plan(gallery.store, course.base) if course.base else None
+    planning.check_sources(gallery, sequential=base is not None)  # before anything is written
+    leftover = planning.discard_unplanned(gallery, uid)  # a killed planning's objects (its prefilled chunks too)
+    if leftover:
+        log(f"removed {leftover} object(s) that a planning of {uid} killed before its plan was written had left")
+    run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, course.old.uri, new.uri, course.base),
+                              gallery.store.uri)
+    try:
+        return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id)
+    except (GalleryError, StoreError) as error:
+        discarded = planning.discard_unplanned(gallery, uid)
+        close_upgrade_run(client, run_id, "FAILED", f"planning refused: {error}")
+        log(f"planning refused; {discarded} object(s) it had written under upgrades/{uid}/ were removed, so the store "
+            "is as it was")
+        raise
+
+
+def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
+               base: planning.Plan | None, run_id: str) -> planning.Plan:
+    config, store_uri = params.gallery.upgrade, gallery.store.uri
+    if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
+        write_sources(store_uri, uid, base)
+        log(f"sequential upgrade: starting from {base.id} as it stands "
+            f"({len(backfill.done_chunks(gallery.store, base.id))}/{base.num_chunks} chunks on {base.new.uri}, the "
+            "rest through its map)")
+    alignment_map, map_uri, order_kind, pairs = _alignment_map(params, client, gallery, uid, old, new, new_model,
+                                                               run_id, base is not None)
+    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
+    futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
+               for p in range(gallery.num_parts)]
+    with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
+        for future in as_completed(futures):
+            bar.advance(future.result())
+    order = planning.make_order(gallery, uid, order_kind, config.seed)
+    embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
+
+    def embed(images, label=None):
+        return embed_images(new_model, images, config.batch_size, config.precision, label=label)
+
+    judged = None
+    if config.judgments:
+        def embed_champion(images, label=None):
+            return embed_images(load_model(gallery.model), images, config.batch_size, config.precision)
+
+        loaded = judgments.load_judgments(config.judgments, gallery.ids())
+        log(loaded.describe())
+        judged = samples.judged_queries(gallery, config, loaded, embed, embed_champion, embedded)
+    positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log)
+    embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
+    # the items embedded while planning are backfilled from the start: the first chunks of the order
+    prefilled = np.fromiter(sorted(embedded), dtype=np.int64, count=len(embedded))
+    ranks = (planning.stand_in_ranks(order, prefilled, positions, config.seed)
+             if len(prefilled) and queries is not None else None)
+    if len(prefilled):
+        order = planning.front_loaded(order, prefilled)
+    plan = planning.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
+                         len(positions) if queries is not None else 0, params.gallery.distance, run_id,
+                         base=base.id if base else None,
+                         bounds=planning.chunk_grid(gallery.num_items, config.chunk_size, [len(prefilled)]),
+                         prefilled=len(prefilled))
+    if len(prefilled):
+        chunks = backfill.write_prefilled(gallery.store, plan, order, embedded)
+        log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "
+            f"first: chunks 0-{chunks - 1} written")
+    if judged is not None:
+        judgments.store_judged(gallery.store, uid, *judged)
+    planning.commit_plan(gallery, plan, order, positions, queries, ranks)
+    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
+        + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
+        + f"; queries now use {new.uri} against the mixed gallery")
+    return plan
+
+
+def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_model, sequential: bool):
+    """The pairs that train and check the map, from ``gallery.upgrade.map_pairs``."""
+    config = params.gallery.upgrade
+    if config.map_pairs == "splits":
+        return split_pairs(Layout(params.paths).splits, load_model(old), new_model)
+    positions = samples.map_sample(config, gallery.num_items)
+    log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
+        f"{config.map_sample}, at least {config.map_sample_min})")
+    return gallery_pairs(gallery.store.uri, positions, new_model, config, uid if sequential else None)
+
+
+def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
+                   run_id: str, sequential: bool):
+    """(map, its URI, the backfill order, the pairs embedded for it or None): the registry's map
+    for this pair of versions, checked first on this upgrade's pairs unless it already passed on
+    the same source (``recheck`` forces it); or a map trained now on those pairs and checked."""
+    config = params.gallery.upgrade
+    source = samples.pairs_source(config, gallery.store.uri)
+    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, config.order, source)
+    policy = params.align[config.method].check
+    if chosen is not None:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
+        order, why = registered_map_order(chosen.tags, config.order)
+        log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})" + (f"; it is {why}" if why else ""))
+        alignment_map = registered.load_model(map_uri).eval()
+        if policy == "off" or not needs_check(chosen.tags, source, config.recheck):
+            said = (f"align.{config.method}.check is off" if policy == "off" else
+                    "an l2-only map needs no check" if chosen.tags.get("method") == "fct" else
+                    f"it passed its check on {source} (check: {chosen.tags.get('check')}); --recheck checks it again")
+            log(f"{map_uri} is used as it is: {said}")
+            tag_run(client, run_id, {"check": f"not repeated ({said})", "map_version": str(chosen.version)})
+            return alignment_map, map_uri, order, None
+        pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
+    else:
+        pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
+        alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
+        order = config.order
+    alignment_map, map_uri, order = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
+                                                      run_id, order)
+    tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
+    return alignment_map, map_uri, order, pairs

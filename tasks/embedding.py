@@ -1,0 +1,79 @@
+"""Tasks that load registered models and embed images (the GPU's work): a model from the
+registry, images embedded, and the pairs a map trains on."""
+
+from __future__ import annotations
+
+import numpy as np
+from prefect import task
+
+from components.experiment import registered
+from components.gallery.catalog import Gallery, check_features, features_key, rows_at
+from components.gallery.lifecycle import SPLITS_SOURCE
+from components.gallery.pairs import TARGETS_LABELS, MapPairs, from_gallery
+from components.gallery.plan import source_key
+from components.gallery.samples import readable_images
+from components.platform.progress import progress
+from components.platform.registry import ModelRef
+from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
+from tasks.gallery_store import store_at
+
+
+@task(name="load-model", **IO_RETRIES, **NO_CACHING)
+def load_model(ref: ModelRef):
+    """A registered model, ready to embed (the registry is the one this process set up)."""
+    return registered.load_model(ref.uri).eval()
+
+
+@task(name="embed-images", tags=GPU_TAGS, **NO_CACHING)
+def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: str = "auto",
+                 label: str | None = None) -> np.ndarray:
+    """``images`` embedded by ``model``; with ``label``, its progress shown (a bar, or log lines)."""
+    from components.experiment.inference import embed
+
+    if label is None:
+        return embed(model, images, batch_size=batch_size, precision=precision)
+    with progress(label, total=len(images), unit="image", log=log) as bar:
+        return embed(model, images, batch_size=batch_size, precision=precision, on_batch=bar.advance)
+
+
+@task(name="embed-split-pairs", tags=GPU_TAGS, **NO_CACHING)
+def split_pairs(splits_folder, old_model, new_model) -> MapPairs | None:
+    """Both models' features of this host's prepared new-train split (``map_pairs: splits``)
+    with kappa_new's row of each label, or None when no split is prepared here."""
+    import torch
+
+    from components.experiment.data import DataError, load_split
+    from components.experiment.inference import embed
+
+    try:
+        split = load_split(splits_folder, "new_train")
+    except (DataError, FileNotFoundError):
+        return None
+    rows = new_model.class_index(torch.from_numpy(split.labels)).numpy()
+    keep = rows >= 0
+    images = split.images[keep]
+    log(f"map pairs: embedding {len(images)} images of the new-train split with both models")
+    with progress("embedding the split's pairs", total=2 * len(images), unit="image", log=log) as bar:
+        old, new = embed(old_model, images, on_batch=bar.advance), embed(new_model, images, on_batch=bar.advance)
+    return MapPairs(old, new, rows[keep], rows[keep], SPLITS_SOURCE, TARGETS_LABELS)
+
+
+@task(name="embed-gallery-pairs", tags=GPU_TAGS, **IO_RETRIES, **NO_CACHING)
+def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequential: str | None = None) -> MapPairs:
+    """The map sample's pairs (``map_pairs: gallery``): old features from the store (the
+    gallery's model's, or for a ``sequential`` upgrade the source parts it starts from), new ones
+    by embedding the items' images; unreadable images are left out of the sample."""
+    from components.experiment.inference import embed
+
+    gallery = Gallery(store_at(store_uri))
+    positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log)
+    log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
+        "are kept as backfilled)")
+    with progress("embedding the map sample", total=len(images), unit="image", log=log) as bar:
+        new = check_features(embed(new_model, images, batch_size=config.batch_size, precision=config.precision,
+                                   on_batch=bar.advance), None, "new-model features of the map sample")
+    labels = gallery.labels()
+    old = rows_at(gallery, positions, (lambda part: source_key(sequential, part)) if sequential else
+                  (lambda part: features_key(gallery.model, part)))
+    return from_gallery(new_model, positions, old, new, None if labels is None else labels[positions],
+                        gallery.store.uri)

@@ -1,0 +1,100 @@
+"""Tasks that read and write a gallery's store (I/O, so retried): ingest, the upgrade's planning
+writes, a chunk's backfill, the gate's measurement, the end's switch."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from prefect import task
+
+from components.gallery import backfill, catalog, ending, planning
+from components.gallery.catalog import Gallery
+from components.gallery.plan import Plan
+from components.gallery.store import Store, configure_s3, open_store
+from components.platform.registry import ModelRef
+from tasks._policy import IO_RETRIES, NO_CACHING, log
+
+
+@functools.lru_cache(maxsize=16)
+def store_at(uri: str) -> Store:
+    """One store object per URI and process (Dask workers open their own)."""
+    return open_store(uri)
+
+
+def open_gallery(settings, store_uri: str | None = None, registry_identity: str | None = None) -> Gallery:
+    """The gallery at ``store_uri`` (default: ``settings.store``; ``settings``: params.gallery),
+    its store checked and its manifest read; with ``registry_identity``, refused when the
+    gallery was built against another registry."""
+    configure_s3(settings.s3)  # S3 retries and timeouts of this process's clients
+    store = store_at(store_uri or settings.store)
+    store.check()
+    gallery = Gallery(store)
+    manifest = gallery.manifest(refresh=True)
+    if registry_identity is not None:
+        catalog.check_registry(manifest, store.uri, registry_identity)
+    return gallery
+
+
+@task(name="write-gallery", **NO_CACHING)
+def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int,
+                  registry_uri: str | None = None) -> dict:
+    def on_part(done: int, total: int) -> None:
+        log(f"ingest: part {done}/{total} written")
+
+    return catalog.ingest(store_at(store_uri), images, features, model, labels=labels, groups=groups, ids=ids,
+                          part_size=part_size, on_part=on_part, registry=registry_uri)
+
+
+@task(name="write-sources", **IO_RETRIES, **NO_CACHING)
+def write_sources(store_uri: str, upgrade_id: str, base: Plan) -> int:
+    return backfill.write_sources(Gallery(store_at(store_uri)), upgrade_id, base)
+
+
+@task(name="transform-part", **IO_RETRIES, **NO_CACHING)
+def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, sequential: bool = False) -> int:
+    return planning.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
+
+
+@task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
+def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int, read_workers: int = 16,
+                   precision: str = "auto") -> dict:
+    """Read the chunk's images, embed them with the new model, write features, then the marker."""
+    return backfill.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size,
+                                   read_workers=read_workers, precision=precision)
+
+
+@task(name="evaluate-gate", **NO_CACHING)
+def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
+    """The promotion gate's numbers (components.gallery.promotion): the judged queries against
+    the whole gallery along the backfill's order when there are any, else the evaluation sample."""
+    from components.gallery.judgments import measure_judged_gate, stored_judged
+    from components.gallery.promotion import measure_gate
+
+    gallery = Gallery(store_at(store_uri))
+    store = gallery.store
+    judged = stored_judged(store, plan.id)
+    if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
+        judgments, new_queries, champion_queries = judged
+        final, _ = backfill.mixed_features(gallery, plan)
+        return measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries, final,
+                                   planning.transformed_all(gallery, plan.id), judgments,
+                                   planning.order_of(store, plan.id), distance=plan.distance,
+                                   curve_points=curve_points)
+    positions, queries = planning.stored_eval_sample(store, plan.id)
+    transformed = backfill.transformed_rows(gallery, plan.id, positions)
+    new = backfill.mixed_rows(gallery, plan, positions)
+    champion = catalog.rows_at(gallery, positions, lambda part: catalog.features_key(gallery.model, part))
+    order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
+    return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
+                        distance=plan.distance, curve_points=curve_points)
+
+
+@task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
+def finish_upgrade(store_uri: str, plan: Plan) -> dict:
+    return ending.finish(Gallery(store_at(store_uri)), plan)
+
+
+@task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
+def reject_upgrade(store_uri: str, plan: Plan, decision: dict) -> dict:
+    return ending.reject(Gallery(store_at(store_uri)), plan, decision)

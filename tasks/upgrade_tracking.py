@@ -1,0 +1,112 @@
+"""The upgrade's MLflow bookkeeping (network I/O, so retried): its run opened with the plan as
+params and closed, tags, the gate's and the advisor's numbers, the decision followed in the
+registry, and progress as chunks land (also a Prefect progress artifact). Every task takes the
+run's one registry client (``registry.setup``, called once by the flow)."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from components.gallery.lifecycle import done_prefix
+from components.gallery.planning import Plan
+from components.platform import registry
+from tasks._policy import IO_RETRIES, NO_CACHING, log
+
+
+@task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)
+def open_upgrade_run(client, experiment: str, plan_fields: dict, store_uri: str) -> str:
+    """The upgrade's MLflow run, with the plan as params; its id goes into plan.json. Runs of the
+    same upgrade left RUNNING by a planning that was killed (no plan was written, and this process
+    holds the lock) are marked KILLED first."""
+    name = f"upgrade {plan_fields['id']}"
+    stale = client.search_runs([experiment], filter_string=f"attributes.run_name = '{name}' and "
+                               f"attributes.status = 'RUNNING' and tags.`{registry.STAGE_TAG}` = 'upgrade' and "
+                               f"tags.store = '{store_uri}'")
+    for run in stale:
+        client.set_tag(run.info.run_id, "fastfill.interrupted", "planning was killed before its plan was written")
+        client.set_terminated(run.info.run_id, "KILLED")
+        log(f"MLflow run {run.info.run_id} of a killed planning of {plan_fields['id']} marked KILLED")
+    run = client.create_run(experiment, run_name=name, tags={
+        registry.STAGE_TAG: "upgrade", "store": store_uri, "from": plan_fields["old"], "to": plan_fields["new"],
+        "git_commit": registry.git_commit()})
+    registry.log_params(client, run.info.run_id, plan_fields)
+    return run.info.run_id
+
+
+def close_upgrade_run(client, run_id: str, status: str, reason: str) -> None:
+    """End the upgrade's run (FAILED when planning was refused), with the reason as a tag."""
+    client.set_tag(run_id, "fastfill.refused", reason[:5000])
+    client.set_terminated(run_id, status)
+
+
+def tag_run(client, run_id: str, tags: dict) -> None:
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def log_prediction(client, plan: Plan, advice: dict) -> None:
+    """The budget advisor's curve as series (step: items backfilled): predicted_top1 and
+    predicted_map, or predicted_agreement without labels."""
+    steps = [int(f * plan.num_items) for f in advice["fractions"]]
+    series = ({"predicted_agreement": advice["agreement"]} if advice.get("metric") == "agreement" else
+              {"predicted_top1": advice["top1"], "predicted_map": advice["map"]})
+    registry.log_series(client, plan.mlflow_run_id, series, steps=steps)
+
+
+def log_gate(client, run_id: str, numbers: dict) -> None:
+    """The promotion gate's curve and numbers on the upgrade's run."""
+    registry.log_series(client, run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
+    registry.log_metrics(client, run_id, {f"gate.{k}": numbers[k] for k in
+                                          ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
+
+
+@task(name="record-promotion", **IO_RETRIES, **NO_CACHING)
+def record_promotion(client, plan: Plan, tags: dict, promote: bool) -> None:
+    """The end's registry step: the decision's tags on the version and the upgrade's run, and
+    champion moved when it passed."""
+    registry.record_promotion(client, plan.new.name, plan.new.version, plan.mlflow_run_id, tags, promote)
+
+
+class UpgradeProgress:
+    """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
+    prefix of the order) and to a Prefect progress artifact."""
+
+    def __init__(self, client, store_uri: str, plan: Plan, meter, artifact_key: str):
+        from prefect.artifacts import create_progress_artifact
+
+        self.client, self.plan, self.meter = client, plan, meter
+        self.run_id = plan.mlflow_run_id
+        self.client.update_run(self.run_id, status="RUNNING")
+        history = self.client.get_metric_history(self.run_id, "top1")
+        self.measured = {int(m.step) for m in history}
+        self.artifact = create_progress_artifact(0.0, key=artifact_key,
+                                                 description=f"backfill of {plan.id} in {store_uri}")
+
+    def chunk_done(self, done: set[int], items_done: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        fraction = items_done / self.plan.num_items
+        update_progress_artifact(self.artifact, 100.0 * fraction)
+        registry.log_metrics(self.client, self.run_id, {"backfill_fraction": fraction, "items_backfilled": items_done},
+                             step=len(done))
+        self.measure(done)
+
+    def measure(self, done: set[int]) -> None:
+        if self.meter is None:
+            return
+        prefix = done_prefix(done, self.plan.num_chunks)
+        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
+        if items and 0 not in self.measured:  # the curve starts at 0%, also when items were embedded while planning
+            self._measure_at(0)
+        self._measure_at(items)
+
+    def _measure_at(self, items: int) -> None:
+        if items in self.measured:
+            return
+        metrics = self.meter.measure(items)
+        registry.log_metrics(self.client, self.run_id, metrics, step=items)
+        self.measured.add(items)
+        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {metrics['top1']:.4f}, mAP {metrics['map']:.4f}")
+
+    def close(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
