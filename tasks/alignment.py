@@ -12,7 +12,7 @@ import hashlib
 from components.platform.config import AlignConfig
 from components.experiment.data import load_split
 from components.platform.layout import Layout, load_array, save_array, write_json
-from components.experiment.map_check import check_map, fallback_map, held_out, is_reference, reference_config
+from components.experiment.map_check import decide_map, is_reference, reference_config, skip_reason
 from components.experiment.models import load_alignment, load_embedder, save_alignment
 from components.experiment.inference import apply_alignment, apply_unified, pick_device
 from components.experiment.map_training import train_alignment, train_unified, true_alignment_loss
@@ -65,50 +65,44 @@ def train_map(config: AlignConfig, method: str, layout: Layout):
     return h, history
 
 
-def _reference_map(config: AlignConfig, method: str, layout: Layout, old, new, rows, classifier):
-    path = _reference_path(config, old, new, rows, layout)
-    if path.is_file():
+def _cached_reference(method: str, path: Path):
+    """The l2-only reference kept at ``path`` (FCT's stage, or an earlier check, left it), or None."""
+    def cached():
+        if not path.is_file():
+            return None
         log(f"{method} check: the l2-only map trained on the same pairs is at {path}")
         return load_alignment(path)
-    log(f"{method} check: training the l2-only map on the same pairs (FCT with {method}'s schedule)")
-    reference, _ = train_alignment(reference_config(config), old, new, rows, classifier, device=pick_device(),
-                                   checkpoint=layout.checkpoint(f"align-{method}-reference"), log=log)
-    save_alignment(reference, reference_config(config), path)
-    discard_checkpoint(layout.checkpoint(f"align-{method}-reference"))
-    return reference
+
+    return cached
 
 
 @task(name="check-alignment", tags=GPU_TAGS, **NO_CACHING)
 def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, distance: str = "l2"):
-    """The map check (components.experiment.map_check) on the held-out pairs: returns the map to use, its
-    configuration and the check's record (None when the map is l2-only, its own reference, or
-    nothing is held out). Raises MapCheckError under ``check: fail``."""
+    """The map check (components.experiment.map_check.decide_map) on the held-out pairs: returns
+    the map to use, its configuration and the check's record (None when the map is l2-only, its
+    own reference, or nothing is held out). Raises MapCheckError under ``check: fail``."""
     directory = layout.align_dir(method)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "check.json").unlink(missing_ok=True)
-    if config.check == "off":
-        log(f"{method}: align.{method}.check is off, so the map is used unchecked")
+    reason = skip_reason(method, config)
+    if reason is None:
+        old, new, rows, new_model = _training_pairs(layout)
+        path = _reference_path(config, old, new, rows, layout)
+        checkpoint = layout.checkpoint(f"align-{method}-reference")
+
+        def keep(reference) -> None:
+            save_alignment(reference, reference_config(config), path)
+            discard_checkpoint(checkpoint)
+
+        decision = decide_map(method, config, h, (old, new, rows), _cached_reference(method, path),
+                              new_model.classifier, distance=distance, device=pick_device(), log=log,
+                              keep_reference=keep, checkpoint=checkpoint)
+        reason = decision.skipped
+    if reason is not None:
+        log(f"{method}: {reason}, so the map is used unchecked")
         return h, config, None
-    if is_reference(config):
-        log(f"{method} is an l2-only map: it is the reference of the map check")
-        return h, config, None
-    old, new, rows, new_model = _training_pairs(layout)
-    pairs = held_out(config, old, new, rows, method)
-    if pairs is None:
-        log(f"{method}: align.{method}.validation_fraction is 0, so the map is used unchecked")
-        return h, config, None
-    reference = _reference_map(config, method, layout, old, new, rows, new_model.classifier)
-    result = check_map(method, config, h, reference, pairs, distance=distance)
-    log(f"map check ({config.check}): {result.message}")
-    record = result.to_dict()
-    if result.action == "fallback":
-        h, config, decision = fallback_map(method, config, reference, (old, new, rows), pairs, new_model.classifier,
-                                           distance=distance, device=pick_device())
-        if decision is not None:
-            log(f"{method} fallback: {decision['message']}")
-            record["fallback_order"] = decision
-    write_json(directory / "check.json", record)
-    return h, config, record
+    write_json(directory / "check.json", decision.record)
+    return decision.map, decision.config, decision.record
 
 
 @task(name="transform-gallery", **NO_CACHING)

@@ -12,28 +12,33 @@ order; otherwise it is backfilled in random order, exactly as FCT.
 A map whose outputs on the held-out pairs are not finite (it diverged) is never used: ``fail``
 stops, ``fallback`` and ``warn`` both use the l2 map, and the record (its message, tags and
 metrics) says which outputs were not finite.
+
+``decide_map`` is the check as the align stage and the gallery upgrade run it: the reference
+(handed over, or trained here), the judgment, the fallback and the order to backfill in. How
+maps are scored and judged is ``map_judging``'s; its names are importable from here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Callable
 
 from components.platform.config import AlignConfig
-from components.experiment.map_validation import held_out  # noqa: F401 - part of the check's interface
+from components.experiment.map_validation import held_out
+from components.experiment.map_judging import (
+    CHECK_POINTS, POLICIES, MapCheck, MapCheckError, SideOutputs, curve_numbers, judge, judge_order,
+    non_finite_outputs, non_finite_rows, per_query_scores,
+)
 
-POLICIES = ("fail", "fallback", "warn")
-CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
+__all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
+           "check_metrics", "check_tags", "curve_numbers", "decide_map", "fallback_config", "fallback_map",
+           "held_out", "is_reference", "judge", "judge_order", "non_finite_outputs", "non_finite_rows",
+           "outputs_on", "per_query_scores", "reference_config", "skip_reason"]
 
 # The settings the l2-only reference shares with the map it checks: same pairs, same split,
 # same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).
 _SHARED = ("l2_reduction", "epochs", "min_steps", "warmup_epochs", "batch_size", "lr", "weight_decay",
            "validation_fraction", "validation_items", "seed", "precision")
-
-
-class MapCheckError(RuntimeError):
-    """A map failed its check under ``check: fail``; the message names both numbers."""
 
 
 def reference_config(config: AlignConfig) -> AlignConfig:
@@ -46,116 +51,6 @@ def reference_config(config: AlignConfig) -> AlignConfig:
 def is_reference(config: AlignConfig) -> bool:
     """The map is an l2-only MLP: it is its own reference and needs no check."""
     return config.l2 and not config.disc and not config.uncertainty and config.architecture == "mlp"
-
-
-@dataclass(frozen=True)
-class SideOutputs:
-    """One map on the held-out pairs: the gallery's old side, the new side (queries and
-    backfilled items) and, with an uncertainty head, log sigma^2."""
-
-    gallery_old: np.ndarray
-    new_side: np.ndarray
-    log_sigma2: np.ndarray | None = None
-
-
-def _order(side: SideOutputs, order_name: str, seed: int) -> np.ndarray:
-    from components.evaluation.ordering import random_order, sigma_order
-
-    return sigma_order(side.log_sigma2) if order_name == "sigma" else random_order(len(side.new_side), seed)
-
-
-def curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2") -> dict:
-    """Top-1 and mAP at 0% and their means over the 12-point simulated curve on held-out pairs
-    (queries and backfilled items: the new side; the rest of the gallery: the old side)."""
-    from components.evaluation import backfill_curve
-
-    curve = backfill_curve(side.new_side, side.new_side, side.gallery_old, labels, _order(side, order_name, seed),
-                           distance=distance, num_intermediate=CHECK_POINTS)
-    return {"order": order_name, "top1_0": float(curve.top1[0]), "map_0": float(curve.map[0]),
-            "top1_auc": float(np.mean(curve.top1)), "map_auc": float(np.mean(curve.map))}
-
-
-def _per_query(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(top-1 hits, AP) per curve point and query, and which queries have a positive."""
-    from components.evaluation import per_query_curve
-
-    labels = np.asarray(labels)
-    top1, precision = per_query_curve(side.new_side, side.new_side, side.gallery_old, labels,
-                                      _order(side, order_name, seed), distance=distance,
-                                      num_intermediate=CHECK_POINTS)
-    _, inverse, class_sizes = np.unique(labels, return_inverse=True, return_counts=True)
-    return top1, precision, class_sizes[inverse] > 1
-
-
-def per_query_scores(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2"
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Each query's top-1 and average precision, averaged over the 12 curve points: (top1 (n,),
-    AP (m,) for the m queries with a positive). Their means are ``curve_numbers``' top1_auc and
-    map_auc."""
-    top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
-    return top1.mean(axis=0), precision.mean(axis=0)[has_positive]
-
-
-def _measured(side: SideOutputs, order_name: str, labels: np.ndarray, seed: int, distance: str
-              ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
-    """``curve_numbers`` and ``per_query_scores`` from one ranking of the held-out pairs."""
-    top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
-    hits, ap = top1.mean(axis=0), precision.mean(axis=0)[has_positive]
-    map_0 = float(precision[0][has_positive].mean()) if has_positive.any() else 0.0
-    numbers = {"order": order_name, "top1_0": float(top1[0].mean()), "map_0": map_0,
-               "top1_auc": float(hits.mean()), "map_auc": float(ap.mean()) if len(ap) else 0.0}
-    return numbers, (hits, ap)
-
-
-def _bootstrap_support(candidate: np.ndarray, reference: np.ndarray, tolerance: float, seed: int,
-                       resamples: int = 2000) -> float:
-    """The share of paired bootstrap resamples of the queries in which the candidate's mean is at
-    least the reference's minus ``tolerance``."""
-    if not len(candidate):
-        return 1.0
-    difference = candidate - reference
-    index = np.random.default_rng([seed, 0xB007]).integers(0, len(difference), (resamples, len(difference)))
-    return float(np.mean(difference[index].mean(axis=1) >= -tolerance - 1e-12))
-
-
-def _contest(config: AlignConfig, challenger: tuple[SideOutputs, str], incumbent: tuple[SideOutputs, str],
-             labels: np.ndarray, distance: str) -> tuple[dict, dict, list[str]]:
-    """The check's rule: the challenger (a map and its order) must be at least the incumbent minus
-    ``check_tolerance`` in top1_auc and map_auc, on the mean and in ``check_confidence`` of paired
-    bootstrap resamples of the held-out queries. Returns both sides' numbers (the challenger's
-    with its ``*_support``) and the measures where it falls short."""
-    numbers, mine = _measured(*challenger, labels, config.seed, distance)
-    baseline, theirs = _measured(*incumbent, labels, config.seed, distance)
-    for key, a, b in (("top1_auc", mine[0], theirs[0]), ("map_auc", mine[1], theirs[1])):
-        numbers[f"{key}_support"] = _bootstrap_support(a, b, config.check_tolerance, config.seed)
-    short = [key for key in ("top1_auc", "map_auc")
-             if numbers[key] < baseline[key] - config.check_tolerance
-             or numbers[f"{key}_support"] < config.check_confidence]
-    return numbers, baseline, short
-
-
-@dataclass
-class MapCheck:
-    """The outcome: ``passed``, and ``action``: ``kept`` (passed, or warn), ``fallback`` (the l2
-    map replaces it) or ``failed`` (the stage stops)."""
-
-    method: str
-    policy: str
-    passed: bool
-    action: str
-    candidate: dict
-    reference: dict
-    tolerance: float
-    message: str
-    confidence: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"method": self.method, "policy": self.policy, "passed": self.passed, "action": self.action,
-                "candidate": self.candidate, "reference": self.reference, "tolerance": self.tolerance,
-                "confidence": self.confidence,
-                "message": self.message, **self.extra}
 
 
 def check_tags(record: dict) -> dict[str, str]:
@@ -190,105 +85,6 @@ def check_metrics(record: dict) -> dict[str, float]:
     return out
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.2f}"
-
-
-# A feature row whose squared norm reaches this overflows the float32 distances retrieval ranks by.
-_UNRANKABLE = float(np.finfo(np.float32).max) / 4
-
-
-def non_finite_rows(values: np.ndarray) -> int:
-    """How many rows of features (n, d), or values (n,), are not finite in float32; for
-    features, also those so large that their distances would overflow (retrieval refuses both)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        values = np.asarray(values, dtype=np.float32)  # beyond float32's range: inf
-        if values.ndim == 1:
-            return int((~np.isfinite(values)).sum())
-        return int((~(np.einsum("ij,ij->i", values, values) < _UNRANKABLE)).sum())  # NaN compares False
-
-
-def non_finite_outputs(side: SideOutputs) -> list[str]:
-    """Which of a map's outputs on the held-out pairs are not finite, e.g. ["transformed
-    features in 40 of 40 rows"]; empty for a map that did not diverge."""
-    names = {"gallery_old": "transformed features", "new_side": "new-side features", "log_sigma2": "log sigma^2"}
-    found = []
-    for name, what in names.items():
-        values = getattr(side, name)
-        bad = 0 if values is None else non_finite_rows(values)
-        if bad:
-            found.append(f"{what} in {bad} of {len(values)} rows")
-    return found
-
-
-def _diverged(method: str, config: AlignConfig, candidate: SideOutputs, reference: SideOutputs, labels: np.ndarray,
-              bad: list[str], distance: str) -> MapCheck:
-    """The check of a map whose held-out outputs are not finite: a failed map that no policy
-    keeps (``fail`` raises, ``fallback`` and ``warn`` use the l2-only map)."""
-    reason = (f"non-finite outputs: {method}'s outputs on the {len(labels)} held-out pairs are not finite "
-              f"({'; '.join(bad)}): the map diverged and is never used")
-    if config.check == "fail":
-        raise MapCheckError(f"map check failed: {reason}. What to try: a lower align.{method}.lr, "
-                            f"align.{method}.uncertainty_weighting: normalized, or align.{method}.check: fallback "
-                            "to use the l2 map")
-    if non_finite_outputs(reference):
-        raise MapCheckError(f"map check failed: {reason}, and the l2-only map that would replace it diverged too "
-                            f"({'; '.join(non_finite_outputs(reference))}). What to try: a lower align.{method}.lr")
-    baseline = curve_numbers(reference, labels, "random", config.seed, distance)
-    missing = dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))
-    order = "sigma" if candidate.log_sigma2 is not None else "random"
-    return MapCheck(method, config.check, False, "fallback", {"order": order, **missing}, baseline,
-                    config.check_tolerance, confidence=config.check_confidence, extra={"non_finite": bad},
-                    message=f"{reason}; the stage uses the l2-only map instead"
-                    + (" (check: warn cannot keep a map that diverged)" if config.check == "warn" else ""))
-
-
-def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: SideOutputs, labels: np.ndarray,
-          *, distance: str = "l2") -> MapCheck:
-    """Measure both maps on the held-out pairs and apply ``config.check``. Raises MapCheckError
-    under ``fail`` when the map trails the l2-only map by more than ``config.check_tolerance``
-    in top1_auc or map_auc, or when its outputs are not finite (then ``fallback`` and ``warn``
-    both replace it by the l2-only map)."""
-    if config.check not in POLICIES:
-        raise ValueError(f"align.{method}.check must be one of {POLICIES}, got {config.check!r}")
-    bad = non_finite_outputs(candidate)
-    if bad:
-        return _diverged(method, config, candidate, reference, labels, bad, distance)
-    order = "sigma" if candidate.log_sigma2 is not None else "random"
-    if non_finite_outputs(reference):  # nothing to measure against, nor to fall back on
-        reason = (f"the l2-only map's outputs on the {len(labels)} held-out pairs are not finite "
-                  f"({'; '.join(non_finite_outputs(reference))}), so {method} cannot be checked")
-        if config.check == "fail":
-            raise MapCheckError(f"map check failed: {reason}. What to try: a lower align.{method}.lr")
-        missing = dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))
-        return MapCheck(method, config.check, False, "kept", curve_numbers(candidate, labels, order, config.seed,
-                                                                           distance), {"order": "random", **missing},
-                        config.check_tolerance, f"{reason}; the stage keeps the map", config.check_confidence)
-    numbers, baseline, short = _contest(config, (candidate, order), (reference, "random"), labels, distance)
-    tolerance, confidence = config.check_tolerance, config.check_confidence
-    summary = (f"{method} ({order} order) on {len(labels)} held-out pairs: top1_auc {_pct(numbers['top1_auc'])}, "
-               f"map_auc {_pct(numbers['map_auc'])}, top-1 at 0% {_pct(numbers['top1_0'])}; the l2-only map "
-               f"(random order): top1_auc {_pct(baseline['top1_auc'])}, map_auc {_pct(baseline['map_auc'])}, "
-               f"top-1 at 0% {_pct(baseline['top1_0'])}; the map is at least as good in "
-               f"{_pct(numbers['top1_auc_support'])}% (top1_auc) and {_pct(numbers['map_auc_support'])}% (map_auc) of "
-               f"bootstrap resamples of the queries, {_pct(confidence)}% required")
-    if not short:
-        return MapCheck(method, config.check, True, "kept", numbers, baseline, tolerance, f"passed: {summary}",
-                        confidence)
-    advice = ("with few held-out pairs, a larger align.{m}.validation_fraction or a lower "
-              "align.{m}.check_confidence; try a larger align.{m}.min_steps, align.{m}.uncertainty_weighting: normalized, more training "
-              "pairs, or align.{m}.check: fallback to use the l2 map").format(m=method)
-    worse = " and ".join(short)
-    if config.check == "fail":
-        raise MapCheckError(f"map check failed: {method} is not shown to match the l2-only map in {worse} "
-                            f"(tolerance {tolerance}, confidence {confidence}). {summary}. What to try: {advice}")
-    action = "fallback" if config.check == "fallback" else "kept"
-    verb = "uses the l2-only map instead" if action == "fallback" else "keeps the map (check: warn)"
-    return MapCheck(method, config.check, False, action, numbers, baseline, tolerance,
-                    confidence=confidence,
-                    message=f"{method} is not shown to match the l2-only map in {worse}; the stage {verb}. {summary}")
-
-
 def outputs_on(h, pairs) -> SideOutputs:
     """A map's sides on held-out pairs: h(old) with log sigma^2, or a unified map's T_g(old)
     and T_q(new)."""
@@ -317,31 +113,6 @@ def fallback_config(config: AlignConfig) -> AlignConfig:
     return AlignConfig.model_validate(data)
 
 
-def judge_order(method: str, config: AlignConfig, side: SideOutputs, labels: np.ndarray, *,
-                distance: str = "l2") -> dict:
-    """Whether a fallback map's sigma order (its fitted head) is shown to be at least as good as a
-    random order of the same map on the held-out pairs, by the map check's own rule. Returns
-    ``order`` (``sigma``, or ``random`` when it is not), both orders' numbers and a message."""
-    if non_finite_outputs(side):  # only its fitted head can be: the l2-only map's were checked
-        random = curve_numbers(side, labels, "random", config.seed, distance)
-        return {"method": method, "order": "random", "random": random,
-                "sigma": {"order": "sigma", **dict.fromkeys(("top1_0", "map_0", "top1_auc", "map_auc"), float("nan"))},
-                "message": f"the head fitted on the l2-only map gives non-finite outputs on the held-out pairs "
-                           f"({'; '.join(non_finite_outputs(side))}), so the fallback map is backfilled in random "
-                           "order (FCT)"}
-    sigma, random, short = _contest(config, (side, "sigma"), (side, "random"), labels, distance)
-    order = "random" if short else "sigma"
-    summary = (f"on {len(labels)} held-out pairs, the sigma order of the head fitted on the l2-only map: top1_auc "
-               f"{_pct(sigma['top1_auc'])}, map_auc {_pct(sigma['map_auc'])}; a random order: top1_auc "
-               f"{_pct(random['top1_auc'])}, map_auc {_pct(random['map_auc'])}; at least as good in "
-               f"{_pct(sigma['top1_auc_support'])}% / {_pct(sigma['map_auc_support'])}% of bootstrap resamples, "
-               f"{_pct(config.check_confidence)}% required")
-    verdict = ("the fallback map keeps its sigma order" if order == "sigma" else
-               f"the sigma order is not shown to help in {' and '.join(short)}, so the fallback map is backfilled "
-               "in random order (FCT)")
-    return {"method": method, "order": order, "sigma": sigma, "random": random, "message": f"{verdict}: {summary}"}
-
-
 def fallback_map(method: str, config: AlignConfig, reference, pairs: tuple, held, classifier, *,
                  distance: str = "l2", device=None) -> tuple:
     """What a map that failed its check under ``fallback`` is replaced by: the l2-only
@@ -359,3 +130,88 @@ def fallback_map(method: str, config: AlignConfig, reference, pairs: tuple, held
     if decision["order"] == "sigma":
         return fitted, used, decision
     return reference, reference_config(config), decision
+
+
+def skip_reason(method: str, config: AlignConfig, *, check_l2_only: bool = False) -> str | None:
+    """Why a map is used without a check before its pairs are looked at: the check is off, or the
+    map is l2-only and so its own reference (unless ``check_l2_only``); None when it is checked."""
+    if config.check == "off":
+        return f"align.{method}.check is off"
+    if is_reference(config) and not check_l2_only:
+        return "an l2-only map is the map check's own reference"
+    return None
+
+
+@dataclass
+class MapDecision:
+    """What the map check decided. ``use``: ``candidate`` (the map itself: it passed, was kept
+    under warn, or was not checked), ``fitted`` (the l2-only reference with an uncertainty head
+    fitted on it, a map of the method) or ``reference`` (the l2-only reference alone); ``map``
+    is that map, ``config`` its configuration and ``order`` the order to backfill it in.
+    ``record`` is the check's record (check.json, its tags and metrics: ``check_tags``,
+    ``check_metrics``), None when ``skipped`` says why the map is used unchecked. ``reference``
+    is the l2-only map the check measured against, and ``reference_trained`` whether the check
+    trained it (rather than being handed a ready one)."""
+
+    use: str
+    map: object
+    config: AlignConfig
+    order: str
+    record: dict | None = None
+    skipped: str | None = None
+    reference: object = None
+    reference_trained: bool = False
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def decide_map(method: str, config: AlignConfig, candidate, training: tuple, reference: Callable[[], object],
+               classifier, *, checking: tuple | None = None, order: str | None = None, distance: str = "l2",
+               device=None, log: Callable[[str], None] = _quiet, pairs_from: str | None = None,
+               check_l2_only: bool = False, keep_reference: Callable[[object], None] | None = None,
+               checkpoint=None) -> MapDecision:
+    """The map check of a trained ``candidate`` map of ``method``, and which map is used after it.
+
+    ``training`` is (old, new, class rows) as the map trained on them; ``checking`` (old, new,
+    labels; default ``training``) gives the held-out pairs (``held_out``). ``reference()`` returns
+    a ready l2-only reference for these pairs, or None: then it is trained here on ``training``
+    with ``reference_config(config)`` (resumable from ``checkpoint``) and handed to
+    ``keep_reference`` at once, so it is kept also when the check fails. ``order`` is the
+    configured backfill order (default: sigma when the method has an uncertainty head, else
+    random); a map that falls back gets a fitted head only when it is sigma (``fallback_map``),
+    and then the order that head is shown to earn. Under ``check: fail`` a failed check raises
+    MapCheckError. ``log`` takes progress lines; ``pairs_from`` names the pairs in them."""
+    order = order or ("sigma" if config.uncertainty else "random")
+    reason = skip_reason(method, config, check_l2_only=check_l2_only)
+    held = None if reason else held_out(config, *(training if checking is None else checking), method)
+    if held is None:
+        return MapDecision("candidate", candidate, config, order,
+                           skipped=reason or f"align.{method}.validation_fraction is 0")
+    ready = reference()
+    trained = ready is None
+    if trained:
+        from components.experiment.map_training import train_alignment
+
+        log(f"map check: training the l2-only reference on the same {len(training[0])} pairs"
+            + (f" ({pairs_from})" if pairs_from else "") + f" (FCT with {method}'s schedule)")
+        ready, _ = train_alignment(reference_config(config), *training, classifier, device=device,
+                                   checkpoint=checkpoint, log=log)
+        if keep_reference is not None:
+            keep_reference(ready)
+    result = check_map(method, config, candidate, ready, held, distance=distance)
+    log(f"map check ({config.check})" + (f" on {pairs_from}" if pairs_from else "") + f": {result.message}")
+    record = result.to_dict()
+    decided = dict(record=record, reference=ready, reference_trained=trained)
+    if result.action != "fallback":
+        return MapDecision("candidate", candidate, config, order, **decided)
+    used, used_config, judged = ready, reference_config(config), None
+    if order == "sigma":
+        used, used_config, judged = fallback_map(method, config, ready, training, held, classifier,
+                                                 distance=distance, device=device)
+    if judged is not None:
+        log(f"map check fallback: {judged['message']}")
+        record["fallback_order"] = judged
+        order = judged["order"]
+    return MapDecision("reference" if used is ready else "fitted", used, used_config, order, **decided)
