@@ -119,7 +119,7 @@ def _write_files(images: np.ndarray, root: str) -> float:
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, files_root: str | None = None):
     import pyarrow as pa
 
-    from components.gallery import plan as pl
+    from components.gallery import planning
     from components.gallery.adopt import adopt
     from components.gallery.catalog import Gallery, ingest
     from components.platform.registry import ModelRef
@@ -135,16 +135,16 @@ def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, f
         adopt(store, table, old_ref, images.shape[1:], root=files_root, features=iter([embed(old, images)]),
               part_size=1000)
     gallery = Gallery(store)
-    uid = pl.upgrade_id(old_ref, new_ref)
+    uid = planning.upgrade_id(old_ref, new_ref)
     for part in range(gallery.num_parts):
-        pl.transform_part(gallery, uid, h, part)
+        planning.transform_part(gallery, uid, h, part)
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_uri)
     experiment = client.get_experiment_by_name("bench") or client.get_experiment(client.create_experiment("bench"))
     run = client.create_run(experiment.experiment_id)
-    plan = pl.Plan(uid, old_ref, new_ref, "none", "sigma", chunk_size, len(images), 0, "l2", run.info.run_id)
-    pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
+    plan = planning.Plan(uid, old_ref, new_ref, "none", "sigma", chunk_size, len(images), 0, "l2", run.info.run_id)
+    planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
     return gallery, plan
 
 

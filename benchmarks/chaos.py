@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 
-    from components.gallery import backfill as bf, plan as pl, upgrade as up
+    from components.gallery import backfill, ending, planning
     from components.gallery.catalog import Gallery
     from components.gallery.lock import LOCK
     from components.gallery.store import open_store
@@ -155,10 +155,10 @@ def main() -> None:
                         process.communicate()
                         manifest = store.get_json("gallery.json")
                         uid = manifest.get("upgrade")
-                        for chunk in (bf.done_chunks(store, uid) if uid else []):
-                            tokens.setdefault(chunk, store.get_json(pl.marker_key(uid, chunk))["token"])
+                        for chunk in (backfill.done_chunks(store, uid) if uid else []):
+                            tokens.setdefault(chunk, store.get_json(planning.marker_key(uid, chunk))["token"])
                         kills.append({"after_s": round(at, 2), "planned": bool(uid),
-                                      "chunks_done": len(bf.done_chunks(store, uid)) if uid else 0})
+                                      "chunks_done": len(backfill.done_chunks(store, uid)) if uid else 0})
                         print(f"chaos: kill {len(kills)} after {at:.1f} s: {kills[-1]}", flush=True)
                         continue
                 else:
@@ -174,10 +174,10 @@ def main() -> None:
 
             gallery, reference_gallery = Gallery(store), Gallery(open_store(local))
             new = reference_gallery.model
-            uid = pl.upgrade_id(registry.ModelRef(name, old_version), new)
-            plan = pl.load_plan(store, uid)
-            markers = {c: store.get_json(pl.marker_key(uid, c)) for c in bf.done_chunks(store, uid)}
-            order = pl.order_of(store, uid)
+            uid = planning.upgrade_id(registry.ModelRef(name, old_version), new)
+            plan = planning.load_plan(store, uid)
+            markers = {c: store.get_json(planning.marker_key(uid, c)) for c in backfill.done_chunks(store, uid)}
+            order = planning.order_of(store, uid)
             covered = np.sort(np.concatenate([order[m["start"]:m["stop"]] for m in markers.values()]))
             checks = {
                 "every chunk once": len(markers) == plan.num_chunks,
@@ -187,7 +187,7 @@ def main() -> None:
                                                               reference_gallery.all_features(new))),
                 "gallery on the new model": gallery.manifest(refresh=True)["model"]["version"] == new.version,
                 "champion moved": str(client.get_model_version_by_alias(name, "champion").version) == new.version,
-                "decision recorded in the registry": bool((up.decision(store, uid) or {}).get("registry_recorded")),
+                "decision recorded in the registry": bool((ending.decision(store, uid) or {}).get("registry_recorded")),
                 "lock released": not store.exists(LOCK),
             }
             results["checks"] = checks

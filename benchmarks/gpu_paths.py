@@ -136,7 +136,7 @@ def backfill(model, images, cuda) -> dict:
     import torch
 
     from components.experiment.models import AlignmentMap
-    from components.gallery import backfill as bf, plan as pl
+    from components.gallery import backfill, planning
     from components.gallery.catalog import Gallery, ingest
     from components.gallery.store import open_store
     from components.platform.registry import ModelRef
@@ -151,17 +151,17 @@ def backfill(model, images, cuda) -> dict:
             store = open_store(str(Path(tmp) / name))
             ingest(store, images, features, old, part_size=10000)
             gallery = Gallery(store)
-            uid = pl.upgrade_id(old, new)
+            uid = planning.upgrade_id(old, new)
             for part in range(gallery.num_parts):
-                pl.transform_part(gallery, uid, h, part)
-            plan = pl.Plan(uid, old, new, "models:/embedder-alignment/1", "sigma", 1000, len(images), 0, "l2")
-            pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
-            bf.backfill_chunk(gallery.store, plan.id, 0, model, device=device)  # warm-up (first-call costs)
+                planning.transform_part(gallery, uid, h, part)
+            plan = planning.Plan(uid, old, new, "models:/embedder-alignment/1", "sigma", 1000, len(images), 0, "l2")
+            planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
+            backfill.backfill_chunk(gallery.store, plan.id, 0, model, device=device)  # warm-up (first-call costs)
             started = time.perf_counter()
             for chunk in range(1, plan.num_chunks):
-                bf.backfill_chunk(gallery.store, plan.id, chunk, model, device=device)
+                backfill.backfill_chunk(gallery.store, plan.id, chunk, model, device=device)
             out[f"{name} items/s"] = round((len(images) - plan.chunk_size) / (time.perf_counter() - started))
-            results[name] = bf.mixed_features(gallery, plan)[0]
+            results[name] = backfill.mixed_features(gallery, plan)[0]
     a, b = results[CPU_NAME], results["cuda auto"]
     cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     out["ratio cuda / cpu"] = round(out["cuda auto items/s"] / out[f"{CPU_NAME} items/s"], 1)

@@ -69,7 +69,7 @@ def plan(folder: Path, chunk_size: int) -> dict:
     import torch
 
     from components.experiment.models import AlignmentMap
-    from components.gallery import plan as pl
+    from components.gallery import planning
     from components.gallery.catalog import Gallery
     from components.gallery.store import open_store
 
@@ -80,34 +80,34 @@ def plan(folder: Path, chunk_size: int) -> dict:
     gallery.manifest()
     baseline = _rss_mb()
     started = time.perf_counter()
-    uid = pl.upgrade_id(old, new)
+    uid = planning.upgrade_id(old, new)
     for part in range(gallery.num_parts):
-        pl.transform_part(gallery, uid, h, part)
-    order = pl.make_order(gallery, uid, "sigma", 0)
-    record = pl.Plan(uid, old, new, "models:/embedder-alignment/1", "sigma", chunk_size, gallery.num_items, 0, "l2")
-    pl.commit_plan(gallery, record, order)
+        planning.transform_part(gallery, uid, h, part)
+    order = planning.make_order(gallery, uid, "sigma", 0)
+    record = planning.Plan(uid, old, new, "models:/embedder-alignment/1", "sigma", chunk_size, gallery.num_items, 0, "l2")
+    planning.commit_plan(gallery, record, order)
     return {"seconds": time.perf_counter() - started, "peak_rss_mb": _rss_mb(), "baseline_rss_mb": baseline}
 
 
 def finish(folder: Path) -> dict:
     import json as _json
 
-    from components.gallery import plan as pl
+    from components.gallery import planning
     from components.gallery.catalog import Gallery
     from components.gallery.store import open_store
-    from components.gallery.upgrade import finish as finish_upgrade
+    from components.gallery.ending import finish
 
     gallery = Gallery(open_store(folder))
-    record = pl.load_plan(gallery.store, gallery.manifest()["upgrade"])
+    record = planning.load_plan(gallery.store, gallery.manifest()["upgrade"])
     rng = np.random.default_rng(1)
     for chunk in range(record.num_chunks):  # what the backfill leaves: each chunk's features, then its marker
         start, stop = record.chunk_bounds(chunk)
-        gallery.store.put_array(pl.chunk_key(record.id, chunk), rng.standard_normal((stop - start, DIM),
+        gallery.store.put_array(planning.chunk_key(record.id, chunk), rng.standard_normal((stop - start, DIM),
                                                                                     dtype=np.float32))
-        gallery.store.put(pl.marker_key(record.id, chunk), _json.dumps({"count": stop - start}).encode())
+        gallery.store.put(planning.marker_key(record.id, chunk), _json.dumps({"count": stop - start}).encode())
     baseline = _rss_mb()
     started = time.perf_counter()
-    finish_upgrade(gallery, record)
+    finish(gallery, record)
     return {"seconds": time.perf_counter() - started, "peak_rss_mb": _rss_mb(), "baseline_rss_mb": baseline}
 
 

@@ -62,11 +62,12 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from components.experiment.models import AlignmentMap, Embedder
-    from components.gallery import plan as pl
+    from components.gallery import planning
     from components.gallery.adopt import adopt, npy_rows, read_manifest
     from components.gallery.catalog import Gallery
     from components.gallery.store import open_store
-    from components.gallery.upgrade import collect_garbage, finish
+    from components.gallery.ending import finish
+    from components.gallery.garbage import collect_garbage
     from components.platform.config import load_params, parse_params
     from components.platform.registry import ModelRef
     from flows.upgrade import _backfill
@@ -92,13 +93,13 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     times["adopt"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    uid = pl.upgrade_id(old, new)
+    uid = planning.upgrade_id(old, new)
     for part in range(gallery.num_parts):
-        pl.transform_part(gallery, uid, h, part)
+        planning.transform_part(gallery, uid, h, part)
     client = mlflow.MlflowClient(mlflow_uri)
     run = client.create_run(client.create_experiment("bench"))
-    plan = pl.Plan(uid, old, new, "none", "sigma", chunk_size, gallery.num_items, 0, "l2", run.info.run_id)
-    pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
+    plan = planning.Plan(uid, old, new, "none", "sigma", chunk_size, gallery.num_items, 0, "l2", run.info.run_id)
+    planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
     times["plan"] = time.perf_counter() - started
 
     @flow(name="benchmark-upgrade")

@@ -81,7 +81,7 @@ def _registry_line(client, config) -> tuple[bool, str]:
 def _store_line(config, uri: str) -> tuple[bool, str]:
     from components.gallery.catalog import Gallery, check_registry
     from components.gallery.store import open_store
-    from components.gallery.status import status
+    from components.gallery.status import gallery_status
     from components.platform import registry
 
     store = open_store(uri)
@@ -92,7 +92,7 @@ def _store_line(config, uri: str) -> tuple[bool, str]:
                        "adopt`), or pass --store")
     manifest = gallery.manifest(refresh=True)
     check_registry(manifest, store.uri, registry.identity(config.mlflow))
-    state = status(gallery, failures=False)
+    state = gallery_status(gallery, failures=False)
     text = f"{store.uri}: {state['items']:,} items, model {state['model']}, {state['state']}"
     if state.get("upgrade"):
         text += f" ({state['upgrade']['id']})"
@@ -231,7 +231,7 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     config = load(params)
     from components.gallery.catalog import Gallery
     from components.gallery.planning import load_plan
-    from components.gallery.status import status
+    from components.gallery.status import gallery_status
     from components.gallery.store import open_store
 
     uri = store_uri(config, store)
@@ -240,7 +240,7 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
         opened = open_store(uri)
         opened.check()
         gallery = Gallery(opened)
-        return gallery, status(gallery, failures=False), _last_decision(opened)
+        return gallery, gallery_status(gallery, failures=False), _last_decision(opened)
 
     gallery, state, decided = call(read)
     _show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")

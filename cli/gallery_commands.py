@@ -17,23 +17,14 @@ gallery_app = typer.Typer(no_args_is_help=True, help="The gallery in object stor
 app.add_typer(gallery_app, name="gallery")
 
 
-def open_gallery(uri: str):
-    """The gallery in the store at ``uri``, the store checked first."""
-    from components.gallery.catalog import Gallery
-    from components.gallery.store import open_store
-
-    store = open_store(uri)
-    store.check()
-    return Gallery(store)
-
-
 def show_status(store: str | None, params: Path) -> None:
     """The gallery's manifest and upgrade state, as JSON on stdout."""
     config = load(params)
-    from components.gallery.status import status
+    from components.gallery.status import gallery_status
+    from tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
-    typer.echo(json.dumps(call(lambda: status(open_gallery(uri))), indent=2))
+    typer.echo(json.dumps(call(lambda: gallery_status(open_gallery(uri))), indent=2))
 
 
 def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
@@ -122,6 +113,8 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
     from components.gallery.garbage import collect_garbage
 
     uri = store_uri(config, store)
+    from tasks.gallery_store import open_gallery
+
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
     typer.echo(f"{uri}: deleted {deleted['features']} feature objects and {deleted['upgrade_objects']} "
                "objects of finished upgrades")
@@ -159,6 +152,8 @@ def search(store: StoreOption = None,
     uri = store_uri(config, store)
 
     def run_search():
+        from tasks.gallery_store import open_gallery
+
         searcher = GallerySearch(open_gallery(uri), config.gallery.distance, config.gallery.index)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)

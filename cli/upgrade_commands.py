@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri
-from cli.gallery_commands import open_gallery, run_undo, show_status
+from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 
 upgrade_app = typer.Typer(help="Upgrade the stored gallery to a new model (`fastfill upgrade --to ...`), "
@@ -158,13 +158,13 @@ def upgrade(ctx: typer.Context,
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
     from components.platform.progress import forced_mode
-    from flows.upgrade import dry_run_upgrade, run_upgrade_file
+    from flows.upgrade import run_upgrade_file
 
     uri = store_uri(config, store)
     need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
     if dry_run:
         with forced_mode(progress_mode(progress)):
-            typer.echo(_describe_dry_run(call(dry_run_upgrade, config, uri, to)))
+            typer.echo(_describe_dry_run(call(dry_run, config, uri, to)))
         return
     start = time.perf_counter()
     with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
@@ -213,6 +213,8 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
     from components.gallery.lock import break_lock
 
     uri = store_uri(config, store)
+    from tasks.gallery_store import open_gallery
+
     held = call(lambda: break_lock(open_gallery(uri).store))
     typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
                              f"{held.get('host')})" if held else "no lock was held"))
@@ -231,3 +233,14 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
                f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
                f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "
                f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
+
+
+def dry_run(params, store_uri: str, to_uri: str = "") -> dict:
+    """What ``fastfill upgrade --dry-run`` reports (``components.gallery.estimate.dry_run_upgrade``),
+    writing nothing."""
+    from components.gallery.estimate import dry_run_upgrade
+    from components.platform import registry
+    from tasks.gallery_store import open_gallery
+
+    gallery = open_gallery(store_uri, params.gallery.s3)
+    return dry_run_upgrade(params, gallery, registry.setup(params.mlflow)[0], to_uri)

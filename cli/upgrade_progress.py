@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-from cli.gallery_commands import open_gallery
 
 
 def progress_wanted(progress: bool | None, stream=None) -> bool:
@@ -77,12 +76,14 @@ class ProgressBar:
         self._show(label, result["items"], result["items_done"])
 
     def _run(self) -> None:
-        from components.gallery.status import status
+        from components.gallery.status import gallery_status
 
         try:
+            from tasks.gallery_store import open_gallery
+
             gallery = open_gallery(self.uri)
             while not self._stop.wait(self.interval):
-                state = status(gallery, failures=False)
+                state = gallery_status(gallery, failures=False)
                 info = state.get("upgrade")
                 if info and info.get("chunks") and not self._stop.is_set():
                     self._show(f"backfill {info['id']}", state["items"], info["items_done"])

@@ -24,7 +24,7 @@ from prefect import flow
 from components.gallery.catalog import Gallery
 from components.gallery.claims import claim, release, wants_upgrade
 from components.gallery.planning import load_plan
-from components.gallery.status import status
+from components.gallery.status import gallery_status
 from components.platform import registry
 from components.platform.config import Params, load_params
 from flows.parameters import run_parameters, store_of
@@ -135,7 +135,7 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
         return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
     if resume:
         gallery = Gallery(store_at(store_uri))
-        state = status(gallery)
+        state = gallery_status(gallery)
         if state["state"] == "paused":
             run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
             say(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")

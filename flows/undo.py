@@ -44,7 +44,7 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
     scratch. Its MLflow run ends KILLED with the tag ``fastfill.aborted``. A finished or rejected
     upgrade, or one whose end has begun, cannot be aborted (the message says what to do)."""
     params = resolve_params(params, params_path, None)
-    gallery = open_gallery(params.gallery, store_uri)
+    gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3)
     store = gallery.store
     upgrade = reversal.abortable(gallery)  # refused with its reason before the lock is touched
     lock = _take_lock(store, upgrade, f"abort upgrade {upgrade}", params)
@@ -97,7 +97,7 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     by the next one. The version is claimed so the watcher and the webhook do not start it
     again; a later `fastfill upgrade` to it plans from scratch."""
     params = resolve_params(params, params_path, None)
-    gallery = open_gallery(params.gallery, store_uri, registry.identity(params.mlflow))
+    gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3, registry.identity(params.mlflow))
     store = gallery.store
     client, _ = registry.setup(params.mlflow)  # the run's one registry client
     pending = reversal.interrupted_rollback(gallery)

@@ -53,7 +53,8 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     ``store_uri`` defaults to gallery.store."""
     params = resolve_params(params, params_path, overrides)
     config, name = params.gallery.upgrade, params.mlflow.registered_model
-    gallery = open_gallery(params.gallery, store_uri, registry.identity(params.mlflow))
+    gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3,
+                           registry.identity(params.mlflow))
     client, experiment = registry.setup(params.mlflow)  # the run's one registry client
     decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate if gate is None else gate,
                              config.judgments, config.stop_when_gain_below)

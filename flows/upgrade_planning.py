@@ -21,7 +21,7 @@ from components.platform.registry import ModelRef
 from tasks._policy import log
 from tasks.embedding import embed_images, gallery_pairs, load_model, split_pairs
 from tasks.gallery_store import transform_part, write_sources
-from tasks.upgrade_map import check_upgrade_map, train_upgrade_map
+from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
 from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
 
 
@@ -123,6 +123,8 @@ def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: Mode
     for this pair of versions, checked first on this upgrade's pairs unless it already passed on
     the same source (``recheck`` forces it); or a map trained now on those pairs and checked."""
     config = params.gallery.upgrade
+    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
+                           params.gallery.distance)
     source = samples.pairs_source(config, gallery.store.uri)
     chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, config.order, source)
     policy = params.align[config.method].check
@@ -141,9 +143,15 @@ def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: Mode
         pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
     else:
         pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
-        alignment_map, map_uri = train_upgrade_map(params, pairs, new_model, old, new, run_id)
+        if pairs is None:
+            raise GalleryError(
+                f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
+                f"{Layout(params.paths).splits} to train one (gallery.upgrade.map_pairs: splits); use map_pairs: "
+                f"gallery (--pairs gallery), run `fastfill stage prepare`, or register a map tagged "
+                f"from_version={old.version}, to_version={new.version}")
+        alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
         order = config.order
-    alignment_map, map_uri, order = check_upgrade_map(params, alignment_map, map_uri, pairs, new_model, old, new,
-                                                      run_id, order)
+    alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model, old,
+                                                      new, run_id, order)
     tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
     return alignment_map, map_uri, order, pairs

@@ -10,7 +10,7 @@ from components.experiment import registered
 from components.gallery.catalog import Gallery, check_features, features_key, rows_at
 from components.gallery.lifecycle import SPLITS_SOURCE
 from components.gallery.pairs import TARGETS_LABELS, MapPairs, from_gallery
-from components.gallery.plan import source_key
+from components.gallery.planning import source_key
 from components.gallery.samples import readable_images
 from components.platform.progress import progress
 from components.platform.registry import ModelRef

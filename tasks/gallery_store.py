@@ -10,7 +10,7 @@ from prefect import task
 
 from components.gallery import backfill, catalog, ending, planning
 from components.gallery.catalog import Gallery
-from components.gallery.plan import Plan
+from components.gallery.planning import Plan
 from components.gallery.store import Store, configure_s3, open_store
 from components.platform.registry import ModelRef
 from tasks._policy import IO_RETRIES, NO_CACHING, log
@@ -22,12 +22,14 @@ def store_at(uri: str) -> Store:
     return open_store(uri)
 
 
-def open_gallery(settings, store_uri: str | None = None, registry_identity: str | None = None) -> Gallery:
-    """The gallery at ``store_uri`` (default: ``settings.store``; ``settings``: params.gallery),
-    its store checked and its manifest read; with ``registry_identity``, refused when the
-    gallery was built against another registry."""
-    configure_s3(settings.s3)  # S3 retries and timeouts of this process's clients
-    store = store_at(store_uri or settings.store)
+def open_gallery(store_uri: str, s3=None, registry_identity: str | None = None) -> Gallery:
+    """The gallery at ``store_uri``, its store checked and its manifest read (every entry point
+    opens a gallery this way). ``s3`` (gallery.s3): the retries and timeouts of this process's S3
+    clients; with ``registry_identity``, refused when the gallery was built against another
+    registry."""
+    if s3 is not None:
+        configure_s3(s3)
+    store = store_at(store_uri)
     store.check()
     gallery = Gallery(store)
     manifest = gallery.manifest(refresh=True)

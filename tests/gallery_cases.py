@@ -14,7 +14,8 @@ import torch
 
 from components.platform.config import TrainConfig
 from components.gallery import lock as locking
-from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery import backfill, ending, garbage, planning
+from components.gallery.status import gallery_status
 from components.gallery.catalog import IMAGE_CACHE
 from components.gallery.adopt import adopt
 from components.gallery.catalog import Gallery, GalleryError, fetch_images, ingest
@@ -58,13 +59,13 @@ def _gallery(store_uri, models, data, part_size=10) -> Gallery:
     return Gallery(open_store(store_uri))
 
 
-def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> pl.Plan:
-    uid = pl.upgrade_id(OLD, NEW)
+def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> planning.Plan:
+    uid = planning.upgrade_id(OLD, NEW)
     for part in range(gallery.num_parts):
-        pl.transform_part(gallery, uid, h, part)
-    order = pl.make_order(gallery, uid, "sigma", 0)
-    plan = pl.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", chunk_size, N, N if eval_all else 0, "l2")
-    pl.commit_plan(gallery, plan, order)
+        planning.transform_part(gallery, uid, h, part)
+    order = planning.make_order(gallery, uid, "sigma", 0)
+    plan = planning.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", chunk_size, N, N if eval_all else 0, "l2")
+    planning.commit_plan(gallery, plan, order)
     return plan
 
 
@@ -129,46 +130,46 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     gallery = _gallery(store_uri, models, data)
     plan = _plan(gallery, h)
     assert gallery.manifest(refresh=True)["upgrade"] == plan.id and plan.num_chunks == 8
-    order = pl.order_of(gallery.store, plan.id)
+    order = planning.order_of(gallery.store, plan.id)
     old_features = gallery.all_features(OLD)
     transformed, sigma = apply_alignment(h, old_features)
     np.testing.assert_array_equal(order, np.argsort(-sigma.astype(np.float64), kind="stable"))
 
-    first = [bf.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
-    assert bf.done_chunks(gallery.store, plan.id) == [0, 1, 4]
-    again = bf.backfill_chunk(gallery.store, plan.id, 1, new)
+    first = [backfill.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
+    assert backfill.done_chunks(gallery.store, plan.id) == [0, 1, 4]
+    again = backfill.backfill_chunk(gallery.store, plan.id, 1, new)
     assert again["skipped"] and again["token"] == first[1]["token"]  # a done chunk is not redone
 
-    mixed, backfilled = bf.mixed_features(gallery, plan)
+    mixed, backfilled = backfill.mixed_features(gallery, plan)
     expected_new = embed(new, images)
     rows = np.concatenate([order[slice(*plan.chunk_bounds(c))] for c in (0, 1, 4)])
     assert set(np.flatnonzero(backfilled)) == set(rows)
     np.testing.assert_allclose(mixed[rows], expected_new[rows], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mixed[~backfilled], transformed[~backfilled], rtol=1e-5, atol=1e-6)
     for memory in (1, 2 * 10 * NEW_DIM * 4, 1 << 30):  # a part, two parts, everything per batch
-        parts = list(bf.iter_mixed_parts(gallery, plan, memory_bytes=memory))
+        parts = list(backfill.iter_mixed_parts(gallery, plan, memory_bytes=memory))
         assert [p for p, _, _ in parts] == list(range(gallery.num_parts))
         np.testing.assert_array_equal(np.concatenate([f for _, f, _ in parts]), mixed)
         np.testing.assert_array_equal(np.concatenate([b for _, _, b in parts]), backfilled)
     sample = np.array([order[0], 3, 50, int(rows[-1]), 17])  # the same rows, reading only what they need
-    np.testing.assert_array_equal(bf.mixed_rows(gallery, plan, sample), mixed[sample])
-    np.testing.assert_array_equal(bf.transformed_rows(gallery, plan.id, sample),
-                                  pl.transformed_all(gallery, plan.id)[sample])
+    np.testing.assert_array_equal(backfill.mixed_rows(gallery, plan, sample), mixed[sample])
+    np.testing.assert_array_equal(backfill.transformed_rows(gallery, plan.id, sample),
+                                  planning.transformed_all(gallery, plan.id)[sample])
     with pytest.raises(GalleryError, match="not complete: 5 chunks left"):
-        up.finish(gallery, plan)
-    state = up.status(gallery)
+        ending.finish(gallery, plan)
+    state = gallery_status(gallery)
     assert state["state"] == "paused" and state["upgrade"]["chunks_done"] == 3
     assert state["upgrade"]["items_done"] == 21
 
     for chunk in range(plan.num_chunks):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
-    up.finish(gallery, plan)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.finish(gallery, plan)
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
-    assert up.status(gallery)["state"] == "idle"
+    assert gallery_status(gallery)["state"] == "idle"
     # old features stay until collected explicitly
     assert gallery.store.list(f"features/{OLD.key}/")
-    deleted = up.collect_garbage(gallery)
+    deleted = garbage.collect_garbage(gallery)
     assert deleted["features"] == 6 and deleted["upgrade_objects"] > 0
     assert gallery.store.list(f"features/{OLD.key}/") == []
     assert gallery.store.exists(f"upgrades/{plan.id}/plan.json")
@@ -184,12 +185,12 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
     np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
     _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
     with pytest.raises(ChecksumMismatch, match="images/part-00002.npy"):
-        bf.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert bf.done_chunks(gallery.store, plan.id) == []
+        backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+    assert backfill.done_chunks(gallery.store, plan.id) == []
     gallery.store.delete("images/part-00002.npy")
     with pytest.raises(ObjectMissing, match="images/part-00002.npy does not exist"):
-        bf.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert bf.done_chunks(gallery.store, plan.id) == []
+        backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+    assert backfill.done_chunks(gallery.store, plan.id) == []
 
 
 def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
@@ -237,24 +238,24 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
     plan = _plan(gallery, h)
     assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
     for chunk in (0, 1, 2):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
     assert searcher.refresh() == 3 and searcher.rebuilds == 1 and searcher.index.ntotal == N
     assert searcher.backfilled == 21
-    mixed, _ = bf.mixed_features(gallery, plan)
+    mixed, _ = backfill.mixed_features(gallery, plan)
     queries = embed(new, data[0][:6])
     ids, distances = searcher.search(queries, k=5)
     np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
-    item = int(gallery.ids()[pl.order_of(gallery.store, plan.id)[0]])
-    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[pl.order_of(gallery.store, plan.id)[0]])
-    _, backfilled = bf.mixed_features(gallery, plan)
+    item = int(gallery.ids()[planning.order_of(gallery.store, plan.id)[0]])
+    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[planning.order_of(gallery.store, plan.id)[0]])
+    _, backfilled = backfill.mixed_features(gallery, plan)
     position = {int(i): p for p, i in enumerate(gallery.ids())}
     mapped = f"{OLD.uri} mapped by {plan.map_uri}"
     assert searcher.sources(ids) == [[NEW.uri if backfilled[position[int(i)]] else mapped for i in row] for row in ids]
     assert {src for row in searcher.sources(ids) for src in row} <= {NEW.uri, mapped}
 
     for chunk in range(plan.num_chunks):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
-    up.finish(gallery, plan)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.finish(gallery, plan)
     assert searcher.refresh() == 5 and searcher.rebuilds == 1 and searcher.query_model == NEW
     with pytest.raises(GalleryError, match="dimension 8, but the model's is 12"):
         searcher.search(queries_old)
@@ -323,21 +324,21 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     _put_original(root, "img-00006.png", b"not a png")
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
-    failed = bf.failed_images(gallery.store, plan.id)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    failed = backfill.failed_images(gallery.store, plan.id)
     assert sorted((f["id"], f["position"], f["reason"].split(":")[0]) for f in failed) == [
         (505, 5, "missing"), (506, 6, "undecodable")]
-    mixed, backfilled = bf.mixed_features(gallery, plan)
+    mixed, backfilled = backfill.mixed_features(gallery, plan)
     transformed, _ = apply_alignment(h, features)
     np.testing.assert_allclose(mixed[[5, 6]], transformed[[5, 6]], rtol=1e-5, atol=1e-6)  # kept, not a gap
     others = np.setdiff1d(np.arange(N), [5, 6])
     np.testing.assert_allclose(mixed[others], embed(new, images)[others], rtol=1e-5, atol=1e-6)
-    state = up.status(gallery)
+    state = gallery_status(gallery)
     assert state["upgrade"]["failed_images"]["count"] == 2
     assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {505, 506}
     searcher = GallerySearch(gallery)
     assert searcher.sources(np.array([505, 507])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
-    record = up.finish(gallery, plan)
+    record = ending.finish(gallery, plan)
     assert record["failed_images"]["count"] == 2 and gallery.model == NEW
     assert searcher.refresh() >= 0 and searcher.sources(np.array([506, 500])) == [
         f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]  # after the finish, the kept item still says so

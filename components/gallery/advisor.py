@@ -326,7 +326,7 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
 
 
 def advice_key(upgrade: str) -> str:
-    from components.gallery.plan import upgrade_key
+    from components.gallery.planning import upgrade_key
 
     return upgrade_key(upgrade, ADVICE)
 
@@ -370,7 +370,7 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     nothing to predict from."""
     from components.gallery.backfill import transformed_rows
     from components.gallery.judgments import stored_judged
-    from components.gallery.plan import eval_ranks, order_of, stored_eval_sample, transformed_key
+    from components.gallery.planning import eval_ranks, order_of, stored_eval_sample, transformed_key
 
     if plan.eval_queries < 2:
         return None

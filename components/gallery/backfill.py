@@ -1,6 +1,6 @@
 """The backfill of a planned upgrade: re-embed one chunk (features first, then its completion
 marker), which chunks are done, and the gallery as queries see it meanwhile (mixed features).
-The objects' keys are in ``components.gallery.plan``."""
+The objects' keys are in ``components.gallery.planning``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from components.gallery.catalog import (
     IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now, rows_at,
 )
-from components.gallery.plan import (
+from components.gallery.planning import (
     Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
 )
 from components.gallery.store import ObjectMissing, Store, StoreError

@@ -9,7 +9,7 @@ Under one prefix::
                                             they are, read by the URI in the items table
     features/<name>-v<version>/part-NNNNN.npy   features of one model version, written once
     upgrades/lock.json                      held while an upgrade runs
-    upgrades/<upgrade-id>/...               see components.gallery.plan
+    upgrades/<upgrade-id>/...               see components.gallery.planning
 
 Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
 ``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.

@@ -263,7 +263,7 @@ JUDGED = "eval/judgments.json"
 
 def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray, champion_queries: np.ndarray) -> None:
     """The resolved judgments and both sides' query features, under ``upgrades/<upgrade>/eval/``."""
-    from components.gallery.plan import upgrade_key
+    from components.gallery.planning import upgrade_key
 
     store.put_array(upgrade_key(upgrade, "eval/judged_new.npy"), np.asarray(new_queries, dtype=np.float32))
     store.put_array(upgrade_key(upgrade, "eval/judged_champion.npy"), np.asarray(champion_queries, dtype=np.float32))
@@ -274,7 +274,7 @@ def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray
 
 def stored_judged(store, upgrade: str) -> tuple[Judgments, np.ndarray, np.ndarray] | None:
     """(judgments, new-model query features, champion query features) of a planned upgrade, or None."""
-    from components.gallery.plan import upgrade_key
+    from components.gallery.planning import upgrade_key
     from components.gallery.store import ObjectMissing
 
     try:

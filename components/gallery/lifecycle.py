@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from components.gallery.catalog import GalleryError
-from components.gallery.plan import Plan
+from components.gallery.planning import Plan
 
 
 def failure_limit(max_failed: float | int, num_items: int) -> int:

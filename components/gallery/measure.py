@@ -58,7 +58,7 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     """The meter of a planned upgrade, with the chunks already ``done`` landed; None when the
     plan has no evaluation sample."""
     from components.gallery.backfill import chunk_features, transformed_rows
-    from components.gallery.plan import eval_positions_key, eval_queries_key, eval_ranks, order_of
+    from components.gallery.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
     labels = gallery.labels()
     if plan.eval_queries < 2 or labels is None:  # nothing to measure retrieval against

@@ -5,7 +5,7 @@ pipeline's files: the map learns old -> new from a seeded sample of the gallery'
 (their old features from the store, their new ones by embedding their images), and its check
 holds out pairs of the same sample, so the classes the gallery holds are the classes the map is
 judged on. The sampled items' new features are not thrown away: the plan writes them as the
-first, already backfilled chunks (``components.gallery.plan``).
+first, already backfilled chunks (``components.gallery.planning``).
 
 The discriminative term needs a class per pair (a row of the new model's classifier): the
 gallery's label where the classifier knows it, else the new model's own prediction on the new

@@ -16,7 +16,7 @@ from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import chunk_features, done_chunks
-from components.gallery.plan import FINISHED, load_plan, marker_key, order_of, transformed_key, upgrade_key
+from components.gallery.planning import FINISHED, load_plan, marker_key, order_of, transformed_key, upgrade_key
 from components.gallery.store import ObjectMissing
 
 

@@ -15,7 +15,7 @@ from components.gallery.store import ObjectMissing
 FAILED_SHOWN = 20  # failed images listed by status (finished.json keeps them all)
 
 
-def status(gallery: Gallery, *, failures: bool = True) -> dict:
+def gallery_status(gallery: Gallery, *, failures: bool = True) -> dict:
     """The gallery's model, lock and upgrade in progress; ``failures``: with the adopted images a
     backfill could not read (one read per done chunk)."""
     manifest = gallery.manifest(refresh=True)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from components.gallery import lock as locking
-from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery import backfill, ending, planning
+from components.gallery.status import gallery_status
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
@@ -45,15 +46,15 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     assert paused["state"] == "paused"
     assert paused["items_done"] == int(np.ceil(0.4 * n))  # exact: the chunk the budget falls in was cut
     gallery = Gallery(open_store(store_uri))
-    state = up.status(gallery)
+    state = gallery_status(gallery)
     assert state["state"] == "paused" and state["lock"] is None
     assert state["upgrade"]["items_done"] == paused["items_done"]
 
     # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == new_version and searcher.backfilled == paused["items_done"]
-    plan = pl.load_plan(gallery.store, state["upgrade"]["id"])
-    mixed, backfilled = bf.mixed_features(gallery, plan)
+    plan = planning.load_plan(gallery.store, state["upgrade"]["id"])
+    mixed, backfilled = backfill.mixed_features(gallery, plan)
     assert backfilled.sum() == paused["items_done"]
     queries = embed(new_model, split.images[:5])
     ids, _ = searcher.search(queries, k=3)
@@ -71,17 +72,17 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     history = {name: {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, name)}
                for name in ("top1", "top5", "map")}
     steps = sorted(history["top1"])
-    plan = pl.load_plan(gallery.store, plan.id)
+    plan = planning.load_plan(gallery.store, plan.id)
     # the evaluation sample was embedded while planning: the first chunks, backfilled from the start
     assert plan.prefilled == 24 and plan.chunk_bounds(2) == (16, 24) and steps[1] == plan.prefilled
     assert steps[0] == 0 and steps[-1] == n and len(steps) >= 3
     positions = gallery.store.get_array(f"upgrades/{plan.id}/eval/positions.npy")
-    order = pl.order_of(gallery.store, plan.id)
+    order = planning.order_of(gallery.store, plan.id)
     assert set(order[:plan.prefilled]) == set(positions)
     # ... and stands for the gallery: its items count as backfilled at their stand-in places
     ranks = gallery.store.get_array(f"upgrades/{plan.id}/eval/ranks.npy")
     local = np.argsort(ranks, kind="stable")
-    transformed = pl.transformed_all(gallery, plan.id)
+    transformed = planning.transformed_all(gallery, plan.id)
     labels = split.labels[positions]
     counts = [int((ranks < s).sum()) for s in steps]
     curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
@@ -185,8 +186,8 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     result = run_upgrade(on_dask, uri, gate=False)
     assert result["state"] == "complete" and result["failed_images"] == 0
     store = open_store(uri)
-    plan = pl.load_plan(store, result["upgrade"])
-    markers = [store.get_json(pl.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
+    plan = planning.load_plan(store, result["upgrade"])
+    markers = [store.get_json(planning.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
     pids = {m["pid"] for m in markers if not m.get("prefilled")}
     assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
     # the evaluation sample's chunks were written while planning, here, from the features it embedded
@@ -315,7 +316,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert result.exit_code == 6  # bad input: the gallery is locked
     assert "is being upgraded: upgrade another-upgrade by process" in result.output
     assert "fastfill upgrade unlock" in result.output
-    assert up.status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
+    assert gallery_status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
     result = runner.invoke(app, ["upgrade", "unlock", *args])
     assert result.exit_code == 0 and "removed the lock of upgrade another-upgrade" in result.output
     store = open_store(uri)
@@ -345,7 +346,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert answer["backfilled"] == status["upgrade"]["items_done"] and len(answer["ids"][0]) == 3
     sources = {src for row in answer["sources"] for src in row}  # each hit says where its features come from
     assert sources <= {f"models:/embedder/{new_version}", f"models:/embedder/{old_version} mapped by "
-                       f"{pl.load_plan(open_store(uri), status['upgrade']['id']).map_uri}"}, sources
+                       f"{planning.load_plan(open_store(uri), status['upgrade']['id']).map_uri}"}, sources
     np.save(tmp_path / "wide.npy", np.zeros((2, 5), np.float32))
     result = runner.invoke(app, ["search", *args, "--features", str(tmp_path / "wide.npy")])
     assert result.exit_code == 6 and "dimension 5, but the model's is 16" in result.output
@@ -382,7 +383,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     while time.monotonic() < deadline and process.poll() is None:
         manifest = store.get_json("gallery.json") if store.exists("gallery.json") else {}
         upgrade_id = manifest.get("upgrade")
-        if upgrade_id and len(bf.done_chunks(store, upgrade_id)) >= 3:
+        if upgrade_id and len(backfill.done_chunks(store, upgrade_id)) >= 3:
             os.killpg(process.pid, signal.SIGKILL)
             break
         time.sleep(0.02)
@@ -390,8 +391,8 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     log.close()
     output = (tmp_path / "killed.log").read_text()
     assert process.returncode == -signal.SIGKILL, f"the backfill ended before it could be killed:\n{output[-3000:]}"
-    plan = pl.load_plan(store, upgrade_id)
-    before = {c: store.get_json(pl.marker_key(upgrade_id, c)) for c in bf.done_chunks(store, upgrade_id)}
+    plan = planning.load_plan(store, upgrade_id)
+    before = {c: store.get_json(planning.marker_key(upgrade_id, c)) for c in backfill.done_chunks(store, upgrade_id)}
     assert 3 <= len(before) < plan.num_chunks
     assert store.exists(locking.LOCK)  # left behind by the killed process
 
@@ -400,11 +401,11 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     assert "that process is gone" in resumed.stdout + resumed.stderr
     assert "complete:" in resumed.stdout
     # finished chunks were not redone; every chunk has one marker; every item has its features
-    after = {c: store.get_json(pl.marker_key(upgrade_id, c)) for c in bf.done_chunks(store, upgrade_id)}
+    after = {c: store.get_json(planning.marker_key(upgrade_id, c)) for c in backfill.done_chunks(store, upgrade_id)}
     assert sorted(after) == list(range(plan.num_chunks))
     assert all(after[c]["token"] == before[c]["token"] for c in before)
     assert sum(m["count"] for m in after.values()) == plan.num_items
-    order = pl.order_of(store, upgrade_id)
+    order = planning.order_of(store, upgrade_id)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in after.values()])) == list(range(plan.num_items))
     gallery = Gallery(store)
     assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(locking.LOCK)
@@ -437,7 +438,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     store = open_store(store_uri)
     client, _, _, old_version, new_version = registry_models(params)
     name = params.mlflow.registered_model
-    uid = pl.upgrade_id(registry.ModelRef(name, old_version), registry.ModelRef(name, new_version))
+    uid = planning.upgrade_id(registry.ModelRef(name, old_version), registry.ModelRef(name, new_version))
     root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-m", "cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
@@ -447,14 +448,14 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
         return bool(store.list(f"upgrades/{uid}/"))
 
     def backfilling(at_least=rng.randint(1, 4)):
-        return len(bf.done_chunks(store, uid)) >= at_least
+        return len(backfill.done_chunks(store, uid)) >= at_least
 
-    def ending():
-        plan = pl.load_plan(store, uid)
-        return plan is not None and len(bf.done_chunks(store, uid)) == plan.num_chunks
+    def ending_started():
+        plan = planning.load_plan(store, uid)
+        return plan is not None and len(backfill.done_chunks(store, uid)) == plan.num_chunks
 
     killed_at = []
-    for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending)):
+    for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending_started)):
         log = open(tmp_path / f"killed-{phase}.log", "wb")
         process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -469,21 +470,21 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
         log.close()
         output = (tmp_path / f"killed-{phase}.log").read_text()
         assert process.returncode == -signal.SIGKILL, f"{phase}: ended before it could be killed:\n{output[-3000:]}"
-        killed_at.append((phase, len(bf.done_chunks(store, uid)), store.exists(pl.upgrade_key(uid, "decision.json"))))
+        killed_at.append((phase, len(backfill.done_chunks(store, uid)), store.exists(planning.upgrade_key(uid, "decision.json"))))
     print("killed at (phase, chunks done, decision recorded):", killed_at)
 
     resumed = subprocess.run(command, cwd=root, env=cli_env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    plan = pl.load_plan(store, uid)
-    markers = [store.get_json(pl.marker_key(uid, c)) for c in bf.done_chunks(store, uid)]
+    plan = planning.load_plan(store, uid)
+    markers = [store.get_json(planning.marker_key(uid, c)) for c in backfill.done_chunks(store, uid)]
     assert len(markers) == plan.num_chunks and sum(m["count"] for m in markers) == plan.num_items
-    order = pl.order_of(store, uid)
+    order = planning.order_of(store, uid)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in markers])) == list(range(plan.num_items))
     gallery = Gallery(store)
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
-    assert up.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
-    assert up.status(gallery)["state"] == "idle"
+    assert ending.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
+    assert gallery_status(gallery)["state"] == "idle"
 
     reference_uri = str(tmp_path / "reference")
     client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
@@ -506,7 +507,7 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
     assert result["state"] == "complete"
-    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    plan = planning.load_plan(open_store(uri), result["upgrade"])
     versions = sorted(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"),
                       key=lambda v: int(v.version))
     trained, tags = versions[0], versions[0].tags
@@ -545,7 +546,7 @@ def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade
     ingest_flow(unchecked, uri)
     result = upgrade_flow(unchecked, uri)
     assert result["state"] == "complete"
-    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    plan = planning.load_plan(open_store(uri), result["upgrade"])
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert len(versions) == 1  # no l2-only fallback map was trained or registered
     tags = versions[0].tags
@@ -566,7 +567,8 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     from components.gallery.advisor import recommend
     from cli import app
     from flows.ingest import ingest_flow
-    from flows.upgrade import dry_run_upgrade, upgrade_flow
+    from cli.upgrade_commands import dry_run
+    from flows.upgrade import upgrade_flow
 
     import yaml
 
@@ -585,7 +587,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     n = ingest_flow(params, uri)["num_items"]
     store = open_store(uri)
     before = {key: store.get(key) for key in store.list("")}
-    dry = dry_run_upgrade(params, uri)
+    dry = dry_run(params, uri)
     assert {key: store.get(key) for key in store.list("")} == before  # the prediction wrote nothing
     predicted = dry["advice"]
     assert predicted["sample"] == 40 and predicted["items"] == n and len(predicted["top1"]) == 21
@@ -601,7 +603,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
 
     paused = upgrade_flow(params, uri)
     assert paused["state"] == "paused" and paused["stopped"] == "recommended", paused
-    prefilled = pl.load_plan(store, paused["upgrade"]).prefilled  # the evaluation sample, embedded while planning
+    prefilled = planning.load_plan(store, paused["upgrade"]).prefilled  # the evaluation sample, embedded while planning
     assert paused["items_done"] == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
     assert paused["advice"]["recommendation"]["fraction"] == stop["fraction"]
     stored = store.get_json(f"upgrades/{paused['upgrade']}/advice.json")
@@ -697,6 +699,6 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_ha
         "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 2, "max_concurrency": 1})})})
     with pytest.raises(GalleryError, match=r"images could not be read or decoded, more than the 2"):
         upgrade_flow(strict, strict_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
-    state = up.status(Gallery(open_store(strict_uri)))
+    state = gallery_status(Gallery(open_store(strict_uri)))
     assert state["state"] == "paused" and state["upgrade"]["failed_images"]["count"] == 3
     assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {1003, 1011, 1019}

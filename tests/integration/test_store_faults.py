@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from components.gallery import backfill as bf, lock as locking, upgrade as up
+from components.gallery import backfill, ending, lock as locking
 from components.gallery.catalog import Gallery
 from components.gallery.store import StoreUnreachable, configure_s3, open_store
 from components.platform.config import S3Config
@@ -49,8 +49,8 @@ def _upgrade_work(store_uri: str):
     try:
         gallery = _gallery(store_uri, (old, new, h), make_data())
         plan = _plan(gallery, h)
-        records = [bf.backfill_chunk(gallery.store, plan.id, chunk, new) for chunk in range(plan.num_chunks)]
-        up.finish(gallery, plan)
+        records = [backfill.backfill_chunk(gallery.store, plan.id, chunk, new) for chunk in range(plan.num_chunks)]
+        ending.finish(gallery, plan)
     finally:
         lock.release()
     return Gallery(open_store(store_uri)), plan, records
@@ -59,7 +59,7 @@ def _upgrade_work(store_uri: str):
 @pytest.fixture(scope="module")
 def without_faults(s3_endpoint):
     gallery, plan, _ = _upgrade_work(f"s3://{new_bucket(s3_endpoint)}/galleries/main")
-    return gallery.all_features(NEW), [bf.chunk_features(gallery.store, plan.id, c) for c in range(plan.num_chunks)]
+    return gallery.all_features(NEW), [backfill.chunk_features(gallery.store, plan.id, c) for c in range(plan.num_chunks)]
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_an_upgrade_through_a_failing_endpoint_ends_as_one_without_faults(kinds,
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_array_equal(gallery.all_features(NEW), features)  # bit-identical
     for chunk, expected in enumerate(chunks):
-        np.testing.assert_array_equal(bf.chunk_features(gallery.store, plan.id, chunk), expected)
+        np.testing.assert_array_equal(backfill.chunk_features(gallery.store, plan.id, chunk), expected)
     assert not gallery.store.exists(locking.LOCK)
 
 
@@ -92,11 +92,11 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     _, new, h = make_models()
     gallery = _gallery(store_uri, make_models(), make_data())
     plan = _plan(gallery, h)
-    first = {c: bf.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 2)}
+    first = {c: backfill.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 2)}
 
     proxy.down = True  # every connection is dropped, for longer than the retries last
     with pytest.raises(StoreUnreachable) as caught:
-        bf.backfill_chunk(gallery.store, plan.id, 3, new)
+        backfill.backfill_chunk(gallery.store, plan.id, 3, new)
     message = str(caught.value)
     print(f"\n{message}")
     assert "\n" not in message and message.startswith(f"{store_uri}: ")
@@ -108,10 +108,10 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     assert proxy.faults["down"] >= 3 + 3  # every attempt of both
 
     proxy.down = False  # the store is back: the same work resumes
-    again = [bf.backfill_chunk(gallery.store, plan.id, c, new) for c in range(plan.num_chunks)]
+    again = [backfill.backfill_chunk(gallery.store, plan.id, c, new) for c in range(plan.num_chunks)]
     assert [r["skipped"] for r in again] == [True] * 3 + [False] * (plan.num_chunks - 3)
     assert [again[c]["token"] for c in first] == [first[c]["token"] for c in first]  # not redone
-    up.finish(gallery, plan)
+    ending.finish(gallery, plan)
     np.testing.assert_array_equal(Gallery(open_store(store_uri)).all_features(NEW), without_faults[0])
 
 

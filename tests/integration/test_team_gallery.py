@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery import plan as pl
+from components.gallery import planning
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.store import open_store
 from tests.integration.helpers import registry_models, split_images
@@ -68,7 +68,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     # their new features are the first backfilled chunks, and the budget ends the backfill exactly
     paused = upgrade_flow(team, uri, budget=64, gate=False)
     assert paused["state"] == "paused" and paused["items_done"] == 64  # a chunk of 64 cut at 64
-    plan = pl.load_plan(store, paused["upgrade"])
+    plan = planning.load_plan(store, paused["upgrade"])
     # the map sample and the (unlabeled) evaluation sample, embedded while planning
     assert 48 <= plan.prefilled < 64 and plan.eval_queries == 24
     assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, plan.prefilled), (plan.prefilled, 64),
@@ -84,7 +84,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     assert trained.tags["check.source"] == f"gallery {uri}" and trained.tags["check"] in ("passed", "fallback",
                                                                                           "warned")
     gallery = Gallery(store)
-    sampled = pl.order_of(store, plan.id)[:48]
+    sampled = planning.order_of(store, plan.id)[:48]
     from components.gallery.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
@@ -107,7 +107,8 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
     from flows.ingest import ingest_flow
     from flows.undo import abort_flow
-    from flows.upgrade import dry_run_upgrade, upgrade_flow
+    from cli.upgrade_commands import dry_run
+    from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, *_ = registry_models(params)
@@ -122,18 +123,18 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     on_gallery = configured()
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
-    assert "has not passed its check on gallery" in dry_run_upgrade(on_gallery, uri)["advice"]["note"]
+    assert "has not passed its check on gallery" in dry_run(on_gallery, uri)["advice"]["note"]
     # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
     from components.platform.registry import ModelRef
 
     _, _, _, old_version, new_version = registry_models(params)
-    uid = pl.upgrade_id(ModelRef("embedder", old_version), ModelRef("embedder", new_version))
+    uid = planning.upgrade_id(ModelRef("embedder", old_version), ModelRef("embedder", new_version))
     store = open_store(uri)
-    store.put_array(pl.chunk_key(uid, 7), np.zeros((3, 16), dtype=np.float32))
-    store.put_json(pl.marker_key(uid, 7), {"chunk": 7, "start": 0, "stop": 3, "count": 3})
+    store.put_array(planning.chunk_key(uid, 7), np.zeros((3, 16), dtype=np.float32))
+    store.put_json(planning.marker_key(uid, 7), {"chunk": 7, "start": 0, "stop": 3, "count": 3})
     first = upgrade_flow(on_gallery, uri, budget=60)
-    plan = pl.load_plan(store, first["upgrade"])
-    marker = pl.marker_key(uid, 7)
+    plan = planning.load_plan(store, first["upgrade"])
+    marker = planning.marker_key(uid, 7)
     assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 48
@@ -142,10 +143,10 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
 
     abort_flow(on_gallery, uri)
-    predicted = dry_run_upgrade(on_gallery, uri)["advice"]
+    predicted = dry_run(on_gallery, uri)["advice"]
     assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
-    replanned = pl.load_plan(store, again["upgrade"])
+    replanned = planning.load_plan(store, again["upgrade"])
     tags = client.get_run(replanned.mlflow_run_id).data.tags
     assert replanned.map_uri == plan.map_uri and tags["map_version"] == used
     assert tags["check"].startswith("not repeated") and "check.source" not in tags
@@ -154,7 +155,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 
     abort_flow(on_gallery, uri)
     rechecked = upgrade_flow(configured(recheck=True), uri, budget=60)
-    tags = client.get_run(pl.load_plan(store, rechecked["upgrade"]).mlflow_run_id).data.tags
+    tags = client.get_run(planning.load_plan(store, rechecked["upgrade"]).mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}"
 
 
@@ -189,8 +190,8 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     numbers = result["promotion"]["numbers"]
     assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
     assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
-    plan = pl.load_plan(open_store(uri), result["upgrade"])
-    front = set(pl.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
+    plan = planning.load_plan(open_store(uri), result["upgrade"])
+    front = set(planning.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
     # the advisor predicted the curve with the gate's protocol: the judged queries against the sample
     advice = open_store(uri).get_json(f"upgrades/{plan.id}/advice.json")
@@ -228,7 +229,7 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     assert result["state"] == "complete", result
     tags = client.get_model_version(name, version).tags
     assert tags["check"] == "fallback" and "non-finite" in tags["check_reason"]
-    plan = pl.load_plan(open_store(uri), result["upgrade"])
+    plan = planning.load_plan(open_store(uri), result["upgrade"])
     assert plan.map_uri != f"models:/{name}/{version}"
     assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
     gallery = Gallery(open_store(uri))

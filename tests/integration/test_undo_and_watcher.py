@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery import plan as pl, upgrade as up
+from components.gallery import garbage, planning, reversal
+from components.gallery.status import gallery_status
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
@@ -88,7 +89,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert _flow_run("gallery-upgrade").name == f"upgrade {uri} to challenger"
     store = open_store(uri)
     gallery = Gallery(store)
-    plan = pl.load_plan(store, paused["upgrade"])
+    plan = planning.load_plan(store, paused["upgrade"])
     assert 0 < paused["items_done"] < plan.num_items
 
     held = acquire_lock(store, "another-upgrade", log=lambda m: None)  # a live process works on the gallery
@@ -112,8 +113,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     # the champion's features are served again, by a fresh search and in `upgrade status`
     assert gallery.manifest(refresh=True)["upgrade"] is None and model_version(gallery) == old_version
     _finds_itself(gallery, old_model, params)
-    assert up.status(gallery)["state"] == "idle"
-    record = store.get_json(pl.upgrade_key(plan.id, up.ABORTED))
+    assert gallery_status(gallery)["state"] == "idle"
+    record = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
     assert (record["items_done"], record["chunks"], record["stage"]) == (paused["items_done"], plan.num_chunks,
                                                                           "backfilling")
     assert record["by"]["pid"] == os.getpid() and record["to"] == f"models:/embedder/{new_version}"
@@ -124,16 +125,16 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     result = runner.invoke(app, ["upgrade", "abort", *args])  # nothing left to abort
     assert result.exit_code != 0 and "is in progress" in result.output and "nothing to abort" in result.output
 
-    assert up.collect_garbage(gallery)["upgrade_objects"] > 0  # its working data is garbage
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [pl.upgrade_key(plan.id, up.ABORTED), pl.plan_key(plan.id)]
+    assert garbage.collect_garbage(gallery)["upgrade_objects"] > 0  # its working data is garbage
+    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED), planning.plan_key(plan.id)]
 
     # asked for again: planned from scratch (a new plan and MLflow run), then completed
     to = f"models:/embedder/{new_version}"
     done = run_upgrade_file(params, params_path, uri, to, overrides={"gallery.upgrade.chunk_size": 10})
     assert done["state"] == "complete" and done["items_done"] == plan.num_items
-    again = pl.load_plan(store, plan.id)
+    again = planning.load_plan(store, plan.id)
     assert again.mlflow_run_id != plan.mlflow_run_id and again.chunk_size == 10 and again.created >= plan.created
-    assert up.aborted(store, plan.id) is None and model_version(gallery) == new_version
+    assert reversal.aborted(store, plan.id) is None and model_version(gallery) == new_version
     run = _flow_run("gallery-upgrade")
     assert run.name == f"upgrade {uri} to {to}"
     _assert_readable(run, {"store_uri": uri, "to_uri": to, "params_path": params_path,
@@ -190,7 +191,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     tags = client.get_model_version(name, new_version).tags
     assert tags["promotion"] == "rolled-back" and tags["promotion.rolled_back_to"] == old_version
     assert client.get_run(first["mlflow_run_id"]).data.tags["promotion"] == "rolled-back"
-    assert store.get_json(pl.upgrade_key(first["upgrade"], up.ROLLED_BACK))["registry_recorded"]
+    assert store.get_json(planning.upgrade_key(first["upgrade"], reversal.ROLLED_BACK))["registry_recorded"]
     assert claimed(store, name, new_version) is not None  # neither the watcher nor the webhook starts it again
     assert _flow_run("gallery-rollback").name == f"roll back {uri}"
     with pytest.raises(GalleryError, match="already a rollback"):
@@ -201,7 +202,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     assert again["state"] == "complete" and again["mlflow_run_id"] != first["mlflow_run_id"]
     assert model_version(gallery) == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
-    up.collect_garbage(gallery)
+    garbage.collect_garbage(gallery)
     result = runner.invoke(app, ["gallery", "rollback", *args])
     assert result.exit_code != 0
     assert "the old features were collected" in result.output and "Re-ingest the gallery" in result.output

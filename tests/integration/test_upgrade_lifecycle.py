@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from components.platform.config import parse_params
-from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery import backfill, ending, garbage, planning
+from components.gallery.status import gallery_status
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
@@ -126,12 +127,12 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     split = split_images(params)
     ids, _ = searcher.search(embed(old_model, split.images[:4]), k=1)
     assert list(ids[:, 0]) == [0, 1, 2, 3]  # each item finds itself among the champion's features
-    assert up.status(gallery)["state"] == "idle"
+    assert gallery_status(gallery)["state"] == "idle"
 
     with pytest.raises(GalleryError, match="rejected by the promotion gate"):
         upgrade_flow(params, uri, f"models:/embedder/{worse}")
-    deleted = up.collect_garbage(gallery)
-    assert deleted["upgrade_objects"] > 0 and store.exists(pl.upgrade_key(result["upgrade"], "rejected.json"))
+    deleted = garbage.collect_garbage(gallery)
+    assert deleted["upgrade_objects"] > 0 and store.exists(planning.upgrade_key(result["upgrade"], "rejected.json"))
 
 
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
@@ -152,29 +153,29 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert first["state"] == "paused" and 0.4 < first["fraction"] < 0.7
     store = open_store(uri)
     gallery = Gallery(store)
-    plan1 = pl.load_plan(store, first["upgrade"])
-    mixed1, backfilled1 = bf.mixed_features(gallery, plan1)
+    plan1 = planning.load_plan(store, first["upgrade"])
+    mixed1, backfilled1 = backfill.mixed_features(gallery, plan1)
     assert 0 < backfilled1.sum() < len(backfilled1)
 
     second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
     assert second["state"] == "paused"
-    plan2 = pl.load_plan(store, second["upgrade"])
+    plan2 = planning.load_plan(store, second["upgrade"])
     assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
     assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
-    assert store.get_json(pl.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
+    assert store.get_json(planning.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
     # three versions stored: v1's features, v2's backfilled chunks, v3's backfilled chunks
-    assert store.list(f"features/embedder-v{v1}/") and bf.done_chunks(store, plan1.id) and bf.done_chunks(store, plan2.id)
+    assert store.list(f"features/embedder-v{v1}/") and backfill.done_chunks(store, plan1.id) and backfill.done_chunks(store, plan2.id)
     # the sequential upgrade starts from v2's mixed gallery, and its order covers every item
-    sources = np.concatenate([store.get_array(pl.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
+    sources = np.concatenate([store.get_array(planning.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
     np.testing.assert_array_equal(sources, mixed1)
-    assert sorted(pl.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
+    assert sorted(planning.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
 
     # queries use v3 against the gallery as it stands, and match a brute-force search
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == v3
     v3_model_loaded = registered.load_model(f"models:/embedder/{v3}")
     queries = embed(v3_model_loaded, split_images(params).images[:6])
-    mixed2, backfilled2 = bf.mixed_features(gallery, plan2)
+    mixed2, backfilled2 = backfill.mixed_features(gallery, plan2)
     assert backfilled2.sum() == second["items_done"]
     ids, _ = searcher.search(queries, k=3)
     expected = np.argsort(pairwise_distances(queries, mixed2), axis=1, kind="stable")[:, :3]
@@ -187,8 +188,8 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert done["state"] == "complete" and gallery.model.version == v3
     features = gallery.all_features(gallery.model)
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
-    up.collect_garbage(gallery)
-    assert not store.list(f"features/embedder-v{v1}/") and not store.list(pl.upgrade_key(plan1.id, "done/"))
+    garbage.collect_garbage(gallery)
+    assert not store.list(f"features/embedder-v{v1}/") and not store.list(planning.upgrade_key(plan1.id, "done/"))
 
 
 def _ready_to_end(params, tmp_path, monkeypatch):
@@ -249,7 +250,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
             with pytest.raises(RuntimeError, match=f"injected after {step}"):
                 fu.upgrade_flow(params, uri)
         gallery = Gallery(open_store(uri))
-        assert up.status(gallery)["state"] == "ending interrupted", step
+        assert gallery_status(gallery)["state"] == "ending interrupted", step
 
         result = fu.upgrade_flow(params, uri)  # the same command again
 
@@ -258,10 +259,10 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
         assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == expected, step
         assert str(client.get_model_version_by_alias(name, "champion").version) == expected, step
         assert client.get_model_version(name, new_version).tags["promotion"] == ("passed" if passes else "rejected")
-        uid = pl.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
-        assert up.decision(gallery.store, uid)["registry_recorded"], step
-        assert not gallery.store.exists(LOCK) and up.status(gallery)["state"] == "idle", step
-        assert gallery.store.exists(pl.upgrade_key(uid, "rejected.json")) == (not passes), step
+        uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
+        assert ending.decision(gallery.store, uid)["registry_recorded"], step
+        assert not gallery.store.exists(LOCK) and gallery_status(gallery)["state"] == "idle", step
+        assert gallery.store.exists(planning.upgrade_key(uid, "rejected.json")) == (not passes), step
         if passes:  # once more: nothing to upgrade, and a success
             assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"
         else:
@@ -349,9 +350,9 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     gallery = Gallery(store)
     assert gallery.model.version == new_version and gallery.manifest()["upgrade"] is None
     assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
-    assert not store.exists(LOCK) and up.status(gallery)["state"] == "idle"
-    uid = pl.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
-    assert up.decision(store, uid)["registry_recorded"] and up.decision(store, uid)["passed"]
+    assert not store.exists(LOCK) and gallery_status(gallery)["state"] == "idle"
+    uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
+    assert ending.decision(store, uid)["registry_recorded"] and ending.decision(store, uid)["passed"]
     assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"  # and once more, later: still nothing to do
 
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from components.gallery import plan as pl
+from components.gallery import planning
 from components.gallery.adopt import adopt, npy_rows, parquet_rows, read_manifest
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.images import read_images, resolve
@@ -109,7 +109,7 @@ def test_adopt_takes_features_across_shards_and_checks_their_count(tmp_path):
 
 def test_failed_images_past_the_limit_stop_new_chunks():
     assert failure_limit(0.01, 1000) == 10 and failure_limit(3, 1000) == 3 and failure_limit(0.0, 50) == 0
-    plan = pl.Plan("u", OLD, ModelRef("embedder", "2", 4), "models:/m/1", "sigma", 2, 10, 0, "l2")
+    plan = planning.Plan("u", OLD, ModelRef("embedder", "2", 4), "models:/m/1", "sigma", 2, 10, 0, "l2")
     state = Backfill(plan, set(), limit=10, max_concurrency=1, max_failed_images=1)
     assert state.to_start() == [0]
     state.landed(0, 2, [{"id": 4, "uri": "s3://b/4.png", "reason": "missing: no such object", "position": 0}])

@@ -194,7 +194,7 @@ def test_a_paused_backfill_says_how_to_go_on():
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     """The real store's view against the table's: a planned, then aborted upgrade."""
     from components.gallery.catalog import Gallery, ingest
-    from components.gallery.plan import Plan, write_plan
+    from components.gallery.planning import Plan, write_plan
     from components.gallery.reversal import abort
     from components.gallery.store import open_store
     import numpy as np

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from components.evaluation import curve_at_counts
-from components.gallery import upgrade as up
+from components.gallery import garbage
 from components.gallery.catalog import Gallery, GalleryError, ingest
 from components.gallery.measure import BackfillMeter, restricted_order
 from components.gallery.store import (
@@ -70,7 +70,7 @@ def test_collect_garbage_refuses_during_an_upgrade(tmp_path, models, data):
     gallery = _gallery(str(tmp_path / "g"), models, data)
     _plan(gallery, models[2])
     with pytest.raises(GalleryError, match="in progress"):
-        up.collect_garbage(gallery)
+        garbage.collect_garbage(gallery)
 
 
 def test_meter_equals_the_simulated_curve_at_the_same_counts():
@@ -117,7 +117,7 @@ def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
 def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, models, kind):
     from components.experiment.inference import embed
-    from components.gallery import backfill as bf, plan as pl
+    from components.gallery import backfill, planning
     from components.gallery.search import GallerySearch
     from components.platform.config import IndexConfig
     from tests.gallery_cases import NEW
@@ -137,16 +137,16 @@ def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, m
         hits = np.mean([a in f for a, f in zip(approximate.search(queries, 1)[0][:, 0], flat.search(queries, 10)[0])])
         assert hits >= 0.5, hits
 
-    uid = pl.upgrade_id(OLD, NEW)
+    uid = planning.upgrade_id(OLD, NEW)
     for part in range(gallery.num_parts):
-        pl.transform_part(gallery, uid, h, part)
-    plan = pl.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", 100, 1200, 0, "l2")
-    pl.commit_plan(gallery, plan, pl.make_order(gallery, uid, "sigma", 0))
+        planning.transform_part(gallery, uid, h, part)
+    plan = planning.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", 100, 1200, 0, "l2")
+    planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
     for chunk in (0, 1, 2):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
     assert flat.refresh() == 0 and approximate.refresh() == 0  # the plan: rebuilt on h(old), done chunks applied
     for chunk in (3, 4):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
     assert approximate.refresh() == 2 and approximate.backfilled == 500 and approximate.index.ntotal == 1200
     assert approximate.query_model == NEW and approximate.rebuilds == 1
     flat.refresh()
@@ -187,7 +187,7 @@ def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tm
 def test_a_store_outage_is_never_a_missing_measurement_or_a_failed_image(tmp_path, monkeypatch):
     import socket
 
-    from components.gallery import plan as pl
+    from components.gallery import planning
     from components.gallery.images import ImageStoreError, read_images
     from components.gallery.store import LocalStore, StoreUnreachable
 
@@ -196,9 +196,9 @@ def test_a_store_outage_is_never_a_missing_measurement_or_a_failed_image(tmp_pat
             raise StoreUnreachable(f"cannot reach {self.uri}")
 
     with pytest.raises(GalleryError, match="has no evaluation sample"):  # absent: a configuration problem
-        pl.stored_eval_sample(LocalStore(tmp_path / "empty"), "u1")
+        planning.stored_eval_sample(LocalStore(tmp_path / "empty"), "u1")
     with pytest.raises(StoreUnreachable, match="cannot reach"):  # unreachable: said as it is
-        pl.stored_eval_sample(Down(tmp_path / "down"), "u1")
+        planning.stored_eval_sample(Down(tmp_path / "down"), "u1")
 
     with socket.socket() as probe:  # a port where nothing listens: the image store is down
         probe.bind(("127.0.0.1", 0))

@@ -7,21 +7,21 @@ import numpy as np
 
 import pytest
 
-from components.gallery import plan as pl
+from components.gallery import planning
 from components.gallery.catalog import GalleryError
 from components.gallery.lifecycle import (
     Backfill, budget_items, check_map_fits, checked_on, choose_map, cut_for_limit, done_prefix, failed_on, needs_check,
     plan_fields, registered_map_order,
 )
-from components.gallery.plan import Plan, chunk_grid, front_loaded, stand_in_ranks
+from components.gallery.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
 from components.platform.config import UpgradeConfig
 from components.platform.registry import ModelRef
 
 OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
 
 
-def _plan(num_items=10, chunk_size=3) -> pl.Plan:
-    return pl.Plan(pl.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
+def _plan(num_items=10, chunk_size=3) -> planning.Plan:
+    return planning.Plan(planning.upgrade_id(OLD, NEW), OLD, NEW, "models:/m/1", "sigma", chunk_size, num_items, 0, "l2")
 
 
 @pytest.mark.parametrize("budget, expected", [(None, 10), (0.25, 3), (0.01, 1), (1.0, 10), (4, 4), (99, 10)])

@@ -1,4 +1,4 @@
-"""Undoing upgrades in the store (components.gallery.upgrade: abort, rollback, start_over, gc of
+"""Undoing upgrades in the store (components.gallery.reversal and garbage: abort, rollback, start_over, gc of
 aborted work), the map training's progress lines, the CLI's progress default and the flows'
 configuration overrides; on a local folder, no Prefect."""
 
@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from components.gallery import backfill as bf, plan as pl, upgrade as up
+from components.gallery import backfill, ending, garbage, planning, reversal
+from components.gallery.status import gallery_status
 from components.gallery.catalog import GalleryError
 from tests.gallery_cases import NEW, OLD, _gallery, _plan, make_data, make_models
 
@@ -24,8 +25,8 @@ def data():
 
 def _finish_all(gallery, plan, new):
     for chunk in range(plan.num_chunks):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
-    return up.finish(gallery, plan)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    return ending.finish(gallery, plan)
 
 
 def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_scratch(tmp_path, models, data):
@@ -34,31 +35,31 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     store = gallery.store
     before = {key: store.get(key) for key in store.list("features/")}
     plan = _plan(gallery, h)
-    first = [bf.backfill_chunk(store, plan.id, c, new)["token"] for c in (0, 1, 2)]
-    assert up.abortable(gallery) == plan.id
+    first = [backfill.backfill_chunk(store, plan.id, c, new)["token"] for c in (0, 1, 2)]
+    assert reversal.abortable(gallery) == plan.id
 
-    record = up.abort(gallery, plan.id, by={"user": "ops", "host": "h", "pid": 1})
+    record = reversal.abort(gallery, plan.id, by={"user": "ops", "host": "h", "pid": 1})
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model == OLD
     assert {key: store.get(key) for key in store.list("features/")} == before  # the champion's, untouched
-    saved = store.get_json(pl.upgrade_key(plan.id, up.ABORTED))
+    saved = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
     assert saved == record and record["by"]["user"] == "ops" and record["stage"] == "backfilling"
     assert (record["chunks_done"], record["chunks"], record["items_done"]) == (3, 8, 21)
     assert record["from"] == OLD.uri and record["to"] == NEW.uri
-    assert up.status(gallery)["state"] == "idle"
+    assert gallery_status(gallery)["state"] == "idle"
     with pytest.raises(GalleryError, match="no upgrade of .* is in progress .*nothing to abort"):
-        up.abortable(gallery)
+        reversal.abortable(gallery)
 
     # gc collects its working data and keeps its plan and the record of the abort
-    deleted = up.collect_garbage(gallery)
+    deleted = garbage.collect_garbage(gallery)
     assert deleted["upgrade_objects"] > 0 and deleted["features"] == 0
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [pl.upgrade_key(plan.id, up.ABORTED), pl.plan_key(plan.id)]
+    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED), planning.plan_key(plan.id)]
 
     # asked for again: nothing of the aborted attempt is left to resume
-    undone = up.start_over(gallery, plan.id)
+    undone = reversal.start_over(gallery, plan.id)
     assert undone["ended"] == "aborted" and undone["upgrade"] == plan.id
-    assert store.list(f"upgrades/{plan.id}/") == [] and up.start_over(gallery, plan.id) is None
+    assert store.list(f"upgrades/{plan.id}/") == [] and reversal.start_over(gallery, plan.id) is None
     again = _plan(gallery, h, chunk_size=5)  # another chunking: nothing of the old one may be used
-    tokens = [bf.backfill_chunk(store, again.id, c, new)["token"] for c in (0, 1, 2)]
+    tokens = [backfill.backfill_chunk(store, again.id, c, new)["token"] for c in (0, 1, 2)]
     assert not set(tokens) & set(first)  # recomputed, not found done
     _finish_all(gallery, again, new)
     assert gallery.model == NEW
@@ -68,16 +69,16 @@ def test_an_abort_cut_short_is_seen_and_completed(tmp_path, models, data):
     _, new, h = models
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, h)
-    bf.backfill_chunk(gallery.store, plan.id, 0, new)
-    record = up.abort(gallery, plan.id)
+    backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+    record = reversal.abort(gallery, plan.id)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})  # as if killed before the switch
-    state = up.status(gallery)
+    state = gallery_status(gallery)
     assert state["state"] == "abort interrupted" and "fastfill upgrade abort" in state["next"]
-    assert up.abort(gallery, plan.id) == record  # completed, the first record kept
+    assert reversal.abort(gallery, plan.id) == record  # completed, the first record kept
     assert gallery.manifest(refresh=True)["upgrade"] is None
     # the same cut-short abort, then the upgrade asked for again: the gallery goes back before planning
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
-    assert up.start_over(gallery, plan.id)["ended"] == "aborted"
+    assert reversal.start_over(gallery, plan.id)["ended"] == "aborted"
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.store.list(f"upgrades/{plan.id}/") == []
 
 
@@ -85,28 +86,28 @@ def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
     _, new, h = models
     gallery = _gallery(str(tmp_path / "g"), models, data)
     with pytest.raises(GalleryError, match="nothing to abort$"):
-        up.abortable(gallery)
+        reversal.abortable(gallery)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        bf.backfill_chunk(gallery.store, plan.id, chunk, new)
-    up.record_decision(gallery.store, plan, passed=True, reasons=[], numbers=None, tags={}, champion=OLD)
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.write_decision(gallery.store, plan, passed=True, reasons=[], numbers=None, tags={}, champion=OLD)
     with pytest.raises(GalleryError, match="is ending: its promotion decision \\(passed\\).*cannot be aborted; run "
                                            "`fastfill upgrade`"):
-        up.abortable(gallery)
-    up.finish(gallery, plan)  # switched, the registry step not yet recorded
+        reversal.abortable(gallery)
+    ending.finish(gallery, plan)  # switched, the registry step not yet recorded
     with pytest.raises(GalleryError, match="has ended .*only its registry step is left"):
-        up.abortable(gallery)
-    up.mark_registry_recorded(gallery.store, plan.id)
+        reversal.abortable(gallery)
+    ending.mark_registry_recorded(gallery.store, plan.id)
     with pytest.raises(GalleryError, match=f"The last upgrade, {plan.id}, finished on .*a finished upgrade cannot be "
                                            f"aborted; `fastfill gallery rollback` returns the gallery to {OLD.uri}"):
-        up.abortable(gallery)
+        reversal.abortable(gallery)
 
     other = _gallery(str(tmp_path / "rejected"), models, data)
     rejected = _plan(other, h)
-    up.reject(other, rejected, {"reasons": ["worse"], "numbers": None})
+    ending.reject(other, rejected, {"reasons": ["worse"], "numbers": None})
     with pytest.raises(GalleryError, match=f"The last upgrade, {rejected.id}, was rejected by the promotion gate on "
                                            ".*it is over"):
-        up.abortable(other)
+        reversal.abortable(other)
 
 
 def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models, data):
@@ -115,38 +116,38 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
     store = gallery.store
     old_features = gallery.all_features(OLD)
     with pytest.raises(GalleryError, match="nothing to roll back: .* since it was created"):
-        up.rollback_target(gallery)
+        reversal.rollback_target(gallery)
     plan = _plan(gallery, h)
     with pytest.raises(GalleryError, match="is in progress; drop it with `fastfill upgrade abort`"):
-        up.rollback_target(gallery)
+        reversal.rollback_target(gallery)
     _finish_all(gallery, plan, new)
-    assert up.rollback_target(gallery) == (plan.id, NEW, OLD)
+    assert reversal.rollback_target(gallery) == (plan.id, NEW, OLD)
 
-    record = up.rollback(gallery, by={"user": "ops", "host": "h", "pid": 1})
+    record = reversal.rollback(gallery, by={"user": "ops", "host": "h", "pid": 1})
     manifest = gallery.manifest(refresh=True)
     assert gallery.model == OLD and manifest["upgrade"] is None
-    assert manifest["history"][-1]["by"] == up.ROLLBACK and manifest["history"][-1]["upgrade"] == plan.id
+    assert manifest["history"][-1]["by"] == reversal.ROLLBACK and manifest["history"][-1]["upgrade"] == plan.id
     np.testing.assert_array_equal(gallery.all_features(OLD), old_features)
-    assert store.get_json(pl.upgrade_key(plan.id, up.ROLLED_BACK)) == record and record["registry_recorded"] is None
-    assert up.interrupted_rollback(gallery) == record
-    assert up.status(gallery)["state"] == "rollback interrupted"
-    up.mark_rollback_recorded(store, plan.id)
-    assert up.interrupted_rollback(gallery) is None and up.status(gallery)["state"] == "idle"
+    assert store.get_json(planning.upgrade_key(plan.id, reversal.ROLLED_BACK)) == record and record["registry_recorded"] is None
+    assert reversal.interrupted_rollback(gallery) == record
+    assert gallery_status(gallery)["state"] == "rollback interrupted"
+    reversal.mark_rollback_recorded(store, plan.id)
+    assert reversal.interrupted_rollback(gallery) is None and gallery_status(gallery)["state"] == "idle"
     with pytest.raises(GalleryError, match="already a rollback"):
-        up.rollback_target(gallery)
+        reversal.rollback_target(gallery)
     with pytest.raises(GalleryError, match="nothing to abort"):
-        up.abortable(gallery)
+        reversal.abortable(gallery)
 
     # the same upgrade again: planned from scratch, then finished; gc; now the old features are gone
-    assert up.start_over(gallery, plan.id)["ended"] == "rolled back"
+    assert reversal.start_over(gallery, plan.id)["ended"] == "rolled back"
     again = _plan(gallery, h)
     _finish_all(gallery, again, new)
     assert gallery.model == NEW and gallery.manifest()["history"][-1]["by"] == again.id
-    up.collect_garbage(gallery)
+    garbage.collect_garbage(gallery)
     assert store.list(f"features/{OLD.key}/") == []
     with pytest.raises(GalleryError, match="the old features were collected .* Re-ingest the gallery with the previous "
                                            f"model \\(`fastfill gallery ingest --model {OLD.uri}"):
-        up.rollback_target(gallery)
+        reversal.rollback_target(gallery)
     assert gallery.model == NEW  # refused: nothing changed
 
 
@@ -160,18 +161,18 @@ def test_a_search_kept_open_follows_a_rollback_and_an_abort(tmp_path, models, da
     plan = _plan(gallery, h)
     searcher = GallerySearch(gallery)
     assert searcher.query_model == NEW
-    up.abort(gallery, plan.id)
+    reversal.abort(gallery, plan.id)
     searcher.refresh()
     assert searcher.query_model == OLD and searcher.upgrade is None
     ids, _ = searcher.search(embed(old_model, images[:3]), k=1)
     assert list(ids[:, 0]) == [1000, 1001, 1002]  # the champion's features: each item finds itself
 
-    up.start_over(gallery, plan.id)
+    reversal.start_over(gallery, plan.id)
     again = _plan(gallery, h)
     _finish_all(gallery, again, new)
     searcher.refresh()
     assert searcher.query_model == NEW
-    up.rollback(gallery)
+    reversal.rollback(gallery)
     searcher.refresh()
     assert searcher.query_model == OLD and searcher.rebuilds >= 2
     ids, _ = searcher.search(embed(old_model, images[:3]), k=1)
@@ -183,10 +184,10 @@ def test_gc_keeps_a_rollback_record_and_an_unended_upgrade(tmp_path, models, dat
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, h)
     _finish_all(gallery, plan, new)
-    up.rollback(gallery)
-    up.collect_garbage(gallery)
+    reversal.rollback(gallery)
+    garbage.collect_garbage(gallery)
     kept = set(gallery.store.list(f"upgrades/{plan.id}/"))
-    assert pl.upgrade_key(plan.id, up.ROLLED_BACK) in kept and pl.plan_key(plan.id) in kept
+    assert planning.upgrade_key(plan.id, reversal.ROLLED_BACK) in kept and planning.plan_key(plan.id) in kept
     assert gallery.store.list(f"features/{NEW.key}/") == []  # the rolled-back model's features are garbage now
 
 
