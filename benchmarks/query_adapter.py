@@ -49,7 +49,7 @@ def evaluate_run(params, rank: int) -> dict:
     adapter measured here."""
     from components.experiment.adapters import ADAPTERS
     from components.platform.layout import Layout, load_array, read_json
-    from tasks.evaluation import adapter_curves
+    from tasks.method_curves import adapter_curves
 
     layout = Layout(params.paths)
     metrics = read_json(layout.metrics)

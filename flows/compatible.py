@@ -9,7 +9,7 @@ from components.platform.config import Params
 from components.experiment.data import load_meta
 from components.platform.layout import Layout, read_json, write_json
 from flows._stage import stage_run
-from tasks.compatible import embed_compatible, save_compatible, train_compatible
+from tasks.compatible_training import embed_compatible, save_compatible, train_compatible
 from tasks.tracking import log_results, register_embedder
 
 

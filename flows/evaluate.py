@@ -8,7 +8,7 @@ from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json
 from components.evaluation.reports import flatten_numbers
 from flows._stage import stage_run
-from tasks.evaluation import evaluate_adapter, evaluate_method, evaluate_reference, write_reports
+from tasks.method_curves import evaluate_adapter, evaluate_method, evaluate_reference, write_reports
 from tasks.tracking import log_results
 
 

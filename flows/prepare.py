@@ -7,7 +7,7 @@ from prefect import flow
 from components.platform.config import Params
 from components.platform.layout import Layout
 from flows._stage import stage_run
-from tasks.data import read_dataset, write_splits
+from tasks.splits import read_dataset, write_splits
 from tasks.tracking import log_results
 
 

@@ -11,7 +11,7 @@ from components.experiment.data import load_meta
 from components.platform.layout import Layout, write_json
 from flows._stage import stage_run
 from tasks.tracking import log_results, register_embedder
-from tasks.training import embed_splits, save_model, train_model
+from tasks.model_training import embed_splits, save_model, train_model
 
 
 @flow(name="train-model", log_prints=True)

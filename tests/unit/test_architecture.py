@@ -58,3 +58,45 @@ def test_no_room_imports_a_room_above_it(path):
 def test_the_rooms_are_packages():
     for room in ("components", "tasks", "flows", "services", "cli"):
         assert (ROOT / room / "__init__.py").is_file(), f"{room}/ is not a package"
+
+
+PRODUCT = ("components", "tasks", "flows", "services", "cli", "benchmarks", "scripts", "infra")
+SPECIAL = {"__init__.py", "__main__.py"}
+# the two files whose length is the point: the metric protocol and the configuration schema
+LONG_ALLOWED = {"components/evaluation/retrieval.py", "components/platform/config.py"}
+
+
+def _product_files() -> list[Path]:
+    return sorted(p for room in PRODUCT for p in (ROOT / room).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_two_modules_share_a_name():
+    """A name says which module is meant: two modules with one name exist only as a package and
+    its interface (``__init__``)."""
+    seen: dict[str, list[str]] = {}
+    for path in _product_files():
+        if path.name not in SPECIAL:
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    packages = {p.name for room in PRODUCT for p in (ROOT / room).rglob("*") if p.is_dir()} | set(PRODUCT)
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1 or name in packages}
+    assert not shared, f"modules sharing a name (with each other or with a package): {shared}"
+
+
+def test_no_module_alias_hides_which_module_is_meant():
+    """``import a.b as c`` or ``from a import b as c`` of the product's own modules: none."""
+    hidden = []
+    for path in _product_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PRODUCT[:5]:
+                hidden += [f"{path.relative_to(ROOT)}: {alias.name} as {alias.asname}" for alias in node.names
+                           if alias.asname and alias.asname != alias.name]
+            elif isinstance(node, ast.Import):
+                hidden += [f"{path.relative_to(ROOT)}: {alias.name} as {alias.asname}" for alias in node.names
+                           if alias.asname and alias.name.split(".")[0] in PRODUCT[:5]]
+    assert not hidden, hidden
+
+
+def test_every_file_is_under_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _product_files()
+            if (n := len(p.read_text().splitlines())) >= 400 and str(p.relative_to(ROOT)) not in LONG_ALLOWED}
+    assert not long, f"split these by idea: {long}"

@@ -16,7 +16,7 @@ from components.experiment.map_check import (
 from components.experiment.map_training import divergence, train_alignment
 from components.experiment.models import AlignmentMap
 from components.platform.config import AlignConfig
-from tasks.evaluation import diverged_curve
+from tasks.method_curves import diverged_curve
 from tests.synthetic import tiny_curves
 
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from components.experiment.models import load_embedder
 from components.experiment.inference import embed, pick_device
 from components.experiment.training import TrainingRun, train_embedder
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
-from tasks.training import store_trained
+from tasks.model_training import store_trained
 
 
 def compatibility_term(config: CompatibleConfig, old_model, split):

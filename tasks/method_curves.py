@@ -1,4 +1,4 @@
-"""Tasks of the evaluation stage."""
+"""Tasks of the evaluation stage: each method's backfill curves, the adapters', and the reports."""
 
 from __future__ import annotations
 
