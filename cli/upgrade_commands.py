@@ -164,7 +164,7 @@ def upgrade(ctx: typer.Context,
     need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
     if dry_run:
         with forced_mode(progress_mode(progress)):
-            typer.echo(_describe_dry_run(call(dry_run, config, uri, to)))
+            typer.echo(_describe_dry_run(call(estimate_upgrade, config, uri, to)))
         return
     start = time.perf_counter()
     with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
@@ -235,7 +235,7 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
                f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
 
 
-def dry_run(params, store_uri: str, to_uri: str = "") -> dict:
+def estimate_upgrade(params, store_uri: str, to_uri: str = "") -> dict:
     """What ``fastfill upgrade --dry-run`` reports (``components.gallery.estimate.dry_run_upgrade``),
     writing nothing."""
     from components.gallery.estimate import dry_run_upgrade

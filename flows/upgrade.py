@@ -78,9 +78,9 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         plan = (_resume(gallery, course) if course.action == RESUME else
                 plan_upgrade(params, client, experiment, gallery, course, new, new_model))
         advice = _advice(client, gallery, plan, config.stop_when_gain_below)
-        stop = decider.advised_stop(advice, config.budget if budget is None else budget)
-        result = _backfill(client, gallery, plan, new_model, config,
-                           stop["items"] if stop else config.budget if budget is None else budget)
+        budget = config.budget if budget is None else budget
+        stop = decider.advised_stop(advice, budget)
+        result = _backfill(client, gallery, plan, new_model, config, stop["items"] if stop else budget)
         result.update(_advice_result(advice, config.stop_when_gain_below))
         if not result["complete"]:
             return _said(*decider.paused(result, stop))

@@ -107,7 +107,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
     from flows.ingest import ingest_flow
     from flows.undo import abort_flow
-    from cli.upgrade_commands import dry_run
+    from cli.upgrade_commands import estimate_upgrade
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -123,7 +123,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     on_gallery = configured()
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
-    assert "has not passed its check on gallery" in dry_run(on_gallery, uri)["advice"]["note"]
+    assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri)["advice"]["note"]
     # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
     from components.platform.registry import ModelRef
 
@@ -143,7 +143,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
 
     abort_flow(on_gallery, uri)
-    predicted = dry_run(on_gallery, uri)["advice"]
+    predicted = estimate_upgrade(on_gallery, uri)["advice"]
     assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
     replanned = planning.load_plan(store, again["upgrade"])
