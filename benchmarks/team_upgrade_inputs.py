@@ -103,7 +103,7 @@ def register_copies(params_file: Path, versions: dict) -> dict:
         version = registered.register_embedder(client, run.info.run_id, item["model"], example,
                                                config.registered_model, alias, tags)
         out[role] = {"version": version, "alias": alias, "uri": f"models:/{config.registered_model}/{version}"}
-    registry.finish(client, run.info.run_id)
+    registry.end_run(client, run.info.run_id)
     if out["old"]["version"] != "1" or out["new"]["version"] != "2":
         raise SystemExit(f"{config.tracking_uri}: the copies became versions {out['old']['version']} and "
                          f"{out['new']['version']}, not 1 and 2 of a fresh registry")

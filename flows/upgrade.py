@@ -29,7 +29,7 @@ from flows.upgrade_planning import plan_upgrade
 from tasks._policy import log
 from tasks.embedding import load_model
 from tasks.gallery_store import backfill_chunk, evaluate_gate, finish_upgrade, open_gallery, reject_upgrade
-from tasks.upgrade_tracking import UpgradeProgress, log_gate, log_prediction, record_promotion
+from tasks.upgrade_tracking import UpgradeProgress, follow_decision, log_gate, log_prediction
 
 
 def _upgrade_run_name() -> str:
@@ -271,7 +271,7 @@ def _follow_in_registry(client, gallery: Gallery, decided: dict) -> None:
     """The end's registry step: the decision's tags on the version and the upgrade's run, and
     champion moved when it passed; then the decision says so."""
     plan = planning.load_plan(gallery.store, decided["upgrade"])
-    record_promotion(client, plan, decided["tags"], promote=decided["passed"])
+    follow_decision(client, plan, decided["tags"], promote=decided["passed"])
     ending.mark_registry_recorded(gallery.store, decided["upgrade"])
 
 

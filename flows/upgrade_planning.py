@@ -19,7 +19,7 @@ from components.platform.layout import Layout
 from components.platform.progress import progress
 from components.platform.registry import ModelRef
 from tasks._policy import log
-from tasks.embedding import embed_images, gallery_pairs, load_model, split_pairs
+from tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
 from tasks.gallery_store import transform_part, write_sources
 from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
 from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
@@ -110,7 +110,7 @@ def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_mo
     """The pairs that train and check the map, from ``gallery.upgrade.map_pairs``."""
     config = params.gallery.upgrade
     if config.map_pairs == "splits":
-        return split_pairs(Layout(params.paths).splits, load_model(old), new_model)
+        return embed_split_pairs(Layout(params.paths).splits, load_model(old), new_model)
     positions = samples.map_sample(config, gallery.num_items)
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
         f"{config.map_sample}, at least {config.map_sample_min})")

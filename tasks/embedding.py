@@ -37,7 +37,7 @@ def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: st
 
 
 @task(name="embed-split-pairs", tags=GPU_TAGS, **NO_CACHING)
-def split_pairs(splits_folder, old_model, new_model) -> MapPairs | None:
+def embed_split_pairs(splits_folder, old_model, new_model) -> MapPairs | None:
     """Both models' features of this host's prepared new-train split (``map_pairs: splits``)
     with kappa_new's row of each label, or None when no split is prepared here."""
     import torch

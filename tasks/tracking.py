@@ -70,7 +70,7 @@ def log_results(config: MlflowConfig, run_id: str, metrics: Mapping[str, float] 
 @task(name="close-run", **IO_RETRIES, **NO_CACHING)
 def close_run(config: MlflowConfig, run_id: str, ok: bool = True) -> None:
     client, _ = _client(config)
-    registry.finish(client, run_id, "FINISHED" if ok else "FAILED")
+    registry.end_run(client, run_id, "FINISHED" if ok else "FAILED")
 
 
 @task(name="register-embedder", **IO_RETRIES, **NO_CACHING)

@@ -60,8 +60,8 @@ def log_gate(client, run_id: str, numbers: dict) -> None:
                                           ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
 
 
-@task(name="record-promotion", **IO_RETRIES, **NO_CACHING)
-def record_promotion(client, plan: Plan, tags: dict, promote: bool) -> None:
+@task(name="follow-decision-in-registry", **IO_RETRIES, **NO_CACHING)
+def follow_decision(client, plan: Plan, tags: dict, promote: bool) -> None:
     """The end's registry step: the decision's tags on the version and the upgrade's run, and
     champion moved when it passed."""
     registry.record_promotion(client, plan.new.name, plan.new.version, plan.mlflow_run_id, tags, promote)

@@ -1,11 +1,8 @@
-"""The upgrade's decisions, without Prefect: the map to use and its order, whether it fits, the
-backfill budget, and the chunk scheduler's bookkeeping (``Backfill``: what to start, what has
-landed, whether it is complete).
-``flows/upgrade.upgrade_flow`` runs the steps in this order:
-
-    plan ──> backfill ──(all chunks done)──> gate ──(passed)──> finish ──> complete
-                │  ^                          └──(failed)──> rejected
-                └──┘ paused (budget reached): the same command resumes
+"""The rules an upgrade's steps apply, without Prefect: the registry map to use and its order,
+whether a map fits, which source a map's check counts for, what the gate measures against, the
+backfill budget and the exact stop, and the chunk scheduler's bookkeeping (``Backfill``: what to
+start, what has landed, whether it is complete). Which step comes next is
+``components.gallery.decider``'s (its docstring draws the states).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def abortable(gallery: Gallery) -> str:
     raise GalleryError(message)
 
 
-def progress(gallery: Gallery, plan: Plan) -> dict:
+def how_far(gallery: Gallery, plan: Plan) -> dict:
     """How far ``plan``'s upgrade has got: its stage, chunks and items done."""
     done = done_chunks(gallery.store, plan.id)
     items = plan.items_in(done)
@@ -148,7 +148,7 @@ def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
         if plan is None:
             raise GalleryError(f"the gallery at {store.uri} points at upgrade {upgrade}, which has no plan.json")
         record = {"upgrade": upgrade, "aborted": now(), "by": by or who(), "from": plan.old.uri, "to": plan.new.uri,
-                  "base": plan.base, **progress(gallery, plan), "mlflow_run_id": plan.mlflow_run_id,
+                  "base": plan.base, **how_far(gallery, plan), "mlflow_run_id": plan.mlflow_run_id,
                   "plan_created": plan.created}
         store.put_json(upgrade_key(upgrade, ABORTED), record)
     manifest = dict(gallery.manifest(refresh=True))

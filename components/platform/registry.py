@@ -230,7 +230,7 @@ def log_json(client, run_id: str, data: object, name: str) -> None:
         client.log_artifact(run_id, str(path))
 
 
-def finish(client, run_id: str, status: str = "FINISHED") -> None:
+def end_run(client, run_id: str, status: str = "FINISHED") -> None:
     client.set_terminated(run_id, status)
 
 

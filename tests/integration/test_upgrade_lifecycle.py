@@ -238,7 +238,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
     ready = _ready_to_end(params, tmp_path, monkeypatch)
     steps = [("decision", fu.ending, "write_decision"),
              ("switch", fu, "finish_upgrade" if passes else "reject_upgrade"),
-             ("registry", fu, "record_promotion")]  # after the last step (marking it recorded) it is over
+             ("registry", fu, "follow_decision")]  # after the last step (marking it recorded) it is over
     for step, owner, function in steps:
         client.set_registered_model_alias(name, "champion", old_version)  # the registry as before the ending
         for key in [k for k in client.get_model_version(name, new_version).tags if k.startswith("promotion")]:
@@ -328,7 +328,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
         first = second.pop("first")
     else:
         steps = {"after-decision": (fu.ending, "write_decision"), "after-switch": (fu, "finish_upgrade"),
-                 "after-registry": (fu, "record_promotion")}
+                 "after-registry": (fu, "follow_decision")}
         if offset in steps:
             owner, function = steps[offset]
             monkeypatch.setattr(owner, function, _run_then(owner, function, start_the_second))
