@@ -8,24 +8,42 @@ from pathlib import Path
 
 from components.platform.config import Params
 from components.experiment.data import SPLITS
-from components.platform.layout import Layout
-from tasks.tracking import close_run, open_pipeline_run, open_stage_run
+from components.platform.layout import Layout, read_json
+from tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
 
 
 def split_files(layout: Layout) -> list[Path]:
     return sorted(p for name in SPLITS for p in layout.splits.glob(f"{name}_*.npy"))
 
 
+def registered_version(layout: Layout, output: str) -> str:
+    """The registry version a stage gave its output (``models-old``...), from its record."""
+    record = layout.registry_record(output)
+    if not record.is_file():
+        stage = output.replace("models-", "train --role ").replace("align-", "align --method ")
+        raise FileNotFoundError(f"{record} is missing: the registry does not know this host's {output} yet; run "
+                                f"`fastfill stage {stage}` (or `fastfill run`) to train and register it")
+    return read_json(record)["version"]
+
+
 @contextmanager
 def stage_run(params: Params, stage: str, section: Mapping, parent_run_id: str | None) -> Iterator[str]:
     """An MLflow run for one stage; FAILED when the stage raises. Without a parent id (a stage
     run on its own, e.g. by `dvc repro`) the newest pipeline run of the same params and commit
-    is the parent, or a new one."""
+    is the parent, or a new one: RUNNING while the stage runs, then closed as the stage ended
+    (FINISHED, or FAILED), so no parent run is left RUNNING after separate stages."""
+    own_parent = parent_run_id is None
     parent = parent_run_id or open_pipeline_run(params, fresh=False)
+    if own_parent:
+        reopen_run(params.mlflow, parent)
     run_id = open_stage_run(params.mlflow, parent, stage, section, split_files(Layout(params.paths)))
     try:
         yield run_id
     except BaseException:
         close_run(params.mlflow, run_id, ok=False)
+        if own_parent:
+            close_run(params.mlflow, parent, ok=False)
         raise
     close_run(params.mlflow, run_id, ok=True)
+    if own_parent:
+        close_run(params.mlflow, parent, ok=True)

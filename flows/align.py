@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import flow
 
 from components.platform.config import Params
-from components.platform.layout import Layout, read_json, write_json
+from components.platform.layout import Layout, write_json
 from components.experiment.map_check import check_metrics, check_tags
-from flows._stage import stage_run
+from flows._stage import registered_version, stage_run
 from tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
 from tasks.tracking import log_results, register_alignment
 
@@ -35,7 +35,7 @@ def align_flow(params: Params, method: str, parent_run_id: str | None = None) ->
             metrics.update(check_metrics(check))
             tags = check_tags(check)
         log_results(params.mlflow, run_id, series=series, metrics=metrics, tags=tags)
-        joins = {role: read_json(layout.model_dir(role) / "registry.json")["version"] for role in ("old", "new")}
+        joins = {role: registered_version(layout, f"models-{role}") for role in ("old", "new")}
         entry = register_alignment(params.mlflow, run_id, h, method, joins, tags)
-        write_json(layout.align_dir(method) / "registry.json", entry)
+        write_json(layout.registry_record(f"align-{method}"), entry)
     return entry

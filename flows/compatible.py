@@ -7,8 +7,8 @@ from prefect import flow
 
 from components.platform.config import Params
 from components.experiment.data import load_meta
-from components.platform.layout import Layout, read_json, write_json
-from flows._stage import stage_run
+from components.platform.layout import Layout, write_json
+from flows._stage import registered_version, stage_run
 from tasks.compatible_training import embed_compatible, save_compatible, train_compatible
 from tasks.tracking import log_results, register_embedder
 
@@ -26,8 +26,8 @@ def compatible_flow(params: Params, method: str, parent_run_id: str | None = Non
         save_compatible(model, train_config, history, method, layout)
         series = {k: [h[k] for h in history] for k in ("loss", "train_accuracy", "compatibility")}
         log_results(params.mlflow, run_id, series=series, metrics={f"final_{k}": v[-1] for k, v in series.items()})
-        old_version = read_json(layout.model_dir("old") / "registry.json")["version"]
+        old_version = registered_version(layout, "models-old")
         entry = register_embedder(params.mlflow, run_id, model, "new", load_meta(layout.splits)["image_shape"],
                                   alias=None, tags={"method": method, "compatible_with": str(old_version)})
-        write_json(layout.compatible_dir(method) / "registry.json", entry)
+        write_json(layout.registry_record(f"compatible-{method}"), entry)
     return entry

@@ -80,11 +80,12 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
     run of the upgrade flow (flows/upgrade.py) on the task runner they name, with the same small
-    parameters."""
-    from flows.upgrade import run_upgrade_file
+    parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
+    from flows.upgrade import named_state, run_upgrade_file
 
     params = load_params(params_path)
-    return run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
+    result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
+    return named_state(result, to or f"models:/{params.mlflow.registered_model}@challenger")
 
 
 @flow(name="comparison", log_prints=True)

@@ -28,5 +28,5 @@ def train_flow(params: Params, role: Literal["old", "new"], parent_run_id: str |
                     metrics={"final_loss": history[-1]["loss"], "final_train_accuracy": history[-1]["train_accuracy"]})
         entry = register_embedder(params.mlflow, run_id, model, role, load_meta(layout.splits)["image_shape"],
                                   alias="" if aliases else None)
-        write_json(layout.model_dir(role) / "registry.json", entry)
+        write_json(layout.registry_record(f"models-{role}"), entry)
     return entry

@@ -83,7 +83,7 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         result = _backfill(client, gallery, plan, new_model, config, stop["items"] if stop else budget)
         result.update(_advice_result(advice, config.stop_when_gain_below))
         if not result["complete"]:
-            return _said(*decider.paused(result, stop))
+            return named_state(_said(*decider.paused(result, stop)))
         result.update(_end(decider, client, gallery, planning.load_plan(gallery.store, plan.id), params.promotion))
         log(decider.ended_line(result, plan.id, new, ModelRef.from_dict(result.pop("champion"))))
         return _outcome(result, gallery.store.uri, new.uri)
@@ -110,7 +110,7 @@ def run_upgrade_file(params: Params, params_path: str, store_uri: str | None = N
 
 def _said(result: dict, line: str | None = None) -> dict:
     log(line or result["message"])
-    return result
+    return {**result, "message": line or result["message"]}
 
 
 def _complete_first(client, gallery: Gallery, course: Course) -> dict | None:
@@ -293,6 +293,24 @@ def runner_for(settings):
 REJECTED_EVENT = "fastfill.upgrade.rejected"
 
 
+def named_state(result: dict, model_uri: str = "the new model"):
+    """The state an upgrade's flow run ends in, when it is more than Completed: "Paused" (the
+    budget or the advised stop ended the backfill; the upgrade is not over) or "Rejected" (the
+    gate said no), both Completed states (the run did its work), with the result as data. A
+    flow that runs the upgrade as a subflow (the deployment's) returns it too, so its own run
+    tells the same. Called as a function, a flow returns the result dict either way."""
+    from prefect.states import Completed
+
+    if result.get("state") == "paused":
+        return Completed(name="Paused", message=result.get("message"), data=result)
+    if result.get("state") == "rejected":
+        decided, promotion = result.get("decided") or {}, result.get("promotion") or {}
+        reasons = promotion.get("reasons") or decided.get("reasons") or []
+        return Completed(name="Rejected", message=f"{model_uri} rejected by the promotion gate: "
+                         + ("; ".join(reasons) or "see its decision.json"), data=result)
+    return result
+
+
 def _outcome(result: dict, store_uri: str, model_uri: str):
     """What the flow returns. A rejection by the gate ends the flow run in a state of its own, a
     Completed state named "Rejected" (the run did its work; its answer is no), and emits the
@@ -301,7 +319,6 @@ def _outcome(result: dict, store_uri: str, model_uri: str):
     if result.get("state") != "rejected":
         return result
     from prefect.events import emit_event
-    from prefect.states import Completed
 
     decided = result.get("decided") or {}
     promotion = result.get("promotion") or {}
@@ -312,5 +329,4 @@ def _outcome(result: dict, store_uri: str, model_uri: str):
                resource={"prefect.resource.id": f"fastfill.gallery.{store_uri}", "prefect.resource.name": store_uri},
                payload={"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": reasons,
                         "numbers": numbers, "mlflow_run_id": result.get("mlflow_run_id")})
-    message = f"{model_uri} rejected by the promotion gate: " + ("; ".join(reasons) or "see its decision.json")
-    return Completed(name="Rejected", message=message, data=result)
+    return named_state(result, model_uri)

@@ -68,6 +68,12 @@ def log_results(config: MlflowConfig, run_id: str, metrics: Mapping[str, float] 
 
 
 @task(name="close-run", **IO_RETRIES, **NO_CACHING)
+def reopen_run(config: MlflowConfig, run_id: str) -> None:
+    """A closed run running again (the pipeline's parent run while another stage runs on its own)."""
+    client, _ = _client(config)
+    client.update_run(run_id, status="RUNNING")
+
+
 def close_run(config: MlflowConfig, run_id: str, ok: bool = True) -> None:
     client, _ = _client(config)
     registry.end_run(client, run_id, "FINISHED" if ok else "FAILED")

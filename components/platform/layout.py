@@ -28,6 +28,12 @@ class Layout:
     def model_dir(self, role: str) -> Path:
         return self.paths.artifacts / "models" / role
 
+    def registry_record(self, output: str) -> Path:
+        """What the registry answered when a stage registered its output (``models-old``,
+        ``align-fastfill``, ``compatible-bct``): version and run. Beside the stage outputs, never
+        inside them, so DVC hashes only what the inputs determine and a rerun is byte-identical."""
+        return self.paths.artifacts / "registry" / f"{output}.json"
+
     def features_dir(self, role: str) -> Path:
         return self.paths.artifacts / "features" / role
 

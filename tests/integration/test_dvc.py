@@ -46,6 +46,9 @@ def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(re
     metrics = json.loads((repo_copy / "reports" / "metrics.json").read_text())
     assert {"old_old", "new_new", "fct", "fastfill"} <= set(metrics)
     assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
+    with sqlite3.connect(repo_copy / "mlruns.db") as db:  # stages run one by one close their parent run too
+        parents = {status for (status,) in db.execute("SELECT status FROM runs WHERE name = 'pipeline'")}
+    assert parents == {"FINISHED"}, parents
 
     # `dvc metrics show`: one row per line of the plot, one column per number
     table = _run(_dvc("metrics", "show"), repo_copy, cli_env).strip().splitlines()
@@ -114,3 +117,18 @@ def test_fastfill_run_leaves_dvc_up_to_date(repo_copy, cli_env):
     # the comparison's project knows its stages have not run, without disturbing the pipeline's
     status = _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env)
     assert "compare@0" in status and "comparison" in status, status
+
+    # the same commit and configuration again: every tracked output byte for byte (dvc.lock holds
+    # each output's content hash, a folder's from its files'); the registry's answers (new
+    # versions, run ids) are recorded beside the outputs, not in them
+    first = _outputs(lock)
+    out = _run(_dvc("repro", "--force"), repo_copy, cli_env)
+    assert _ran(out) == PIPELINE, out
+    again = _outputs(yaml.safe_load((repo_copy / "dvc.lock").read_text()))
+    assert again == first, {path: (first.get(path), md5) for path, md5 in again.items() if first.get(path) != md5}
+    assert _versions(repo_copy)["embedder"] == 4  # registered twice, with identical weights
+    assert (repo_copy / "artifacts" / "registry" / "models-new.json").is_file()
+
+
+def _outputs(lock: dict) -> dict[str, str]:
+    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}

@@ -52,7 +52,7 @@ def _version_tags(params, workdir, method):
     from mlflow import MlflowClient
 
     client = MlflowClient(params.mlflow.tracking_uri, registry_uri=params.mlflow.tracking_uri)
-    entry = json.loads((workdir / "artifacts" / "align" / method / "registry.json").read_text())
+    entry = json.loads((workdir / "artifacts" / "registry" / f"align-{method}.json").read_text())
     version = client.get_model_version(params.mlflow.alignment_model, entry["version"])
     return version.tags, client.get_run(version.tags["run_id"])
 

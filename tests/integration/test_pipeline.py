@@ -40,19 +40,19 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     assert (workdir / "reports" / "plots" / "top1.csv").is_file()
 
     client = MlflowClient(params.mlflow.tracking_uri, registry_uri=params.mlflow.tracking_uri)
-    old = json.loads((workdir / "artifacts" / "models" / "old" / "registry.json").read_text())
-    new = json.loads((workdir / "artifacts" / "models" / "new" / "registry.json").read_text())
+    old = json.loads((workdir / "artifacts" / "registry" / "models-old.json").read_text())
+    new = json.loads((workdir / "artifacts" / "registry" / "models-new.json").read_text())
     assert str(client.get_model_version_by_alias("embedder", "champion").version) == old["version"]
     assert str(client.get_model_version_by_alias("embedder", "challenger").version) == new["version"]
     for method in ("fct", "fastfill"):
-        entry = json.loads((workdir / "artifacts" / "align" / method / "registry.json").read_text())
+        entry = json.loads((workdir / "artifacts" / "registry" / f"align-{method}.json").read_text())
         version = client.get_model_version("embedder-alignment", entry["version"])
         assert version.tags["from_version"] == old["version"]
         assert version.tags["to_version"] == new["version"]
         assert version.tags["method"] == method
     # every map but the l2-only one is checked against it; the outcome is on the version, the run and in metrics
     fastfill = client.get_model_version(
-        "embedder-alignment", json.loads((workdir / "artifacts" / "align" / "fastfill" / "registry.json").read_text())["version"])
+        "embedder-alignment", json.loads((workdir / "artifacts" / "registry" / "align-fastfill.json").read_text())["version"])
     assert fastfill.tags["check"] in ("passed", "fallback", "warned") and fastfill.tags["check_policy"] == "fallback"
     run = client.get_run(fastfill.tags["run_id"])
     assert run.data.tags["check"] == fastfill.tags["check"]

@@ -72,8 +72,9 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     from components.gallery.lock import UpgradeLocked, acquire_lock
     from cli import app
     from flows.ingest import ingest_flow
+    from flows.deployments import upgrade_entry
     from flows.undo import abort_flow
-    from flows.upgrade import run_upgrade_file, upgrade_flow
+    from flows.upgrade import run_upgrade_file
 
     params, tmp_path = upgrade_env
     params_path = str(tmp_path / "params.yaml")
@@ -84,9 +85,15 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert run.name == f"ingest into {uri} with champion"
     _assert_readable(run, {"store_uri": uri, "params_path": params_path})
 
-    paused = upgrade_flow(params, uri, budget=0.4)
+    paused = upgrade_entry(params_path=params_path, store=uri, budget=0.4)  # what the deployment runs
     assert paused["state"] == "paused"
-    assert _flow_run("gallery-upgrade").name == f"upgrade {uri} to challenger"
+    entry_run = _flow_run("upgrade-gallery")  # the deployment's run tells what its upgrade did
+    assert entry_run.state.name == "Paused" and entry_run.state.is_completed(), entry_run.state
+    upgrade_run = _flow_run("gallery-upgrade")
+    assert upgrade_run.name == f"upgrade {uri} to challenger"
+    # stopped by its budget: the run did its work, and the upgrade is not over
+    assert upgrade_run.state.name == "Paused" and upgrade_run.state.is_completed(), upgrade_run.state
+    assert "(budget); run the same command to go on" in upgrade_run.state.message
     store = open_store(uri)
     gallery = Gallery(store)
     plan = planning.load_plan(store, paused["upgrade"])
