@@ -4,10 +4,28 @@ themselves: deployments, the registry watcher, webhooks), doctor (the services' 
 gallery's state at a glance). The commands read params.yaml and call the flows in flows/ and the
 long-running processes in services/."""
 
+from typing import Annotated
+
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain help (no rich panels): option names and defaults are never cut at 80 columns, and
+# docstrings are reflowed as paragraphs. Each command has a one-line summary (short_help).
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation.")
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        typer.echo(f"fastfill {version('fastfill')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="print the version and exit")] = False) -> None:
+    """Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation."""
 
 # each module registers its commands on ``app``, in this order
 from cli import (  # noqa: E402, I001

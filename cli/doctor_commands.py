@@ -107,7 +107,7 @@ def _webhook_line(config) -> tuple[bool, str]:
                    "to `fastfill webhook register` (the watcher works without it)")
 
 
-@app.command()
+@app.command(short_help="Check the services, registry and store; say what to fix.")
 def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Check the tracking server, the registry (the model and its champion and challenger
     aliases), the store (reachable, holding a gallery), the Prefect API (when PREFECT_API_URL
@@ -223,7 +223,7 @@ def _show(name: str, text: str) -> None:
     typer.echo(f"{name:<8} {text}")
 
 
-@app.command("status")
+@app.command("status", short_help="Where the gallery and its upgrade stand.")
 def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Where the gallery stands: its model, the upgrade in progress and how far it is, the last
     promotion decision, and links to the upgrade's MLflow run and (with PREFECT_API_URL) its

@@ -15,8 +15,8 @@ from cli import app
 from cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
 from components.platform.vocabulary import DISTANCES
 
-stage_app = typer.Typer(no_args_is_help=True, help="Run one pipeline stage (what each DVC stage calls).")
-app.add_typer(stage_app, name="stage")
+stage_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Run one pipeline stage (what each DVC stage calls).")
+app.add_typer(stage_app, name="stage", short_help="Run one pipeline stage (what DVC calls).")
 
 
 def _print_summary(metrics: dict) -> None:
@@ -31,7 +31,7 @@ def _print_summary(metrics: dict) -> None:
         typer.echo(f"  headroom {key}: {100 * gap:.2f} top-1 points")
 
 
-@app.command()
+@app.command(short_help="Run the whole pipeline on params.yaml.")
 def run(params: ParamsOption = Path("params.yaml"),
         dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
     """Run the whole pipeline: data splits, old and new models, alignment maps, evaluation."""
@@ -47,7 +47,7 @@ def run(params: ParamsOption = Path("params.yaml"),
         record_in_dvc(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc status` is clean, `dvc repro` has nothing to redo")
 
 
-@app.command()
+@app.command(short_help="Run the pipeline once per seed; reports/seeds.json.")
 def seeds(params: ParamsOption = Path("params.yaml"),
           seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: experiment.seeds")] = None,
           out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
@@ -64,7 +64,7 @@ def seeds(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"written: {config.paths.reports / 'seeds.json'} and seeds.md")
 
 
-@app.command()
+@app.command(short_help="FastFill against FCT by data size and seed.")
 def sweep(params: ParamsOption = Path("params.yaml"),
           size: Annotated[list[str] | None, typer.Option("--size", help="prepare.train_per_class, or all; repeat for "
                                                          "several (default: 100, 300, 1000, all)")] = None,
@@ -93,7 +93,7 @@ def sweep(params: ParamsOption = Path("params.yaml"),
         raise typer.Exit(CLAIM)
 
 
-@app.command()
+@app.command(short_help="Every method over seeds; reports/comparison.*.")
 def compare(params: ParamsOption = Path("params.yaml"),
             seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
             dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True,
@@ -101,7 +101,7 @@ def compare(params: ParamsOption = Path("params.yaml"),
                                                      "(logs in compare.out/seed-<s>.log); default: compare.jobs")] = None) -> None:
     """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
     over seeds; write reports/comparison.{md,json,png} and log them to MLflow. The same as
-    `dvc --cd comparison repro` (the stages of comparison/dvc.yaml); the models are registered as
+    'dvc --cd comparison repro' (the stages of comparison/dvc.yaml); the models are registered as
     compare.registered_model, never as versions of production's model."""
     config = load(params)
     from components.evaluation.comparison import ranking
@@ -130,7 +130,7 @@ class Role(str, Enum):
     new = "new"
 
 
-@stage_app.command("prepare")
+@stage_app.command("prepare", short_help="The deterministic splits.")
 def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
     """Write the deterministic splits (old-train, new-train, test)."""
     config = load(params)
@@ -139,7 +139,7 @@ def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
     call(prepare_flow, config)
 
 
-@stage_app.command("train")
+@stage_app.command("train", short_help="Train, embed and register one model.")
 def stage_train(role: Annotated[Role, typer.Option(help="which model")],
                 params: ParamsOption = Path("params.yaml")) -> None:
     """Train one embedding model, store its features of the splits, register it."""
@@ -149,7 +149,7 @@ def stage_train(role: Annotated[Role, typer.Option(help="which model")],
     call(train_flow, config, role.value)
 
 
-@stage_app.command("align")
+@stage_app.command("align", short_help="Train one method's map; transform the gallery.")
 def stage_align(method: Annotated[str, typer.Option(help="a method under align: in params.yaml")],
                 params: ParamsOption = Path("params.yaml")) -> None:
     """Train one alignment method's map on the stored features and transform the gallery."""
@@ -161,7 +161,7 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
     call(align_flow, config, method)
 
 
-@stage_app.command("evaluate")
+@stage_app.command("evaluate", short_help="Every method's backfill curves and reports.")
 def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     """Backfill curves of every method and order; reports/metrics.json, plot data, PNG."""
     config = load(params)
@@ -170,7 +170,7 @@ def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     _print_summary(call(evaluate_flow, config))
 
 
-@stage_app.command("compare")
+@stage_app.command("compare", short_help="The comparison's methods for one seed.")
 def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")],
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Every method of the comparison for one seed, under compare.out/seed-<s>/."""
@@ -180,7 +180,7 @@ def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")
     _print_summary(call(compare_seed_flow, config, seed))
 
 
-@stage_app.command("comparison")
+@stage_app.command("comparison", short_help="The comparison's report from its seeds.")
 def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
     """reports/comparison.{md,json,png} from the seeds' results."""
     config = load(params)
@@ -193,7 +193,7 @@ def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
 Distance = Enum("Distance", {name: name for name in DISTANCES}, type=str)  # the choices of --distance
 
 
-@app.command()
+@app.command(short_help="The backfill curve of your own features (JSON).")
 def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
              distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance.l2,
              out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,

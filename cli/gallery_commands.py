@@ -13,7 +13,7 @@ from cli.command_support import (
     USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
 )
 
-gallery_app = typer.Typer(no_args_is_help=True, help="The gallery in object storage: ingest, info, garbage collection.")
+gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, info, gc, rollback.")
 app.add_typer(gallery_app, name="gallery")
 
 
@@ -36,7 +36,7 @@ def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
     return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
 
 
-@gallery_app.command("ingest")
+@gallery_app.command("ingest", short_help="Images into the store with the champion's features.")
 def gallery_ingest(store: StoreOption = None,
                    model: Annotated[str, typer.Option(help="whose features the gallery stores; default: "
                                                      "models:/<registered_model>@champion")] = "",
@@ -71,7 +71,7 @@ def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
     return shape
 
 
-@gallery_app.command("adopt")
+@gallery_app.command("adopt", short_help="Adopt a gallery where it is (images read by URI).")
 def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: id, uri (s3://bucket/key, a path, "
                                                          "or a path under --root), optional label and group")],
                   store: StoreOption = None,
@@ -100,13 +100,13 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
                    "the upgrade runs with --no-gate", err=True)
 
 
-@gallery_app.command("info")
+@gallery_app.command("info", short_help="The manifest and upgrade state (JSON).")
 def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's manifest and upgrade state, as JSON."""
     show_status(store, params)
 
 
-@gallery_app.command("gc")
+@gallery_app.command("gc", short_help="Delete unused features and ended upgrades' data.")
 def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
@@ -120,7 +120,7 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
                "objects of finished upgrades")
 
 
-@gallery_app.command("rollback")
+@gallery_app.command("rollback", short_help="Undo the last finished upgrade (before gc).")
 def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Undo the last finished upgrade while the old features exist (before gc): champion moves back."""
     # The gallery serves the previous model's features again, champion moves back to that
@@ -134,7 +134,7 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
                                                                        f"named {result['from']})"))
 
 
-@app.command()
+@app.command(short_help="Nearest gallery items of each query, mid-upgrade too.")
 def search(store: StoreOption = None,
            features: Annotated[Path | None, typer.Option(help=".npy of query features (the query model's)")] = None,
            images: Annotated[Path | None, typer.Option(help=".npy of uint8 query images, embedded with the query model")] = None,
@@ -142,7 +142,7 @@ def search(store: StoreOption = None,
            params: ParamsOption = Path("params.yaml")) -> None:
     """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
     features where backfilled, transformed old features elsewhere), and for each hit where its
-    features come from (``sources``). JSON to stdout."""
+    features come from (sources). JSON to stdout."""
     config = load(params)
     if (features is None) == (images is None):
         fail("give exactly one of --features or --images", USAGE)

@@ -12,8 +12,8 @@ import typer
 from cli import app
 from cli.command_support import INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri
 
-webhook_app = typer.Typer(no_args_is_help=True, help="MLflow registry webhooks: receive them; register, list and delete them.")
-app.add_typer(webhook_app, name="webhook")
+webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
+app.add_typer(webhook_app, name="webhook", short_help="MLflow webhooks: serve, register, list, delete.")
 
 
 def params_file(path: Path) -> str:
@@ -33,7 +33,7 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-@app.command()
+@app.command(short_help="Serve the deployments and poll the registry.")
 def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
     check-and-upgrade and the weekly comparison; and poll the registry every
@@ -58,12 +58,12 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
         watcher.stop()
 
 
-@app.command()
+@app.command(short_help="Check the registry once; start an upgrade if due.")
 def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
           resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False,
-          every: Annotated[float | None, typer.Option(help="keep checking, every this many seconds (as `fastfill "
-                                                      "serve` does), until interrupted")] = None) -> None:
-    """Check the registry once: start the upgrade deployment when `challenger` is new to the
+          every: Annotated[float | None, typer.Option(help="keep checking, every this many seconds (as 'fastfill "
+                                                      "serve' does), until interrupted")] = None) -> None:
+    """Check the registry once: start the upgrade deployment when 'challenger' is new to the
     gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
     from flows.deployments import watch_once
@@ -82,13 +82,13 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     typer.echo(json.dumps(result, indent=1))
 
 
-@webhook_app.command("serve")
+@webhook_app.command("serve", short_help="Receive MLflow registry webhooks.")
 def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
                   host: Annotated[str | None, typer.Option(envvar="FASTFILL_WEBHOOK_HOST",
                                                            help="default triggers.webhook_host (127.0.0.1)")] = None,
                   port: Annotated[int | None, typer.Option(envvar="FASTFILL_WEBHOOK_PORT",
                                                            help="default triggers.webhook_port")] = None) -> None:
-    """Receive MLflow registry webhooks; a signed alias event for `challenger` starts the upgrade."""
+    """Receive MLflow registry webhooks; a signed alias event for 'challenger' starts the upgrade."""
     config = load(params)
     from services.webhook_receiver import WebhookReceiver, webhook_secret
 
@@ -153,7 +153,7 @@ def _refused_as_input(write, *args, **kwargs):
                             "in the MLflow server's environment (infra/local-stack.sh sets both)") from None
 
 
-@webhook_app.command("register")
+@webhook_app.command("register", short_help="Register the receiver with the MLflow server.")
 def webhook_register(url: Annotated[str, typer.Option(help="where the receiver listens, e.g. http://127.0.0.1:8787/")],
                      params: ParamsOption = Path("params.yaml"), name: WebhookName = "fastfill-upgrade") -> None:
     """Register the receiver with the MLflow server (SQL backend) for model_version_alias.created.
@@ -188,7 +188,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
         typer.echo(f"webhook {duplicate.webhook_id} ({name}) deleted: a duplicate of {hook.webhook_id}")
 
 
-@webhook_app.command("list")
+@webhook_app.command("list", short_help="The webhooks registered with MLflow.")
 def webhook_list(params: ParamsOption = Path("params.yaml")) -> None:
     """The webhooks registered with the MLflow server: id, name, status, events and URL."""
     config = load(params)
@@ -204,7 +204,7 @@ def webhook_list(params: ParamsOption = Path("params.yaml")) -> None:
         typer.echo(f"{hook.webhook_id}  {hook.name}  {status}  {','.join(_events(hook))}  {hook.url}")
 
 
-@webhook_app.command("delete")
+@webhook_app.command("delete", short_help="Delete a webhook from the MLflow server.")
 def webhook_delete(params: ParamsOption = Path("params.yaml"), name: WebhookName = "fastfill-upgrade",
                    webhook_id: Annotated[str | None, typer.Option("--id", help="delete this id instead of by name")] = None
                    ) -> None:

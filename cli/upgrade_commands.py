@@ -14,9 +14,9 @@ from cli.command_support import REJECTED, USAGE, ParamsOption, StoreOption, call
 from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 
-upgrade_app = typer.Typer(help="Upgrade the stored gallery to a new model (`fastfill upgrade --to ...`), "
-                               "or see its state (`fastfill upgrade status`).")
-app.add_typer(upgrade_app, name="upgrade")
+upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
+                               "or see its state (fastfill upgrade status).")
+app.add_typer(upgrade_app, name="upgrade", short_help="Upgrade the gallery to a new model; status, unlock, abort.")
 
 # The gallery.upgrade keys the upgrade's options set, and the option that sets each; an option's
 # parameter is its name in snake case (--chunk-size: chunk_size).
@@ -200,15 +200,15 @@ def upgrade(ctx: typer.Context,
         raise typer.Exit(REJECTED)
 
 
-@upgrade_app.command("status")
+@upgrade_app.command("status", short_help="The upgrade's state and progress (JSON).")
 def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's model and the running or paused upgrade, with how much is done (JSON)."""
     show_status(store, params)
 
 
-@upgrade_app.command("unlock")
+@upgrade_app.command("unlock", short_help="Break a stale upgrade lock.")
 def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
-    """Break a stale upgrade lock (its process is gone); the next `fastfill upgrade` resumes."""
+    """Break a stale upgrade lock (its process is gone); the next 'fastfill upgrade' resumes."""
     config = load(params)
     from components.gallery.lock import break_lock
 
@@ -220,7 +220,7 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
                              f"{held.get('host')})" if held else "no lock was held"))
 
 
-@upgrade_app.command("abort")
+@upgrade_app.command("abort", short_help="Drop the unfinished upgrade.")
 def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Drop the unfinished upgrade; the gallery serves the champion's features again (see docs/upgrade.md)."""
     # Planned or part of the way through its backfill; refused while another process holds the
