@@ -16,8 +16,12 @@ from cli.command_support import (
 from components.platform.vocabulary import UPGRADE_FLOW
 
 
-def _line(ok: bool, name: str, text: str) -> None:
-    typer.echo(f"{'ok' if ok else 'FAIL':<5} {name:<9} {text}")
+OK, FAIL, NOT_SET_UP = "ok", "FAIL", "--"  # "--": an optional part that is not set up (not a failure)
+
+
+def _line(state: str | bool, name: str, text: str) -> None:
+    state = OK if state is True else FAIL if state is False else state
+    typer.echo(f"{state:<5} {name:<9} {text}")
 
 
 def _problem(error: Exception) -> str:
@@ -75,10 +79,17 @@ def _registry_line(client, config) -> tuple[bool, str]:
                        f"(MlflowClient().set_registered_model_alias({name!r}, {CHAMPION!r}, VERSION))")
     if CHALLENGER not in aliases:
         text += " (nothing waits to be upgraded to)"
+    else:
+        tags = client.get_model_version(name, aliases[CHALLENGER]).tags
+        if tags.get("promotion") == "rejected":
+            text += (f" (v{aliases[CHALLENGER]} was rejected by the promotion gate: {tags.get('promotion.reason', '')}; "
+                     f"register a better version and give it the alias {CHALLENGER})")
+        elif tags.get("promotion"):
+            text += f" (v{aliases[CHALLENGER]}: promotion={tags['promotion']})"
     return True, text
 
 
-def _store_line(config, uri: str) -> tuple[bool, str]:
+def _store_line(config, uri: str) -> tuple[str | bool, str]:
     from components.gallery.catalog import Gallery, check_registry
     from components.gallery.store import open_store
     from components.gallery.status import gallery_status
@@ -88,8 +99,8 @@ def _store_line(config, uri: str) -> tuple[bool, str]:
     store.check()
     gallery = Gallery(store)
     if not gallery.exists():
-        return False, (f"{store.uri} is reachable but holds no gallery: run `fastfill gallery ingest` (or `gallery "
-                       "adopt`), or pass --store")
+        return NOT_SET_UP, (f"{store.uri} is reachable and holds no gallery yet: make one with `fastfill gallery "
+                            "ingest` (or `fastfill gallery adopt`), or pass --store")
     manifest = gallery.manifest(refresh=True)
     check_registry(manifest, store.uri, registry.identity(config.mlflow))
     state = gallery_status(gallery, failures=False)
@@ -99,20 +110,61 @@ def _store_line(config, uri: str) -> tuple[bool, str]:
     return True, text
 
 
-def _webhook_line(config) -> tuple[bool, str]:
+def _webhook_line(config, client) -> tuple[str | bool, str]:
+    """Webhooks are optional: none registered and no secret is "not set up"; a registered
+    webhook without the secret here is a failure (its deliveries cannot be verified)."""
+    from cli.service_commands import WEBHOOK_EVENTS, registered_webhooks, webhook_events
+
     variable = config.triggers.webhook_secret_env
-    if os.environ.get(variable):
-        return True, f"{variable} is set"
-    return False, (f"{variable} is not set: the webhook receiver cannot verify a delivery; set it to the secret given "
-                   "to `fastfill webhook register` (the watcher works without it)")
+    secret = bool(os.environ.get(variable))
+    try:
+        hooks = [h for h in registered_webhooks(client) if set(webhook_events(h)) & set(WEBHOOK_EVENTS)] if client else None
+    except Exception:  # noqa: BLE001 - a store without webhooks (file store, older server)
+        hooks = None
+    listed = "" if hooks is None else f"{len(hooks)} registered ({', '.join(h.name for h in hooks) or 'none'})"
+    if not hooks and not secret:
+        return NOT_SET_UP, ("no webhook registered and no secret: upgrades start by the watcher or by hand; to start "
+                            f"them on registry events set {variable} and run `fastfill webhook register URL`")
+    if hooks and not secret:
+        return False, (f"{listed}, but {variable} is not set here: the receiver cannot verify their deliveries; set it to "
+                       "the secret given to `fastfill webhook register`")
+    if not hooks:
+        return NOT_SET_UP, (f"{variable} is set, but no webhook is registered with the MLflow server: run `fastfill "
+                            "webhook register URL`" if hooks is not None else f"{variable} is set (this MLflow store "
+                            "lists no webhooks)")
+    return True, f"{listed}; {variable} is set"
+
+
+def _prefect_health_line() -> tuple[str | bool, str]:
+    """Prefect is optional: without PREFECT_API_URL flows run on a temporary local server. With
+    it, the server must answer, and the deployments `fastfill serve` creates should exist."""
+    from prefect.settings import get_current_settings
+
+    from flows.deployments import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT
+
+    if not get_current_settings().api.url:
+        return NOT_SET_UP, ("PREFECT_API_URL is not set: flows run on a temporary local server; set it to a Prefect "
+                            "server (and run `fastfill serve`) for deployments, schedules and the UI")
+    found = check_prefect_api(SERVICE_TIMEOUT)
+    from prefect import get_client
+
+    with get_client(sync_client=True) as prefect:
+        names = {f"{prefect.read_flow(d.flow_id).name}/{d.name}" for d in prefect.read_deployments()}
+    wanted = [UPGRADE_DEPLOYMENT, POLL_DEPLOYMENT]
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        return NOT_SET_UP, f"{found}; no deployment {', '.join(missing)}: run `fastfill serve` to create them"
+    return True, f"{found}; deployments: {', '.join(sorted(names))}"
 
 
 @app.command(short_help="Check the services, registry and store; say what to fix.")
 def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
-    """Check the tracking server, the registry (the model and its champion and challenger
-    aliases), the store (reachable, holding a gallery), the Prefect API (when PREFECT_API_URL
-    is set) and the webhook secret: one line each, what is wrong and what to do. Exit 0 when
-    all are ok, else 5."""
+    """Check the tracking server, the registry (the model, its champion and challenger aliases,
+    the challenger's promotion state), the store (reachable; its gallery), the Prefect server
+    and its deployments, and the registry webhooks with their secret: one line each, with the
+    command that fixes a problem. Optional parts that are not set up (no gallery yet, no
+    Prefect server, no webhooks) are marked -- and are not failures. Exit 0 unless a check
+    FAILs, else 5."""
     config = load(params)
     results: list[bool] = []
 
@@ -122,7 +174,7 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
         except Exception as error:  # noqa: BLE001 - every problem is one line of the report
             ok, text, value = False, _problem(error), None
         _line(ok, name, text)
-        results.append(ok)
+        results.append(ok is not False)
         return value
 
     def tracking():
@@ -136,8 +188,8 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
     else:
         check("registry", lambda: (*_registry_line(client, config), None))
     check("store", lambda: (*_store_line(config, store_uri(config, store)), None))
-    check("prefect", lambda: (True, check_prefect_api(SERVICE_TIMEOUT), None))
-    check("webhook", lambda: (*_webhook_line(config), None))
+    check("prefect", lambda: (*_prefect_health_line(), None))
+    check("webhook", lambda: (*_webhook_line(config, client), None))
     if not all(results):
         raise typer.Exit(SERVICE)
 
@@ -227,7 +279,8 @@ def _show(name: str, text: str) -> None:
 def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Where the gallery stands: its model, the upgrade in progress and how far it is, the last
     promotion decision, and links to the upgrade's MLflow run and (with PREFECT_API_URL) its
-    Prefect flow run. Exit 5 when a service could not be reached (what it could read is shown)."""
+    Prefect flow run; with no gallery yet, the registry and how to make one. Exit 5 when a
+    service could not be reached (what it could read is shown)."""
     config = load(params)
     from components.gallery.catalog import Gallery
     from components.gallery.planning import load_plan
@@ -240,9 +293,22 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
         opened = open_store(uri)
         opened.check()
         gallery = Gallery(opened)
+        if not gallery.exists():
+            return gallery, None, None
         return gallery, gallery_status(gallery, failures=False), _last_decision(opened)
 
     gallery, state, decided = call(read)
+    if state is None:  # no gallery yet: what the registry holds, and how to make one
+        _show("gallery", f"no gallery at {gallery.store.uri} yet: make one with `fastfill gallery ingest` (images into "
+                         "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
+        try:
+            client, _ = _mlflow_client(config)
+            ok, text = _registry_line(client, config)
+        except Exception as error:  # noqa: BLE001 - reported as one line
+            _show("registry", f"unavailable: {_problem(error)}")
+            raise typer.Exit(SERVICE) from None
+        _show("registry", text)
+        return
     _show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
     info = state.get("upgrade")
     if info and info.get("chunks"):

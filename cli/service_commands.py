@@ -36,7 +36,7 @@ def _stop_on_sigterm() -> None:
 @app.command(short_help="Serve the deployments and poll the registry.")
 def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
-    check-and-upgrade and the weekly comparison; and poll the registry every
+    check-and-upgrade and, when triggers.comparison_cron is set, the comparison; and poll the registry every
     triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
     deployment registry-watcher/poll pauses the polling)."""
     config = load(params)
@@ -52,10 +52,31 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     watcher = RegistryWatcher(config, params_file(params), uri, interval)
     typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {interval} s")
     watcher.start(delay=min(interval, 5))  # once the deployments it starts are registered
+    _stop_on_sigterm()
     try:
-        prefect.serve(*found)
+        # schedules are paused below, once: Prefect's own pause retries for minutes when the
+        # server is gone, and the command would not stop
+        prefect.serve(*found, pause_on_shutdown=False)
     finally:
         watcher.stop()
+        typer.echo(_pause_served(found))
+
+
+def _pause_served(found: list) -> str:
+    """Pause the schedules of the deployments this process served (nobody runs them now): one
+    try, no retries, a few seconds at most; with the Prefect server gone, one line says so."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    try:
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
+                get_client(sync_client=True) as client:
+            for deployment in found:
+                client.pause_deployment(client.read_deployment_by_name(f"{deployment.flow_name}/{deployment.name}").id)
+    except Exception as error:  # noqa: BLE001 - stopping must not fail on it
+        return (f"stopped; the served deployments' schedules could not be paused ({type(error).__name__}: the Prefect "
+                "server did not answer); they stay due until `fastfill serve` runs again")
+    return "stopped; the served deployments' schedules are paused until `fastfill serve` runs again"
 
 
 @app.command(short_help="Check the registry once; start an upgrade if due.")
@@ -121,7 +142,7 @@ WEBHOOK_EVENTS = ["model_version_alias.created"]
 WebhookName = Annotated[str, typer.Option("--name", help="the webhook's name in MLflow")]
 
 
-def _webhooks(client) -> list:
+def registered_webhooks(client) -> list:
     """Every webhook on the MLflow server, all pages."""
     hooks, token = [], None
     while True:
@@ -132,7 +153,7 @@ def _webhooks(client) -> list:
             return hooks
 
 
-def _events(hook) -> list[str]:
+def webhook_events(hook) -> list[str]:
     return sorted(str(getattr(event, "value", event)) for event in hook.events)
 
 
@@ -168,7 +189,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
     except ValueError as error:
         fail(error, USAGE)
     client, _ = registry.setup(config.mlflow)
-    same = sorted((hook for hook in call(_webhooks, client) if hook.name == name),
+    same = sorted((hook for hook in call(registered_webhooks, client) if hook.name == name),
                   key=lambda hook: (hook.creation_timestamp or 0, hook.webhook_id))  # the first registered stays
     description = "fastfill: a new challenger starts the gallery upgrade"
     if not same:
@@ -177,7 +198,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
         typer.echo(f"webhook {hook.webhook_id} ({name}) registered -> {url} ({', '.join(WEBHOOK_EVENTS)})")
         return
     hook, *extra = same
-    before = (hook.url, _events(hook))
+    before = (hook.url, webhook_events(hook))
     # the secret cannot be read back: it is always set again, so a changed secret takes effect
     call(_refused_as_input, client.update_webhook, hook.webhook_id, url=url, events=WEBHOOK_EVENTS, secret=secret,
          description=description, status="ACTIVE")
@@ -195,13 +216,13 @@ def webhook_list(params: ParamsOption = Path("params.yaml")) -> None:
     from components.platform import registry
 
     client, _ = registry.setup(config.mlflow)
-    hooks = call(_webhooks, client)
+    hooks = call(registered_webhooks, client)
     if not hooks:
         typer.echo(f"no webhooks on {registry.identity(config.mlflow)}; `fastfill webhook register --url ...` adds one")
         return
     for hook in hooks:
         status = getattr(hook.status, "value", hook.status)
-        typer.echo(f"{hook.webhook_id}  {hook.name}  {status}  {','.join(_events(hook))}  {hook.url}")
+        typer.echo(f"{hook.webhook_id}  {hook.name}  {status}  {','.join(webhook_events(hook))}  {hook.url}")
 
 
 @webhook_app.command("delete", short_help="Delete a webhook from the MLflow server.")
@@ -213,7 +234,7 @@ def webhook_delete(params: ParamsOption = Path("params.yaml"), name: WebhookName
     from components.platform import registry
 
     client, _ = registry.setup(config.mlflow)
-    hooks = call(_webhooks, client)
+    hooks = call(registered_webhooks, client)
     doomed = [hook for hook in hooks if (hook.webhook_id == webhook_id if webhook_id else hook.name == name)]
     if not doomed:
         known = ", ".join(f"{hook.name} ({hook.webhook_id})" for hook in hooks) or "none"

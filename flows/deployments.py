@@ -11,7 +11,8 @@ Every path that starts an upgrade by itself ends in the same Prefect deployment,
 - ``registry-watcher/nightly`` (cron) does the same check and also resumes a paused upgrade;
 - the webhook receiver (services/webhook_receiver.py, `fastfill webhook serve`) starts it on a
   signed ``model_version_alias.created`` delivery for `challenger` from an MLflow server;
-- ``comparison/weekly`` (cron) re-runs the comparison of methods.
+- ``comparison/weekly`` (cron, only when ``triggers.comparison_cron`` is set: off by default) re-runs
+  the comparison of methods.
 
 A version is claimed in the gallery's store (create-only) before its upgrade starts, and the
 flow run carries an idempotency key, so no version starts two upgrades.

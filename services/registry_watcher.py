@@ -74,10 +74,12 @@ class RegistryWatcher:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 5.0) -> None:
+        """Stop polling; a check in progress gets ``wait`` seconds (a daemon thread: one blocked
+        on a registry that does not answer does not keep the process alive)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(5.0, self.interval))
+            self._thread.join(timeout=wait)
 
 
 def _print(message: str) -> None:

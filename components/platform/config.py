@@ -397,7 +397,8 @@ class TriggerConfig(Section):
     webhook_read_timeout_seconds: PositiveFloat = Field(
         default=10, description="a request whose next bytes take longer is dropped (408 while reading the body)")
     nightly_cron: str | None = Field(default="0 2 * * *", description="check-and-upgrade; null = none")
-    comparison_cron: str | None = Field(default="0 3 * * 0", description="re-run the comparison; null = none")
+    comparison_cron: str | None = Field(default=None, description="re-run the comparison of every method (hours of "
+                                       "training on the gallery's host), e.g. '0 3 * * 0'; null (default): none")
     timezone: str = Field(default="UTC", description='of the cron schedules')
 
 

@@ -164,3 +164,15 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
     webhook = get_command(app).commands["webhook"].commands["serve"]
     assert {option.name: option.envvar for option in webhook.params if option.name in ("host", "port", "store")} == {
         "host": "FASTFILL_WEBHOOK_HOST", "port": "FASTFILL_WEBHOOK_PORT", "store": "FASTFILL_STORE"}
+
+
+def test_the_comparison_is_served_only_when_its_schedule_is_set():
+    """The comparison retrains every method (hours) on the host that serves: off by default."""
+    from components.platform.config import load_params
+    from flows.deployments import deployments
+
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    assert params.triggers.comparison_cron is None
+    assert "weekly" not in {d.name for d in deployments(params, "/p/params.yaml")}
+    scheduled = params.model_copy(update={"triggers": params.triggers.model_copy(update={"comparison_cron": "0 3 * * 0"})})
+    assert "weekly" in {d.name for d in deployments(scheduled, "/p/params.yaml")}
