@@ -61,13 +61,13 @@ _CURVE_ROW = re.compile(r"^\s+(\d+)%\s+([0-9.]+) ± ([0-9.]+)\s+([0-9.]+) ± ([0
 _AGREEMENT_ROW = re.compile(r"^\s+(\d+)%\s+([0-9.]+)\s*$")
 _RECOMMENDED = re.compile(
     r"recommended stop for a gain below ([0-9.]+) (top-1|agreement) points per 5%: (\d+)% \(([0-9,]+) items "
-    r"embedded, ([0-9,]+) not\); predicted (?:top-1|agreement) ([0-9.]+) there"
-    r"(?:, ([0-9.]+) at 100% \(([0-9.]+) points given up\))?")
+    r"embedded, ([0-9,]+) not\); predicted (?:top-1|agreement) ([0-9.]+)%? there"
+    r"(?:, ([0-9.]+)%? at 100% \(([0-9.]+) points given up\))?")
 _OUTCOME = re.compile(r"^([a-z][a-z -]*): (\d+) of (\d+) items backfilled \(([0-9.]+)%\) in (\d+) s; MLflow run (\S+)")
 _ADVISED = re.compile(r"^budget advisor: recommended stop for a gain below ([0-9.]+) (top-1|agreement) points per 5% "
-                      r"is (\d+)% \(predicted (?:top-1|agreement) ([0-9.]+), ([0-9.]+) at 100%\)(.*)$")
-_GATE = re.compile(r"^promotion gate: (passed, champion moved|REJECTED): champion top-1 ([0-9.]+), challenger mean "
-                   r"top-1 along the backfill ([0-9.]+), NFR@1 ([0-9.]+)%, gain reached at (never|[0-9]+%)")
+                      r"is (\d+)% \(predicted (?:top-1|agreement) ([0-9.]+)%?, ([0-9.]+)%? at 100%\)(.*)$")
+_GATE = re.compile(r"^promotion gate: (passed, champion moved|REJECTED): champion top-1 ([0-9.]+)%?, challenger mean "
+                   r"top-1 along the backfill ([0-9.]+)%?, NFR@1 ([0-9.]+)%, gain reached at (never|[0-9]+%)")
 
 
 def _int(text: str) -> int:

@@ -211,4 +211,4 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-        typer.echo(f"top1_auc {result['top1_auc']:.4f}, map_auc {result['map_auc']:.4f}; written to {out}")
+        typer.echo(f"top1_auc {100 * result['top1_auc']:.2f}%, map_auc {100 * result['map_auc']:.2f}%; written to {out}")

@@ -184,15 +184,15 @@ def upgrade(ctx: typer.Context,
         value = advised["top1" if metric == "top-1" else "agreement"]
         full = advised["top1_full" if metric == "top-1" else "agreement_full"]
         typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per 5% is "
-                   f"{100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}, {100 * full:.2f} at 100%)"
+                   f"{100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}%, {100 * full:.2f}% at 100%)"
                    + ("; stopped there: the same command stays there, a --budget goes on"
                       if result.get("stopped") == "recommended" else ""))
     if "promotion" in result:
         numbers, decision = result["promotion"]["numbers"], result["promotion"]
         reached = numbers["fraction_to_gain"]
         typer.echo(f"promotion gate: {'passed, champion moved' if decision['passed'] else 'REJECTED'}: champion top-1 "
-                   f"{100 * numbers['champion_top1']:.2f}, challenger mean top-1 along the backfill "
-                   f"{100 * numbers['top1_auc']:.2f}, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                   f"{100 * numbers['champion_top1']:.2f}%, challenger mean top-1 along the backfill "
+                   f"{100 * numbers['top1_auc']:.2f}%, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
                    f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
         for reason in decision["reasons"]:
             typer.echo(f"  - {reason}")

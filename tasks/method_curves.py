@@ -22,7 +22,7 @@ def evaluate_reference(config: EvaluateConfig, layout: Layout) -> dict[str, dict
     points = reference_points(load_array(layout.features("old", "test")), load_array(layout.features("new", "test")),
                               labels, config.distance)
     for name, point in points.items():
-        log(f"{name}: top-1 {100 * point['top1']:.2f}, top-5 {100 * point['top5']:.2f}, mAP {100 * point['map']:.2f}")
+        log(f"{name}: top-1 {100 * point['top1']:.2f}%, top-5 {100 * point['top5']:.2f}%, mAP {100 * point['map']:.2f}%")
     return points
 
 
@@ -80,8 +80,8 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
     curves, tau = method_curves(outputs, load_array(layout.features("new", "test")), labels,
                                 orders, distance=config.distance, curve_points=config.curve_points, seed=config.seed)
     for order, curve in curves.items():
-        log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f} -> {100 * curve['top1'][-1]:.2f}, "
-            f"top1_auc {100 * curve['top1_auc']:.2f}, map_auc {100 * curve['map_auc']:.2f}")
+        log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f}% -> {100 * curve['top1'][-1]:.2f}%, "
+            f"top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%")
     if tau is not None:
         log(f"{method}: Kendall tau(sigma, oracle) = {tau:.3f}")
     return curves, tau
@@ -110,8 +110,8 @@ def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
     """``adapter_curves``, logged."""
     curves = adapter_curves(config, kind, layout)
     curve = curves["random"]
-    log(f"adapter {kind}: top-1 {100 * curve['top1'][0]:.2f} at 0% (the stored gallery untouched) -> "
-        f"{100 * curve['top1'][-1]:.2f}, top1_auc {100 * curve['top1_auc']:.2f}, map_auc {100 * curve['map_auc']:.2f}")
+    log(f"adapter {kind}: top-1 {100 * curve['top1'][0]:.2f}% at 0% (the stored gallery untouched) -> "
+        f"{100 * curve['top1'][-1]:.2f}%, top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%")
     return curves
 
 

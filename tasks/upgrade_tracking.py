@@ -106,7 +106,7 @@ class UpgradeProgress:
         metrics = self.meter.measure(items)
         registry.log_metrics(self.client, self.run_id, metrics, step=items)
         self.measured.add(items)
-        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {metrics['top1']:.4f}, mAP {metrics['map']:.4f}")
+        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {100 * metrics['top1']:.2f}%, mAP {100 * metrics['map']:.2f}%")
 
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")

@@ -224,8 +224,8 @@ def _train_on_features(
         for record in history:
             record["best"] = record["epoch"] == best["epoch"]
         log(f"kept the weights of epoch {best['epoch']}/{epochs}, best on the held-out pairs "
-            f"(top-1 {100 * history[best['epoch'] - 1]['val_top1']:.2f}, "
-            f"mAP {100 * history[best['epoch'] - 1]['val_map']:.2f} at 0% backfill)")
+            f"(top-1 {100 * history[best['epoch'] - 1]['val_top1']:.2f}%, "
+            f"mAP {100 * history[best['epoch'] - 1]['val_map']:.2f}% at 0% backfill)")
     module.eval()
     return history
 
@@ -234,7 +234,7 @@ def _describe_validation(record: dict) -> str:
     if "val_top1" not in record:
         return ""
     return (f"; held out: l2 {record['val_l2']:.4f}, disc {record['val_disc']:.4f}, top-1 "
-            f"{100 * record['val_top1']:.2f}, mAP {100 * record['val_map']:.2f}")
+            f"{100 * record['val_top1']:.2f}%, mAP {100 * record['val_map']:.2f}%")
 
 
 def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:

@@ -233,7 +233,7 @@ def train_embedder(
         if compatibility is not None:
             record["compatibility"] = compat_sum / seen
         history.append(record)
-        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {record['train_accuracy']:.4f}")
+        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {100 * record['train_accuracy']:.2f}%")
         save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1, step=step)

@@ -298,7 +298,7 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
             lines.append(
                 f"recommended stop for a gain below {stop['gain_below']:g} agreement points per 5%: "
                 f"{100 * stop['fraction']:.0f}% ({stop['items']:,} items embedded, {stop['items_saved']:,} not); "
-                f"predicted agreement {100 * stop['agreement']:.2f} there")
+                f"predicted agreement {100 * stop['agreement']:.2f}% there")
         return lines
     source = (f"{prediction['queries']} judged queries against {prediction['sample']} sampled items of "
               f"{prediction['items']:,}" if prediction.get("truth") == "judgments" else
@@ -316,9 +316,16 @@ def describe(prediction: dict, measured: dict[float, float] | None = None, gain_
     if stop is not None:
         lines.append(
             f"recommended stop for a gain below {stop['gain_below']:g} top-1 points per 5%: {100 * stop['fraction']:.0f}% "
-            f"({stop['items']:,} items embedded, {stop['items_saved']:,} not); predicted top-1 {100 * stop['top1']:.2f} "
-            f"there, {100 * stop['top1_full']:.2f} at 100% ({100 * stop['top1_given_up']:.2f} points given up)")
+            f"({stop['items']:,} items embedded, {stop['items_saved']:,} not); predicted top-1 {100 * stop['top1']:.2f}% "
+            f"there, {100 * stop['top1_full']:.2f}% at 100% ({_given_up(stop['top1_given_up'])})")
     return lines
+
+
+def _given_up(points: float) -> str:
+    """What stopping early costs against the full backfill, in top-1 points (a fraction here)."""
+    if points >= 0:
+        return f"{100 * points:.2f} points given up"
+    return f"{-100 * points:.2f} points above it: the predicted curve falls after the stop"
 
 
 # ------------------------------------------------------------------------------------------------

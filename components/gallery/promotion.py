@@ -95,8 +95,8 @@ def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_vers
 def gate_message(numbers: dict, passed: bool, reasons: list[str], new_uri: str, champion_uri: str) -> str:
     """One line on the gate's decision, for the log."""
     reached = numbers["fraction_to_gain"]
-    return (f"promotion gate for {new_uri} against {champion_uri}: top-1 {100 * numbers['champion_top1']:.2f} -> "
-            f"mean {100 * numbers['top1_auc']:.2f} along the backfill ({100 * numbers['top1_auc_gain']:+.2f}), NFR@1 "
+    return (f"promotion gate for {new_uri} against {champion_uri}: top-1 {100 * numbers['champion_top1']:.2f}% -> "
+            f"mean {100 * numbers['top1_auc']:.2f}% along the backfill ({100 * numbers['top1_auc_gain']:+.2f} points), NFR@1 "
             f"{100 * numbers['nfr1_mean']:.2f}%, gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'}: {'PASSED' if passed else 'REJECTED'}"
             + ("" if passed else f" ({'; '.join(reasons)})"))
