@@ -68,7 +68,10 @@ def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(re
         assert anchors["<DVC_METRIC_Y_LABEL>"].split()[0] in ("top-1", "top-5", "mAP")
         assert {point["field"] for point in anchors["<DVC_METRIC_DATA>"]} == LINES, name
     _run(_dvc("plots", "show"), repo_copy, cli_env)
-    assert (repo_copy / "dvc_plots" / "index.html").is_file()
+    page = (repo_copy / "dvc_plots" / "index.html").read_text()
+    # offline: the plotting scripts are in the page (.dvc/plots/offline.html), nothing from a CDN
+    assert "<script src=" not in page and "cdn.jsdelivr" not in page, page[:2000]
+    assert "vegaEmbed(" in page and page.count("<script>") >= 3
     ignored = subprocess.run(["git", "check-ignore", "-q", "dvc_plots/index.html"], cwd=repo_copy)
     assert ignored.returncode == 0  # .gitignore keeps the rendered plots out of git
 
