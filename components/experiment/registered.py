@@ -1,7 +1,8 @@
 """Registered models as data, never code: a version's folder holds a typed description of the
-network (``models.describe``) and its weights (a state_dict), and loading builds the network from
-the description and loads the weights with ``torch.load(weights_only=True)``, so nothing a writer
-to the registry puts there runs. Versions stored as pickled modules by earlier releases are
+network (``models.describe``) and its weights (a state_dict in safetensors, the format that holds
+tensors and nothing else), and loading builds the network from the description and reads the
+weights as tensors, so nothing a writer to the registry puts there runs. Versions whose weights are
+a ``weights.pt`` (earlier releases) still load, with ``torch.load(weights_only=True)``. Versions stored as pickled modules by earlier releases are
 refused unless ``mlflow.allow_pickled_models`` says their writers are trusted."""
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from components.platform import registry
 from components.platform.registry import RegistryError
 
 MODEL_FILE = "fastfill-model.json"  # the typed description; beside it the weights, a state_dict
-WEIGHTS_FILE = "weights.pt"
+WEIGHTS_FILE = "weights.safetensors"
+LEGACY_WEIGHTS_FILE = "weights.pt"  # earlier releases: a state_dict read with torch.load(weights_only=True)
 MODEL_FORMAT = "fastfill-model/1"
 
 
 def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
               tags: Mapping[str, str]) -> str:
     """Log a torch module under ``artifact`` in the run as data, never as code: its typed
-    description (``models.describe``) and its weights (a state_dict that loads with
-    ``torch.load(weights_only=True)``); register that folder as a new version of ``name`` and
+    description (``models.describe``) and its weights (a state_dict in safetensors); register that folder as a new version of ``name`` and
     tag the version; returns the version."""
-    import torch
+    from safetensors.torch import save_file
 
     module = module.cpu().eval()
     # a folder of its own in the run: a second model registered from the same run (a fallback map
@@ -39,7 +40,7 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     artifact = next(path for path in (artifact, *(f"{artifact}-{k}" for k in range(2, 10_000))) if path not in taken)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, folder / WEIGHTS_FILE)
+        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, folder / WEIGHTS_FILE)
         weights = hashlib.sha256((folder / WEIGHTS_FILE).read_bytes()).hexdigest()
         (folder / MODEL_FILE).write_text(json.dumps({
             "format": MODEL_FORMAT, "spec": describe(module), "input_shape": list(example.shape[1:]),
@@ -96,11 +97,13 @@ def _description(folder: Path) -> dict | None:
 
 def load_model(uri: str):
     """A registered model by URI, e.g. ``models:/embedder@champion``: built from its typed
-    description, its weights loaded with ``weights_only=True``, so loading runs no code from
-    the registry. A version stored as a pickled module (an older format) is refused unless
+    description, its weights read as tensors (safetensors; a legacy ``weights.pt`` with
+    ``weights_only=True``), so loading runs no code from the registry. A version stored as a pickled module (an older format) is refused unless
     ``mlflow.allow_pickled_models`` (or FASTFILL_ALLOW_PICKLED_MODELS=1) says its writers are trusted."""
     import torch
     from pydantic import ValidationError
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     folder = _model_folder(uri)
     described = _description(folder)
@@ -123,9 +126,12 @@ def load_model(uri: str):
                             f"was altered or torn: register the model again")
     try:
         module = build(described["spec"])
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+        if weights.suffix == ".safetensors":
+            state = load_file(weights, device="cpu")
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
         module.load_state_dict(state)
-    except (ValidationError, pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as error:
+    except (ValidationError, pickle.UnpicklingError, SafetensorError, RuntimeError, KeyError, TypeError) as error:
         # a wrong description, a refused pickle, or weights that do not fit the network
         raise RegistryError(f"{uri} could not be loaded as data: {type(error).__name__}: {error}") from error
     return module.eval()

@@ -79,20 +79,44 @@ def _version_folder(client, name: str, version: str) -> Path:
     return Path(source.removeprefix("file://"))
 
 
-def test_weights_carrying_a_pickled_object_are_refused_and_run_nothing(mlflow_store, tmp_path):
+@pytest.mark.parametrize("weights_file, refused_as", [(registered.WEIGHTS_FILE, "SafetensorError"),
+                                                     (registered.LEGACY_WEIGHTS_FILE, "UnpicklingError")])
+def test_weights_carrying_a_pickled_object_are_refused_and_run_nothing(mlflow_store, tmp_path, weights_file,
+                                                                      refused_as):
     _, client, run_id = mlflow_store
     version = registered.register_embedder(client, run_id, _embedder(), np.zeros((1, 1, 12, 12), np.float32),
                                          "embedder", None, {})
     folder = _version_folder(client, "embedder", version)
+    assert (folder / registered.WEIGHTS_FILE).is_file()  # what this release writes
     marker = tmp_path / "code-ran"
-    # the attacker rewrites the weights and their recorded sha256 both
-    (folder / registered.WEIGHTS_FILE).write_bytes(pickle.dumps({"weight": _Payload(marker)}))
+    # the attacker rewrites the weights (in today's file, or as an earlier release's weights.pt) and
+    # their recorded sha256 both
+    (folder / weights_file).write_bytes(pickle.dumps({"weight": _Payload(marker)}))
     description = json.loads((folder / registered.MODEL_FILE).read_text())
-    description["sha256"] = hashlib.sha256((folder / registered.WEIGHTS_FILE).read_bytes()).hexdigest()
+    description["weights"] = weights_file
+    description["sha256"] = hashlib.sha256((folder / weights_file).read_bytes()).hexdigest()
     (folder / registered.MODEL_FILE).write_text(json.dumps(description))
-    with pytest.raises(RegistryError, match="could not be loaded as data: UnpicklingError"):
+    with pytest.raises(RegistryError, match=f"could not be loaded as data: {refused_as}"):
         registered.load_model(f"models:/embedder/{version}")
     assert not marker.exists()
+
+
+def test_a_version_with_an_earlier_release_s_weights_pt_still_loads(mlflow_store):
+    _, client, run_id = mlflow_store
+    model = _embedder()
+    version = registered.register_embedder(client, run_id, model, np.zeros((1, 1, 12, 12), np.float32),
+                                         "embedder", None, {})
+    folder = _version_folder(client, "embedder", version)
+    (folder / registered.WEIGHTS_FILE).unlink()  # the folder as an earlier release wrote it
+    torch.save(model.state_dict(), folder / registered.LEGACY_WEIGHTS_FILE)
+    description = json.loads((folder / registered.MODEL_FILE).read_text())
+    description["weights"] = registered.LEGACY_WEIGHTS_FILE
+    description["sha256"] = hashlib.sha256((folder / registered.LEGACY_WEIGHTS_FILE).read_bytes()).hexdigest()
+    (folder / registered.MODEL_FILE).write_text(json.dumps(description))
+    back = registered.load_model(f"models:/embedder/{version}")
+    x = torch.rand(3, 1, 12, 12)
+    with torch.no_grad():
+        np.testing.assert_array_equal(back(x).numpy(), model.eval()(x).numpy())
 
 
 def test_altered_weights_or_description_are_refused_with_a_message(mlflow_store):
