@@ -33,3 +33,40 @@ def test_unreachable_stores_say_so(s3_endpoint, monkeypatch, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreUnreachable, match="not a folder"):
         open_store(tmp_path / "file").check()
+
+
+def test_objects_carry_s3_s_own_sha256_and_today_s_metadata_still_reads(s3_endpoint):
+    """What the store writes has S3's native SHA-256 (checked by S3 on arrival) beside the
+    metadata of earlier releases; an object with only the metadata (written before) still reads,
+    and one whose bytes do not match what is recorded is refused, whichever records it."""
+    import base64
+    import hashlib
+
+    import boto3
+
+    from components.gallery.store import ChecksumMismatch
+
+    bucket = new_bucket(s3_endpoint)
+    store = open_store(f"s3://{bucket}/g")
+    data = b"features" * 1000
+    digest = store.put("a.bin", data)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    head = client.head_object(Bucket=bucket, Key="g/a.bin", ChecksumMode="ENABLED")
+    assert head["ChecksumSHA256"] == base64.b64encode(hashlib.sha256(data).digest()).decode()
+    assert head["Metadata"]["sha256"] == digest
+    assert store.get("a.bin") == data
+
+    # an earlier release's object: the metadata only (no native SHA-256), still read and checked
+    client.put_object(Bucket=bucket, Key="g/old.bin", Body=data, Metadata={"sha256": digest})
+    assert store.get("old.bin") == data
+    client.put_object(Bucket=bucket, Key="g/old.bin", Body=data[:-1], Metadata={"sha256": digest})
+    with pytest.raises(ChecksumMismatch, match="is corrupt"):
+        store.get("old.bin")
+    # replaced by another writer with S3's checksum of other bytes and the old metadata
+    client.put_object(Bucket=bucket, Key="g/a.bin", Body=b"other", Metadata={"sha256": digest},
+                      ChecksumAlgorithm="SHA256")
+    with pytest.raises(ChecksumMismatch, match="is corrupt"):
+        store.get("a.bin")
+    # an object another tool wrote with S3's SHA-256 only: checked against it
+    client.put_object(Bucket=bucket, Key="g/native.bin", Body=data, ChecksumAlgorithm="SHA256")
+    assert store.get("native.bin") == data

@@ -251,3 +251,19 @@ def test_keys_may_not_name_the_store_s_own_files(tmp_path):
     with pytest.raises(StoreError, match="invalid key"):
         open_store(tmp_path).put("a/.hidden", b"x")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("response, expected", [
+    ({"ChecksumSHA256": "n4bQgYhMfWWaL+qgxVrQFaO/TxsrC4Is0V1sFbDwCgg=", "Metadata": {"sha256": "ab"}}, "ab"),
+    ({"ChecksumSHA256": "n4bQgYhMfWWaL+qgxVrQFaO/TxsrC4Is0V1sFbDwCgg="},  # S3's whole-object value alone
+     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"),
+    ({"ChecksumSHA256": "n4bQgYhMfWWaL+qgxVrQFaO/TxsrC4Is0V1sFbDwCgg=-3"}, None),  # multipart: composite
+    ({"ChecksumSHA256": "n4bQgYhMfWWaL+qgxVrQFaO/TxsrC4Is0V1sFbDwCgg=", "ChecksumType": "COMPOSITE"}, None),
+    ({"Metadata": {"sha256": "ab"}}, "ab"),  # written before: the metadata
+    ({"ChecksumSHA256": "not base64!"}, None),
+    ({}, None),
+])
+def test_the_recorded_sha256_of_an_s3_object(response, expected):
+    from components.gallery.store.s3 import recorded_sha256
+
+    assert recorded_sha256(response) == expected

@@ -1,5 +1,15 @@
 """``s3://bucket/prefix`` as a store, through boto3 (AWS, MinIO, any S3-compatible endpoint),
-and the S3 client settings of this process (``configure_s3``)."""
+and the S3 client settings of this process (``configure_s3``).
+
+Checksums: every object is written with S3's own SHA-256 (``ChecksumAlgorithm``, with the value
+computed here, so S3 refuses a body that arrives altered) and, as before, the hex SHA-256 in the
+user metadata ``sha256``. A read asks for S3's checksum (``ChecksumMode``), which boto3 checks
+against the body it receives. The bytes read are then compared with the metadata's SHA-256 when
+the object has it (every object this store wrote, before this release too: an object replaced by
+another writer with its own checksum but the old metadata is caught here), else with S3's value:
+the base64 of the 32-byte digest of the whole object, decoded to hex. A composite value
+(``...-N``, an object uploaded in N parts by another tool) is no digest of the whole object and
+is not used; an object with neither is refused as not written by this store."""
 
 from __future__ import annotations
 
@@ -134,14 +144,14 @@ class S3Store(Store):
     def _put(self, key: str, data: bytes, digest: str, *, create_only: bool) -> None:
         extra = {"IfNoneMatch": "*"} if create_only else {}
         self._call("writing", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data,
-                   Metadata={"sha256": digest}, **extra)
+                   **_checksums(digest), **extra)
 
     def _swap(self, key: str, data: bytes, digest: str, expected: str | None) -> str:
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
         try:
             response = self._call("writing", key, self.client.put_object,
                                   conflict=AlreadyExists if expected is None else Conflict, Bucket=self.bucket,
-                                  Key=self._key(key), Body=data, Metadata={"sha256": digest}, **condition)
+                                  Key=self._key(key), Body=data, **_checksums(digest), **condition)
         except ObjectMissing:  # If-Match on an object that is gone
             raise Conflict(f"{self.describe(key)} no longer exists") from None
         return response["ETag"]
@@ -160,7 +170,8 @@ class S3Store(Store):
         from botocore.exceptions import BotoCoreError
 
         for attempt in range(1, self.attempts + 1):
-            response = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+            response = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key),
+                                  ChecksumMode="ENABLED")
             try:
                 data = response["Body"].read()
             except (BotoCoreError, urllib3.exceptions.HTTPError, OSError) as error:
@@ -169,7 +180,7 @@ class S3Store(Store):
                                                          self.attempts)) from None
                 time.sleep(random.random() * min(2 ** (attempt - 1), 20))
                 continue
-            return data, response.get("Metadata", {}).get("sha256"), response["ETag"]
+            return data, recorded_sha256(response), response["ETag"]
         raise AssertionError("unreachable")
 
     def exists(self, key: str) -> bool:
@@ -193,3 +204,32 @@ class S3Store(Store):
 
     def _delete(self, key: str) -> None:
         self._call("deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+
+def _checksums(digest: str) -> dict:
+    """The put_object arguments that record ``digest`` (hex SHA-256): S3's own checksum (S3
+    checks the body against it on arrival) and the user metadata of earlier releases."""
+    import base64
+
+    return {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": base64.b64encode(bytes.fromhex(digest)).decode(),
+            "Metadata": {"sha256": digest}}
+
+
+def recorded_sha256(response: dict) -> str | None:
+    """The hex SHA-256 an object was written with: the user metadata ``sha256`` (what this store
+    writes), else S3's whole-object checksum (base64 of the digest); None without either."""
+    import base64
+    import binascii
+
+    metadata = response.get("Metadata", {}).get("sha256")
+    if metadata:
+        return metadata
+    native = response.get("ChecksumSHA256")
+    if native and "-" not in native and response.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+        try:
+            raw = base64.b64decode(native, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) == 32:
+            return raw.hex()
+    return None
