@@ -26,6 +26,7 @@ from torch import nn
 from components.platform.config import TrainConfig
 from components.experiment.data import Split
 from components.platform.layout import save_torch
+from components.platform.progress import progress
 from components.experiment.losses import classification_per_sample
 from components.experiment.inference import CHANNELS_LAST, pick_device
 from components.experiment.models import Embedder
@@ -198,46 +199,50 @@ def train_embedder(
     if state is not None:
         history, start_epoch, step = state["history"], state["epoch"], state["step"]
 
-    for epoch in range(start_epoch, config.epochs):
-        if step >= total_steps:
-            break
-        model.train()
-        permutation = torch.randperm(len(split), generator=generator).to(device)
-        loss_sum, compat_sum, correct, seen = 0.0, 0.0, 0, 0
-        for start in range(0, len(split), config.batch_size):
+    # a bar on a terminal, else a line with the rate and the time left every FASTFILL_PROGRESS_SECONDS
+    with progress(f"training the {config.backbone} model", total=total_steps, unit="step", log=log,
+                  initial=step) as bar:
+        for epoch in range(start_epoch, config.epochs):
             if step >= total_steps:
                 break
-            index = permutation[start: start + config.batch_size]
-            batch = images[index].float().div_(255.0)
-            if config.augment:
-                batch = _augment(batch, generator)
-            batch = batch.contiguous(memory_format=CHANNELS_LAST)
-            with forward_precision(device, dtype):
-                features = model(batch)
-                logits = model.classify(features)
-            features, logits = features.float(), logits.float()
-            loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
+            model.train()
+            permutation = torch.randperm(len(split), generator=generator).to(device)
+            loss_sum, compat_sum, correct, seen = 0.0, 0.0, 0, 0
+            for start in range(0, len(split), config.batch_size):
+                if step >= total_steps:
+                    break
+                index = permutation[start: start + config.batch_size]
+                batch = images[index].float().div_(255.0)
+                if config.augment:
+                    batch = _augment(batch, generator)
+                batch = batch.contiguous(memory_format=CHANNELS_LAST)
+                with forward_precision(device, dtype):
+                    features = model(batch)
+                    logits = model.classify(features)
+                features, logits = features.float(), logits.float()
+                loss = classification_per_sample(logits, targets[index], config.label_smoothing).mean()
+                if compatibility is not None:
+                    term = compatibility(batch, features, labels[index])
+                    loss = loss + term
+                    compat_sum += term.item() * len(index)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                bar.advance()
+                loss_sum += loss.item() * len(index)
+                correct += int((logits.argmax(1) == targets[index]).sum())
+                seen += len(index)
+            record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
             if compatibility is not None:
-                term = compatibility(batch, features, labels[index])
-                loss = loss + term
-                compat_sum += term.item() * len(index)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            loss_sum += loss.item() * len(index)
-            correct += int((logits.argmax(1) == targets[index]).sum())
-            seen += len(index)
-        record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
-        if compatibility is not None:
-            record["compatibility"] = compat_sum / seen
-        history.append(record)
-        log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {100 * record['train_accuracy']:.2f}%")
-        save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
-                         history=history, epoch=epoch + 1, step=step)
-        if on_epoch is not None:
-            on_epoch(epoch + 1, config.epochs)
+                record["compatibility"] = compat_sum / seen
+            history.append(record)
+            log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, train accuracy {100 * record['train_accuracy']:.2f}%")
+            save_checkpoint(checkpoint, config_key=key, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                             scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                             history=history, epoch=epoch + 1, step=step)
+            if on_epoch is not None:
+                on_epoch(epoch + 1, config.epochs)
     model.eval()
     return model, history

@@ -182,3 +182,21 @@ def test_bf16_training_runs_its_forward_passes_in_bfloat16_and_learns_as_float32
         assert all(p.dtype == torch.float32 for p in model.parameters())
         ends[precision] = history[-1]["loss"]
     assert ends["bf16"] == pytest.approx(ends["fp32"], rel=0.1) and ends["bf16"] != ends["fp32"]
+
+
+def test_embedder_training_shows_its_progress_with_rate_and_time_left(monkeypatch):
+    """Logs (no terminal): a line with the steps done, the rate and the time left, at most every
+    FASTFILL_PROGRESS_SECONDS, and one at the end; the training itself is the same."""
+    monkeypatch.setenv("FASTFILL_PROGRESS", "log")
+    monkeypatch.setenv("FASTFILL_PROGRESS_SECONDS", "0")
+    config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=2, batch_size=16)
+    lines = []
+    shown, history = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3), run=TrainingRun(CPU, log=lines.append))
+    steps = [line for line in lines if line.startswith("training the cnn_small model:")]
+    assert steps and "step/s" in steps[0] and "left" in steps[0], lines
+    assert steps[-1].startswith(f"training the cnn_small model: done, {history[-1]['step']}/{history[-1]['step']} "
+                                "steps (100%)"), steps[-1]
+    monkeypatch.setenv("FASTFILL_PROGRESS", "off")
+    quiet, _ = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3), run=TrainingRun(CPU, log=lambda m: None))
+    for a, b in zip(shown.state_dict().values(), quiet.state_dict().values()):
+        assert torch.equal(a, b)
