@@ -175,10 +175,15 @@ class UpgradeDecider:
                        "planning it again from scratch (its earlier objects were removed)")
         else:
             rejected = view.rejected(course.uid)
-            if rejected is not None:
+            if rejected is not None and self.gate:
                 course.reason = (f"upgrade {course.uid} was rejected by the promotion gate on {rejected['rejected']} "
-                                 f"({'; '.join(rejected.get('reasons', []))}); register a better version")
+                                 f"({'; '.join(rejected.get('reasons', []))}); register a better version, or run it "
+                                 "ungated (--no-gate) to plan it again without the gate")
                 return course
+            if rejected is not None:  # the user turned the gate off for it: planned again, ungated
+                course.start_over = True
+                say.append(f"upgrade {course.uid} was rejected by the promotion gate on {rejected['rejected']}; the "
+                           "gate is off for this run, so it is planned again from scratch and runs ungated")
         course.truth = truth_of(view.has_labels, self.judgments)
         if course.truth == TRUTH_NONE and self.gate:  # decided before any embedding
             course.reason = no_truth_refusal(self.store_uri)

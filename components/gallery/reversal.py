@@ -158,21 +158,24 @@ def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
 
 
 def start_over(gallery: Gallery, upgrade: str) -> dict | None:
-    """``upgrade`` was aborted or rolled back and is asked for again: delete its objects so it is
-    planned from scratch (plan.json first, so nothing can resume it; the record of its end last,
-    so a run cut short here does this again). Returns that record, with ``ended`` ("aborted" or
-    "rolled back"), or None when the upgrade was neither."""
+    """``upgrade`` was aborted or rolled back (or rejected by the gate, and asked for again with
+    the gate off) and is asked for again: delete its objects so it is planned from scratch
+    (plan.json first, so nothing can resume it; the record of its end last, so a run cut short
+    here does this again). Returns that record, with ``ended`` ("aborted", "rolled back" or
+    "rejected"), or None when the upgrade was none of these."""
     store = gallery.store
     record = aborted(store, upgrade)
     ended = "aborted"
     if record is None:
         record, ended = rolled_back(store, upgrade), "rolled back"
+    if record is None:  # rejected by the gate, asked for again with the gate off
+        record, ended = rejection(store, upgrade), "rejected"
     if record is None:
         return None
     manifest = gallery.manifest(refresh=True)
     if manifest.get("upgrade") == upgrade:  # an abort cut short before the gallery went back
         gallery.write_manifest({**manifest, "upgrade": None})
-    records = {upgrade_key(upgrade, ABORTED), upgrade_key(upgrade, ROLLED_BACK)}
+    records = {upgrade_key(upgrade, ABORTED), upgrade_key(upgrade, ROLLED_BACK), upgrade_key(upgrade, REJECTED)}
     keys = store.list(f"upgrades/{upgrade}/")
     if plan_key(upgrade) in keys:
         store.delete(plan_key(upgrade))

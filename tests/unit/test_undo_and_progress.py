@@ -65,6 +65,24 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     assert gallery.model == NEW
 
 
+def test_a_rejected_upgrade_asked_for_again_ungated_is_planned_from_scratch(tmp_path, models, data):
+    _, new, h = models
+    gallery = _gallery(str(tmp_path / "g"), models, data)
+    store = gallery.store
+    plan = _plan(gallery, h)
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(store, plan.id, chunk, new)
+    ending.write_decision(store, plan, passed=False, reasons=["worse"], numbers=None, tags={}, champion=OLD)
+    ending.reject(gallery, plan, {"reasons": ["worse"], "numbers": None})
+    assert gallery.model == OLD and ending.rejection(store, plan.id) is not None
+    undone = reversal.start_over(gallery, plan.id)
+    assert undone["ended"] == "rejected" and undone["reasons"] == ["worse"]
+    assert store.list(f"upgrades/{plan.id}/") == []  # nothing to resume, no decision to complete
+    again = _plan(gallery, h)
+    _finish_all(gallery, again, new)
+    assert gallery.model == NEW
+
+
 def test_an_abort_cut_short_is_seen_and_completed(tmp_path, models, data):
     _, new, h = models
     gallery = _gallery(str(tmp_path / "g"), models, data)
