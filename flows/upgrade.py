@@ -73,10 +73,12 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
             raise GalleryError(course.reason)
         new_model = load_model(wanted)
         new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
+        judged = None
         if course.truth == TRUTH_JUDGMENTS:  # read and checked against the gallery now, before any work
-            log(f"the gate measures against {judgments.load_judgments(config.judgments, gallery.ids()).describe()}")
+            judged = judgments.load_judgments(config.judgments, gallery.ids())
+            log(f"the gate measures against {judged.describe()}")
         plan = (_resume(gallery, course) if course.action == RESUME else
-                plan_upgrade(params, client, experiment, gallery, course, new, new_model))
+                plan_upgrade(params, client, experiment, gallery, course, new, new_model, judged))
         advice = _advice(client, gallery, plan, config.stop_when_gain_below)
         budget = config.budget if budget is None else budget
         stop = decider.advised_stop(advice, budget)
@@ -304,11 +306,14 @@ def named_state(result: dict, model_uri: str = "the new model"):
     if result.get("state") == "paused":
         return Completed(name="Paused", message=result.get("message"), data=result)
     if result.get("state") == "rejected":
-        decided, promotion = result.get("decided") or {}, result.get("promotion") or {}
-        reasons = promotion.get("reasons") or decided.get("reasons") or []
         return Completed(name="Rejected", message=f"{model_uri} rejected by the promotion gate: "
-                         + ("; ".join(reasons) or "see its decision.json"), data=result)
+                         + ("; ".join(_reasons(result)) or "see its decision.json"), data=result)
     return result
+
+
+def _reasons(result: dict) -> list[str]:
+    """Why the gate rejected: the gate's reasons of this run, or those of the decision it completed."""
+    return (result.get("promotion") or {}).get("reasons") or (result.get("decided") or {}).get("reasons") or []
 
 
 def _outcome(result: dict, store_uri: str, model_uri: str):
@@ -320,13 +325,11 @@ def _outcome(result: dict, store_uri: str, model_uri: str):
         return result
     from prefect.events import emit_event
 
-    decided = result.get("decided") or {}
-    promotion = result.get("promotion") or {}
-    upgrade = result.get("upgrade") or decided.get("upgrade")
-    reasons = promotion.get("reasons") or decided.get("reasons") or []
-    numbers = {k: v for k, v in (promotion.get("numbers") or {}).items() if isinstance(v, int | float | None)}
+    upgrade = result.get("upgrade") or (result.get("decided") or {}).get("upgrade")
+    numbers = {k: v for k, v in ((result.get("promotion") or {}).get("numbers") or {}).items()
+               if isinstance(v, int | float | None)}
     emit_event(event=REJECTED_EVENT,
                resource={"prefect.resource.id": f"fastfill.gallery.{store_uri}", "prefect.resource.name": store_uri},
-               payload={"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": reasons,
+               payload={"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": _reasons(result),
                         "numbers": numbers, "mlflow_run_id": result.get("mlflow_run_id")})
     return named_state(result, model_uri)

@@ -26,12 +26,13 @@ from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
 
 
 def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, course: Course, new: ModelRef,
-                 new_model) -> planning.Plan:
+                 new_model, judged=None) -> planning.Plan:
     """Plan ``course``'s upgrade to ``new``. With a base (an unfinished upgrade to ``course.old``),
     a sequential upgrade: the map applies to the gallery as that upgrade left it, so items still
     on the gallery's model go through both maps. A gallery whose parts are missing or foreign is
     refused before anything is written; one whose content fails while planning (a NaN, a torn
-    part) is refused and what planning wrote is removed."""
+    part) is refused and what planning wrote is removed. ``judged``: the judged queries
+    (``judgments.load_judgments``, read once by the flow), or None without them."""
     config, uid = params.gallery.upgrade, course.uid
     base = planning.load_plan(gallery.store, course.base) if course.base else None
     planning.check_sources(gallery, sequential=base is not None)  # before anything is written
@@ -41,7 +42,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, course.old.uri, new.uri, course.base),
                               gallery.store.uri)
     try:
-        return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id)
+        return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id, judged)
     except (GalleryError, StoreError) as error:
         discarded = planning.discard_unplanned(gallery, uid)
         close_upgrade_run(client, run_id, "FAILED", f"planning refused: {error}")
@@ -51,7 +52,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
 
 
 def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
-               base: planning.Plan | None, run_id: str) -> planning.Plan:
+               base: planning.Plan | None, run_id: str, judged) -> planning.Plan:
     config, store_uri = params.gallery.upgrade, gallery.store.uri
     if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
         write_sources(store_uri, uid, base)
@@ -72,14 +73,11 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     def embed(images, label=None):
         return embed_images(new_model, images, config.batch_size, config.precision, label=label)
 
-    judged = None
-    if config.judgments:
+    if judged is not None:
         def embed_champion(images, label=None):
             return embed_images(load_model(gallery.model), images, config.batch_size, config.precision)
 
-        loaded = judgments.load_judgments(config.judgments, gallery.ids())
-        log(loaded.describe())
-        judged = samples.judged_queries(gallery, config, loaded, embed, embed_champion, embedded)
+        judged = samples.judged_queries(gallery, config, judged, embed, embed_champion, embedded)
     positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
     # the items embedded while planning are backfilled from the start: the first chunks of the order

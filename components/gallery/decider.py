@@ -294,13 +294,9 @@ class GalleryView:
         return aborted(self.gallery.store, upgrade) is not None
 
     def undone(self, upgrade: str) -> dict | None:
-        from components.gallery.reversal import aborted, rolled_back
+        from components.gallery.reversal import undone
 
-        record = aborted(self.gallery.store, upgrade)
-        if record is not None:
-            return {"ended": "aborted", **record}
-        record = rolled_back(self.gallery.store, upgrade)
-        return {"ended": "rolled back", **record} if record is not None else None
+        return undone(self.gallery.store, upgrade)
 
     def rejected(self, upgrade: str) -> dict | None:
         from components.gallery.ending import rejection

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from components.gallery.backfill import done_chunks, failed_images, iter_mixed_parts
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
-from components.gallery.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key
-from components.gallery.store import ObjectMissing, Store
+from components.gallery.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
+from components.gallery.store import Store
 
 
 def finish(gallery: Gallery, plan: Plan) -> dict:
@@ -27,10 +27,9 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     the record it wrote is returned."""
     manifest = gallery.manifest(refresh=True)
     if manifest.get("upgrade") is None and ModelRef.from_dict(manifest["model"]).same_version(plan.new):
-        try:
-            return gallery.store.get_json(upgrade_key(plan.id, FINISHED))
-        except ObjectMissing:
-            pass
+        recorded = upgrade_record(gallery.store, plan.id, FINISHED)
+        if recorded is not None:
+            return recorded
     missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.id)))
     if missing:
         raise GalleryError(f"upgrade {plan.id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
@@ -63,10 +62,7 @@ def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
 
 
 def decision(store: Store, upgrade: str) -> dict | None:
-    try:
-        return store.get_json(upgrade_key(upgrade, DECISION))
-    except ObjectMissing:
-        return None
+    return upgrade_record(store, upgrade, DECISION)
 
 
 def write_decision(store: Store, plan: Plan, *, passed: bool, reasons: list[str], numbers: dict | None,
@@ -110,7 +106,4 @@ def interrupted_ending(gallery: Gallery) -> dict | None:
 
 
 def rejection(store: Store, upgrade: str) -> dict | None:
-    try:
-        return store.get_json(upgrade_key(upgrade, REJECTED))
-    except ObjectMissing:
-        return None
+    return upgrade_record(store, upgrade, REJECTED)

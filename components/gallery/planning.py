@@ -50,6 +50,14 @@ def upgrade_key(upgrade: str, name: str) -> str:
     return f"upgrades/{upgrade}/{name}"
 
 
+def upgrade_record(store: Store, upgrade: str, name: str) -> dict | None:
+    """The upgrade's JSON record ``name`` (its decision, how it ended, ...), or None when there is none."""
+    try:
+        return store.get_json(upgrade_key(upgrade, name))
+    except ObjectMissing:
+        return None
+
+
 def chunk_key(upgrade: str, chunk: int) -> str:
     return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from components.gallery.backfill import done_chunks
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, features_key, now
 from components.gallery.ending import decision, interrupted_ending, rejection
-from components.gallery.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key
-from components.gallery.store import ObjectMissing, Store
+from components.gallery.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
+from components.gallery.store import Store
 
 ABORTED, ROLLED_BACK = "aborted.json", "rolled-back.json"
 ROLLBACK = "rollback"  # the ``by`` of a manifest history entry written by a rollback
@@ -40,25 +40,18 @@ def who() -> dict:
     return {"user": user, "host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _record(store: Store, upgrade: str, name: str) -> dict | None:
-    try:
-        return store.get_json(upgrade_key(upgrade, name))
-    except ObjectMissing:
-        return None
-
-
 def aborted(store: Store, upgrade: str) -> dict | None:
     """The record of ``upgrade``'s abort, or None."""
-    return _record(store, upgrade, ABORTED)
+    return upgrade_record(store, upgrade, ABORTED)
 
 
 def rolled_back(store: Store, upgrade: str) -> dict | None:
     """The record of ``upgrade``'s rollback, or None."""
-    return _record(store, upgrade, ROLLED_BACK)
+    return upgrade_record(store, upgrade, ROLLED_BACK)
 
 
 def _finished(store: Store, upgrade: str) -> dict | None:
-    return _record(store, upgrade, FINISHED)
+    return upgrade_record(store, upgrade, FINISHED)
 
 
 def _last_ended(gallery: Gallery, manifest: dict) -> tuple[str, str, dict] | None:
@@ -157,6 +150,16 @@ def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
     return record
 
 
+def undone(store: Store, upgrade: str) -> dict | None:
+    """The record of ``upgrade``'s abort or rollback, with ``ended`` ("aborted" or "rolled back"),
+    or None when it was neither: such an upgrade asked for again is planned from scratch."""
+    for ended, read in (("aborted", aborted), ("rolled back", rolled_back)):
+        record = read(store, upgrade)
+        if record is not None:
+            return {"ended": ended, **record}
+    return None
+
+
 def start_over(gallery: Gallery, upgrade: str) -> dict | None:
     """``upgrade`` was aborted or rolled back (or rejected by the gate, and asked for again with
     the gate off) and is asked for again: delete its objects so it is planned from scratch
@@ -164,12 +167,10 @@ def start_over(gallery: Gallery, upgrade: str) -> dict | None:
     here does this again). Returns that record, with ``ended`` ("aborted", "rolled back" or
     "rejected"), or None when the upgrade was none of these."""
     store = gallery.store
-    record = aborted(store, upgrade)
-    ended = "aborted"
-    if record is None:
-        record, ended = rolled_back(store, upgrade), "rolled back"
+    record = undone(store, upgrade)
     if record is None:  # rejected by the gate, asked for again with the gate off
-        record, ended = rejection(store, upgrade), "rejected"
+        rejected = rejection(store, upgrade)
+        record = {"ended": "rejected", **rejected} if rejected is not None else None
     if record is None:
         return None
     manifest = gallery.manifest(refresh=True)
@@ -184,7 +185,7 @@ def start_over(gallery: Gallery, upgrade: str) -> dict | None:
             store.delete(key)
     for key in sorted(records & set(keys)):
         store.delete(key)
-    return {"ended": ended, **record}
+    return record
 
 
 def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
