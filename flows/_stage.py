@@ -9,6 +9,7 @@ from pathlib import Path
 from components.platform.config import Params
 from components.experiment.data import SPLITS
 from components.platform.layout import Layout, read_json
+from components.platform.runtime import use_threads
 from tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
 
 
@@ -31,7 +32,9 @@ def stage_run(params: Params, stage: str, section: Mapping, parent_run_id: str |
     """An MLflow run for one stage; FAILED when the stage raises. Without a parent id (a stage
     run on its own, e.g. by `dvc repro`) the newest pipeline run of the same params and commit
     is the parent, or a new one: RUNNING while the stage runs, then closed as the stage ended
-    (FINISHED, or FAILED), so no parent run is left RUNNING after separate stages."""
+    (FINISHED, or FAILED), so no parent run is left RUNNING after separate stages. The stage
+    computes with compute.threads threads."""
+    use_threads(params.compute.threads)
     own_parent = parent_run_id is None
     parent = parent_run_id or open_pipeline_run(params, fresh=False)
     if own_parent:

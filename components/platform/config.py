@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from components.platform.vocabulary import (
-    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, ORDERS, PRECISIONS, TRAINING_PRECISIONS,
+    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ORDERS, PRECISIONS,
+    TRAINING_PRECISIONS,
 )
 
 DEFAULT_PARAMS = Path("params.yaml")
@@ -36,6 +37,15 @@ class PathsConfig(Section):
     data: Path = Field(default=Path("data"), description="prepared splits (prepare's output)")
     artifacts: Path = Field(default=Path("artifacts"), description='models, features and maps of the stages')
     reports: Path = Field(default=Path("reports"), description='metrics.json, curves.json, plots')
+
+
+class ComputeConfig(Section):
+    """How many CPU threads the computing steps use: fixed, so a rerun on another machine of the
+    same kind, whatever its core count, gives the same bytes (docs/pipeline.md, "Reproducible")."""
+
+    threads: PositiveInt | None = Field(
+        default=2, description="torch's intra-op threads of the pipeline's stages (training, maps, evaluation); "
+        "null = torch's default (the machine's cores). OMP_NUM_THREADS, when set in the environment, wins")
 
 
 class PrepareConfig(Section):
@@ -206,12 +216,18 @@ class CompatibleConfig(Section):
 
 Order = Literal[ORDERS]
 AdapterKind = Literal[ADAPTERS]
+Merge = Literal[MERGES]
 Distance = Literal[DISTANCES]
 
 
 def adapter_method(kind: str) -> str:
     """The method name of a query-side adapter in metrics.json and the comparison."""
     return f"adapter_{kind}"
+
+
+def dual_method(merge: str) -> str:
+    """The method name of the shadow-index playbook with one merge (dual_rrf, dual_score_minmax...)."""
+    return f"dual_{merge}"
 
 
 class EvaluateConfig(Section):
@@ -233,11 +249,24 @@ class EvaluateConfig(Section):
         "the comparison sets compare.adapters)")
     adapter_rank: Annotated[int, Field(ge=1)] = Field(
         default=32, description="the rank of the low_rank adapter's linear part (and the residual MLP's start)")
+    dual: list[Merge] = Field(
+        default_factory=list, description="the shadow-index playbook evaluated as methods dual_<merge>: the old "
+        "query searches the items not yet re-embedded, the new query those that are, the two lists merged by "
+        "rrf, score_minmax or score_zscore (no map, two query embeddings and two searches per query; the "
+        "comparison sets compare.dual)")
+    dual_orders: list[Literal["random", "sigma"]] = Field(
+        default_factory=lambda: ["random", "sigma"], description="the backfill orders of every dual_<merge> "
+        "method, the first its headline; sigma is the order of dual_sigma_from's map")
+    dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose sigma orders the "
+                                 "dual methods' sigma order")
+    rrf_k: PositiveInt = Field(default=60, description="reciprocal rank fusion: an item's score is the sum over "
+                               "the lists of 1 / (rrf_k + its rank)")
 
     @property
     def headlines(self) -> dict[str, str]:
-        """headline_order, and each adapter's only order (random)."""
-        return {**self.headline_order, **{adapter_method(kind): "random" for kind in self.adapters}}
+        """headline_order, each adapter's only order (random), each dual method's first order."""
+        return {**self.headline_order, **{adapter_method(kind): "random" for kind in self.adapters},
+                **{dual_method(merge): self.dual_orders[0] for merge in self.dual}}
 
     @model_validator(mode="after")
     def _headline_in_orders(self) -> EvaluateConfig:
@@ -428,6 +457,9 @@ class CompareConfig(Section):
         default_factory=lambda: list(ADAPTERS),
         description="the query-side adapters among the rows (evaluate.adapters of each seed): the zero-write "
         "alternative, fitted on the maps' pairs")
+    dual: list[Merge] = Field(
+        default_factory=lambda: list(MERGES),
+        description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed)")
     precision: TrainingPrecision | None = Field(
         default="auto", description="the precision of every training of the comparison (the models, the maps, "
         "the compatible models), the same for every method; null = each configuration's own")
@@ -465,6 +497,7 @@ def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, Ali
 
 class Params(Section):
     paths: PathsConfig = PathsConfig()
+    compute: ComputeConfig = ComputeConfig()
     prepare: PrepareConfig = PrepareConfig()
     train: TrainSection
     align: dict[str, AlignConfig]
@@ -484,6 +517,12 @@ class Params(Section):
         if clash:
             raise ValueError(f"{sorted(clash)} is both under align and under compatible; rename one")
         _check_orders("evaluate.orders", self.evaluate.orders, self.align, self.compatible)
+        sigma_from = self.evaluate.dual_sigma_from
+        if self.evaluate.dual and "sigma" in self.evaluate.dual_orders and (
+                sigma_from not in self.align or not self.align[sigma_from].uncertainty):
+            raise ValueError(f"evaluate.dual_sigma_from: {sigma_from!r} is not a map under align with "
+                             "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
+                             "from evaluate.dual_orders")
         upgrade = self.gallery.upgrade.method
         if upgrade not in self.align:
             raise ValueError(
@@ -534,6 +573,7 @@ class Params(Section):
         data["evaluate"]["orders"] = orders
         data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
         data["evaluate"]["adapters"] = compare["adapters"]
+        data["evaluate"]["dual"] = compare["dual"]
         # each row is its method's own map: the map check's fallback would put FCT's map in its place
         for method in data["align"].values():
             method["check"] = "off"

@@ -10,7 +10,14 @@ MAP_ORDERS = ("random", "sigma", "oracle", "distance")
 COMPATIBLE_ORDERS = ("random", "least_confidence", "margin", "entropy")
 ORDERS = MAP_ORDERS + COMPATIBLE_ORDERS[1:]
 # What a real gallery upgrade can order by (the others need the new features or a classifier).
-GALLERY_ORDERS = ("sigma", "random")
+# usage: the items queries hit most first (a per-item weight); usage_sigma: the expected gain per
+# item, its weight times its predicted error (sigma^2), the two combined.
+GALLERY_ORDERS = ("sigma", "random", "usage", "usage_sigma")
+
+# The shadow-index playbook (components.evaluation.fusion): the old query searches the items not
+# yet re-embedded, the new query those that are, and the two ranked lists are merged by reciprocal
+# rank fusion or by scores normalised per list (min-max or z-score).
+MERGES = ("rrf", "score_minmax", "score_zscore")
 
 DISTANCES = ("l2", "cosine")
 
