@@ -2,7 +2,8 @@
 
 An order is a permutation of the gallery indices 0..n-1; the first items are backfilled first.
 Score-based orders put the highest score first and break ties by the lower index, so an order
-is a pure function of its scores.
+is a pure function of its scores. The usage orders rank by how often queries hit an item (its
+usage weight, >= 0) and break ties by sigma (least certain first) when it is known.
 """
 
 from __future__ import annotations
@@ -28,6 +29,50 @@ def descending_order(scores: np.ndarray) -> np.ndarray:
 def sigma_order(log_sigma2: np.ndarray) -> np.ndarray:
     """FastFill: least certain first (descending predicted sigma^2, from old features alone)."""
     return descending_order(log_sigma2)
+
+
+def check_weights(weights, n: int | None = None) -> np.ndarray:
+    """Usage weights as float64 when they are one finite value >= 0 per item (``n`` of them when
+    given); otherwise a ValueError that says what is wrong."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.ndim != 1 or (n is not None and len(weights) != n):
+        raise ValueError(f"usage weights must be one value per gallery item ({n if n is not None else 'n'}), "
+                         f"got shape {weights.shape}")
+    bad = ~np.isfinite(weights) | (weights < 0)
+    if bad.any():
+        raise ValueError(f"usage weights must be finite and >= 0; {int(bad.sum())} are not (first: item "
+                         f"{int(np.flatnonzero(bad)[0])}, {weights[bad][0]})")
+    return weights
+
+
+def usage_order(weights: np.ndarray, log_sigma2: np.ndarray | None = None) -> np.ndarray:
+    """Most-asked first: descending usage weight. Ties (the items never hit among them) go by
+    descending ``log_sigma2`` (least certain first) when it is given, else by ascending index."""
+    weights = check_weights(weights)
+    tie = np.zeros(len(weights)) if log_sigma2 is None else _finite(log_sigma2, len(weights))
+    return np.lexsort((-tie, -weights)).astype(np.int64)  # stable: equal keys keep the lower index first
+
+
+def expected_gain_order(weights: np.ndarray, log_sigma2: np.ndarray) -> np.ndarray:
+    """The usage weight times the predicted error first: descending ``weight * sigma^2``
+    (sigma^2 = exp(log_sigma2)), the error a backfill removes from the queries of the workload.
+    The items never hit (weight 0) follow in sigma order, so the tail is FastFill's order. Ties
+    by descending sigma, then ascending index."""
+    weights = check_weights(weights)
+    log_sigma2 = _finite(log_sigma2, len(weights))
+    hit = weights > 0
+    # log(weight) + log sigma^2 orders as the product does, without overflowing exp()
+    gain = np.where(hit, np.log(np.where(hit, weights, 1.0)) + log_sigma2, 0.0)
+    return np.lexsort((-log_sigma2, -gain, ~hit)).astype(np.int64)
+
+
+def _finite(scores, n: int) -> np.ndarray:
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.shape != (n,):
+        raise ValueError(f"log sigma^2 must be one value per gallery item ({n}), got shape {scores.shape}")
+    if not np.isfinite(scores).all():
+        raise ValueError("log sigma^2 contains NaN or infinite values; the order would be undefined")
+    return scores
 
 
 def oracle_order(true_loss: np.ndarray) -> np.ndarray:

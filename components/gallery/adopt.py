@@ -4,7 +4,8 @@ and the manifest (last, so a crashed adopt leaves no gallery).
 
 The manifest file (CSV or Parquet) has one row per item: ``id`` (unique integer), ``uri``
 (``s3://bucket/key``, an absolute path, or a path relative to the root), and optionally
-``label`` (integer) and ``group``. The features come in the same row order, as ``.npy``
+``label`` (integer), ``group`` and ``weight`` (a number >= 0: how much queries ask for the item,
+what the usage backfill orders rank by; see components.gallery.usage). The features come in the same row order, as ``.npy``
 shards (concatenated in the order given) or a list column of a Parquet file; without them,
 the model embeds the images (then adopting is an ingest that copies no image).
 """
@@ -22,11 +23,11 @@ from components.gallery.catalog import (
 from components.gallery.store import Store
 from components.platform.registry import ModelRef
 
-REQUIRED, OPTIONAL = ("id", "uri"), ("label", "group")
+REQUIRED, OPTIONAL = ("id", "uri"), ("label", "group", "weight")
 
 
 def read_manifest(path: Path):
-    """The manifest file as a pyarrow table with columns id, uri (and label, group if given);
+    """The manifest file as a pyarrow table with columns id, uri (and label, group, weight if given);
     a GalleryError naming what is wrong otherwise."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -53,7 +54,7 @@ def read_manifest(path: Path):
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise GalleryError(f"--manifest {path}: no column {', '.join(missing)}; it needs id and uri (and may have "
-                           f"label and group), found {', '.join(table.column_names)}")
+                           f"label, group and weight), found {', '.join(table.column_names)}")
     if table.num_rows < 2:
         raise GalleryError(f"--manifest {path}: a gallery needs at least 2 items, found {table.num_rows}")
     columns = {}
@@ -64,15 +65,21 @@ def read_manifest(path: Path):
         if column.null_count:
             row = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
             raise GalleryError(f"--manifest {path}: column {name} is empty at row {row}")
+        kind = pa.int64() if name in ("id", "label") else pa.float64() if name == "weight" else pa.string()
         try:
-            if name in ("id", "label"):
-                column = column.cast(pa.int64())
-            else:
-                column = column.cast(pa.string())
+            column = column.cast(kind)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             raise GalleryError(f"--manifest {path}: column {name} must hold "
-                               f"{'integers' if name in ('id', 'label') else 'text'}, found {column.type}") from None
+                               f"{'integers' if kind == pa.int64() else 'numbers' if name == 'weight' else 'text'}, "
+                               f"found {column.type}") from None
         columns[name] = column
+    if "weight" in columns:
+        weights = columns["weight"].to_numpy()
+        bad = ~np.isfinite(weights) | (weights < 0)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise GalleryError(f"--manifest {path}: column weight must hold numbers >= 0 (how much queries ask for "
+                               f"each item); {int(bad.sum())} are not (first: row {row}, {weights[row]})")
     ids = columns["id"].to_numpy()
     if len(np.unique(ids)) != len(ids):
         raise GalleryError(f"--manifest {path}: item ids must be unique")
@@ -162,6 +169,7 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
             "image": items.column("uri"),
             "label": items.column("label") if "label" in items.column_names else pa.nulls(len(items), pa.int64()),
             "group": items.column("group") if "group" in items.column_names else pa.nulls(len(items), pa.string()),
+            **({"weight": items.column("weight")} if "weight" in items.column_names else {}),  # the usage orders'
         }
         store.put_array(features_key(model, part), block)
         store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))

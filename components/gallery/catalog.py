@@ -3,7 +3,8 @@
 Under one prefix::
 
     gallery.json                            manifest: items, parts, image shape, the gallery's model
-    items/part-NNNNN.parquet                item id, image (key or URI), optional label and group
+    items/part-NNNNN.parquet                item id, image (key or URI), optional label and group,
+                                            and weight where adopted with one (components.gallery.usage)
     images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds;
                                             an adopted gallery has none: its images stay where
                                             they are, read by the URI in the items table
@@ -123,7 +124,7 @@ class Gallery:
     # ---- items
 
     def items(self):
-        """The items table (pyarrow): id, image, label, group; in position order."""
+        """The items table (pyarrow): id, image, label, group (and weight); in position order."""
         import pyarrow as pa
 
         return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from components.gallery.catalog import Gallery, fetch_images, item_column
+from components.gallery.catalog import Gallery, GalleryError, fetch_images, item_column
 
 
 def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
@@ -117,9 +117,8 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     """The budget advisor's prediction without writing anything: the stored one of the upgrade
     this would resume; else, when the registry holds a checked map joining the two versions,
     computed here (the evaluation sample embedded with the new model, the gallery's features
-    sent through the map part by part, twice: its sigma order first, then the search). Otherwise
-    a note saying when the prediction appears."""
-    from components.evaluation.ordering import random_order, sigma_order
+    sent through the map part by part, twice: its order first (sigma's, the usage weights', or
+    random), then the search). Otherwise a note saying when the prediction appears."""
     from components.experiment.inference import apply_alignment, embed
     from components.experiment.registered import load_model
     from components.gallery import advisor
@@ -130,6 +129,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     from components.gallery.samples import (
         evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map,
     )
+    from components.gallery.usage import USAGE_ORDERS, backfill_order, usage_weights
 
     config = params.gallery.upgrade
     gain_below = config.stop_when_gain_below
@@ -156,6 +156,12 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
                         f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
                         "status` then shows the predicted curve"}
     order_kind, _ = registered_map_order(chosen.tags, config.order)
+    weights = None
+    if order_kind in USAGE_ORDERS:  # before any embedding: the usage orders need the items' weights
+        try:
+            weights = usage_weights(gallery, config.usage_log).weights
+        except GalleryError as error:
+            return {"note": f"no prediction: {error}"}
     alignment_map = load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
 
     def embed_new(images, label=None):
@@ -179,14 +185,15 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     def transformed(part: int):
         return apply_alignment(alignment_map, gallery.features(gallery.model, part))
 
-    if order_kind == "sigma":
-        sigma = [transformed(p)[1] for p in range(gallery.num_parts)]
-        if any(s is None for s in sigma):
+    sigma = None
+    if order_kind != "random":
+        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
+        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
+        if sigma is None and order_kind != "usage":
             return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
-                            "for the sigma order; use --order random"}
-        order = sigma_order(np.concatenate(sigma))
-    else:
-        order = random_order(gallery.num_items, config.seed)
+                            f"for the {order_kind} order; use --order random"
+                            + (" or usage" if order_kind == "usage_sigma" else "")}
+    order = backfill_order(order_kind, gallery.num_items, config.seed, sigma, weights)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
     ranks = stand_in_ranks(order, prefilled, positions, config.seed)
     old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))

@@ -6,7 +6,8 @@ command finds the same upgrade)::
 
     source/part-NNNNN.npy       a sequential upgrade only: each part's features as the unfinished
                                 upgrade it starts from left them (its new features or its map's)
-    order.npy                   item positions in backfill order
+    order.npy                   item positions in backfill order (gallery.upgrade.order: sigma,
+                                random, usage or usage_sigma; see components.gallery.usage)
     transformed/part-NNNNN.npy  h(old features) of each part, in the new model's space
     sigma/part-NNNNN.npy        predicted log sigma^2 per item (maps with an uncertainty head)
     eval/positions.npy, eval/queries.npy   the evaluation sample and its new-model features
@@ -34,7 +35,6 @@ import numpy as np
 
 from components.gallery.catalog import Gallery, GalleryError, ModelRef, check_features, now
 from components.gallery.store import ObjectMissing, Store
-from components.platform.vocabulary import GALLERY_ORDERS
 
 ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
 ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
@@ -216,19 +216,21 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
     return len(old)
 
 
-def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int) -> np.ndarray:
-    from components.evaluation.ordering import random_order, sigma_order
+def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
+    (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
+    (default: ``usage.usage_weights`` of the gallery's items table)."""
+    from components.gallery import usage
 
     if kind == "random":
-        return random_order(gallery.num_items, seed)
-    if kind not in GALLERY_ORDERS:
-        raise GalleryError(f"unknown backfill order {kind!r}; use one of {', '.join(GALLERY_ORDERS)}")
+        return usage.backfill_order(kind, gallery.num_items, seed)
     try:
         sigma = np.concatenate([gallery.store.get_array(sigma_key(upgrade, p)) for p in range(gallery.num_parts)])
     except ObjectMissing:
-        raise GalleryError("the sigma order needs an alignment map with an uncertainty head (FastFill); this map "
-                           "has none: use order random, or a map trained with uncertainty: true") from None
-    return sigma_order(sigma)
+        sigma = None
+    if kind in usage.USAGE_ORDERS and weights is None:
+        weights = usage.usage_weights(gallery, None).weights
+    return usage.backfill_order(kind, gallery.num_items, seed, sigma, weights)
 
 
 def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions: np.ndarray | None = None,
