@@ -23,17 +23,22 @@ app.add_typer(upgrade_app, name="upgrade", short_help="Upgrade the gallery to a 
 UPGRADE_OPTIONS = {"chunk_size": "--chunk-size", "max_concurrency": "--concurrency", "order": "--order",
                    "task_runner": "--runner", "dask_address": "--dask-address",
                    "max_items_per_second": "--max-items-per-second", "stop_when_gain_below": "--stop-when-gain-below",
-                   "map_pairs": "--pairs", "recheck": "--recheck", "judgments": "--judgments"}
+                   "map_pairs": "--pairs", "recheck": "--recheck", "judgments": "--judgments",
+                   "usage_log": "--usage-log"}
+# The options that name a file the flow run reads, and what it holds (for the message when it is missing).
+FILE_OPTIONS = {"judgments": "a CSV or Parquet file with columns query and relevant",
+                "usage_log": "a CSV or Parquet file with columns query and hit"}
 
 
 def upgrade_overrides(given: dict) -> dict:
     """The overrides (dotted keys, for flows.parameters.apply_overrides) that the options among
-    the command's parameters ``given`` set; a local judgments file as an absolute path."""
+    the command's parameters ``given`` set; a local judgments file or usage log as an absolute path."""
     overrides = {}
     for key, option in UPGRADE_OPTIONS.items():
         value = given[option.removeprefix("--").replace("-", "_")]
         if value is not None:
-            overrides[f"gallery.upgrade.{key}"] = _judgments_path(value) if key == "judgments" else value
+            overrides[f"gallery.upgrade.{key}"] = _file_path(value, option, FILE_OPTIONS[key]) if key in FILE_OPTIONS \
+                else value
     return overrides
 
 
@@ -56,14 +61,14 @@ def _naming_the_option(line: str, overrides: dict) -> str:
     return f"{line}; set by {UPGRADE_OPTIONS[key.removeprefix('gallery.upgrade.')]}"
 
 
-def _judgments_path(text: str | None) -> str | None:
-    """A local judgments file as an absolute path (the flow run reads it, wherever it runs from);
-    a missing one is refused here, in one line."""
+def _file_path(text: str | None, option: str, holds: str) -> str | None:
+    """A local file as an absolute path (the flow run reads it, wherever it runs from); a
+    missing one is refused here, in one line."""
     if text is None or "://" in text:
         return text
     path = Path(text).expanduser()
     if not path.is_file():
-        fail(f"--judgments {text}: no such file; give a CSV or Parquet file with columns query and relevant", USAGE)
+        fail(f"{option} {text}: no such file; give {holds}", USAGE)
     return str(path.resolve())
 
 
@@ -127,7 +132,8 @@ def upgrade(ctx: typer.Context,
             budget: Annotated[str | None, typer.Option(help="stop after a fraction (0.25, 25%) or a count of items")] = None,
             chunk_size: Annotated[int | None, typer.Option(help="items per backfill chunk (a new upgrade only)")] = None,
             concurrency: Annotated[int | None, typer.Option(help="chunks in flight at once")] = None,
-            order: Annotated[str | None, typer.Option(help="sigma or random (a new upgrade only)")] = None,
+            order: Annotated[str | None, typer.Option(
+                help="sigma, random, usage or usage_sigma (a new upgrade only)")] = None,
             runner: Annotated[str | None, typer.Option(help="threads, or dask")] = None,
             dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
             break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
@@ -146,6 +152,9 @@ def upgrade(ctx: typer.Context,
             judgments: Annotated[str | None, typer.Option(
                 help="judged queries for the gate and the advisor: CSV/Parquet with columns query (gallery id or "
                      "image URI) and relevant (gallery id)")] = None,
+            usage_log: Annotated[str | None, typer.Option(
+                help="query log that weights the usage orders: CSV/Parquet with columns query (a logged query's "
+                     "id) and hit (a gallery id it returned)")] = None,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
                                                   "duration from a measured sample, the predicted backfill curve) "
                                                   "and write nothing")] = False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from prefect.futures import as_completed
 
-from components.gallery import backfill, judgments, planning, samples
+from components.gallery import backfill, judgments, planning, samples, usage
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.decider import Course
 from components.gallery.lifecycle import check_map_fits, needs_check, plan_fields, registered_map_order
@@ -32,17 +32,24 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     on the gallery's model go through both maps. A gallery whose parts are missing or foreign is
     refused before anything is written; one whose content fails while planning (a NaN, a torn
     part) is refused and what planning wrote is removed. ``judged``: the judged queries
-    (``judgments.load_judgments``, read once by the flow), or None without them."""
+    (``judgments.load_judgments``, read once by the flow), or None without them. The usage
+    orders' weights (``gallery.upgrade.usage_log``, else the items table's column) are read
+    here, before anything is written."""
     config, uid = params.gallery.upgrade, course.uid
     base = planning.load_plan(gallery.store, course.base) if course.base else None
     planning.check_sources(gallery, sequential=base is not None)  # before anything is written
+    weights = None
+    if config.order in usage.USAGE_ORDERS:  # read and checked against the gallery before any work
+        found = usage.usage_weights(gallery, config.usage_log)
+        log(found.describe())
+        weights = found.weights
     leftover = planning.discard_unplanned(gallery, uid)  # a killed planning's objects (its prefilled chunks too)
     if leftover:
         log(f"removed {leftover} object(s) that a planning of {uid} killed before its plan was written had left")
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, course.old.uri, new.uri, course.base),
                               gallery.store.uri)
     try:
-        return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id, judged)
+        return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id, judged, weights)
     except (GalleryError, StoreError) as error:
         discarded = planning.discard_unplanned(gallery, uid)
         close_upgrade_run(client, run_id, "FAILED", f"planning refused: {error}")
@@ -52,7 +59,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
 
 
 def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
-               base: planning.Plan | None, run_id: str, judged) -> planning.Plan:
+               base: planning.Plan | None, run_id: str, judged, weights=None) -> planning.Plan:
     config, store_uri = params.gallery.upgrade, gallery.store.uri
     if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
         write_sources(store_uri, uid, base)
@@ -67,7 +74,7 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
         for future in as_completed(futures):
             bar.advance(future.result())
-    order = planning.make_order(gallery, uid, order_kind, config.seed)
+    order = planning.make_order(gallery, uid, order_kind, config.seed, weights)
     embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
 
     def embed(images, label=None):

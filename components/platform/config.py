@@ -300,7 +300,10 @@ class UpgradeConfig(Section):
 
     method: str = Field(default="fastfill", description="the align.<method> that trains a map when the "
                         "registry has none joining the two versions")
-    order: Literal[GALLERY_ORDERS] = "sigma"
+    order: Literal[GALLERY_ORDERS] = Field(
+        default="sigma", description="backfill order: sigma = least certain first (FastFill); random; usage = the "
+        "items queries hit most first; usage_sigma = usage weight x predicted error (sigma^2) first, the items "
+        "never hit after them in sigma order. The usage orders need weights: usage_log, or a weight column")
     chunk_size: PositiveInt = 1000
     max_concurrency: PositiveInt = Field(default=2, description="chunks in flight at once")
     task_runner: Literal["threads", "dask"] = "threads"
@@ -346,6 +349,11 @@ class UpgradeConfig(Section):
         default=None, description="judged queries that the promotion gate and the budget advisor take as their "
         "truth before the gallery's labels: a CSV or Parquet file (local path or s3://) with columns `query` "
         "(a gallery id, or an image URI) and `relevant` (a gallery id), one relevant item per row")
+    usage_log: str | None = Field(
+        default=None, description="query log that gives the usage orders (usage, usage_sigma) their per-item "
+        "weights: a CSV or Parquet file (local path or s3://) with columns `query` (a logged query's id) and `hit` "
+        "(a gallery id it returned), one row per hit; an item's weight is the number of distinct queries that hit "
+        "it. Null: the items table's weight column (set at adopt)")
     seed: int = Field(default=0, description="the random order's, the evaluation sample's and the map sample's")
 
 
