@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,9 @@ from cli import app
 from cli.command_support import (
     USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
 )
+from components.platform.vocabulary import MERGES
+
+Merge = Enum("Merge", {name: name for name in MERGES}, type=str)  # the choices of search --merge
 
 gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, info, gc, rollback.")
 app.add_typer(gallery_app, name="gallery")
@@ -139,6 +143,12 @@ def search(store: StoreOption = None,
            features: Annotated[Path | None, typer.Option(help=".npy of query features (the query model's)")] = None,
            images: Annotated[Path | None, typer.Option(help=".npy of uint8 query images, embedded with the query model")] = None,
            k: Annotated[int, typer.Option("--k", "-k", help="results per query")] = 10,
+           merge: Annotated[Merge | None, typer.Option(
+               help="mid-upgrade, search like a shadow index: the old model's features of the items not yet "
+               "re-embedded and the new model's of those that are, two lists merged (rrf, score_minmax, "
+               "score_zscore); default: one index through the map")] = None,
+           old_features: Annotated[Path | None, typer.Option(
+               help="with --merge and --features: .npy of the same queries' old-model features")] = None,
            params: ParamsOption = Path("params.yaml")) -> None:
     """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
     features where backfilled, transformed old features elsewhere), and for each hit where its
@@ -146,10 +156,13 @@ def search(store: StoreOption = None,
     config = load(params)
     if (features is None) == (images is None):
         fail("give exactly one of --features or --images", USAGE)
+    if old_features is not None and (merge is None or features is None):
+        fail("--old-features goes with --merge and --features (with --images both models embed the queries)", USAGE)
+    uri = store_uri(config, store)
+    if merge is not None:
+        return _merged_search(config, uri, merge.value, features, old_features, images, k)
     from components.gallery.search import GallerySearch
     from flows.ingest import _load_array
-
-    uri = store_uri(config, store)
 
     def run_search():
         from tasks.gallery_store import open_gallery
@@ -169,3 +182,38 @@ def search(store: StoreOption = None,
     typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
                            "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))
+
+
+def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
+                   images: Path | None, k: int) -> None:
+    """`search --merge`: the shadow index's answer (components/gallery/dual_search.py)."""
+    from components.gallery.dual_search import DualSearch
+    from flows.ingest import _load_array
+
+    def run_search():
+        from tasks.gallery_store import open_gallery
+
+        searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k)
+        if features is not None:
+            if searcher.mid_upgrade and old_features is None:
+                fail(f"an upgrade to {searcher.new_model.uri} is on: --merge needs the queries' old-model features "
+                     "too (--old-features FILE), or give --images and both models embed them", USAGE)
+            new = _load_array(features, "--features")
+            old = _load_array(old_features, "--old-features") if old_features is not None else new
+            return searcher, searcher.search(old, new if searcher.mid_upgrade else None, k)
+        from components.platform import registry
+        from components.experiment import registered
+
+        require_services(config)  # the models come from the registry
+        registry.setup(config.mlflow)
+        old_model = registered.load_model(searcher.old_model.uri)
+        new_model = registered.load_model(searcher.new_model.uri) if searcher.mid_upgrade else None
+        return searcher, searcher.search_images(_load_array(images, "--images"), old_model, new_model, k)
+
+    searcher, (ids, scores, sources) = call(run_search)
+    typer.echo(json.dumps({"merge": merge if searcher.mid_upgrade else None,
+                           "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
+                           "backfilled": searcher.backfilled, "items": searcher.gallery.num_items,
+                           "ids": ids.tolist(), "sources": sources,
+                           ("scores" if searcher.mid_upgrade else "distances"):
+                               [[round(float(d), 6) for d in row] for row in scores]}))
