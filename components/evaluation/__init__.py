@@ -1,5 +1,7 @@
 """Evaluation of an embedding-model upgrade: retrieval metrics along the backfill."""
 
+from components.evaluation.dual_curve import dual_curve, dual_curves
+
 from components.evaluation.retrieval import (
     ALPHA_POINTS_DEFAULT,
     DISTANCES,
@@ -19,6 +21,8 @@ __all__ = [
     "backfill_curve",
     "curve_at_counts",
     "curve_alphas",
+    "dual_curve",
+    "dual_curves",
     "pairwise_distances",
     "per_query_curve",
     "retrieval_metrics",

@@ -79,3 +79,135 @@ def test_normalisation_of_a_constant_list_is_zero():
 def test_malformed_lists_are_refused_with_what_is_wrong(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# --------------------------------------------------------------------------------------------
+# The dual backfill curve against a literal reference
+
+from components.evaluation import backfill_curve, curve_alphas, pairwise_distances, retrieval_metrics  # noqa: E402
+from components.evaluation.dual_curve import dual_curve, dual_curves  # noqa: E402
+
+MERGES = ("rrf", "score_minmax", "score_zscore")
+
+
+def _ranked_list(items, dist, labels, query):
+    """(item, distance, is_positive), nearest first, a negative before a positive at equal distance."""
+    entries = [(int(j), float(dist[query, j]), bool(labels[j] == labels[query])) for j in items if j != query]
+    return sorted(entries, key=lambda e: (e[1], e[2]))
+
+
+def _normalised(values, norm):
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return values
+    low, spread = (values.min(), values.max() - values.min()) if norm == "minmax" else (values.mean(), values.std())
+    return (values - low) / spread if spread > 0 else np.zeros_like(values)
+
+
+def _merged_hits(new_list, old_list, merge, k=60):
+    """The two lists merged literally; the is_positive flags in merged order."""
+    entries = []
+    for source, ranked in ((0, new_list), (1, old_list)):  # 0 = new: first at a tie
+        if merge == "rrf":
+            keys = [-1.0 / (k + rank) for rank in range(1, len(ranked) + 1)]
+        else:
+            keys = list(_normalised([d for _, d, _ in ranked], merge.removeprefix("score_")))
+        entries += [(key, source, rank, positive) for rank, (key, (_, _, positive)) in enumerate(zip(keys, ranked))]
+    return [positive for *_, positive in sorted(entries, key=lambda e: e[:3])]
+
+
+def reference_dual_curve(query_old, query_new, gallery_old, gallery_new, labels, order, merge, distance, points=20):
+    n = len(labels)
+    d_new = pairwise_distances(query_new, gallery_new, distance)
+    d_old = pairwise_distances(query_old, gallery_old, distance)
+    cuts = [(i * n) // (points + 1) for i in range(points + 2)]
+    top1, top5, ap = np.zeros((len(cuts), n)), np.zeros((len(cuts), n)), np.full((len(cuts), n), np.nan)
+    for p, m in enumerate(cuts):
+        for q in range(n):
+            hits = _merged_hits(_ranked_list(order[:m], d_new, labels, q), _ranked_list(order[m:], d_old, labels, q),
+                                merge)
+            top1[p, q], top5[p, q] = hits[0], any(hits[:5])
+            ranks = [r + 1 for r, hit in enumerate(hits) if hit]
+            if ranks:
+                ap[p, q] = np.mean([(i + 1) / r for i, r in enumerate(ranks)])
+    flips = (top1[0][None] == 1) & (top1 == 0)
+    return {"top1": top1.mean(axis=1), "top5": top5.mean(axis=1), "map": np.nanmean(ap, axis=1),
+            "negative_flips": flips.sum(axis=1)}
+
+
+def _case(n=40, classes=3, d_old=5, d_new=7, seed=0, integer=False):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    centres_old, centres_new = rng.normal(size=(classes, d_old)), rng.normal(size=(classes, d_new))
+    old = (centres_old[labels] + rng.normal(scale=1.2, size=(n, d_old))).astype(np.float32)
+    new = (centres_new[labels] + rng.normal(scale=0.8, size=(n, d_new))).astype(np.float32)
+    if integer:  # few distinct distances: ties inside each list and across them
+        old, new = np.round(old).astype(np.float32), np.round(new).astype(np.float32)
+    query_old = old + rng.normal(scale=0.3, size=old.shape).astype(np.float32)
+    query_new = new + rng.normal(scale=0.3, size=new.shape).astype(np.float32)
+    if integer:
+        query_old, query_new = np.round(query_old).astype(np.float32), np.round(query_new).astype(np.float32)
+    return query_old, query_new, old, new, labels, rng.permutation(n)
+
+
+@pytest.mark.parametrize("distance", ["l2", "cosine"])
+@pytest.mark.parametrize("integer", [False, True], ids=["continuous", "tied"])
+def test_dual_curves_match_the_literal_merge_at_every_point(distance, integer):
+    query_old, query_new, old, new, labels, order = _case(integer=integer)
+    curves = dual_curves(query_old, query_new, old, new, labels, order, distance=distance, block_size=7)
+    assert set(curves) == set(MERGES)
+    for merge, curve in curves.items():
+        expected = reference_dual_curve(query_old, query_new, old, new, labels, order, merge, distance)
+        np.testing.assert_allclose(curve.alphas, curve_alphas(20))
+        for key in ("top1", "top5", "map"):
+            np.testing.assert_allclose(getattr(curve, key), expected[key], atol=1e-12, err_msg=f"{merge} {key}")
+        np.testing.assert_array_equal(curve.negative_flips, expected["negative_flips"])
+
+
+def test_the_ends_are_old_old_and_new_new_retrieval():
+    query_old, query_new, old, new, labels, order = _case(n=60, classes=4, seed=3)
+    for merge, curve in dual_curves(query_old, query_new, old, new, labels, order).items():
+        at_start = retrieval_metrics(query_old, old, labels)
+        at_end = backfill_curve(query_new, new, new, labels, order)
+        assert [curve.top1[0], curve.top5[0], curve.map[0]] == pytest.approx(
+            [at_start["top1"], at_start["top5"], at_start["map"]], abs=1e-12), merge
+        assert [curve.top1[-1], curve.top5[-1], curve.map[-1]] == pytest.approx(
+            [at_end.top1[-1], at_end.top5[-1], at_end.map[-1]], abs=1e-12), merge
+        assert curve.nfr1[0] == 0
+
+
+def test_blocks_workers_and_one_merge_give_the_same_curve():
+    query_old, query_new, old, new, labels, order = _case(n=50, seed=5)
+    whole = dual_curves(query_old, query_new, old, new, labels, order, block_size=50, workers=1)
+    split = dual_curves(query_old, query_new, old, new, labels, order, block_size=3, workers=2)
+    for merge in MERGES:
+        one = dual_curve(query_old, query_new, old, new, labels, order, merge=merge, block_size=9)
+        for curve in (split[merge], one):
+            for key in ("top1", "top5", "map", "negative_flips", "positive_flips"):
+                np.testing.assert_allclose(getattr(curve, key), getattr(whole[merge], key), atol=1e-12)
+
+
+def test_a_singleton_class_and_few_points():
+    query_old, query_new, old, new, labels, order = _case(n=12, seed=7)
+    labels = labels.copy()
+    labels[order[0]] = 99  # its query has no positive: top-1 fails, AP is skipped
+    for merge, curve in dual_curves(query_old, query_new, old, new, labels, order, num_intermediate=2).items():
+        expected = reference_dual_curve(query_old, query_new, old, new, labels, order, merge, "l2", points=2)
+        for key in ("top1", "top5", "map"):
+            np.testing.assert_allclose(getattr(curve, key), expected[key], atol=1e-12, err_msg=f"{merge} {key}")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "query_old": a["query_old"][:, :3]}, "gallery_old"),
+    (lambda a: {**a, "gallery_new": a["gallery_new"][:-1]}, "gallery_new"),
+    (lambda a: {**a, "query_new": a["query_new"][:-1]}, "query_new"),
+    (lambda a: {**a, "labels": a["labels"][:-1]}, "labels"),
+    (lambda a: {**a, "order": np.zeros(40, dtype=np.int64)}, "permutation"),
+    (lambda a: {**a, "merges": ["sum"]}, "merges"),
+])
+def test_malformed_inputs_are_named(change, message):
+    query_old, query_new, old, new, labels, order = _case()
+    arguments = dict(query_old=query_old, query_new=query_new, gallery_old=old, gallery_new=new, labels=labels,
+                     order=order)
+    with pytest.raises(ValueError, match=message):
+        dual_curves(**change(arguments))
