@@ -40,9 +40,8 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
     deployment registry-watcher/poll pauses the polling)."""
     config = load(params)
-    import prefect
-
     from flows.deployments import deployments
+    from services.deployment_runner import serve_until_stopped
     from services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
@@ -52,13 +51,13 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     watcher = RegistryWatcher(config, params_file(params), uri, interval)
     typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {interval} s")
     watcher.start(delay=min(interval, 5))  # once the deployments it starts are registered
-    _stop_on_sigterm()
+    failed = None
     try:
-        # schedules are paused below, once: Prefect's own pause retries for minutes when the
-        # server is gone, and the command would not stop
-        prefect.serve(*found, pause_on_shutdown=False)
+        failed = serve_until_stopped(found)  # SIGTERM or Ctrl-C ends it
     finally:
-        watcher.stop()
+        watcher.stop(wait=2)
+        if failed:
+            typer.echo(f"the Prefect runner stopped by itself ({failed})", err=True)
         typer.echo(_pause_served(found))
 
 
@@ -91,15 +90,23 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     from services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
+    _stop_on_sigterm()  # a check blocked on a registry or Prefect server that is gone is interrupted too
     if every is not None:
         if every <= 0:
             fail(f"--every {every:g}: give a positive number of seconds", USAGE)
         watcher = RegistryWatcher(config, params_file(params), uri, every)
+        typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {every:g} s", err=True)
         try:
             watcher.run()
         except KeyboardInterrupt:
-            return
-    result = call(watch_once, config, uri, params_file(params), resume)  # a missing deployment: exit 5
+            pass
+        typer.echo(f"stopped watching {config.mlflow.registered_model}@challenger for {uri}")
+        return
+    try:
+        result = call(watch_once, config, uri, params_file(params), resume)  # a missing deployment: exit 5
+    except KeyboardInterrupt:
+        typer.echo("stopped; the registry check was interrupted", err=True)
+        raise typer.Exit(130) from None
     typer.echo(json.dumps(result, indent=1))
 
 
@@ -133,9 +140,11 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
                     fg=typer.colors.YELLOW, err=True)
     _stop_on_sigterm()
     try:
-        receiver.serve_forever()
+        receiver.serve_forever()  # SIGTERM or Ctrl-C: the deliveries in flight get a few seconds, then it ends
     except KeyboardInterrupt:
-        receiver.shutdown()
+        pass
+    typer.echo(f"stopped; the receiver no longer listens on http://{receiver.address[0]}:{receiver.address[1]}/",
+               err=True)
 
 
 WEBHOOK_EVENTS = ["model_version_alias.created"]

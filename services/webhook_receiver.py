@@ -2,22 +2,28 @@
 ``model_version_alias.created`` delivery for `challenger` starts the upgrade deployment
 (flows/deployments.py, ``start_upgrade``), which claims the version first.
 
-The receiver answers every request, malformed ones included: a body over
-``triggers.webhook_max_body_bytes`` (413), without a usable Content-Length (400/411) or chunked
-(411) is refused before it is read; more POSTs from one address than the token bucket allows get
-429 with Retry-After; a delivery id it accepted before gets a 200 that says "duplicate" and starts
-nothing; a missing upgrade deployment gets a 503 that says how to create it. The checks
+It is a small ASGI app served by uvicorn (HTTP/1.1 through h11). The app decides in this order,
+so that nothing costly happens for a request it will refuse: the rate limit per client address
+(429 with Retry-After), then the declared length (411 without one, 413 over
+``triggers.webhook_max_body_bytes``), both before any of the body is read; then the body, read
+as it arrives with ``triggers.webhook_read_timeout_seconds`` for each part (408) and cut off with
+413 once it grows past the limit (a chunked body has no length to check first); then the
+signature, the replay window and the event. A request h11 cannot parse (a malformed
+Content-Length, for one) is answered 400 by uvicorn itself and never reaches the app. The checks
 themselves, free of HTTP, are components/gallery/webhook_checks.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
+import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import uvicorn
 
 from components.gallery.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
 from components.platform import registry
@@ -25,12 +31,25 @@ from components.platform.config import Params
 from flows.deployments import DeploymentMissing, start_upgrade
 from tasks._policy import log
 
+STOP_GRACE_SECONDS = 3.0  # what a request in flight still gets once the receiver is told to stop
+POLL_SECONDS = 0.1  # how often a waiting request looks whether the receiver is stopping
+
+
+class _Stopping(Exception):
+    """The receiver is stopping and the request in flight has had its grace period."""
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its body was complete: nobody to answer."""
+
 
 class WebhookReceiver:
-    """An HTTP endpoint for MLflow registry webhooks. POST / with a signed
+    """An HTTP endpoint for MLflow registry webhooks. POST (any path) with a signed
     ``model_version_alias.created`` delivery for ``challenger`` starts the upgrade; GET /health
-    answers ok. It listens on ``host`` (127.0.0.1 by default) only. Every request gets an answer
-    with a one-line reason; see the module's docstring for what is refused and how."""
+    answers ok. It listens on ``host`` (127.0.0.1 by default) only; ``address`` is where it
+    listens from construction on (port 0 picks a free one). ``serve_forever()`` serves until
+    ``shutdown()`` or, in the main thread, SIGINT/SIGTERM (then KeyboardInterrupt, after the
+    requests in flight got ``STOP_GRACE_SECONDS``). See the module's docstring for what is refused."""
 
     def __init__(self, params: Params, params_path: str, store_uri: str, secret: str, host: str, port: int,
                  on_event=None):
@@ -38,63 +57,96 @@ class WebhookReceiver:
         self.on_event = on_event or (lambda version: start_upgrade(params, store_uri, version, "webhook", params_path))
         settings = params.triggers
         self.max_body = settings.webhook_max_body_bytes
+        self.read_timeout = settings.webhook_read_timeout_seconds
         self.limiter = RateLimiter(settings.webhook_rate_per_minute, settings.webhook_burst)
         # a replay older than the clock check's window is refused by that check, so the window is enough
         self.deliveries = DeliveryLog(settings.max_clock_skew_seconds)
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = settings.webhook_read_timeout_seconds  # per read of the socket: a stalled sender is dropped
-            server_version = "fastfill-webhook"
-
-            def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
-                log("webhook: " + format % args)
-
-            def _reply(self, code: int, body: dict, headers: dict | None = None) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                if self.close_connection:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _refuse(self, code: int, message: str, headers: dict | None = None) -> None:
-                """Answer without reading the body; the connection closes, so its unread bytes are
-                never taken for a next request."""
-                log(f"webhook: refused a request from {self.client_address[0]} with {code}: {message}")
-                self.close_connection = True
-                self._reply(code, {"error": message}, headers)
-
-            def do_GET(self):  # noqa: N802
-                self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": "not found"})
-
-            def do_POST(self):  # noqa: N802
-                wait = receiver.limiter.take(self.client_address[0])
-                if wait:
-                    retry = max(1, math.ceil(wait))
-                    return self._refuse(429, f"too many requests from this address; retry in {retry} s",
-                                        {"Retry-After": str(retry)})
-                try:
-                    length = body_length(self.headers.get_all("Content-Length") or [],
-                                         self.headers.get_all("Transfer-Encoding") or [], receiver.max_body)
-                except WebhookRejected as error:
-                    return self._refuse(error.status, str(error))
-                try:
-                    body = self.rfile.read(length)
-                except TimeoutError:
-                    return self._refuse(408, f"the body did not arrive within {self.timeout:g} s")
-                if len(body) < length:
-                    return self._refuse(400, f"the body ended after {len(body)} of {length} bytes")
-                code, reply = receiver.handle(dict(self.headers), body)
-                self._reply(code, reply)
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.address = self.server.server_address
         self._lock = threading.Lock()
+        self._socket = _listening_socket(host, port)
+        self.address = self._socket.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.asgi, http="h11", ws="none", lifespan="off", loop="asyncio", interface="asgi3",
+            proxy_headers=False,  # the client address is the socket's: no header may pick its rate-limit bucket
+            log_config=None, log_level="warning", access_log=False,
+            server_header=False, headers=[("server", "fastfill-webhook")],
+            timeout_graceful_shutdown=STOP_GRACE_SECONDS + 2))  # a backstop: requests end themselves first
+        self._serving, self._stopped = threading.Event(), threading.Event()
+
+    async def asgi(self, scope, receive, send) -> None:
+        """The ASGI app: one HTTP request, one answer with a JSON body."""
+        if scope["type"] != "http":
+            return
+        client = (scope.get("client") or ("unknown",))[0]
+        try:
+            if scope["method"] in ("GET", "HEAD"):
+                found = scope["path"] == "/health"
+                return await _answer(send, *((200, {"ok": True}) if found else (404, {"error": "not found"})))
+            if scope["method"] != "POST":
+                return await self._refuse(send, client, 405, "only POST (a delivery) and GET /health are answered")
+            wait = self.limiter.take(client)
+            if wait:
+                retry = max(1, math.ceil(wait))
+                return await self._refuse(send, client, 429, f"too many requests from this address; retry in {retry} s",
+                                          [(b"retry-after", str(retry).encode())])
+            declared_length(scope["headers"], self.max_body)  # 400, 411 or 413 before any of the body is read
+            body = await self._read_body(receive)
+            headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+            code, reply = await self._until_stopping(_in_daemon_thread(self.handle, headers, body))
+            log(f"webhook: a delivery from {client} answered {code}")
+            await _answer(send, code, reply)
+        except WebhookRejected as error:
+            await self._refuse(send, client, error.status, str(error))
+        except _Stopping:
+            await self._refuse(send, client, 503, "the receiver is stopping; send the delivery again")
+        except (_ClientGone, asyncio.CancelledError):
+            return  # nobody to answer, or uvicorn gave up on this request while stopping
+
+    async def _refuse(self, send, client: str, code: int, message: str, headers: list | None = None) -> None:
+        """Answer and close the connection: any unread bytes of the body are never taken for a
+        next request."""
+        log(f"webhook: refused a request from {client} with {code}: {message}")
+        await _answer(send, code, {"error": message}, [(b"connection", b"close"), *(headers or [])])
+
+    async def _read_body(self, receive) -> bytes:
+        """The whole body, each part within the read timeout, no more than the limit."""
+        parts, size = [], 0
+        while True:
+            try:
+                message = await self._until_stopping(receive(), timeout=self.read_timeout)
+            except TimeoutError:
+                raise WebhookRejected(f"the body did not arrive within {self.read_timeout:g} s", status=408) from None
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            part = message.get("body", b"")
+            size += len(part)
+            if size > self.max_body:
+                raise WebhookRejected(f"the body grew past this receiver's limit of {self.max_body} bytes "
+                                      "(triggers.webhook_max_body_bytes); the rest was not read", status=413)
+            parts.append(part)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    async def _until_stopping(self, awaitable, timeout: float | None = None):
+        """The result of ``awaitable``; TimeoutError after ``timeout`` seconds, _Stopping once the
+        receiver has been stopping for STOP_GRACE_SECONDS."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(awaitable)
+        deadline = None if timeout is None else loop.time() + timeout
+        stop_at = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=POLL_SECONDS)
+                if done:
+                    return task.result()
+                now = loop.time()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError
+                if self.server.should_exit:
+                    stop_at = stop_at or now + STOP_GRACE_SECONDS
+                    if now >= stop_at:
+                        raise _Stopping
+        finally:
+            task.cancel()
 
     def handle(self, headers: dict, body: bytes) -> tuple[int, dict]:
         """The answer to one delivery whose body has been read: (HTTP status, JSON body)."""
@@ -137,11 +189,78 @@ class WebhookReceiver:
     def serve_forever(self) -> None:
         log(f"webhook receiver on http://{self.address[0]}:{self.address[1]}/ for "
             f"{self.params.mlflow.registered_model}@{registry.CHALLENGER} -> {self.store_uri}")
-        self.server.serve_forever()
+        self._serving.set()
+        try:
+            self.server.run(sockets=[self._socket])
+        finally:
+            self._socket.close()
+            self._stopped.set()
 
     def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop serving (from another thread); the requests in flight get STOP_GRACE_SECONDS."""
+        self.server.should_exit = True
+        if self._serving.is_set():
+            self._stopped.wait(STOP_GRACE_SECONDS + 5)
+        else:
+            self._socket.close()
+
+
+def declared_length(headers: list[tuple[bytes, bytes]], limit: int) -> int | None:
+    """The body length a request declares (its raw ASGI headers), checked against ``limit`` bytes
+    before any of the body is read; None for a chunked body, whose size is checked as it is read."""
+    lengths = [value.decode("latin-1") for name, value in headers if name == b"content-length"]
+    if any(name == b"transfer-encoding" for name, _ in headers):
+        if lengths:
+            raise WebhookRejected("the request has both Transfer-Encoding and Content-Length; send one", status=400)
+        return None
+    return body_length(lengths, [], limit)
+
+
+async def _answer(send, code: int, body: dict, headers: list | None = None) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _in_daemon_thread(function, *args):
+    """``function(*args)`` in a daemon thread of its own. Not the event loop's executor: a start
+    blocked on a Prefect server that does not answer must not keep the process from stopping."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as failure:  # noqa: BLE001 - handed to the waiting request
+            result, error = None, failure
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the receiver stopped meanwhile: nobody waits for this answer
+
+    threading.Thread(target=run, name="webhook-delivery", daemon=True).start()
+    return await future
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``:``port`` (IPv4 or IPv6, as the host is written)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def webhook_secret(params: Params) -> str:
