@@ -10,7 +10,10 @@ also logged to MLflow.
 With compare.jobs (or ``--jobs``) above 1, compare_flow runs the seeds side by side, each in a
 process of its own (``fastfill stage compare --seed s``, the command DVC runs) with cores/jobs
 threads: on a CPU, a few small trainings at once use the cores better than one that has them
-all. Each seed's log goes to compare.out/seed-<s>.log; the flow reports their progress.
+all. Each seed's log goes to compare.out/seed-<s>.log; the flow reports the newest line of each.
+
+Either way the flow shows the progress of the comparison as a whole, over every seed's stages:
+a bar on a terminal, a line with the rate and the time left in a log (flows/comparison_progress.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from components.evaluation.comparison import (
 )
 from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json, write_json
+from flows.comparison_progress import comparison_progress
 from flows.pipeline import pipeline_flow
 from flows.prepare import prepare_flow
 from tasks._policy import log
@@ -179,9 +183,10 @@ def compare_flow(params: Params, seeds: list[int] | None = None, jobs: int | Non
     seeds = list(seeds if seeds is not None else params.compare.seeds)
     jobs = min(jobs or params.compare.jobs, len(seeds))
     prepare_flow(params)
-    if jobs > 1:
-        run_seeds_side_by_side(params, seeds, jobs)
-    else:
-        for seed in seeds:
-            compare_seed_flow(params, seed)
+    with comparison_progress(params, seeds, poll=POLL_SECONDS):
+        if jobs > 1:
+            run_seeds_side_by_side(params, seeds, jobs)
+        else:
+            for seed in seeds:
+                compare_seed_flow(params, seed)
     return comparison_report_flow(params, seeds)

@@ -22,10 +22,18 @@ one at the end::
 
 ``off`` shows nothing. A ``Progress`` is safe to advance from several threads (chunks run in a
 pool). No Prefect here: a flow passes its run logger's ``info`` as ``log``.
+
+Work that says nothing as it goes (other processes, outputs appearing on disk) is followed by
+polling a count of what is done::
+
+    with progress("comparison", total=len(outputs), unit="stage", log=log) as bar, \
+            following(bar, lambda: count_written(outputs), poll=10):
+        run_everything()
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
@@ -265,3 +273,33 @@ def progress(label: str, total: int | None = None, *, unit: str = "item", mode: 
     (default ``FASTFILL_PROGRESS_SECONDS``, else 30); the end always has a line. ``initial``:
     items done before this step began (counted, but not in the rate)."""
     return Progress(label, total, unit=unit, mode=mode, log=log, every=every, stream=stream, initial=initial)
+
+
+@contextmanager
+def following(bar: Progress, count: Callable[[], int], *, poll: float = 10.0) -> Iterator[Progress]:
+    """While the block runs, a thread of its own sets ``bar`` to ``count()`` every ``poll``
+    seconds (so the log mode also gets its periodic lines while nothing changes), and once more
+    when the block ends, before the caller closes ``bar``. The thread runs in a copy of the
+    caller's context, so a ``log`` that needs the caller's run (Prefect's run logger) works there.
+    A ``count`` that raises skips that poll: following never stops the work it follows."""
+    stop = threading.Event()
+
+    def poll_count() -> None:
+        try:
+            bar.update_to(count())
+        except Exception as error:  # noqa: BLE001 - progress is never worth stopping the work
+            warnings.warn(f"{bar.label}: could not count what is done ({error})", stacklevel=2)
+
+    def watch() -> None:
+        while not stop.wait(poll):
+            poll_count()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True,
+                              name=f"progress of {bar.label}")
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        poll_count()
