@@ -30,9 +30,9 @@ import yaml
 from prefect import flow
 
 from components.evaluation.comparison import (
-    comparison_markdown, describe_adapter, describe_method, plot_comparison, summarize,
+    comparison_markdown, describe_adapter, describe_dual, describe_method, plot_comparison, summarize,
 )
-from components.platform.config import Params, adapter_method
+from components.platform.config import Params, adapter_method, dual_method
 from components.platform.layout import Layout, read_json, write_json
 from flows.comparison_progress import comparison_progress
 from flows.pipeline import pipeline_flow
@@ -74,6 +74,7 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
     descriptions = {m: describe_method(c) for m, c in configs.items()}
     descriptions.update({adapter_method(kind): describe_adapter(kind, one.evaluate.adapter_rank)
                          for kind in one.evaluate.adapters})
+    descriptions.update({dual_method(merge): describe_dual(merge) for merge in one.evaluate.dual})
     summary = summarize(metrics, curves, descriptions, one.evaluate.headlines)
     outputs = comparison_outputs(params)
     write_json(outputs["json"], summary)

@@ -1,4 +1,5 @@
-"""Stage 5: backfill curves of every method and order, metrics.json, plot data and the PNG."""
+"""Stage 5: backfill curves of every method and order (the maps, the compatible models, the
+query-side adapters, the shadow index), metrics.json, plot data and the PNG."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json
 from components.evaluation.reports import flatten_numbers
 from flows._stage import stage_run
-from tasks.method_curves import evaluate_adapter, evaluate_method, evaluate_reference, write_reports
+from tasks.method_curves import evaluate_adapter, evaluate_dual, evaluate_method, evaluate_reference, write_reports
 from tasks.tracking import log_results
 
 
@@ -25,6 +26,8 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
                 kendall[method] = tau
         for kind in config.adapters:  # the zero-write alternative (the comparison lists them)
             curves[adapter_method(kind)] = evaluate_adapter(config, kind, layout)
+        if config.dual:  # the shadow-index playbook, no map (the comparison lists it)
+            curves.update(evaluate_dual(config, layout))
         outputs = write_reports(config, reference, curves, kendall, layout)
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()

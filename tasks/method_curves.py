@@ -1,15 +1,17 @@
-"""Tasks of the evaluation stage: each method's backfill curves, the adapters', and the reports."""
+"""Tasks of the evaluation stage: each method's backfill curves, the adapters', the shadow
+index's, and the reports."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from prefect import task
 
-from components.evaluation.assessment import MethodOutputs, method_curves, reference_points
-from components.platform.config import EvaluateConfig
+from components.evaluation.assessment import MethodOutputs, build_order, method_curves, reference_points
+from components.platform.config import EvaluateConfig, dual_method
 from components.experiment.data import load_split
 from components.platform.layout import Layout, load_array, read_json, write_json
 from components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
@@ -112,6 +114,71 @@ def evaluate_adapter(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
     curve = curves["random"]
     log(f"adapter {kind}: top-1 {100 * curve['top1'][0]:.2f}% at 0% (the stored gallery untouched) -> "
         f"{100 * curve['top1'][-1]:.2f}%, top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%")
+    return curves
+
+
+def dual_order(config: EvaluateConfig, name: str, layout: Layout, n: int):
+    """The backfill order ``name`` of the shadow-index methods: random (``evaluate.seed``, as the
+    other methods), or sigma, built from ``evaluate.dual_sigma_from``'s stored log_sigma2 as that
+    map's own sigma order is. Returns ``(order, None)``, or ``(None, reason)`` when the map's
+    sigma is not finite (those rows are reported as diverged)."""
+    from components.evaluation.ordering import random_order
+    from components.experiment.map_check import non_finite_rows
+
+    if name == "random":
+        return random_order(n, config.seed), None
+    source, directory = config.dual_sigma_from, layout.align_dir(config.dual_sigma_from)
+    path, check = directory / "log_sigma2.npy", directory / "check.json"
+    log_sigma2 = load_array(path) if path.is_file() else None
+    fallback = check.is_file() and read_json(check).get("fallback_order", {}).get("order") == "random"
+    if log_sigma2 is None and not fallback:
+        raise FileNotFoundError(f"{path} does not exist: the dual methods' sigma order is {source}'s; run "
+                                f"`fastfill stage align --method {source}`, or drop sigma from evaluate.dual_orders")
+    if log_sigma2 is not None and non_finite_rows(log_sigma2):
+        return None, f"diverged: {source}'s log_sigma2 is not finite in {non_finite_rows(log_sigma2)} of {n} rows"
+    if log_sigma2 is None:
+        log(f"dual methods (sigma): {source}'s fallback map has no sigma shown to help, so the sigma order is "
+            "random (see its check.json)")
+    outputs = MethodOutputs(gallery_old=None, log_sigma2=log_sigma2, sigma_is_random=fallback)
+    return build_order("sigma", outputs, range(n), config.seed), None
+
+
+def dual_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
+    """The shadow-index playbook as methods ``dual_<merge>`` (docs/methods.md): no map; the new
+    query searches the re-embedded items' new features, the old query the other items' old
+    features (the old model's raw test features), the two lists merged. Every merge of
+    ``evaluate.dual`` in one pass per order of ``evaluate.dual_orders``."""
+    from components.evaluation import dual_curves
+
+    labels = load_split(layout.splits, "test").labels
+    old, new = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
+    curves: dict[str, dict] = {dual_method(merge): {} for merge in config.dual}
+    for name in config.dual_orders:
+        order, diverged = dual_order(config, name, layout, len(labels))
+        if diverged:
+            log(f"dual methods ({name}): {diverged}, so those rows are reported as diverged, with NaN numbers")
+            for by_order in curves.values():
+                by_order[name] = diverged_curve(config.curve_points, diverged)
+            continue
+        by_merge = dual_curves(old, new, old, new, labels, order, merges=config.dual, distance=config.distance,
+                               num_intermediate=config.curve_points)
+        for merge, curve in by_merge.items():
+            curves[dual_method(merge)][name] = curve.to_dict()
+    return curves
+
+
+@task(name="evaluate-dual", **NO_CACHING)
+def evaluate_dual(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
+    """``dual_curves_of``, logged, with its cost: two query embeddings and two searches per query."""
+    start = time.perf_counter()
+    curves = dual_curves_of(config, layout)
+    for method, by_order in curves.items():
+        for order, curve in by_order.items():
+            log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f}% at 0% (old/old) -> "
+                f"{100 * curve['top1'][-1]:.2f}%, top1_auc {100 * curve['top1_auc']:.2f}%, "
+                f"map_auc {100 * curve['map_auc']:.2f}%")
+    log(f"shadow index ({', '.join(config.dual)} x {', '.join(config.dual_orders)}) measured in "
+        f"{time.perf_counter() - start:.0f} s; serving it costs two query embeddings and two searches per query")
     return curves
 
 

@@ -53,6 +53,17 @@ def describe_adapter(kind: str, rank: int) -> str:
     return f"query-side adapter, new -> old space ({what}); the stored gallery untouched"
 
 
+DUAL_MERGES = {"rrf": "reciprocal rank fusion (an interleave by rank)",
+               "score_minmax": "distances min-max normalised per list", "score_zscore": "distances z-scored per list"}
+
+
+def describe_dual(merge: str) -> str:
+    """A shadow-index row's description (docs/methods.md, "The shadow index"), with its cost."""
+    return (f"shadow index, no map: the old query on the old features of the items not yet re-embedded, the new "
+            f"query on the others, merged by {DUAL_MERGES[merge]}; costs two query embeddings and two searches "
+            "per query")
+
+
 def _mean_curve(curves: list[Mapping], key: str) -> list[float]:
     return [statistics.fmean(values) for values in zip(*(c[key] for c in curves))]
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from components.evaluation.comparison import (
-    check_expectations, comparison_markdown, describe_method, plot_comparison, ranking, summarize,
+    check_expectations, comparison_markdown, describe_dual, describe_method, plot_comparison, ranking, summarize,
 )
 from components.platform.config import AlignConfig, CompatibleConfig
 
@@ -138,3 +138,22 @@ def test_every_method_of_a_20_curve_plot_has_its_own_colour_and_the_papers_metho
         assert (styles[label]["linestyle"] == "-") == headline[label]
     assert styles["fastfill (sigma)"]["linewidth"] > styles["disc (random)"]["linewidth"] > styles["fastfill (random)"]["linewidth"]
     assert styles["fastfill (random)"]["linestyle"] != styles["fastfill (oracle)"]["linestyle"]
+
+
+def test_the_shadow_index_rows_state_their_merge_and_their_cost():
+    from components.evaluation.comparison import DUAL_MERGES
+    from components.platform.vocabulary import MERGES
+
+    assert set(DUAL_MERGES) == set(MERGES)
+    for merge in MERGES:
+        assert "two query embeddings and two searches per query" in describe_dual(merge)
+    assert "reciprocal rank fusion" in describe_dual("rrf") and "z-scored" in describe_dual("score_zscore")
+    (m0, c0, headline), (m1, c1, _) = _seed(0.7), _seed(0.7)
+    for metrics, curves in ((m0, c0), (m1, c1)):
+        curves["curves"]["dual_rrf"] = {"random": _curve([0.5, 0.7, 0.8], [0.3, 0.35, 0.6])}
+        metrics["dual_rrf"] = {"order": "random", **_summary(curves["curves"]["dual_rrf"]["random"]),
+                               "by_order": {"random": _summary(curves["curves"]["dual_rrf"]["random"])}}
+    summary = summarize({"0": m0, "1": m1}, {"0": c0, "1": c1}, {"dual_rrf": describe_dual("rrf")},
+                        {**headline, "dual_rrf": "random"})
+    row = next(line for line in comparison_markdown(summary).splitlines() if line.startswith("| **dual_rrf (random)**"))
+    assert "two searches per query" in row

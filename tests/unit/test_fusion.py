@@ -211,3 +211,42 @@ def test_malformed_inputs_are_named(change, message):
                      order=order)
     with pytest.raises(ValueError, match=message):
         dual_curves(**change(arguments))
+
+
+def test_the_evaluation_stage_measures_each_merge_in_each_order_with_its_headline(tmp_path):
+    """tasks.method_curves.dual_curves_of on a stage layout: the old model's raw test features,
+    the sigma order from the named map's stored log_sigma2, random from evaluate.seed."""
+    from components.evaluation.ordering import random_order, sigma_order
+    from components.evaluation.reports import build_metrics
+    from components.platform.config import EvaluateConfig, PathsConfig
+    from components.platform.layout import Layout
+    from tasks.method_curves import dual_curves_of
+
+    query_old, query_new, old, new, labels, _ = _case(n=30, seed=11)
+    layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))
+    layout.splits.mkdir(parents=True)
+    np.save(layout.splits / "test_images.npy", np.zeros((30, 1, 2, 2), np.uint8))
+    np.save(layout.splits / "test_labels.npy", labels)
+    for role, features in (("old", old), ("new", new)):
+        layout.features_dir(role).mkdir(parents=True)
+        np.save(layout.features(role, "test"), features)
+    log_sigma2 = np.random.default_rng(2).normal(size=30)
+    layout.align_dir("fastfill").mkdir(parents=True)
+    np.save(layout.align_dir("fastfill") / "log_sigma2.npy", log_sigma2)
+
+    config = EvaluateConfig(dual=["rrf", "score_zscore"], curve_points=3, seed=4)
+    curves = dual_curves_of(config, layout)
+    assert set(curves) == {"dual_rrf", "dual_score_zscore"}
+    for name, order in (("random", random_order(30, 4)), ("sigma", sigma_order(log_sigma2))):
+        expected = dual_curve(old, new, old, new, labels, order, merge="score_zscore", num_intermediate=3)
+        assert curves["dual_score_zscore"][name]["top1"] == pytest.approx(expected.top1.tolist())
+    assert config.headlines["dual_rrf"] == "random"
+    reference = {"new_new": {"top1": 1.0, "top5": 1.0, "map": 1.0}}
+    metrics = build_metrics(reference, curves, config.headlines, {})
+    assert metrics["dual_rrf"]["order"] == "random" and set(metrics["dual_rrf"]["by_order"]) == {"random", "sigma"}
+    assert metrics["dual_rrf"]["top1_auc"] == curves["dual_rrf"]["random"]["top1_auc"]
+
+    np.save(layout.align_dir("fastfill") / "log_sigma2.npy", np.full(30, np.nan))  # a diverged map
+    curves = dual_curves_of(config, layout)
+    assert "diverged" in curves["dual_rrf"]["sigma"] and np.isnan(curves["dual_rrf"]["sigma"]["top1_auc"])
+    assert np.isfinite(curves["dual_rrf"]["random"]["top1_auc"])

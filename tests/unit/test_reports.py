@@ -32,3 +32,32 @@ def test_flatten_numbers_keeps_numbers_under_dotted_keys():
 
     nested = {"fastfill": {"top1_auc": 0.9, "order": "sigma", "by_order": {"random": {"map_auc": 0.8}}}, "n": 3}
     assert flatten_numbers(nested) == {"fastfill.top1_auc": 0.9, "fastfill.by_order.random.map_auc": 0.8, "n": 3}
+
+
+def test_the_shadow_index_rows_take_their_headline_from_the_configuration(tmp_path):
+    """dual_<merge> rows (two orders each) next to the maps: the headline is evaluate.dual_orders'
+    first, and every report writer gives them their lines."""
+    import numpy as np
+
+    from components.evaluation import dual_curves
+    from components.evaluation.reports import summary_rows, write_summary
+    from components.platform.config import EvaluateConfig
+
+    reference, curves = tiny_curves()
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 3, 30)
+    new, old = rng.normal(size=(30, 4)).astype(np.float32), rng.normal(size=(30, 5)).astype(np.float32)
+    for order in ("sigma", "random"):
+        for merge, curve in dual_curves(old, new, old, new, labels, rng.permutation(30), merges=["rrf", "score_minmax"],
+                                        num_intermediate=3).items():
+            curves.setdefault(f"dual_{merge}", {})[order] = curve.to_dict()
+    config = EvaluateConfig(dual=["rrf", "score_minmax"], dual_orders=["sigma", "random"])
+    metrics = build_metrics(reference, curves, config.headlines, {})
+    assert metrics["dual_rrf"]["order"] == "sigma" and metrics["dual_score_minmax"]["order"] == "sigma"
+    assert metrics["dual_rrf"]["top1_0"] == curves["dual_rrf"]["sigma"]["top1"][0]
+    assert "new_new_minus_dual_rrf_top1_0" in metrics["headroom"]
+    assert {"dual_rrf-sigma", "dual_rrf-random", "dual_score_minmax-random"} <= set(summary_rows(reference, curves))
+    assert (write_summary(tmp_path, reference, curves)[-1]).name == "dual_score_minmax-random.json"
+    header = write_plot_data(tmp_path / "plots", reference, curves)[0].read_text().splitlines()[0]
+    assert header.endswith("dual_rrf-sigma,dual_rrf-random,dual_score_minmax-sigma,dual_score_minmax-random")
+    assert plot_curves(tmp_path / "b.png", reference, curves, headline=config.headlines).stat().st_size > 0
