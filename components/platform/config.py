@@ -253,14 +253,17 @@ class EvaluateConfig(Section):
         default_factory=list, description="the shadow-index playbook evaluated as methods dual_<merge>: the old "
         "query searches the items not yet re-embedded, the new query those that are, the two lists merged by "
         "rrf, score_minmax or score_zscore (no map, two query embeddings and two searches per query; the "
-        "comparison sets compare.dual)")
+        "comparison sets compare.dual). All merges are measured in one pass per order: rrf costs about one "
+        "map curve, each score merge about as much again")
     dual_orders: list[Literal["random", "sigma"]] = Field(
         default_factory=lambda: ["random", "sigma"], description="the backfill orders of every dual_<merge> "
         "method, the first its headline; sigma is the order of dual_sigma_from's map")
-    dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose sigma orders the "
-                                 "dual methods' sigma order")
+    dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose stored sigma "
+                                 "gives the dual methods' sigma order (the map orders the backfill, it serves "
+                                 "nothing)")
     rrf_k: PositiveInt = Field(default=60, description="reciprocal rank fusion: an item's score is the sum over "
-                               "the lists of 1 / (rrf_k + its rank)")
+                               "the lists of 1 / (rrf_k + its rank); a shadow index's two lists never share an "
+                               "item, so the merge interleaves them by rank and rrf_k changes no position")
 
     @property
     def headlines(self) -> dict[str, str]:
@@ -467,7 +470,8 @@ class CompareConfig(Section):
         "alternative, fitted on the maps' pairs")
     dual: list[Merge] = Field(
         default_factory=lambda: list(MERGES),
-        description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed)")
+        description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed), each in "
+        "evaluate.dual_orders")
     precision: TrainingPrecision | None = Field(
         default="auto", description="the precision of every training of the comparison (the models, the maps, "
         "the compatible models), the same for every method; null = each configuration's own")
