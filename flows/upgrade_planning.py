@@ -68,7 +68,9 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
             "rest through its map)")
     alignment_map, map_uri, order_kind, pairs = _alignment_map(params, client, gallery, uid, old, new, new_model,
                                                                run_id, base is not None)
-    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
+    # usage_sigma, like sigma, needs the map's uncertainty head: refused here, before the transform
+    check_map_fits(alignment_map, map_uri, "sigma" if order_kind == "usage_sigma" else order_kind, old.dim, new.dim,
+                   new.uri)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
                for p in range(gallery.num_parts)]
     with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
@@ -131,11 +133,13 @@ def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: Mode
     settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
                            params.gallery.distance)
     source = samples.pairs_source(config, gallery.store.uri)
-    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, config.order, source)
+    wanted = usage.map_order(config.order)  # the usage orders want a map with an uncertainty head, as sigma does
+    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, wanted, source)
     policy = params.align[config.method].check
     if chosen is not None:
         map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
-        order, why = registered_map_order(chosen.tags, config.order)
+        decided, why = registered_map_order(chosen.tags, wanted)
+        order = usage.order_after_map(config.order, decided)
         log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})" + (f"; it is {why}" if why else ""))
         alignment_map = registered.load_model(map_uri).eval()
         if policy == "off" or not needs_check(chosen.tags, source, config.recheck):
@@ -156,7 +160,10 @@ def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: Mode
                 f"from_version={old.version}, to_version={new.version}")
         alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
         order = config.order
-    alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model, old,
-                                                      new, run_id, order)
+    alignment_map, map_uri, decided = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model, old,
+                                                        new, run_id, usage.map_order(order))
+    order = usage.order_after_map(config.order, decided)
+    if order != config.order and config.order in usage.USAGE_ORDERS:
+        log(f"the backfill goes in usage order, not {config.order}: the map's sigma order was not shown to help")
     tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
     return alignment_map, map_uri, order, pairs

@@ -110,6 +110,22 @@ def _checked(weights: np.ndarray, what: str) -> np.ndarray:
         raise GalleryError(f"{what}: {error}") from None
 
 
+def map_order(kind: str) -> str:
+    """The order an upgrade's map is chosen, checked and fitted for (the registry's choice and the
+    map check know sigma and random): sigma for the usage orders, which use the map's uncertainty
+    head (usage_sigma needs it; usage breaks its ties by it); else ``kind`` itself."""
+    return "sigma" if kind in USAGE_ORDERS else kind
+
+
+def order_after_map(kind: str, decided: str) -> str:
+    """The backfill order once the map for ``map_order(kind)`` is chosen and checked, which
+    decided ``decided``: a usage order stays, but goes by usage alone when the map's sigma order
+    was not shown to help (decided random); any other order is what was decided."""
+    if kind not in USAGE_ORDERS:
+        return decided
+    return kind if decided == "sigma" else "usage"
+
+
 def backfill_order(kind: str, num_items: int, seed: int, log_sigma2: np.ndarray | None = None,
                    weights: np.ndarray | None = None) -> np.ndarray:
     """The backfill order ``kind`` of ``num_items`` items: random (seeded), sigma (least

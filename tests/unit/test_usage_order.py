@@ -15,7 +15,9 @@ from components.gallery import planning
 from components.gallery.adopt import adopt, read_manifest
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.store import open_store
-from components.gallery.usage import backfill_order, load_usage_log, stored_weights, usage_weights
+from components.gallery.usage import (
+    backfill_order, load_usage_log, map_order, order_after_map, stored_weights, usage_weights,
+)
 from tests.gallery_cases import N, NEW, OLD, OLD_DIM, NEW_DIM, _gallery, make_data, make_models
 
 IDS = np.array([10, 20, 30, 40, 50, 60])
@@ -98,6 +100,13 @@ def test_backfill_order_names_what_an_order_needs():
     with pytest.raises(GalleryError, match="unknown backfill order 'popular'"):
         backfill_order("popular", 3, 0)
     assert backfill_order("usage", 3, 0, None, np.array([0.0, 0.0, 2.0])).tolist() == [2, 0, 1]
+
+
+def test_the_usage_orders_want_a_map_with_sigma_and_go_by_usage_when_its_sigma_does_not_help():
+    assert [map_order(o) for o in ("sigma", "random", "usage", "usage_sigma")] == ["sigma", "random", "sigma", "sigma"]
+    assert order_after_map("usage_sigma", "sigma") == "usage_sigma" and order_after_map("usage", "sigma") == "usage"
+    assert order_after_map("usage_sigma", "random") == "usage" and order_after_map("usage", "random") == "usage"
+    assert order_after_map("sigma", "random") == "random" and order_after_map("random", "random") == "random"
 
 
 def test_adopt_keeps_a_weight_column_and_refuses_bad_weights(tmp_path):
