@@ -129,7 +129,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     from components.gallery.samples import (
         evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map,
     )
-    from components.gallery.usage import USAGE_ORDERS, backfill_order, usage_weights
+    from components.gallery.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
 
     config = params.gallery.upgrade
     gain_below = config.stop_when_gain_below
@@ -146,7 +146,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     if sequential:
         return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
     source, pairs = pairs_source(config, gallery.store.uri), pairs_description(config, gallery.num_items)
-    chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, config.order, source)
+    chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, map_order(config.order), source)
     if chosen is None:
         return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
                         f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
@@ -155,7 +155,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
                         f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
                         "status` then shows the predicted curve"}
-    order_kind, _ = registered_map_order(chosen.tags, config.order)
+    order_kind = order_after_map(config.order, registered_map_order(chosen.tags, map_order(config.order))[0])
     weights = None
     if order_kind in USAGE_ORDERS:  # before any embedding: the usage orders need the items' weights
         try:
