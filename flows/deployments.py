@@ -23,7 +23,7 @@ from __future__ import annotations
 from prefect import flow
 
 from components.gallery.catalog import Gallery
-from components.gallery.claims import claim, release, wants_upgrade
+from components.gallery.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
 from components.gallery.planning import load_plan
 from components.gallery.status import gallery_status
 from components.platform import registry
@@ -103,15 +103,19 @@ def start_upgrade(params: Params, store_uri: str, version: str, source: str, par
     A version claimed before is not started again."""
     name = params.mlflow.registered_model
     store = store_at(store_uri)
-    if not claim(store, name, version, source):
-        log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
-        return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
+    if not claim(store, name, version, source, starting=True):
+        if not unfinished(claimed(store, name, version)):
+            log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
+            return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
+        log(f"{name} version {version} was claimed for {store.uri} by a process that stopped before its start was "
+            "recorded; starting it now (the same flow run if that process did start one)")
     try:
         run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": f"models:/{name}/{version}"},
                                      idempotency_key=f"upgrade:{store.uri}:{name}:{version}")
     except BaseException:
         release(store, name, version)  # let a later trigger try again
         raise
+    record_start(store, name, version, source, str(run.id))
     log(f"{source}: started {UPGRADE_DEPLOYMENT} for {name} version {version} on {store.uri}: flow run {run.id}")
     return {"started": True, "flow_run_id": str(run.id), "version": version}
 

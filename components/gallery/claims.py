@@ -26,6 +26,20 @@ def claim(store: Store, name: str, version: str, source: str, **details) -> bool
     return True
 
 
+def record_start(store: Store, name: str, version: str, source: str, flow_run_id: str) -> None:
+    """The claim's upgrade was started: its flow run, written over the claim (which said
+    ``starting``). A claim still ``starting`` is one whose process stopped between the claim and
+    the start; the next trigger starts it (the flow run's idempotency key keeps that one run)."""
+    store.put_json(trigger_key(name, version), {"name": name, "version": str(version), "source": source,
+                                                "claimed": now(), "flow_run_id": flow_run_id})
+
+
+def unfinished(record: dict | None) -> bool:
+    """A trigger's claim whose start was never recorded (see ``record_start``). The claims that
+    abort and rollback write to keep a version from starting again are never unfinished."""
+    return bool(record and record.get("starting"))
+
+
 def release(store: Store, name: str, version: str) -> None:
     """Undo a claim whose upgrade could not be started, so a later trigger may try again."""
     store.delete(trigger_key(name, version))

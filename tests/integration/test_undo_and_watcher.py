@@ -15,7 +15,7 @@ from components.gallery.status import gallery_status
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
-from components.gallery.claims import claimed
+from components.gallery.claims import claim, claimed
 from tests.integration.helpers import registry_models, split_images
 
 
@@ -299,9 +299,13 @@ def test_the_watcher_starts_no_flow_run_until_the_challenger_moves(watched):
     assert watcher.last == {"started": False, "reason": "the gallery is already on version 1"}
     assert len(said) == 1  # the reason is said once, not once per check
 
+    # a process that stopped between its claim and its start (a webhook receiver killed mid-start)
+    # left the claim "starting": the next check starts the version anyway, once
+    claim(open_store(uri), "embedder", "2", "webhook", starting=True)
     client.set_registered_model_alias("embedder", "challenger", "2")
     started = watcher.tick()
     assert started["started"] and started["version"] == "2"
+    assert claimed(open_store(uri), "embedder", "2")["flow_run_id"] == started["flow_run_id"]
     for _ in range(5):  # claimed: later checks start nothing more
         assert not watcher.tick()["started"]
     assert _runs_of() == before + 1 and _runs_of(upgrade_id) == 1
