@@ -84,6 +84,20 @@ def _parse_budget(text: str | None) -> float | int | None:
     return value
 
 
+def _parse_target(text: str | None) -> float | None:
+    """--target-top1: 85% or 85 (percent), or 0.85 (a fraction)."""
+    if text is None:
+        return None
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        fail(f"--target-top1 {text!r}: give the top-1 to reach, in percent (85 or 85%) or as a fraction (0.85)", USAGE)
+    value = value / 100 if text.endswith("%") or value > 1 else value
+    if not 0 < value <= 1:
+        fail(f"--target-top1 {text!r}: top-1 must be above 0 and at most 100%", USAGE)
+    return value
+
+
 def _size(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if count < 1000 or unit == "TB":
@@ -122,6 +136,9 @@ def _describe_dry_run(plan: dict) -> str:
         lines += ["  " + line for line in describe(advice)]
     elif advice.get("note"):
         lines.append(f"  budget advisor: {advice['note']}")
+    target = advice.get("target")
+    if target:
+        lines.append(f"  target top-1 {100 * target['target_top1']:.2f}%: {target.get('line') or target.get('note')}")
     return "\n".join(lines)
 
 
@@ -155,6 +172,9 @@ def upgrade(ctx: typer.Context,
             usage_log: Annotated[str | None, typer.Option(
                 help="query log that weights the usage orders: CSV/Parquet with columns query (a logged query's "
                      "id) and hit (a gallery id it returned)")] = None,
+            target_top1: Annotated[str | None, typer.Option(
+                help="with --dry-run: which way reaches this top-1 (85%, or 0.85) with the least backfill: the map "
+                     "in each order, or the shadow index")] = None,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
                                                   "duration from a measured sample, the predicted backfill curve) "
                                                   "and write nothing")] = False,
@@ -169,11 +189,14 @@ def upgrade(ctx: typer.Context,
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
 
+    target = _parse_target(target_top1)
+    if target is not None and not dry_run:
+        fail("--target-top1 goes with --dry-run: it compares the ways to a target before anything is written", USAGE)
     uri = store_uri(config, store)
     need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
     if dry_run:
         with forced_mode(progress_mode(progress)):
-            typer.echo(_describe_dry_run(call(estimate_upgrade, config, uri, to)))
+            typer.echo(_describe_dry_run(call(estimate_upgrade, config, uri, to, target)))
         return
     start = time.perf_counter()
     with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
@@ -244,7 +267,7 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
                f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
 
 
-def estimate_upgrade(params, store_uri: str, to_uri: str = "") -> dict:
+def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> dict:
     """What ``fastfill upgrade --dry-run`` reports (``components.gallery.estimate.dry_run_upgrade``),
     writing nothing."""
     from components.gallery.estimate import dry_run_upgrade
@@ -252,4 +275,4 @@ def estimate_upgrade(params, store_uri: str, to_uri: str = "") -> dict:
     from tasks.gallery_store import open_gallery
 
     gallery = open_gallery(store_uri, params.gallery.s3)
-    return dry_run_upgrade(params, gallery, registry.setup(params.mlflow)[0], to_uri)
+    return dry_run_upgrade(params, gallery, registry.setup(params.mlflow)[0], to_uri, target_top1)

@@ -79,12 +79,13 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     }
 
 
-def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "") -> dict:
+def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_top1: float | None = None) -> dict:
     """What ``fastfill upgrade`` would do to ``gallery`` (``params``: the configuration;
     ``client``: the registry's), writing nothing: no plan, no lock, no MLflow run. The version
     as the upgrade chooses it (``decider.UpgradeDecider.target``), the cost (``dry_run``), what
     the gate would measure against, where the map's pairs come from, and the budget advisor's
-    prediction when it can be made without writing."""
+    prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
+    (each order of the map, or the shadow index) reaches it with the least backfill."""
     from components.experiment.registered import load_model
     from components.gallery.decider import GalleryView, UpgradeDecider
     from components.gallery.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, truth_of
@@ -108,12 +109,13 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "") -> dict:
     result = dry_run(gallery, config, model, seed=config.seed)
     resumes = view.current == upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
     advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
-                        sequential=bool(view.current) and not resumes)
+                        sequential=bool(view.current) and not resumes, target_top1=target_top1)
     return {"from": gallery.model.uri, "to": new.uri, "in_progress": view.current, "resumes": resumes, **result,
             "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice}
 
 
-def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool) -> dict:
+def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,
+               target_top1: float | None = None) -> dict:
     """The budget advisor's prediction without writing anything: the stored one of the upgrade
     this would resume; else, when the registry holds a checked map joining the two versions,
     computed here (the evaluation sample embedded with the new model, the gallery's features
@@ -136,7 +138,10 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     if resumes:
         stored = advisor.stored_advice(gallery.store, resumes)
         if stored is not None:
-            return {**stored, "recommendation": advisor.at_stop(stored, gain_below)}
+            target = None if target_top1 is None else {
+                "target_top1": target_top1, "note": f"the ways are compared before an upgrade starts; {resumes} is "
+                "under way in its own order (its predicted curve is above)"}
+            return {**stored, "recommendation": advisor.at_stop(stored, gain_below), "target": target}
     labels = gallery.labels()
     if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
         return {"note": "no prediction: the upgrade would be refused before planning: "
@@ -201,4 +206,30 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         positions, queries, apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
         lambda: ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts)), order,
         labels=labels, judged=judged, distance=params.gallery.distance, gain_below=gain_below)
-    return {**prediction, "map_version": str(chosen.version)}
+    if target_top1 is not None:
+        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries,
+                                               apply_alignment(alignment_map, old_side)[0], transformed, sigma, weights,
+                                               params.gallery.distance)
+    return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+
+
+def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, sample_transformed, transformed,
+                    sigma, weights, distance: str) -> dict:
+    """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
+    map has an uncertainty head, the usage orders' when the items have weights."""
+    from components.gallery.target_advice import ways_to_target
+    from components.gallery.usage import usage_weights
+
+    if sigma is None:
+        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
+        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
+    if weights is None:
+        try:
+            weights = usage_weights(gallery, config.usage_log).weights
+        except GalleryError:
+            weights = None  # no weights: the usage orders are not among the ways
+    return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
+                          sample_transformed=sample_transformed,
+                          transformed_parts=lambda: ((gallery.part_bounds(p)[0], transformed(p)[0])
+                                                     for p in range(gallery.num_parts)),
+                          log_sigma2=sigma, weights=weights, seed=config.seed, distance=distance)

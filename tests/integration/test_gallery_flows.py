@@ -590,6 +590,23 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     predicted = dry["advice"]
     assert predicted["sample"] == 40 and predicted["items"] == n and len(predicted["top1"]) == 21
     assert predicted["error_scale"] > 0 and all(0 <= v <= 1 for v in predicted["top1"] + predicted["map"])
+    # --target-top1: every way the gallery allows, the configured one (sigma) predicted as above
+    target = estimate_upgrade(params, uri, "", predicted["top1"][10])["advice"]["target"]
+    assert {key: store.get(key) for key in store.list("")} == before  # still nothing written
+    by = {way["way"]: way for way in target["ways"]}
+    sigma = {"map, sigma order", "shadow index (rrf), sigma order"}  # when the registry's map has a head
+    assert set(by) - sigma == {"map, random order", "shadow index (rrf), random order"}
+    assert set(by) & sigma in (set(), sigma)
+    own = by[f"map, {predicted['order']} order"]
+    assert own["top1_at_0"] == pytest.approx(predicted["top1"][0], abs=1e-9)
+    assert own["top1_full"] == pytest.approx(predicted["top1"][-1], abs=1e-9)
+    assert own["fraction"] is not None and own["fraction"] <= 0.5
+    assert target["best"] in by and target["line"].startswith(target["best"])
+    asked = f"{100 * predicted['top1'][10]:.2f}%"
+    shown = CliRunner().invoke(app, ["upgrade", "--params", str(tmp_path / "params.yaml"), "--store", uri,
+                                     "--dry-run", "--target-top1", asked])
+    assert shown.exit_code == 0, shown.output
+    assert f"target top-1 {asked}: {target['best']} reaches top-1 {asked} first" in shown.output
     # a gain that stops the backfill part of the way (the tiny curve is steep: a few points per 5%)
     gains = [g for g in (0.5, 1, 2, 3, 5, 8, 13, 20) if 0 < recommend(predicted, g)["fraction"] < 1]
     # a stop past the 40 items embedded while planning shows the cut best; any stop short of 100% does
@@ -612,8 +629,10 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
 
     runner = CliRunner()
     args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
-    shown = runner.invoke(app, ["upgrade", *args, "--dry-run", "--stop-when-gain-below", str(gain)])
+    shown = runner.invoke(app, ["upgrade", *args, "--dry-run", "--stop-when-gain-below", str(gain),
+                                "--target-top1", "50%"])
     assert shown.exit_code == 0, shown.output
+    assert "target top-1 50.00%: the ways are compared before an upgrade starts" in shown.output
     assert "predicted backfill curve (from 40 labeled items of" in shown.output
     assert f"recommended stop for a gain below {gain:g} top-1 points per 5%: {100 * stop['fraction']:.0f}%" in shown.output
     status = json.loads(runner.invoke(app, ["upgrade", "status", *args]).output)
