@@ -1,6 +1,7 @@
 """Evaluation of an embedding-model upgrade: retrieval metrics along the backfill."""
 
-from components.evaluation.dual_curve import dual_curve, dual_curves
+# the module dual_curve keeps its name in the package (its function of one merge is not re-exported)
+from components.evaluation.dual_curve import dual_curves
 
 from components.evaluation.retrieval import (
     ALPHA_POINTS_DEFAULT,
@@ -21,7 +22,6 @@ __all__ = [
     "backfill_curve",
     "curve_at_counts",
     "curve_alphas",
-    "dual_curve",
     "dual_curves",
     "pairwise_distances",
     "per_query_curve",
