@@ -148,13 +148,8 @@ class DualSearch:
     def search_images(self, images: np.ndarray, old_model, new_model, k: int = 10):
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with both models, and search."""
         from components.experiment.inference import embed
+        from components.gallery.search import query_images
 
-        images = np.asarray(images)
-        if images.ndim == 3:
-            images = images[:, None]
-        expected = tuple(self.gallery.manifest()["image_shape"])
-        if images.ndim != 4 or images.shape[1:] != expected or images.dtype != np.uint8:
-            raise GalleryError(f"query images must be uint8 of shape (N, {', '.join(map(str, expected))}), "
-                               f"got {images.dtype} {images.shape}")
+        images = query_images(self.gallery, images)
         new = embed(new_model, images) if new_model is not None else None
         return self.search(embed(old_model, images), new, k)

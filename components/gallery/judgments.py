@@ -82,28 +82,10 @@ def load_judgments(uri: str, ids: np.ndarray | list) -> Judgments:
     against the gallery's item ``ids`` (position order). Every problem is a GalleryError of one
     line that names the file, what is wrong and what to do."""
     uri = str(uri)
-    table = JUDGMENTS_FILE.read(uri)
-    queries = table.column("query").to_pylist()
-    relevant = table.column("relevant").to_pylist()
-
-    blank = np.array([q is None or (isinstance(q, str) and not q.strip()) for q in queries])
-    if blank.any():
-        raise GalleryError(f"judgments file {uri}: {int(blank.sum())} rows have no query (rows {file_rows(blank)}); "
-                           "give each row a gallery item id or an image URI")
-    relevant_ids = [as_id(v) for v in relevant]
-    not_ids = np.array([r is None for r in relevant_ids])
-    if not_ids.any():
-        bad = [relevant[i] for i in np.flatnonzero(not_ids)]
-        raise GalleryError(f"judgments file {uri}: {int(not_ids.sum())} relevant values are not item ids (rows "
-                           f"{file_rows(not_ids)}: {first_few(bad, 3)}); `relevant` must hold gallery item ids")
-
     ids = np.asarray(ids, dtype=np.int64)
-    relevant_positions = gallery_positions(ids, np.asarray(relevant_ids, dtype=np.int64))
-    unknown = relevant_positions < 0
-    if unknown.any():
-        names = list(dict.fromkeys(relevant_ids[i] for i in np.flatnonzero(unknown)))
-        raise GalleryError(f"judgments file {uri}: {len(names)} relevant ids are not in the gallery ({first_few(names)}; "
-                           f"{int(unknown.sum())} rows); remove those rows or ingest the items first")
+    queries, relevant_ids, relevant_positions = JUDGMENTS_FILE.queries_and_items(
+        uri, JUDGMENTS_FILE.read(uri), "relevant", ids, query_is="a gallery item id or an image URI",
+        unknown="remove those rows or ingest the items first")
 
     query_ids = [as_id(q) for q in queries]
     numeric = np.array([q is not None for q in query_ids])

@@ -200,14 +200,20 @@ class GallerySearch:
         (``self.query_model``), and search."""
         from components.experiment.inference import embed
 
-        images = np.asarray(images)
-        if images.ndim == 3:
-            images = images[:, None]
-        expected = tuple(self.gallery.manifest()["image_shape"])
-        if images.ndim != 4 or images.shape[1:] != expected or images.dtype != np.uint8:
-            raise GalleryError(f"query images must be uint8 of shape (N, {', '.join(map(str, expected))}), "
-                               f"got {images.dtype} {images.shape}")
-        return self.search(embed(model, images), k)
+        return self.search(embed(model, query_images(self.gallery, images)), k)
+
+
+def query_images(gallery: Gallery, images) -> np.ndarray:
+    """Query images checked against the gallery's image shape: uint8, (N, C, H, W), or (N, H, W)
+    for one channel."""
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[:, None]
+    expected = tuple(gallery.manifest()["image_shape"])
+    if images.ndim != 4 or images.shape[1:] != expected or images.dtype != np.uint8:
+        raise GalleryError(f"query images must be uint8 of shape (N, {', '.join(map(str, expected))}), "
+                           f"got {images.dtype} {images.shape}")
+    return images
 
 
 def faiss_gpus() -> int:

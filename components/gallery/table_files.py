@@ -108,6 +108,31 @@ class TableFile:
                                f"({', '.join(self.columns)})")
         return table
 
+    def queries_and_items(self, uri: str, table, column: str, ids, *, query_is: str, unknown: str
+                          ) -> tuple[list, list, np.ndarray]:
+        """The ``query`` column, the item ids of ``column`` and their positions among the gallery's
+        ``ids``: a blank query, a value of ``column`` that is not an id, or an id the gallery does
+        not have is refused, naming the rows (``query_is``: what a query cell must give;
+        ``unknown``: what to do about unknown ids)."""
+        queries, values = table.column("query").to_pylist(), table.column(column).to_pylist()
+        blank = np.array([q is None or (isinstance(q, str) and not q.strip()) for q in queries])
+        if blank.any():
+            raise GalleryError(f"{self.what} {uri}: {int(blank.sum())} rows have no query (rows {file_rows(blank)}); "
+                               f"give each row {query_is}")
+        item_ids = [as_id(v) for v in values]
+        not_ids = np.array([v is None for v in item_ids])
+        if not_ids.any():
+            bad = [values[i] for i in np.flatnonzero(not_ids)]
+            raise GalleryError(f"{self.what} {uri}: {int(not_ids.sum())} {column} values are not item ids (rows "
+                               f"{file_rows(not_ids)}: {first_few(bad, 3)}); `{column}` must hold gallery item ids")
+        positions = gallery_positions(np.asarray(ids, dtype=np.int64), np.asarray(item_ids, dtype=np.int64))
+        missing = positions < 0
+        if missing.any():
+            names = list(dict.fromkeys(item_ids[i] for i in np.flatnonzero(missing)))
+            raise GalleryError(f"{self.what} {uri}: {len(names)} {column} ids are not in the gallery "
+                               f"({first_few(names)}; {int(missing.sum())} rows); {unknown}")
+        return queries, item_ids, positions
+
 
 def as_id(value) -> int | None:
     """An integer item id from a cell (int, integral float, or digits in text), else None."""

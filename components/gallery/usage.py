@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.table_files import TableFile, as_id, file_rows, first_few, gallery_positions
+from components.gallery.table_files import TableFile
 from components.platform.vocabulary import GALLERY_ORDERS
 
 WEIGHT = "weight"  # the items table's usage column
@@ -54,24 +54,9 @@ def load_usage_log(uri: str, ids: np.ndarray | list) -> Usage:
     item's weight is the number of distinct logged queries that hit it. Unknown item ids,
     blank queries and hits that are not ids are refused, naming how many and a few of them."""
     uri = str(uri)
-    table = USAGE_LOG.read(uri)
-    queries, hits = table.column("query").to_pylist(), table.column("hit").to_pylist()
-    blank = np.array([q is None or (isinstance(q, str) and not q.strip()) for q in queries])
-    if blank.any():
-        raise GalleryError(f"usage log {uri}: {int(blank.sum())} rows have no query (rows {file_rows(blank)}); give "
-                           "each row the id of the logged query")
-    hit_ids = [as_id(h) for h in hits]
-    not_ids = np.array([h is None for h in hit_ids])
-    if not_ids.any():
-        bad = [hits[i] for i in np.flatnonzero(not_ids)]
-        raise GalleryError(f"usage log {uri}: {int(not_ids.sum())} hit values are not item ids (rows "
-                           f"{file_rows(not_ids)}: {first_few(bad, 3)}); `hit` must hold gallery item ids")
-    positions = gallery_positions(ids, np.asarray(hit_ids, dtype=np.int64))
-    unknown = positions < 0
-    if unknown.any():
-        names = list(dict.fromkeys(hit_ids[i] for i in np.flatnonzero(unknown)))
-        raise GalleryError(f"usage log {uri}: {len(names)} hit ids are not in the gallery ({first_few(names)}; "
-                           f"{int(unknown.sum())} rows); remove those rows, or log against this gallery's ids")
+    queries, _, positions = USAGE_LOG.queries_and_items(
+        uri, USAGE_LOG.read(uri), "hit", ids, query_is="the id of the logged query",
+        unknown="remove those rows, or log against this gallery's ids")
     query_keys = [str(q).strip() for q in queries]
     pairs = set(zip(query_keys, positions.tolist()))
     weights = np.bincount(np.fromiter((p for _, p in pairs), dtype=np.int64, count=len(pairs)),
