@@ -1,6 +1,5 @@
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -8,10 +7,10 @@ import yaml
 
 from components.platform.process_state import in_workdir, restored_environ
 from tests.environment import new_bucket
+from tests.integration.helpers import cli_environment, copy_repository
 from components.platform.config import parse_params
 from components.experiment.tiny_demo import make_image_folder, tiny_params
 
-ROOT = Path(__file__).resolve().parents[2]
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
             "AWS_ENDPOINT_URL", "AWS_PROFILE")
 
@@ -108,35 +107,10 @@ def tiny_workdir(tmp_path, monkeypatch, image_folder) -> Path:
 @pytest.fixture
 def repo_copy(tmp_path, image_folder) -> Path:
     """The repository's tracked files in a fresh git repo, with a tiny params.yaml."""
-    # tracked files and new ones not yet added (a work tree as it would be committed)
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    if not files:
-        pytest.fail("git ls-files found nothing: run the tests from a git checkout")
-    target = tmp_path / "repo"
-    for name in files:
-        source = ROOT / name
-        if source.is_file():
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / name)
-    # a fresh clone of this repository: no outputs, and no record of the default run's outputs
-    (target / "dvc.lock").unlink(missing_ok=True)
-    shutil.rmtree(target / "reports", ignore_errors=True)
-    (target / "params.yaml").write_text(yaml.safe_dump(tiny_params(image_folder)))
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    subprocess.run(git[:1] + ["init", "-q"], cwd=target, check=True)
-    subprocess.run(git + ["add", "-A"], cwd=target, check=True)
-    subprocess.run(git + ["commit", "-qm", "copy"], cwd=target, check=True)
-    return target
+    return copy_repository(tmp_path / "repo", tiny_params(image_folder))
 
 
 @pytest.fixture
 def cli_env(tmp_path) -> dict:
     """Environment for CLI subprocesses: the project's venv first on PATH, a private Prefect home."""
-    import sys
-
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
+    return cli_environment(tmp_path / "prefect-home")

@@ -1,5 +1,49 @@
 """Helpers of the integration tests (not fixtures)."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def copy_repository(target: Path, params: dict) -> Path:
+    """The repository's tracked files (and new ones not yet added: a work tree as it would be
+    committed) in a fresh git repo at ``target``, with ``params`` as params.yaml: a fresh clone,
+    no outputs and no record of the default run's outputs."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    if not files:
+        raise RuntimeError("git ls-files found nothing: run the tests from a git checkout")
+    for name in files:
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    (target / "dvc.lock").unlink(missing_ok=True)
+    shutil.rmtree(target / "reports", ignore_errors=True)
+    (target / "params.yaml").write_text(yaml.safe_dump(params))
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run(git[:1] + ["init", "-q"], cwd=target, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=target, check=True)
+    subprocess.run(git + ["commit", "-qm", "copy"], cwd=target, check=True)
+    return target
+
+
+def cli_environment(prefect_home: Path) -> dict:
+    """Environment for CLI subprocesses: the project's venv first on PATH, a private Prefect home
+    (so without PREFECT_API_URL each command starts a temporary Prefect server of its own), no
+    MLflow tracking URI from the environment."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PREFECT_HOME"] = str(prefect_home)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
 
 def registry_models(params):
     """(client, champion model, challenger model, champion version, challenger version)."""

@@ -1,21 +1,50 @@
 """The comparison on a tiny configuration, two seeds side by side (each in its own process, as
 `fastfill compare --jobs 2` runs them): every method is trained by the same flows, registered,
-evaluated, and the table is complete."""
+evaluated, and the table is complete; the flow follows how many of the seeds' stages are done."""
 
 import json
+import logging
 import math
+import os
+import re
+from contextlib import contextmanager
 
 import pytest
 
-from components.platform.process_state import in_workdir
+from components.platform.process_state import in_workdir, restored_environ
 from components.experiment.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 
+# how often the flow looks at its seeds' processes (10 s in production): a seed's end is seen sooner
+POLL_SECONDS = 0.5
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _flow_messages():
+    """What the flows log while the block runs (Prefect's flow-run logger), as a list."""
+    handler, logger = _Messages(), logging.getLogger("prefect.flow_runs")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory, image_folder, prefect_harness):
+    """The comparison's (params, summary, workdir, the flow's log messages)."""
     from components.platform.config import parse_params
+    from flows import compare
     from flows.compare import compare_flow
 
     workdir = tmp_path_factory.mktemp("comparison")
@@ -24,9 +53,12 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
     data["compare"]["seeds"] = [0, 1]
     data["compare"]["jobs"] = 2
     params = parse_params(data)
-    with in_workdir(workdir):
+    with in_workdir(workdir), pytest.MonkeyPatch.context() as patch, restored_environ("FASTFILL_PROGRESS"), \
+            _flow_messages() as messages:
+        patch.setattr(compare, "POLL_SECONDS", POLL_SECONDS)
+        os.environ["FASTFILL_PROGRESS"] = "log"  # lines, also where stderr is a terminal (pytest -s)
         summary = compare_flow(params)
-    return params, summary, workdir
+    return params, summary, workdir, messages
 
 
 def _client(params):
@@ -37,12 +69,14 @@ def _client(params):
 
 
 def test_the_table_has_every_method_and_order_with_every_number(comparison):
-    params, summary, workdir = comparison
+    params, summary, workdir, _ = comparison
     seeded = params.for_comparison(0)
     expected = {"old/old", "new/new"} | {f"{m} ({o})" for m, orders in seeded.evaluate.orders.items() for o in orders}
     adapters = {f"adapter_{kind} (random)" for kind in ("procrustes", "low_rank", "residual_mlp")}
     assert set(seeded.evaluate.adapters) == {"procrustes", "low_rank", "residual_mlp"}  # compare.adapters' default
-    expected |= adapters
+    duals = {f"dual_{merge} ({order})" for merge in ("rrf", "score_minmax", "score_zscore") for order in ("random", "sigma")}
+    assert set(seeded.evaluate.dual) == {"rrf", "score_minmax", "score_zscore"}  # compare.dual's default
+    expected |= adapters | duals
     assert set(summary["rows"]) == expected
     assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
             "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
@@ -74,7 +108,7 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
 
 
 def test_each_seed_trains_every_method_under_its_own_folder(comparison):
-    params, _, workdir = comparison
+    params, _, workdir, _ = comparison
     for seed in (0, 1):
         root = workdir / "runs" / "compare" / f"seed-{seed}" / "artifacts"
         for method in ("fct", "fastfill", "l2_disc", "rbt", "unified"):
@@ -92,7 +126,7 @@ def test_each_seed_trains_every_method_under_its_own_folder(comparison):
 
 
 def test_each_seed_ran_in_its_own_process_with_its_own_log(comparison):
-    params, _, workdir = comparison
+    params, _, workdir, _ = comparison
     for seed in (0, 1):
         text = (workdir / "runs" / "compare" / f"seed-{seed}.log").read_text()
         assert "training the fastfill map" in text and "training the ract new model" in text, text[-2000:]
@@ -100,17 +134,31 @@ def test_each_seed_ran_in_its_own_process_with_its_own_log(comparison):
     assert all(params.for_comparison(0).align[m].check == "off" for m in params.for_comparison(0).align)
 
 
+def test_the_flow_shows_how_many_of_every_seeds_stages_are_done(comparison):
+    """The seeds ran in processes of their own; the flow counted their stages from their outputs."""
+    *_, messages = comparison
+    lines = [m for m in messages if m.startswith("comparison of seeds 0, 1: ")]
+    assert lines, messages[-20:]
+    # two seeds of 10 stages: the old and new models, 5 maps, 2 compatible models, the evaluation
+    assert re.fullmatch(r"comparison of seeds 0, 1: done, 20/20 stages \(100%\) in .+, .+", lines[-1]), lines
+
+
 def test_a_failing_seed_is_named_with_its_log_once_the_others_are_done(tmp_path, image_folder, prefect_harness,
                                                                         monkeypatch):
     from components.platform.config import parse_params
+    from flows import compare
     from flows.compare import compare_flow
 
+    monkeypatch.setattr(compare, "POLL_SECONDS", POLL_SECONDS)
+    monkeypatch.setenv("FASTFILL_PROGRESS", "log")
     data = tiny_params(image_folder)
     data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     data["compare"]["seeds"] = [0, 1]
     monkeypatch.setenv("FASTFILL_DEVICE", "no-such-device")  # the seeds' processes inherit it
-    with in_workdir(tmp_path), pytest.raises(RuntimeError) as raised:
+    with in_workdir(tmp_path), _flow_messages() as messages, pytest.raises(RuntimeError) as raised:
         compare_flow(parse_params(data), jobs=2)
+    stopped = "comparison of seeds 0, 1: stopped at 0/20 stages (0%) in "
+    assert any(m.startswith(stopped) for m in messages), messages[-10:]
     message = str(raised.value)
     assert "seeds [0, 1] of the comparison failed" in message and "fastfill compare --seed 0" in message
     assert "seed-0.log" in message and "seed-1.log" in message and "no-such-device" in message
@@ -119,7 +167,7 @@ def test_a_failing_seed_is_named_with_its_log_once_the_others_are_done(tmp_path,
 
 def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison):
     """Under the comparison's own names: production's registered models get no version."""
-    params, _, _ = comparison
+    params, _, _, _ = comparison
     client, _ = _client(params)
     for production in (params.mlflow.registered_model, params.mlflow.alignment_model):
         assert client.search_model_versions(f"name = '{production}'") == []
@@ -136,7 +184,7 @@ def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison
 
 
 def test_the_table_and_plot_are_logged_to_mlflow(comparison):
-    params, summary, _ = comparison
+    params, summary, _, _ = comparison
     client, experiment = _client(params)
     runs = client.search_runs([experiment], filter_string="attributes.run_name = 'comparison'")
     assert len(runs) == 1

@@ -1,5 +1,9 @@
 """`dvc repro` in a temporary copy of the repository, with the real dvc CLI: the pipeline in the
-repository's dvc.yaml, the comparison in its own DVC project (comparison/)."""
+repository's dvc.yaml, the comparison in its own DVC project (comparison/).
+
+One copy serves both tests: `fastfill run` on the fresh clone; then DVC's side back to a fresh
+clone's (no dvc.lock, no outputs, no DVC cache) and `dvc repro`: the same pipeline again, stage by
+stage, which must give the same bytes."""
 
 import json
 import sqlite3
@@ -11,6 +15,8 @@ import pytest
 import yaml
 
 from components.evaluation.reports import ROW_KEYS
+from components.experiment.tiny_demo import tiny_params
+from tests.integration.helpers import cli_environment, copy_repository
 
 pytestmark = pytest.mark.slow  # `dvc repro` of the tiny pipeline: minutes on 2 cores
 
@@ -39,7 +45,41 @@ def _versions(repo: Path) -> dict[str, int]:
         return dict(db.execute("SELECT name, COUNT(*) FROM model_versions GROUP BY name").fetchall())
 
 
-def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(repo_copy, cli_env):
+def _outputs(lock: dict) -> dict[str, str]:
+    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory, prefect_harness) -> dict:
+    """Here (for the module, in place of conftest's), the commands' flows run on the test
+    session's Prefect server: each command would otherwise start a temporary server of its own,
+    seconds each, and DVC runs a command per stage (the CLI's tests cover the temporary server)."""
+    from prefect.settings import get_current_settings
+
+    return {**cli_environment(tmp_path_factory.mktemp("prefect-home")), "PREFECT_API_URL": get_current_settings().api.url}
+
+
+@pytest.fixture(scope="module")
+def fastfill_run(tmp_path_factory, image_folder, cli_env) -> tuple[Path, dict]:
+    """A fresh clone after `fastfill run`, and what DVC said about it right then: (repo, facts)."""
+    repo = copy_repository(tmp_path_factory.mktemp("dvc") / "repo", tiny_params(image_folder))
+    facts = {"run": _run([str(Path(sys.executable).with_name("fastfill")), "run"], repo, cli_env)}
+    facts["status"] = _run(_dvc("status"), repo, cli_env)
+    facts["repro"] = _run(_dvc("repro"), repo, cli_env)
+    facts["lock"] = yaml.safe_load((repo / "dvc.lock").read_text())
+    facts["comparison_locked"] = (repo / "comparison" / "dvc.lock").exists()
+    facts["comparison_status"] = _run(_dvc("--cd", "comparison", "status"), repo, cli_env)
+    facts["versions"] = _versions(repo)
+    return repo, facts
+
+
+def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(fastfill_run, cli_env):
+    repo_copy, first = fastfill_run
+    # a fresh clone again (no dvc.lock, no outputs, no DVC cache), but for the MLflow store: this
+    # run registers new versions
+    subprocess.run(["git", "clean", "-fdxq", "-e", "mlruns.db", "-e", "mlartifacts"], cwd=repo_copy, check=True)
+    assert not (repo_copy / "dvc.lock").exists() and not (repo_copy / ".dvc" / "cache").exists()
+    assert not (repo_copy / "artifacts").exists() and (repo_copy / "mlruns.db").is_file()
     out = _run(_dvc("repro"), repo_copy, cli_env)
     assert _ran(out) == PIPELINE, out  # a bare `dvc repro` never starts the comparison
     assert not (repo_copy / "runs").exists()
@@ -75,9 +115,18 @@ def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(re
     ignored = subprocess.run(["git", "check-ignore", "-q", "dvc_plots/index.html"], cwd=repo_copy)
     assert ignored.returncode == 0  # .gitignore keeps the rendered plots out of git
 
-    # the comparison: its own DVC project, reproduced only when asked, registered under its own names
+    # the same commit and configuration as `fastfill run`'s: every tracked output byte for byte
+    # (dvc.lock holds each output's content hash, a folder's from its files'); the registry's
+    # answers (new versions, run ids) are recorded beside the outputs, not in them
+    again = _outputs(yaml.safe_load((repo_copy / "dvc.lock").read_text()))
+    first_outputs = _outputs(first["lock"])
+    assert again == first_outputs, {path: (first_outputs.get(path), md5) for path, md5 in again.items()
+                                    if first_outputs.get(path) != md5}
     before = _versions(repo_copy)
-    assert before == {"embedder": 2, "embedder-alignment": 2}, before
+    assert before == {"embedder": 4, "embedder-alignment": 4}, before  # registered twice, identical weights
+    assert (repo_copy / "artifacts" / "registry" / "models-new.json").is_file()
+
+    # the comparison: its own DVC project, reproduced only when asked, registered under its own names
     out = _run(_dvc("--cd", "comparison", "repro"), repo_copy, cli_env, timeout=1500)
     assert _ran(out) == {"compare@0", "comparison"}, out
     comparison = json.loads((repo_copy / "reports" / "comparison.json").read_text())
@@ -86,7 +135,7 @@ def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(re
     assert _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env).strip() == UP_TO_DATE
     assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
     after = _versions(repo_copy)
-    assert after["embedder"] == 2 and after["embedder-alignment"] == 2, after  # production untouched
+    assert after["embedder"] == 4 and after["embedder-alignment"] == 4, after  # production untouched
     assert after["embedder-comparison"] == 4  # old, new, bct, ract
     assert after["embedder-comparison-alignment"] == 5  # fct, fastfill, l2_disc, rbt, unified
     with sqlite3.connect(repo_copy / "mlruns.db") as db:
@@ -106,32 +155,16 @@ def test_dvc_repro_reproduces_the_pipeline_and_the_comparison_only_when_asked(re
     assert "compare@0" in status and "align" in status, status
 
 
-def test_fastfill_run_leaves_dvc_up_to_date(repo_copy, cli_env):
+def test_fastfill_run_leaves_dvc_up_to_date(fastfill_run):
     """`fastfill run` on a fresh clone records the pipeline's stages in dvc.lock: `dvc status` is
     clean and `dvc repro` has nothing to do; dvc.lock holds the pipeline's stages and nothing else."""
-    out = _run([str(Path(sys.executable).with_name("fastfill")), "run"], repo_copy, cli_env)
-    assert "dvc.lock updated" in out, out
-    assert _run(_dvc("status"), repo_copy, cli_env).strip() == UP_TO_DATE
-    out = _run(_dvc("repro"), repo_copy, cli_env)
-    assert "Running stage" not in out, out
-    lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
-    assert set(lock["stages"]) == PIPELINE
-    assert not (repo_copy / "comparison" / "dvc.lock").exists()
+    _, facts = fastfill_run
+    assert "dvc.lock updated" in facts["run"], facts["run"]
+    assert facts["status"].strip() == UP_TO_DATE
+    assert "Running stage" not in facts["repro"], facts["repro"]
+    assert set(facts["lock"]["stages"]) == PIPELINE
+    assert facts["versions"] == {"embedder": 2, "embedder-alignment": 2}, facts["versions"]
+    assert not facts["comparison_locked"]
     # the comparison's project knows its stages have not run, without disturbing the pipeline's
-    status = _run(_dvc("--cd", "comparison", "status"), repo_copy, cli_env)
+    status = facts["comparison_status"]
     assert "compare@0" in status and "comparison" in status, status
-
-    # the same commit and configuration again: every tracked output byte for byte (dvc.lock holds
-    # each output's content hash, a folder's from its files'); the registry's answers (new
-    # versions, run ids) are recorded beside the outputs, not in them
-    first = _outputs(lock)
-    out = _run(_dvc("repro", "--force"), repo_copy, cli_env)
-    assert _ran(out) == PIPELINE, out
-    again = _outputs(yaml.safe_load((repo_copy / "dvc.lock").read_text()))
-    assert again == first, {path: (first.get(path), md5) for path, md5 in again.items() if first.get(path) != md5}
-    assert _versions(repo_copy)["embedder"] == 4  # registered twice, with identical weights
-    assert (repo_copy / "artifacts" / "registry" / "models-new.json").is_file()
-
-
-def _outputs(lock: dict) -> dict[str, str]:
-    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
