@@ -42,6 +42,7 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
     cores, on the ImageFolder at ``image_folder`` (``make_image_folder``'s)."""
     return {
         "paths": {"data": "data", "artifacts": "artifacts", "reports": "reports"},
+        "compute": {"threads": 2},
         "prepare": {"dataset": "imagefolder", "source": str(image_folder), "image_size": 16, "channels": 1,
                     "old_classes": [0, 1, 2]},
         "train": {
