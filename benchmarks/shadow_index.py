@@ -266,10 +266,12 @@ def markdown(summary: dict) -> str:
                      + "; map_auc " + ", ".join(f"{100 * v:+.2f}" for v in per_seed["map_auc"]["per_seed"].values())
                      + "; top-1 area 0-30% "
                      + ", ".join(f"{100 * v:+.2f}" for v in per_seed["top1_early"]["per_seed"].values()) + ".")
-        if entry.get("map_check"):
-            lines.append("FastFill's map check by seed: " + ", ".join(f"{s} {o}" for s, o in entry["map_check"].items())
-                         + ". Where it fell back to random order, FastFill-sigma is FastFill-random (the l2-only "
-                         "map) and dual_rrf-sigma is dual_rrf-random.")
+        checks = entry.get("map_check", {})
+        if checks:
+            fell_back = any("random order" in outcome for outcome in checks.values())
+            lines.append("FastFill's map check by seed: " + ", ".join(f"{s} {o}" for s, o in checks.items()) + "."
+                         + (" Where it fell back to random order, FastFill-sigma is FastFill-random (the l2-only "
+                            "map) and dual_rrf-sigma is dual_rrf-random." if fell_back else ""))
         lines.append("")
     repro = summary.get("reproduction")
     if repro:
