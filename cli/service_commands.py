@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -96,10 +97,15 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
             fail(f"--every {every:g}: give a positive number of seconds", USAGE)
         watcher = RegistryWatcher(config, params_file(params), uri, every)
         typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {every:g} s", err=True)
+        # the checks run in a daemon thread: one blocked in a client's retries (a registry that is
+        # gone) can neither swallow the interrupt nor keep the process alive after it
+        watcher.start()
         try:
-            watcher.run()
+            while watcher.alive():
+                time.sleep(0.2)
         except KeyboardInterrupt:
             pass
+        watcher.stop(wait=2.0)
         typer.echo(f"stopped watching {config.mlflow.registered_model}@challenger for {uri}")
         return
     try:

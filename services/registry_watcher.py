@@ -74,6 +74,10 @@ class RegistryWatcher:
         self._thread.start()
         return self
 
+    def alive(self) -> bool:
+        """Whether the polling thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, wait: float = 5.0) -> None:
         """Stop polling; a check in progress gets ``wait`` seconds (a daemon thread: one blocked
         on a registry that does not answer does not keep the process alive)."""
