@@ -202,19 +202,23 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
     ranks = stand_in_ranks(order, prefilled, positions, config.seed)
     old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    sample_transformed = apply_alignment(alignment_map, old_side)[0]
+
+    def transformed_parts():
+        return ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
+
     prediction = advisor.predict_upgrade(
-        positions, queries, apply_alignment(alignment_map, old_side)[0], ranks, gallery.num_items,
-        lambda: ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts)), order,
+        positions, queries, sample_transformed, ranks, gallery.num_items, transformed_parts, order,
         labels=labels, judged=judged, distance=params.gallery.distance, gain_below=gain_below)
     if target_top1 is not None:
-        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries,
-                                               apply_alignment(alignment_map, old_side)[0], transformed, sigma, weights,
+        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
+                                               sample_transformed, transformed, transformed_parts, sigma, weights,
                                                params.gallery.distance)
     return {**prediction, "map_version": str(chosen.version), "order": order_kind}
 
 
-def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, sample_transformed, transformed,
-                    sigma, weights, distance: str) -> dict:
+def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, old_side, sample_transformed,
+                    transformed, transformed_parts, sigma, weights, distance: str) -> dict:
     """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
     map has an uncertainty head, the usage orders' when the items have weights."""
     from components.gallery.target_advice import ways_to_target
@@ -229,7 +233,6 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
         except GalleryError:
             weights = None  # no weights: the usage orders are not among the ways
     return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
-                          sample_transformed=sample_transformed,
-                          transformed_parts=lambda: ((gallery.part_bounds(p)[0], transformed(p)[0])
-                                                     for p in range(gallery.num_parts)),
-                          log_sigma2=sigma, weights=weights, seed=config.seed, distance=distance)
+                          old_side=old_side, sample_transformed=sample_transformed,
+                          transformed_parts=transformed_parts, log_sigma2=sigma, weights=weights, seed=config.seed,
+                          distance=distance)

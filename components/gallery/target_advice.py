@@ -97,15 +97,15 @@ def compare_ways(target: float, predictions: dict[str, dict]) -> dict:
 
 
 def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: np.ndarray, queries: np.ndarray,
-                   sample_transformed: np.ndarray, transformed_parts, log_sigma2: np.ndarray | None,
-                   weights: np.ndarray | None, seed: int, distance: str = "l2") -> dict:
+                   old_side: np.ndarray, sample_transformed: np.ndarray, transformed_parts,
+                   log_sigma2: np.ndarray | None, weights: np.ndarray | None, seed: int, distance: str = "l2") -> dict:
     """``compare_ways`` for a labeled gallery before its upgrade. ``positions``/``queries``: the
     evaluation sample S and its new-model features; ``prefilled``: what planning would embed
-    first; ``sample_transformed``: S through the map; ``transformed_parts()``: the whole gallery
-    through the map, as ``(first item, rows)`` parts; ``log_sigma2``/``weights``: what orders the
-    map's sigma and the usage weights allow (None: not known)."""
+    first; ``old_side``: S's stored old-model features; ``sample_transformed``: S through the
+    map; ``transformed_parts()``: the whole gallery through the map, as ``(first item, rows)``
+    parts; ``log_sigma2``/``weights``: what orders the map's sigma and the usage weights allow
+    (None: not known)."""
     from components.gallery.advisor import NearestLabel, predict, ranks_of
-    from components.gallery.catalog import features_key, rows_at
     from components.gallery.planning import stand_in_ranks
     from components.gallery.usage import backfill_order
 
@@ -117,7 +117,6 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
     anchor_new = NearestLabel(queries, positions, labels, distance)
     for start, rows in transformed_parts():
         anchor_new.add(start, rows)
-    old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
     anchor_old = NearestLabel(old_side, positions, labels, distance)
     for part in range(gallery.num_parts):
         anchor_old.add(gallery.part_bounds(part)[0], gallery.features(gallery.model, part))

@@ -70,7 +70,7 @@ def test_every_allowed_way_on_a_stored_gallery(tmp_path):
     weights = np.arange(N, dtype=np.float64) % 3
 
     result = ways_to_target(0.5, gallery, positions=positions, prefilled=positions, queries=queries,
-                            sample_transformed=transformed[positions],
+                            old_side=gallery.all_features(gallery.model)[positions], sample_transformed=transformed[positions],
                             transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=log_sigma2,
                             weights=weights, seed=0)
     names = [w["way"] for w in result["ways"]]
@@ -83,7 +83,7 @@ def test_every_allowed_way_on_a_stored_gallery(tmp_path):
     assert at_0["shadow index (rrf), random order"] == at_0["shadow index (rrf), sigma order"]
 
     no_sigma = ways_to_target(0.5, gallery, positions=positions, prefilled=positions, queries=queries,
-                              sample_transformed=transformed[positions],
+                              old_side=gallery.all_features(gallery.model)[positions], sample_transformed=transformed[positions],
                               transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=None, weights=None, seed=0)
     assert [w["way"] for w in no_sigma["ways"]] == ["map, random order", "shadow index (rrf), random order"]
 
