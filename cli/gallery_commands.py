@@ -17,7 +17,7 @@ from components.platform.vocabulary import MERGES
 
 Merge = Enum("Merge", {name: name for name in MERGES}, type=str)  # the choices of search --merge
 
-gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, info, gc, rollback.")
+gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, convert, info, gc, rollback.")
 app.add_typer(gallery_app, name="gallery")
 
 
@@ -137,6 +137,24 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "
                + ("champion moved back" if result["champion_moved"] else "champion left as it was (it no longer "
                                                                        f"named {result['from']})"))
+
+
+@gallery_app.command("convert", short_help="Today's layout into a Lance table (gallery.lance).")
+def gallery_convert(store: StoreOption = None,
+                    to: Annotated[str | None, typer.Option(help="store URI (folder or s3://bucket/prefix) that gets "
+                                                          "<uri>/gallery.lance; default: the same store")] = None,
+                    params: ParamsOption = Path("params.yaml")) -> None:
+    """Write the gallery (items, images or their URIs, the serving model's features) as a Lance
+    dataset that pyarrow, DuckDB and LanceDB open (docs/lance.md), read it back and compare it
+    with the source. Refused during an upgrade and where a table exists."""
+    config = load(params)
+    from components.gallery.lance_table import convert
+
+    uri = store_uri(config, store)
+    result = call(lambda: convert(uri, to))
+    typer.echo(f"{result['table']}: {result['items']} items, features of {result['model']['uri']} "
+               f"(dimension {result['dim']}), images {result['images']}; version {result['version']}, "
+               f"tagged {result['tag']}; read back and equal to the source")
 
 
 @app.command(short_help="Nearest gallery items of each query, mid-upgrade too.")

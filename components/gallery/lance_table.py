@@ -1,0 +1,572 @@
+"""The gallery as a Lance dataset: one table that pyarrow, DuckDB, Polars and LanceDB read.
+
+Under a store URI (a local folder or ``s3://bucket/prefix``) the table is ``<uri>/gallery.lance``,
+which is what ``lancedb.connect(<uri>).open_table("gallery")`` opens. One row per item:
+
+    position          int64     the item's number, 0..N-1 (the product's numbering; rows move
+                                between data files as chunks land, so order by it)
+    id                          the user's item id (the items table's type)
+    image             string    the image's key or URI (adopted galleries), or null
+    pixels            binary    the uint8 image, C*H*W bytes (ingested galleries), or absent
+    label, group, weight        optional, as in the items table
+    features          fixed_size_list<float32>[d]   the serving model's features
+    features_digest   binary(16)                     BLAKE2b of (position, features)
+
+While an upgrade runs, its columns sit beside them (added by ``begin_upgrade``, dropped by
+``finish`` or ``abort``):
+
+    mapped, mapped_digest   h(old): the old features through the alignment map
+    log_sigma2              the map's predicted uncertainty (null for maps without one)
+    rank                    the item's place in the backfill order (0 first)
+    new, new_digest         the new model's features, null until the item's chunk lands
+    new_chunk               int32, the chunk that wrote ``new`` (null before)
+
+Which model a vector column holds is in that column's field metadata (``fastfill.model``), so a
+column renamed at the finish carries its model with it; the upgrade's id and new model are in the
+schema metadata. The upgrade's records (plan, lock, decision) stay objects beside the table.
+
+Why this layout, measured with pylance 14 (docs/lance.md): a chunk's commit is one
+``merge_insert`` on ``position`` updating only the chunk's columns. Re-running it leaves the same
+table (an update by key, not an append), so a chunk re-run after a kill or after a lost reply to
+its commit is harmless; four processes committing disjoint chunks at once all succeed (Lance
+retries the commit on a conflict) and every row is there.
+
+Lance stores no content hash, and a flipped byte in a float payload reads back as another number
+without an error (measured). Every vector column therefore carries a digest per row, checked on
+every read of the vectors; a mismatch, or a data file Lance cannot read (truncated, torn),
+raises ``TableCorrupt`` naming the data file and the item.
+
+The served state is a tag: ``serving-<n>`` marks each version that began serving a model (the
+creation, each finish, each rollback). ``rollback`` restores the version of the serving tag before
+the latest, ``collect_garbage`` removes the versions no tag references and older than an age.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from components.gallery.catalog import GalleryError
+from components.platform.registry import ModelRef
+
+TABLE = "gallery"
+MODEL_KEY = "fastfill.model"
+UPGRADE_KEY = "fastfill.upgrade"
+FINISHED_KEY = "fastfill.finished"
+FORMAT_KEY = "fastfill.format"
+FORMAT = "1"
+SERVING = "serving-"
+VECTOR_COLUMNS = ("features", "mapped", "new")
+UPGRADE_COLUMNS = ("mapped", "mapped_digest", "log_sigma2", "rank", "new", "new_digest", "new_chunk")
+DIGEST_BYTES = 16
+
+
+class TableCorrupt(GalleryError):
+    """A data file of the table is unreadable, or a vector's digest does not match."""
+
+
+def table_uri(uri: str | Path) -> str:
+    """Where the table of the store ``uri`` lives: ``<uri>/gallery.lance``."""
+    text = str(uri).removeprefix("file://")
+    if text.startswith("s3://"):
+        return text.rstrip("/") + f"/{TABLE}.lance"
+    return str(Path(text).resolve() / f"{TABLE}.lance")
+
+
+def storage_options(uri: str | Path) -> dict | None:
+    """Lance's object-store settings for an ``s3://`` URI: the endpoint of ``AWS_ENDPOINT_URL_S3``
+    / ``AWS_ENDPOINT_URL`` (as the product's other S3 clients), credentials and region from
+    boto3's standard configuration; None for a local folder."""
+    if not str(uri).startswith("s3://"):
+        return None
+    import boto3
+
+    from components.gallery.store import s3_endpoint
+
+    session = boto3.session.Session()
+    options = {"aws_region": session.region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    credentials = session.get_credentials()
+    if credentials is not None:
+        frozen = credentials.get_frozen_credentials()
+        options.update(aws_access_key_id=frozen.access_key, aws_secret_access_key=frozen.secret_key)
+        if frozen.token:
+            options["aws_session_token"] = frozen.token
+    endpoint = s3_endpoint()
+    if endpoint:
+        options["aws_endpoint"] = endpoint
+        if endpoint.startswith("http://"):
+            options["allow_http"] = "true"
+    return options
+
+
+def digests(positions: np.ndarray, vectors: np.ndarray) -> list[bytes]:
+    """BLAKE2b-128 of each row's position (int64, little-endian) and float32 bytes."""
+    positions = np.ascontiguousarray(positions, dtype="<i8")
+    vectors = np.ascontiguousarray(vectors, dtype="<f4")
+    return [hashlib.blake2b(p.tobytes() + v.tobytes(), digest_size=DIGEST_BYTES).digest()
+            for p, v in zip(positions, vectors, strict=True)]
+
+
+def _model_meta(model: ModelRef) -> dict[str, str]:
+    return {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True)}
+
+
+def _metadata(source) -> dict[str, str]:
+    """A schema's or field's metadata with text keys and values (Arrow gives bytes)."""
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in (source.metadata or {}).items()}
+
+
+def _vector_fields(name: str, dim: int, model: ModelRef | None):
+    import pyarrow as pa
+
+    metadata = _model_meta(model) if model is not None else None
+    return [pa.field(name, pa.list_(pa.float32(), dim), metadata=metadata),
+            pa.field(f"{name}_digest", pa.binary(DIGEST_BYTES))]
+
+
+def _vector_arrays(positions: np.ndarray, vectors: np.ndarray) -> list:
+    import pyarrow as pa
+
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    dim = vectors.shape[1]
+    values = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), dim)
+    return [values, pa.array(digests(positions, vectors), pa.binary(DIGEST_BYTES))]
+
+
+def _as_numpy(column, dim: int) -> np.ndarray:
+    """A fixed-size-list column (chunked) as an (n, dim) float32 array; nulls as NaN rows."""
+    import pyarrow as pa
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(column) == 0:
+        return np.empty((0, dim), dtype=np.float32)
+    if column.null_count:
+        out = np.full((len(column), dim), np.nan, dtype=np.float32)
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        out[valid] = column.drop_null().flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+        return out
+    return np.array(column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim), dtype=np.float32)  # writable
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """The upgrade whose columns the table holds."""
+
+    id: str
+    new: ModelRef
+
+
+class LanceGallery:
+    """The gallery table of one store URI."""
+
+    def __init__(self, uri: str | Path):
+        self.store_uri = str(uri)
+        self.uri = table_uri(uri)
+        self.options = storage_options(self.store_uri)
+
+    # ---- opening
+
+    def exists(self) -> bool:
+        try:
+            self.dataset()
+        except GalleryError:
+            return False
+        return True
+
+    def dataset(self, version: int | str | None = None):
+        import lance
+
+        try:
+            return lance.dataset(self.uri, version=version, storage_options=self.options)
+        except (ValueError, OSError) as error:
+            if "not found" in str(error).lower() or "does not exist" in str(error).lower():
+                raise GalleryError(f"{self.uri}: no gallery table here; make one with `fastfill gallery convert` "
+                                   "or `fastfill gallery ingest`") from None
+            raise GalleryError(f"{self.uri}: cannot open the gallery table: {_one_line(error)}") from None
+
+    # ---- what the table says
+
+    def model(self, dataset=None) -> ModelRef:
+        """The serving model: the one whose features the ``features`` column holds."""
+        dataset = dataset or self.dataset()
+        return _field_model(dataset.schema.field("features"))
+
+    def upgrade(self, dataset=None) -> Upgrade | None:
+        dataset = dataset or self.dataset()
+        raw = _metadata(dataset.schema).get(UPGRADE_KEY)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return Upgrade(data["id"], ModelRef.from_dict(data["new"]))
+
+    def num_items(self) -> int:
+        return self.dataset().count_rows()
+
+    def serving_tags(self, dataset=None) -> list[tuple[int, str, int]]:
+        """(n, tag, version) of every ``serving-<n>`` tag, oldest first."""
+        dataset = dataset or self.dataset()
+        found = []
+        for name, info in dataset.tags.list().items():
+            match = re.fullmatch(rf"{SERVING}(\d+)", name)
+            if match:
+                found.append((int(match.group(1)), name, int(info["version"])))
+        return sorted(found)
+
+    def _tag_serving(self, dataset) -> str:
+        tags = self.serving_tags(dataset)
+        name = f"{SERVING}{tags[-1][0] + 1 if tags else 1}"
+        dataset.tags.create(name, dataset.version)
+        return name
+
+    # ---- writing a gallery
+
+    @classmethod
+    def create(cls, uri: str | Path, items, features: np.ndarray, model: ModelRef, *,
+               pixels: np.ndarray | None = None, image_shape=None, max_rows_per_file: int = 1 << 20) -> LanceGallery:
+        """A new table from an items table (pyarrow: id, and any of image, label, group, weight,
+        in position order) and the serving model's features; tagged ``serving-1``. Refused where
+        a table exists."""
+        import lance
+        import pyarrow as pa
+
+        from components.gallery.catalog import check_features
+
+        table = cls(uri)
+        if table.exists():
+            raise GalleryError(f"{table.uri} already holds a gallery table; convert into an empty location")
+        features = check_features(features, model.dim, "gallery features")
+        n = len(features)
+        if items.num_rows != n:
+            raise GalleryError(f"{items.num_rows} items for {n} feature rows")
+        model = ModelRef(model.name, model.version, int(features.shape[1]))
+        positions = np.arange(n, dtype=np.int64)
+        fields = [pa.field("position", pa.int64())]
+        arrays = [pa.array(positions)]
+        for name in ("id", "image", "label", "group", "weight"):
+            if name in items.column_names:
+                fields.append(pa.field(name, items.schema.field(name).type))
+                arrays.append(items.column(name).combine_chunks())
+        metadata = {FORMAT_KEY: FORMAT}
+        if pixels is not None:
+            pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+            size = int(np.prod(pixels.shape[1:]))
+            fields.append(pa.field("pixels", pa.binary(size)))
+            arrays.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(size), n, [None, pa.py_buffer(pixels.reshape(-1))]))
+            metadata["fastfill.image_shape"] = json.dumps([int(x) for x in (image_shape or pixels.shape[1:])])
+        fields += _vector_fields("features", features.shape[1], model)
+        arrays += _vector_arrays(positions, features)
+        data = pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=metadata))
+        dataset = lance.write_dataset(data, table.uri, mode="create", max_rows_per_file=max_rows_per_file,
+                                      storage_options=table.options)
+        table._tag_serving(dataset)
+        return table
+
+    # ---- reading
+
+    def items(self, columns: list[str] | None = None):
+        """The items (no vectors) in position order, as a pyarrow table."""
+        dataset = self.dataset()
+        names = [n for n in dataset.schema.names if n not in _vector_and_digest_names(dataset)]
+        if columns is not None:
+            names = ["position", *[c for c in columns if c != "position"]]
+        return self._read(dataset, names).sort_by("position")
+
+    def features(self, column: str = "features", dataset=None) -> np.ndarray:
+        """Every item's vectors of ``column`` in position order, digests checked; rows that have
+        none yet (``new`` before its chunk) are NaN."""
+        dataset = dataset or self.dataset()
+        if column not in dataset.schema.names:
+            raise GalleryError(f"{self.uri} has no column {column!r} (columns: {', '.join(dataset.schema.names)})")
+        data = self._read(dataset, ["position", "id", column, f"{column}_digest"], with_address=True).sort_by("position")
+        dim = dataset.schema.field(column).type.list_size
+        vectors = _as_numpy(data.column(column), dim)
+        self._check(dataset, data, column, vectors)
+        return vectors
+
+    def mixed(self) -> tuple[np.ndarray, np.ndarray, ModelRef]:
+        """What queries of the serving (or, during an upgrade, the new) model search: the new
+        features where an item's chunk landed, h(old) elsewhere, in position order; with
+        ``backfilled`` (bool per item) and the model whose space the vectors are in."""
+        dataset = self.dataset()
+        upgrade = self.upgrade(dataset)
+        if upgrade is None or "new" not in dataset.schema.names:
+            vectors = self.features("features", dataset)
+            return vectors, np.ones(len(vectors), dtype=bool), self.model(dataset)
+        new = self.features("new", dataset)
+        backfilled = ~np.isnan(new[:, 0])
+        if backfilled.all():
+            return new, backfilled, upgrade.new
+        mapped = self.features("mapped", dataset)
+        mapped[backfilled] = new[backfilled]
+        return mapped, backfilled, upgrade.new
+
+    def landed_chunks(self) -> set[int]:
+        """The chunks whose new features are in the table."""
+        dataset = self.dataset()
+        if "new_chunk" not in dataset.schema.names:
+            return set()
+        column = self._read(dataset, ["new_chunk"], filter="new_chunk IS NOT NULL").column("new_chunk")
+        return set(np.unique(column.to_numpy()).tolist())
+
+    def verify(self) -> dict:
+        """Every vector column read whole and its digests checked: {column: rows checked}."""
+        dataset = self.dataset()
+        return {column: int(np.isfinite(self.features(column, dataset)[:, 0]).sum())
+                for column in VECTOR_COLUMNS if column in dataset.schema.names}
+
+    def _read(self, dataset, columns: list[str], *, filter: str | None = None, with_address: bool = False):
+        try:
+            return dataset.to_table(columns=columns, filter=filter, with_row_address=with_address)
+        except (OSError, ValueError) as error:  # pyarrow.ArrowInvalid is a ValueError
+            raise self._unreadable(dataset, columns, error) from None
+
+    def _unreadable(self, dataset, columns: list[str], error: Exception) -> TableCorrupt:
+        """Which data file could not be read: each fragment read alone, the first that fails named."""
+        for fragment in dataset.get_fragments():
+            try:
+                fragment.to_table(columns=columns)
+            except Exception:  # noqa: BLE001 - Lance raises several kinds; any failure names the file
+                files = ", ".join(f"{self.uri}/data/{f.path}" for f in fragment.data_files())
+                return TableCorrupt(f"{self.uri}: data file {files} (fragment {fragment.fragment_id}) cannot be "
+                                    f"read ({_one_line(error)}); it is truncated or damaged. Restore it from a "
+                                    "copy, or roll back to a version that does not use it (`fastfill gallery "
+                                    "rollback`)")
+        return TableCorrupt(f"{self.uri}: the table cannot be read: {_one_line(error)}")
+
+    def _check(self, dataset, data, column: str, vectors: np.ndarray) -> None:
+        """The digests of the rows that have vectors; a mismatch names the item and its data file."""
+        positions = data.column("position").to_numpy()
+        stored = data.column(f"{column}_digest").to_pylist()
+        present = ~np.isnan(vectors[:, 0]) if len(vectors) else np.zeros(0, dtype=bool)
+        rows = np.flatnonzero(present)
+        computed = digests(positions[rows], vectors[rows])
+        bad = [row for row, digest in zip(rows, computed, strict=True) if stored[row] != digest]
+        if not bad:
+            return
+        row = bad[0]
+        fragment_id = int(data.column("_rowaddr")[row].as_py()) >> 32
+        files = [f"{self.uri}/data/{f.path}" for fr in dataset.get_fragments() if fr.fragment_id == fragment_id
+                 for f in fr.data_files()]
+        item = data.column("id")[row].as_py()
+        raise TableCorrupt(f"{self.uri}: {len(bad)} rows of {column!r} do not match their digest (first: item "
+                           f"{item!r}, position {int(positions[row])}, in data file {', '.join(files) or '?'}); the "
+                           "file was altered or damaged. Restore it from a copy, or roll back (`fastfill gallery "
+                           "rollback`)")
+
+    # ---- an upgrade's columns
+
+    def begin_upgrade(self, upgrade: str, new: ModelRef, mapped: np.ndarray, rank: np.ndarray,
+                      log_sigma2: np.ndarray | None = None) -> None:
+        """Add the upgrade's columns: h(old), sigma, the backfill rank, and empty new features.
+        Again for the same upgrade (a re-run after a crash): adds only what is missing."""
+        import pyarrow as pa
+
+        from components.gallery.catalog import check_features
+
+        dataset = self.dataset()
+        current = self.upgrade(dataset)
+        if current is not None and current.id != upgrade:
+            raise GalleryError(f"{self.uri}: upgrade {current.id} holds the table; finish or abort it first")
+        n = dataset.count_rows()
+        mapped = check_features(mapped, new.dim, "the transformed features h(old)")
+        rank = np.asarray(rank, dtype=np.int64)
+        if len(mapped) != n or len(rank) != n or sorted(rank.tolist()) != list(range(n)):
+            raise GalleryError(f"begin_upgrade: {len(mapped)} transformed rows and a rank of {len(rank)} for {n} items; "
+                               "the rank must be a permutation of 0..N-1")
+        new = ModelRef(new.name, new.version, int(mapped.shape[1]))
+        if current is None:
+            metadata = _metadata(dataset.schema)
+            metadata[UPGRADE_KEY] = json.dumps({"id": upgrade, "new": new.to_dict()}, sort_keys=True)
+            dataset.replace_schema_metadata(metadata)
+            dataset = self.dataset()
+        if "mapped" not in dataset.schema.names:
+            positions = np.arange(n, dtype=np.int64)
+            fields = [pa.field("position", pa.int64()), *_vector_fields("mapped", mapped.shape[1], new),
+                      pa.field("log_sigma2", pa.float32()), pa.field("rank", pa.int64())]
+            sigma = pa.array(np.asarray(log_sigma2, dtype=np.float32)) if log_sigma2 is not None else \
+                pa.nulls(n, pa.float32())
+            columns = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, mapped), sigma,
+                                            pa.array(rank)], schema=pa.schema(fields))
+            dataset.merge(columns, left_on="position")
+            dataset = self.dataset()
+        if "new" not in dataset.schema.names:
+            dataset.add_columns([*_vector_fields("new", mapped.shape[1], new), pa.field("new_chunk", pa.int32())])
+
+    def commit_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, features: np.ndarray) -> dict:
+        """The chunk's new features, by item position, in one commit: re-running it (after a kill,
+        or after a lost reply to the commit) leaves the same table. Several processes may commit
+        different chunks at once."""
+        import pyarrow as pa
+
+        dataset = self.dataset()
+        current = self.upgrade(dataset)
+        if current is None or current.id != upgrade or "new" not in dataset.schema.names:
+            raise GalleryError(f"{self.uri}: upgrade {upgrade} is not the table's (it is "
+                               f"{current.id if current else 'none'}); this chunk is not written")
+        positions = np.asarray(positions, dtype=np.int64)
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        if len(positions) != len(features) or len(np.unique(positions)) != len(positions):
+            raise GalleryError(f"chunk {chunk}: {len(positions)} distinct positions needed for {len(features)} rows")
+        dim = dataset.schema.field("new").type.list_size
+        fields = [pa.field("position", pa.int64()), *_vector_fields("new", dim, current.new),
+                  pa.field("new_chunk", pa.int32())]
+        source = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, features),
+                                       pa.array(np.full(len(positions), chunk, dtype=np.int32))],
+                                      schema=pa.schema(fields))
+        result = dataset.merge_insert("position").when_matched_update_all().execute(source)
+        if result["num_inserted_rows"]:
+            raise TableCorrupt(f"{self.uri}: chunk {chunk} inserted {result['num_inserted_rows']} rows; positions "
+                               "outside the gallery")
+        return {"chunk": chunk, "rows": int(result["num_updated_rows"])}
+
+    def finish(self, upgrade: str) -> str:
+        """Every chunk landed: the new features become ``features`` and the upgrade's columns go,
+        in steps that each leave a readable table (a re-run after a kill completes the rest),
+        then a ``serving-<n>`` tag. Returns the tag."""
+        dataset = self.dataset()
+        current = self.upgrade(dataset)
+        if current is None:
+            if self.model(dataset).same_version(self._finished_model(dataset, upgrade)):
+                return self.serving_tags(dataset)[-1][1]
+            raise GalleryError(f"{self.uri}: no upgrade in the table to finish")
+        if current.id != upgrade:
+            raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
+        names = dataset.schema.names
+        if "new" in names:
+            missing = dataset.count_rows(filter="new IS NULL")
+            if missing:
+                raise GalleryError(f"upgrade {upgrade} is not complete: {missing} items have no new features")
+            if "features" in names:  # 1. the old features go (the version tagged before keeps them)
+                dataset.drop_columns(["features", "features_digest"])
+                dataset = self.dataset()
+            dataset.alter_columns({"path": "new", "name": "features"}, {"path": "new_digest", "name": "features_digest"})
+            dataset = self.dataset()
+        leftover = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
+        if leftover:
+            dataset.drop_columns(leftover)
+            dataset = self.dataset()
+        metadata = _metadata(dataset.schema)
+        metadata.pop(UPGRADE_KEY, None)
+        metadata[FINISHED_KEY] = json.dumps({"id": upgrade, "model": current.new.to_dict()}, sort_keys=True)
+        dataset.replace_schema_metadata(metadata)
+        return self._tag_serving(self.dataset())
+
+    def _finished_model(self, dataset, upgrade: str) -> ModelRef:
+        raw = _metadata(dataset.schema).get(FINISHED_KEY)
+        if raw and json.loads(raw)["id"] == upgrade:
+            return ModelRef.from_dict(json.loads(raw)["model"])
+        return ModelRef("", "")
+
+    def abort(self, upgrade: str) -> None:
+        """Drop the upgrade's columns: the table serves its model's features as before."""
+        dataset = self.dataset()
+        current = self.upgrade(dataset)
+        if current is None:
+            return
+        if current.id != upgrade:
+            raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
+        present = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
+        if present:
+            dataset.drop_columns(present)
+            dataset = self.dataset()
+        metadata = _metadata(dataset.schema)
+        metadata.pop(UPGRADE_KEY, None)
+        dataset.replace_schema_metadata(metadata)
+
+    # ---- versions
+
+    def rollback(self) -> tuple[ModelRef, ModelRef]:
+        """Back to the serving tag before the latest: its version restored as the newest (a new
+        version, so history is kept), tagged ``serving-<n>``. Returns (from, to)."""
+        dataset = self.dataset()
+        if self.upgrade(dataset) is not None:
+            raise GalleryError(f"{self.uri}: an upgrade is in progress; abort it before rolling back")
+        tags = self.serving_tags(dataset)
+        served = self.model(dataset)
+        earlier = [(n, name, version) for n, name, version in tags
+                   if not self.model(self.dataset(version)).same_version(served)]
+        if not earlier:
+            raise GalleryError(f"{self.uri}: no earlier model to roll back to (serving tags: "
+                               f"{', '.join(t[1] for t in tags) or 'none'})")
+        _, name, version = earlier[-1]
+        try:
+            previous = self.dataset(version)
+        except GalleryError as error:
+            raise GalleryError(f"{self.uri}: the version of {name} is gone ({error}); garbage collection removed it") from None
+        previous.restore()
+        self._tag_serving(self.dataset())
+        return served, self.model(previous)
+
+    def collect_garbage(self, older_than: timedelta = timedelta(days=7)) -> dict:
+        """Remove the versions that no tag references and that are older than ``older_than``."""
+        dataset = self.dataset()
+        stats = dataset.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)
+        return {"old_versions": int(stats.old_versions), "bytes_removed": int(stats.bytes_removed),
+                "data_files_removed": int(getattr(stats, "data_files_removed", 0))}
+
+
+def _field_model(field) -> ModelRef:
+    raw = _metadata(field).get(MODEL_KEY)
+    if not raw:
+        raise GalleryError(f"column {field.name!r} does not say which model it holds (no {MODEL_KEY} metadata)")
+    return ModelRef.from_dict(json.loads(raw))
+
+
+def _vector_and_digest_names(dataset) -> set[str]:
+    names = set()
+    for column in VECTOR_COLUMNS:
+        names |= {column, f"{column}_digest"}
+    return names | {"pixels"}
+
+
+def _one_line(error: object) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def iter_batches(table: LanceGallery, columns: list[str], batch_size: int = 65536) -> Iterator:
+    """The table's rows in batches (any order), for readers that need not hold it whole."""
+    yield from table.dataset().to_batches(columns=columns, batch_size=batch_size)
+
+
+def convert(source_uri: str | Path, target_uri: str | Path | None = None) -> dict:
+    """Today's layout (``gallery.json``, items and features parts) at ``source_uri`` as a Lance
+    table at ``target_uri`` (default: the same store, ``<uri>/gallery.lance`` beside the parts).
+    Refused during an upgrade. The table is read back and compared with the source before it
+    counts: features bit for bit, ids and labels equal."""
+    from components.gallery.catalog import Gallery
+    from components.gallery.store import open_store
+
+    gallery = Gallery(open_store(source_uri))
+    if not gallery.exists():
+        raise GalleryError(f"{source_uri}: no gallery (no gallery.json) to convert")
+    manifest = gallery.manifest(refresh=True)
+    if manifest.get("upgrade"):
+        raise GalleryError(f"{source_uri}: upgrade {manifest['upgrade']} is in progress; finish it or abort it "
+                           "(`fastfill upgrade abort`) before converting")
+    model = gallery.model
+    items = gallery.items()
+    features = gallery.all_features(model)
+    pixels = None
+    if not gallery.adopted:
+        pixels = np.concatenate([gallery.images(part) for part in range(gallery.num_parts)])
+    table = LanceGallery.create(target_uri or source_uri, items, features, model, pixels=pixels,
+                                image_shape=manifest.get("image_shape"))
+    back = table.features()
+    if not np.array_equal(back, features):
+        raise TableCorrupt(f"{table.uri}: the features read back differ from {source_uri}'s; the table is not usable")
+    read = table.items(["id", "label"] if "label" in items.column_names else ["id"])
+    if read.column("id").to_pylist() != items.column("id").to_pylist():
+        raise TableCorrupt(f"{table.uri}: the item ids read back differ from {source_uri}'s")
+    return {"table": table.uri, "items": len(features), "model": model.to_dict(), "dim": int(features.shape[1]),
+            "images": "in the table (pixels)" if pixels is not None else "by URI (image column)",
+            "version": table.dataset().version, "tag": table.serving_tags()[-1][1]}

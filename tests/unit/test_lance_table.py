@@ -1,0 +1,232 @@
+"""The gallery as a Lance table on a local folder: the upgrade's columns, chunk commits that are
+idempotent and concurrent, the finish and its resumption, rollback and gc by tags, damaged data
+files named, today's layout converted, and the table read by pyarrow, DuckDB and LanceDB."""
+
+from __future__ import annotations
+
+import multiprocessing
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from components.gallery.catalog import GalleryError, ingest
+from components.gallery.lance_table import LanceGallery, TableCorrupt, convert
+from components.gallery.store import LocalStore
+from components.platform.registry import ModelRef
+
+N, OLD_DIM, NEW_DIM, CHUNK = 600, 8, 12, 150
+OLD = ModelRef("embedder", "1", OLD_DIM)
+NEW = ModelRef("embedder", "2", NEW_DIM)
+
+
+def _data(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {"old": rng.normal(size=(N, OLD_DIM)).astype(np.float32),
+            "mapped": rng.normal(size=(N, NEW_DIM)).astype(np.float32),
+            "new": rng.normal(size=(N, NEW_DIM)).astype(np.float32),
+            "rank": rng.permutation(N), "sigma": rng.normal(size=N).astype(np.float32),
+            "labels": rng.integers(0, 5, N)}
+
+
+def _items(data) -> pa.Table:
+    return pa.table({"id": pa.array(np.arange(N, dtype=np.int64) * 7 + 3), "label": pa.array(data["labels"])})
+
+
+def _chunk_positions(rank: np.ndarray, chunk: int) -> np.ndarray:
+    order = np.argsort(rank)
+    return order[chunk * CHUNK:(chunk + 1) * CHUNK]
+
+
+def _upgraded(tmp_path, data) -> LanceGallery:
+    table = LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
+    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"])
+    return table
+
+
+def _content(table: LanceGallery) -> dict:
+    """The table's rows in position order, every column (the version left aside)."""
+    return table.dataset().to_table().sort_by("position").to_pydict()
+
+
+def test_created_table_reads_back_and_other_tools_open_it(tmp_path):
+    data = _data()
+    table = LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
+    assert table.uri == str((tmp_path / "store" / "gallery.lance").resolve())
+    assert np.array_equal(table.features(), data["old"])
+    assert table.model() == OLD and table.upgrade() is None
+    assert [name for _, name, _ in table.serving_tags()] == ["serving-1"]
+    assert table.items().column("id").to_pylist() == (np.arange(N) * 7 + 3).tolist()
+
+    import duckdb
+    import lancedb
+
+    ds = table.dataset()  # noqa: F841 - DuckDB finds the dataset by its variable name
+    assert duckdb.sql("select count(*), min(position), max(position) from ds").fetchall() == [(N, 0, N - 1)]
+    hits = (lancedb.connect(str(tmp_path / "store")).open_table("gallery")
+            .search(data["old"][17], vector_column_name="features").limit(1).to_arrow())
+    assert hits.column("position").to_pylist() == [17]
+
+    with pytest.raises(GalleryError, match="already holds a gallery table"):
+        LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
+
+
+def test_upgrade_columns_chunks_and_mixed_view(tmp_path):
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"])  # a re-run adds nothing
+    assert table.upgrade().id == "u1" and table.upgrade().new == NEW
+    assert np.array_equal(table.features("mapped"), data["mapped"])
+    with pytest.raises(GalleryError, match="upgrade u1 holds the table"):
+        table.begin_upgrade("u2", NEW, data["mapped"], data["rank"])
+
+    first = _chunk_positions(data["rank"], 0)
+    assert table.commit_chunk("u1", 0, first, data["new"][first]) == {"chunk": 0, "rows": CHUNK}
+    vectors, backfilled, model = table.mixed()
+    assert model == NEW and backfilled.sum() == CHUNK and backfilled[first].all()
+    assert np.array_equal(vectors[backfilled], data["new"][backfilled])
+    assert np.array_equal(vectors[~backfilled], data["mapped"][~backfilled])
+    assert table.landed_chunks() == {0}
+    with pytest.raises(GalleryError, match="upgrade u0 is not the table's"):
+        table.commit_chunk("u0", 1, first, data["new"][first])
+
+
+def test_a_chunk_committed_twice_leaves_the_same_table(tmp_path):
+    """A re-run after a kill, or after a lost reply to the commit: an update by position."""
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    positions = _chunk_positions(data["rank"], 1)
+    table.commit_chunk("u1", 1, positions, data["new"][positions])
+    once, version = _content(table), table.dataset().version
+    table.commit_chunk("u1", 1, positions, data["new"][positions])
+    assert table.dataset().version == version + 1
+    assert _content(table) == once
+    assert table.dataset().count_rows() == N
+
+
+def _commit_in_process(uri: str, chunk: int, positions: list[int], rows: list[list[float]]) -> int:
+    table = LanceGallery(uri)
+    return table.commit_chunk("u1", chunk, np.asarray(positions), np.asarray(rows, dtype=np.float32))["rows"]
+
+
+def test_chunks_committed_by_several_processes_at_once_all_land(tmp_path):
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    chunks = range(N // CHUNK)
+    work = [(str(tmp_path / "store"), c, _chunk_positions(data["rank"], c).tolist(),
+             data["new"][_chunk_positions(data["rank"], c)].tolist()) for c in chunks]
+    with multiprocessing.get_context("spawn").Pool(len(work)) as pool:
+        assert pool.starmap(_commit_in_process, work) == [CHUNK] * len(work)
+    assert table.landed_chunks() == set(chunks)
+    vectors, backfilled, _ = table.mixed()
+    assert backfilled.all() and np.array_equal(vectors, data["new"])
+    assert table.dataset().count_rows() == N
+
+
+def test_finish_rollback_and_gc(tmp_path):
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    with pytest.raises(GalleryError, match="not complete"):
+        table.finish("u1")
+    for chunk in range(N // CHUNK):
+        positions = _chunk_positions(data["rank"], chunk)
+        table.commit_chunk("u1", chunk, positions, data["new"][positions])
+    assert table.finish("u1") == "serving-2"
+    assert table.finish("u1") == "serving-2"  # again after it ended: nothing changes
+    assert table.model() == NEW and table.upgrade() is None
+    assert set(table.dataset().schema.names) == {"position", "id", "label", "features", "features_digest"}
+    assert np.array_equal(table.features(), data["new"])
+
+    assert table.rollback() == (NEW, OLD)
+    assert table.model() == OLD and np.array_equal(table.features(), data["old"])
+    assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2", "serving-3"]
+
+    versions = len(table.dataset().versions())
+    removed = table.collect_garbage(older_than=timedelta(0))
+    assert removed["old_versions"] > 0 and len(table.dataset().versions()) == versions - removed["old_versions"]
+    for _, name, version in table.serving_tags():  # tagged versions survive gc
+        assert table.dataset(version).count_rows() == N, name
+    assert np.array_equal(table.features(), data["old"])
+
+
+@pytest.mark.parametrize("killed_after", ["drop", "rename"])
+def test_a_finish_killed_between_its_steps_is_completed_by_the_next(tmp_path, killed_after):
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    for chunk in range(N // CHUNK):
+        positions = _chunk_positions(data["rank"], chunk)
+        table.commit_chunk("u1", chunk, positions, data["new"][positions])
+    dataset = table.dataset()
+    dataset.drop_columns(["features", "features_digest"])  # the finish's first step, as it does it
+    if killed_after == "rename":
+        table.dataset().alter_columns({"path": "new", "name": "features"},
+                                      {"path": "new_digest", "name": "features_digest"})
+    vectors, backfilled, model = table.mixed()  # queries in between still read a whole gallery
+    assert model == NEW and backfilled.all() and np.array_equal(vectors, data["new"])
+    assert table.finish("u1") == "serving-2"
+    assert table.model() == NEW and np.array_equal(table.features(), data["new"])
+
+
+def test_abort_drops_the_upgrade_columns(tmp_path):
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    positions = _chunk_positions(data["rank"], 0)
+    table.commit_chunk("u1", 0, positions, data["new"][positions])
+    table.abort("u1")
+    assert table.upgrade() is None and table.model() == OLD
+    assert set(table.dataset().schema.names) == {"position", "id", "label", "features", "features_digest"}
+    assert np.array_equal(table.features(), data["old"])
+    with pytest.raises(GalleryError, match="no earlier model"):
+        table.rollback()
+
+
+def _data_file(table: LanceGallery) -> Path:
+    files = sorted((Path(table.uri) / "data").glob("*.lance"))
+    assert len(files) == 1
+    return files[0]
+
+
+def test_a_flipped_byte_in_a_data_file_is_named(tmp_path):
+    """Lance reads altered float bytes without an error; the row digests do not."""
+    data = _data()
+    table = LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
+    path = _data_file(table)
+    raw = bytearray(path.read_bytes())
+    target = data["old"][300].tobytes()
+    at = bytes(raw).find(target)
+    assert at > 0, "the float payload is stored plainly"
+    raw[at + 5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TableCorrupt, match=rf"item 2103.*position 300.*{path.name}"):
+        table.features()
+
+
+def test_a_truncated_data_file_is_named(tmp_path):
+    data = _data()
+    table = LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
+    path = _data_file(table)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(TableCorrupt, match=rf"data file .*{path.name}.*truncated or damaged"):
+        table.features()
+
+
+def test_convert_today_s_layout(tmp_path):
+    data = _data()
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 255, size=(N, 1, 4, 4), dtype=np.uint8)
+    store = LocalStore(tmp_path / "store")
+    ingest(store, images, data["old"], OLD, labels=data["labels"], ids=np.arange(N) * 7 + 3, part_size=250)
+    result = convert(tmp_path / "store")
+    assert result["items"] == N and result["tag"] == "serving-1" and result["images"] == "in the table (pixels)"
+    table = LanceGallery(tmp_path / "store")
+    assert np.array_equal(table.features(), data["old"]) and table.model().same_version(OLD)
+    items = table.items(["id", "label", "pixels"])
+    assert items.column("label").to_pylist() == data["labels"].tolist()
+    pixels = np.frombuffer(b"".join(items.column("pixels").to_pylist()), dtype=np.uint8).reshape(images.shape)
+    assert np.array_equal(pixels, images)
+    with pytest.raises(GalleryError, match="already holds a gallery table"):
+        convert(tmp_path / "store")
+    with pytest.raises(GalleryError, match="no gallery"):
+        convert(tmp_path / "empty")
