@@ -230,3 +230,23 @@ def test_convert_today_s_layout(tmp_path):
         convert(tmp_path / "store")
     with pytest.raises(GalleryError, match="no gallery"):
         convert(tmp_path / "empty")
+
+
+def test_the_convert_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    data = _data()
+    store = LocalStore(tmp_path / "store")
+    ingest(store, np.zeros((N, 1, 2, 2), dtype=np.uint8), data["old"], OLD, part_size=250)
+    params = str(Path(__file__).resolve().parents[2] / "params.yaml")
+    result = CliRunner().invoke(app, ["gallery", "convert", "--store", str(tmp_path / "store"),
+                                      "--to", str(tmp_path / "lance"), "--params", params])
+    assert result.exit_code == 0, result.output
+    assert f"{(tmp_path / 'lance' / 'gallery.lance').resolve()}: {N} items" in result.output
+    assert "read back and equal to the source" in result.output
+    assert np.array_equal(LanceGallery(tmp_path / "lance").features(), data["old"])
+    again = CliRunner().invoke(app, ["gallery", "convert", "--store", str(tmp_path / "store"),
+                                     "--to", str(tmp_path / "lance"), "--params", params])
+    assert again.exit_code != 0 and "already holds a gallery table" in again.output

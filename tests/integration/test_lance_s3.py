@@ -1,0 +1,115 @@
+"""The Lance gallery table on S3 (moto's server over HTTP): an upgrade end to end, chunks
+committed by several processes at once, a commit whose reply is lost, injected 5xx answers, and
+the table opened by LanceDB by name and read by DuckDB."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from components.gallery.lance_table import LanceGallery, storage_options
+from components.gallery.s3_fault_proxy import FaultProxy
+from components.platform.registry import ModelRef
+from tests.environment import new_bucket
+
+N, OLD_DIM, NEW_DIM, CHUNK = 400, 8, 12, 100
+OLD = ModelRef("embedder", "1", OLD_DIM)
+NEW = ModelRef("embedder", "2", NEW_DIM)
+
+
+@pytest.fixture
+def s3_table(s3_endpoint):
+    rng = np.random.default_rng(0)
+    data = {"old": rng.normal(size=(N, OLD_DIM)).astype(np.float32),
+            "mapped": rng.normal(size=(N, NEW_DIM)).astype(np.float32),
+            "new": rng.normal(size=(N, NEW_DIM)).astype(np.float32), "rank": rng.permutation(N)}
+    uri = f"s3://{new_bucket(s3_endpoint)}/galleries/main"
+    items = pa.table({"id": pa.array([f"item-{i}" for i in range(N)]),
+                      "image": pa.array([f"s3://images/{i}.png" for i in range(N)])})
+    table = LanceGallery.create(uri, items, data["old"], OLD)
+    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"])
+    return uri, table, data
+
+
+def _positions(data, chunk: int) -> np.ndarray:
+    return np.argsort(data["rank"])[chunk * CHUNK:(chunk + 1) * CHUNK]
+
+
+def _commit(uri: str, endpoint: str, chunk: int, positions: list[int], rows: list) -> int:
+    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint
+    return LanceGallery(uri).commit_chunk("u1", chunk, np.asarray(positions), np.asarray(rows, np.float32))["rows"]
+
+
+def test_an_upgrade_end_to_end_with_chunks_from_several_processes(s3_table, s3_endpoint):
+    uri, table, data = s3_table
+    assert table.uri == f"{uri}/gallery.lance"
+    work = [(uri, s3_endpoint, c, _positions(data, c).tolist(), data["new"][_positions(data, c)].tolist())
+            for c in range(N // CHUNK)]
+    with multiprocessing.get_context("spawn").Pool(len(work)) as pool:
+        assert pool.starmap(_commit, work) == [CHUNK] * len(work)
+    assert table.landed_chunks() == set(range(N // CHUNK))
+    assert table.finish("u1") == "serving-2"
+    assert table.model() == NEW and np.array_equal(table.features(), data["new"])
+
+    import duckdb
+    import lancedb
+
+    served = lancedb.connect(uri, storage_options=storage_options(uri)).open_table("gallery")
+    hit = served.search(data["new"][5], vector_column_name="features").limit(1).to_arrow()
+    assert hit.column("id").to_pylist() == ["item-5"]
+    ds = table.dataset()  # noqa: F841 - DuckDB finds the dataset by its variable name
+    assert duckdb.sql("select count(*) from ds where image like 's3://images/%'").fetchall() == [(N,)]
+
+    assert table.rollback() == (NEW, OLD)
+    assert np.array_equal(table.features(), data["old"])
+
+
+def test_a_commit_whose_reply_is_lost_leaves_each_row_once(s3_table, s3_endpoint, monkeypatch):
+    """The manifest of the chunk's commit reaches S3 but its answer never comes back: Lance's
+    retry finds the version taken and commits again on top, or the commit fails and the chunk
+    is run again. Either way every row is there once with the chunk's features."""
+    uri, table, data = s3_table
+    dropped = []
+
+    def lose_the_commit_reply(method: str, path: str) -> str | None:
+        if method == "PUT" and "/_versions/" in path and not dropped:
+            dropped.append(path)
+            return "drop-reply"
+        return None
+
+    with FaultProxy(s3_endpoint, rate=0.0) as proxy:
+        proxy.rules.append(lose_the_commit_reply)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+        positions = _positions(data, 0)
+        through_proxy = LanceGallery(uri)
+        try:
+            through_proxy.commit_chunk("u1", 0, positions, data["new"][positions])
+        except Exception as error:  # noqa: BLE001 - the caller's answer to a failed commit: run the chunk again
+            print(f"the commit failed: {error}")
+            through_proxy.commit_chunk("u1", 0, positions, data["new"][positions])
+    assert dropped, "the proxy saw no commit"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    rows = table.dataset().to_table(columns=["position", "new_chunk"]).to_pydict()
+    assert sorted(rows["position"]) == list(range(N))
+    new = table.features("new")
+    landed = ~np.isnan(new[:, 0])
+    assert set(np.flatnonzero(landed)) == set(positions.tolist())
+    assert np.array_equal(new[positions], data["new"][positions])
+
+
+def test_chunks_commit_through_injected_5xx_answers(s3_table, s3_endpoint, monkeypatch):
+    uri, table, data = s3_table
+    with FaultProxy(s3_endpoint, rate=0.15, seed=3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+        through_proxy = LanceGallery(uri)
+        for chunk in range(N // CHUNK):
+            positions = _positions(data, chunk)
+            through_proxy.commit_chunk("u1", chunk, positions, data["new"][positions])
+        assert proxy.injected > 0
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    vectors, backfilled, _ = table.mixed()
+    assert backfilled.all() and np.array_equal(vectors, data["new"])
