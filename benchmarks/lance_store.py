@@ -1,0 +1,309 @@
+"""Today's gallery store against the Lance table, side by side in one run.
+
+    .venv/bin/python benchmarks/lance_store.py                       # 100,000 items, local and S3
+    .venv/bin/python benchmarks/lance_store.py --items 1000000 --where local
+    .venv/bin/python benchmarks/lance_store.py --items 5000 --chunk 500   # a quick look
+
+For each backend (``today``: the parts layout of components/gallery/catalog.py through the
+product's own adopt, commit_plan, write_chunk and finish; ``lance``: components/gallery/lance_table.py)
+and each location (a local folder; S3 on a moto server started here, reached through a counting
+proxy), one process of its own runs the same upgrade of a features-only gallery (``--items`` x
+``--dim`` float32, ids and image URIs; the new model's features as random rows):
+
+- adopt: the gallery written (items and the serving model's features);
+- plan: h(old), log sigma^2 and the backfill order written for every item;
+- chunks: every chunk of ``--chunk`` items committed, the first half by one writer, the second
+  half by ``--writers`` threads at once; the median latency of a commit and items per second;
+- finish: the new features become the gallery's;
+- read: the served features of every item read back (checksums or digests checked).
+
+Printed and written to reports/lance_store.{json,md}: seconds per step, the ratio lance/today,
+peak RSS per process, bytes stored, and (S3) the HTTP requests each made. The sizes here are small
+next to a production gallery, and moto is not S3: the ratios say more than the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+STEPS = ("adopt", "plan", "chunks_1_writer", "chunks_n_writers", "finish", "read")
+
+
+def _data(items: int, dim: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"old": rng.standard_normal((items, dim), dtype=np.float32),
+            "mapped": rng.standard_normal((items, dim), dtype=np.float32),
+            "new": rng.standard_normal((items, dim), dtype=np.float32),
+            "sigma": rng.standard_normal(items, dtype=np.float32), "order": rng.permutation(items)}
+
+
+def _items(items: int):
+    import pyarrow as pa
+
+    return pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
+                     "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
+
+
+def _chunks(order: np.ndarray, size: int) -> list[tuple[int, int, int, np.ndarray]]:
+    return [(c, start, min(start + size, len(order)), order[start:start + size])
+            for c, start in enumerate(range(0, len(order), size))]
+
+
+def _commit_all(commit, chunks, writers: int) -> dict:
+    """The first half one by one, the rest by ``writers`` threads: seconds and latencies."""
+    half = len(chunks) // 2
+    latencies = []
+
+    def one(chunk):
+        start = time.perf_counter()
+        commit(chunk)
+        latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    for chunk in chunks[:half]:
+        one(chunk)
+    single = time.perf_counter() - start
+    single_latency = statistics.median(latencies) if latencies else 0.0
+    latencies.clear()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(one, chunks[half:]))
+    many = time.perf_counter() - start
+    return {"chunks_1_writer": single, "chunks_n_writers": many, "latency_1_writer": single_latency,
+            "latency_n_writers": statistics.median(latencies) if latencies else 0.0,
+            "items_1_writer": sum(c[2] - c[1] for c in chunks[:half]),
+            "items_n_writers": sum(c[2] - c[1] for c in chunks[half:])}
+
+
+def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
+    from components.gallery import ending
+    from components.gallery.adopt import adopt
+    from components.gallery.backfill import write_chunk
+    from components.gallery.catalog import Gallery
+    from components.gallery.planning import Plan, commit_plan, sigma_key, transformed_key
+    from components.gallery.store import open_store
+    from components.platform.registry import ModelRef
+
+    items, dim = data["old"].shape
+    old, new = ModelRef("embedder", "1", dim), ModelRef("embedder", "2", dim)
+    store = open_store(uri)
+    times = {}
+    start = time.perf_counter()
+    adopt(store, _items(items), old, (1, 28, 28), features=iter([data["old"]]), part_size=1000)
+    times["adopt"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    gallery = Gallery(store)
+    plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
+    for part in range(gallery.num_parts):
+        lo, hi = gallery.part_bounds(part)
+        store.put_array(transformed_key(plan.id, part), data["mapped"][lo:hi])
+        store.put_array(sigma_key(plan.id, part), data["sigma"][lo:hi])
+    commit_plan(gallery, plan, data["order"])
+    times["plan"] = time.perf_counter() - start
+
+    def commit(c):
+        number, lo, hi, positions = c
+        write_chunk(store, plan.id, number, lo, hi, data["new"][positions], time.perf_counter())
+
+    times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
+    start = time.perf_counter()
+    ending.finish(Gallery(store), plan)
+    times["finish"] = time.perf_counter() - start
+    start = time.perf_counter()
+    served = Gallery(store).all_features(new)
+    times["read"] = time.perf_counter() - start
+    assert np.array_equal(served, data["new"]), "today's store served other features"
+    return times
+
+
+def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
+    from components.gallery.lance_table import LanceGallery
+    from components.platform.registry import ModelRef
+
+    items, dim = data["old"].shape
+    old, new = ModelRef("embedder", "1", dim), ModelRef("embedder", "2", dim)
+    table_items = _items(items).rename_columns(["id", "image"])
+    times = {}
+    start = time.perf_counter()
+    table = LanceGallery.create(uri, table_items, data["old"], old)
+    times["adopt"] = time.perf_counter() - start
+    rank = np.empty(items, dtype=np.int64)
+    rank[data["order"]] = np.arange(items)
+    start = time.perf_counter()
+    table.begin_upgrade("u1", new, data["mapped"], rank, data["sigma"])
+    times["plan"] = time.perf_counter() - start
+
+    def commit(c):
+        number, _, _, positions = c
+        table.commit_chunk("u1", number, positions, data["new"][positions])
+
+    times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
+    start = time.perf_counter()
+    table.finish("u1")
+    times["finish"] = time.perf_counter() - start
+    start = time.perf_counter()
+    served = table.features()
+    times["read"] = time.perf_counter() - start
+    assert np.array_equal(served, data["new"]), "the Lance table served other features"
+    return times
+
+
+def stored_bytes(uri: str) -> int:
+    if uri.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = uri[5:].partition("/")
+        client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3"))
+        total = 0
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            total += sum(o["Size"] for o in page.get("Contents", []))
+        return total
+    return sum(p.stat().st_size for p in Path(uri).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def worker(args) -> None:
+    """One backend at one location, in this process; one JSON line on stdout."""
+    data = _data(args.items, args.dim)
+    proxy = None
+    if args.uri.startswith("s3://"):
+        from components.gallery.s3_fault_proxy import FaultProxy
+
+        proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL_S3"], rate=0.0).__enter__()
+        upstream = os.environ["AWS_ENDPOINT_URL_S3"]
+        os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
+    run = run_today if args.backend == "today" else run_lance
+    times = run(args.uri, data, args.chunk, args.writers)
+    result = {"backend": args.backend, "uri": args.uri, "seconds": times,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if proxy is not None:
+        result["requests"] = proxy.requests
+        os.environ["AWS_ENDPOINT_URL_S3"] = upstream
+        proxy.__exit__()
+    result["bytes_stored"] = stored_bytes(args.uri)
+    print(json.dumps(result), flush=True)
+
+
+def markdown(results: list[dict], args) -> str:
+    lines = ["# Today's gallery store against the Lance table", "",
+             f"`python benchmarks/lance_store.py --items {args.items} --dim {args.dim} --chunk {args.chunk} "
+             f"--writers {args.writers} --where {' '.join(args.where)}`: {args.items:,} features-only items of "
+             f"dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by {args.writers} "
+             "writers at once. Seconds per step (lower is better), lance/today the ratio (below 1: Lance faster).", ""]
+    for where in args.where:
+        pair = {r["backend"]: r for r in results if r["where"] == where}
+        if len(pair) < 2:
+            continue
+        today, lance = pair["today"], pair["lance"]
+        lines += [f"## {where}", "", "| step | today (s) | lance (s) | lance/today |", "|---|---|---|---|"]
+        for step in STEPS:
+            a, b = today["seconds"][step], lance["seconds"][step]
+            lines.append(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
+        for backend in (today, lance):
+            s = backend["seconds"]
+            backend["throughput"] = {"1": s["items_1_writer"] / s["chunks_1_writer"],
+                                     "n": s["items_n_writers"] / s["chunks_n_writers"]}
+        lines += [f"| chunk commit latency, 1 writer (median, s) | {today['seconds']['latency_1_writer']:.4f} | "
+                  f"{lance['seconds']['latency_1_writer']:.4f} | "
+                  f"{lance['seconds']['latency_1_writer'] / today['seconds']['latency_1_writer']:.2f} |",
+                  f"| chunk commit latency, {args.writers} writers (median, s) | {today['seconds']['latency_n_writers']:.4f} | "
+                  f"{lance['seconds']['latency_n_writers']:.4f} | "
+                  f"{lance['seconds']['latency_n_writers'] / today['seconds']['latency_n_writers']:.2f} |",
+                  f"| chunk throughput, 1 writer (items/s) | {today['throughput']['1']:.0f} | {lance['throughput']['1']:.0f} | "
+                  f"{today['throughput']['1'] / lance['throughput']['1']:.2f} |",
+                  f"| chunk throughput, {args.writers} writers (items/s) | {today['throughput']['n']:.0f} | "
+                  f"{lance['throughput']['n']:.0f} | {today['throughput']['n'] / lance['throughput']['n']:.2f} |",
+                  f"| peak RSS (MB) | {today['peak_rss_mb']:.0f} | {lance['peak_rss_mb']:.0f} | "
+                  f"{lance['peak_rss_mb'] / today['peak_rss_mb']:.2f} |",
+                  f"| bytes stored (MB) | {today['bytes_stored'] / 1e6:.1f} | {lance['bytes_stored'] / 1e6:.1f} | "
+                  f"{lance['bytes_stored'] / today['bytes_stored']:.2f} |"]
+        if "requests" in today:
+            lines.append(f"| HTTP requests | {today['requests']} | {lance['requests']} | "
+                         f"{lance['requests'] / today['requests']:.2f} |")
+        lines += ["", "Throughput rows: the ratio is today/lance (above 1: today faster), so every ratio reads "
+                  "'how many times today's cost Lance pays'. Bytes stored: Lance keeps every version until gc "
+                  "(`collect_garbage`), today's store overwrites in place.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=2_000)
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    parser.add_argument("--reports", type=Path, default=ROOT / "reports")
+    parser.add_argument("--backend", choices=["today", "lance"], help=argparse.SUPPRESS)
+    parser.add_argument("--uri", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.backend:
+        worker(args)
+        return 0
+    import tempfile
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="lance-bench-") as scratch:
+        server = None
+        env = dict(os.environ)
+        if "s3" in args.where:
+            from moto.server import ThreadedMotoServer
+
+            env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+            os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
+            host, port = server.get_host_and_port()
+            env["AWS_ENDPOINT_URL_S3"] = os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
+        try:
+            for where in args.where:
+                for backend in ("today", "lance"):
+                    if where == "s3":
+                        import boto3
+
+                        bucket = f"bench-{backend}-{os.getpid()}"
+                        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(Bucket=bucket)
+                        uri = f"s3://{bucket}/gallery"
+                    else:
+                        uri = str(Path(scratch) / backend)
+                    command = [sys.executable, __file__, "--backend", backend, "--uri", uri, "--items", str(args.items),
+                               "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers)]
+                    print(f"{where} {backend}: running", flush=True)
+                    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+                    if out.returncode != 0:
+                        print(out.stderr[-3000:], file=sys.stderr)
+                        return out.returncode
+                    result = json.loads(out.stdout.strip().splitlines()[-1])
+                    result["where"] = where
+                    results.append(result)
+                    print(f"{where} {backend}: " + ", ".join(f"{k} {v:.3f}" for k, v in result["seconds"].items()
+                                                            if k in STEPS), flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+    text = markdown(results, args)
+    args.reports.mkdir(parents=True, exist_ok=True)
+    name = "lance_store" if args.items == 100_000 else f"lance_store-{args.items}"
+    (args.reports / f"{name}.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                                     if k not in ("backend", "uri", "reports")},
+                                                            "results": results}, indent=2, default=str) + "\n")
+    (args.reports / f"{name}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
