@@ -14,7 +14,8 @@ proxy), one process of its own runs the same upgrade of a features-only gallery 
 - plan: h(old), log sigma^2 and the backfill order written for every item;
 - chunks: every chunk of ``--chunk`` items committed, the first half by one writer, the second
   half by ``--writers`` threads at once; the median latency of a commit and items per second;
-- finish: the new features become the gallery's;
+- finish: the new features become the gallery's (Lance: the backfill table folded into the
+  gallery table first);
 - read: the served features of every item read back (checksums or digests checked).
 
 Printed and written to reports/lance_store.{json,md}: seconds per step, the ratio lance/today,
@@ -144,12 +145,12 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
     rank = np.empty(items, dtype=np.int64)
     rank[data["order"]] = np.arange(items)
     start = time.perf_counter()
-    table.begin_upgrade("u1", new, data["mapped"], rank, data["sigma"])
+    token = table.begin_upgrade("u1", new, data["mapped"], rank, data["sigma"])
     times["plan"] = time.perf_counter() - start
 
     def commit(c):
         number, _, _, positions = c
-        table.commit_chunk("u1", number, positions, data["new"][positions])
+        table.commit_chunk("u1", number, positions, data["new"][positions], token)
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
     start = time.perf_counter()

@@ -18,18 +18,28 @@ While an upgrade runs, its columns sit beside them (added by ``begin_upgrade``, 
     mapped, mapped_digest   h(old): the old features through the alignment map
     log_sigma2              the map's predicted uncertainty (null for maps without one)
     rank                    the item's place in the backfill order (0 first)
-    new, new_digest         the new model's features, null until the item's chunk lands
+    new, new_digest         the new model's features, null until the item's chunk is folded in
     new_chunk               int32, the chunk that wrote ``new`` (null before)
 
-Which model a vector column holds is in that column's field metadata (``fastfill.model``), so a
-column renamed at the finish carries its model with it; the upgrade's id and new model are in the
-schema metadata. The upgrade's records (plan, lock, decision) stay objects beside the table.
+and the chunks land in a second table beside it, ``<uri>/gallery_backfill.lance`` (deleted by the
+finish or the abort), one append per chunk:
 
-Why this layout, measured with pylance 14 (docs/lance.md): a chunk's commit is one
-``merge_insert`` on ``position`` updating only the chunk's columns. Re-running it leaves the same
-table (an update by key, not an append), so a chunk re-run after a kill or after a lost reply to
-its commit is harmless; four processes committing disjoint chunks at once all succeed (Lance
-retries the commit on a conflict) and every row is there.
+    position, chunk, token (the plan's), commit (an id per append), new, new_digest
+
+Which model a vector column holds is in that column's field metadata (``fastfill.model``), so a
+column renamed at the finish carries its model with it; the upgrade's id, new model and plan token
+are in the schema metadata. The upgrade's records (plan, lock, decision) stay objects beside the
+table.
+
+Why two tables, measured with pylance 14 (docs/lance.md): a ``merge_insert`` by position into the
+gallery table is idempotent and concurrent writers of different chunks all succeed, but each one
+joins against the whole table (about 80 ms per 2,000-row chunk at 100,000 items on a local disk,
+half a second on S3), where an append costs a data file and a manifest (about 15 ms locally). An
+append is not idempotent after a lost reply, so each carries a commit id and readers keep one
+commit per chunk (the smallest id): a chunk committed twice is read once. Appends never conflict,
+so workers commit at once. ``fold`` writes the landed chunks into the gallery table's ``new``
+column in one ``merge_insert`` (by the backfill between batches, and by the finish), so a team's
+service reading ``gallery.lance`` alone sees them; ``mixed`` and ``fastfill search`` read both.
 
 Lance stores no content hash, and a flipped byte in a float payload reads back as another number
 without an error (measured). Every vector column therefore carries a digest per row, checked on
@@ -47,6 +57,7 @@ import hashlib
 import json
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +69,7 @@ from components.gallery.catalog import GalleryError
 from components.platform.registry import ModelRef
 
 TABLE = "gallery"
+BACKFILL = "gallery_backfill"
 MODEL_KEY = "fastfill.model"
 UPGRADE_KEY = "fastfill.upgrade"
 FINISHED_KEY = "fastfill.finished"
@@ -163,6 +175,7 @@ class Upgrade:
 
     id: str
     new: ModelRef
+    token: str = ""
 
 
 class LanceGallery:
@@ -171,6 +184,7 @@ class LanceGallery:
     def __init__(self, uri: str | Path):
         self.store_uri = str(uri)
         self.uri = table_uri(uri)
+        self.backfill_uri = self.uri.removesuffix(f"{TABLE}.lance") + f"{BACKFILL}.lance"
         self.options = storage_options(self.store_uri)
 
     # ---- opening
@@ -206,7 +220,7 @@ class LanceGallery:
         if not raw:
             return None
         data = json.loads(raw)
-        return Upgrade(data["id"], ModelRef.from_dict(data["new"]))
+        return Upgrade(data["id"], ModelRef.from_dict(data["new"]), data.get("token", ""))
 
     def num_items(self) -> int:
         return self.dataset().count_rows()
@@ -294,34 +308,49 @@ class LanceGallery:
 
     def mixed(self) -> tuple[np.ndarray, np.ndarray, ModelRef]:
         """What queries of the serving (or, during an upgrade, the new) model search: the new
-        features where an item's chunk landed, h(old) elsewhere, in position order; with
-        ``backfilled`` (bool per item) and the model whose space the vectors are in."""
+        features where an item's chunk landed (folded into the table or still in the backfill
+        table), h(old) elsewhere, in position order; with ``backfilled`` (bool per item) and the
+        model whose space the vectors are in."""
         dataset = self.dataset()
         upgrade = self.upgrade(dataset)
-        if upgrade is None or "new" not in dataset.schema.names:
+        if upgrade is None:
             vectors = self.features("features", dataset)
             return vectors, np.ones(len(vectors), dtype=bool), self.model(dataset)
-        new = self.features("new", dataset)
-        backfilled = ~np.isnan(new[:, 0])
-        if backfilled.all():
-            return new, backfilled, upgrade.new
-        mapped = self.features("mapped", dataset)
-        mapped[backfilled] = new[backfilled]
-        return mapped, backfilled, upgrade.new
+        names = dataset.schema.names
+        if "new" not in names or "features" not in names:  # a finish between its steps: the new features are whole
+            column = "new" if "new" in names else "features"
+            if column == "new" or _field_model(dataset.schema.field("features")).same_version(upgrade.new):
+                vectors = self.features(column, dataset)
+                return vectors, np.ones(len(vectors), dtype=bool), upgrade.new
+        vectors = self.features("mapped", dataset)
+        backfilled = np.zeros(len(vectors), dtype=bool)
+        if "new" in dataset.schema.names:
+            new = self.features("new", dataset)
+            backfilled = ~np.isnan(new[:, 0])
+            vectors[backfilled] = new[backfilled]
+        positions, rows, _ = self._landed(upgrade, exclude=self._folded(dataset))
+        vectors[positions] = rows
+        backfilled[positions] = True
+        return vectors, backfilled, upgrade.new
 
     def landed_chunks(self) -> set[int]:
-        """The chunks whose new features are in the table."""
+        """The chunks whose new features are committed (folded into the table or not yet)."""
         dataset = self.dataset()
-        if "new_chunk" not in dataset.schema.names:
+        upgrade = self.upgrade(dataset)
+        if upgrade is None:
             return set()
-        column = self._read(dataset, ["new_chunk"], filter="new_chunk IS NOT NULL").column("new_chunk")
-        return set(np.unique(column.to_numpy()).tolist())
+        return self._folded(dataset) | set(self._landed(upgrade)[2])
 
     def verify(self) -> dict:
-        """Every vector column read whole and its digests checked: {column: rows checked}."""
+        """Every vector column read whole and its digests checked, the backfill table's too:
+        {column: rows checked}."""
         dataset = self.dataset()
-        return {column: int(np.isfinite(self.features(column, dataset)[:, 0]).sum())
-                for column in VECTOR_COLUMNS if column in dataset.schema.names}
+        checked = {column: int(np.isfinite(self.features(column, dataset)[:, 0]).sum())
+                   for column in VECTOR_COLUMNS if column in dataset.schema.names}
+        upgrade = self.upgrade(dataset)
+        if upgrade is not None:
+            checked["backfill"] = len(self._landed(upgrade)[0])
+        return checked
 
     def _read(self, dataset, columns: list[str], *, filter: str | None = None, with_address: bool = False):
         try:
@@ -335,8 +364,8 @@ class LanceGallery:
             try:
                 fragment.to_table(columns=columns)
             except Exception:  # noqa: BLE001 - Lance raises several kinds; any failure names the file
-                files = ", ".join(f"{self.uri}/data/{f.path}" for f in fragment.data_files())
-                return TableCorrupt(f"{self.uri}: data file {files} (fragment {fragment.fragment_id}) cannot be "
+                files = ", ".join(f"{_where(dataset)}/data/{f.path}" for f in fragment.data_files())
+                return TableCorrupt(f"{_where(dataset)}: data file {files} (fragment {fragment.fragment_id}) cannot be "
                                     f"read ({_one_line(error)}); it is truncated or damaged. Restore it from a "
                                     "copy, or roll back to a version that does not use it (`fastfill gallery "
                                     "rollback`)")
@@ -354,10 +383,10 @@ class LanceGallery:
             return
         row = bad[0]
         fragment_id = int(data.column("_rowaddr")[row].as_py()) >> 32
-        files = [f"{self.uri}/data/{f.path}" for fr in dataset.get_fragments() if fr.fragment_id == fragment_id
+        files = [f"{_where(dataset)}/data/{f.path}" for fr in dataset.get_fragments() if fr.fragment_id == fragment_id
                  for f in fr.data_files()]
-        item = data.column("id")[row].as_py()
-        raise TableCorrupt(f"{self.uri}: {len(bad)} rows of {column!r} do not match their digest (first: item "
+        item = data.column("id")[row].as_py() if "id" in data.column_names else None
+        raise TableCorrupt(f"{_where(dataset)}: {len(bad)} rows of {column!r} do not match their digest (first: item "
                            f"{item!r}, position {int(positions[row])}, in data file {', '.join(files) or '?'}); the "
                            "file was altered or damaged. Restore it from a copy, or roll back (`fastfill gallery "
                            "rollback`)")
@@ -365,9 +394,11 @@ class LanceGallery:
     # ---- an upgrade's columns
 
     def begin_upgrade(self, upgrade: str, new: ModelRef, mapped: np.ndarray, rank: np.ndarray,
-                      log_sigma2: np.ndarray | None = None) -> None:
+                      log_sigma2: np.ndarray | None = None, token: str | None = None) -> str:
         """Add the upgrade's columns: h(old), sigma, the backfill rank, and empty new features.
-        Again for the same upgrade (a re-run after a crash): adds only what is missing."""
+        ``token`` names this plan of the upgrade (default: a new one): chunks committed under
+        another token (a worker of an aborted plan of the same id) are never read. Again for the
+        same upgrade (a re-run after a crash): adds only what is missing. Returns the token."""
         import pyarrow as pa
 
         from components.gallery.catalog import check_features
@@ -379,15 +410,18 @@ class LanceGallery:
         n = dataset.count_rows()
         mapped = check_features(mapped, new.dim, "the transformed features h(old)")
         rank = np.asarray(rank, dtype=np.int64)
-        if len(mapped) != n or len(rank) != n or sorted(rank.tolist()) != list(range(n)):
+        if len(mapped) != n or len(rank) != n or not np.array_equal(np.sort(rank), np.arange(n)):
             raise GalleryError(f"begin_upgrade: {len(mapped)} transformed rows and a rank of {len(rank)} for {n} items; "
                                "the rank must be a permutation of 0..N-1")
         new = ModelRef(new.name, new.version, int(mapped.shape[1]))
         if current is None:
+            self._remove_backfill()  # rows of an ended upgrade that a kill left behind
+            token = token or uuid.uuid4().hex
             metadata = _metadata(dataset.schema)
-            metadata[UPGRADE_KEY] = json.dumps({"id": upgrade, "new": new.to_dict()}, sort_keys=True)
+            metadata[UPGRADE_KEY] = json.dumps({"id": upgrade, "new": new.to_dict(), "token": token}, sort_keys=True)
             dataset.replace_schema_metadata(metadata)
             dataset = self.dataset()
+            current = self.upgrade(dataset)
         if "mapped" not in dataset.schema.names:
             positions = np.arange(n, dtype=np.int64)
             fields = [pa.field("position", pa.int64()), *_vector_fields("mapped", mapped.shape[1], new),
@@ -400,52 +434,166 @@ class LanceGallery:
             dataset = self.dataset()
         if "new" not in dataset.schema.names:
             dataset.add_columns([*_vector_fields("new", mapped.shape[1], new), pa.field("new_chunk", pa.int32())])
+        if self._backfill_dataset() is None:
+            # created empty here, under the upgrade's lock: chunks only ever append (two "create"
+            # commits racing on S3 let the second overwrite the first's rows, measured)
+            import lance
 
-    def commit_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, features: np.ndarray) -> dict:
-        """The chunk's new features, by item position, in one commit: re-running it (after a kill,
-        or after a lost reply to the commit) leaves the same table. Several processes may commit
-        different chunks at once."""
+            empty = pa.schema(_backfill_fields(mapped.shape[1], new)).empty_table()
+            lance.write_dataset(empty, self.backfill_uri, mode="create", storage_options=self.options)
+        return current.token
+
+    # ---- the backfill table: chunks appended, folded into the gallery table in batches
+
+    def _backfill_dataset(self):
+        import lance
+
+        try:
+            return lance.dataset(self.backfill_uri, storage_options=self.options)
+        except (ValueError, OSError) as error:
+            if "not found" in str(error).lower() or "does not exist" in str(error).lower():
+                return None
+            raise GalleryError(f"{self.backfill_uri}: cannot open the backfill table: {_one_line(error)}") from None
+
+    def commit_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, features: np.ndarray, token: str) -> dict:
+        """The chunk's new features appended to the backfill table in one commit, under a commit id
+        of its own. Appends never conflict, so several processes commit at once; a chunk
+        committed twice (re-run after a kill, or after a lost reply to its commit) is read once:
+        readers keep one commit per chunk, the smallest commit id."""
+        import lance
         import pyarrow as pa
 
         dataset = self.dataset()
         current = self.upgrade(dataset)
-        if current is None or current.id != upgrade or "new" not in dataset.schema.names:
-            raise GalleryError(f"{self.uri}: upgrade {upgrade} is not the table's (it is "
-                               f"{current.id if current else 'none'}); this chunk is not written")
+        if current is None or current.id != upgrade or current.token != token:
+            raise GalleryError(f"{self.uri}: the table's upgrade is {current.id + ' ' + current.token if current else 'none'}"
+                               f", not {upgrade} {token}; chunk {chunk} is not written (a worker of an aborted plan)")
         positions = np.asarray(positions, dtype=np.int64)
         features = np.ascontiguousarray(features, dtype=np.float32)
-        if len(positions) != len(features) or len(np.unique(positions)) != len(positions):
-            raise GalleryError(f"chunk {chunk}: {len(positions)} distinct positions needed for {len(features)} rows")
+        n = dataset.count_rows()
+        if len(positions) != len(features) or len(np.unique(positions)) != len(positions) or \
+                (len(positions) and (positions.min() < 0 or positions.max() >= n)):
+            raise GalleryError(f"chunk {chunk}: {len(features)} rows need as many distinct positions in 0..{n - 1}")
+        dim = dataset.schema.field("new").type.list_size
+        if features.shape[1:] != (dim,):
+            raise GalleryError(f"chunk {chunk}: features of dimension {features.shape[1:]}, the new model's is {dim}")
+        if self._backfill_dataset() is None:
+            raise GalleryError(f"{self.backfill_uri}: the upgrade's backfill table is missing; plan the upgrade again "
+                               "(`fastfill upgrade`)")
+        commit = uuid.uuid4().hex
+        rows = pa.Table.from_arrays([pa.array(positions), pa.array(np.full(len(positions), chunk, dtype=np.int32)),
+                                     pa.array([token] * len(positions), pa.string()),
+                                     pa.array([commit] * len(positions), pa.string()),
+                                     *_vector_arrays(positions, features)],
+                                    schema=pa.schema(_backfill_fields(dim, current.new)))
+        try:
+            lance.write_dataset(rows, self.backfill_uri, mode="append", storage_options=self.options)
+        except (OSError, ValueError) as error:
+            raise GalleryError(f"{self.backfill_uri}: chunk {chunk} not committed: {_one_line(error)}") from None
+        return {"chunk": chunk, "rows": len(positions), "commit": commit}
+
+    def _landed(self, upgrade: Upgrade, exclude: set[int] = frozenset()) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(positions, new features, chunks) committed under the upgrade's token, one commit per
+        chunk (the smallest id), digests checked; chunks in ``exclude`` left out."""
+        side = self._backfill_dataset()
+        dim = upgrade.new.dim or 0
+        empty = (np.empty(0, dtype=np.int64), np.empty((0, dim), dtype=np.float32), [])
+        if side is None:
+            return empty
+        token = upgrade.token.replace("'", "")
+        marks = self._read(side, ["chunk", "commit"], filter=f"token = '{token}'")
+        if marks.num_rows == 0:
+            return empty
+        chosen = {}
+        for chunk, commit in zip(marks.column("chunk").to_pylist(), marks.column("commit").to_pylist(), strict=True):
+            if chunk not in exclude and (chunk not in chosen or commit < chosen[chunk]):
+                chosen[chunk] = commit
+        if not chosen:
+            return empty
+        wanted = ", ".join(f"'{c}'" for c in sorted(set(chosen.values())))
+        data = self._read(side, ["position", "chunk", "new", "new_digest"],
+                          filter=f"token = '{token}' AND commit IN ({wanted})", with_address=True)
+        dim = side.schema.field("new").type.list_size
+        vectors = _as_numpy(data.column("new"), dim)
+        self._check(side, data, "new", vectors)
+        # an append whose commit was retried after a lost reply can be in the table twice, with
+        # the same commit id and the same rows: each position once
+        positions, first = np.unique(data.column("position").to_numpy(), return_index=True)
+        return positions, vectors[first], sorted(chosen)
+
+    def _folded(self, dataset) -> set[int]:
+        if "new_chunk" not in dataset.schema.names:
+            return set()
+        column = self._read(dataset, ["new_chunk"], filter="new_chunk IS NOT NULL").column("new_chunk")
+        return set(np.unique(column.to_numpy()).tolist())
+
+    def fold(self, upgrade: str) -> int:
+        """The committed chunks not yet in the gallery table written into its ``new`` column, in
+        one commit (an update by position: a re-run writes the same). Then a team's own service
+        reading the table sees them. Returns the chunks folded."""
+        import pyarrow as pa
+
+        dataset = self.dataset()
+        current = self.upgrade(dataset)
+        if current is None or current.id != upgrade:
+            raise GalleryError(f"{self.uri}: upgrade {upgrade} is not the table's")
+        if "new" not in dataset.schema.names:
+            return 0
+        positions, vectors, chunks = self._landed(current, exclude=self._folded(dataset))
+        if not chunks:
+            return 0
+        chunk_of = self._read(self._backfill_dataset(), ["position", "chunk"],
+                              filter=f"token = '{current.token}' AND chunk IN ({', '.join(map(str, chunks))})")
+        by_position = dict(zip(chunk_of.column("position").to_pylist(), chunk_of.column("chunk").to_pylist(), strict=False))
         dim = dataset.schema.field("new").type.list_size
         fields = [pa.field("position", pa.int64()), *_vector_fields("new", dim, current.new),
                   pa.field("new_chunk", pa.int32())]
-        source = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, features),
-                                       pa.array(np.full(len(positions), chunk, dtype=np.int32))],
+        source = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, vectors),
+                                       pa.array([by_position[int(p)] for p in positions], pa.int32())],
                                       schema=pa.schema(fields))
         result = dataset.merge_insert("position").when_matched_update_all().execute(source)
         if result["num_inserted_rows"]:
-            raise TableCorrupt(f"{self.uri}: chunk {chunk} inserted {result['num_inserted_rows']} rows; positions "
-                               "outside the gallery")
-        return {"chunk": chunk, "rows": int(result["num_updated_rows"])}
+            raise TableCorrupt(f"{self.uri}: folding inserted {result['num_inserted_rows']} rows; positions outside "
+                               "the gallery")
+        return len(chunks)
+
+    def _remove_backfill(self) -> None:
+        """Delete the backfill table's files (after a finish or an abort)."""
+        if self.backfill_uri.startswith("s3://"):
+            from components.gallery.store import s3_client, s3_endpoint
+
+            bucket, _, prefix = self.backfill_uri[len("s3://"):].partition("/")
+            client = s3_client(s3_endpoint())
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        else:
+            import shutil
+
+            shutil.rmtree(self.backfill_uri, ignore_errors=True)
 
     def finish(self, upgrade: str) -> str:
-        """Every chunk landed: the new features become ``features`` and the upgrade's columns go,
-        in steps that each leave a readable table (a re-run after a kill completes the rest),
-        then a ``serving-<n>`` tag. Returns the tag."""
+        """Every chunk landed: the chunks folded in, the new features become ``features`` and the
+        upgrade's columns go, in steps that each leave a readable table (a re-run after a kill
+        completes the rest), then a ``serving-<n>`` tag; the backfill table is deleted last.
+        Returns the tag."""
         dataset = self.dataset()
         current = self.upgrade(dataset)
         if current is None:
             if self.model(dataset).same_version(self._finished_model(dataset, upgrade)):
+                self._remove_backfill()
                 return self.serving_tags(dataset)[-1][1]
             raise GalleryError(f"{self.uri}: no upgrade in the table to finish")
         if current.id != upgrade:
             raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
-        names = dataset.schema.names
-        if "new" in names:
+        if "new" in dataset.schema.names:
+            self.fold(upgrade)
+            dataset = self.dataset()
             missing = dataset.count_rows(filter="new IS NULL")
             if missing:
                 raise GalleryError(f"upgrade {upgrade} is not complete: {missing} items have no new features")
-            if "features" in names:  # 1. the old features go (the version tagged before keeps them)
+            if "features" in dataset.schema.names:  # the old features go (the version tagged before keeps them)
                 dataset.drop_columns(["features", "features_digest"])
                 dataset = self.dataset()
             dataset.alter_columns({"path": "new", "name": "features"}, {"path": "new_digest", "name": "features_digest"})
@@ -458,7 +606,9 @@ class LanceGallery:
         metadata.pop(UPGRADE_KEY, None)
         metadata[FINISHED_KEY] = json.dumps({"id": upgrade, "model": current.new.to_dict()}, sort_keys=True)
         dataset.replace_schema_metadata(metadata)
-        return self._tag_serving(self.dataset())
+        tag = self._tag_serving(self.dataset())
+        self._remove_backfill()
+        return tag
 
     def _finished_model(self, dataset, upgrade: str) -> ModelRef:
         raw = _metadata(dataset.schema).get(FINISHED_KEY)
@@ -467,7 +617,8 @@ class LanceGallery:
         return ModelRef("", "")
 
     def abort(self, upgrade: str) -> None:
-        """Drop the upgrade's columns: the table serves its model's features as before."""
+        """Drop the upgrade's columns and its backfill table: the table serves its model's
+        features as before."""
         dataset = self.dataset()
         current = self.upgrade(dataset)
         if current is None:
@@ -481,6 +632,7 @@ class LanceGallery:
         metadata = _metadata(dataset.schema)
         metadata.pop(UPGRADE_KEY, None)
         dataset.replace_schema_metadata(metadata)
+        self._remove_backfill()
 
     # ---- versions
 
@@ -514,6 +666,13 @@ class LanceGallery:
                 "data_files_removed": int(getattr(stats, "data_files_removed", 0))}
 
 
+def _backfill_fields(dim: int, model: ModelRef) -> list:
+    import pyarrow as pa
+
+    return [pa.field("position", pa.int64()), pa.field("chunk", pa.int32()), pa.field("token", pa.string()),
+            pa.field("commit", pa.string()), *_vector_fields("new", dim, model)]
+
+
 def _field_model(field) -> ModelRef:
     raw = _metadata(field).get(MODEL_KEY)
     if not raw:
@@ -526,6 +685,12 @@ def _vector_and_digest_names(dataset) -> set[str]:
     for column in VECTOR_COLUMNS:
         names |= {column, f"{column}_digest"}
     return names | {"pixels"}
+
+
+def _where(dataset) -> str:
+    """A dataset's location as the messages name it (Lance drops a local path's leading slash)."""
+    uri = str(dataset.uri)
+    return uri if "://" in uri or uri.startswith("/") else "/" + uri
 
 
 def _one_line(error: object) -> str:

@@ -40,10 +40,19 @@ def _chunk_positions(rank: np.ndarray, chunk: int) -> np.ndarray:
     return order[chunk * CHUNK:(chunk + 1) * CHUNK]
 
 
+TOKEN = "plan-1"
+
+
 def _upgraded(tmp_path, data) -> LanceGallery:
     table = LanceGallery.create(tmp_path / "store", _items(data), data["old"], OLD)
-    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"])
+    assert table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"], token=TOKEN) == TOKEN
     return table
+
+
+def _commit_all(table: LanceGallery, data) -> None:
+    for chunk in range(N // CHUNK):
+        positions = _chunk_positions(data["rank"], chunk)
+        table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
 
 
 def _content(table: LanceGallery) -> dict:
@@ -76,21 +85,26 @@ def test_created_table_reads_back_and_other_tools_open_it(tmp_path):
 def test_upgrade_columns_chunks_and_mixed_view(tmp_path):
     data = _data()
     table = _upgraded(tmp_path, data)
-    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"])  # a re-run adds nothing
+    assert table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"]) == TOKEN  # a re-run
     assert table.upgrade().id == "u1" and table.upgrade().new == NEW
     assert np.array_equal(table.features("mapped"), data["mapped"])
     with pytest.raises(GalleryError, match="upgrade u1 holds the table"):
         table.begin_upgrade("u2", NEW, data["mapped"], data["rank"])
 
-    first = _chunk_positions(data["rank"], 0)
-    assert table.commit_chunk("u1", 0, first, data["new"][first]) == {"chunk": 0, "rows": CHUNK}
+    first, second = _chunk_positions(data["rank"], 0), _chunk_positions(data["rank"], 1)
+    assert table.commit_chunk("u1", 0, first, data["new"][first], TOKEN)["rows"] == CHUNK
+    assert table.fold("u1") == 1  # chunk 0 into the gallery table; chunk 1 stays in the backfill table
+    assert table.commit_chunk("u1", 1, second, data["new"][second], TOKEN)["rows"] == CHUNK
     vectors, backfilled, model = table.mixed()
-    assert model == NEW and backfilled.sum() == CHUNK and backfilled[first].all()
+    assert model == NEW and backfilled.sum() == 2 * CHUNK and backfilled[first].all() and backfilled[second].all()
     assert np.array_equal(vectors[backfilled], data["new"][backfilled])
     assert np.array_equal(vectors[~backfilled], data["mapped"][~backfilled])
-    assert table.landed_chunks() == {0}
-    with pytest.raises(GalleryError, match="upgrade u0 is not the table's"):
-        table.commit_chunk("u0", 1, first, data["new"][first])
+    assert table.landed_chunks() == {0, 1}
+    assert np.isnan(table.features("new")[second]).all()  # not folded yet
+    with pytest.raises(GalleryError, match="chunk 2 is not written"):
+        table.commit_chunk("u0", 2, first, data["new"][first], TOKEN)
+    with pytest.raises(GalleryError, match="chunk 2 is not written"):  # a worker of an aborted plan of u1
+        table.commit_chunk("u1", 2, first, data["new"][first], "plan-0")
 
 
 def test_a_chunk_committed_twice_leaves_the_same_table(tmp_path):
@@ -98,17 +112,22 @@ def test_a_chunk_committed_twice_leaves_the_same_table(tmp_path):
     data = _data()
     table = _upgraded(tmp_path, data)
     positions = _chunk_positions(data["rank"], 1)
-    table.commit_chunk("u1", 1, positions, data["new"][positions])
-    once, version = _content(table), table.dataset().version
-    table.commit_chunk("u1", 1, positions, data["new"][positions])
-    assert table.dataset().version == version + 1
-    assert _content(table) == once
-    assert table.dataset().count_rows() == N
+    first = table.commit_chunk("u1", 1, positions, data["new"][positions], TOKEN)["commit"]
+    once = table.mixed()
+    second = table.commit_chunk("u1", 1, positions, data["new"][positions] + 1, TOKEN)["commit"]
+    kept = min(first, second)  # readers keep the smallest commit id of a chunk, whichever came first
+    twice = table.mixed()
+    assert np.array_equal(twice[1], once[1]) and twice[1].sum() == CHUNK
+    expected = data["new"][positions] + (0 if kept == first else 1)
+    assert np.array_equal(twice[0][positions], expected)
+    assert table.fold("u1") == 1 and table.fold("u1") == 0
+    assert np.array_equal(table.features("new")[positions], expected)
+    assert table.dataset().count_rows() == N and table.landed_chunks() == {1}
 
 
 def _commit_in_process(uri: str, chunk: int, positions: list[int], rows: list[list[float]]) -> int:
     table = LanceGallery(uri)
-    return table.commit_chunk("u1", chunk, np.asarray(positions), np.asarray(rows, dtype=np.float32))["rows"]
+    return table.commit_chunk("u1", chunk, np.asarray(positions), np.asarray(rows, dtype=np.float32), TOKEN)["rows"]
 
 
 def test_chunks_committed_by_several_processes_at_once_all_land(tmp_path):
@@ -130,10 +149,9 @@ def test_finish_rollback_and_gc(tmp_path):
     table = _upgraded(tmp_path, data)
     with pytest.raises(GalleryError, match="not complete"):
         table.finish("u1")
-    for chunk in range(N // CHUNK):
-        positions = _chunk_positions(data["rank"], chunk)
-        table.commit_chunk("u1", chunk, positions, data["new"][positions])
+    _commit_all(table, data)
     assert table.finish("u1") == "serving-2"
+    assert not Path(table.backfill_uri).exists()
     assert table.finish("u1") == "serving-2"  # again after it ended: nothing changes
     assert table.model() == NEW and table.upgrade() is None
     assert set(table.dataset().schema.names) == {"position", "id", "label", "features", "features_digest"}
@@ -155,9 +173,8 @@ def test_finish_rollback_and_gc(tmp_path):
 def test_a_finish_killed_between_its_steps_is_completed_by_the_next(tmp_path, killed_after):
     data = _data()
     table = _upgraded(tmp_path, data)
-    for chunk in range(N // CHUNK):
-        positions = _chunk_positions(data["rank"], chunk)
-        table.commit_chunk("u1", chunk, positions, data["new"][positions])
+    _commit_all(table, data)
+    table.fold("u1")
     dataset = table.dataset()
     dataset.drop_columns(["features", "features_digest"])  # the finish's first step, as it does it
     if killed_after == "rename":
@@ -173,8 +190,9 @@ def test_abort_drops_the_upgrade_columns(tmp_path):
     data = _data()
     table = _upgraded(tmp_path, data)
     positions = _chunk_positions(data["rank"], 0)
-    table.commit_chunk("u1", 0, positions, data["new"][positions])
+    table.commit_chunk("u1", 0, positions, data["new"][positions], TOKEN)
     table.abort("u1")
+    assert not Path(table.backfill_uri).exists()
     assert table.upgrade() is None and table.model() == OLD
     assert set(table.dataset().schema.names) == {"position", "id", "label", "features", "features_digest"}
     assert np.array_equal(table.features(), data["old"])
