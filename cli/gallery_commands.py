@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import (
-    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
+    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, parts_layout, require_services, store_uri,
 )
 from components.platform.vocabulary import MERGES
 
@@ -24,10 +24,15 @@ app.add_typer(gallery_app, name="gallery")
 def show_status(store: str | None, params: Path) -> None:
     """The gallery's manifest and upgrade state, as JSON on stdout."""
     config = load(params)
+    uri = store_uri(config, store)
+    if config.gallery.layout == "lance":
+        from components.gallery.lance_table import LanceGallery
+
+        typer.echo(json.dumps(call(lambda: LanceGallery(uri).status()), indent=2))
+        return
     from components.gallery.status import gallery_status
     from tasks.gallery_store import open_gallery
 
-    uri = store_uri(config, store)
     typer.echo(json.dumps(call(lambda: gallery_status(open_gallery(uri))), indent=2))
 
 
@@ -35,6 +40,8 @@ def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
     """Run an undoing flow (abort, rollback) on the gallery, the services checked first: (its
     store's URI, the flow's result). The flow reads the configuration file itself."""
     config = load(params)
+    parts_layout(config, {"gallery-rollback": "`gallery rollback`", "gallery-upgrade-abort": "`upgrade abort`"}
+                 .get(flow.name, flow.name))
     uri = store_uri(config, store)
     need_services(config)
     return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
@@ -53,6 +60,7 @@ def gallery_ingest(store: StoreOption = None,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Put images (and labels, groups) into the store with the champion model's features."""
     config = load(params)
+    parts_layout(config, "`gallery ingest`")
     from flows.ingest import ingest_flow
 
     uri = store_uri(config, store)
@@ -93,6 +101,7 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
     config = load(params)
+    parts_layout(config, "`gallery adopt` (adopt into the parts layout, then `gallery convert`)")
     from flows.ingest import adopt_flow
 
     uri = store_uri(config, store)
@@ -115,9 +124,19 @@ def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.
 def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
+    uri = store_uri(config, store)
+    if config.gallery.layout == "lance":
+        from datetime import timedelta
+
+        from components.gallery.lance_table import LanceGallery
+
+        days = config.gallery.keep_versions_days
+        removed = call(lambda: LanceGallery(uri).collect_garbage(timedelta(days=days)))
+        typer.echo(f"{uri}: removed {removed['old_versions']} table versions older than {days:g} days that no tag "
+                   f"references ({removed['bytes_removed'] / 1e6:.1f} MB, {removed['data_files_removed']} data files)")
+        return
     from components.gallery.garbage import collect_garbage
 
-    uri = store_uri(config, store)
     from tasks.gallery_store import open_gallery
 
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
@@ -178,6 +197,8 @@ def search(store: StoreOption = None,
     if old_features is not None and (merge is None or features is None):
         fail("--old-features goes with --merge and --features (with --images both models embed the queries)", USAGE)
     uri = store_uri(config, store)
+    if config.gallery.layout == "lance":
+        return _table_search(config, uri, merge, features, images, k)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
     from components.gallery.search import GallerySearch
@@ -201,6 +222,24 @@ def search(store: StoreOption = None,
     typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
                            "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))
+
+
+def _table_search(config, uri: str, merge, features: Path | None, images: Path | None, k: int) -> None:
+    """`search` on the Lance table (gallery.layout: lance): query features only, through the map."""
+    if merge is not None or images is not None:
+        fail("with gallery.layout lance, search takes --features (the query model's) without --merge", USAGE)
+    from components.gallery.lance_search import LanceSearch
+    from components.gallery.lance_table import LanceGallery
+    from flows.ingest import _load_array
+
+    def run_search():
+        searcher = LanceSearch(LanceGallery(uri), config.gallery.distance)
+        return searcher, searcher.search(_load_array(features, "--features"), k)
+
+    searcher, (ids, distances, sources) = call(run_search)
+    typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
+                           "items": searcher.num_items, "ids": ids, "sources": sources,
+                           "distances": [[round(float(d), 6) for d in row] for row in distances]}, default=str))
 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,

@@ -10,7 +10,9 @@ from typing import Annotated
 import typer
 
 from cli import app
-from cli.command_support import REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri
+from cli.command_support import (
+    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, parts_layout, store_uri,
+)
 from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 
@@ -186,6 +188,7 @@ def upgrade(ctx: typer.Context,
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
+    parts_layout(config, "`upgrade`")
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
 

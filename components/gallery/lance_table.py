@@ -225,6 +225,21 @@ class LanceGallery:
     def num_items(self) -> int:
         return self.dataset().count_rows()
 
+    def status(self) -> dict:
+        """The table's state for `fastfill gallery info`: items, model, version, serving tags, and
+        the upgrade in progress with its landed and folded chunks."""
+        dataset = self.dataset()
+        upgrade = self.upgrade(dataset)
+        result = {"table": self.uri, "layout": "lance", "items": dataset.count_rows(), "model": self.model(dataset).uri,
+                  "version": dataset.version, "serving_tags": {name: version for _, name, version in self.serving_tags(dataset)},
+                  "state": "idle", "upgrade": None}
+        if upgrade is not None:
+            vectors_new = self._folded(dataset)
+            landed = vectors_new | set(self._landed(upgrade)[2])
+            result.update(state="upgrading", upgrade={"id": upgrade.id, "to": upgrade.new.uri, "chunks_landed": len(landed),
+                                                      "chunks_folded": len(vectors_new)})
+        return result
+
     def serving_tags(self, dataset=None) -> list[tuple[int, str, int]]:
         """(n, tag, version) of every ``serving-<n>`` tag, oldest first."""
         dataset = dataset or self.dataset()

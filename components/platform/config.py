@@ -397,6 +397,11 @@ class GalleryConfig(Section):
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
+    layout: Literal["parts", "lance"] = Field(
+        default="parts", description="parts: .npy and Parquet parts with a manifest; lance: the table "
+        "<store>/gallery.lance (`fastfill gallery convert`), which search, info, gc and rollback then read")
+    keep_versions_days: Annotated[float, Field(ge=0)] = Field(
+        default=7.0, description="lance: gc removes the table's versions that no tag references once older than this")
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
     s3: S3Config = S3Config()

@@ -268,3 +268,54 @@ def test_the_convert_command(tmp_path):
     again = CliRunner().invoke(app, ["gallery", "convert", "--store", str(tmp_path / "store"),
                                      "--to", str(tmp_path / "lance"), "--params", params])
     assert again.exit_code != 0 and "already holds a gallery table" in again.output
+
+
+def _lance_params(tmp_path) -> str:
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["gallery"]["layout"] = "lance"
+    params["gallery"]["store"] = str(tmp_path / "store")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return str(path)
+
+
+def test_commands_on_the_lance_layout(tmp_path):
+    """gallery.layout: lance: info, search (mid-upgrade, with sources) and gc read the table; the
+    commands that run on the parts layout only say so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    positions = _chunk_positions(data["rank"], 0)
+    table.commit_chunk("u1", 0, positions, data["new"][positions], TOKEN)
+    params = _lance_params(tmp_path)
+    runner = CliRunner()
+
+    info = runner.invoke(app, ["gallery", "info", "--params", params])
+    assert info.exit_code == 0, info.output
+    state = json.loads(info.output)
+    assert state["state"] == "upgrading" and state["upgrade"]["chunks_landed"] == 1 and state["items"] == N
+
+    queries = tmp_path / "queries.npy"
+    hit, miss = int(positions[0]), int(np.setdiff1d(np.arange(N), positions)[0])
+    np.save(queries, np.stack([data["new"][hit], data["mapped"][miss]]))
+    found = runner.invoke(app, ["search", "--features", str(queries), "-k", "1", "--params", params])
+    assert found.exit_code == 0, found.output
+    answer = json.loads(found.output)
+    assert answer["ids"] == [[hit * 7 + 3], [miss * 7 + 3]] and answer["backfilled"] == CHUNK
+    assert answer["sources"] == [[NEW.uri], [f"{OLD.uri} mapped"]]
+
+    refused = runner.invoke(app, ["upgrade", "--params", params])
+    assert refused.exit_code != 0 and "runs on the parts layout only" in refused.output
+
+    _commit_all(table, data)
+    table.finish("u1")
+    collected = runner.invoke(app, ["gallery", "gc", "--params", params])
+    assert collected.exit_code == 0 and "removed 0 table versions older than 7 days" in collected.output
