@@ -58,7 +58,6 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -234,10 +233,10 @@ class LanceGallery:
                   "version": dataset.version, "serving_tags": {name: version for _, name, version in self.serving_tags(dataset)},
                   "state": "idle", "upgrade": None}
         if upgrade is not None:
-            vectors_new = self._folded(dataset)
-            landed = vectors_new | set(self._landed(upgrade)[2])
+            folded = self._folded(dataset)
+            landed = folded | set(self._landed(upgrade)[2])
             result.update(state="upgrading", upgrade={"id": upgrade.id, "to": upgrade.new.uri, "chunks_landed": len(landed),
-                                                      "chunks_folded": len(vectors_new)})
+                                                      "chunks_folded": len(folded)})
         return result
 
     def serving_tags(self, dataset=None) -> list[tuple[int, str, int]]:
@@ -304,7 +303,7 @@ class LanceGallery:
     def items(self, columns: list[str] | None = None):
         """The items (no vectors) in position order, as a pyarrow table."""
         dataset = self.dataset()
-        names = [n for n in dataset.schema.names if n not in _vector_and_digest_names(dataset)]
+        names = [n for n in dataset.schema.names if n not in _vector_and_digest_names()]
         if columns is not None:
             names = ["position", *[c for c in columns if c != "position"]]
         return self._read(dataset, names).sort_by("position")
@@ -695,11 +694,11 @@ def _field_model(field) -> ModelRef:
     return ModelRef.from_dict(json.loads(raw))
 
 
-def _vector_and_digest_names(dataset) -> set[str]:
-    names = set()
+def _vector_and_digest_names() -> set[str]:
+    names = {"pixels"}
     for column in VECTOR_COLUMNS:
         names |= {column, f"{column}_digest"}
-    return names | {"pixels"}
+    return names
 
 
 def _where(dataset) -> str:
@@ -711,11 +710,6 @@ def _where(dataset) -> str:
 def _one_line(error: object) -> str:
     text = " ".join(str(error).split())
     return text if len(text) < 400 else text[:400] + "..."
-
-
-def iter_batches(table: LanceGallery, columns: list[str], batch_size: int = 65536) -> Iterator:
-    """The table's rows in batches (any order), for readers that need not hold it whole."""
-    yield from table.dataset().to_batches(columns=columns, batch_size=batch_size)
 
 
 def convert(source_uri: str | Path, target_uri: str | Path | None = None) -> dict:
