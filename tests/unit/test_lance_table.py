@@ -319,3 +319,37 @@ def test_commands_on_the_lance_layout(tmp_path):
     table.finish("u1")
     collected = runner.invoke(app, ["gallery", "gc", "--params", params])
     assert collected.exit_code == 0 and "removed 0 table versions older than 7 days" in collected.output
+
+
+def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
+    """docs/lance.md's few lines for a team's own service: mid-upgrade, two searches of the same
+    table (new features where folded, h(old) elsewhere) merged by distance, equal to the product's
+    exact search over the mixed gallery once the landed chunks are folded."""
+    import lancedb
+
+    from components.gallery.lance_search import LanceSearch
+
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    for chunk in (0, 1):
+        positions = _chunk_positions(data["rank"], chunk)
+        table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+    table.fold("u1")
+
+    # --- as in docs/lance.md
+    def nearest(tbl, query, k=10):
+        new = (tbl.search(query, vector_column_name="new").where("new IS NOT NULL", prefilter=True)
+               .limit(k).select(["id"]).to_list())
+        mapped = (tbl.search(query, vector_column_name="mapped").where("new IS NULL", prefilter=True)
+                  .limit(k).select(["id"]).to_list())
+        return sorted(new + mapped, key=lambda hit: hit["_distance"])[:k]
+
+    tbl = lancedb.connect(str(tmp_path / "store")).open_table("gallery")
+    # ---
+    searcher = LanceSearch(table)
+    rng = np.random.default_rng(5)
+    for query in rng.normal(size=(5, NEW_DIM)).astype(np.float32):
+        hits = nearest(tbl, query)
+        ids, distances, _ = searcher.search(query, k=10)
+        assert [hit["id"] for hit in hits] == ids[0]
+        assert np.allclose([hit["_distance"] for hit in hits], distances[0], rtol=1e-4)
