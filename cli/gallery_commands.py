@@ -101,7 +101,6 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
     config = load(params)
-    parts_layout(config, "`gallery adopt` (adopt into the parts layout, then `gallery convert`)")
     from flows.ingest import adopt_flow
 
     uri = store_uri(config, store)

@@ -142,6 +142,15 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
     def on_part(done: int, total: int) -> None:
         log(f"adopt: part {done}/{total} written")
 
+    if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
+        from components.gallery import lance_table
+
+        result = lance_table.adopt(store_uri, table, ref, shape, root=root, features=rows, embed_part=embed_part,
+                                   part_size=params.gallery.part_size, on_part=on_part,
+                                   registry=registry.identity(params.mlflow))
+        log(f"gallery table {result['table']}: {result['num_items']} items, model {ref.uri}, images read by URI"
+            f"{f' under {root}' if root else ''}")
+        return result
     result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
                    part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow))
     log(f"gallery at {store.uri}: {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "

@@ -259,7 +259,8 @@ class LanceGallery:
 
     @classmethod
     def create(cls, uri: str | Path, items, features: np.ndarray, model: ModelRef, *,
-               pixels: np.ndarray | None = None, image_shape=None, max_rows_per_file: int = 1 << 20) -> LanceGallery:
+               pixels: np.ndarray | None = None, image_shape=None, metadata: dict[str, str] | None = None,
+               max_rows_per_file: int = 1 << 20) -> LanceGallery:
         """A new table from an items table (pyarrow: id, and any of image, label, group, weight,
         in position order) and the serving model's features; tagged ``serving-1``. Refused where
         a table exists."""
@@ -283,13 +284,15 @@ class LanceGallery:
             if name in items.column_names:
                 fields.append(pa.field(name, items.schema.field(name).type))
                 arrays.append(items.column(name).combine_chunks())
-        metadata = {FORMAT_KEY: FORMAT}
+        metadata = {**(metadata or {}), FORMAT_KEY: FORMAT}
+        if image_shape is not None:
+            metadata["fastfill.image_shape"] = json.dumps([int(x) for x in image_shape])
         if pixels is not None:
             pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
             size = int(np.prod(pixels.shape[1:]))
             fields.append(pa.field("pixels", pa.binary(size)))
             arrays.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(size), n, [None, pa.py_buffer(pixels.reshape(-1))]))
-            metadata["fastfill.image_shape"] = json.dumps([int(x) for x in (image_shape or pixels.shape[1:])])
+            metadata.setdefault("fastfill.image_shape", json.dumps([int(x) for x in pixels.shape[1:]]))
         fields += _vector_fields("features", features.shape[1], model)
         arrays += _vector_arrays(positions, features)
         data = pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=metadata))
@@ -744,3 +747,38 @@ def convert(source_uri: str | Path, target_uri: str | Path | None = None) -> dic
     return {"table": table.uri, "items": len(features), "model": model.to_dict(), "dim": int(features.shape[1]),
             "images": "in the table (pixels)" if pixels is not None else "by URI (image column)",
             "version": table.dataset().version, "tag": table.serving_tags()[-1][1]}
+
+
+def adopt(uri: str | Path, items, model: ModelRef, image_shape, *, root: str | None = None, features=None,
+          embed_part=None, part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
+    """A gallery adopted where it is, as a Lance table at ``uri``: the manifest's items (``read_manifest``:
+    id, uri, optional label, group, weight; the URIs become the ``image`` column) and ``model``'s
+    features, from ``features`` (row blocks in the manifest's order) or ``embed_part(uris)`` part by
+    part. The image root and shape and the registry are in the table's metadata."""
+    from components.gallery.catalog import check_features
+
+    if (features is None) == (embed_part is None):
+        raise GalleryError("adopt needs either the current features or a model to embed the images")
+    n = items.num_rows
+    uris = items.column("uri").to_pylist()
+    if features is not None:
+        blocks = [check_features(block, model.dim, "adopted features") for block in features]
+        vectors = np.concatenate(blocks) if blocks else np.empty((0, model.dim or 0), dtype=np.float32)
+        if len(vectors) != n:
+            raise GalleryError(f"{len(vectors)} feature rows for the manifest's {n} items; give one row per item, "
+                               "in its order")
+    else:
+        parts = -(-n // part_size)
+        blocks = []
+        for part in range(parts):
+            start, stop = part * part_size, min((part + 1) * part_size, n)
+            blocks.append(check_features(embed_part(uris[start:stop]), model.dim, f"embedded features of part {part}"))
+            if on_part is not None:
+                on_part(part + 1, parts)
+        vectors = np.concatenate(blocks)
+    names = ["image" if name == "uri" else name for name in items.column_names]
+    metadata = {"fastfill.image_root": root or "", "fastfill.registry": registry or ""}
+    table = LanceGallery.create(uri, items.rename_columns(names), vectors, model, image_shape=image_shape,
+                                metadata=metadata)
+    return {"num_items": n, "model": ModelRef(model.name, model.version, int(vectors.shape[1])).to_dict(),
+            "has_labels": "label" in items.column_names, "table": table.uri, "layout": "lance"}

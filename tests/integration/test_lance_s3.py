@@ -116,3 +116,49 @@ def test_chunks_commit_through_injected_5xx_answers(s3_table, s3_endpoint, monke
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
     vectors, backfilled, _ = table.mixed()
     assert backfilled.all() and np.array_equal(vectors, data["new"])
+
+
+def test_a_gallery_adopted_on_s3_as_a_lance_table(upgrade_env, s3_endpoint):
+    """gallery.layout: lance: `gallery adopt` embeds the images where they are with the champion
+    and writes the table on S3; `gallery info` and `search` read it back."""
+    import json
+
+    import yaml
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from cli import app
+    from components.experiment.inference import embed
+    from tests.integration.helpers import registry_models, split_images
+
+    params, tmp_path = upgrade_env
+    _, old_model, _, old_version, _ = registry_models(params)
+    split = split_images(params)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i, image in enumerate(split.images):
+        Image.fromarray(image[0], mode="L").save(photos / f"item-{i:04d}.png")
+    lines = ["id,uri,label"] + [f"{500 + i},item-{i:04d}.png,{label}" for i, label in enumerate(split.labels)]
+    (photos / "items.csv").write_text("\n".join(lines) + "\n")
+    settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    settings["gallery"]["layout"] = "lance"
+    (tmp_path / "lance.yaml").write_text(yaml.safe_dump(settings))
+    store = f"s3://{new_bucket(s3_endpoint)}/adopted"
+    common = ["--store", store, "--params", str(tmp_path / "lance.yaml")]
+    runner = CliRunner()
+
+    adopted = runner.invoke(app, ["gallery", "adopt", "--manifest", str(photos / "items.csv"), *common])
+    assert adopted.exit_code == 0 and f"{len(split.labels)} items adopted" in adopted.output, adopted.output
+    table = LanceGallery(store)
+    assert table.model().version == old_version
+    np.testing.assert_allclose(table.features(), embed(old_model, split.images), rtol=1e-5, atol=1e-5)
+    items = table.items(["id", "image", "label"])
+    assert items.column("image").to_pylist()[:2] == ["item-0000.png", "item-0001.png"]
+    assert items.column("label").to_pylist() == split.labels.tolist()
+
+    info = json.loads(runner.invoke(app, ["gallery", "info", *common]).output)
+    assert info["layout"] == "lance" and info["items"] == len(split.labels) and info["state"] == "idle"
+    np.save(tmp_path / "query.npy", table.features()[3:4])
+    found = json.loads(runner.invoke(app, ["search", "--features", str(tmp_path / "query.npy"), "-k", "1",
+                                           *common]).output)
+    assert found["ids"] == [[503]] and found["sources"] == [[f"models:/{params.mlflow.registered_model}/{old_version}"]]

@@ -353,3 +353,25 @@ def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
         ids, distances, _ = searcher.search(query, k=10)
         assert [hit["id"] for hit in hits] == ids[0]
         assert np.allclose([hit["_distance"] for hit in hits], distances[0], rtol=1e-4)
+
+
+def test_adopt_with_the_current_features(tmp_path):
+    from components.gallery import lance_table
+    from components.gallery.adopt import npy_rows, read_manifest
+
+    data = _data()
+    manifest = tmp_path / "items.csv"
+    manifest.write_text("id,uri,weight\n" + "".join(f"{i},s3://shelf/{i}.png,{i % 3}\n" for i in range(N)))
+    np.save(tmp_path / "a.npy", data["old"][:200])
+    np.save(tmp_path / "b.npy", data["old"][200:])
+    result = lance_table.adopt(tmp_path / "store", read_manifest(manifest), OLD, (1, 4, 4), root="s3://shelf",
+                               features=npy_rows([tmp_path / "a.npy", tmp_path / "b.npy"]), registry="sqlite:///r.db")
+    assert result["num_items"] == N and result["layout"] == "lance" and not result["has_labels"]
+    table = LanceGallery(tmp_path / "store")
+    assert np.array_equal(table.features(), data["old"])
+    assert table.items(["image", "weight"]).column("weight").to_pylist()[:4] == [0.0, 1.0, 2.0, 0.0]
+    metadata = table.dataset().schema.metadata
+    assert metadata[b"fastfill.image_root"] == b"s3://shelf" and metadata[b"fastfill.image_shape"] == b"[1, 4, 4]"
+    with pytest.raises(GalleryError, match="200 feature rows for the manifest's 600 items"):
+        lance_table.adopt(tmp_path / "other", read_manifest(manifest), OLD, (1, 4, 4),
+                          features=npy_rows([tmp_path / "a.npy"]))
