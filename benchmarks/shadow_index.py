@@ -246,7 +246,8 @@ def markdown(summary: dict) -> str:
              "product's: the plain mean of the curve's values over its 22 points (alpha = i/21). The "
              f"0-{int(100 * EARLY)}% areas are the same mean over the points with alpha <= {EARLY} "
              "(i = 0..6, seven points). Cost is per query while the upgrade runs: query embeddings, "
-             "index searches, and the models that must be served. One seed: no spread shown.", ""]
+             "index searches, and the models that must be served. One seed: no spread shown. The curves: "
+             "reports/shadow_index.png.", ""]
     for size, entry in summary["sizes"].items():
         ref = entry["reference_top1"]
         lines += [f"## Training images per class: {size} (seeds {', '.join(entry['seeds'])})", "",
@@ -303,6 +304,46 @@ def markdown(summary: dict) -> str:
         lines += ["Wall time per run (from the sweep log): "
                   + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items()) + ".", ""]
     return "\n".join(lines)
+
+
+PLOTTED = ("FCT-random", "FastFill-sigma", "dual_rrf-random")
+
+
+def plot(curves: dict, path: Path) -> None:
+    """Top-1 and mAP against the backfilled fraction for PLOTTED, per data size: the mean over the
+    seeds, and a band of one standard deviation where there are several."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(curves)
+    figure, axes = plt.subplots(2, len(sizes), figsize=(5.5 * len(sizes), 7.5), squeeze=False)
+    for column, size in enumerate(sizes):
+        per_seed = curves[size]
+        for metric, row in (("top1", 0), ("map", 1)):
+            axis = axes[row][column]
+            for name in PLOTTED:
+                method, order = ROWS[name]
+                series = np.array([run["curves"][method][order][metric] for run in per_seed.values()]) * 100
+                alpha = np.array(next(iter(per_seed.values()))["curves"][method][order]["alpha"]) * 100
+                mean = series.mean(axis=0)
+                line, = axis.plot(alpha, mean, marker=".", label=name)
+                if len(series) > 1:
+                    sd = series.std(axis=0, ddof=1)
+                    axis.fill_between(alpha, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+            axis.axvline(EARLY * 100, color="grey", linestyle=":", linewidth=1)
+            axis.set_xlabel("gallery backfilled (%)")
+            axis.set_ylabel("top-1 (%)" if metric == "top1" else "mAP (%)")
+            axis.set_title(f"{'all' if size == 'all' else size} training images per class, seeds "
+                           f"{', '.join(per_seed)}: {'top-1' if metric == 'top1' else 'mAP'}")
+            axis.grid(alpha=0.3)
+            axis.legend(loc="lower right", fontsize=8)
+    figure.suptitle("The shadow index (dual_rrf) against FastFill and FCT\nmean over seeds, band = 1 sd; "
+                    "dotted: the 30% mark of the early area", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def sweep_params(params_path: Path, out: Path) -> Path:
@@ -387,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     args.reports.mkdir(parents=True, exist_ok=True)
     (args.reports / "shadow_index.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.reports / "shadow_index.md").write_text(markdown(summary))
+    plot(curves, args.reports / "shadow_index.png")
     print(markdown(summary))
-    print(f"written: {args.reports / 'shadow_index.md'} and shadow_index.json")
+    print(f"written: {args.reports / 'shadow_index.md'}, shadow_index.json and shadow_index.png")
     return 0
 
 
