@@ -276,6 +276,8 @@ class LanceGallery:
         n = len(features)
         if items.num_rows != n:
             raise GalleryError(f"{items.num_rows} items for {n} feature rows")
+        if "id" not in items.column_names:
+            raise GalleryError(f"the items need an id column; found {', '.join(items.column_names)}")
         model = ModelRef(model.name, model.version, int(features.shape[1]))
         positions = np.arange(n, dtype=np.int64)
         fields = [pa.field("position", pa.int64())]
@@ -678,6 +680,8 @@ class LanceGallery:
     def collect_garbage(self, older_than: timedelta = timedelta(days=7)) -> dict:
         """Remove the versions that no tag references and that are older than ``older_than``."""
         dataset = self.dataset()
+        if self.upgrade(dataset) is None:
+            self._remove_backfill()  # what a finish or an abort killed before its last step left
         stats = dataset.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)
         return {"old_versions": int(stats.old_versions), "bytes_removed": int(stats.bytes_removed),
                 "data_files_removed": int(getattr(stats, "data_files_removed", 0))}
