@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from components.gallery.catalog import GalleryError, check_features
+from components.gallery.catalog import GalleryError, check_queries
 from components.gallery.lance_table import LanceGallery
 
 
@@ -50,13 +50,7 @@ class LanceSearch:
     def search(self, features: np.ndarray, k: int = 10) -> tuple[list, np.ndarray, list]:
         """(item ids, distances, sources), each (queries, k). Distances are squared L2 or
         1 - cosine; a source is the model URI that embedded the item, or ``<old model> mapped``."""
-        if k < 1:
-            raise GalleryError(f"k must be >= 1, got {k}")
-        features = np.asarray(features)
-        if features.ndim == 1:
-            features = features[None]
-        features = check_features(features, self.dim, f"query features (for {self.query_model.uri})")
-        k = min(k, self.num_items)
+        features, k = check_queries(features, self.dim, self.query_model.uri, k, self.num_items)
         scores, rows = self.index.search(self._prepare(features), k)
         mapped = f"{self.old_model.uri} mapped"
         ids = [[self.ids[r] for r in row] for row in rows]

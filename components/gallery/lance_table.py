@@ -617,17 +617,21 @@ class LanceGallery:
                 dataset = self.dataset()
             dataset.alter_columns({"path": "new", "name": "features"}, {"path": "new_digest", "name": "features_digest"})
             dataset = self.dataset()
+        self._drop_upgrade(dataset, {FINISHED_KEY: json.dumps({"id": upgrade, "model": current.new.to_dict()},
+                                                              sort_keys=True)})
+        tag = self._tag_serving(self.dataset())
+        self._remove_backfill()
+        return tag
+
+    def _drop_upgrade(self, dataset, record: dict[str, str] | None = None) -> None:
+        """The upgrade's columns that are left dropped, then its metadata replaced by ``record``."""
         leftover = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
         if leftover:
             dataset.drop_columns(leftover)
             dataset = self.dataset()
         metadata = _metadata(dataset.schema)
         metadata.pop(UPGRADE_KEY, None)
-        metadata[FINISHED_KEY] = json.dumps({"id": upgrade, "model": current.new.to_dict()}, sort_keys=True)
-        dataset.replace_schema_metadata(metadata)
-        tag = self._tag_serving(self.dataset())
-        self._remove_backfill()
-        return tag
+        dataset.replace_schema_metadata({**metadata, **(record or {})})
 
     def _finished_model(self, dataset, upgrade: str) -> ModelRef:
         raw = _metadata(dataset.schema).get(FINISHED_KEY)
@@ -644,13 +648,7 @@ class LanceGallery:
             return
         if current.id != upgrade:
             raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
-        present = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
-        if present:
-            dataset.drop_columns(present)
-            dataset = self.dataset()
-        metadata = _metadata(dataset.schema)
-        metadata.pop(UPGRADE_KEY, None)
-        dataset.replace_schema_metadata(metadata)
+        self._drop_upgrade(dataset)
         self._remove_backfill()
 
     # ---- versions

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from components.gallery.catalog import Gallery, GalleryError, check_features
+from components.gallery.catalog import Gallery, GalleryError, check_queries
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import chunk_features, done_chunks
@@ -181,13 +181,7 @@ class GallerySearch:
 
     def search(self, features: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         """(ids, distances), each (queries, k); distances are squared L2, or 1 - cosine."""
-        if k < 1:
-            raise GalleryError(f"k must be >= 1, got {k}")
-        features = np.asarray(features)
-        if features.ndim == 1:
-            features = features[None]
-        features = check_features(features, self.dim, f"query features (for {self.query_model.uri})")
-        k = min(k, self.gallery.num_items)
+        features, k = check_queries(features, self.dim, self.query_model.uri, k, self.gallery.num_items)
         with self._lock:
             if self.gpu is not None:
                 scores, ids = self.gpu.search(self.index, self._prepare(features), k)
