@@ -97,6 +97,16 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
 
     store = open_store(uri)
     store.check()
+    if config.gallery.layout == "lance":
+        from components.gallery.lance_table import LanceGallery
+
+        table = LanceGallery(uri)
+        if not table.exists():
+            return NOT_SET_UP, (f"{table.uri} holds no gallery table yet (gallery.layout is lance): make one with "
+                                "`fastfill gallery convert` or `fastfill gallery adopt`, or pass --store")
+        state = table.status()
+        return True, (f"{table.uri}: {state['items']:,} items, model {state['model']}, {state['state']}"
+                      + (f" ({state['upgrade']['id']})" if state.get("upgrade") else ""))
     gallery = Gallery(store)
     if not gallery.exists():
         return NOT_SET_UP, (f"{store.uri} is reachable and holds no gallery yet: make one with `fastfill gallery "
@@ -292,6 +302,11 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     def read():
         opened = open_store(uri)
         opened.check()
+        if config.gallery.layout == "lance":  # the table's state; its upgrades have no decisions yet
+            from components.gallery.lance_table import LanceGallery
+
+            table = LanceGallery(uri)
+            return Gallery(opened), (table.status() if table.exists() else None), None
         gallery = Gallery(opened)
         if not gallery.exists():
             return gallery, None, None

@@ -229,7 +229,7 @@ class LanceGallery:
         the upgrade in progress with its landed and folded chunks."""
         dataset = self.dataset()
         upgrade = self.upgrade(dataset)
-        result = {"table": self.uri, "layout": "lance", "items": dataset.count_rows(), "model": self.model(dataset).uri,
+        result = {"store": self.store_uri, "table": self.uri, "layout": "lance", "items": dataset.count_rows(), "model": self.model(dataset).uri,
                   "version": dataset.version, "serving_tags": {name: version for _, name, version in self.serving_tags(dataset)},
                   "state": "idle", "upgrade": None}
         if upgrade is not None:

@@ -375,3 +375,19 @@ def test_adopt_with_the_current_features(tmp_path):
     with pytest.raises(GalleryError, match="200 feature rows for the manifest's 600 items"):
         lance_table.adopt(tmp_path / "other", read_manifest(manifest), OLD, (1, 4, 4),
                           features=npy_rows([tmp_path / "a.npy"]))
+
+
+def test_status_and_doctor_read_the_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    data = _data()
+    _upgraded(tmp_path, data)
+    params = _lance_params(tmp_path)
+    shown = CliRunner().invoke(app, ["status", "--params", params])
+    assert f"{tmp_path / 'store'}: {N} items, model {OLD.uri}" in shown.output, shown.output
+    assert f"upgrading: u1 to {NEW.uri}" in shown.output
+    checked = CliRunner().invoke(app, ["doctor", "--params", params])  # no MLflow store here: only its store line counts
+    assert f"ok    store     {tmp_path / 'store' / 'gallery.lance'}: {N} items, model {OLD.uri}, upgrading (u1)" \
+        in checked.output, checked.output
