@@ -60,7 +60,6 @@ def gallery_ingest(store: StoreOption = None,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Put images (and labels, groups) into the store with the champion model's features."""
     config = load(params)
-    parts_layout(config, "`gallery ingest`")
     from flows.ingest import ingest_flow
 
     uri = store_uri(config, store)

@@ -78,6 +78,13 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
         feature_array = embed_images(model, image_array)
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
+    if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
+        from components.gallery import lance_table
+
+        result = lance_table.ingest(store_uri, image_array, feature_array, ref, labels=label_array,
+                                    groups=group_array, ids=id_array, registry=registry.identity(params.mlflow))
+        log(f"gallery table {result['table']}: {result['num_items']} items with their images, model {ref.uri}")
+        return result
     manifest = write_gallery(store_uri, image_array, feature_array, ref, label_array, group_array, id_array,
                              params.gallery.part_size, registry.identity(params.mlflow))
     log(f"gallery at {store.uri}: {manifest['num_items']} items in {manifest['num_parts']} parts, model {ref.uri}")

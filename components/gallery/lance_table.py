@@ -784,3 +784,36 @@ def adopt(uri: str | Path, items, model: ModelRef, image_shape, *, root: str | N
                                 metadata=metadata)
     return {"num_items": n, "model": ModelRef(model.name, model.version, int(vectors.shape[1])).to_dict(),
             "has_labels": "label" in items.column_names, "table": table.uri, "layout": "lance"}
+
+
+def ingest(uri: str | Path, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
+           labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
+           registry: str | None = None) -> dict:
+    """Images with their labels, groups and ids and ``model``'s features as a new Lance table at
+    ``uri``: the images in the ``pixels`` column (what a backfill re-embeds); ids 0..N-1 by default.
+    The same checks as the parts layout's ingest."""
+    import pyarrow as pa
+
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[:, None]
+    if images.ndim != 4 or images.dtype != np.uint8:
+        raise GalleryError(f"images must be uint8 of shape (N, C, H, W) or (N, H, W), got {images.dtype} {images.shape}")
+    n = len(images)
+    if n < 2:
+        raise GalleryError(f"a gallery needs at least 2 items, got {n}")
+    for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
+        if column is not None and len(column) != n:
+            raise GalleryError(f"{name}: {len(column)} values for {n} images")
+    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    if len(np.unique(ids)) != n:
+        raise GalleryError("item ids must be unique")
+    columns = {"id": pa.array(ids)}
+    if labels is not None:
+        columns["label"] = pa.array(np.asarray(labels, dtype=np.int64))
+    if groups is not None:
+        columns["group"] = pa.array([str(g) for g in groups])
+    table = LanceGallery.create(uri, pa.table(columns), features, model, pixels=images,
+                                metadata={"fastfill.registry": registry or ""})
+    return {"num_items": n, "model": table.model().to_dict(), "has_labels": labels is not None, "table": table.uri,
+            "layout": "lance"}

@@ -118,9 +118,10 @@ def test_chunks_commit_through_injected_5xx_answers(s3_table, s3_endpoint, monke
     assert backfilled.all() and np.array_equal(vectors, data["new"])
 
 
-def test_a_gallery_adopted_on_s3_as_a_lance_table(upgrade_env, s3_endpoint):
+def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s3_endpoint):
     """gallery.layout: lance: `gallery adopt` embeds the images where they are with the champion
-    and writes the table on S3; `gallery info` and `search` read it back."""
+    and writes the table on S3; `gallery info` and `search` read it back. `gallery ingest` puts
+    images into a table with the champion's features."""
     import json
 
     import yaml
@@ -162,3 +163,12 @@ def test_a_gallery_adopted_on_s3_as_a_lance_table(upgrade_env, s3_endpoint):
     found = json.loads(runner.invoke(app, ["search", "--features", str(tmp_path / "query.npy"), "-k", "1",
                                            *common]).output)
     assert found["ids"] == [[503]] and found["sources"] == [[f"models:/{params.mlflow.registered_model}/{old_version}"]]
+
+    # ingest: the prepared test split's images into a table of their own, with the champion's features
+    ingested_at = ["--store", f"s3://{new_bucket(s3_endpoint)}/ingested", "--params", str(tmp_path / "lance.yaml")]
+    ingested = runner.invoke(app, ["gallery", "ingest", *ingested_at])
+    assert ingested.exit_code == 0 and f"{len(split.labels)} items" in ingested.output, ingested.output
+    table = LanceGallery(ingested_at[1])
+    pixels = table.items(["pixels"]).column("pixels").to_pylist()
+    assert np.array_equal(np.frombuffer(b"".join(pixels), np.uint8).reshape(split.images.shape), split.images)
+    np.testing.assert_allclose(table.features(), embed(old_model, split.images), rtol=1e-5, atol=1e-5)
