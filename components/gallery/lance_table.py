@@ -414,18 +414,24 @@ class LanceGallery:
 
     def begin_upgrade(self, upgrade: str, new: ModelRef, mapped: np.ndarray, rank: np.ndarray,
                       log_sigma2: np.ndarray | None = None, token: str | None = None) -> str:
-        """Add the upgrade's columns: h(old), sigma, the backfill rank, and empty new features.
-        ``token`` names this plan of the upgrade (default: a new one): chunks committed under
-        another token (a worker of an aborted plan of the same id) are never read. Again for the
-        same upgrade (a re-run after a crash): adds only what is missing. Returns the token."""
+        """Add the upgrade's columns (h(old), sigma, the backfill rank, empty new features) and its
+        empty backfill table, then, last, the upgrade's record in the schema metadata: from that
+        commit on, queries use the new model against the mixed gallery (as the parts layout's
+        manifest, written last). A planning killed before it left columns that no record names:
+        they are dropped and written again. Again after the record (a re-run): nothing changes.
+        ``token`` names this plan (default: a new one): chunks committed under another token (a
+        worker of an aborted plan of the same id) are never read. Returns the token."""
+        import lance
         import pyarrow as pa
 
         from components.gallery.catalog import check_features
 
         dataset = self.dataset()
         current = self.upgrade(dataset)
-        if current is not None and current.id != upgrade:
-            raise GalleryError(f"{self.uri}: upgrade {current.id} holds the table; finish or abort it first")
+        if current is not None:
+            if current.id != upgrade:
+                raise GalleryError(f"{self.uri}: upgrade {current.id} holds the table; finish or abort it first")
+            return current.token
         n = dataset.count_rows()
         mapped = check_features(mapped, new.dim, "the transformed features h(old)")
         rank = np.asarray(rank, dtype=np.int64)
@@ -433,34 +439,30 @@ class LanceGallery:
             raise GalleryError(f"begin_upgrade: {len(mapped)} transformed rows and a rank of {len(rank)} for {n} items; "
                                "the rank must be a permutation of 0..N-1")
         new = ModelRef(new.name, new.version, int(mapped.shape[1]))
-        if current is None:
-            self._remove_backfill()  # rows of an ended upgrade that a kill left behind
-            token = token or uuid.uuid4().hex
-            metadata = _metadata(dataset.schema)
-            metadata[UPGRADE_KEY] = json.dumps({"id": upgrade, "new": new.to_dict(), "token": token}, sort_keys=True)
-            dataset.replace_schema_metadata(metadata)
+        leftover = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
+        if leftover:  # a killed planning's (or finish's, or abort's) columns
+            dataset.drop_columns(leftover)
             dataset = self.dataset()
-            current = self.upgrade(dataset)
-        if "mapped" not in dataset.schema.names:
-            positions = np.arange(n, dtype=np.int64)
-            fields = [pa.field("position", pa.int64()), *_vector_fields("mapped", mapped.shape[1], new),
-                      pa.field("log_sigma2", pa.float32()), pa.field("rank", pa.int64())]
-            sigma = pa.array(np.asarray(log_sigma2, dtype=np.float32)) if log_sigma2 is not None else \
-                pa.nulls(n, pa.float32())
-            columns = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, mapped), sigma,
-                                            pa.array(rank)], schema=pa.schema(fields))
-            dataset.merge(columns, left_on="position")
-            dataset = self.dataset()
-        if "new" not in dataset.schema.names:
-            dataset.add_columns([*_vector_fields("new", mapped.shape[1], new), pa.field("new_chunk", pa.int32())])
-        if self._backfill_dataset() is None:
-            # created empty here, under the upgrade's lock: chunks only ever append (two "create"
-            # commits racing on S3 let the second overwrite the first's rows, measured)
-            import lance
-
-            empty = pa.schema(_backfill_fields(mapped.shape[1], new)).empty_table()
-            lance.write_dataset(empty, self.backfill_uri, mode="create", storage_options=self.options)
-        return current.token
+        self._remove_backfill()  # rows of an ended upgrade, or of a killed planning
+        positions = np.arange(n, dtype=np.int64)
+        fields = [pa.field("position", pa.int64()), *_vector_fields("mapped", mapped.shape[1], new),
+                  pa.field("log_sigma2", pa.float32()), pa.field("rank", pa.int64())]
+        sigma = pa.array(np.asarray(log_sigma2, dtype=np.float32)) if log_sigma2 is not None else \
+            pa.nulls(n, pa.float32())
+        columns = pa.Table.from_arrays([pa.array(positions), *_vector_arrays(positions, mapped), sigma,
+                                        pa.array(rank)], schema=pa.schema(fields))
+        dataset.merge(columns, left_on="position")
+        self.dataset().add_columns([*_vector_fields("new", mapped.shape[1], new), pa.field("new_chunk", pa.int32())])
+        # created empty here, under the upgrade's lock: chunks only ever append (two "create"
+        # commits racing on S3 let the second overwrite the first's rows, measured)
+        empty = pa.schema(_backfill_fields(mapped.shape[1], new)).empty_table()
+        lance.write_dataset(empty, self.backfill_uri, mode="create", storage_options=self.options)
+        token = token or uuid.uuid4().hex
+        dataset = self.dataset()
+        metadata = _metadata(dataset.schema)
+        metadata[UPGRADE_KEY] = json.dumps({"id": upgrade, "new": new.to_dict(), "token": token}, sort_keys=True)
+        dataset.update_schema_metadata(metadata, replace=True)
+        return token
 
     # ---- the backfill table: chunks appended, folded into the gallery table in batches
 
@@ -631,7 +633,7 @@ class LanceGallery:
             dataset = self.dataset()
         metadata = _metadata(dataset.schema)
         metadata.pop(UPGRADE_KEY, None)
-        dataset.replace_schema_metadata({**metadata, **(record or {})})
+        dataset.update_schema_metadata({**metadata, **(record or {})}, replace=True)
 
     def _finished_model(self, dataset, upgrade: str) -> ModelRef:
         raw = _metadata(dataset.schema).get(FINISHED_KEY)
@@ -640,15 +642,21 @@ class LanceGallery:
         return ModelRef("", "")
 
     def abort(self, upgrade: str) -> None:
-        """Drop the upgrade's columns and its backfill table: the table serves its model's
-        features as before."""
+        """The upgrade's record goes first (from that commit on, queries use the serving model's
+        features again), then its columns and its backfill table. Again after a kill, or with no
+        upgrade in the table: the leftovers go."""
         dataset = self.dataset()
         current = self.upgrade(dataset)
-        if current is None:
-            return
-        if current.id != upgrade:
-            raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
-        self._drop_upgrade(dataset)
+        if current is not None:
+            if current.id != upgrade:
+                raise GalleryError(f"{self.uri}: the table's upgrade is {current.id}, not {upgrade}")
+            metadata = _metadata(dataset.schema)
+            metadata.pop(UPGRADE_KEY, None)
+            dataset.update_schema_metadata(metadata, replace=True)
+            dataset = self.dataset()
+        leftover = [c for c in UPGRADE_COLUMNS if c in dataset.schema.names]
+        if leftover:
+            dataset.drop_columns(leftover)
         self._remove_backfill()
 
     # ---- versions
