@@ -669,6 +669,11 @@ class LanceGallery:
             raise GalleryError(f"{self.uri}: an upgrade is in progress; abort it before rolling back")
         tags = self.serving_tags(dataset)
         served = self.model(dataset)
+        if tags:
+            tagged = self.model(self.dataset(tags[-1][2]))
+            if not tagged.same_version(served):  # a rollback killed between its restore and its tag
+                self._tag_serving(dataset)
+                return tagged, served
         earlier = [(n, name, version) for n, name, version in tags
                    if not self.model(self.dataset(version)).same_version(served)]
         if not earlier:

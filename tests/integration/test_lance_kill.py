@@ -1,5 +1,5 @@
 """SIGKILL in every phase of the Lance table's upgrade steps (planning's columns, chunk commits,
-the fold, the finish, the abort), at several moments each: after every kill the table still reads
+the fold, the finish, the abort) and of a rollback, at several moments each: after every kill the table still reads
 as a whole gallery, a landed chunk is whole, and the same step run again completes it with
 every item once and the right features."""
 
@@ -71,6 +71,8 @@ elif step == "finish":
     table.finish("u1")
 elif step == "abort":
     table.abort("u1")
+elif step == "rollback":
+    table.rollback()
 print("done", commits, flush=True)
 '''
 
@@ -128,10 +130,12 @@ def _prepared(path: Path, step: str) -> LanceGallery:
     table = _created(path)
     if step != "plan":
         table.begin_upgrade("u1", NEW, d["mapped"], d["rank"], d["sigma"], token=TOKEN)
-    if step in ("fold", "finish", "abort"):
+    if step in ("fold", "finish", "abort", "rollback"):
         for chunk in range(N // CHUNK):
             positions = chunk_positions(d, chunk)
             table.commit_chunk("u1", chunk, positions, d["new"][positions], TOKEN)
+    if step == "rollback":
+        table.finish("u1")
     return table
 
 
@@ -160,6 +164,11 @@ def _completed(table: LanceGallery, step: str) -> None:
         table.finish("u1")
         assert table.model() == NEW and np.array_equal(table.features(), d["new"])
         assert not Path(table.backfill_uri).exists() and table.upgrade() is None
+    elif step == "rollback":
+        if len(table.serving_tags()) < 3:  # killed before its tag (a whole rollback run again would undo itself)
+            assert table.rollback() == (NEW, OLD)
+        assert table.model() == OLD and np.array_equal(table.features(), d["old"])
+        assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2", "serving-3"]
     else:
         table.abort("u1")
         assert table.upgrade() is None and np.array_equal(table.features(), d["old"])
@@ -167,7 +176,7 @@ def _completed(table: LanceGallery, step: str) -> None:
     assert table.dataset().count_rows() == N
 
 
-@pytest.mark.parametrize("step", ["plan", "chunks", "fold", "finish", "abort"])
+@pytest.mark.parametrize("step", ["plan", "chunks", "fold", "finish", "abort", "rollback"])
 def test_killed_after_each_commit_of_a_step_then_run_again(tmp_path, step):
     """A step's every intermediate state: killed right after its 1st, 2nd, ... Lance commit (for
     the chunks, after the first, a middle and the last but one), the table read whole, the step
