@@ -196,7 +196,7 @@ def search(store: StoreOption = None,
         fail("--old-features goes with --merge and --features (with --images both models embed the queries)", USAGE)
     uri = store_uri(config, store)
     if config.gallery.layout == "lance":
-        return _table_search(config, uri, merge, features, images, k)
+        return _table_search(config, uri, merge, features, old_features, images, k)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
     from components.gallery.search import GallerySearch
@@ -222,22 +222,42 @@ def search(store: StoreOption = None,
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))
 
 
-def _table_search(config, uri: str, merge, features: Path | None, images: Path | None, k: int) -> None:
-    """`search` on the Lance table (gallery.layout: lance): query features only, through the map."""
-    if merge is not None or images is not None:
-        fail("with gallery.layout lance, search takes --features (the query model's) without --merge", USAGE)
-    from components.gallery.lance_search import LanceSearch
+def _table_search(config, uri: str, merge, features: Path | None, old_features: Path | None, images: Path | None,
+                  k: int) -> None:
+    """`search` on the Lance table (gallery.layout: lance): query features, through the map, or
+    with --merge as the shadow index (then --old-features too while an upgrade is on)."""
+    if images is not None:
+        fail("with gallery.layout lance, search takes query features (--features, and --old-features with --merge)",
+             USAGE)
+    from components.gallery.lance_search import LanceDualSearch, LanceSearch
     from components.gallery.lance_table import LanceGallery
     from flows.ingest import _load_array
 
     def run_search():
+        if merge is not None:
+            searcher = LanceDualSearch(LanceGallery(uri), config.gallery.distance, merge.value, config.evaluate.rrf_k)
+            if searcher.mid_upgrade and old_features is None:
+                fail(f"an upgrade to {searcher.new_model.uri} is on: --merge needs the queries' old-model features "
+                     f"too (--old-features, for {searcher.old_model.uri})", USAGE)
+            new = _load_array(features, "--features")
+            if not searcher.mid_upgrade:
+                return searcher, searcher.search(new if old_features is None else _load_array(old_features,
+                                                                                              "--old-features"), None, k)
+            return searcher, searcher.search(_load_array(old_features, "--old-features"), new, k)
         searcher = LanceSearch(LanceGallery(uri), config.gallery.distance)
         return searcher, searcher.search(_load_array(features, "--features"), k)
 
     searcher, (ids, distances, sources) = call(run_search)
-    typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
-                           "items": searcher.num_items, "ids": ids, "sources": sources,
-                           "distances": [[round(float(d), 6) for d in row] for row in distances]}, default=str))
+    rounded = [[round(float(d), 6) for d in row] for row in distances]
+    if merge is None:
+        answer = {"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
+                  "items": len(searcher.ids), "ids": ids, "sources": sources, "distances": rounded}
+    else:  # as the parts layout's merged search answers
+        answer = {"merge": merge.value if searcher.mid_upgrade else None,
+                  "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
+                  "backfilled": searcher.backfilled, "items": len(searcher.ids), "ids": ids, "sources": sources,
+                  ("scores" if searcher.mid_upgrade else "distances"): rounded}
+    typer.echo(json.dumps(answer, default=str))
 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,

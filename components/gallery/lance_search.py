@@ -56,3 +56,83 @@ class LanceSearch:
         ids = [[self.ids[r] for r in row] for row in rows]
         sources = [[self.query_model.uri if self.fresh[r] else mapped for r in row] for row in rows]
         return ids, (1.0 - scores if self.distance == "cosine" else scores), sources
+
+
+class LanceDualSearch:
+    """`search --merge` on the Lance table: the shadow index's answer (components.gallery.dual_search
+    on the parts layout). The table keeps the serving model's own features in ``features`` until
+    the finish, so the old part is those of the items not yet re-embedded, the new part the new
+    features of those that are; each query's two lists are merged (one of MERGES)."""
+
+    def __init__(self, table: LanceGallery, distance: str = "l2", merge: str = "rrf", rrf_k: int = 60):
+        import faiss
+
+        from components.platform.vocabulary import MERGES
+
+        if distance not in ("l2", "cosine"):
+            raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
+        if merge not in MERGES:
+            raise GalleryError(f"merge must be one of {', '.join(MERGES)}, got {merge!r}")
+        self.distance, self.merge, self.rrf_k = distance, merge, rrf_k
+        dataset = table.dataset()
+        upgrade = table.upgrade(dataset)
+        self.old_model = table.model(dataset)
+        self.ids = np.asarray(table.items(["id"]).column("id").to_pylist(), dtype=object)
+        old = table.features("features", dataset)
+        self.new_model = None
+        on_new = np.zeros(len(old), dtype=bool)
+        if upgrade is not None and not self.old_model.same_version(upgrade.new):
+            vectors, on_new, self.new_model = table.mixed()
+        self.on_new = on_new
+        flat = faiss.IndexFlatIP if distance == "cosine" else faiss.IndexFlatL2
+        self.dim = old.shape[1]
+        self.old_index = faiss.IndexIDMap2(flat(self.dim))
+        self.old_index.add_with_ids(self._prepare(old[~on_new]), np.flatnonzero(~on_new).astype(np.int64))
+        self.new_dim = self.new_model.dim if self.new_model is not None else self.dim
+        self.new_index = faiss.IndexIDMap2(flat(self.new_dim))
+        if self.new_model is not None:
+            self.new_index.add_with_ids(self._prepare(vectors[on_new]), np.flatnonzero(on_new).astype(np.int64))
+
+    _prepare = LanceSearch._prepare
+
+    @property
+    def mid_upgrade(self) -> bool:
+        return self.new_model is not None
+
+    @property
+    def backfilled(self) -> int:
+        return int(self.on_new.sum()) if self.mid_upgrade else len(self.ids)
+
+    def _one(self, index, queries: np.ndarray, k: int):
+        k = min(k, index.ntotal)
+        if k == 0:
+            return np.empty((len(queries), 0), dtype=np.int64), np.empty((len(queries), 0), dtype=np.float32)
+        scores, rows = index.search(self._prepare(queries), k)
+        return rows, (1.0 - scores if self.distance == "cosine" else scores)
+
+    def search(self, old_queries: np.ndarray, new_queries: np.ndarray | None, k: int = 10) -> tuple[list, np.ndarray, list]:
+        """(item ids, merge scores, sources), each (queries, k'): as ``DualSearch.search``."""
+        from components.evaluation.fusion import merge_lists
+
+        old_queries, k = check_queries(old_queries, self.dim, self.old_model.uri, k, len(self.ids))
+        old_rows, old_dist = self._one(self.old_index, old_queries, k)
+        if not self.mid_upgrade:
+            return ([[self.ids[r] for r in row] for row in old_rows], old_dist,
+                    [[self.old_model.uri] * old_rows.shape[1] for _ in old_rows])
+        if new_queries is None:
+            raise GalleryError(f"an upgrade to {self.new_model.uri} is on: the merged search needs each query's "
+                               "features from both models (the new model's too)")
+        new_queries, _ = check_queries(new_queries, self.new_dim, self.new_model.uri, k, len(self.ids))
+        if len(new_queries) != len(old_queries):
+            raise GalleryError(f"{len(old_queries)} old query features but {len(new_queries)} new ones; give both "
+                               "models' features of the same queries, in the same order")
+        new_rows, new_dist = self._one(self.new_index, new_queries, k)
+        names = [self.old_model.uri, self.new_model.uri]
+        ids, scores, sources = [], [], []
+        for q in range(len(old_queries)):
+            rows, score, source = merge_lists(self.merge, [old_rows[q], new_rows[q]], [old_dist[q], new_dist[q]],
+                                              rrf_k=self.rrf_k, distance=self.distance, limit=k)
+            ids.append([self.ids[r] for r in rows])
+            scores.append(score)
+            sources.append([names[s] for s in source])
+        return ids, np.stack(scores), sources

@@ -391,3 +391,56 @@ def test_status_and_doctor_read_the_table(tmp_path):
     checked = CliRunner().invoke(app, ["doctor", "--params", params])  # no MLflow store here: only its store line counts
     assert f"ok    store     {tmp_path / 'store' / 'gallery.lance'}: {N} items, model {OLD.uri}, upgrading (u1)" \
         in checked.output, checked.output
+
+
+def test_the_merged_search_on_the_table_against_a_brute_force_reference(tmp_path):
+    """`search --merge rrf` on the table mid-upgrade: the old model's features of the items not yet
+    re-embedded and the new model's of those that are, each searched exactly and merged by rrf;
+    hits from both parts, each with its source. Also through the CLI."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli import app
+    from components.evaluation.fusion import merge_lists
+    from components.gallery.lance_search import LanceDualSearch
+
+    data = _data()
+    table = _upgraded(tmp_path, data)
+    for chunk in (0, 1):
+        positions = _chunk_positions(data["rank"], chunk)
+        table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+    table.fold("u1")
+    positions = _chunk_positions(data["rank"], 2)  # one chunk landed but not folded
+    table.commit_chunk("u1", 2, positions, data["new"][positions], TOKEN)
+    on_new = np.zeros(N, dtype=bool)
+    for chunk in (0, 1, 2):
+        on_new[_chunk_positions(data["rank"], chunk)] = True
+    ids = np.arange(N) * 7 + 3
+    rng = np.random.default_rng(9)
+    old_q, new_q = rng.normal(size=(4, OLD_DIM)).astype(np.float32), rng.normal(size=(4, NEW_DIM)).astype(np.float32)
+    searcher = LanceDualSearch(table, "l2", "rrf", 60)
+    assert searcher.mid_upgrade and searcher.backfilled == 3 * CHUNK
+    found, _, sources = searcher.search(old_q, new_q, k=10)
+    old_rows, new_rows = np.flatnonzero(~on_new), np.flatnonzero(on_new)
+    for q in range(4):
+        old_d = ((data["old"][old_rows] - old_q[q]) ** 2).sum(1)
+        new_d = ((data["new"][new_rows] - new_q[q]) ** 2).sum(1)
+        old_top, new_top = old_rows[np.argsort(old_d)[:10]], new_rows[np.argsort(new_d)[:10]]
+        rows, _, source = merge_lists("rrf", [old_top, new_top], [np.sort(old_d)[:10], np.sort(new_d)[:10]], limit=10)
+        assert found[q] == ids[rows].tolist()
+        assert sources[q] == [[OLD.uri, NEW.uri][s] for s in source]
+    assert {OLD.uri, NEW.uri} <= {s for row in sources for s in row}
+
+    np.save(tmp_path / "old.npy", old_q)
+    np.save(tmp_path / "new.npy", new_q)
+    params = _lance_params(tmp_path)
+    merged = CliRunner().invoke(app, ["search", "--merge", "rrf", "--features", str(tmp_path / "new.npy"),
+                                      "--old-features", str(tmp_path / "old.npy"), "--params", params])
+    assert merged.exit_code == 0, merged.output
+    answer = json.loads(merged.output)
+    assert answer["ids"] == found and answer["sources"] == sources and answer["merge"] == "rrf"
+    assert answer["query_models"] == [OLD.uri, NEW.uri] and answer["backfilled"] == 3 * CHUNK
+    missing = CliRunner().invoke(app, ["search", "--merge", "rrf", "--features", str(tmp_path / "new.npy"),
+                                       "--params", params])
+    assert missing.exit_code != 0 and "--old-features" in missing.output
