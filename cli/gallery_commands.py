@@ -148,6 +148,16 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
+    # gallery.layout lance: the table goes back to its previous serving tag (docs/lance.md).
+    config = load(params)
+    if config.gallery.layout == "lance":
+        from components.gallery.lance_table import LanceGallery
+
+        uri = store_uri(config, store)
+        rolled, previous = call(lambda: LanceGallery(uri).rollback())
+        typer.echo(f"{uri}: the table serves {previous.uri}'s features again (rolled back from {rolled.uri}); the "
+                   "registry was not changed: upgrades of the lance layout do not run through `fastfill upgrade` yet")
+        return
     from flows.undo import rollback_flow
 
     uri, result = run_undo(rollback_flow, store, params)

@@ -386,8 +386,8 @@ class LanceGallery:
                 files = ", ".join(f"{_where(dataset)}/data/{f.path}" for f in fragment.data_files())
                 return TableCorrupt(f"{_where(dataset)}: data file {files} (fragment {fragment.fragment_id}) cannot be "
                                     f"read ({_one_line(error)}); it is truncated or damaged. Restore it from a "
-                                    "copy, or roll back to a version that does not use it (`fastfill gallery "
-                                    "rollback`)")
+                                    "copy, or roll back to a serving tag that does not use it (`fastfill gallery "
+                                    "rollback` with gallery.layout lance)")
         return TableCorrupt(f"{self.uri}: the table cannot be read: {_one_line(error)}")
 
     def _check(self, dataset, data, column: str, vectors: np.ndarray) -> None:
@@ -407,8 +407,8 @@ class LanceGallery:
         item = data.column("id")[row].as_py() if "id" in data.column_names else None
         raise TableCorrupt(f"{_where(dataset)}: {len(bad)} rows of {column!r} do not match their digest (first: item "
                            f"{item!r}, position {int(positions[row])}, in data file {', '.join(files) or '?'}); the "
-                           "file was altered or damaged. Restore it from a copy, or roll back (`fastfill gallery "
-                           "rollback`)")
+                           "file was altered or damaged. Restore it from a copy, or roll back to an earlier serving tag "
+                           "(`fastfill gallery rollback` with gallery.layout lance)")
 
     # ---- an upgrade's columns
 

@@ -319,6 +319,9 @@ def test_commands_on_the_lance_layout(tmp_path):
     table.finish("u1")
     collected = runner.invoke(app, ["gallery", "gc", "--params", params])
     assert collected.exit_code == 0 and "removed 0 table versions older than 7 days" in collected.output
+    rolled = runner.invoke(app, ["gallery", "rollback", "--params", params])
+    assert rolled.exit_code == 0 and f"serves {OLD.uri}'s features again (rolled back from {NEW.uri})" in rolled.output
+    assert np.array_equal(table.features(), data["old"])
 
 
 def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
