@@ -314,6 +314,12 @@ def test_commands_on_the_lance_layout(tmp_path):
 
     refused = runner.invoke(app, ["upgrade", "--params", params])
     assert refused.exit_code != 0 and "runs on the parts layout only" in refused.output
+    aborted = runner.invoke(app, ["upgrade", "abort", "--params", params])
+    assert aborted.exit_code == 0 and f"aborted upgrade u1 to {NEW.uri}" in aborted.output, aborted.output
+    assert table.upgrade() is None
+    again = runner.invoke(app, ["upgrade", "abort", "--params", params])
+    assert again.exit_code != 0 and "no upgrade in progress" in again.output
+    table.begin_upgrade("u1", NEW, data["mapped"], data["rank"], data["sigma"], token=TOKEN)
 
     _commit_all(table, data)
     table.finish("u1")
