@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import (
-    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, parts_layout, store_uri,
+    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
 )
 from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
@@ -188,7 +188,11 @@ def upgrade(ctx: typer.Context,
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
-    parts_layout(config, "`upgrade`")
+    if config.gallery.layout == "lance":
+        return _table_upgrade(config, params, store, to, gate, break_lock, overrides,
+                              {"--budget": budget, "--dry-run": dry_run or None, "--judgments": judgments,
+                               "--stop-when-gain-below": stop_when_gain_below, "--target-top1": target_top1,
+                               "--max-items-per-second": max_items_per_second})
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
 
@@ -230,6 +234,36 @@ def upgrade(ctx: typer.Context,
                    f"{100 * numbers['top1_auc']:.2f}%, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
                    f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
         for reason in decision["reasons"]:
+            typer.echo(f"  - {reason}")
+    if result["state"] == "rejected":
+        raise typer.Exit(REJECTED)
+
+
+def _table_upgrade(config, params: Path, store: str | None, to: str, gate: bool | None, break_lock: bool,
+                   overrides: dict, unsupported: dict) -> None:
+    """`upgrade` with gallery.layout lance: flows/table_upgrade.py, on the upgrade's task runner."""
+    given = [option for option, value in unsupported.items() if value is not None]
+    if given or config.gallery.upgrade.judgments or config.gallery.upgrade.budget is not None \
+            or config.gallery.upgrade.stop_when_gain_below is not None:
+        named = ", ".join(given) or "gallery.upgrade.judgments, budget or stop_when_gain_below"
+        fail(f"{named}: not available on the lance layout yet (docs/lance.md); the parts layout has them", USAGE)
+    from flows.table_upgrade import table_upgrade_flow
+    from flows.upgrade import runner_for
+
+    uri = store_uri(config, store)
+    need_services(config)
+    start = time.perf_counter()
+    flow = table_upgrade_flow.with_options(task_runner=runner_for(config.gallery.upgrade))
+    result = call(flow, store_uri=uri, to_uri=to, gate=gate, break_lock=break_lock,
+                  params_path=str(params.resolve()), overrides=overrides or None)
+    if result["state"] in ("up to date", "no target"):
+        typer.echo(f"{result['state']}: {result['message']}")
+        return
+    typer.echo(f"{result['state']}: upgrade {result['upgrade']} of {result['items']} items in "
+               f"{time.perf_counter() - start:.0f} s; the table serves {result['model']}; MLflow run "
+               f"{result['mlflow_run_id']}")
+    if "promotion" in result:
+        for reason in result["promotion"]["reasons"]:
             typer.echo(f"  - {reason}")
     if result["state"] == "rejected":
         raise typer.Exit(REJECTED)

@@ -1,0 +1,142 @@
+"""The upgrade's work on the Lance table (gallery.layout lance), free of Prefect and MLflow: the
+items' images, the map applied to the stored features and the backfill order, a chunk
+re-embedded, and the promotion gate's sample. ``flows/table_upgrade.py`` sequences them.
+
+An item's image is its ``pixels`` (an ingested gallery) or read by its URI (an adopted one, under
+the table's image root, in the image shape the table records). A chunk's unreadable images keep
+their h(old) as their features in the new space, as in the parts layout, and are listed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from components.gallery.catalog import GalleryError, check_features
+from components.gallery.lance_table import LanceGallery, _metadata
+
+
+@dataclass(frozen=True)
+class Failure:
+    position: int
+    uri: str
+    reason: str
+
+
+def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> tuple[np.ndarray, list[Failure]]:
+    """The uint8 images (n, C, H, W) of the items at ``positions``, in that order, and the ones that
+    could not be read (their rows are zeros)."""
+    from components.gallery.images import read_images
+
+    positions = np.asarray(positions, dtype=np.int64)
+    dataset = table.dataset()
+    metadata = _metadata(dataset.schema)
+    shape = json.loads(metadata.get("fastfill.image_shape") or "null")
+    if not shape:
+        raise GalleryError(f"{table.uri} does not record its images' shape (fastfill.image_shape); convert or adopt "
+                           "it again")
+    names = dataset.schema.names
+    column = "pixels" if "pixels" in names else "image" if "image" in names else None
+    if column is None:
+        raise GalleryError(f"{table.uri} has neither images (pixels) nor their URIs (image): nothing to re-embed")
+    wanted = ", ".join(str(int(p)) for p in positions)
+    rows = table._read(dataset, ["position", column], filter=f"position IN ({wanted})") if len(positions) else None
+    if rows is None:
+        return np.zeros((0, *shape), dtype=np.uint8), []
+    where = dict(zip(rows.column("position").to_pylist(), range(rows.num_rows), strict=True))
+    picked = [where[int(p)] for p in positions]
+    values = rows.column(column).take(picked).to_pylist()
+    if column == "pixels":
+        return np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(positions), *shape).copy(), []
+    images, failures = read_images(values, shape, root=metadata.get("fastfill.image_root") or None, workers=workers)
+    return images, [Failure(int(positions[f.row]), f.uri, f.reason) for f in failures]
+
+
+def chunk_grid(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The chunks' [start, stop) places in the backfill order."""
+    return [(start, min(start + chunk_size, num_items)) for start in range(0, num_items, chunk_size)]
+
+
+def order_of(table: LanceGallery) -> np.ndarray:
+    """The backfill order (positions, first first) from the table's ``rank`` column."""
+    data = table._read(table.dataset(), ["position", "rank"])
+    order = np.empty(data.num_rows, dtype=np.int64)
+    order[data.column("rank").to_numpy()] = data.column("position").to_numpy()
+    return order
+
+
+def plan(table: LanceGallery, upgrade: str, new, alignment_map, order_kind: str, seed: int,
+         token: str | None = None) -> tuple[str, np.ndarray]:
+    """h(old) and log sigma^2 of every stored feature, the backfill order (``usage.backfill_order``;
+    the usage orders read the table's ``weight`` column), and the upgrade's columns written
+    (``LanceGallery.begin_upgrade``). Returns (the plan's token, the order)."""
+    from components.experiment.inference import apply_alignment
+    from components.gallery import usage
+
+    old = table.features()
+    transformed, log_sigma2 = apply_alignment(alignment_map, old)
+    transformed = check_features(transformed, None, "the transformed features h(old)")
+    weights = None
+    if order_kind in usage.USAGE_ORDERS:
+        if "weight" not in table.dataset().schema.names:
+            raise GalleryError(f"gallery.upgrade.order {order_kind} needs the items' weights; the table has no weight "
+                               "column (adopt with a weight column)")
+        weights = np.asarray(table.items(["weight"]).column("weight").to_pylist(), dtype=np.float64)
+    order = usage.backfill_order(order_kind, len(old), seed, log_sigma2, weights)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    token = table.begin_upgrade(upgrade, new, transformed, rank, log_sigma2, token=token)
+    return token, order
+
+
+def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, positions: np.ndarray, model, *,
+                   batch_size: int = 512, read_workers: int = 16, precision: str = "auto") -> dict:
+    """Re-embed one chunk's images with the new model and commit them (one append); an unreadable
+    image keeps its h(old). Committing a chunk again is harmless (readers keep one commit)."""
+    from components.experiment.inference import embed
+
+    positions = np.asarray(positions, dtype=np.int64)
+    images, failures = images_at(table, positions, read_workers)
+    dim = table.upgrade().new.dim
+    features = np.empty((len(positions), dim), dtype=np.float32)
+    failed = np.isin(positions, [f.position for f in failures])
+    if (~failed).any():
+        features[~failed] = check_features(embed(model, images[~failed], batch_size=batch_size, precision=precision),
+                                           dim, f"new-model features of chunk {chunk}")
+    if failed.any():
+        mapped = table.features("mapped")
+        features[failed] = mapped[positions[failed]]
+    record = table.commit_chunk(upgrade, chunk, positions, features, token)
+    return {**record, "count": len(positions),
+            "failed": [{"position": f.position, "uri": f.uri, "reason": f.reason} for f in failures]}
+
+
+def gate_sample(table: LanceGallery, size: int | str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, labels) of the promotion gate's sample: seeded, class-balanced where labels are
+    (``planning.eval_sample``). Refused without labels: the table's upgrade gates on labels."""
+    from components.gallery.planning import eval_sample
+
+    if "label" not in table.dataset().schema.names:
+        raise GalleryError(f"{table.uri} has no labels, and the lance layout's upgrade gates on labels only so far; "
+                           "run it with --no-gate, or use the parts layout with --judgments")
+    labels = np.asarray(table.items(["label"]).column("label").to_pylist(), dtype=np.int64)
+    positions = eval_sample(labels, None if size == "all" else int(size), seed, len(labels))
+    return positions, labels[positions]
+
+
+def gate_numbers(table: LanceGallery, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray,
+                 order: np.ndarray, *, distance: str, curve_points: int) -> dict:
+    """The promotion gate's numbers (``promotion.measure_gate``) on the sample at ``positions``:
+    the champion's stored features of the sample against the challenger's queries on the sample's
+    gallery as it fills, from h(old) to the new features, in the backfill's order."""
+    from components.gallery.promotion import measure_gate
+
+    champion = table.features("features")[positions]
+    transformed = table.features("mapped")[positions]
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    local_order = np.argsort(rank[positions], kind="stable")
+    return measure_gate(champion, queries, queries, transformed, labels, local_order, distance=distance,
+                        curve_points=curve_points)

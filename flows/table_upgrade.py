@@ -1,0 +1,227 @@
+"""The upgrade of a gallery kept as a Lance table (gallery.layout lance), as Prefect runs it.
+
+The same course as ``flows/upgrade.py`` on the parts layout, in fewer steps:
+
+1. the target (the challenger, or ``to_uri``) and the upgrade lock, a lease object beside the table;
+2. planning, unless the table already holds this upgrade's columns: the registry's map for the two
+   versions (checked on a sample of the gallery unless it passed on it before), or one trained
+   on that sample; h(old), sigma and the order into the table (the record last);
+3. the backfill: every chunk not yet committed, ``max_concurrency`` at a time on the task runner,
+   then the chunks folded into the gallery table;
+4. the gate on a labelled sample of the gallery (``--no-gate``: none); the decision is recorded
+   beside the table before anything changes, so a re-run completes it and never measures again;
+5. finish (the new features serve) or, rejected, the upgrade's columns dropped; then the
+   registry: the decision's tags, and champion moved when it passed; the lock released last.
+
+A re-run of the same command resumes a killed upgrade from its landed chunks. What this flow
+does not do yet on the table (the parts layout does): dry runs and budgets, judged queries,
+sequential upgrades, the budget advisor and progress measured as chunks land.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from prefect import flow, task
+from prefect.futures import as_completed
+
+from components.gallery import ending, planning, samples, table_upgrade
+from components.gallery.catalog import GalleryError
+from components.gallery.decider import UpgradeDecider
+from components.gallery.lance_table import LanceGallery
+from components.gallery.lifecycle import check_map_fits, needs_check, plan_fields, registered_map_order
+from components.gallery.lock import acquire_lock
+from components.gallery.store import open_store
+from components.platform import registry
+from components.platform.config import Params
+from components.platform.registry import ModelRef
+from flows.parameters import resolve_params
+from tasks._policy import IO_RETRIES, NO_CACHING, log
+from tasks.embedding import load_model
+from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
+from tasks.upgrade_tracking import follow_decision, open_upgrade_run, tag_run
+
+
+@task(name="table-backfill-chunk", **IO_RETRIES, **NO_CACHING)
+def backfill_chunk(store_uri: str, upgrade: str, token: str, chunk: int, positions: np.ndarray, model,
+                   batch_size: int, read_workers: int, precision: str) -> dict:
+    return table_upgrade.backfill_chunk(LanceGallery(store_uri), upgrade, token, chunk, positions, model,
+                                        batch_size=batch_size, read_workers=read_workers, precision=precision)
+
+
+@flow(name="gallery-table-upgrade", log_prints=True)
+def table_upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
+                       gate: bool | None = None, break_lock: bool = False, params_path: str | None = None,
+                       overrides: dict[str, Any] | None = None) -> dict:
+    """Upgrade the Lance table at ``store_uri`` (default gallery.store) to ``to_uri`` (default:
+    the challenger); see the module's docstring."""
+    params = resolve_params(params, params_path, overrides)
+    config, name = params.gallery.upgrade, params.mlflow.registered_model
+    uri = store_uri or params.gallery.store
+    table = LanceGallery(uri)
+    client, experiment = registry.setup(params.mlflow)
+    gated = params.promotion.gate if gate is None else gate
+    old = table.model()
+    wanted = registry.asked_version(client, name, to_uri)
+    if wanted is None:
+        champion = registry.alias_version(client, name, registry.CHAMPION)
+        current = champion is not None and ModelRef(name, champion).same_version(old)
+        said = (f"{table.uri} serves the champion {old.uri}, and {name} has no challenger" if current else
+                f"no version to upgrade to: {name} has no challenger and no --to was given")
+        log(said)
+        return {"state": "up to date" if current else "no target", "message": said, "model": old.uri}
+    if wanted.same_version(old):
+        said = f"{table.uri} already serves {old.uri}"
+        log(said)
+        return {"state": "up to date", "message": said, "model": old.uri}
+    uid = planning.upgrade_id(old, wanted)
+    store = open_store(uri)  # the upgrade's records and its lock, as objects beside the table
+    with acquire_lock(store, uid, break_lock=break_lock, log=log, lease_seconds=config.lease_seconds):
+        decided = ending.decision(store, uid)
+        plan = planning.load_plan(store, uid)
+        current = table.upgrade()
+        if current is not None and current.id != uid:
+            raise GalleryError(f"{table.uri}: upgrade {current.id} is in progress; finish it or abort it "
+                               "(`fastfill upgrade abort`) first")
+        if decided is None or plan is None:
+            new_model = load_model(wanted)
+            new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
+            if gated:
+                sample = table_upgrade.gate_sample(table, config.eval_queries, config.seed)  # refused before any work
+            if current is None or plan is None:
+                plan = _plan(params, client, experiment, table, store, uid, old, new, new_model)
+            token, order = table.upgrade().token, table_upgrade.order_of(table)
+            _backfill(table, plan, token, order, new_model, config)
+            numbers = None
+            if gated:
+                positions, labels = sample
+                images, failures = table_upgrade.images_at(table, positions, config.read_workers)
+                keep = ~np.isin(positions, [f.position for f in failures])
+                queries = new_model_features(new_model, images[keep], config)
+                numbers = table_upgrade.gate_numbers(table, positions[keep], labels[keep], queries, order,
+                                                     distance=plan.distance, curve_points=params.promotion.curve_points)
+            decider = UpgradeDecider(uri, name, gated, None, None)
+            fields, said = decider.decide(numbers, params.promotion, uid, new, old)
+            for line in said:
+                log(line)
+            decided = ending.write_decision(store, plan, champion=old, **fields)
+        else:
+            log(f"completing the end of {uid}: decided {decided['decided']}, {'passed' if decided['passed'] else 'rejected'}")
+        if decided["passed"]:
+            table.finish(uid)
+        else:
+            table.abort(uid)
+        if not decided.get("registry_recorded"):
+            follow_decision(client, plan, decided["tags"], promote=decided["passed"])
+            ending.mark_registry_recorded(store, uid)
+        result = {**UpgradeDecider.ended(decided), "upgrade": uid, "items": plan.num_items, "model": table.model().uri,
+                  "mlflow_run_id": plan.mlflow_run_id}
+        log(UpgradeDecider.ended_line(result, uid, plan.new, old))
+        return result
+
+
+def new_model_features(model, images: np.ndarray, config) -> np.ndarray:
+    from components.experiment.inference import embed
+
+    return embed(model, images, batch_size=config.batch_size, precision=config.precision)
+
+
+def _plan(params: Params, client, experiment: str, table: LanceGallery, store, uid: str, old: ModelRef, new: ModelRef,
+          new_model) -> planning.Plan:
+    """The map (the registry's, checked on the gallery's sample unless it passed there before; or
+    trained on that sample), then the table's upgrade columns, then plan.json beside the table."""
+    config = params.gallery.upgrade
+    run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, old.uri, new.uri, None), store.uri)
+    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
+                           params.gallery.distance)
+    source = samples.pairs_source(config, store.uri)
+    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, config.order, source)
+    pairs = None
+    if chosen is not None:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
+        order, why = registered_map_order(chosen.tags, config.order)
+        log(f"alignment map from the registry: {map_uri}" + (f"; it is {why}" if why else ""))
+        from components.experiment import registered
+
+        alignment_map = registered.load_model(map_uri).eval()
+        if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
+            pairs = _pairs(table, params, old, new_model, store.uri)
+            alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs,
+                                                              new_model, old, new, run_id, order)
+    else:
+        pairs = _pairs(table, params, old, new_model, store.uri)
+        alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
+        alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model,
+                                                          old, new, run_id, config.order)
+    check_map_fits(alignment_map, map_uri, order, old.dim, new.dim, new.uri)
+    tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1], "layout": "lance"})
+    started = time.perf_counter()
+    _, _ = table_upgrade.plan(table, uid, new, alignment_map, order, config.seed)
+    log(f"planned {uid} on {table.uri}: the stored features through {map_uri}, {order} order "
+        f"({time.perf_counter() - started:.1f} s); queries now use {new.uri} against the mixed gallery")
+    plan = planning.Plan(uid, old, new, map_uri, order, config.chunk_size, table.num_items(), 0,
+                         params.gallery.distance, run_id)
+    planning.write_plan(store, plan)
+    return plan
+
+
+def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_uri: str):
+    """The map's pairs (gallery.upgrade.map_pairs): this host's prepared split, or a seeded
+    sample of the gallery: the stored features, and the new model's of the items' images
+    (unreadable ones left out)."""
+    from components.gallery.pairs import from_gallery
+
+    config = params.gallery.upgrade
+    if config.map_pairs == "splits":
+        from components.platform.layout import Layout
+        from tasks.embedding import embed_split_pairs
+
+        pairs = embed_split_pairs(Layout(params.paths).splits, load_model(old), new_model)
+        if pairs is None:
+            raise GalleryError(f"gallery.upgrade.map_pairs is splits, but there is no prepared split at "
+                               f"{Layout(params.paths).splits}; use map_pairs: gallery (--pairs gallery)")
+        return pairs
+
+    positions = samples.map_sample(config, table.num_items())
+    images, failures = table_upgrade.images_at(table, positions, config.read_workers)
+    keep = ~np.isin(positions, [f.position for f in failures])
+    log(f"map pairs: embedding {int(keep.sum())} gallery items with the new model")
+    new = new_model_features(new_model, images[keep], config)
+    old = table.features()[positions[keep]]
+    labels = None
+    if "label" in table.dataset().schema.names:
+        labels = np.asarray(table.items(["label"]).column("label").to_pylist(), dtype=np.int64)[positions[keep]]
+    return from_gallery(new_model, positions[keep], old, new, labels, store_uri)
+
+
+def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.ndarray, new_model, config) -> None:
+    """Every chunk not yet committed, ``max_concurrency`` at a time; then the chunks folded in."""
+    grid = table_upgrade.chunk_grid(plan.num_items, plan.chunk_size)
+    landed = table.landed_chunks()
+    todo = [c for c in range(len(grid)) if c not in landed]
+    log(f"backfill of {plan.id}: {len(landed)}/{len(grid)} chunks already committed; {len(todo)} to go")
+    in_flight, failed, done = {}, [], len(landed)
+
+    def start() -> None:
+        while todo and len(in_flight) < config.max_concurrency:
+            chunk = todo.pop(0)
+            lo, hi = grid[chunk]
+            in_flight[backfill_chunk.submit(table.store_uri, plan.id, token, chunk, order[lo:hi], new_model,
+                                            config.batch_size, config.read_workers, config.precision)] = chunk
+
+    start()
+    while in_flight:
+        future = next(as_completed(list(in_flight)))
+        chunk = in_flight.pop(future)
+        record = future.result()
+        done += 1
+        failed += record["failed"]
+        log(f"chunk {chunk} committed ({done}/{len(grid)})")
+        start()
+    if failed:
+        log(f"{len(failed)} images could not be read and keep their h(old) (first: {failed[0]['uri']}: "
+            f"{failed[0]['reason']})")
+    folded = table.fold(plan.id)
+    log(f"{folded} chunks folded into {table.uri}")
