@@ -351,14 +351,9 @@ def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size:
     return manifest
 
 
-def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
-           labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
-           part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
-    """Write a new gallery: items, images and the model's features, part by part; the manifest
-    last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
-    import pyarrow as pa
-
-    check_empty(store, "ingest")
+def check_ingest(images, labels, groups, ids) -> tuple[np.ndarray, np.ndarray]:
+    """An ingest's images as uint8 (N, C, H, W) (one channel added to (N, H, W)) and its ids
+    (0..N-1 by default), every column checked against N; a GalleryError naming what is wrong."""
     images = np.asarray(images)
     if images.ndim == 3:
         images = images[:, None]
@@ -367,15 +362,28 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
     n = len(images)
     if n < 2:
         raise GalleryError(f"a gallery needs at least 2 items, got {n}")
-    features = check_features(features, model.dim, "gallery features")
-    if len(features) != n:
-        raise GalleryError(f"{len(features)} feature rows for {n} images")
     for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
         if column is not None and len(column) != n:
             raise GalleryError(f"{name}: {len(column)} values for {n} images")
     ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
     if len(np.unique(ids)) != n:
         raise GalleryError("item ids must be unique")
+    return images, ids
+
+
+def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
+           labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
+           part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
+    """Write a new gallery: items, images and the model's features, part by part; the manifest
+    last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
+    import pyarrow as pa
+
+    check_empty(store, "ingest")
+    images, ids = check_ingest(images, labels, groups, ids)
+    n = len(images)
+    features = check_features(features, model.dim, "gallery features")
+    if len(features) != n:
+        raise GalleryError(f"{len(features)} feature rows for {n} images")
     if part_size < 1:
         raise GalleryError(f"part_size must be >= 1, got {part_size}")
 

@@ -807,20 +807,10 @@ def ingest(uri: str | Path, images: np.ndarray, features: np.ndarray, model: Mod
     The same checks as the parts layout's ingest."""
     import pyarrow as pa
 
-    images = np.asarray(images)
-    if images.ndim == 3:
-        images = images[:, None]
-    if images.ndim != 4 or images.dtype != np.uint8:
-        raise GalleryError(f"images must be uint8 of shape (N, C, H, W) or (N, H, W), got {images.dtype} {images.shape}")
+    from components.gallery.catalog import check_ingest
+
+    images, ids = check_ingest(images, labels, groups, ids)
     n = len(images)
-    if n < 2:
-        raise GalleryError(f"a gallery needs at least 2 items, got {n}")
-    for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
-        if column is not None and len(column) != n:
-            raise GalleryError(f"{name}: {len(column)} values for {n} images")
-    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
-    if len(np.unique(ids)) != n:
-        raise GalleryError("item ids must be unique")
     columns = {"id": pa.array(ids)}
     if labels is not None:
         columns["label"] = pa.array(np.asarray(labels, dtype=np.int64))

@@ -49,8 +49,8 @@ def _upgraded(tmp_path, data) -> LanceGallery:
     return table
 
 
-def _commit_all(table: LanceGallery, data) -> None:
-    for chunk in range(N // CHUNK):
+def _commit_all(table: LanceGallery, data, chunks=None) -> None:
+    for chunk in range(N // CHUNK) if chunks is None else chunks:
         positions = _chunk_positions(data["rank"], chunk)
         table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
 
@@ -340,9 +340,7 @@ def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
 
     data = _data()
     table = _upgraded(tmp_path, data)
-    for chunk in (0, 1):
-        positions = _chunk_positions(data["rank"], chunk)
-        table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+    _commit_all(table, data, (0, 1))
     table.fold("u1")
 
     # --- as in docs/lance.md
@@ -416,9 +414,7 @@ def test_the_merged_search_on_the_table_against_a_brute_force_reference(tmp_path
 
     data = _data()
     table = _upgraded(tmp_path, data)
-    for chunk in (0, 1):
-        positions = _chunk_positions(data["rank"], chunk)
-        table.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+    _commit_all(table, data, (0, 1))
     table.fold("u1")
     positions = _chunk_positions(data["rank"], 2)  # one chunk landed but not folded
     table.commit_chunk("u1", 2, positions, data["new"][positions], TOKEN)
