@@ -90,8 +90,11 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
             new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
             if gated:
                 sample = table_upgrade.gate_sample(table, config.eval_queries, config.seed)  # refused before any work
-            if current is None or plan is None:
+            if current is None:  # (plan.json without the table's record: a planning killed half way)
                 plan = _plan(params, client, experiment, table, store, uid, old, new, new_model)
+            elif plan is None:
+                raise GalleryError(f"{table.uri} holds upgrade {uid} but its plan.json is gone from {store.uri}; abort "
+                                   "it (`fastfill upgrade abort`) and run the upgrade again")
             token, order = table.upgrade().token, table_upgrade.order_of(table)
             _backfill(table, plan, token, order, new_model, config)
             numbers = None
@@ -157,13 +160,13 @@ def _plan(params: Params, client, experiment: str, table: LanceGallery, store, u
                                                           old, new, run_id, config.order)
     check_map_fits(alignment_map, map_uri, order, old.dim, new.dim, new.uri)
     tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1], "layout": "lance"})
-    started = time.perf_counter()
-    _, _ = table_upgrade.plan(table, uid, new, alignment_map, order, config.seed)
-    log(f"planned {uid} on {table.uri}: the stored features through {map_uri}, {order} order "
-        f"({time.perf_counter() - started:.1f} s); queries now use {new.uri} against the mixed gallery")
     plan = planning.Plan(uid, old, new, map_uri, order, config.chunk_size, table.num_items(), 0,
                          params.gallery.distance, run_id)
-    planning.write_plan(store, plan)
+    planning.write_plan(store, plan)  # before the table's record: a planning killed in between plans again
+    started = time.perf_counter()
+    table_upgrade.plan(table, uid, new, alignment_map, order, config.seed)
+    log(f"planned {uid} on {table.uri}: the stored features through {map_uri}, {order} order "
+        f"({time.perf_counter() - started:.1f} s); queries now use {new.uri} against the mixed gallery")
     return plan
 
 
