@@ -1,5 +1,6 @@
 """`fastfill upgrade` on a gallery kept as a Lance table (gallery.layout lance), through the CLI
-with the pipeline's registry: planned, backfilled in chunks, gated, finished, champion moved;
+with the pipeline's registry, on a folder and on S3 (moto over HTTP): planned, backfilled in
+chunks, gated, finished, champion moved;
 a gate that rejects leaves the table serving the champion's features; an upgrade killed in its
 backfill resumes from its committed chunks."""
 
@@ -12,35 +13,43 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from cli import app
 from components.gallery.lance_table import LanceGallery
+from tests.environment import new_bucket
 from tests.integration.helpers import cli_environment, registry_models, split_images
 
 
-def _lance(tmp_path, **promotion) -> str:
+def _lance(tmp_path, store: str | None = None, **promotion) -> str:
     settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
     settings["gallery"]["layout"] = "lance"
+    if store is not None:
+        settings["gallery"]["store"] = store
     settings["promotion"] = {**settings.get("promotion", {}), **promotion}
     path = tmp_path / "lance.yaml"
     path.write_text(yaml.safe_dump(settings))
     return str(path)
 
 
-def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, request, where):
     from components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
     client, old_model, new_model, old_version, new_version = registry_models(params)
     split = split_images(params)
+    store = params.gallery.store
+    if where == "s3":
+        store = f"s3://{new_bucket(request.getfixturevalue('s3_endpoint'))}/gallery"
     # the gate measured on the labelled sample, with thresholds the tiny models pass
-    lance_params = _lance(tmp_path, gate=True, max_nfr1=1.0, min_top1_auc_gain=-1.0)
+    lance_params = _lance(tmp_path, gate=True, max_nfr1=1.0, min_top1_auc_gain=-1.0, store=store)
     runner = CliRunner()
     ingested = runner.invoke(app, ["gallery", "ingest", "--params", lance_params])
     assert ingested.exit_code == 0, ingested.output
-    table = LanceGallery(params.gallery.store)
+    table = LanceGallery(store)
 
     done = runner.invoke(app, ["upgrade", "--params", lance_params])
     assert done.exit_code == 0, done.output
