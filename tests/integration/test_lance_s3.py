@@ -118,10 +118,11 @@ def test_chunks_commit_through_injected_5xx_answers(s3_table, s3_endpoint, monke
     assert backfilled.all() and np.array_equal(vectors, data["new"])
 
 
-def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s3_endpoint):
+def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s3_endpoint, prefect_harness):
     """gallery.layout: lance: `gallery adopt` embeds the images where they are with the champion
-    and writes the table on S3; `gallery info` and `search` read it back. `gallery ingest` puts
-    images into a table with the champion's features."""
+    and writes the table on S3; `gallery info` and `search` read it back; `upgrade` re-embeds the
+    images read by URI (a missing one keeps its h(old)). `gallery ingest` puts images into a table
+    with the champion's features."""
     import json
 
     import yaml
@@ -133,7 +134,7 @@ def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s
     from tests.integration.helpers import registry_models, split_images
 
     params, tmp_path = upgrade_env
-    _, old_model, _, old_version, _ = registry_models(params)
+    _, old_model, new_model, old_version, new_version = registry_models(params)
     split = split_images(params)
     photos = tmp_path / "photos"
     photos.mkdir()
@@ -164,11 +165,23 @@ def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s
                                            *common]).output)
     assert found["ids"] == [[503]] and found["sources"] == [[f"models:/{params.mlflow.registered_model}/{old_version}"]]
 
-    # ingest: the prepared test split's images into a table of their own, with the champion's features
+    # the adopted table upgraded: the backfill reads each image by its URI, under the manifest's folder
+    (photos / "item-0007.png").unlink()  # gone since it was adopted: keeps its h(old)
+    upgraded = runner.invoke(app, ["upgrade", *common])
+    assert upgraded.exit_code == 0 and "complete: upgrade" in upgraded.output, upgraded.output
+    assert table.model().version == new_version
+    expected = embed(new_model, split.images)
+    served = table.features()
+    keep = np.arange(len(served)) != 7
+    np.testing.assert_allclose(served[keep], expected[keep], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(served[7], expected[7], atol=1e-3)
+
+    # ingest: the prepared test split's images into a table of their own, with the champion's
+    # features (the champion is the new model since the upgrade)
     ingested_at = ["--store", f"s3://{new_bucket(s3_endpoint)}/ingested", "--params", str(tmp_path / "lance.yaml")]
     ingested = runner.invoke(app, ["gallery", "ingest", *ingested_at])
     assert ingested.exit_code == 0 and f"{len(split.labels)} items" in ingested.output, ingested.output
     table = LanceGallery(ingested_at[1])
     pixels = table.items(["pixels"]).column("pixels").to_pylist()
     assert np.array_equal(np.frombuffer(b"".join(pixels), np.uint8).reshape(split.images.shape), split.images)
-    np.testing.assert_allclose(table.features(), embed(old_model, split.images), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(table.features(), expected, rtol=1e-4, atol=1e-4)
