@@ -406,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.returncode not in (0, 4):
             print(f"the sweep failed with exit status {result.returncode}; see {out / 'sweep.log'}", file=sys.stderr)
             return result.returncode
+    if wall is None and (args.reports / "shadow_index.json").is_file():  # --report-only: the run's own time stays
+        wall = json.loads((args.reports / "shadow_index.json").read_text()).get("sweep_wall_s")
     curves, metrics = collect(out, sizes, seeds)
     if not curves:
         print(f"no finished runs under {out}", file=sys.stderr)
