@@ -34,6 +34,24 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _exit_within(seconds: float) -> None:
+    """After a service's stop line: if the interpreter's own exit has not ended the process within
+    ``seconds`` (an exit handler or a library's thread still retrying a server that is gone),
+    end it then, with status 0; the output is flushed first."""
+    import os
+    import sys
+    import threading
+
+    def force() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
+
+
 @app.command(short_help="Serve the deployments and poll the registry.")
 def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
@@ -107,6 +125,7 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
             pass
         watcher.stop(wait=2.0)
         typer.echo(f"stopped watching {config.mlflow.registered_model}@challenger for {uri}")
+        _exit_within(10.0)
         return
     try:
         result = call(watch_once, config, uri, params_file(params), resume)  # a missing deployment: exit 5
