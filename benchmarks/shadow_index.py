@@ -46,16 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-ROWS = {
-    "FCT-random": ("fct", "random"),
-    "FastFill-sigma": ("fastfill", "sigma"),
-    "FastFill-random": ("fastfill", "random"),
-    "dual_rrf-random": ("dual_rrf", "random"),
-    "dual_rrf-sigma": ("dual_rrf", "sigma"),
-}
-# per query while the upgrade runs: (query embeddings, index searches), and the models served
-COST = {row: (2, 2, "old and new, until 100%") if row.startswith("dual") else (1, 1, "new (old features mapped once)")
-        for row in ROWS}
+ROWS = {"FCT-random": ("fct", "random"), "FastFill-sigma": ("fastfill", "sigma"),
+        "FastFill-random": ("fastfill", "random"), "dual_rrf-random": ("dual_rrf", "random"),
+        "dual_rrf-sigma": ("dual_rrf", "sigma")}
+DUAL, MAPPED = (2, 2, "old and new, until 100%"), (1, 1, "new (old features mapped once)")
+COST = {row: DUAL if row.startswith("dual") else MAPPED for row in ROWS}  # per query: embeddings, searches, models
 EARLY = 0.3
 KEYS = ("top1_auc", "map_auc", "top1_early", "map_early", "top1_0", "top1_100")
 HEADERS = {"top1_auc": "top1_auc", "map_auc": "map_auc", "top1_early": "top-1 area 0-30%",
@@ -306,46 +301,6 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-PLOTTED = ("FCT-random", "FastFill-sigma", "dual_rrf-random")
-
-
-def plot(curves: dict, path: Path) -> None:
-    """Top-1 and mAP against the backfilled fraction for PLOTTED, per data size: the mean over the
-    seeds, and a band of one standard deviation where there are several."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = list(curves)
-    figure, axes = plt.subplots(2, len(sizes), figsize=(5.5 * len(sizes), 7.5), squeeze=False)
-    for column, size in enumerate(sizes):
-        per_seed = curves[size]
-        for metric, row in (("top1", 0), ("map", 1)):
-            axis = axes[row][column]
-            for name in PLOTTED:
-                method, order = ROWS[name]
-                series = np.array([run["curves"][method][order][metric] for run in per_seed.values()]) * 100
-                alpha = np.array(next(iter(per_seed.values()))["curves"][method][order]["alpha"]) * 100
-                mean = series.mean(axis=0)
-                line, = axis.plot(alpha, mean, marker=".", label=name)
-                if len(series) > 1:
-                    sd = series.std(axis=0, ddof=1)
-                    axis.fill_between(alpha, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
-            axis.axvline(EARLY * 100, color="grey", linestyle=":", linewidth=1)
-            axis.set_xlabel("gallery backfilled (%)")
-            axis.set_ylabel("top-1 (%)" if metric == "top1" else "mAP (%)")
-            axis.set_title(f"{'all' if size == 'all' else size} training images per class, seeds "
-                           f"{', '.join(per_seed)}: {'top-1' if metric == 'top1' else 'mAP'}")
-            axis.grid(alpha=0.3)
-            axis.legend(loc="lower right", fontsize=8)
-    figure.suptitle("The shadow index (dual_rrf) against FastFill and FCT\nmean over seeds, band = 1 sd; "
-                    "dotted: the 30% mark of the early area", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def sweep_params(params_path: Path, out: Path) -> Path:
     """params.yaml with only the outputs moved under ``out``: the sweep's summary (paths.reports)
     and the MLflow store. Every number the runs compute is the default configuration's."""
@@ -406,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.returncode not in (0, 4):
             print(f"the sweep failed with exit status {result.returncode}; see {out / 'sweep.log'}", file=sys.stderr)
             return result.returncode
-    if wall is None and (args.reports / "shadow_index.json").is_file():  # --report-only: the run's own time stays
-        wall = json.loads((args.reports / "shadow_index.json").read_text()).get("sweep_wall_s")
+    recorded = args.reports / "shadow_index.json"  # --report-only keeps the recorded run's time
+    wall = wall if wall is not None or not recorded.is_file() else json.loads(recorded.read_text()).get("sweep_wall_s")
     curves, metrics = collect(out, sizes, seeds)
     if not curves:
         print(f"no finished runs under {out}", file=sys.stderr)
@@ -430,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     args.reports.mkdir(parents=True, exist_ok=True)
     (args.reports / "shadow_index.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.reports / "shadow_index.md").write_text(markdown(summary))
-    plot(curves, args.reports / "shadow_index.png")
+    from shadow_index_plot import plot  # beside this file
+    plot(curves, ROWS, EARLY, args.reports / "shadow_index.png")
     print(markdown(summary))
     print(f"written: {args.reports / 'shadow_index.md'}, shadow_index.json and shadow_index.png")
     return 0

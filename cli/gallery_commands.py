@@ -175,7 +175,7 @@ def gallery_convert(store: StoreOption = None,
     dataset that pyarrow, DuckDB and LanceDB open (docs/lance.md), read it back and compare it
     with the source. Refused during an upgrade and where a table exists."""
     config = load(params)
-    from components.gallery.lance_table import convert
+    from components.gallery.lance_convert import convert
 
     uri = store_uri(config, store)
     result = call(lambda: convert(uri, to))

@@ -241,13 +241,13 @@ def upgrade(ctx: typer.Context,
 
 def _table_upgrade(config, params: Path, store: str | None, to: str, gate: bool | None, break_lock: bool,
                    overrides: dict, unsupported: dict) -> None:
-    """`upgrade` with gallery.layout lance: flows/table_upgrade.py, on the upgrade's task runner."""
+    """`upgrade` with gallery.layout lance: flows/lance_upgrade.py, on the upgrade's task runner."""
     given = [option for option, value in unsupported.items() if value is not None]
     if given or config.gallery.upgrade.judgments or config.gallery.upgrade.budget is not None \
             or config.gallery.upgrade.stop_when_gain_below is not None:
         named = ", ".join(given) or "gallery.upgrade.judgments, budget or stop_when_gain_below"
         fail(f"{named}: not available on the lance layout yet (docs/lance.md); the parts layout has them", USAGE)
-    from flows.table_upgrade import table_upgrade_flow
+    from flows.lance_upgrade import table_upgrade_flow
     from flows.upgrade import runner_for
 
     uri = store_uri(config, store)

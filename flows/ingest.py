@@ -79,9 +79,9 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
     if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery import lance_table
+        from components.gallery import lance_convert
 
-        result = lance_table.ingest(store_uri, image_array, feature_array, ref, labels=label_array,
+        result = lance_convert.ingest(store_uri, image_array, feature_array, ref, labels=label_array,
                                     groups=group_array, ids=id_array, registry=registry.identity(params.mlflow))
         log(f"gallery table {result['table']}: {result['num_items']} items with their images, model {ref.uri}")
         return result
@@ -150,9 +150,9 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         log(f"adopt: part {done}/{total} written")
 
     if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery import lance_table
+        from components.gallery import lance_convert
 
-        result = lance_table.adopt(store_uri, table, ref, shape, root=root, features=rows, embed_part=embed_part,
+        result = lance_convert.adopt(store_uri, table, ref, shape, root=root, features=rows, embed_part=embed_part,
                                    part_size=params.gallery.part_size, on_part=on_part,
                                    registry=registry.identity(params.mlflow))
         log(f"gallery table {result['table']}: {result['num_items']} items, model {ref.uri}, images read by URI"

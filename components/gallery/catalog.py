@@ -66,17 +66,6 @@ def check_features(features: np.ndarray, dim: int | None, what: str) -> np.ndarr
     return features
 
 
-def check_queries(features, dim: int | None, model_uri: str, k: int, num_items: int) -> tuple[np.ndarray, int]:
-    """Query features as a 2-D float32 array of the query model's dimension (one query may be
-    1-D), and k capped at the gallery's size; a GalleryError naming what is wrong otherwise."""
-    if k < 1:
-        raise GalleryError(f"k must be >= 1, got {k}")
-    features = np.asarray(features)
-    if features.ndim == 1:
-        features = features[None]
-    return check_features(features, dim, f"query features (for {model_uri})"), min(k, num_items)
-
-
 class Gallery:
     """A gallery in a store: its manifest, items, images and features."""
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from components.gallery.catalog import GalleryError, check_queries
+from components.gallery.catalog import GalleryError
+from components.gallery.search import check_queries
 from components.gallery.lance_table import LanceGallery
 
 

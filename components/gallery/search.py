@@ -12,12 +12,23 @@ import threading
 
 import numpy as np
 
-from components.gallery.catalog import Gallery, GalleryError, check_queries
+from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import chunk_features, done_chunks
 from components.gallery.planning import FINISHED, load_plan, marker_key, order_of, transformed_key, upgrade_key
 from components.gallery.store import ObjectMissing
+
+
+def check_queries(features, dim: int | None, model_uri: str, k: int, num_items: int) -> tuple[np.ndarray, int]:
+    """Query features as a 2-D float32 array of the query model's dimension (one query may be
+    1-D), and k capped at the gallery's size; a GalleryError naming what is wrong otherwise."""
+    if k < 1:
+        raise GalleryError(f"k must be >= 1, got {k}")
+    features = np.asarray(features)
+    if features.ndim == 1:
+        features = features[None]
+    return check_features(features, dim, f"query features (for {model_uri})"), min(k, num_items)
 
 
 class GallerySearch:

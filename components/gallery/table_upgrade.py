@@ -1,6 +1,6 @@
 """The upgrade's work on the Lance table (gallery.layout lance), free of Prefect and MLflow: the
 items' images, the map applied to the stored features and the backfill order, a chunk
-re-embedded, and the promotion gate's sample. ``flows/table_upgrade.py`` sequences them.
+re-embedded, and the promotion gate's sample. ``flows/lance_upgrade.py`` sequences them.
 
 An item's image is its ``pixels`` (an ingested gallery) or read by its URI (an adopted one, under
 the table's image root, in the image shape the table records). A chunk's unreadable images keep
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.gallery.catalog import GalleryError, check_features
-from components.gallery.lance_table import LanceGallery, _metadata
+from components.gallery.lance_format import _metadata
+from components.gallery.lance_table import LanceGallery
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pytest
 
 from components.gallery.catalog import GalleryError, ingest
-from components.gallery.lance_table import LanceGallery, TableCorrupt, convert
+from components.gallery.lance_convert import convert
+from components.gallery.lance_table import LanceGallery, TableCorrupt
 from components.gallery.store import LocalStore
 from components.platform.registry import ModelRef
 
@@ -363,7 +364,7 @@ def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
 
 
 def test_adopt_with_the_current_features(tmp_path):
-    from components.gallery import lance_table
+    from components.gallery import lance_convert
     from components.gallery.adopt import npy_rows, read_manifest
 
     data = _data()
@@ -371,7 +372,7 @@ def test_adopt_with_the_current_features(tmp_path):
     manifest.write_text("id,uri,weight\n" + "".join(f"{i},s3://shelf/{i}.png,{i % 3}\n" for i in range(N)))
     np.save(tmp_path / "a.npy", data["old"][:200])
     np.save(tmp_path / "b.npy", data["old"][200:])
-    result = lance_table.adopt(tmp_path / "store", read_manifest(manifest), OLD, (1, 4, 4), root="s3://shelf",
+    result = lance_convert.adopt(tmp_path / "store", read_manifest(manifest), OLD, (1, 4, 4), root="s3://shelf",
                                features=npy_rows([tmp_path / "a.npy", tmp_path / "b.npy"]), registry="sqlite:///r.db")
     assert result["num_items"] == N and result["layout"] == "lance" and not result["has_labels"]
     table = LanceGallery(tmp_path / "store")
@@ -380,7 +381,7 @@ def test_adopt_with_the_current_features(tmp_path):
     metadata = table.dataset().schema.metadata
     assert metadata[b"fastfill.image_root"] == b"s3://shelf" and metadata[b"fastfill.image_shape"] == b"[1, 4, 4]"
     with pytest.raises(GalleryError, match="200 feature rows for the manifest's 600 items"):
-        lance_table.adopt(tmp_path / "other", read_manifest(manifest), OLD, (1, 4, 4),
+        lance_convert.adopt(tmp_path / "other", read_manifest(manifest), OLD, (1, 4, 4),
                           features=npy_rows([tmp_path / "a.npy"]))
 
 

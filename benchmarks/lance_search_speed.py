@@ -1,8 +1,8 @@
 """Nearest-neighbour search over a gallery: faiss (what `fastfill search` uses) against LanceDB on
 the same vectors, side by side in one run.
 
-    .venv/bin/python benchmarks/lance_search.py                       # 1,000,000 x 128, 200 queries
-    .venv/bin/python benchmarks/lance_search.py --items 100000
+    .venv/bin/python benchmarks/lance_search_speed.py                       # 1,000,000 x 128, 200 queries
+    .venv/bin/python benchmarks/lance_search_speed.py --items 100000
 
 The vectors are clustered (a seeded mixture of 1,000 Gaussian clusters, unit spread around
 centres of norm about 3), so inverted-list indexes behave as on real features rather than on
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = statistics.median(rows["faiss flat"]["latencies"])
     lines = ["# Search: faiss against LanceDB on the same vectors", "",
-             f"`python benchmarks/lance_search.py --items {args.items} --dim {args.dim} --queries {args.queries}`: "
+             f"`python benchmarks/lance_search_speed.py --items {args.items} --dim {args.dim} --queries {args.queries}`: "
              f"{args.items:,} clustered vectors of dimension {args.dim}, one query at a time, k = {k}; recall@10 "
              "against faiss's exact answer. Latency ratio: to faiss flat.", "",
              "| way | build (s) | median ms per query | p95 ms | x faiss flat | recall@10 | settings |",
