@@ -32,6 +32,9 @@ def _stop_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT too, even where it was inherited ignored (a command started in the background by a
+    # non-interactive shell): `kill -INT` and Ctrl-C stop the service
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _exit_within(seconds: float) -> None:
