@@ -39,7 +39,7 @@ from components.platform.config import Params
 from components.platform.registry import ModelRef
 from flows.parameters import resolve_params
 from tasks._policy import IO_RETRIES, NO_CACHING, log
-from tasks.embedding import load_model
+from tasks.embedding import embed_images, load_model
 from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
 from tasks.upgrade_tracking import follow_decision, open_upgrade_run, tag_run
 
@@ -102,7 +102,7 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
                 positions, labels = sample
                 images, failures = table_upgrade.images_at(table, positions, config.read_workers)
                 keep = ~np.isin(positions, [f.position for f in failures])
-                queries = new_model_features(new_model, images[keep], config)
+                queries = embed_images(new_model, images[keep], config.batch_size, config.precision)
                 numbers = table_upgrade.gate_numbers(table, positions[keep], labels[keep], queries, order,
                                                      distance=plan.distance, curve_points=params.promotion.curve_points)
             decider = UpgradeDecider(uri, name, gated, None, None)
@@ -123,12 +123,6 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
                   "mlflow_run_id": plan.mlflow_run_id}
         log(UpgradeDecider.ended_line(result, uid, plan.new, old))
         return result
-
-
-def new_model_features(model, images: np.ndarray, config) -> np.ndarray:
-    from components.experiment.inference import embed
-
-    return embed(model, images, batch_size=config.batch_size, precision=config.precision)
 
 
 def _plan(params: Params, client, experiment: str, table: LanceGallery, store, uid: str, old: ModelRef, new: ModelRef,
@@ -191,7 +185,7 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
     images, failures = table_upgrade.images_at(table, positions, config.read_workers)
     keep = ~np.isin(positions, [f.position for f in failures])
     log(f"map pairs: embedding {int(keep.sum())} gallery items with the new model")
-    new = new_model_features(new_model, images[keep], config)
+    new = embed_images(new_model, images[keep], config.batch_size, config.precision)
     old = table.features()[positions[keep]]
     labels = None
     if "label" in table.dataset().schema.names:
