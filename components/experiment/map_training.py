@@ -219,6 +219,8 @@ def _train_on_features(
                          history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
         if on_epoch is not None:
             on_epoch(epoch + 1, epochs)
+    if on_epoch is not None:  # training is over (all epochs, a stop on divergence, or a resume of a finished run)
+        on_epoch(epochs, epochs)
     if best is not None:
         module.load_state_dict(best["state"])
         for record in history:

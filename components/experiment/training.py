@@ -244,5 +244,7 @@ def train_embedder(
                              history=history, epoch=epoch + 1, step=step)
             if on_epoch is not None:
                 on_epoch(epoch + 1, config.epochs)
+    if on_epoch is not None:  # training is over (every epoch, the step budget, or a resume of a finished run)
+        on_epoch(config.epochs, config.epochs)
     model.eval()
     return model, history

@@ -88,8 +88,10 @@ def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
     (workdir / "store").mkdir()
     params = parse_params(data)
     with in_workdir(workdir):
-        metrics = pipeline_flow(params)
-    return params, metrics, workdir
+        state = pipeline_flow(params, return_state=True)
+    # the Prefect flow run of this pipeline, for tests that must not read other tests' runs
+    (workdir / "pipeline_flow_run").write_text(str(state.state_details.flow_run_id))
+    return params, state.result(), workdir
 
 
 @pytest.fixture

@@ -126,8 +126,11 @@ def test_a_diverging_training_resumes_from_its_checkpoint(tmp_path, validation_f
     checkpoint = tmp_path / "align.pt"
     with pytest.raises(Stop):
         _train(config, old, new, labels, classifier, checkpoint=checkpoint, on_epoch=stop_after_first)
-    resumed, resumed_history, said = _train(config, old, new, labels, classifier, checkpoint=checkpoint)
+    reported = []
+    resumed, resumed_history, said = _train(config, old, new, labels, classifier, checkpoint=checkpoint,
+                                            on_epoch=lambda done, total: reported.append((done, total)))
     assert any(m.startswith("resuming from") for m in said)
+    assert reported[-1][0] == reported[-1][1]  # stopped on divergence, the progress still ends at 100%
     assert [r["epoch"] for r in resumed_history] == [r["epoch"] for r in history]
     assert resumed_history[-1]["diverged"] == history[-1]["diverged"]
     for key, value in whole.state_dict().items():
