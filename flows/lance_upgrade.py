@@ -8,14 +8,15 @@ The same course as ``flows/upgrade.py`` on the parts layout, in fewer steps:
    on that sample; h(old), sigma and the order into the table (the record last);
 3. the backfill: every chunk not yet committed, ``max_concurrency`` at a time on the task runner,
    then the chunks folded into the gallery table;
-4. the gate on a labelled sample of the gallery (``--no-gate``: none); the decision is recorded
+4. the gate: judged queries (gallery.upgrade.judgments, kept beside the plan) against the whole
+   table, else a labelled sample of the gallery (``--no-gate``: none); the decision is recorded
    beside the table before anything changes, so a re-run completes it and never measures again;
 5. finish (the new features serve) or, rejected, the upgrade's columns dropped; then the
    registry: the decision's tags, and champion moved when it passed; the lock released last.
 
 A re-run of the same command resumes a killed upgrade from its landed chunks. What this flow
-does not do yet on the table (the parts layout does): dry runs and budgets, judged queries,
-sequential upgrades, the budget advisor and progress measured as chunks land.
+does not do yet on the table (the parts layout does): dry runs and budgets, sequential upgrades,
+the budget advisor and progress measured as chunks land.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from prefect import flow, task
 from prefect.futures import as_completed
 
-from components.gallery import ending, planning, samples, table_upgrade
+from components.gallery import ending, judgments, planning, samples, table_upgrade
 from components.gallery.catalog import GalleryError
 from components.gallery.decider import UpgradeDecider
 from components.gallery.lance_table import LanceGallery
@@ -71,15 +72,24 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
         said = (f"{table.uri} serves the champion {old.uri}, and {name} has no challenger" if current else
                 f"no version to upgrade to: {name} has no challenger and no --to was given")
         log(said)
-        return {"state": "up to date" if current else "no target", "message": said, "model": old.uri}
+        return {"state": "up-to-date" if current else "no target", "message": said, "model": old.uri}
     if wanted.same_version(old):
         said = f"{table.uri} already serves {old.uri}"
         log(said)
-        return {"state": "up to date", "message": said, "model": old.uri}
+        return {"state": "up-to-date", "message": said, "model": old.uri}
     uid = planning.upgrade_id(old, wanted)
     store = open_store(uri)  # the upgrade's records and its lock, as objects beside the table
     with acquire_lock(store, uid, break_lock=break_lock, log=log, lease_seconds=config.lease_seconds):
         decided = ending.decision(store, uid)
+        now = table.model()  # read again under the lock: another run may have upgraded the table meanwhile
+        if not now.same_version(old):
+            if not wanted.same_version(now):
+                raise GalleryError(f"{table.uri} changed from {old.uri} to {now.uri} while this upgrade started; run "
+                                   "it again")
+            if decided is None or decided.get("registry_recorded"):
+                said = f"{table.uri} already serves {now.uri}: another run upgraded it meanwhile"
+                log(said)
+                return {"state": "up-to-date", "message": said, "model": now.uri}
         plan = planning.load_plan(store, uid)
         current = table.upgrade()
         if current is not None and current.id != uid:
@@ -88,23 +98,20 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
         if decided is None or plan is None:
             new_model = load_model(wanted)
             new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
-            if gated:
+            judged = sample = None
+            if gated and config.judgments:  # read and resolved before any work: a bad file is refused first
+                judged = judgments.load_judgments(config.judgments, table.items(["id"]).column("id").to_numpy())
+                log(f"the gate measures against {judged.describe()}")
+            elif gated and judgments.stored_judged(store, uid) is None:
                 sample = table_upgrade.gate_sample(table, config.eval_queries, config.seed)  # refused before any work
             if current is None:  # (plan.json without the table's record: a planning killed half way)
-                plan = _plan(params, client, experiment, table, store, uid, old, new, new_model)
+                plan = _plan(params, client, experiment, table, store, uid, old, new, new_model, judged)
             elif plan is None:
                 raise GalleryError(f"{table.uri} holds upgrade {uid} but its plan.json is gone from {store.uri}; abort "
                                    "it (`fastfill upgrade abort`) and run the upgrade again")
             token, order = table.upgrade().token, table_upgrade.order_of(table)
             _backfill(table, plan, token, order, new_model, config)
-            numbers = None
-            if gated:
-                positions, labels = sample
-                images, failures = table_upgrade.images_at(table, positions, config.read_workers)
-                keep = ~np.isin(positions, [f.position for f in failures])
-                queries = embed_images(new_model, images[keep], config.batch_size, config.precision)
-                numbers = table_upgrade.gate_numbers(table, positions[keep], labels[keep], queries, order,
-                                                     distance=plan.distance, curve_points=params.promotion.curve_points)
+            numbers = _gate(params, table, store, plan, order, new_model, old, judged, sample) if gated else None
             decider = UpgradeDecider(uri, name, gated, None, None)
             fields, said = decider.decide(numbers, params.promotion, uid, new, old)
             for line in said:
@@ -126,9 +133,10 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
 
 
 def _plan(params: Params, client, experiment: str, table: LanceGallery, store, uid: str, old: ModelRef, new: ModelRef,
-          new_model) -> planning.Plan:
+          new_model, judged=None) -> planning.Plan:
     """The map (the registry's, checked on the gallery's sample unless it passed there before; or
-    trained on that sample), then the table's upgrade columns, then plan.json beside the table."""
+    trained on that sample), then plan.json and the judged queries' features beside the table,
+    then the table's upgrade columns (the table's record last)."""
     config = params.gallery.upgrade
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, old.uri, new.uri, None), store.uri)
     settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
@@ -157,6 +165,8 @@ def _plan(params: Params, client, experiment: str, table: LanceGallery, store, u
     plan = planning.Plan(uid, old, new, map_uri, order, config.chunk_size, table.num_items(), 0,
                          params.gallery.distance, run_id)
     planning.write_plan(store, plan)  # before the table's record: a planning killed in between plans again
+    if judged is not None:
+        judgments.store_judged(store, uid, *_judged_features(table, judged, new_model, old, config))
     started = time.perf_counter()
     table_upgrade.plan(table, uid, new, alignment_map, order, config.seed)
     log(f"planned {uid} on {table.uri}: the stored features through {map_uri}, {order} order "
@@ -186,11 +196,46 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
     keep = ~np.isin(positions, [f.position for f in failures])
     log(f"map pairs: embedding {int(keep.sum())} gallery items with the new model")
     new = embed_images(new_model, images[keep], config.batch_size, config.precision)
-    old = table.features()[positions[keep]]
+    old = table.features_at(positions[keep])
     labels = None
     if "label" in table.dataset().schema.names:
         labels = np.asarray(table.items(["label"]).column("label").to_pylist(), dtype=np.int64)[positions[keep]]
     return from_gallery(new_model, positions[keep], old, new, labels, store_uri)
+
+
+def _judged_features(table: LanceGallery, judged, new_model, old: ModelRef, config) -> tuple:
+    """(judged, new-model query features, champion query features): items' images embedded by the
+    new model against their stored features; image queries embedded by both models."""
+    def embed_new(images):
+        return embed_images(new_model, images, config.batch_size, config.precision, label="embedding the judged queries")
+
+    def embed_champion(images):
+        return embed_images(load_model(old), images, config.batch_size, config.precision)
+
+    return table_upgrade.judged_queries(table, judged, embed_new, embed_champion, workers=config.read_workers,
+                                        source=config.judgments)
+
+
+def _gate(params: Params, table: LanceGallery, store, plan: planning.Plan, order: np.ndarray, new_model,
+          old: ModelRef, judged, sample) -> dict:
+    """The promotion gate's numbers: the judged queries stored with the plan (or given now)
+    against the whole table along the backfill's order, else the labelled sample."""
+    config, promotion = params.gallery.upgrade, params.promotion
+    stored = judgments.stored_judged(store, plan.id)
+    if stored is None and judged is not None:  # planned before the judgments were given
+        stored = _judged_features(table, judged, new_model, old, config)
+    if stored is not None:
+        judged, new_queries, champion_queries = stored
+        log(f"promotion gate: {len(judged)} judged queries against all {plan.num_items} items")
+        return table_upgrade.judged_gate_numbers(table, judged, new_queries, champion_queries, order,
+                                                 distance=plan.distance, curve_points=promotion.curve_points)
+    positions, labels = sample if sample is not None else table_upgrade.gate_sample(table, config.eval_queries,
+                                                                                    config.seed)
+    images, failures = table_upgrade.images_at(table, positions, config.read_workers)
+    keep = ~np.isin(positions, [f.position for f in failures])
+    queries = embed_images(new_model, images[keep], config.batch_size, config.precision)
+    return table_upgrade.gate_numbers(table, positions[keep], labels[keep], queries, order, distance=plan.distance,
+                                      curve_points=promotion.curve_points)
 
 
 def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.ndarray, new_model, config) -> None:

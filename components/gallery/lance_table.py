@@ -218,6 +218,27 @@ class LanceGallery(UpgradeSteps):
         self._check(dataset, data, column, vectors)
         return vectors
 
+    def features_at(self, positions: np.ndarray, column: str = "features", dataset=None) -> np.ndarray:
+        """The vectors of ``column`` of the items at ``positions``, in that order, digests checked:
+        only their rows are read."""
+        dataset = dataset or self.dataset()
+        if column not in dataset.schema.names:
+            raise GalleryError(f"{self.uri} has no column {column!r} (columns: {', '.join(dataset.schema.names)})")
+        positions = np.asarray(positions, dtype=np.int64)
+        dim = dataset.schema.field(column).type.list_size
+        if not len(positions):
+            return np.zeros((0, dim), dtype=np.float32)
+        wanted = ", ".join(map(str, np.unique(positions).tolist()))
+        data = self._read(dataset, ["position", "id", column, f"{column}_digest"], filter=f"position IN ({wanted})",
+                          with_address=True)
+        vectors = _as_numpy(data.column(column), dim)
+        self._check(dataset, data, column, vectors)
+        where = {p: row for row, p in enumerate(data.column("position").to_pylist())}
+        missing = [p for p in positions.tolist() if p not in where]
+        if missing:
+            raise GalleryError(f"{self.uri} has no items at positions {missing[:5]} (it holds {self.num_items()})")
+        return vectors[[where[p] for p in positions.tolist()]]
+
     def mixed(self) -> tuple[np.ndarray, np.ndarray, ModelRef]:
         """What queries of the serving (or, during an upgrade, the new) model search: the new
         features where an item's chunk landed (folded into the table or still in the backfill

@@ -33,11 +33,7 @@ def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> 
 
     positions = np.asarray(positions, dtype=np.int64)
     dataset = table.dataset()
-    metadata = _metadata(dataset.schema)
-    shape = json.loads(metadata.get("fastfill.image_shape") or "null")
-    if not shape:
-        raise GalleryError(f"{table.uri} does not record its images' shape (fastfill.image_shape); convert or adopt "
-                           "it again")
+    shape, root = _image_source(table, dataset)
     names = dataset.schema.names
     column = "pixels" if "pixels" in names else "image" if "image" in names else None
     if column is None:
@@ -51,8 +47,18 @@ def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> 
     values = rows.column(column).take(picked).to_pylist()
     if column == "pixels":
         return np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(positions), *shape).copy(), []
-    images, failures = read_images(values, shape, root=metadata.get("fastfill.image_root") or None, workers=workers)
+    images, failures = read_images(values, shape, root=root, workers=workers)
     return images, [Failure(int(positions[f.row]), f.uri, f.reason) for f in failures]
+
+
+def _image_source(table: LanceGallery, dataset) -> tuple[list[int], str | None]:
+    """(the images' shape, the root their relative URIs are under) that the table records."""
+    metadata = _metadata(dataset.schema)
+    shape = json.loads(metadata.get("fastfill.image_shape") or "null")
+    if not shape:
+        raise GalleryError(f"{table.uri} does not record its images' shape (fastfill.image_shape); convert or adopt "
+                           "it again")
+    return shape, metadata.get("fastfill.image_root") or None
 
 
 def chunk_grid(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -107,8 +113,7 @@ def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, po
         features[~failed] = check_features(embed(model, images[~failed], batch_size=batch_size, precision=precision),
                                            dim, f"new-model features of chunk {chunk}")
     if failed.any():
-        mapped = table.features("mapped")
-        features[failed] = mapped[positions[failed]]
+        features[failed] = table.features_at(positions[failed], "mapped")
     record = table.commit_chunk(upgrade, chunk, positions, features, token)
     return {**record, "count": len(positions),
             "failed": [{"position": f.position, "uri": f.uri, "reason": f.reason} for f in failures]}
@@ -116,12 +121,13 @@ def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, po
 
 def gate_sample(table: LanceGallery, size: int | str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(positions, labels) of the promotion gate's sample: seeded, class-balanced where labels are
-    (``planning.eval_sample``). Refused without labels: the table's upgrade gates on labels."""
+    (``planning.eval_sample``). Refused without labels (judged queries gate such a table)."""
     from components.gallery.planning import eval_sample
 
     if "label" not in table.dataset().schema.names:
-        raise GalleryError(f"{table.uri} has no labels, and the lance layout's upgrade gates on labels only so far; "
-                           "run it with --no-gate, or use the parts layout with --judgments")
+        from components.gallery.lifecycle import no_truth_refusal
+
+        raise GalleryError(no_truth_refusal(table.uri))
     labels = np.asarray(table.items(["label"]).column("label").to_pylist(), dtype=np.int64)
     positions = eval_sample(labels, None if size == "all" else int(size), seed, len(labels))
     return positions, labels[positions]
@@ -134,10 +140,53 @@ def gate_numbers(table: LanceGallery, positions: np.ndarray, labels: np.ndarray,
     gallery as it fills, from h(old) to the new features, in the backfill's order."""
     from components.gallery.promotion import measure_gate
 
-    champion = table.features("features")[positions]
-    transformed = table.features("mapped")[positions]
+    champion = table.features_at(positions, "features")
+    transformed = table.features_at(positions, "mapped")
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     local_order = np.argsort(rank[positions], kind="stable")
     return measure_gate(champion, queries, queries, transformed, labels, local_order, distance=distance,
                         curve_points=curve_points)
+
+
+def judged_queries(table: LanceGallery, judged, embed_new, embed_champion, *, workers: int = 16, source: str = ""):
+    """The judged queries' features on both sides of the gate (``judgments.load_judgments``'s
+    ``judged``, resolved against the table's ids): a gallery item's new features embedded from
+    its image and its champion features the stored ones; an image query embedded by both models.
+    Unreadable query images are refused, named. Returns (judged, new queries, champion queries)."""
+    from components.gallery.images import read_images
+
+    inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
+    new_rows, old_rows = {}, {}
+    if len(inside):
+        positions = judged.query_positions[inside]
+        images, failures = images_at(table, positions, workers)
+        _refuse_unreadable([(f.uri, f.reason) for f in failures], source)
+        new_rows.update(zip(inside.tolist(), embed_new(images)))
+        old_rows.update(zip(inside.tolist(), table.features_at(positions)))
+    if len(outside):
+        shape, root = _image_source(table, table.dataset())
+        images, failures = read_images([judged.query_uris[i] for i in outside], shape, root=root, workers=workers)
+        _refuse_unreadable([(f.uri, f.reason) for f in failures], source)
+        new_rows.update(zip(outside.tolist(), embed_new(images)))
+        old_rows.update(zip(outside.tolist(), embed_champion(images)))
+    new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)
+    old = np.stack([old_rows[i] for i in range(len(judged))]).astype(np.float32)
+    return judged, new, old
+
+
+def _refuse_unreadable(failures: list[tuple[str, str]], source: str) -> None:
+    if failures:
+        raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0][0]}: "
+                           f"{failures[0][1]}); fix them or leave those queries out of {source}")
+
+
+def judged_gate_numbers(table: LanceGallery, judged, new_queries: np.ndarray, champion_queries: np.ndarray,
+                        order: np.ndarray, *, distance: str, curve_points: int) -> dict:
+    """The promotion gate's numbers on judged queries against the whole table
+    (``judged_gate.measure_judged_gate``): the champion's stored features, h(old), and the new
+    features every chunk committed (after the fold), along the backfill's order."""
+    from components.gallery.judged_gate import measure_judged_gate
+
+    return measure_judged_gate(champion_queries, table.features("features"), new_queries, table.features("new"),
+                               table.features("mapped"), judged, order, distance=distance, curve_points=curve_points)

@@ -63,7 +63,7 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     assert tags["promotion"] == "passed" and float(tags["promotion.champion_top1"]) > 0  # measured, not ungated
     assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2"]
     again = runner.invoke(app, ["upgrade", "--params", lance_params])
-    assert again.exit_code == 0 and "up to date" in again.output, again.output
+    assert again.exit_code == 0 and "up-to-date" in again.output, again.output
     refused = runner.invoke(app, ["upgrade", "--budget", "0.5", "--params", lance_params])
     assert refused.exit_code != 0 and "--budget: not available on the lance layout yet" in refused.output
 
@@ -109,3 +109,63 @@ def test_an_upgrade_killed_in_its_backfill_resumes(upgrade_env, prefect_harness)
     resumed = CliRunner().invoke(app, ["upgrade", "--params", lance_params])
     assert resumed.exit_code == 0 and "complete" in resumed.output, resumed.output
     assert table.model().version == new_version and table.upgrade() is None
+
+
+def test_a_table_without_labels_is_gated_on_judged_queries(upgrade_env, prefect_harness):
+    """A retrieval team's table: adopted from its images with no label column. A gated upgrade
+    without judgments is refused before any work; with a judgments file (gallery items and an
+    image outside the gallery as queries) it is measured on them against the whole table, and
+    the champion's top-1 it records is the one a brute-force search of the stored features gives."""
+    from PIL import Image
+
+    from components.evaluation import pairwise_distances
+    from components.experiment.inference import embed
+    from components.gallery import ending, planning
+    from components.gallery.store import open_store
+    from components.platform.registry import ModelRef
+
+    params, tmp_path = upgrade_env
+    _, old_model, _, old_version, new_version = registry_models(params)
+    split = split_images(params)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i, image in enumerate(split.images):
+        Image.fromarray(image[0], mode="L").save(photos / f"item-{i:04d}.png")
+    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{900 + i},item-{i:04d}.png\n"
+                                                           for i in range(len(split.images))))
+    Image.fromarray(split.images[5][0], mode="L").save(photos / "outside.png")  # a query image, not an item
+    lance_params = _lance(tmp_path, gate=True, max_nfr1=1.0, min_top1_auc_gain=-1.0)
+    runner = CliRunner()
+    adopted = runner.invoke(app, ["gallery", "adopt", "--manifest", str(photos / "items.csv"), "--params",
+                                  lance_params])
+    assert adopted.exit_code == 0, adopted.output
+    table = LanceGallery(params.gallery.store)
+    assert "label" not in table.dataset().schema.names
+
+    refused = runner.invoke(app, ["upgrade", "--params", lance_params])
+    assert refused.exit_code != 0 and "has no labels and no judged queries are configured" in refused.output
+    assert table.upgrade() is None and table.model().version == old_version
+
+    labels = split.labels  # known to the test only: they make the judgments, the table never sees them
+    queries = list(range(0, len(labels), 7))
+    rows = ["query,relevant"]
+    for q in queries:
+        rows += [f"{900 + q},{900 + p}" for p in np.flatnonzero(labels == labels[q]) if p != q]
+    rows += [f"{photos / 'outside.png'},{900 + p}" for p in np.flatnonzero(labels == labels[5])]
+    (tmp_path / "judged.csv").write_text("\n".join(rows) + "\n")
+    done = runner.invoke(app, ["upgrade", "--params", lance_params, "--judgments", str(tmp_path / "judged.csv")])
+    assert done.exit_code == 0 and "complete: upgrade" in done.output, done.output
+    assert table.model().version == new_version
+
+    name = params.mlflow.registered_model
+    uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
+    numbers = ending.decision(open_store(params.gallery.store), uid)["numbers"]
+    stored = embed(old_model, split.images)  # the champion's features the table held
+    query_features = np.concatenate([stored[queries], embed(old_model, split.images[5:6])])
+    distances = pairwise_distances(query_features, stored, params.gallery.distance)
+    distances[np.arange(len(queries)), queries] = np.inf  # a gallery item never retrieves itself
+    nearest = distances.argmin(1)
+    query_labels = np.concatenate([labels[queries], labels[5:6]])
+    # the outside image is item 5's pixels: its nearest item is item 5, relevant by construction
+    assert numbers["champion_top1"] == pytest.approx(np.mean(labels[nearest] == query_labels))
+    assert 0.0 <= numbers["top1_auc"] <= 1.0
