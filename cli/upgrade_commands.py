@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import (
-    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
+    INPUT, REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
 )
 from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
@@ -281,9 +281,17 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
     from components.gallery.lock import break_lock
 
     uri = store_uri(config, store)
-    from tasks.gallery_store import open_gallery
+    if config.gallery.layout == "lance":  # the lock is an object beside the table
+        from components.gallery.lance_table import LanceGallery
+        from components.gallery.store import open_store
 
-    held = call(lambda: break_lock(open_gallery(uri).store))
+        if not call(LanceGallery(uri).exists):
+            fail(f"no gallery table at {uri} (gallery.layout is lance): nothing to unlock", INPUT)
+        held = call(lambda: break_lock(open_store(uri)))
+    else:
+        from tasks.gallery_store import open_gallery
+
+        held = call(lambda: break_lock(open_gallery(uri).store))
     typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
                              f"{held.get('host')})" if held else "no lock was held"))
 

@@ -64,21 +64,12 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
     table = LanceGallery(uri)
     client, experiment = registry.setup(params.mlflow)
     gated = params.promotion.gate if gate is None else gate
-    old = table.model()
-    wanted = registry.asked_version(client, name, to_uri)
-    if wanted is None:
-        champion = registry.alias_version(client, name, registry.CHAMPION)
-        current = champion is not None and ModelRef(name, champion).same_version(old)
-        said = (f"{table.uri} serves the champion {old.uri}, and {name} has no challenger" if current else
-                f"no version to upgrade to: {name} has no challenger and no --to was given")
-        log(said)
-        return {"state": "up-to-date" if current else "no target", "message": said, "model": old.uri}
-    if wanted.same_version(old):
-        said = f"{table.uri} already serves {old.uri}"
-        log(said)
-        return {"state": "up-to-date", "message": said, "model": old.uri}
-    uid = planning.upgrade_id(old, wanted)
     store = open_store(uri)  # the upgrade's records and its lock, as objects beside the table
+    target = _target(table, store, client, name, to_uri)
+    if isinstance(target, dict):  # nothing to do
+        log(target["message"])
+        return target
+    old, wanted, uid = target
     with acquire_lock(store, uid, break_lock=break_lock, log=log, lease_seconds=config.lease_seconds):
         decided = ending.decision(store, uid)
         now = table.model()  # read again under the lock: another run may have upgraded the table meanwhile
@@ -130,6 +121,29 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
                   "mlflow_run_id": plan.mlflow_run_id}
         log(UpgradeDecider.ended_line(result, uid, plan.new, old))
         return result
+
+
+def _target(table: LanceGallery, store, client, name: str, to_uri: str) -> tuple[ModelRef, ModelRef, str] | dict:
+    """(the serving model, the version to upgrade to, the upgrade's id), or the result when there
+    is nothing to do. An ending whose finish landed but whose registry step was not recorded
+    comes first: the same command completes it."""
+    finished = table.finished_upgrade()
+    decided = ending.decision(store, finished) if finished else None
+    if decided is not None and not decided.get("registry_recorded"):
+        plan = planning.load_plan(store, finished)
+        if plan is not None:
+            return plan.old, plan.new, finished
+    old = table.model()
+    wanted = registry.asked_version(client, name, to_uri)
+    if wanted is None:
+        champion = registry.alias_version(client, name, registry.CHAMPION)
+        current = champion is not None and ModelRef(name, champion).same_version(old)
+        said = (f"{table.uri} serves the champion {old.uri}, and {name} has no challenger" if current else
+                f"no version to upgrade to: {name} has no challenger and no --to was given")
+        return {"state": "up-to-date" if current else "no target", "message": said, "model": old.uri}
+    if wanted.same_version(old):
+        return {"state": "up-to-date", "message": f"{table.uri} already serves {old.uri}", "model": old.uri}
+    return old, wanted, planning.upgrade_id(old, wanted)
 
 
 def _plan(params: Params, client, experiment: str, table: LanceGallery, store, uid: str, old: ModelRef, new: ModelRef,

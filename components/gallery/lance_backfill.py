@@ -246,6 +246,11 @@ class UpgradeSteps:
         metadata.pop(UPGRADE_KEY, None)
         dataset.update_schema_metadata({**metadata, **(record or {})}, replace=True)
 
+    def finished_upgrade(self, dataset=None) -> str | None:
+        """The id of the upgrade whose finish made the table's current features, if any."""
+        raw = _metadata((dataset or self.dataset()).schema).get(FINISHED_KEY)
+        return json.loads(raw)["id"] if raw else None
+
     def _finished_model(self, dataset, upgrade: str) -> ModelRef:
         raw = _metadata(dataset.schema).get(FINISHED_KEY)
         if raw and json.loads(raw)["id"] == upgrade:

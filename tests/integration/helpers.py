@@ -66,3 +66,16 @@ def split_images(params):
     return load_split(Layout(params.paths).splits, "test")
 
 
+
+
+def lance_params(tmp_path: Path, store: str | None = None, **promotion) -> str:
+    """tmp_path/lance.yaml: tmp_path/params.yaml with gallery.layout lance (and ``store``, and
+    ``promotion`` settings); returns its path."""
+    settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    settings["gallery"]["layout"] = "lance"
+    if store is not None:
+        settings["gallery"]["store"] = store
+    settings["promotion"] = {**settings.get("promotion", {}), **promotion}
+    path = tmp_path / "lance.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return str(path)

@@ -14,24 +14,12 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from cli import app
 from components.gallery.lance_table import LanceGallery
 from tests.environment import new_bucket
-from tests.integration.helpers import cli_environment, registry_models, split_images
-
-
-def _lance(tmp_path, store: str | None = None, **promotion) -> str:
-    settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    settings["gallery"]["layout"] = "lance"
-    if store is not None:
-        settings["gallery"]["store"] = store
-    settings["promotion"] = {**settings.get("promotion", {}), **promotion}
-    path = tmp_path / "lance.yaml"
-    path.write_text(yaml.safe_dump(settings))
-    return str(path)
+from tests.integration.helpers import cli_environment, lance_params as _lance, registry_models, split_images
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
