@@ -141,8 +141,9 @@ def test_a_held_lock_refuses_a_table_upgrade_until_unlocked(upgrade_env, prefect
 @pytest.mark.slow
 def test_a_table_upgrade_killed_in_each_phase_on_s3_completes_exactly_once(s3_endpoint, upgrade_env,
                                                                           prefect_harness):
-    """The CLI's process group SIGKILLed at a random moment of the planning, the backfill and the
-    ending, the same command run again after each kill; then the table holds every item once with
+    """The CLI's process group SIGKILLed at a random moment of the planning, the backfill, the
+    ending (fold and gate) and right after the decision (the finish's steps, the registry), the
+    same command run again after each kill; then the table holds every item once with
     features bit-identical to an uninterrupted upgrade's, and the table, registry and lock agree."""
     from prefect.settings import get_current_settings
 
@@ -176,8 +177,12 @@ def test_a_table_upgrade_killed_in_each_phase_on_s3_completes_exactly_once(s3_en
         return (plan is not None and table.upgrade() is not None
                 and len(table.landed_chunks()) == -(-plan.num_items // plan.chunk_size))
 
+    def decided():  # then the finish's steps and the registry's run
+        return ending.decision(store, uid) is not None
+
     killed_at = []
-    for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending_started)):
+    for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending_started),
+                           ("decided", decided)):
         log = open(tmp_path / f"killed-{phase}.log", "wb")
         process = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
