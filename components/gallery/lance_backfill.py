@@ -16,6 +16,9 @@ from components.gallery.lance_format import (
 )
 from components.platform.registry import ModelRef
 
+# (table, upgrade, token) -> (the upgrade, its number of items), checked by a chunk's first commit
+_COMMITTING: dict[tuple[str, str, str], tuple] = {}
+
 
 class UpgradeSteps:
     """Needs of its host: ``uri``, ``backfill_uri``, ``options``, ``dataset()``, ``upgrade()``,
@@ -95,23 +98,15 @@ class UpgradeSteps:
         import lance
         import pyarrow as pa
 
-        dataset = self.dataset()
-        current = self.upgrade(dataset)
-        if current is None or current.id != upgrade or current.token != token:
-            raise GalleryError(f"{self.uri}: the table's upgrade is {current.id + ' ' + current.token if current else 'none'}"
-                               f", not {upgrade} {token}; chunk {chunk} is not written (a worker of an aborted plan)")
+        current, n = self._committing(upgrade, token, chunk)
         positions = np.asarray(positions, dtype=np.int64)
         features = np.ascontiguousarray(features, dtype=np.float32)
-        n = dataset.count_rows()
         if len(positions) != len(features) or len(np.unique(positions)) != len(positions) or \
                 (len(positions) and (positions.min() < 0 or positions.max() >= n)):
             raise GalleryError(f"chunk {chunk}: {len(features)} rows need as many distinct positions in 0..{n - 1}")
-        dim = dataset.schema.field("new").type.list_size
+        dim = current.new.dim
         if features.shape[1:] != (dim,):
             raise GalleryError(f"chunk {chunk}: features of dimension {features.shape[1:]}, the new model's is {dim}")
-        if self._backfill_dataset() is None:
-            raise GalleryError(f"{self.backfill_uri}: the upgrade's backfill table is missing; plan the upgrade again "
-                               "(`fastfill upgrade`)")
         commit = uuid.uuid4().hex
         rows = pa.Table.from_arrays([pa.array(positions), pa.array(np.full(len(positions), chunk, dtype=np.int32)),
                                      pa.array([token] * len(positions), pa.string()),
@@ -123,6 +118,27 @@ class UpgradeSteps:
         except (OSError, ValueError) as error:
             raise GalleryError(f"{self.backfill_uri}: chunk {chunk} not committed: {_one_line(error)}") from None
         return {"chunk": chunk, "rows": len(positions), "commit": commit}
+
+    def _committing(self, upgrade: str, token: str, chunk: int) -> tuple[Upgrade, int]:
+        """(the upgrade, the number of items) that chunks of ``token`` commit to: read and checked
+        once per process and plan (the table and its backfill table are opened once, not per
+        chunk). A plan aborted after that is still safe: readers keep only the rows of the
+        table's own token, and a new plan starts from an empty backfill table."""
+        key = (self.uri, upgrade, token)
+        if key not in _COMMITTING:
+            dataset = self.dataset()
+            current = self.upgrade(dataset)
+            if current is None or current.id != upgrade or current.token != token:
+                held = f"{current.id} {current.token}" if current else "none"
+                raise GalleryError(f"{self.uri}: the table's upgrade is {held}, not {upgrade} {token}; chunk {chunk} is "
+                                   "not written (a worker of an aborted plan)")
+            if self._backfill_dataset() is None:
+                raise GalleryError(f"{self.backfill_uri}: the upgrade's backfill table is missing; plan the upgrade "
+                                   "again (`fastfill upgrade`)")
+            dim = dataset.schema.field("new").type.list_size
+            _COMMITTING[key] = (Upgrade(current.id, ModelRef(current.new.name, current.new.version, dim), current.token),
+                                dataset.count_rows())
+        return _COMMITTING[key]
 
     def _landed(self, upgrade: Upgrade, exclude: set[int] = frozenset()) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """(positions, new features, chunks) committed under the upgrade's token, one commit per
