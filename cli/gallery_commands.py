@@ -254,7 +254,7 @@ def _table_search(config, uri: str, merge, features: Path | None, old_features: 
                 return searcher, searcher.search(new if old_features is None else _load_array(old_features,
                                                                                               "--old-features"), None, k)
             return searcher, searcher.search(_load_array(old_features, "--old-features"), new, k)
-        searcher = LanceSearch(LanceGallery(uri), config.gallery.distance)
+        searcher = LanceSearch(LanceGallery(uri), config.gallery.distance, config.gallery.index)
         return searcher, searcher.search(_load_array(features, "--features"), k)
 
     searcher, (ids, distances, sources) = call(run_search)

@@ -19,8 +19,11 @@ from components.gallery.lance_table import LanceGallery
 
 
 class LanceSearch:
-    def __init__(self, table: LanceGallery, distance: str = "l2"):
-        import faiss
+    def __init__(self, table: LanceGallery, distance: str = "l2", index=None):
+        """``index``: an ``IndexConfig`` (gallery.index; flat, exact, by default): inverted lists
+        (ivf, ivfpq) for a large gallery, as the parts layout's search."""
+        from components.gallery.search import new_index
+        from components.platform.config import IndexConfig
 
         if distance not in ("l2", "cosine"):
             raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
@@ -31,8 +34,15 @@ class LanceSearch:
         vectors, self.fresh, self.query_model = table.mixed()
         self.ids = np.asarray(table.items(["id"]).column("id").to_pylist(), dtype=object)
         self.dim = vectors.shape[1]
-        self.index = faiss.IndexFlatIP(self.dim) if distance == "cosine" else faiss.IndexFlatL2(self.dim)
-        self.index.add(self._prepare(vectors))
+        config = index or IndexConfig()
+        prepared = self._prepare(vectors)
+
+        def training_sample() -> np.ndarray:
+            rng = np.random.default_rng(0)
+            return prepared[np.sort(rng.permutation(len(prepared))[:config.train_size])]
+
+        self.index = new_index(config, self.dim, distance, len(prepared), training_sample)
+        self.index.add_with_ids(prepared, np.arange(len(prepared), dtype=np.int64))  # ids: positions
 
     @property
     def num_items(self) -> int:
@@ -54,9 +64,12 @@ class LanceSearch:
         features, k = check_queries(features, self.dim, self.query_model.uri, k, self.num_items)
         scores, rows = self.index.search(self._prepare(features), k)
         mapped = f"{self.old_model.uri} mapped"
-        ids = [[self.ids[r] for r in row] for row in rows]
-        sources = [[self.query_model.uri if self.fresh[r] else mapped for r in row] for row in rows]
-        return ids, (1.0 - scores if self.distance == "cosine" else scores), sources
+        # inverted lists can find fewer than k items (row -1): those places are None, at +inf
+        ids = [[self.ids[r] if r >= 0 else None for r in row] for row in rows]
+        sources = [[(self.query_model.uri if self.fresh[r] else mapped) if r >= 0 else None for r in row]
+                   for row in rows]
+        distances = 1.0 - scores if self.distance == "cosine" else scores
+        return ids, np.where(rows >= 0, distances, np.inf), sources
 
 
 class LanceDualSearch:

@@ -9,6 +9,7 @@ vectors by id (``IndexIDMap2.remove_ids`` + ``add_with_ids``) as chunks land: ne
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,33 +83,19 @@ class GallerySearch:
     def _new_index(self, part_features):
         """An empty index of the configured kind; inverted lists are trained on a sample of
         ``train_size`` items drawn from a few random parts."""
-        import faiss
-
         self.dim = part_features(0).shape[1]
-        metric = faiss.METRIC_INNER_PRODUCT if self.distance == "cosine" else faiss.METRIC_L2
-        config = self.index_config
-        if config.kind == "flat":
-            inner = faiss.IndexFlatIP(self.dim) if self.distance == "cosine" else faiss.IndexFlatL2(self.dim)
-            return faiss.IndexIDMap2(inner)
-        n = self.gallery.num_items
-        if n < 39 * config.nlist:
-            raise GalleryError(f"gallery.index.nlist {config.nlist} needs at least {39 * config.nlist} items to train "
-                               f"its lists; this gallery has {n}: lower nlist (about items / 100) or use kind: flat")
-        if config.kind == "ivfpq" and self.dim % config.pq_m:
-            raise GalleryError(f"gallery.index.pq_m {config.pq_m} must divide the features' dimension {self.dim}")
-        spec = f"IVF{config.nlist},Flat" if config.kind == "ivf" else f"IVF{config.nlist},PQ{config.pq_m}"
-        index = faiss.index_factory(self.dim, spec, metric)
-        rng = np.random.default_rng(0)
-        sample, have = [], 0
-        for part in rng.permutation(self.gallery.num_parts):
-            sample.append(self._prepare(part_features(int(part))))
-            have += len(sample[-1])
-            if have >= config.train_size:
-                break
-        index.train(np.concatenate(sample)[:config.train_size])
-        index.nprobe = config.nprobe
-        index.set_direct_map_type(faiss.DirectMap.Hashtable)  # remove_ids and reconstruct by id
-        return index
+
+        def training_sample() -> np.ndarray:
+            rng = np.random.default_rng(0)
+            sample, have = [], 0
+            for part in rng.permutation(self.gallery.num_parts):
+                sample.append(self._prepare(part_features(int(part))))
+                have += len(sample[-1])
+                if have >= self.index_config.train_size:
+                    break
+            return np.concatenate(sample)[:self.index_config.train_size]
+
+        return new_index(self.index_config, self.dim, self.distance, self.gallery.num_items, training_sample)
 
     def _prepare(self, features: np.ndarray) -> np.ndarray:
         features = np.ascontiguousarray(features, dtype=np.float32)
@@ -206,6 +193,27 @@ class GallerySearch:
         from components.experiment.inference import embed
 
         return self.search(embed(model, query_images(self.gallery, images)), k)
+
+
+def new_index(config, dim: int, distance: str, num_items: int, training_sample: Callable[[], np.ndarray]):
+    """An empty faiss index of ``config``'s kind (gallery.index) with ids: exact (flat), or
+    inverted lists trained on ``training_sample()`` (vectors already normalised for cosine)."""
+    import faiss
+
+    metric = faiss.METRIC_INNER_PRODUCT if distance == "cosine" else faiss.METRIC_L2
+    if config.kind == "flat":
+        return faiss.IndexIDMap2(faiss.IndexFlatIP(dim) if distance == "cosine" else faiss.IndexFlatL2(dim))
+    if num_items < 39 * config.nlist:
+        raise GalleryError(f"gallery.index.nlist {config.nlist} needs at least {39 * config.nlist} items to train "
+                           f"its lists; this gallery has {num_items}: lower nlist (about items / 100) or use kind: flat")
+    if config.kind == "ivfpq" and dim % config.pq_m:
+        raise GalleryError(f"gallery.index.pq_m {config.pq_m} must divide the features' dimension {dim}")
+    spec = f"IVF{config.nlist},Flat" if config.kind == "ivf" else f"IVF{config.nlist},PQ{config.pq_m}"
+    index = faiss.index_factory(dim, spec, metric)
+    index.train(training_sample())
+    index.nprobe = config.nprobe
+    index.set_direct_map_type(faiss.DirectMap.Hashtable)  # remove_ids and reconstruct by id
+    return index
 
 
 def query_images(gallery: Gallery, images) -> np.ndarray:
