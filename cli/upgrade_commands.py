@@ -191,8 +191,7 @@ def upgrade(ctx: typer.Context,
     if config.gallery.layout == "lance":
         return _table_upgrade(config, params, store, to, gate, break_lock, overrides,
                               {"--budget": budget, "--dry-run": dry_run or None,
-                               "--stop-when-gain-below": stop_when_gain_below, "--target-top1": target_top1,
-                               "--max-items-per-second": max_items_per_second})
+                               "--stop-when-gain-below": stop_when_gain_below, "--target-top1": target_top1})
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
 

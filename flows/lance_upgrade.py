@@ -253,31 +253,51 @@ def _gate(params: Params, table: LanceGallery, store, plan: planning.Plan, order
 
 
 def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.ndarray, new_model, config) -> None:
-    """Every chunk not yet committed, ``max_concurrency`` at a time; then the chunks folded in."""
-    grid = table_upgrade.chunk_grid(plan.num_items, plan.chunk_size)
-    landed = table.landed_chunks()
-    todo = [c for c in range(len(grid)) if c not in landed]
-    log(f"backfill of {plan.id}: {len(landed)}/{len(grid)} chunks already committed; {len(todo)} to go")
-    in_flight, failed, done = {}, [], len(landed)
+    """Every chunk not yet committed, ``max_concurrency`` at a time, no faster than
+    ``max_items_per_second``, stopping (what is in flight finishes) past ``max_failed_images``
+    unreadable images (the bookkeeping is ``lifecycle.Backfill``'s); then the chunks folded in."""
+    from components.gallery.lifecycle import Backfill, failure_limit
+    from components.platform.progress import progress, resolve_mode
+
+    state = Backfill(plan, set(table.landed_chunks()), plan.num_items, config.max_concurrency,
+                     failure_limit(config.max_failed_images, plan.num_items), config.max_items_per_second,
+                     time.monotonic())
+    log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already committed; {len(state.pending)} "
+        "to go" + (f", at most {config.max_items_per_second:g} items/s" if config.max_items_per_second else ""))
+    shown = progress(f"backfill {plan.id}", total=plan.num_items, log=log, initial=state.items_done,
+                     mode="off" if resolve_mode() == "bar" else "log")
+    in_flight: dict = {}
+    ok = False
 
     def start() -> None:
-        while todo and len(in_flight) < config.max_concurrency:
-            chunk = todo.pop(0)
-            lo, hi = grid[chunk]
+        for chunk in state.to_start(time.monotonic()):
+            lo, hi = plan.chunk_bounds(chunk)
             in_flight[backfill_chunk.submit(table.store_uri, plan.id, token, chunk, order[lo:hi], new_model,
                                             config.batch_size, config.read_workers, config.precision)] = chunk
 
-    start()
-    while in_flight:
-        future = next(as_completed(list(in_flight)))
-        chunk = in_flight.pop(future)
-        record = future.result()
-        done += 1
-        failed += record["failed"]
-        log(f"chunk {chunk} committed ({done}/{len(grid)})")
+    try:
         start()
-    if failed:
-        log(f"{len(failed)} images could not be read and keep their h(old) (first: {failed[0]['uri']}: "
-            f"{failed[0]['reason']})")
+        while in_flight or state.can_start_more:
+            if not in_flight:  # held back by the throttle: wait for its turn
+                time.sleep(max(state.wait_time(time.monotonic()), 0.01))
+                start()
+                continue
+            future = next(as_completed(list(in_flight)))
+            chunk = in_flight.pop(future)
+            try:
+                record = future.result()
+            except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
+                state.failed(chunk, error)
+                continue
+            state.landed(chunk, record["count"], record["failed"])
+            for entry in record["failed"]:
+                log(f"chunk {chunk}: item {entry['id']} keeps its h(old): {entry['uri']}: {entry['reason']}")
+            start()
+            shown.update_to(state.items_done)
+        if state.failure is not None:
+            raise state.failure
+        ok = True
+    finally:
+        shown.close(failed=not ok)
     folded = table.fold(plan.id)
     log(f"{folded} chunks folded into {table.uri}")

@@ -61,11 +61,6 @@ def _image_source(table: LanceGallery, dataset) -> tuple[list[int], str | None]:
     return shape, metadata.get("fastfill.image_root") or None
 
 
-def chunk_grid(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
-    """The chunks' [start, stop) places in the backfill order."""
-    return [(start, min(start + chunk_size, num_items)) for start in range(0, num_items, chunk_size)]
-
-
 def order_of(table: LanceGallery) -> np.ndarray:
     """The backfill order (positions, first first) from the table's ``rank`` column."""
     data = table._read(table.dataset(), ["position", "rank"])
@@ -115,8 +110,14 @@ def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, po
     if failed.any():
         features[failed] = table.features_at(positions[failed], "mapped")
     record = table.commit_chunk(upgrade, chunk, positions, features, token)
+    ids = {}
+    if failures:
+        wanted = ", ".join(str(f.position) for f in failures)
+        rows = table._read(table.dataset(), ["position", "id"], filter=f"position IN ({wanted})")
+        ids = dict(zip(rows.column("position").to_pylist(), rows.column("id").to_pylist(), strict=True))
     return {**record, "count": len(positions),
-            "failed": [{"position": f.position, "uri": f.uri, "reason": f.reason} for f in failures]}
+            "failed": [{"id": ids.get(f.position), "position": f.position, "uri": f.uri, "reason": f.reason}
+                       for f in failures]}
 
 
 def gate_sample(table: LanceGallery, size: int | str, seed: int) -> tuple[np.ndarray, np.ndarray]:

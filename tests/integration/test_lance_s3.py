@@ -167,6 +167,12 @@ def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s
 
     # the adopted table upgraded: the backfill reads each image by its URI, under the manifest's folder
     (photos / "item-0007.png").unlink()  # gone since it was adopted: keeps its h(old)
+    stopped = runner.invoke(app, ["upgrade", *common])  # max_failed_images 0.01 of 72 items: none may fail
+    assert stopped.exit_code != 0 and "more than the 0 that gallery.upgrade.max_failed_images allows (first: item " \
+        "507 at item-0007.png" in stopped.output, stopped.output
+    assert table.upgrade() is not None and table.landed_chunks()  # the chunks that landed are kept
+    settings["gallery"]["upgrade"]["max_failed_images"] = 1
+    (tmp_path / "lance.yaml").write_text(yaml.safe_dump(settings))
     upgraded = runner.invoke(app, ["upgrade", *common])
     assert upgraded.exit_code == 0 and "complete: upgrade" in upgraded.output, upgraded.output
     assert table.model().version == new_version

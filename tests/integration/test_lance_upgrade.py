@@ -94,8 +94,13 @@ def test_an_upgrade_killed_in_its_backfill_resumes(upgrade_env, prefect_harness)
     vectors, backfilled, _ = table.mixed()  # queries meanwhile: the whole gallery, mixed
     assert len(vectors) == table.num_items() and np.isfinite(vectors).all()
 
-    resumed = CliRunner().invoke(app, ["upgrade", "--params", lance_params])
+    # resumed with a throttle: after the first chunk, the rest start no faster than 8 items/s
+    left = table.num_items() - 2 * len(landed)
+    started = time.monotonic()
+    resumed = CliRunner().invoke(app, ["upgrade", "--params", lance_params, "--max-items-per-second", "8",
+                                       "--concurrency", "1", "--chunk-size", "2"])
     assert resumed.exit_code == 0 and "complete" in resumed.output, resumed.output
+    assert time.monotonic() - started >= (left - 2) / 8, (left, resumed.output)
     assert table.model().version == new_version and table.upgrade() is None
 
 
