@@ -41,14 +41,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 STEPS = ("adopt", "plan", "chunks_1_writer", "chunks_n_writers", "finish", "read")
+IMAGE_SHAPE = (1, 28, 28)
 
 
-def _data(items: int, dim: int, seed: int = 0) -> dict:
+def _data(items: int, dim: int, seed: int = 0, pixels: bool = False) -> dict:
     rng = np.random.default_rng(seed)
-    return {"old": rng.standard_normal((items, dim), dtype=np.float32),
+    data = {"old": rng.standard_normal((items, dim), dtype=np.float32),
             "mapped": rng.standard_normal((items, dim), dtype=np.float32),
             "new": rng.standard_normal((items, dim), dtype=np.float32),
             "sigma": rng.standard_normal(items, dtype=np.float32), "order": rng.permutation(items)}
+    if pixels:  # an ingested gallery: its images (1 x 28 x 28 uint8, decoded PNGs) kept in the store
+        data["pixels"] = rng.integers(0, 256, (items, *IMAGE_SHAPE), dtype=np.uint8)
+    return data
 
 
 def _items(items: int):
@@ -103,7 +107,12 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     store = open_store(uri)
     times = {}
     start = time.perf_counter()
-    adopt(store, _items(items), old, (1, 28, 28), features=iter([data["old"]]), part_size=1000)
+    if "pixels" in data:
+        from components.gallery.catalog import ingest
+
+        ingest(store, data["pixels"], data["old"], old, ids=np.arange(items), part_size=1000)
+    else:
+        adopt(store, _items(items), old, IMAGE_SHAPE, features=iter([data["old"]]), part_size=1000)
     times["adopt"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -116,8 +125,14 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     commit_plan(gallery, plan, data["order"])
     times["plan"] = time.perf_counter() - start
 
+    reading = Gallery(store)
+
     def commit(c):
         number, lo, hi, positions = c
+        if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
+            from components.gallery.catalog import gather_images
+
+            assert np.array_equal(gather_images(reading, positions), data["pixels"][positions])
         write_chunk(store, plan.id, number, lo, hi, data["new"][positions], time.perf_counter())
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
@@ -140,7 +155,10 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
     table_items = _items(items).rename_columns(["id", "image"])
     times = {}
     start = time.perf_counter()
-    table = LanceGallery.create(uri, table_items, data["old"], old)
+    if "pixels" in data:
+        table = LanceGallery.create(uri, table_items.select(["id"]), data["old"], old, pixels=data["pixels"])
+    else:
+        table = LanceGallery.create(uri, table_items, data["old"], old)
     times["adopt"] = time.perf_counter() - start
     rank = np.empty(items, dtype=np.int64)
     rank[data["order"]] = np.arange(items)
@@ -150,6 +168,10 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
 
     def commit(c):
         number, _, _, positions = c
+        if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
+            from components.gallery.table_upgrade import images_at
+
+            assert np.array_equal(images_at(table, positions)[0], data["pixels"][positions])
         table.commit_chunk("u1", number, positions, data["new"][positions], token)
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
@@ -178,7 +200,7 @@ def stored_bytes(uri: str) -> int:
 
 def worker(args) -> None:
     """One backend at one location, in this process; one JSON line on stdout."""
-    data = _data(args.items, args.dim)
+    data = _data(args.items, args.dim, pixels=args.pixels)
     proxy = None
     if args.uri.startswith("s3://"):
         from components.gallery.s3_fault_proxy import FaultProxy
@@ -201,9 +223,12 @@ def worker(args) -> None:
 def markdown(results: list[dict], args) -> str:
     lines = ["# Today's gallery store against the Lance table", "",
              f"`python benchmarks/lance_store.py --items {args.items} --dim {args.dim} --chunk {args.chunk} "
-             f"--writers {args.writers} --where {' '.join(args.where)}`: {args.items:,} features-only items of "
-             f"dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by {args.writers} "
-             "writers at once. Seconds per step (lower is better), lance/today the ratio (below 1: Lance faster).", ""]
+             f"--writers {args.writers} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}`: "
+             f"{args.items:,} " + ("ingested items (their 1 x 28 x 28 uint8 images kept in the store and read back "
+                                   "for each chunk)" if args.pixels else "features-only items")
+             + f" with features of dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by "
+             f"{args.writers} writers at once. Seconds per step (lower is better), lance/today the ratio (below 1: "
+             "Lance faster).", ""]
     for where in args.where:
         pair = {r["backend"]: r for r in results if r["where"] == where}
         if len(pair) < 2:
@@ -248,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writers", type=int, default=4)
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     parser.add_argument("--reports", type=Path, default=ROOT / "reports")
+    parser.add_argument("--pixels", action="store_true",
+                        help="an ingested gallery: 1 x 28 x 28 uint8 images kept in the store, read back per chunk")
     parser.add_argument("--backend", choices=["today", "lance"], help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -281,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         uri = str(Path(scratch) / backend)
                     command = [sys.executable, __file__, "--backend", backend, "--uri", uri, "--items", str(args.items),
-                               "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers)]
+                               "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers),
+                               *(["--pixels"] if args.pixels else [])]
                     print(f"{where} {backend}: running", flush=True)
                     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
                     if out.returncode != 0:
@@ -297,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     text = markdown(results, args)
     args.reports.mkdir(parents=True, exist_ok=True)
-    name = "lance_store" if args.items == 100_000 else f"lance_store-{args.items}"
+    name = ("lance_store" if args.items == 100_000 else f"lance_store-{args.items}") + ("-pixels" if args.pixels else "")
     (args.reports / f"{name}.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                                      if k not in ("backend", "uri", "reports")},
                                                             "results": results}, indent=2, default=str) + "\n")

@@ -151,12 +151,13 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # gallery.layout lance: the table goes back to its previous serving tag (docs/lance.md).
     config = load(params)
     if config.gallery.layout == "lance":
-        from components.gallery.lance_table import LanceGallery
+        from flows.lance_rollback import table_rollback_flow
 
         uri = store_uri(config, store)
-        rolled, previous = call(lambda: LanceGallery(uri).rollback())
-        typer.echo(f"{uri}: the table serves {previous.uri}'s features again (rolled back from {rolled.uri}); the "
-                   "registry was not changed: upgrades of the lance layout do not run through `fastfill upgrade` yet")
+        result = call(table_rollback_flow, params_path=str(params.resolve()), store_uri=uri)
+        typer.echo(f"{uri}: the table serves {result['model']}'s features again (rolled back from {result['from']}); "
+                   + ("champion moved back" if result["champion_moved"] else
+                      f"champion left as it was (it no longer named {result['from']})"))
         return
     from flows.undo import rollback_flow
 

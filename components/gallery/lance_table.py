@@ -334,11 +334,9 @@ class LanceGallery(UpgradeSteps):
             raise GalleryError(f"{self.uri}: an upgrade is in progress; abort it before rolling back")
         tags = self.serving_tags(dataset)
         served = self.model(dataset)
-        if tags:
-            tagged = self.model(self.dataset(tags[-1][2]))
-            if not tagged.same_version(served):  # a rollback killed between its restore and its tag
-                self._tag_serving(dataset)
-                return tagged, served
+        pending = self.tag_pending_rollback(dataset)
+        if pending is not None:
+            return pending, served
         earlier = [(n, name, version) for n, name, version in tags
                    if not self.model(self.dataset(version)).same_version(served)]
         if not earlier:
@@ -352,6 +350,19 @@ class LanceGallery(UpgradeSteps):
         previous.restore()
         self._tag_serving(self.dataset())
         return served, self.model(previous)
+
+    def tag_pending_rollback(self, dataset=None) -> ModelRef | None:
+        """A rollback killed between its restore and its tag: tagged now; returns the model it
+        rolled back from (None: nothing was pending)."""
+        dataset = dataset or self.dataset()
+        tags = self.serving_tags(dataset)
+        if not tags:
+            return None
+        tagged = self.model(self.dataset(tags[-1][2]))
+        if tagged.same_version(self.model(dataset)):
+            return None
+        self._tag_serving(dataset)
+        return tagged
 
     def collect_garbage(self, older_than: timedelta = timedelta(days=7)) -> dict:
         """Remove the versions that no tag references and that are older than ``older_than``."""

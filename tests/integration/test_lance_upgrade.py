@@ -55,6 +55,16 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     refused = runner.invoke(app, ["upgrade", "--budget", "0.5", "--params", lance_params])
     assert refused.exit_code != 0 and "--budget: not available on the lance layout yet" in refused.output
 
+    # rolled back: the table's previous serving tag, and the registry with it
+    rolled = runner.invoke(app, ["gallery", "rollback", "--params", lance_params])
+    assert rolled.exit_code == 0 and "champion moved back" in rolled.output, rolled.output
+    assert table.model().version == old_version and table.upgrade() is None
+    np.testing.assert_allclose(table.features(), embed(old_model, split.images), rtol=1e-4, atol=1e-4)
+    champion = client.get_model_version_by_alias(params.mlflow.registered_model, "champion")
+    assert str(champion.version) == old_version
+    assert client.get_model_version(params.mlflow.registered_model, new_version).tags["promotion"] == "rolled-back"
+    assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2", "serving-3"]
+
 
 def test_a_rejected_upgrade_leaves_the_champion_s_features(upgrade_env, prefect_harness):
     params, tmp_path = upgrade_env

@@ -1,0 +1,61 @@
+"""`fastfill gallery rollback` on a Lance table (gallery.layout lance), as Prefect runs it.
+
+Under the upgrade lock: the intent first (``rollback.json`` beside the table: the model it rolls
+back from), then the table back to its previous serving tag (``LanceGallery.rollback``), then
+the registry, as on the parts layout: ``champion`` back on the previous version when it still
+names the rolled-back one, and that version tagged ``promotion=rolled-back``; the record marked
+done last. A rollback killed at any point is completed by the next one, never done twice.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.gallery.lance_table import LanceGallery
+from components.gallery.lock import acquire_lock
+from components.gallery.store import ObjectMissing, open_store
+from components.platform import registry
+from components.platform.config import Params
+from components.platform.registry import ModelRef
+from flows.parameters import resolve_params
+from tasks._policy import log
+
+ROLLBACK = "upgrades/rollback.json"
+
+
+@flow(name="gallery-table-rollback", log_prints=True)
+def table_rollback_flow(params: Params | None = None, store_uri: str | None = None,
+                        params_path: str | None = None) -> dict:
+    """Roll the table at ``store_uri`` (default gallery.store) back to its previous serving tag,
+    and the registry with it; see the module's docstring."""
+    params = resolve_params(params, params_path, None)
+    uri = store_uri or params.gallery.store
+    table, store = LanceGallery(uri), open_store(uri)
+    client, _ = registry.setup(params.mlflow)
+    with acquire_lock(store, "rollback", log=log, lease_seconds=params.gallery.upgrade.lease_seconds):
+        try:
+            record = store.get_json(ROLLBACK)
+        except ObjectMissing:
+            record = None
+        if record is None or record.get("registry_recorded"):
+            record = {"from": table.model().to_dict(), "registry_recorded": False}
+            store.put_json(ROLLBACK, record)  # the intent, before the table changes
+        rolled = ModelRef.from_dict(record["from"])
+        if table.model().same_version(rolled):
+            _, previous = table.rollback()
+        else:  # a rollback killed after its restore: its tag, if that is what is missing
+            table.tag_pending_rollback()
+            previous = table.model()
+        log(f"{table.uri} serves {previous.uri}'s features again (rolled back from {rolled.uri})")
+        moved = False
+        tags = {"promotion": "rolled-back", "promotion.rolled_back_to": str(previous.version),
+                "promotion.rolled_back_store": table.uri}
+        if rolled.name == previous.name:
+            moved = registry.record_rollback(client, rolled.name, rolled.version, previous.version, None, tags)
+            champion = registry.alias_version(client, rolled.name, registry.CHAMPION)
+            log(f"champion moved back to {previous.uri}" if moved else
+                f"champion names version {champion}, not {rolled.version}: left as it is")
+        else:  # another registered model: only the tags
+            registry.record_rollback(client, rolled.name, rolled.version, rolled.version, None, tags)
+        store.put_json(ROLLBACK, {**record, "to": previous.to_dict(), "registry_recorded": True})
+        return {"state": "rolled back", "model": previous.uri, "from": rolled.uri, "champion_moved": moved}
