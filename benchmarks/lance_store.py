@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/lance_store.py                       # 100,000 items, local and S3
     .venv/bin/python benchmarks/lance_store.py --items 1000000 --where local
     .venv/bin/python benchmarks/lance_store.py --items 5000 --chunk 500   # a quick look
+    .venv/bin/python benchmarks/lance_store.py --pixels     # an ingested gallery: images in the store
+    .venv/bin/python benchmarks/lance_store.py --png        # an adopted one: PNG files read by URI
 
 For each backend (``today``: the parts layout of components/gallery/catalog.py through the
 product's own adopt, commit_plan, write_chunk and finish; ``lance``: components/gallery/lance_table.py)
@@ -55,11 +57,41 @@ def _data(items: int, dim: int, seed: int = 0, pixels: bool = False) -> dict:
     return data
 
 
-def _items(items: int):
+def _items(items: int, png_root: str | None = None):
     import pyarrow as pa
 
-    return pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
-                     "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
+    uris = [f"{i:08d}.png" for i in range(items)] if png_root else [f"s3://images/{i:08d}.png" for i in range(items)]
+    return pa.table({"id": pa.array(np.arange(items, dtype=np.int64)), "uri": pa.array(uris)})
+
+
+def write_pngs(pixels: np.ndarray, root: str) -> None:
+    """Each image as ``<root>/<position:08d>.png`` (a folder, or s3://bucket/prefix)."""
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    def encoded(i: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(pixels[i][0], mode="L").save(out, format="PNG")
+        return out.getvalue()
+
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[len("s3://"):].partition("/")
+        client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"])
+
+        def put(i: int) -> None:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{i:08d}.png", Body=encoded(i))
+    else:
+        Path(root).mkdir(parents=True, exist_ok=True)
+
+        def put(i: int) -> None:
+            (Path(root) / f"{i:08d}.png").write_bytes(encoded(i))
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, range(len(pixels))))
 
 
 def _chunks(order: np.ndarray, size: int) -> list[tuple[int, int, int, np.ndarray]]:
@@ -107,12 +139,13 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     store = open_store(uri)
     times = {}
     start = time.perf_counter()
-    if "pixels" in data:
+    if "pixels" in data and not data.get("png_root"):
         from components.gallery.catalog import ingest
 
         ingest(store, data["pixels"], data["old"], old, ids=np.arange(items), part_size=1000)
     else:
-        adopt(store, _items(items), old, IMAGE_SHAPE, features=iter([data["old"]]), part_size=1000)
+        adopt(store, _items(items, data.get("png_root")), old, IMAGE_SHAPE, root=data.get("png_root"),
+              features=iter([data["old"]]), part_size=1000)
     times["adopt"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -130,9 +163,10 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     def commit(c):
         number, lo, hi, positions = c
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
-            from components.gallery.catalog import gather_images
+            from components.gallery.catalog import fetch_images
 
-            assert np.array_equal(gather_images(reading, positions), data["pixels"][positions])
+            images, failures = fetch_images(reading, positions, workers=16)
+            assert not failures and np.array_equal(images, data["pixels"][positions])
         write_chunk(store, plan.id, number, lo, hi, data["new"][positions], time.perf_counter())
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
@@ -155,7 +189,10 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
     table_items = _items(items).rename_columns(["id", "image"])
     times = {}
     start = time.perf_counter()
-    if "pixels" in data:
+    if data.get("png_root"):  # an adopted gallery: the images are PNG files under the root, by URI
+        table = LanceGallery.create(uri, _items(items, data["png_root"]).rename_columns(["id", "image"]), data["old"],
+                                    old, image_shape=IMAGE_SHAPE, metadata={"fastfill.image_root": data["png_root"]})
+    elif "pixels" in data:
         table = LanceGallery.create(uri, table_items.select(["id"]), data["old"], old, pixels=data["pixels"])
     else:
         table = LanceGallery.create(uri, table_items, data["old"], old)
@@ -171,7 +208,8 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
             from components.gallery.table_upgrade import images_at
 
-            assert np.array_equal(images_at(table, positions)[0], data["pixels"][positions])
+            images, failures = images_at(table, positions, workers=16)
+            assert not failures and np.array_equal(images, data["pixels"][positions])
         table.commit_chunk("u1", number, positions, data["new"][positions], token)
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
@@ -200,7 +238,9 @@ def stored_bytes(uri: str) -> int:
 
 def worker(args) -> None:
     """One backend at one location, in this process; one JSON line on stdout."""
-    data = _data(args.items, args.dim, pixels=args.pixels)
+    data = _data(args.items, args.dim, pixels=args.pixels or bool(args.png_root))
+    if args.png_root:
+        data["png_root"] = args.png_root
     proxy = None
     if args.uri.startswith("s3://"):
         from components.gallery.s3_fault_proxy import FaultProxy
@@ -223,9 +263,11 @@ def worker(args) -> None:
 def markdown(results: list[dict], args) -> str:
     lines = ["# Today's gallery store against the Lance table", "",
              f"`python benchmarks/lance_store.py --items {args.items} --dim {args.dim} --chunk {args.chunk} "
-             f"--writers {args.writers} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}`: "
-             f"{args.items:,} " + ("ingested items (their 1 x 28 x 28 uint8 images kept in the store and read back "
-                                   "for each chunk)" if args.pixels else "features-only items")
+             f"--writers {args.writers} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}"
+             f"{' --png' if args.png else ''}`: {args.items:,} "
+             + ("adopted items whose 1 x 28 x 28 images are PNG files beside the store, read by URI for each chunk"
+                if args.png else "ingested items (their 1 x 28 x 28 uint8 images kept in the store and read back "
+                                 "for each chunk)" if args.pixels else "features-only items")
              + f" with features of dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by "
              f"{args.writers} writers at once. Seconds per step (lower is better), lance/today the ratio (below 1: "
              "Lance faster).", ""]
@@ -275,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reports", type=Path, default=ROOT / "reports")
     parser.add_argument("--pixels", action="store_true",
                         help="an ingested gallery: 1 x 28 x 28 uint8 images kept in the store, read back per chunk")
+    parser.add_argument("--png", action="store_true",
+                        help="an adopted gallery: 1 x 28 x 28 images as PNG files beside the store, read by URI per chunk")
+    parser.add_argument("--png-root", help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=["today", "lance"], help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -283,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    results = []
+    results, png_roots = [], {}
     with tempfile.TemporaryDirectory(prefix="lance-bench-") as scratch:
         server = None
         env = dict(os.environ)
@@ -307,9 +352,18 @@ def main(argv: list[str] | None = None) -> int:
                         uri = f"s3://{bucket}/gallery"
                     else:
                         uri = str(Path(scratch) / backend)
+                    if args.png and where not in png_roots:  # written once per location, read by both backends
+                        png_roots[where] = (f"s3://{bucket}-png/images" if where == "s3" else str(Path(scratch) / "png"))
+                        if where == "s3":
+                            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(
+                                Bucket=f"{bucket}-png")
+                        started = time.perf_counter()
+                        write_pngs(_data(args.items, args.dim, pixels=True)["pixels"], png_roots[where])
+                        print(f"{where}: {args.items} PNGs written in {time.perf_counter() - started:.0f} s", flush=True)
                     command = [sys.executable, __file__, "--backend", backend, "--uri", uri, "--items", str(args.items),
                                "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers),
-                               *(["--pixels"] if args.pixels else [])]
+                               *(["--pixels"] if args.pixels else []),
+                               *(["--png-root", png_roots[where]] if args.png else [])]
                     print(f"{where} {backend}: running", flush=True)
                     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
                     if out.returncode != 0:
@@ -325,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     text = markdown(results, args)
     args.reports.mkdir(parents=True, exist_ok=True)
-    name = ("lance_store" if args.items == 100_000 else f"lance_store-{args.items}") + ("-pixels" if args.pixels else "")
+    name = ("lance_store" if args.items == 100_000 else f"lance_store-{args.items}") + ("-pixels" if args.pixels else "-png" if args.png else "")
     (args.reports / f"{name}.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                                      if k not in ("backend", "uri", "reports")},
                                                             "results": results}, indent=2, default=str) + "\n")

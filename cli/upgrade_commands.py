@@ -190,7 +190,7 @@ def upgrade(ctx: typer.Context,
     config = _with_upgrade(load(params), overrides)
     if config.gallery.layout == "lance":
         return _table_upgrade(config, params, store, to, gate, break_lock, overrides,
-                              {"--budget": budget, "--dry-run": dry_run or None,
+                              _parse_budget(budget), {"--dry-run": dry_run or None,
                                "--stop-when-gain-below": stop_when_gain_below, "--target-top1": target_top1})
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
@@ -239,11 +239,11 @@ def upgrade(ctx: typer.Context,
 
 
 def _table_upgrade(config, params: Path, store: str | None, to: str, gate: bool | None, break_lock: bool,
-                   overrides: dict, unsupported: dict) -> None:
+                   overrides: dict, budget: float | int | None, unsupported: dict) -> None:
     """`upgrade` with gallery.layout lance: flows/lance_upgrade.py, on the upgrade's task runner."""
     given = [option for option, value in unsupported.items() if value is not None]
-    if given or config.gallery.upgrade.budget is not None or config.gallery.upgrade.stop_when_gain_below is not None:
-        named = ", ".join(given) or "gallery.upgrade.budget or stop_when_gain_below"
+    if given or config.gallery.upgrade.stop_when_gain_below is not None:
+        named = ", ".join(given) or "gallery.upgrade.stop_when_gain_below"
         fail(f"{named}: not available on the lance layout yet (docs/lance.md); the parts layout has them", USAGE)
     from flows.lance_upgrade import table_upgrade_flow
     from flows.upgrade import runner_for
@@ -253,9 +253,14 @@ def _table_upgrade(config, params: Path, store: str | None, to: str, gate: bool 
     start = time.perf_counter()
     flow = table_upgrade_flow.with_options(task_runner=runner_for(config.gallery.upgrade))
     result = call(flow, store_uri=uri, to_uri=to, gate=gate, break_lock=break_lock,
-                  params_path=str(params.resolve()), overrides=overrides or None)
+                  params_path=str(params.resolve()), overrides=overrides or None, budget=budget)
     if result["state"] in ("up-to-date", "no target"):
         typer.echo(f"{result['state']}: {result['message']}")
+        return
+    if result["state"] == "paused":
+        typer.echo(f"paused: {result['items_done']} of {result['items']} items backfilled "
+                   f"({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; the same command "
+                   f"goes on; MLflow run {result['mlflow_run_id']}")
         return
     typer.echo(f"{result['state']}: upgrade {result['upgrade']} of {result['items']} items in "
                f"{time.perf_counter() - start:.0f} s; the table serves {result['model']}; MLflow run "

@@ -15,8 +15,8 @@ The same course as ``flows/upgrade.py`` on the parts layout, in fewer steps:
    registry: the decision's tags, and champion moved when it passed; the lock released last.
 
 A re-run of the same command resumes a killed upgrade from its landed chunks. What this flow
-does not do yet on the table (the parts layout does): dry runs and budgets, sequential upgrades,
-the budget advisor and progress measured as chunks land.
+does not do yet on the table (the parts layout does): dry runs, sequential upgrades, the budget
+advisor, a budget's stop inside a chunk, and progress measured as chunks land.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ def backfill_chunk(store_uri: str, upgrade: str, token: str, chunk: int, positio
 @flow(name="gallery-table-upgrade", log_prints=True)
 def table_upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
                        gate: bool | None = None, break_lock: bool = False, params_path: str | None = None,
-                       overrides: dict[str, Any] | None = None) -> dict:
+                       overrides: dict[str, Any] | None = None, budget: float | int | None = None) -> dict:
     """Upgrade the Lance table at ``store_uri`` (default gallery.store) to ``to_uri`` (default:
-    the challenger); see the module's docstring."""
+    the challenger); see the module's docstring. ``budget`` (default gallery.upgrade.budget): the
+    items this run may backfill, a fraction or a count, in whole chunks; short of the end the
+    upgrade pauses (state ``paused``) and the same command goes on."""
     params = resolve_params(params, params_path, overrides)
     config, name = params.gallery.upgrade, params.mlflow.registered_model
     uri = store_uri or params.gallery.store
@@ -101,7 +103,13 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
                 raise GalleryError(f"{table.uri} holds upgrade {uid} but its plan.json is gone from {store.uri}; abort "
                                    "it (`fastfill upgrade abort`) and run the upgrade again")
             token, order = table.upgrade().token, table_upgrade.order_of(table)
-            _backfill(table, plan, token, order, new_model, config)
+            done = _backfill(table, plan, token, order, new_model, config,
+                             config.budget if budget is None else budget)
+            if not done.complete:  # the budget ends this run: the upgrade pauses, queries use the mixed table
+                log(f"paused: {done.items_done} of {plan.num_items} items backfilled; the same command goes on")
+                return {"state": "paused", "upgrade": uid, "items": plan.num_items, "items_done": done.items_done,
+                        "fraction": done.items_done / plan.num_items, "model": table.model().uri,
+                        "mlflow_run_id": plan.mlflow_run_id}
             numbers = _gate(params, table, store, plan, order, new_model, old, judged, sample) if gated else None
             decider = UpgradeDecider(uri, name, gated, None, None)
             fields, said = decider.decide(numbers, params.promotion, uid, new, old)
@@ -252,18 +260,21 @@ def _gate(params: Params, table: LanceGallery, store, plan: planning.Plan, order
                                       curve_points=promotion.curve_points)
 
 
-def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.ndarray, new_model, config) -> None:
-    """Every chunk not yet committed, ``max_concurrency`` at a time, no faster than
-    ``max_items_per_second``, stopping (what is in flight finishes) past ``max_failed_images``
-    unreadable images (the bookkeeping is ``lifecycle.Backfill``'s); then the chunks folded in."""
-    from components.gallery.lifecycle import Backfill, failure_limit
+def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.ndarray, new_model, config,
+              budget: float | int | None = None):
+    """The chunks not yet committed that ``budget`` (whole chunks; None: all) allows,
+    ``max_concurrency`` at a time, no faster than ``max_items_per_second``, stopping (what is in
+    flight finishes) past ``max_failed_images`` unreadable images; then the chunks folded in.
+    The bookkeeping (returned) is ``lifecycle.Backfill``'s."""
+    from components.gallery.lifecycle import Backfill, budget_items, failure_limit
     from components.platform.progress import progress, resolve_mode
 
-    state = Backfill(plan, set(table.landed_chunks()), plan.num_items, config.max_concurrency,
+    state = Backfill(plan, set(table.landed_chunks()), budget_items(budget, plan.num_items), config.max_concurrency,
                      failure_limit(config.max_failed_images, plan.num_items), config.max_items_per_second,
                      time.monotonic())
     log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already committed; {len(state.pending)} "
-        "to go" + (f", at most {config.max_items_per_second:g} items/s" if config.max_items_per_second else ""))
+        "to go" + (f", budget {state.limit} items (whole chunks)" if state.limit < plan.num_items else "")
+        + (f", at most {config.max_items_per_second:g} items/s" if config.max_items_per_second else ""))
     shown = progress(f"backfill {plan.id}", total=plan.num_items, log=log, initial=state.items_done,
                      mode="off" if resolve_mode() == "bar" else "log")
     in_flight: dict = {}
@@ -301,3 +312,4 @@ def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.nd
         shown.close(failed=not ok)
     folded = table.fold(plan.id)
     log(f"{folded} chunks folded into {table.uri}")
+    return state

@@ -6,7 +6,7 @@ written last. A planning refused half way removes what it wrote."""
 from __future__ import annotations
 
 import numpy as np
-from prefect.futures import as_completed
+from prefect.futures import as_completed, wait
 
 from components.gallery import backfill, judgments, planning, samples, usage
 from components.gallery.catalog import Gallery, GalleryError
@@ -73,9 +73,13 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
                    new.uri)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
                for p in range(gallery.num_parts)]
-    with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
-        for future in as_completed(futures):
-            bar.advance(future.result())
+    try:
+        with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
+            for future in as_completed(futures):
+                bar.advance(future.result())
+    except BaseException:
+        wait(futures)  # every part's task has ended before the caller removes what planning wrote
+        raise
     order = planning.make_order(gallery, uid, order_kind, config.seed, weights)
     embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
 

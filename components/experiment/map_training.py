@@ -22,7 +22,7 @@ from components.experiment.losses import (
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
     announced_dtype, forward_precision,
-    Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
+    EpochProgress, Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
 )
 from components.experiment.uncertainty_head_fit import fit_uncertainty_head, true_alignment_loss
 from components.platform.config import AlignConfig
@@ -138,6 +138,7 @@ def _train_on_features(
     # that a float32 result can show.
     torch.set_flush_denormal(True)
     plan = feature_schedule(config, num_items)
+    on_epoch = EpochProgress(on_epoch)
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
@@ -217,10 +218,8 @@ def _train_on_features(
         save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
-        if on_epoch is not None:
-            on_epoch(epoch + 1, epochs)
-    if on_epoch is not None:  # training is over (all epochs, a stop on divergence, or a resume of a finished run)
-        on_epoch(epochs, epochs)
+        on_epoch(epoch + 1, epochs)
+    on_epoch.end(epochs)
     if best is not None:
         module.load_state_dict(best["state"])
         for record in history:

@@ -1,6 +1,7 @@
 """The Lance gallery table on S3 (moto's server over HTTP): an upgrade end to end, chunks
-committed by several processes at once, a commit whose reply is lost, injected 5xx answers, and
-the table opened by LanceDB by name and read by DuckDB."""
+committed by several processes at once, a commit whose reply is lost, injected 5xx answers and
+dropped connections, and an adopted table upgraded, then read by pyarrow and DuckDB and searched
+by LanceDB by name."""
 
 from __future__ import annotations
 
@@ -104,18 +105,37 @@ def test_a_commit_whose_reply_is_lost_leaves_each_row_once(s3_table, s3_endpoint
     assert np.array_equal(new[positions], data["new"][positions])
 
 
-def test_chunks_commit_through_injected_5xx_answers(s3_table, s3_endpoint, monkeypatch):
+@pytest.mark.parametrize("kinds", ["5xx", "dropped connections"])
+def test_chunks_commit_through_injected_faults(s3_table, s3_endpoint, monkeypatch, kinds):
+    """Each chunk committed through a proxy that answers 5xx, or drops and resets connections and
+    cuts replies short; a commit that fails is run again, as the chunk's task retries. Then every
+    item has its new features once."""
+    from components.gallery.catalog import GalleryError
+    from components.gallery.s3_fault_proxy import STATUS_FAULTS
+
     uri, table, data = s3_table
-    with FaultProxy(s3_endpoint, rate=0.15, seed=3) as proxy:
+    faults = STATUS_FAULTS if kinds == "5xx" else ("drop-request", "drop-reply", "reset-reply", "truncate-reply")
+    failed = 0
+    with FaultProxy(s3_endpoint, rate=0.3, kinds=faults, seed=3) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
         through_proxy = LanceGallery(uri)
         for chunk in range(N // CHUNK):
             positions = _positions(data, chunk)
-            through_proxy.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+            for _ in range(5):
+                try:
+                    through_proxy.commit_chunk("u1", chunk, positions, data["new"][positions], TOKEN)
+                    break
+                except GalleryError:
+                    failed += 1
+            else:
+                pytest.fail(f"chunk {chunk} did not commit in 5 tries through {kinds}")
         assert proxy.injected > 0
+    print(f"{kinds}: {proxy.injected} faults injected, {failed} commits failed and were run again")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
     vectors, backfilled, _ = table.mixed()
     assert backfilled.all() and np.array_equal(vectors, data["new"])
+    positions, _, chunks = table._landed(table.upgrade())
+    assert chunks == list(range(N // CHUNK)) and np.array_equal(positions, np.arange(N))
 
 
 def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s3_endpoint, prefect_harness):
@@ -181,6 +201,18 @@ def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s
     keep = np.arange(len(served)) != 7
     np.testing.assert_allclose(served[keep], expected[keep], rtol=1e-4, atol=1e-4)
     assert not np.allclose(served[7], expected[7], atol=1e-3)
+    # read back where it is, by the tools a team uses: pyarrow, DuckDB, and LanceDB by name
+    import duckdb
+    import lancedb
+
+    ds = table.dataset()  # noqa: F841 - DuckDB finds the dataset by its variable name
+    assert duckdb.sql("select count(*), count(distinct id), min(position) from ds").fetchall() == \
+        [(len(split.labels), len(split.labels), 0)]
+    rows = ds.to_table(columns=["position", "features"]).sort_by("position")
+    np.testing.assert_array_equal(np.stack(rows.column("features").to_numpy(zero_copy_only=False)), served)
+    nearest = (lancedb.connect(store, storage_options=storage_options(store)).open_table("gallery")
+               .search(served[11], vector_column_name="features").limit(1).select(["id"]).to_list())
+    assert nearest[0]["id"] == 511
 
     # ingest: the prepared test split's images into a table of their own, with the champion's
     # features (the champion is the new model since the upgrade)

@@ -39,6 +39,12 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     assert ingested.exit_code == 0, ingested.output
     table = LanceGallery(store)
 
+    # a budget of half the gallery, in whole chunks of 8: 4 chunks (32 of 72 items), then a pause
+    paused = runner.invoke(app, ["upgrade", "--params", lance_params, "--budget", "50%"])
+    assert paused.exit_code == 0 and "paused: 32 of 72 items backfilled" in paused.output, paused.output
+    assert table.upgrade() is not None and len(table.landed_chunks()) == 4
+    assert int(table.mixed()[1].sum()) == 32 and table.model().version == old_version
+
     done = runner.invoke(app, ["upgrade", "--params", lance_params])
     assert done.exit_code == 0, done.output
     assert "complete: upgrade" in done.output and f"the table serves models:/{params.mlflow.registered_model}/" \
@@ -52,8 +58,8 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2"]
     again = runner.invoke(app, ["upgrade", "--params", lance_params])
     assert again.exit_code == 0 and "up-to-date" in again.output, again.output
-    refused = runner.invoke(app, ["upgrade", "--budget", "0.5", "--params", lance_params])
-    assert refused.exit_code != 0 and "--budget: not available on the lance layout yet" in refused.output
+    refused = runner.invoke(app, ["upgrade", "--dry-run", "--params", lance_params])
+    assert refused.exit_code != 0 and "--dry-run: not available on the lance layout yet" in refused.output
 
     # rolled back: the table's previous serving tag, and the registry with it
     rolled = runner.invoke(app, ["gallery", "rollback", "--params", lance_params])

@@ -44,10 +44,12 @@ def test_embedder_training_lowers_its_loss_and_resumes(tmp_path):
     assert history[-1]["loss"] < history[0]["loss"]
     assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
     # Re-running the same config resumes from the final checkpoint: no epoch is trained again.
-    messages = []
+    messages, resumed = [], []
     again, history2 = train_embedder(config, _split(), [0, 1, 2, 3], (0.3, 0.3),
-                                     run=TrainingRun(CPU, checkpoint, messages.append))
+                                     run=TrainingRun(CPU, checkpoint, messages.append,
+                                                     lambda done, total: resumed.append((done, total))))
     assert history2 == history and any("resuming" in m for m in messages)
+    assert resumed == [(4, 4)]  # no epoch trained, and the progress still ends at 100%
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
 
