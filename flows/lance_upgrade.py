@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 from prefect import flow, task
-from prefect.futures import as_completed
 
 from components.gallery import ending, judgments, planning, samples, table_upgrade
 from components.gallery.catalog import GalleryError
@@ -268,6 +267,7 @@ def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.nd
     The bookkeeping (returned) is ``lifecycle.Backfill``'s."""
     from components.gallery.lifecycle import Backfill, budget_items, failure_limit
     from components.platform.progress import progress, resolve_mode
+    from flows.upgrade import run_chunks
 
     state = Backfill(plan, set(table.landed_chunks()), budget_items(budget, plan.num_items), config.max_concurrency,
                      failure_limit(config.max_failed_images, plan.num_items), config.max_items_per_second,
@@ -277,36 +277,15 @@ def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.nd
         + (f", at most {config.max_items_per_second:g} items/s" if config.max_items_per_second else ""))
     shown = progress(f"backfill {plan.id}", total=plan.num_items, log=log, initial=state.items_done,
                      mode="off" if resolve_mode() == "bar" else "log")
-    in_flight: dict = {}
     ok = False
 
-    def start() -> None:
-        for chunk in state.to_start(time.monotonic()):
-            lo, hi = plan.chunk_bounds(chunk)
-            in_flight[backfill_chunk.submit(table.store_uri, plan.id, token, chunk, order[lo:hi], new_model,
-                                            config.batch_size, config.read_workers, config.precision)] = chunk
+    def submit(chunk: int):
+        lo, hi = plan.chunk_bounds(chunk)
+        return backfill_chunk.submit(table.store_uri, plan.id, token, chunk, order[lo:hi], new_model,
+                                     config.batch_size, config.read_workers, config.precision)
 
     try:
-        start()
-        while in_flight or state.can_start_more:
-            if not in_flight:  # held back by the throttle: wait for its turn
-                time.sleep(max(state.wait_time(time.monotonic()), 0.01))
-                start()
-                continue
-            future = next(as_completed(list(in_flight)))
-            chunk = in_flight.pop(future)
-            try:
-                record = future.result()
-            except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
-                state.failed(chunk, error)
-                continue
-            state.landed(chunk, record["count"], record["failed"])
-            for entry in record["failed"]:
-                log(f"chunk {chunk}: item {entry['id']} keeps its h(old): {entry['uri']}: {entry['reason']}")
-            start()
-            shown.update_to(state.items_done)
-        if state.failure is not None:
-            raise state.failure
+        run_chunks(state, submit, lambda chunk, record: shown.update_to(state.items_done))
         ok = True
     finally:
         shown.close(failed=not ok)

@@ -8,6 +8,7 @@ the mixed gallery throughout."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow
@@ -204,43 +205,58 @@ def _backfill(client, gallery: Gallery, plan: planning.Plan, new_model, config, 
     # log lines with rate and time left; a terminal's bar is the CLI's (it polls the store, wherever chunks run)
     shown = progress(f"backfill {plan.id}", total=min(state.limit, plan.num_items), log=log, initial=state.items_done,
                      mode="off" if resolve_mode() == "bar" else "log")
-    in_flight: dict = {}
     ok = False
 
-    def start() -> None:
-        for chunk in state.to_start(time.monotonic()):
-            in_flight[backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size,
-                                            config.read_workers, config.precision)] = chunk
+    def submit(chunk: int):
+        return backfill_chunk.submit(store_uri, plan.id, chunk, new_model, config.batch_size, config.read_workers,
+                                     config.precision)
+
+    def landed(chunk: int, record: dict) -> None:
+        if tracker.meter is not None:
+            tracker.meter.land(record["start"], record["stop"], backfill.chunk_features(gallery.store, plan.id, chunk))
+        tracker.chunk_done(state.done, state.items_done)
+        shown.update_to(state.items_done)
 
     try:
-        start()
-        while in_flight or state.can_start_more:
-            if not in_flight:  # held back by the throttle: wait for its turn
-                time.sleep(max(state.wait_time(time.monotonic()), 0.01))
-                start()
-                continue
-            future = next(as_completed(list(in_flight)))
-            chunk = in_flight.pop(future)
-            try:
-                record = future.result()
-            except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
-                state.failed(chunk, error)
-                continue
-            state.landed(chunk, record["count"], record.get("failed", []))
-            for entry in record.get("failed", []):
-                log(f"chunk {chunk}: item {entry['id']} keeps its transformed features: {entry['uri']}: {entry['reason']}")
-            start()  # the next chunk starts before this one's bookkeeping
-            if tracker.meter is not None:
-                tracker.meter.land(record["start"], record["stop"], backfill.chunk_features(gallery.store, plan.id, chunk))
-            tracker.chunk_done(state.done, state.items_done)
-            shown.update_to(state.items_done)
-        if state.failure is not None:
-            raise state.failure
+        run_chunks(state, submit, landed)
         ok = True
     finally:
         shown.close(failed=not ok)
         tracker.close(ok)
     return {**state.summary(), "mlflow_run_id": plan.mlflow_run_id}
+
+
+def run_chunks(state: Backfill, submit: Callable[[int], Any], landed: Callable[[int, dict], None]) -> None:
+    """Drive a backfill on the task runner (both layouts): the chunks ``state`` lets start
+    (``submit(chunk)`` returns the chunk task's future), the next one started as soon as one
+    lands, then ``landed(chunk, record)``; held back by the throttle, it waits its turn. The first
+    failure stops new starts; what is in flight finishes, then it is raised."""
+    in_flight: dict = {}
+
+    def start() -> None:
+        for chunk in state.to_start(time.monotonic()):
+            in_flight[submit(chunk)] = chunk
+
+    start()
+    while in_flight or state.can_start_more:
+        if not in_flight:  # held back by the throttle: wait for its turn
+            time.sleep(max(state.wait_time(time.monotonic()), 0.01))
+            start()
+            continue
+        future = next(as_completed(list(in_flight)))
+        chunk = in_flight.pop(future)
+        try:
+            record = future.result()
+        except BaseException as error:  # noqa: BLE001 - finish what is in flight, then raise
+            state.failed(chunk, error)
+            continue
+        state.landed(chunk, record["count"], record.get("failed", []))
+        for entry in record.get("failed", []):
+            log(f"chunk {chunk}: item {entry['id']} keeps its transformed features: {entry['uri']}: {entry['reason']}")
+        start()  # the next chunk starts before this one's bookkeeping
+        landed(chunk, record)
+    if state.failure is not None:
+        raise state.failure
 
 
 def _end(decider: UpgradeDecider, client, gallery: Gallery, plan: planning.Plan, promotion) -> dict:

@@ -82,26 +82,38 @@ def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
 
 def judged_queries(gallery: Gallery, config, judged, embed: Embed, embed_champion: Embed, embedded: dict) -> tuple:
     """The judged queries (``judged``: ``judgments.load_judgments``'s) with their features on both
-    sides of the gate: a gallery item's new features are embedded here (and join ``embedded``,
-    so they are backfilled from the start) and its champion features are the stored ones; an
-    image query is embedded by both models (``embed_champion``). Unreadable query images are
-    refused: the judgments name them."""
+    sides of the gate, on the parts layout (``judged_features``); a gallery item's new features
+    join ``embedded``, so they are backfilled from the start."""
+    return judged_features(
+        judged, embed, embed_champion, config.judgments, embedded=embedded,
+        item_images=lambda positions: fetch_images(gallery, positions, workers=config.read_workers),
+        item_features=lambda positions: rows_at(gallery, positions, lambda part: features_key(gallery.model, part)),
+        uri_images=lambda uris: read_images(uris, gallery.manifest()["image_shape"], root=gallery.image_root,
+                                            workers=config.read_workers))
+
+
+def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *, item_images, item_features,
+                    uri_images, embedded: dict | None = None) -> tuple:
+    """(judged, new-model query features, champion query features), whatever the layout: a
+    gallery item's new features are embedded from its image (``item_images(positions)``, unless
+    ``embedded`` has them; they join it) and its champion features are the stored ones
+    (``item_features(positions)``); an image query (``uri_images(uris)``) is embedded by both
+    models. Unreadable query images are refused, naming ``source`` (the judgments file)."""
+    embedded = {} if embedded is None else embedded
     items = judged.query_positions[judged.query_positions >= 0]
     missing = np.array([p for p in items.tolist() if p not in embedded], dtype=np.int64)
     if len(missing):
-        images, failures = fetch_images(gallery, missing, workers=config.read_workers)
-        _refuse_unreadable(failures, config.judgments)
+        images, failures = item_images(missing)
+        _refuse_unreadable(failures, source)
         embedded.update(zip(missing.tolist(), embed(images)))
     inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
     new_rows, old_rows = {}, {}
     if len(inside):
         new_rows.update(zip(inside.tolist(), (embedded[int(p)] for p in judged.query_positions[inside])))
-        old_rows.update(zip(inside.tolist(), rows_at(gallery, judged.query_positions[inside],
-                                                     lambda part: features_key(gallery.model, part))))
+        old_rows.update(zip(inside.tolist(), item_features(judged.query_positions[inside])))
     if len(outside):
-        images, failures = read_images([judged.query_uris[i] for i in outside], gallery.manifest()["image_shape"],
-                                       root=gallery.image_root, workers=config.read_workers)
-        _refuse_unreadable(failures, config.judgments)
+        images, failures = uri_images([judged.query_uris[i] for i in outside])
+        _refuse_unreadable(failures, source)
         new_rows.update(zip(outside.tolist(), embed(images)))
         old_rows.update(zip(outside.tolist(), embed_champion(images)))
     new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)

@@ -24,6 +24,7 @@ class Failure:
     position: int
     uri: str
     reason: str
+    id: object = None  # the item's id
 
 
 def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> tuple[np.ndarray, list[Failure]]:
@@ -39,7 +40,7 @@ def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> 
     if column is None:
         raise GalleryError(f"{table.uri} has neither images (pixels) nor their URIs (image): nothing to re-embed")
     wanted = ", ".join(str(int(p)) for p in positions)
-    rows = table._read(dataset, ["position", column], filter=f"position IN ({wanted})") if len(positions) else None
+    rows = table._read(dataset, ["position", "id", column], filter=f"position IN ({wanted})") if len(positions) else None
     if rows is None:
         return np.zeros((0, *shape), dtype=np.uint8), []
     where = dict(zip(rows.column("position").to_pylist(), range(rows.num_rows), strict=True))
@@ -48,7 +49,8 @@ def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> 
     if column == "pixels":
         return np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(positions), *shape).copy(), []
     images, failures = read_images(values, shape, root=root, workers=workers)
-    return images, [Failure(int(positions[f.row]), f.uri, f.reason) for f in failures]
+    ids = rows.column("id").take(picked).to_pylist()
+    return images, [Failure(int(positions[f.row]), f.uri, f.reason, ids[f.row]) for f in failures]
 
 
 def _image_source(table: LanceGallery, dataset) -> tuple[list[int], str | None]:
@@ -110,14 +112,8 @@ def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, po
     if failed.any():
         features[failed] = table.features_at(positions[failed], "mapped")
     record = table.commit_chunk(upgrade, chunk, positions, features, token)
-    ids = {}
-    if failures:
-        wanted = ", ".join(str(f.position) for f in failures)
-        rows = table._read(table.dataset(), ["position", "id"], filter=f"position IN ({wanted})")
-        ids = dict(zip(rows.column("position").to_pylist(), rows.column("id").to_pylist(), strict=True))
     return {**record, "count": len(positions),
-            "failed": [{"id": ids.get(f.position), "position": f.position, "uri": f.uri, "reason": f.reason}
-                       for f in failures]}
+            "failed": [{"id": f.id, "position": f.position, "uri": f.uri, "reason": f.reason} for f in failures]}
 
 
 def gate_sample(table: LanceGallery, size: int | str, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,34 +148,18 @@ def gate_numbers(table: LanceGallery, positions: np.ndarray, labels: np.ndarray,
 
 def judged_queries(table: LanceGallery, judged, embed_new, embed_champion, *, workers: int = 16, source: str = ""):
     """The judged queries' features on both sides of the gate (``judgments.load_judgments``'s
-    ``judged``, resolved against the table's ids): a gallery item's new features embedded from
-    its image and its champion features the stored ones; an image query embedded by both models.
-    Unreadable query images are refused, named. Returns (judged, new queries, champion queries)."""
+    ``judged``, resolved against the table's ids), on the table (``samples.judged_features``).
+    Returns (judged, new queries, champion queries)."""
     from components.gallery.images import read_images
+    from components.gallery.samples import judged_features
 
-    inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
-    new_rows, old_rows = {}, {}
-    if len(inside):
-        positions = judged.query_positions[inside]
-        images, failures = images_at(table, positions, workers)
-        _refuse_unreadable([(f.uri, f.reason) for f in failures], source)
-        new_rows.update(zip(inside.tolist(), embed_new(images)))
-        old_rows.update(zip(inside.tolist(), table.features_at(positions)))
-    if len(outside):
+    def uri_images(uris: list[str]):
         shape, root = _image_source(table, table.dataset())
-        images, failures = read_images([judged.query_uris[i] for i in outside], shape, root=root, workers=workers)
-        _refuse_unreadable([(f.uri, f.reason) for f in failures], source)
-        new_rows.update(zip(outside.tolist(), embed_new(images)))
-        old_rows.update(zip(outside.tolist(), embed_champion(images)))
-    new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)
-    old = np.stack([old_rows[i] for i in range(len(judged))]).astype(np.float32)
-    return judged, new, old
+        return read_images(uris, shape, root=root, workers=workers)
 
-
-def _refuse_unreadable(failures: list[tuple[str, str]], source: str) -> None:
-    if failures:
-        raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0][0]}: "
-                           f"{failures[0][1]}); fix them or leave those queries out of {source}")
+    return judged_features(judged, embed_new, embed_champion, source,
+                           item_images=lambda positions: images_at(table, positions, workers),
+                           item_features=table.features_at, uri_images=uri_images)
 
 
 def judged_gate_numbers(table: LanceGallery, judged, new_queries: np.ndarray, champion_queries: np.ndarray,

@@ -79,3 +79,52 @@ def lance_params(tmp_path: Path, store: str | None = None, **promotion) -> str:
     path = tmp_path / "lance.yaml"
     path.write_text(yaml.safe_dump(settings))
     return str(path)
+
+
+def run_then(owner, name: str, then):
+    """``owner.name`` wrapped to call ``then()`` after each call (for monkeypatch.setattr)."""
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        then()
+        return result
+
+    return wrapped
+
+
+def killed_when(command: list[str], cwd: Path, env: dict, log_path: Path, ready, pause: float = 0.0,
+                timeout: float = 240) -> str:
+    """Start ``command`` in a process group of its own, SIGKILL the group ``pause`` seconds after
+    ``ready()`` first holds, and return its output; fails if it ended before the kill."""
+    import signal
+    import time
+
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            if ready():
+                time.sleep(pause)
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        process.wait(timeout=60)
+    output = log_path.read_text()
+    assert process.returncode == -signal.SIGKILL, f"{log_path.name}: ended before it could be killed:\n{output[-3000:]}"
+    return output
+
+
+def photo_folder(folder: Path, images, ids, labels=None) -> Path:
+    """Each image as ``folder/item-NNNN.png`` and ``folder/items.csv`` naming them (id, uri, and
+    label when given): a team's gallery to adopt. Returns the manifest's path."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        Image.fromarray(image[0], mode="L").save(folder / f"item-{i:04d}.png")
+    header = "id,uri" + (",label" if labels is not None else "")
+    rows = [f"{item},item-{i:04d}.png" + (f",{labels[i]}" if labels is not None else "") for i, item in enumerate(ids)]
+    (folder / "items.csv").write_text("\n".join([header, *rows]) + "\n")
+    return folder / "items.csv"

@@ -21,7 +21,7 @@ from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
 from components.platform.registry import RegistryError
-from tests.integration.helpers import registry_models, split_images
+from tests.integration.helpers import killed_when, registry_models, split_images
 
 
 def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, prefect_harness):
@@ -454,20 +454,8 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
 
     killed_at = []
     for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending_started)):
-        log = open(tmp_path / f"killed-{phase}.log", "wb")
-        process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            if started():
-                time.sleep({"planning": rng.uniform(0, 0.05), "backfill": rng.uniform(0, 0.3)}.get(phase, 0))
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-            time.sleep(0.02)
-        process.wait(timeout=60)
-        log.close()
-        output = (tmp_path / f"killed-{phase}.log").read_text()
-        assert process.returncode == -signal.SIGKILL, f"{phase}: ended before it could be killed:\n{output[-3000:]}"
+        pause = {"planning": rng.uniform(0, 0.05), "backfill": rng.uniform(0, 0.3)}.get(phase, 0)
+        killed_when(command, root, cli_env, tmp_path / f"killed-{phase}.log", started, pause)
         killed_at.append((phase, len(backfill.done_chunks(store, uid)), store.exists(planning.upgrade_key(uid, "decision.json"))))
     print("killed at (phase, chunks done, decision recorded):", killed_at)
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ from components.gallery.lock import LOCK, UpgradeLocked, acquire_lock
 from components.gallery.store import open_store
 from components.platform.config import load_params as load
 from components.platform.registry import ModelRef, alias_version, setup
-from tests.integration.helpers import cli_environment, lance_params, registry_models
+from tests.integration.helpers import cli_environment, killed_when, lance_params, registry_models, run_then
 
 GATE = {"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0, "max_fraction_to_gain": 1.0}
 
@@ -34,17 +32,6 @@ GATE = {"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0, "max_fraction_
 def _ingested(params_path: str) -> None:
     result = CliRunner().invoke(app, ["gallery", "ingest", "--params", params_path])
     assert result.exit_code == 0, result.output
-
-
-def _run_then(owner, name, then):
-    original = getattr(owner, name)
-
-    def run_then(*args, **kwargs):
-        result = original(*args, **kwargs)
-        then()
-        return result
-
-    return run_then
 
 
 def _agree(params, table: LanceGallery, uid: str, new_version: str) -> None:
@@ -104,7 +91,7 @@ def test_a_second_table_upgrade_around_the_first_s_finish_never_runs_it_again(up
     else:
         owner, function = {"after-decision": (ending, "write_decision"), "after-finish": (LanceGallery, "finish"),
                            "after-registry": (flu, "follow_decision")}[offset]
-        monkeypatch.setattr(owner, function, _run_then(owner, function, start_the_second))
+        monkeypatch.setattr(owner, function, run_then(owner, function, start_the_second))
         first = flu.table_upgrade_flow(params)
         monkeypatch.undo()
     assert first["state"] == "complete", first
@@ -183,20 +170,8 @@ def test_a_table_upgrade_killed_in_each_phase_on_s3_completes_exactly_once(s3_en
     killed_at = []
     for phase, started in (("planning", planning_started), ("backfill", backfilling), ("ending", ending_started),
                            ("decided", decided)):
-        log = open(tmp_path / f"killed-{phase}.log", "wb")
-        process = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            if started():
-                time.sleep({"planning": rng.uniform(0, 0.05), "backfill": rng.uniform(0, 0.3)}.get(phase, 0))
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-            time.sleep(0.02)
-        process.wait(timeout=60)
-        log.close()
-        output = (tmp_path / f"killed-{phase}.log").read_text()
-        assert process.returncode == -signal.SIGKILL, f"{phase}: ended before it could be killed:\n{output[-3000:]}"
+        pause = {"planning": rng.uniform(0, 0.05), "backfill": rng.uniform(0, 0.3)}.get(phase, 0)
+        killed_when(command, root, env, tmp_path / f"killed-{phase}.log", started, pause)
         killed_at.append((phase, len(table.landed_chunks()), ending.decision(store, uid) is not None))
     print("killed at (phase, chunks landed, decision recorded):", killed_at)
 

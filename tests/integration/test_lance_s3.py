@@ -146,22 +146,17 @@ def test_a_gallery_adopted_and_one_ingested_on_s3_as_lance_tables(upgrade_env, s
     import json
 
     import yaml
-    from PIL import Image
     from typer.testing import CliRunner
 
     from cli import app
     from components.experiment.inference import embed
-    from tests.integration.helpers import registry_models, split_images
+    from tests.integration.helpers import photo_folder, registry_models, split_images
 
     params, tmp_path = upgrade_env
     _, old_model, new_model, old_version, new_version = registry_models(params)
     split = split_images(params)
     photos = tmp_path / "photos"
-    photos.mkdir()
-    for i, image in enumerate(split.images):
-        Image.fromarray(image[0], mode="L").save(photos / f"item-{i:04d}.png")
-    lines = ["id,uri,label"] + [f"{500 + i},item-{i:04d}.png,{label}" for i, label in enumerate(split.labels)]
-    (photos / "items.csv").write_text("\n".join(lines) + "\n")
+    photo_folder(photos, split.images, 500 + np.arange(len(split.images)), split.labels)
     settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
     settings["gallery"]["layout"] = "lance"
     (tmp_path / "lance.yaml").write_text(yaml.safe_dump(settings))

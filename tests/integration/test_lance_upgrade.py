@@ -19,7 +19,9 @@ from typer.testing import CliRunner
 from cli import app
 from components.gallery.lance_table import LanceGallery
 from tests.environment import new_bucket
-from tests.integration.helpers import cli_environment, lance_params as _lance, registry_models, split_images
+from tests.integration.helpers import (
+    cli_environment, lance_params as _lance, photo_folder, registry_models, split_images,
+)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -137,11 +139,7 @@ def test_a_table_without_labels_is_gated_on_judged_queries(upgrade_env, prefect_
     _, old_model, _, old_version, new_version = registry_models(params)
     split = split_images(params)
     photos = tmp_path / "photos"
-    photos.mkdir()
-    for i, image in enumerate(split.images):
-        Image.fromarray(image[0], mode="L").save(photos / f"item-{i:04d}.png")
-    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{900 + i},item-{i:04d}.png\n"
-                                                           for i in range(len(split.images))))
+    photo_folder(photos, split.images, 900 + np.arange(len(split.images)))
     Image.fromarray(split.images[5][0], mode="L").save(photos / "outside.png")  # a query image, not an item
     lance_params = _lance(tmp_path, gate=True, max_nfr1=1.0, min_top1_auc_gain=-1.0)
     runner = CliRunner()

@@ -13,7 +13,7 @@ from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.search import GallerySearch
 from components.gallery.store import open_store
 from components.platform.registry import ModelRef
-from tests.integration.helpers import registry_models, split_images
+from tests.integration.helpers import registry_models, run_then, split_images
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 
@@ -270,17 +270,6 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
                 fu.upgrade_flow(params, uri)
 
 
-def _run_then(owner, name, then):
-    original = getattr(owner, name)
-
-    def run_then(*args, **kwargs):
-        result = original(*args, **kwargs)
-        then()
-        return result
-
-    return run_then
-
-
 @pytest.mark.parametrize("offset", ["read-before-lock", "after-decision", "after-switch", "after-registry",
                                     "after-finish"])
 def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_again(
@@ -331,7 +320,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
                  "after-registry": (fu, "follow_decision")}
         if offset in steps:
             owner, function = steps[offset]
-            monkeypatch.setattr(owner, function, _run_then(owner, function, start_the_second))
+            monkeypatch.setattr(owner, function, run_then(owner, function, start_the_second))
         first = fu.upgrade_flow(params, uri)
         monkeypatch.undo()
         start_the_second()  # after-finish: the first has returned; for the others a no-op
