@@ -38,13 +38,12 @@ the positives, which gives top-1, top-5 and AP.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from components.evaluation.retrieval import (
-    ALPHA_POINTS_DEFAULT, BackfillCurve, _as_features, _BlockTotals, _check_distance, _check_labels,
-    _check_num_intermediate, _check_order, _curve_from_totals, _distances, _Prepared, curve_alphas,
+    ALPHA_POINTS_DEFAULT, BackfillCurve, BlockTotals, Prepared, as_features, block_distances, check_distance,
+    check_labels, check_num_intermediate, check_order, curve_alphas, curve_from_totals, over_blocks,
 )
 from components.platform.vocabulary import MERGES
 
@@ -58,8 +57,10 @@ _CHUNK_ROWS = 8
 def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
                 labels: np.ndarray, order: np.ndarray | None = None, *, merges: Sequence[str] = MERGES,
                 distance: str = "l2", num_intermediate: int = ALPHA_POINTS_DEFAULT, block_size: int = 256,
-                workers: int = 2) -> dict[str, BackfillCurve]:
+                workers: int = 2, per_query: bool = False) -> dict[str, BackfillCurve]:
     """The shadow-index playbook's backfill curve for each merge of ``merges`` (one pass).
+    With ``per_query``, each merge's ``(top1, ap)`` instead, as ``per_query_curve`` gives them:
+    both ``(B + 2, n)``, each query's top-1 hit (bool) and AP at every point.
 
     Args:
         query_old, gallery_old: ``(n, d_old)`` old-model features of the evaluation images, raw
@@ -76,8 +77,8 @@ def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.nd
     Raises:
         ValueError: naming the offending argument, for any malformed input.
     """
-    distance = _check_distance(distance)
-    num_intermediate = _check_num_intermediate(num_intermediate)
+    distance = check_distance(distance)
+    num_intermediate = check_num_intermediate(num_intermediate)
     merges = list(dict.fromkeys(merges))
     unknown = [m for m in merges if m not in MERGES]
     if unknown or not merges:
@@ -85,38 +86,29 @@ def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.nd
     for name, value in (("block_size", block_size), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    query_old = _as_features(query_old, "query_old")
+    query_old = as_features(query_old, "query_old")
     n = query_old.shape[0]
-    gallery_old = _as_features(gallery_old, "gallery_old", query_old.shape)
-    query_new = _as_features(query_new, "query_new")
+    gallery_old = as_features(gallery_old, "gallery_old", query_old.shape)
+    query_new = as_features(query_new, "query_new")
     if query_new.shape[0] != n:
         raise ValueError(f"query_new has {query_new.shape[0]} rows but query_old has {n}; pass both models' "
                          "features of the same images, in the same row order")
-    gallery_new = _as_features(gallery_new, "gallery_new", query_new.shape)
-    labels = _check_labels(labels, n)
-    order = _check_order(order, n)
+    gallery_new = as_features(gallery_new, "gallery_new", query_new.shape)
+    labels = check_labels(labels, n)
+    order = check_order(order, n)
 
     cuts = np.array([(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)], dtype=np.int64)
-    setup = _Setup(order, labels, cuts, gallery_old[order], gallery_new[order], distance, merges)
+    setup = _Setup(order, labels, cuts, gallery_old[order], gallery_new[order], distance, merges, per_query)
 
-    def run(start: int) -> dict[str, _BlockTotals]:
+    def run(start: int) -> dict[str, BlockTotals]:
         stop = min(start + block_size, n)
         return setup.block(query_old[start:stop], query_new[start:stop], start, stop)
 
-    starts = range(0, n, block_size)
-    if workers == 1 or len(starts) == 1:
-        results = [run(s) for s in starts]
-    else:
-        with ThreadPoolExecutor(max_workers=min(workers, len(starts))) as pool:
-            results = list(pool.map(run, starts))
+    totals = over_blocks(run, n, block_size, workers)
+    if per_query:
+        return {merge: (totals[merge].query_top1, totals[merge].query_ap) for merge in merges}
     alphas = curve_alphas(num_intermediate)
-    curves = {}
-    for merge in merges:
-        total = results[0][merge]
-        for block in results[1:]:
-            total = total + block[merge]
-        curves[merge] = _curve_from_totals(alphas, total, labels)
-    return curves
+    return {merge: curve_from_totals(alphas, totals[merge], labels) for merge in merges}
 
 
 def dual_curve(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
@@ -130,11 +122,12 @@ class _Setup:
     """What every block shares: the galleries with their columns in backfill order, each
     column's first point on the new side (``e``), the label of each column."""
 
-    def __init__(self, order, labels, cuts, gallery_old, gallery_new, distance, merges):
+    def __init__(self, order, labels, cuts, gallery_old, gallery_new, distance, merges, per_query):
         n = len(order)
+        self.per_query = per_query
         self.n, self.cuts, self.points = n, cuts, len(cuts)
         self.distance, self.merges = distance, merges
-        self.gallery_old, self.gallery_new = _Prepared.of(gallery_old, distance), _Prepared.of(gallery_new, distance)
+        self.gallery_old, self.gallery_new = Prepared.of(gallery_old, distance), Prepared.of(gallery_new, distance)
         self.labels, self.column_labels = labels, labels[order]
         self.self_column = np.empty(n, dtype=np.int64)
         self.self_column[order] = np.arange(n)
@@ -153,11 +146,11 @@ class _Setup:
             self._weights[positives] = np.tile(np.arange(1, positives + 1) / max(positives, 1), self.points)
         return self._weights[positives]
 
-    def block(self, query_old, query_new, start: int, stop: int) -> dict[str, _BlockTotals]:
+    def block(self, query_old, query_new, start: int, stop: int) -> dict[str, BlockTotals]:
         """The totals of query rows ``start .. stop-1``: their distances at once, ranked a few
         rows at a time (their keys, counts and pairs then stay in cache)."""
-        new = _distances(_Prepared.of(query_new, self.distance), self.gallery_new, self.distance)
-        old = _distances(_Prepared.of(query_old, self.distance), self.gallery_old, self.distance)
+        new = block_distances(Prepared.of(query_new, self.distance), self.gallery_new, self.distance)
+        old = block_distances(Prepared.of(query_old, self.distance), self.gallery_old, self.distance)
         totals = None
         for first in range(start, stop, _CHUNK_ROWS):
             last = min(first + _CHUNK_ROWS, stop)
@@ -165,7 +158,7 @@ class _Setup:
             totals = chunk if totals is None else {m: totals[m] + chunk[m] for m in self.merges}
         return totals
 
-    def chunk(self, new_distances, old_distances, start: int, stop: int) -> dict[str, _BlockTotals]:
+    def chunk(self, new_distances, old_distances, start: int, stop: int) -> dict[str, BlockTotals]:
         b, n, cuts, points = stop - start, self.n, self.cuts, self.points
         self_column = self.self_column[start:stop]
         positive = self.labels[start:stop, None] == self.column_labels[None, :]
@@ -185,7 +178,7 @@ class _Setup:
             # the other list's items with a lower normalised distance (the new list's at a tie)
             positions[f"score_{norm}"] = (new.rank + old.count_below(new, size[old], strict=True),
                                           old.rank + new.count_below(old, size[new], strict=False))
-        scoring = _Scoring(self.num_positives[start:stop], points, n, self.ap_weights)
+        scoring = _Scoring(self.num_positives[start:stop], points, n, self.ap_weights, self.per_query)
         return {merge: scoring.totals(new.group, positions[merge][0], old.group, positions[merge][1])
                 for merge in self.merges}
 
@@ -288,14 +281,15 @@ class _Scoring:
     """top-1, top-5, AP and flips of a block from each positive's merged position (1-based) at
     each point. Each (row, point) group holds its row's positives, every one once."""
 
-    def __init__(self, num_positives: np.ndarray, points: int, n: int, ap_weights):
+    def __init__(self, num_positives: np.ndarray, points: int, n: int, ap_weights, per_query: bool = False):
         self.b, self.points, self.shift = len(num_positives), points, int(n).bit_length()
+        self.per_query = per_query
         sizes = np.repeat(num_positives, points)
         self.has = sizes > 0
         self.first = (np.cumsum(sizes) - sizes)[self.has]
         self.weight = np.concatenate([ap_weights(int(r)) for r in num_positives])
 
-    def totals(self, group_new, position_new, group_old, position_old) -> _BlockTotals:
+    def totals(self, group_new, position_new, group_old, position_old) -> BlockTotals:
         # each side's pairs are in (group, position) order: a stable sort merges the two runs
         key = np.concatenate([(group_new << self.shift) | position_new, (group_old << self.shift) | position_old])
         position = np.sort(key, kind="stable") & ((1 << self.shift) - 1)
@@ -307,13 +301,15 @@ class _Scoring:
         best = best.reshape(b, points)
         correct1 = (best == 1).T  # (P, b)
         at_start = correct1[0]
-        return _BlockTotals(
+        return BlockTotals(
             top1=np.count_nonzero(correct1, axis=1),
             top5=np.count_nonzero((best >= 1) & (best <= 5), axis=0),
             ap=ap.reshape(b, points).sum(axis=0),
             negative_flips=np.count_nonzero(at_start & ~correct1, axis=1),
             positive_flips=np.count_nonzero(~at_start & correct1, axis=1),
             correct_at_start=int(np.count_nonzero(at_start)),
+            query_top1=correct1 if self.per_query else None,
+            query_ap=ap.reshape(b, points).T if self.per_query else None,
         )
 
 

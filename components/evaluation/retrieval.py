@@ -81,7 +81,7 @@ _TINY_NORM = np.float32(1e-30)
 
 def curve_alphas(num_intermediate: int = ALPHA_POINTS_DEFAULT) -> np.ndarray:
     """Backfill fractions ``i / (B + 1)`` for ``i = 0 .. B + 1`` (``B = num_intermediate``)."""
-    num_intermediate = _check_num_intermediate(num_intermediate)
+    num_intermediate = check_num_intermediate(num_intermediate)
     return np.arange(num_intermediate + 2, dtype=np.float64) / (num_intermediate + 1)
 
 
@@ -98,15 +98,15 @@ def pairwise_distances(
         ValueError: unknown ``distance``, inputs that are not 2-D, differing feature dims,
             non-finite features, or features so large that the distances overflow float32.
     """
-    distance = _check_distance(distance)
-    queries = _as_features(queries, "queries", min_rows=1)
-    gallery = _as_features(gallery, "gallery", min_rows=1)
+    distance = check_distance(distance)
+    queries = as_features(queries, "queries", min_rows=1)
+    gallery = as_features(gallery, "gallery", min_rows=1)
     if queries.shape[1] != gallery.shape[1]:
         raise ValueError(
             f"queries have {queries.shape[1]} feature dims but gallery has {gallery.shape[1]}; "
             "both must come from the same embedding space"
         )
-    return _distances(_Prepared.of(queries, distance), _Prepared.of(gallery, distance), distance)
+    return block_distances(Prepared.of(queries, distance), Prepared.of(gallery, distance), distance)
 
 
 @dataclass
@@ -207,16 +207,16 @@ def backfill_curve(
     Raises:
         ValueError: naming the offending argument, for any malformed input.
     """
-    distance = _check_distance(distance)
-    num_intermediate = _check_num_intermediate(num_intermediate)
+    distance = check_distance(distance)
+    num_intermediate = check_num_intermediate(num_intermediate)
     query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
     n = query.shape[0]
 
     # Number of backfilled items at each point: floor(i * n / (B + 1)), exactly.
     cuts = [(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)]
-    totals = _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts,
+    totals = evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, cuts,
                        block_size, workers)
-    return _curve_from_totals(curve_alphas(num_intermediate), totals, labels)
+    return curve_from_totals(curve_alphas(num_intermediate), totals, labels)
 
 
 def curve_at_counts(
@@ -234,14 +234,14 @@ def curve_at_counts(
     """Like :func:`backfill_curve`, at given numbers of backfilled items (the first
     ``counts[p]`` items of ``order`` new) instead of evenly spaced points: what a real backfill
     measures as its chunks land. ``alphas`` are ``counts / n``."""
-    distance = _check_distance(distance)
+    distance = check_distance(distance)
     query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
     n = query.shape[0]
     counts = [int(c) for c in counts]
     if not counts or any(c < 0 or c > n for c in counts):
         raise ValueError(f"counts must be a non-empty list of integers in [0, {n}], got {counts!r}")
-    totals = _evaluate(query, gallery_new, gallery_old, labels, order, distance, counts, block_size, workers)
-    return _curve_from_totals(np.asarray(counts, dtype=np.float64) / n, totals, labels)
+    totals = evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, counts, block_size, workers)
+    return curve_from_totals(np.asarray(counts, dtype=np.float64) / n, totals, labels)
 
 
 def per_query_curve(
@@ -258,12 +258,12 @@ def per_query_curve(
     ``(B + 2, n)``, top-1 hit (bool) and average precision per curve point and query (AP is 0
     for a query without positives; :func:`backfill_curve`'s ``map`` leaves those out). For
     statistics over queries, e.g. a paired bootstrap of two maps."""
-    distance = _check_distance(distance)
-    num_intermediate = _check_num_intermediate(num_intermediate)
+    distance = check_distance(distance)
+    num_intermediate = check_num_intermediate(num_intermediate)
     query, gallery_new, gallery_old, labels, order = _check_curve_inputs(query, gallery_new, gallery_old, labels, order)
     n = query.shape[0]
     cuts = [(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)]
-    totals = _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, 1024, 2, per_query=True)
+    totals = evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, cuts, 1024, 2, per_query=True)
     return totals.query_top1, totals.query_ap
 
 
@@ -275,13 +275,13 @@ def retrieval_metrics(
     Same protocol and tie rule as :func:`backfill_curve` (self excluded, negatives first at
     equal distance), e.g. for old-vs-old or new-vs-new retrieval.
     """
-    distance = _check_distance(distance)
-    query = _as_features(query, "query")
-    gallery = _as_features(gallery, "gallery", query.shape)
-    labels = _check_labels(labels, query.shape[0])
+    distance = check_distance(distance)
+    query = as_features(query, "query")
+    gallery = as_features(gallery, "gallery", query.shape)
+    labels = check_labels(labels, query.shape[0])
     order = np.arange(query.shape[0])
-    totals = _evaluate(query, gallery, gallery, labels, order, distance, [0], 1024, 2)
-    curve = _curve_from_totals(np.zeros(1), totals, labels)
+    totals = evaluate_blocks(query, gallery, gallery, labels, order, distance, [0], 1024, 2)
+    curve = curve_from_totals(np.zeros(1), totals, labels)
     return {"top1": float(curve.top1[0]), "top5": float(curve.top5[0]), "map": float(curve.map[0])}
 
 
@@ -289,13 +289,13 @@ def retrieval_metrics(
 # Validation
 
 
-def _check_distance(distance: str) -> str:
+def check_distance(distance: str) -> str:
     if distance not in DISTANCES:
         raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
     return distance
 
 
-def _check_num_intermediate(num_intermediate: int) -> int:
+def check_num_intermediate(num_intermediate: int) -> int:
     if isinstance(num_intermediate, bool) or not isinstance(num_intermediate, (int, np.integer)) \
             or num_intermediate < 0:
         raise ValueError(
@@ -305,7 +305,7 @@ def _check_num_intermediate(num_intermediate: int) -> int:
     return int(num_intermediate)
 
 
-def _as_features(x, name: str, shape: tuple[int, int] | None = None, min_rows: int = 2
+def as_features(x, name: str, shape: tuple[int, int] | None = None, min_rows: int = 2
                  ) -> np.ndarray:
     """``x`` as a C-contiguous float32 (n, d) array (copied only if needed), checked finite."""
     try:
@@ -338,14 +338,14 @@ def _as_features(x, name: str, shape: tuple[int, int] | None = None, min_rows: i
 
 def _check_curve_inputs(query, gallery_new, gallery_old, labels, order) -> tuple:
     """The arrays of a backfill curve, checked and converted (see :func:`backfill_curve`)."""
-    query = _as_features(query, "query")
+    query = as_features(query, "query")
     n, dim = query.shape
-    gallery_new = _as_features(gallery_new, "gallery_new", (n, dim))
-    gallery_old = _as_features(gallery_old, "gallery_old", (n, dim))
-    return query, gallery_new, gallery_old, _check_labels(labels, n), _check_order(order, n)
+    gallery_new = as_features(gallery_new, "gallery_new", (n, dim))
+    gallery_old = as_features(gallery_old, "gallery_old", (n, dim))
+    return query, gallery_new, gallery_old, check_labels(labels, n), check_order(order, n)
 
 
-def _check_labels(labels, n: int) -> np.ndarray:
+def check_labels(labels, n: int) -> np.ndarray:
     arr = np.asarray(labels)
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"labels must have shape ({n},), one per image, got shape {arr.shape}")
@@ -357,7 +357,7 @@ def _check_labels(labels, n: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _check_order(order, n: int) -> np.ndarray:
+def check_order(order, n: int) -> np.ndarray:
     return np.arange(n) if order is None else check_permutation(order, n)
 
 
@@ -366,14 +366,14 @@ def _check_order(order, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """Features ready for :func:`_distances`: L2-normalised for cosine, squared norms for l2."""
+class Prepared:
+    """Features ready for :func:`block_distances`: L2-normalised for cosine, squared norms for l2."""
 
     x: np.ndarray
     sq: np.ndarray | None
 
     @classmethod
-    def of(cls, x: np.ndarray, distance: str) -> _Prepared:
+    def of(cls, x: np.ndarray, distance: str) -> Prepared:
         sq = np.einsum("ij,ij->i", x, x)
         if not np.isfinite(sq).all():
             raise ValueError(
@@ -384,11 +384,11 @@ class _Prepared:
             return cls(x / norms[:, None], None)
         return cls(x, sq)
 
-    def rows(self, start: int, stop: int) -> _Prepared:
-        return _Prepared(self.x[start:stop], None if self.sq is None else self.sq[start:stop])
+    def rows(self, start: int, stop: int) -> Prepared:
+        return Prepared(self.x[start:stop], None if self.sq is None else self.sq[start:stop])
 
 
-def _distances(q: _Prepared, g: _Prepared, distance: str) -> np.ndarray:
+def block_distances(q: Prepared, g: Prepared, distance: str) -> np.ndarray:
     d = q.x @ g.x.T
     # In-place updates: the (rows, n) matrix is the largest array alive, so no temporaries.
     if distance == "l2":
@@ -410,7 +410,7 @@ def _distances(q: _Prepared, g: _Prepared, distance: str) -> np.ndarray:
 
 
 @dataclass
-class _BlockTotals:
+class BlockTotals:
     """Per-point sums over a block of queries (arrays of length P = number of curve points)."""
 
     top1: np.ndarray
@@ -423,11 +423,11 @@ class _BlockTotals:
     query_top1: np.ndarray | None = None
     query_ap: np.ndarray | None = None
 
-    def __add__(self, other: _BlockTotals) -> _BlockTotals:
+    def __add__(self, other: BlockTotals) -> BlockTotals:
         joined = (None, None) if self.query_top1 is None else (
             np.concatenate([self.query_top1, other.query_top1], axis=1),
             np.concatenate([self.query_ap, other.query_ap], axis=1))
-        return _BlockTotals(
+        return BlockTotals(
             self.top1 + other.top1,
             self.top5 + other.top5,
             self.ap + other.ap,
@@ -438,8 +438,8 @@ class _BlockTotals:
         )
 
 
-def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, block_size,
-              workers, per_query: bool = False) -> _BlockTotals:
+def evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, cuts, block_size,
+                    workers, per_query: bool = False) -> BlockTotals:
     """Sum the metrics over all queries, with the first ``cuts[p]`` items of ``order`` new;
     ``per_query`` also keeps each query's top-1 hit and AP per point."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
@@ -448,11 +448,11 @@ def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, bl
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     n = query.shape[0]
-    q = _Prepared.of(query, distance)
+    q = Prepared.of(query, distance)
     # Columns in backfill order: at every point the new side is a prefix of the columns.
-    g_old = _Prepared.of(gallery_old[order], distance)
+    g_old = Prepared.of(gallery_old[order], distance)
     # One gallery on both sides (retrieval_metrics): compute its distances once.
-    g_new = g_old if gallery_new is gallery_old else _Prepared.of(gallery_new[order], distance)
+    g_new = g_old if gallery_new is gallery_old else Prepared.of(gallery_new[order], distance)
     column_labels = labels[order]
     self_column = np.empty(n, dtype=np.int64)
     self_column[order] = np.arange(n)
@@ -460,13 +460,20 @@ def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, bl
     _, inverse, class_sizes = np.unique(labels, return_inverse=True, return_counts=True)
     num_positives = class_sizes[inverse] - 1
 
-    def run(start: int) -> _BlockTotals:
+    def run(start: int) -> BlockTotals:
         stop = min(start + block_size, n)
         return _rank_block(
             q.rows(start, stop), g_new, g_old, distance, labels[start:stop], column_labels,
             self_column[start:stop], num_positives[start:stop], cuts, per_query,
         )
 
+    return over_blocks(run, n, block_size, workers)
+
+
+def over_blocks(run, n: int, block_size: int, workers: int):
+    """``run(start)`` for every block of query rows ``start .. start + block_size - 1`` of
+    ``n``, on ``workers`` threads; the blocks' results added in row order (a block's result
+    is a BlockTotals, or a dict of them added key by key)."""
     starts = range(0, n, block_size)
     if workers == 1 or len(starts) == 1:
         results = [run(s) for s in starts]
@@ -475,7 +482,7 @@ def _evaluate(query, gallery_new, gallery_old, labels, order, distance, cuts, bl
             results = list(pool.map(run, starts))
     total = results[0]
     for block in results[1:]:
-        total = total + block
+        total = {key: total[key] + block[key] for key in total} if isinstance(total, dict) else total + block
     return total
 
 
@@ -491,13 +498,13 @@ def _keys(distances: np.ndarray, positive: np.ndarray, rows: np.ndarray,
 
 
 def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_column,
-                num_positives, cuts, per_query: bool = False) -> _BlockTotals:
+                num_positives, cuts, per_query: bool = False) -> BlockTotals:
     b = q.x.shape[0]
     rows = np.arange(b)
     positive = row_labels[:, None] == column_labels[None, :]
-    keys_old = _keys(_distances(q, g_old, distance), positive, rows, self_column)
+    keys_old = _keys(block_distances(q, g_old, distance), positive, rows, self_column)
     keys_new = (keys_old if g_new is g_old
-                else _keys(_distances(q, g_new, distance), positive, rows, self_column))
+                else _keys(block_distances(q, g_new, distance), positive, rows, self_column))
     del positive
 
     num_points = len(cuts)
@@ -513,7 +520,7 @@ def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_colum
                     correct1[:, chunk], top5, ap, None if query_ap is None else query_ap[:, chunk])
 
     at_start = correct1[0]
-    return _BlockTotals(
+    return BlockTotals(
         top1=np.count_nonzero(correct1, axis=1),
         top5=top5,
         ap=ap,
@@ -557,8 +564,8 @@ def _rank_chunk(keys_new, keys_old, num_positives, cuts, correct1, top5, ap, que
             query_ap[p] = np.bincount(hit_row, weights=precision, minlength=r)
 
 
-def _curve_from_totals(
-    alphas: np.ndarray, totals: _BlockTotals, labels: np.ndarray
+def curve_from_totals(
+    alphas: np.ndarray, totals: BlockTotals, labels: np.ndarray
 ) -> BackfillCurve:
     n = labels.shape[0]
     _, class_sizes = np.unique(labels, return_counts=True)

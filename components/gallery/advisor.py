@@ -87,7 +87,7 @@ def predict(queries: np.ndarray, transformed: np.ndarray, labels: np.ndarray, ra
     ``anchor_hits``: whether each S query's nearest item in the whole transformed gallery has
     its label (``NearestLabel``); None leaves top-1 as S measures it (S is the whole gallery)."""
     # the ranking code of the evaluation, per query (its public curves give only the means)
-    from components.evaluation.retrieval import _evaluate
+    from components.evaluation.retrieval import evaluate_blocks
 
     m = len(queries)
     if m < 2:
@@ -95,7 +95,7 @@ def predict(queries: np.ndarray, transformed: np.ndarray, labels: np.ndarray, ra
     points = fractions(step)
     counts = [int((ranks < math.floor(round(f * num_items, 9))).sum()) for f in points]
     local = np.argsort(ranks, kind="stable")
-    totals = _evaluate(np.asarray(queries, np.float32), np.asarray(queries, np.float32),
+    totals = evaluate_blocks(np.asarray(queries, np.float32), np.asarray(queries, np.float32),
                        np.asarray(transformed, np.float32), np.asarray(labels), local, distance, counts, 1024, 2,
                        per_query=True)
     hits, ap = totals.query_top1.astype(np.float64), totals.query_ap
@@ -155,19 +155,9 @@ def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_ne
     fewer than 2 are left (judgments too sparse for a sample: the gate still measures them)."""
     from components.evaluation.retrieval import pairwise_distances
 
-    slot = np.full(int(max(positions.max(), judged.query_positions.max(), 0)) + 1, -1, dtype=np.int64)
-    slot[positions] = np.arange(len(positions))
-    relevant, used = [], []
-    for i, rel in enumerate(judged.relevant):
-        inside = slot[rel[rel < len(slot)]]
-        inside = inside[inside >= 0]
-        if len(inside):
-            relevant.append(inside)
-            used.append(i)
+    used, relevant, own = judged.in_sample(positions)
     if len(used) < 2:
         return None
-    used = np.asarray(used)
-    own = np.array([slot[p] if 0 <= p < len(slot) else -1 for p in judged.query_positions[used]])
     d_new = pairwise_distances(np.asarray(queries, np.float32)[used], np.asarray(sample_new, np.float32), distance)
     d_old = pairwise_distances(np.asarray(queries, np.float32)[used], np.asarray(sample_transformed, np.float32),
                                distance)

@@ -182,7 +182,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     judged = None
     if config.judgments:
         judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
-                                embed_champion, {})[:2]
+                                embed_champion, {})  # (judgments, new-model and champion features of the queries)
     prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
@@ -209,16 +209,17 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
 
     prediction = advisor.predict_upgrade(
         positions, queries, sample_transformed, ranks, gallery.num_items, transformed_parts, order,
-        labels=labels, judged=judged, distance=params.gallery.distance, gain_below=gain_below)
+        labels=labels, judged=None if judged is None else judged[:2], distance=params.gallery.distance,
+        gain_below=gain_below)
     if target_top1 is not None:
         prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
                                                sample_transformed, transformed, transformed_parts, sigma, weights,
-                                               params.gallery.distance)
+                                               params.gallery.distance, judged)
     return {**prediction, "map_version": str(chosen.version), "order": order_kind}
 
 
 def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, old_side, sample_transformed,
-                    transformed, transformed_parts, sigma, weights, distance: str) -> dict:
+                    transformed, transformed_parts, sigma, weights, distance: str, judged) -> dict:
     """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
     map has an uncertainty head, the usage orders' when the items have weights."""
     from components.gallery.target_advice import ways_to_target
@@ -235,4 +236,4 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
     return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
                           old_side=old_side, sample_transformed=sample_transformed,
                           transformed_parts=transformed_parts, log_sigma2=sigma, weights=weights, seed=config.seed,
-                          distance=distance)
+                          distance=distance, judged=judged)

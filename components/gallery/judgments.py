@@ -55,6 +55,24 @@ class Judgments:
     def pairs(self) -> int:
         return int(sum(len(r) for r in self.relevant))
 
+    def in_sample(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """The queries that have a relevant item in a sample of the gallery (``positions``):
+        ``(used, relevant, own)``, their indices here, their relevant items as places in the
+        sample, and the place in the sample of each one's own item (-1: an image query, or an
+        item outside the sample)."""
+        slot = np.full(int(max(positions.max(), self.query_positions.max(), 0)) + 1, -1, dtype=np.int64)
+        slot[positions] = np.arange(len(positions))
+        relevant, used = [], []
+        for i, rel in enumerate(self.relevant):
+            inside = slot[rel[rel < len(slot)]]
+            inside = inside[inside >= 0]
+            if len(inside):
+                relevant.append(inside)
+                used.append(i)
+        used = np.asarray(used, dtype=np.int64)
+        own = np.array([slot[p] if 0 <= p < len(slot) else -1 for p in self.query_positions[used]], dtype=np.int64)
+        return used, relevant, own
+
     @property
     def image_queries(self) -> np.ndarray:
         """Indices of the queries given as image URIs (their features must be computed)."""

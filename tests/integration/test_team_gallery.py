@@ -185,6 +185,18 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
                                                          "max_fraction_to_gain": 1.0}),
         "gallery": params.gallery.model_copy(update={"upgrade": params.gallery.upgrade.model_copy(update={
             "judgments": str(tmp_path / "judged.csv")})})})
+    # before it: which way reaches a top-1 first, on the judged queries (the gallery has no labels)
+    from cli.upgrade_commands import estimate_upgrade
+
+    dry = estimate_upgrade(judged, uri, "", 0.5)["advice"]
+    target = dry.get("target") or {}
+    assert target.get("truth") == "judgments", dry
+    by = {way["way"]: way for way in target["ways"]}
+    assert {"map, random order", "shadow index (rrf), random order"} <= set(by)
+    own = by[f"map, {dry['order']} order"]  # the configured way is the prediction the dry run shows
+    assert own["top1_at_0"] == pytest.approx(dry["top1"][0], abs=1e-9)
+    assert own["top1_full"] == pytest.approx(dry["top1"][-1], abs=1e-9)
+    assert target["line"].endswith(f"(on {dry['queries']} judged queries against {dry['sample']} sampled items)")
     result = upgrade_flow(judged, uri)
     assert result["state"] in ("complete", "rejected"), result
     numbers = result["promotion"]["numbers"]

@@ -132,7 +132,7 @@ def reference_dual_curve(query_old, query_new, gallery_old, gallery_new, labels,
                 ap[p, q] = np.mean([(i + 1) / r for i, r in enumerate(ranks)])
     flips = (top1[0][None] == 1) & (top1 == 0)
     return {"top1": top1.mean(axis=1), "top5": top5.mean(axis=1), "map": np.nanmean(ap, axis=1),
-            "negative_flips": flips.sum(axis=1)}
+            "negative_flips": flips.sum(axis=1), "query_top1": top1 == 1, "query_ap": np.nan_to_num(ap)}
 
 
 def _case(n=40, classes=3, d_old=5, d_new=7, seed=0, integer=False):
@@ -185,6 +185,19 @@ def test_blocks_workers_and_one_merge_give_the_same_curve():
         for curve in (split[merge], one):
             for key in ("top1", "top5", "map", "negative_flips", "positive_flips"):
                 np.testing.assert_allclose(getattr(curve, key), getattr(whole[merge], key), atol=1e-12)
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["continuous", "tied"])
+def test_per_query_numbers_are_each_querys_own_in_row_order(integer):
+    query_old, query_new, old, new, labels, order = _case(n=30, seed=11, integer=integer)
+    labels = labels.copy()
+    labels[order[-1]] = 99  # a query without positives: a miss, AP 0 (as per_query_curve gives it)
+    per_query = dual_curves(query_old, query_new, old, new, labels, order, block_size=4, per_query=True)
+    for merge, (top1, ap) in per_query.items():
+        expected = reference_dual_curve(query_old, query_new, old, new, labels, order, merge, "l2")
+        assert top1.shape == ap.shape == (22, 30)
+        np.testing.assert_array_equal(top1, expected["query_top1"], err_msg=merge)
+        np.testing.assert_allclose(ap, expected["query_ap"], atol=1e-12, err_msg=merge)
 
 
 def test_a_singleton_class_and_few_points():

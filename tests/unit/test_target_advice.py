@@ -75,17 +75,90 @@ def test_every_allowed_way_on_a_stored_gallery(tmp_path):
                             weights=weights, seed=0)
     names = [w["way"] for w in result["ways"]]
     assert names == ["map, sigma order", "map, usage_sigma order", "map, usage order", "map, random order",
-                     "shadow index (rrf), random order", "shadow index (rrf), sigma order"]
+                     "shadow index (rrf), random order", "shadow index (rrf), usage order",
+                     "shadow index (rrf), sigma order"]
     for way in result["ways"]:
         assert 0 <= way["top1_at_0"] <= 1 and 0 <= way["top1_full"] <= 1
     # the shadow index starts where the old model is, whatever its order
     at_0 = {w["way"]: w["top1_at_0"] for w in result["ways"]}
-    assert at_0["shadow index (rrf), random order"] == at_0["shadow index (rrf), sigma order"]
+    assert at_0["shadow index (rrf), random order"] == at_0["shadow index (rrf), sigma order"] \
+        == at_0["shadow index (rrf), usage order"]
 
     no_sigma = ways_to_target(0.5, gallery, positions=positions, prefilled=positions, queries=queries,
                               old_side=gallery.all_features(gallery.model)[positions], sample_transformed=transformed[positions],
                               transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=None, weights=None, seed=0)
     assert [w["way"] for w in no_sigma["ways"]] == ["map, random order", "shadow index (rrf), random order"]
+
+
+def _ways_inputs(gallery, models, data):
+    from components.experiment.inference import apply_alignment, embed
+
+    positions = np.arange(0, N, 2)
+    stored = gallery.all_features(gallery.model)
+    transformed, log_sigma2 = apply_alignment(models[2], stored)
+    return dict(positions=positions, prefilled=positions, queries=embed(models[1], data[0][positions]),
+                old_side=stored[positions], sample_transformed=transformed[positions],
+                transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=log_sigma2,
+                weights=np.arange(N, dtype=np.float64) % 3, seed=0)
+
+
+def _judged_by_label(labels, positions, source="by label"):
+    """Judgments that call relevant every other gallery item of the query's label: the labels' truth."""
+    from components.gallery.judgments import Judgments
+
+    relevant = [np.flatnonzero((labels == labels[p]) & (np.arange(len(labels)) != p)) for p in positions]
+    return Judgments(source, np.asarray(positions, dtype=np.int64), [None] * len(positions), relevant)
+
+
+def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_labels_do(tmp_path):
+    from components.gallery.catalog import Gallery, ingest
+    from components.gallery.store import open_store
+    from tests.gallery_cases import OLD
+
+    models, data = make_models(), make_data()
+    labeled = _gallery(str(tmp_path / "labeled"), models, data)
+    inputs = _ways_inputs(labeled, models, data)
+    judged = (_judged_by_label(data[1], inputs["positions"]), inputs["queries"], inputs["old_side"])
+    by_labels = ways_to_target(0.5, labeled, **inputs)
+    # a team's gallery: the same items without labels, its judged queries the truth
+    ingest(open_store(str(tmp_path / "team")), data[0], labeled.all_features(labeled.model), OLD,
+           ids=np.arange(N) + 1000, part_size=10)
+    team = Gallery(open_store(str(tmp_path / "team")))
+    assert team.labels() is None
+    by_judgments = ways_to_target(0.5, team, **inputs, judged=judged)
+    assert by_labels["truth"] == "labels" and by_judgments["truth"] == "judgments"
+    assert [w["way"] for w in by_judgments["ways"]] == [w["way"] for w in by_labels["ways"]]
+    for mine, theirs in zip(by_judgments["ways"], by_labels["ways"]):
+        assert mine["top1_at_0"] == pytest.approx(theirs["top1_at_0"], abs=1e-12), mine["way"]
+        assert mine["top1_full"] == pytest.approx(theirs["top1_full"], abs=1e-12), mine["way"]
+        assert mine["fraction"] == theirs["fraction"], mine["way"]
+    assert by_judgments["best"] == by_labels["best"]
+
+    neither = ways_to_target(0.5, team, **inputs)
+    assert "needs judged queries (--judgments) or the gallery's labels" in neither["note"]
+    # judgments with no relevant item in the sample cannot compare the ways: said, not guessed
+    outside = _judged_by_label(data[1], inputs["positions"])
+    outside.relevant = [np.array([1]) for _ in outside.relevant]  # item 1 is not in the sample (even places)
+    sparse = ways_to_target(0.5, team, **inputs, judged=(outside, inputs["queries"], inputs["old_side"]))
+    assert "at least 2 judged queries with a relevant item in the evaluation sample" in sparse["note"]
+
+
+def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
+    from components.gallery.target_advice import shadow_top1_judged
+
+    old, new, labels = _clustered(n=60)
+    order = np.random.default_rng(2).permutation(60)
+    positions, ranks = np.arange(60), ranks_of(order, np.arange(60))
+    truth = _judged_by_label(labels, positions)
+    # judge each query's true class wrong: every label-hit becomes a miss
+    flipped = _judged_by_label((labels + 1) % 4, positions)
+    flipped.relevant = [np.flatnonzero(labels == (labels[p] + 1) % 4) for p in positions]
+    right = shadow_top1_judged(old, new, truth, positions, old, new, ranks, 60, np.ones(60, bool))
+    wrong = shadow_top1_judged(old, new, flipped, positions, old, new, ranks, 60, np.ones(60, bool))
+    by_label = shadow_top1(old, new, labels, ranks, 60)
+    np.testing.assert_allclose(right["sample_top1"], by_label["sample_top1"], atol=1e-12)
+    assert max(wrong["sample_top1"]) < min(right["sample_top1"])
+    assert right["queries"] == 60 and right["queries_left_out"] == 0
 
 
 def test_the_option_is_checked_before_anything_runs():
