@@ -24,6 +24,10 @@ Per workload seed:
   curve is ``per_query_curve`` (new queries against the mixed gallery of new and transformed old
   features, 22 points, the protocol of ``backfill_curve``), and each point's top-1 is the mean over
   the drawn queries (a query drawn k times counts k times).
+- The shadow index, what teams do without a map (``shadow, random`` and ``shadow, usage``: most-hit
+  first, ties by position, as a team without sigma has them): ``dual_curves(per_query=True)``
+  with rrf, the old query against the old features of the items not yet re-embedded and the new
+  query against the new features of those that are, weighted by the same draws.
 Reported: top1_auc (the plain mean of the 22 points) and the mean top-1 over the first 30% of the
 backfill (trapezoid on the curve's points, linear at 30%), mean ± standard deviation over seeds.
 ``--subset`` repeats everything on a random subset of the gallery (queries = gallery = subset).
@@ -45,11 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.evaluation import curve_alphas, per_query_curve  # noqa: E402
+from components.evaluation.dual_curve import dual_curves  # noqa: E402
 from components.evaluation.ordering import random_order  # noqa: E402
 from components.gallery.usage import backfill_order, load_usage_log  # noqa: E402
 
 WORKLOADS = ("uniform", "class", "item, new", "item, repeated")
-ORDERS = ("random", "sigma", "usage", "usage_sigma")
+ORDERS = ("random", "sigma", "usage", "usage_sigma")  # the map's way (FastFill's h(old) until re-embedded)
+SHADOW = ("shadow, random", "shadow, usage")  # the shadow index (dual_rrf, no map): what teams do
 EARLY = 0.3  # the front of the backfill reported on its own
 
 
@@ -139,7 +145,14 @@ def run(data: dict, seeds: list[int], s: float, log_queries: int, eval_queries: 
                                                order)[0].astype(np.float64)
         return curve_cache[key]
 
-    results: dict = {w: {o: [] for o in ORDERS} for w in workloads}
+    def shadow(order: np.ndarray) -> np.ndarray:
+        key = b"shadow" + order.tobytes()
+        if key not in curve_cache:
+            curve_cache[key] = dual_curves(data["old"], data["new"], data["old"], data["new"], data["labels"], order,
+                                           merges=["rrf"], per_query=True)["rrf"][0].astype(np.float64)
+        return curve_cache[key]
+
+    results: dict = {w: {o: [] for o in ORDERS + SHADOW} for w in workloads}
     hit_share: dict = {w: [] for w in workloads}
     sigma = backfill_order("sigma", n, 0, data["log_sigma2"])
     with tempfile.TemporaryDirectory() as folder:
@@ -160,8 +173,12 @@ def run(data: dict, seeds: list[int], s: float, log_queries: int, eval_queries: 
                 orders = {"random": random_order(n, seed), "sigma": sigma,
                           "usage": backfill_order("usage", n, seed, data["log_sigma2"], weights),
                           "usage_sigma": backfill_order("usage_sigma", n, seed, data["log_sigma2"], weights)}
+                # a team's shadow index has no sigma: the usage order's ties go by position
+                orders["shadow, random"] = orders["random"]
+                orders["shadow, usage"] = backfill_order("usage", n, seed, None, weights)
                 for name, order in orders.items():
-                    top1 = curve(order) @ drawn / drawn.sum()  # each point: the workload's mean top-1
+                    per_query = shadow(order) if name in SHADOW else curve(order)
+                    top1 = per_query @ drawn / drawn.sum()  # each point: the workload's mean top-1
                     results[kind][name].append({"seed": seed, "top1_auc": float(top1.mean()),
                                                 "early": early_mean(alphas, top1), "top1_0": float(top1[0]),
                                                 "top1_100": float(top1[-1]), "top1": top1.tolist()})
@@ -236,8 +253,9 @@ def main() -> None:
         for kind, row in size["summary"].items():
             verdicts = [f"{o} {'within' if row['orders'][o]['within_noise_of_sigma'] else 'BELOW'}" for o in
                         ("usage", "usage_sigma")]
-            ends = row["orders"]["sigma"]
-            notes.append(f"- {n:,} items, {kind}: top-1 {pct(ends['top1_0'])} at 0%, {pct(ends['top1_100'])} at 100%; "
+            ends, team = row["orders"]["sigma"], row["orders"]["shadow, usage"]
+            notes.append(f"- {n:,} items, {kind}: top-1 {pct(ends['top1_0'])} at 0% (the shadow index: "
+                         f"{pct(team['top1_0'])}), {pct(ends['top1_100'])} at 100%; "
                          f"items hit by the log {100 * row['hit_share']['mean']:.1f}%; seed noise (largest std of "
                          f"top1_auc) {100 * row['noise']:.2f} points; top1_auc vs sigma: {', '.join(verdicts)}")
     command = " ".join(["OMP_NUM_THREADS=1 .venv/bin/python benchmarks/usage_order.py", *sys.argv[1:]])
