@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 from prefect import flow, task
 
-from components.gallery import ending, judgments, planning, samples, table_upgrade
+from components.gallery import ending, judgments, planning, samples, table_upgrade, usage
 from components.gallery.catalog import GalleryError
 from components.gallery.decider import UpgradeDecider
 from components.gallery.lance_table import LanceGallery
-from components.gallery.lifecycle import check_map_fits, needs_check, plan_fields, registered_map_order
+from components.gallery.lifecycle import check_map_fits, plan_fields
 from components.gallery.lock import acquire_lock
 from components.gallery.store import open_store
 from components.platform import registry
@@ -40,7 +40,7 @@ from components.platform.registry import ModelRef
 from flows.parameters import resolve_params
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 from tasks.embedding import embed_images, load_model
-from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
+from tasks.upgrade_map import choose_upgrade_map
 from tasks.upgrade_tracking import follow_decision, open_upgrade_run, tag_run
 
 
@@ -97,7 +97,12 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
             elif gated and judgments.stored_judged(store, uid) is None:
                 sample = table_upgrade.gate_sample(table, config.eval_queries, config.seed)  # refused before any work
             if current is None:  # (plan.json without the table's record: a planning killed half way)
-                plan = _plan(params, client, experiment, table, store, uid, old, new, new_model, judged)
+                weights = None
+                if config.order in usage.USAGE_ORDERS:  # read and checked before any work
+                    found = table_upgrade.usage_weights(table, config.usage_log)
+                    log(found.describe())
+                    weights = found.weights
+                plan = _plan(params, client, experiment, table, store, uid, old, new, new_model, judged, weights)
             elif plan is None:
                 raise GalleryError(f"{table.uri} holds upgrade {uid} but its plan.json is gone from {store.uri}; abort "
                                    "it (`fastfill upgrade abort`) and run the upgrade again")
@@ -154,42 +159,24 @@ def _target(table: LanceGallery, store, client, name: str, to_uri: str) -> tuple
 
 
 def _plan(params: Params, client, experiment: str, table: LanceGallery, store, uid: str, old: ModelRef, new: ModelRef,
-          new_model, judged=None) -> planning.Plan:
+          new_model, judged=None, weights=None) -> planning.Plan:
     """The map (the registry's, checked on the gallery's sample unless it passed there before; or
     trained on that sample), then plan.json and the judged queries' features beside the table,
     then the table's upgrade columns (the table's record last)."""
     config = params.gallery.upgrade
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, old.uri, new.uri, None), store.uri)
-    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
-                           params.gallery.distance)
-    source = samples.pairs_source(config, store.uri)
-    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, config.order, source)
-    pairs = None
-    if chosen is not None:
-        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
-        order, why = registered_map_order(chosen.tags, config.order)
-        log(f"alignment map from the registry: {map_uri}" + (f"; it is {why}" if why else ""))
-        from components.experiment import registered
-
-        alignment_map = registered.load_model(map_uri).eval()
-        if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
-            pairs = _pairs(table, params, old, new_model, store.uri)
-            alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs,
-                                                              new_model, old, new, run_id, order)
-    else:
-        pairs = _pairs(table, params, old, new_model, store.uri)
-        alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
-        alignment_map, map_uri, order = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model,
-                                                          old, new, run_id, config.order)
-    check_map_fits(alignment_map, map_uri, order, old.dim, new.dim, new.uri)
-    tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1], "layout": "lance"})
+    alignment_map, map_uri, order, _ = choose_upgrade_map(params, client, store.uri, old, new, new_model, run_id,
+                                                          lambda: _pairs(table, params, old, new_model, store.uri))
+    # usage_sigma, like sigma, needs the map's uncertainty head
+    check_map_fits(alignment_map, map_uri, "sigma" if order == "usage_sigma" else order, old.dim, new.dim, new.uri)
+    tag_run(client, run_id, {"layout": "lance"})
     plan = planning.Plan(uid, old, new, map_uri, order, config.chunk_size, table.num_items(), 0,
                          params.gallery.distance, run_id)
     planning.write_plan(store, plan)  # before the table's record: a planning killed in between plans again
     if judged is not None:
         judgments.store_judged(store, uid, *_judged_features(table, judged, new_model, old, config))
     started = time.perf_counter()
-    table_upgrade.plan(table, uid, new, alignment_map, order, config.seed)
+    table_upgrade.plan(table, uid, new, alignment_map, order, config.seed, weights=weights)
     log(f"planned {uid} on {table.uri}: the stored features through {map_uri}, {order} order "
         f"({time.perf_counter() - started:.1f} s); queries now use {new.uri} against the mixed gallery")
     return plan

@@ -11,9 +11,8 @@ from prefect.futures import as_completed, wait
 from components.gallery import backfill, judgments, planning, samples, usage
 from components.gallery.catalog import Gallery, GalleryError
 from components.gallery.decider import Course
-from components.gallery.lifecycle import check_map_fits, needs_check, plan_fields, registered_map_order
+from components.gallery.lifecycle import check_map_fits, plan_fields
 from components.gallery.store import StoreError
-from components.experiment import registered
 from components.platform.config import Params
 from components.platform.layout import Layout
 from components.platform.progress import progress
@@ -21,8 +20,8 @@ from components.platform.registry import ModelRef
 from tasks._policy import log
 from tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
 from tasks.gallery_store import transform_part, write_sources
-from tasks.upgrade_map import MapSettings, check_upgrade_map, train_upgrade_map
-from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
+from tasks.upgrade_map import choose_upgrade_map
+from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run
 
 
 def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, course: Course, new: ModelRef,
@@ -66,8 +65,9 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
         log(f"sequential upgrade: starting from {base.id} as it stands "
             f"({len(backfill.done_chunks(gallery.store, base.id))}/{base.num_chunks} chunks on {base.new.uri}, the "
             "rest through its map)")
-    alignment_map, map_uri, order_kind, pairs = _alignment_map(params, client, gallery, uid, old, new, new_model,
-                                                               run_id, base is not None)
+    alignment_map, map_uri, order_kind, pairs = choose_upgrade_map(
+        params, client, gallery.store.uri, old, new, new_model, run_id,
+        lambda: _map_pairs(params, gallery, uid, old, new_model, base is not None))
     # usage_sigma, like sigma, needs the map's uncertainty head: refused here, before the transform
     check_map_fits(alignment_map, map_uri, "sigma" if order_kind == "usage_sigma" else order_kind, old.dim, new.dim,
                    new.uri)
@@ -126,48 +126,3 @@ def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_mo
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
         f"{config.map_sample}, at least {config.map_sample_min})")
     return gallery_pairs(gallery.store.uri, positions, new_model, config, uid if sequential else None)
-
-
-def _alignment_map(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
-                   run_id: str, sequential: bool):
-    """(map, its URI, the backfill order, the pairs embedded for it or None): the registry's map
-    for this pair of versions, checked first on this upgrade's pairs unless it already passed on
-    the same source (``recheck`` forces it); or a map trained now on those pairs and checked."""
-    config = params.gallery.upgrade
-    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
-                           params.gallery.distance)
-    source = samples.pairs_source(config, gallery.store.uri)
-    wanted = usage.map_order(config.order)  # the usage orders want a map with an uncertainty head, as sigma does
-    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, wanted, source)
-    policy = params.align[config.method].check
-    if chosen is not None:
-        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
-        decided, why = registered_map_order(chosen.tags, wanted)
-        order = usage.order_after_map(config.order, decided)
-        log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})" + (f"; it is {why}" if why else ""))
-        alignment_map = registered.load_model(map_uri).eval()
-        if policy == "off" or not needs_check(chosen.tags, source, config.recheck):
-            said = (f"align.{config.method}.check is off" if policy == "off" else
-                    "an l2-only map needs no check" if chosen.tags.get("method") == "fct" else
-                    f"it passed its check on {source} (check: {chosen.tags.get('check')}); --recheck checks it again")
-            log(f"{map_uri} is used as it is: {said}")
-            tag_run(client, run_id, {"check": f"not repeated ({said})", "map_version": str(chosen.version)})
-            return alignment_map, map_uri, order, None
-        pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
-    else:
-        pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
-        if pairs is None:
-            raise GalleryError(
-                f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
-                f"{Layout(params.paths).splits} to train one (gallery.upgrade.map_pairs: splits); use map_pairs: "
-                f"gallery (--pairs gallery), run `fastfill stage prepare`, or register a map tagged "
-                f"from_version={old.version}, to_version={new.version}")
-        alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
-        order = config.order
-    alignment_map, map_uri, decided = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model, old,
-                                                        new, run_id, usage.map_order(order))
-    order = usage.order_after_map(config.order, decided)
-    if order != config.order and config.order in usage.USAGE_ORDERS:
-        log(f"the backfill goes in usage order, not {config.order}: the map's sigma order was not shown to help")
-    tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
-    return alignment_map, map_uri, order, pairs

@@ -129,3 +129,57 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     if reference_uri is None:
         reference_uri = register_map(client, model_name, decision.map, "fct", old, new, run_id, fallback_tags)
     return decision.map, reference_uri, decision.order
+
+
+def choose_upgrade_map(params, client, store_uri: str, old: ModelRef, new: ModelRef, new_model, run_id: str,
+                       make_pairs) -> tuple:
+    """(map, its URI, the backfill order, the pairs embedded for it or None), for either layout:
+    the registry's map for this pair of versions, checked first on this upgrade's pairs
+    (``make_pairs()``, embedded only when needed; None: no split to take them from) unless it
+    already passed on the same source (``recheck`` forces it); or a map trained now on those
+    pairs and checked. The usage orders choose and check the map for sigma, and go by usage
+    alone when its sigma order was not shown to help."""
+    from components.gallery import samples, usage
+    from components.gallery.catalog import GalleryError
+    from components.gallery.lifecycle import needs_check, registered_map_order
+    from components.platform.layout import Layout
+    from tasks.upgrade_tracking import tag_run
+
+    config = params.gallery.upgrade
+    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
+                           params.gallery.distance)
+    source = samples.pairs_source(config, store_uri)
+    wanted = usage.map_order(config.order)  # the usage orders want a map with an uncertainty head, as sigma does
+    chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, wanted, source)
+    policy = params.align[config.method].check
+    if chosen is not None:
+        map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
+        decided, why = registered_map_order(chosen.tags, wanted)
+        order = usage.order_after_map(config.order, decided)
+        log(f"alignment map from the registry: {map_uri} ({chosen.tags.get('method')})" + (f"; it is {why}" if why else ""))
+        alignment_map = registered.load_model(map_uri).eval()
+        if policy == "off" or not needs_check(chosen.tags, source, config.recheck):
+            said = (f"align.{config.method}.check is off" if policy == "off" else
+                    "an l2-only map needs no check" if chosen.tags.get("method") == "fct" else
+                    f"it passed its check on {source} (check: {chosen.tags.get('check')}); --recheck checks it again")
+            log(f"{map_uri} is used as it is: {said}")
+            tag_run(client, run_id, {"check": f"not repeated ({said})", "map_version": str(chosen.version)})
+            return alignment_map, map_uri, order, None
+        pairs = make_pairs()
+    else:
+        pairs = make_pairs()
+        if pairs is None:
+            raise GalleryError(
+                f"no alignment map in the registry joins {old.uri} and {new.uri}, and there is no training split at "
+                f"{Layout(params.paths).splits} to train one (gallery.upgrade.map_pairs: splits); use map_pairs: "
+                f"gallery (--pairs gallery), run `fastfill stage prepare`, or register a map tagged "
+                f"from_version={old.version}, to_version={new.version}")
+        alignment_map, map_uri = train_upgrade_map(client, settings, pairs, new_model, old, new, run_id)
+        order = config.order
+    alignment_map, map_uri, decided = check_upgrade_map(client, settings, alignment_map, map_uri, pairs, new_model, old,
+                                                        new, run_id, usage.map_order(order))
+    order = usage.order_after_map(config.order, decided)
+    if order != config.order and config.order in usage.USAGE_ORDERS:
+        log(f"the backfill goes in usage order, not {config.order}: the map's sigma order was not shown to help")
+    tag_run(client, run_id, {"map_version": map_uri.rsplit("/", 1)[1]})
+    return alignment_map, map_uri, order, pairs

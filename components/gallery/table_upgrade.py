@@ -71,10 +71,28 @@ def order_of(table: LanceGallery) -> np.ndarray:
     return order
 
 
+def usage_weights(table: LanceGallery, usage_log: str | None):
+    """The table's usage weights (``usage.Usage``): counted from the query log ``usage_log`` when
+    one is given, else the table's ``weight`` column; a GalleryError naming both ways when there
+    is neither."""
+    from components.gallery import usage
+
+    if usage_log:
+        return usage.load_usage_log(usage_log, table.items(["id"]).column("id").to_numpy())
+    if usage.WEIGHT not in table.dataset().schema.names:
+        raise GalleryError(f"the usage orders ({', '.join(usage.USAGE_ORDERS)}) need per-item usage weights, and the "
+                           f"table {table.uri} has none: give a query log (--usage-log FILE or "
+                           "gallery.upgrade.usage_log: CSV/Parquet with columns query, hit), or adopt the table from a "
+                           "manifest with a weight column; else use order sigma or random")
+    weights = np.asarray(table.items([usage.WEIGHT]).column(usage.WEIGHT).to_pylist(), dtype=np.float64)
+    return usage.Usage(f"the table's {usage.WEIGHT} column", usage.checked_weights(weights, f"{table.uri}: the "
+                                                                                            f"{usage.WEIGHT} column"))
+
+
 def plan(table: LanceGallery, upgrade: str, new, alignment_map, order_kind: str, seed: int,
-         token: str | None = None) -> tuple[str, np.ndarray]:
+         token: str | None = None, weights: np.ndarray | None = None) -> tuple[str, np.ndarray]:
     """h(old) and log sigma^2 of every stored feature, the backfill order (``usage.backfill_order``;
-    the usage orders read the table's ``weight`` column), and the upgrade's columns written
+    the usage orders take ``weights``, from ``usage_weights``), and the upgrade's columns written
     (``LanceGallery.begin_upgrade``). Returns (the plan's token, the order)."""
     from components.experiment.inference import apply_alignment
     from components.gallery import usage
@@ -82,12 +100,6 @@ def plan(table: LanceGallery, upgrade: str, new, alignment_map, order_kind: str,
     old = table.features()
     transformed, log_sigma2 = apply_alignment(alignment_map, old)
     transformed = check_features(transformed, None, "the transformed features h(old)")
-    weights = None
-    if order_kind in usage.USAGE_ORDERS:
-        if "weight" not in table.dataset().schema.names:
-            raise GalleryError(f"gallery.upgrade.order {order_kind} needs the items' weights; the table has no weight "
-                               "column (adopt with a weight column)")
-        weights = np.asarray(table.items(["weight"]).column("weight").to_pylist(), dtype=np.float64)
     order = usage.backfill_order(order_kind, len(old), seed, log_sigma2, weights)
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))

@@ -83,10 +83,12 @@ def usage_weights(gallery: Gallery, usage_log: str | None) -> Usage:
                            f"gallery at {gallery.store.uri} has none: give a query log (--usage-log FILE or "
                            "gallery.upgrade.usage_log: CSV/Parquet with columns query, hit), or adopt the gallery "
                            "from a manifest with a weight column; else use order sigma or random")
-    return Usage(f"the items table's {WEIGHT} column", _checked(weights, f"{gallery.store.uri}: the {WEIGHT} column"))
+    return Usage(f"the items table's {WEIGHT} column", checked_weights(weights, f"{gallery.store.uri}: the {WEIGHT} column"))
 
 
-def _checked(weights: np.ndarray, what: str) -> np.ndarray:
+def checked_weights(weights: np.ndarray, what: str) -> np.ndarray:
+    """``weights`` as float64 when they are usage weights (``ordering.check_weights``), else a
+    GalleryError that starts with ``what``."""
     from components.evaluation.ordering import check_weights
 
     try:
@@ -130,7 +132,7 @@ def backfill_order(kind: str, num_items: int, seed: int, log_sigma2: np.ndarray 
         return sigma_order(log_sigma2)
     if weights is None:
         raise GalleryError(f"the {kind} order needs per-item usage weights (components.gallery.usage.usage_weights)")
-    weights = _checked(weights, f"the {kind} order")
+    weights = checked_weights(weights, f"the {kind} order")
     if len(weights) != num_items:
         raise GalleryError(f"the {kind} order: {len(weights)} usage weights for {num_items} items")
     return usage_order(weights, log_sigma2) if kind == "usage" else expected_gain_order(weights, log_sigma2)

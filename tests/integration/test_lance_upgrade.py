@@ -176,3 +176,30 @@ def test_a_table_without_labels_is_gated_on_judged_queries(upgrade_env, prefect_
     # the outside image is item 5's pixels: its nearest item is item 5, relevant by construction
     assert numbers["champion_top1"] == pytest.approx(np.mean(labels[nearest] == query_labels))
     assert 0.0 <= numbers["top1_auc"] <= 1.0
+
+
+def test_the_usage_orders_on_a_table_follow_a_query_log(upgrade_env, prefect_harness):
+    """--order usage_sigma --usage-log on the lance layout: the map chosen for sigma as on the parts
+    layout, the log counted against the table's ids, the items it hits backfilled first; a log
+    naming unknown ids is refused before any work."""
+    from components.gallery import table_upgrade
+
+    params, tmp_path = upgrade_env
+    lance_params = _lance(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["gallery", "ingest", "--params", lance_params]).exit_code == 0
+    table = LanceGallery(params.gallery.store)
+    ids = table.items(["id"]).column("id").to_pylist()
+    (tmp_path / "bad.csv").write_text("query,hit\nq1,no-such-item\n")
+    refused = runner.invoke(app, ["upgrade", "--params", lance_params, "--order", "usage_sigma",
+                                  "--usage-log", str(tmp_path / "bad.csv")])
+    assert refused.exit_code != 0 and "no-such-item" in refused.output, refused.output
+    assert table.upgrade() is None  # nothing planned
+    hit = [5, 17, 40, 63]  # positions the log hits, the last by three queries
+    rows = [(f"q{i}", ids[p]) for i, p in enumerate(hit)] + [("q8", ids[63]), ("q9", ids[63])]
+    (tmp_path / "log.csv").write_text("query,hit\n" + "".join(f"{q},{h}\n" for q, h in rows))
+    paused = runner.invoke(app, ["upgrade", "--params", lance_params, "--order", "usage_sigma",
+                                 "--usage-log", str(tmp_path / "log.csv"), "--budget", "1"])
+    assert paused.exit_code == 0 and "paused" in paused.output, paused.output
+    order = table_upgrade.order_of(table)
+    assert order[0] == 63 and set(order[:4].tolist()) == set(hit)  # the most-hit first, then the other hits
