@@ -139,6 +139,21 @@ def done_chunks(store: Store, upgrade: str) -> list[int]:
     return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
 
 
+def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
+    """The chunks of ``plan``'s backfill done and not in ``applied``, in chunk order, each as
+    ``(chunk, positions, features, read)``: its items' places (``order``'s slice), its stored
+    rows (the new features; h(old) for an item whose image could not be read) and which items
+    were re-embedded (False: the image was unreadable, the row is still h(old))."""
+    for chunk in done_chunks(store, plan.id):
+        if chunk in applied:
+            continue
+        start, stop = plan.chunk_bounds(chunk)
+        positions = np.asarray(order[start:stop])
+        failed = {entry["position"] for entry in store.get_json(marker_key(plan.id, chunk)).get("failed", [])}
+        read = np.array([p not in failed for p in positions.tolist()], dtype=bool)
+        yield chunk, positions, chunk_features(store, plan.id, chunk), read
+
+
 def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
     """A finished chunk's features, checked against its marker."""
     marker = store.get_json(marker_key(upgrade, chunk))

@@ -18,9 +18,9 @@ import threading
 
 import numpy as np
 
-from components.gallery.backfill import chunk_features, done_chunks
+from components.gallery.backfill import landed_since
 from components.gallery.catalog import Gallery, GalleryError, check_features
-from components.gallery.planning import load_plan, marker_key, order_of
+from components.gallery.planning import load_plan, order_of
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES, MERGES
 
@@ -86,20 +86,16 @@ class DualSearch:
                 return 0
             if self.plan is None:
                 return 0
-            new = [c for c in done_chunks(self.gallery.store, self.plan.id) if c not in self.applied]
-            for chunk in new:
-                start, stop = self.plan.chunk_bounds(chunk)
-                positions = self.order[start:stop]
-                failed = {entry["position"] for entry in
-                          self.gallery.store.get_json(marker_key(self.plan.id, chunk)).get("failed", [])}
-                keep = np.array([p not in failed for p in positions], dtype=bool)  # unread images stay old
-                features = chunk_features(self.gallery.store, self.plan.id, chunk)[keep]
-                ids = self.ids[positions[keep]]
+            count = 0
+            for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order,
+                                                                 self.applied):
+                ids = self.ids[positions[read]]  # an image that could not be read stays old
                 self.old_index.remove_ids(ids)
-                self.new_index.add_with_ids(self._prepare(features), ids)
-                self.on_new[positions[keep]] = True
+                self.new_index.add_with_ids(self._prepare(features[read]), ids)
+                self.on_new[positions[read]] = True
                 self.applied.add(chunk)
-            return len(new)
+                count += 1
+            return count
 
     def _one(self, index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, index.ntotal)

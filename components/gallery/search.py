@@ -16,8 +16,8 @@ import numpy as np
 from components.gallery.catalog import Gallery, GalleryError, check_features
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
-from components.gallery.backfill import chunk_features, done_chunks
-from components.gallery.planning import FINISHED, load_plan, marker_key, order_of, transformed_key, upgrade_key
+from components.gallery.backfill import landed_since
+from components.gallery.planning import FINISHED, load_plan, order_of, transformed_key, upgrade_key
 from components.gallery.store import ObjectMissing
 
 
@@ -125,20 +125,17 @@ class GallerySearch:
             return self._apply_new_chunks() if self.plan is not None else 0
 
     def _apply_new_chunks(self) -> int:
-        new = [c for c in done_chunks(self.gallery.store, self.plan.id) if c not in self.applied]
-        for chunk in new:
-            start, stop = self.plan.chunk_bounds(chunk)
-            ids = self.ids[self.order[start:stop]]
-            features = self._prepare(chunk_features(self.gallery.store, self.plan.id, chunk))
+        count = 0
+        for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order, self.applied):
+            ids = self.ids[positions]
             self.index.remove_ids(ids)
-            self.index.add_with_ids(features, ids)
+            self.index.add_with_ids(self._prepare(features), ids)
             if self.gpu is not None:
                 self.gpu.stale = True
             self.applied.add(chunk)
-            self.fresh[self.order[start:stop]] = True
-            for entry in self.gallery.store.get_json(marker_key(self.plan.id, chunk)).get("failed", []):
-                self.fresh[entry["position"]] = False  # its image could not be read: still h(old)
-        return len(new)
+            self.fresh[positions] = read  # an image that could not be read: still h(old)
+            count += 1
+        return count
 
     def _mark_kept_from(self, manifest: dict) -> None:
         """Items the last finished upgrade could not re-embed keep their transformed features."""
