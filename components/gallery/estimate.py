@@ -12,6 +12,10 @@ import numpy as np
 
 from components.gallery.catalog import Gallery, GalleryError, fetch_images, item_column
 
+# The dry run's prediction reads every part through the map up to three times (its order, its
+# anchor, the target's); the parts are kept in memory while they fit in this many bytes.
+KEEP_TRANSFORMED = 1 << 30
+
 
 def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
     """Mean bytes of an adopted gallery's encoded images (the sample's, read once more)."""
@@ -187,8 +191,15 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
 
-    def transformed(part: int):
-        return apply_alignment(alignment_map, gallery.features(gallery.model, part))
+    kept: dict[int, tuple] = {}  # parts through the map, while they fit in KEEP_TRANSFORMED bytes
+
+    def transformed(part: int):  # the order, the prediction and the target each read every part
+        if part not in kept:
+            result = apply_alignment(alignment_map, gallery.features(gallery.model, part))
+            if sum(a.nbytes for r in [*kept.values(), result] for a in r if a is not None) > KEEP_TRANSFORMED:
+                return result
+            kept[part] = result
+        return kept[part]
 
     sigma = None
     if order_kind != "random":
