@@ -167,8 +167,7 @@ def _plan(params: Params, client, experiment: str, table: LanceGallery, store, u
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, old.uri, new.uri, None), store.uri)
     alignment_map, map_uri, order, _ = choose_upgrade_map(params, client, store.uri, old, new, new_model, run_id,
                                                           lambda: _pairs(table, params, old, new_model, store.uri))
-    # usage_sigma, like sigma, needs the map's uncertainty head
-    check_map_fits(alignment_map, map_uri, "sigma" if order == "usage_sigma" else order, old.dim, new.dim, new.uri)
+    check_map_fits(alignment_map, map_uri, order, old.dim, new.dim, new.uri)
     tag_run(client, run_id, {"layout": "lance"})
     plan = planning.Plan(uid, old, new, map_uri, order, config.chunk_size, table.num_items(), 0,
                          params.gallery.distance, run_id)

@@ -68,9 +68,8 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     alignment_map, map_uri, order_kind, pairs = choose_upgrade_map(
         params, client, gallery.store.uri, old, new, new_model, run_id,
         lambda: _map_pairs(params, gallery, uid, old, new_model, base is not None))
-    # usage_sigma, like sigma, needs the map's uncertainty head: refused here, before the transform
-    check_map_fits(alignment_map, map_uri, "sigma" if order_kind == "usage_sigma" else order_kind, old.dim, new.dim,
-                   new.uri)
+    # an order that needs sigma without the map's uncertainty head is refused here, before the transform
+    check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
                for p in range(gallery.num_parts)]
     try:

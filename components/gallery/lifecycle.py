@@ -110,11 +110,13 @@ def registered_map_order(tags: dict, order: str) -> tuple[str, str | None]:
 
 
 def check_map_fits(alignment_map, map_uri: str, order: str, old_dim: int, new_dim: int, new_uri: str) -> None:
-    """Raise GalleryError if the map cannot serve this upgrade: the sigma order without an
-    uncertainty head, or dimensions other than the gallery's and the new model's."""
-    if order == "sigma" and getattr(alignment_map, "uncertainty", None) is None:
+    """Raise GalleryError if the map cannot serve this upgrade: an order that needs sigma (sigma,
+    usage_sigma) without an uncertainty head, or dimensions other than the gallery's and the new
+    model's."""
+    if order in ("sigma", "usage_sigma") and getattr(alignment_map, "uncertainty", None) is None:
         raise GalleryError(f"{map_uri} has no uncertainty head, so there is no sigma order; set "
-                           "gallery.upgrade.order: random or register a FastFill map")
+                           "gallery.upgrade.order: random" + (" or usage" if order == "usage_sigma" else "")
+                           + " or register a FastFill map")
     if alignment_map.old_dim != old_dim or alignment_map.new_dim != new_dim:
         raise GalleryError(f"{map_uri} maps {alignment_map.old_dim} -> {alignment_map.new_dim} dimensions, but the "
                            f"gallery's features are {old_dim}-d and {new_uri} makes {new_dim}-d ones")

@@ -53,7 +53,11 @@ def test_check_map_fits_names_what_does_not_fit():
     check_map_fits(with_head, "models:/m/1", "sigma", 4, 6, NEW.uri)
     with pytest.raises(GalleryError, match="no uncertainty head.*order: random"):
         check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", "sigma", 4, 6, NEW.uri)
-    check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", "random", 4, 6, NEW.uri)
+    with pytest.raises(GalleryError, match="no uncertainty head.*order: random or usage"):
+        check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", "usage_sigma", 4, 6,
+                       NEW.uri)
+    for order in ("random", "usage"):
+        check_map_fits(SimpleNamespace(uncertainty=None, old_dim=4, new_dim=6), "models:/m/1", order, 4, 6, NEW.uri)
     with pytest.raises(GalleryError, match=r"maps 4 -> 6 dimensions.*8-d"):
         check_map_fits(with_head, "models:/m/1", "sigma", 4, 8, NEW.uri)
 
