@@ -72,21 +72,17 @@ def order_of(table: LanceGallery) -> np.ndarray:
 
 
 def usage_weights(table: LanceGallery, usage_log: str | None):
-    """The table's usage weights (``usage.Usage``): counted from the query log ``usage_log`` when
-    one is given, else the table's ``weight`` column; a GalleryError naming both ways when there
-    is neither."""
+    """The table's usage weights (``usage.weights_of``): counted from the query log ``usage_log``
+    when one is given, else the table's ``weight`` column."""
     from components.gallery import usage
 
-    if usage_log:
-        return usage.load_usage_log(usage_log, table.items(["id"]).column("id").to_numpy())
-    if usage.WEIGHT not in table.dataset().schema.names:
-        raise GalleryError(f"the usage orders ({', '.join(usage.USAGE_ORDERS)}) need per-item usage weights, and the "
-                           f"table {table.uri} has none: give a query log (--usage-log FILE or "
-                           "gallery.upgrade.usage_log: CSV/Parquet with columns query, hit), or adopt the table from a "
-                           "manifest with a weight column; else use order sigma or random")
-    weights = np.asarray(table.items([usage.WEIGHT]).column(usage.WEIGHT).to_pylist(), dtype=np.float64)
-    return usage.Usage(f"the table's {usage.WEIGHT} column", usage.checked_weights(weights, f"{table.uri}: the "
-                                                                                            f"{usage.WEIGHT} column"))
+    def stored():
+        if usage.WEIGHT not in table.dataset().schema.names:
+            return None
+        return np.asarray(table.items([usage.WEIGHT]).column(usage.WEIGHT).to_pylist(), dtype=np.float64)
+
+    return usage.weights_of(usage_log, lambda: table.items(["id"]).column("id").to_numpy(), stored,
+                            f"the table {table.uri}", "the table's")
 
 
 def plan(table: LanceGallery, upgrade: str, new, alignment_map, order_kind: str, seed: int,

@@ -75,15 +75,23 @@ def stored_weights(gallery: Gallery) -> np.ndarray | None:
 def usage_weights(gallery: Gallery, usage_log: str | None) -> Usage:
     """The gallery's usage weights: counted from ``usage_log`` when one is given, else its items
     table's ``weight`` column; a GalleryError naming both ways when there is neither."""
+    return weights_of(usage_log, gallery.ids, lambda: stored_weights(gallery), f"the gallery at {gallery.store.uri}",
+                      "the items table's")
+
+
+def weights_of(usage_log: str | None, ids, stored, where: str, column_of: str) -> Usage:
+    """Usage weights for either layout: counted from ``usage_log`` against ``ids()`` when a log is
+    given, else ``stored()`` (the ``weight`` column, or None without one); ``where`` names the
+    gallery ("the gallery at ...", "the table ..."), ``column_of`` whose column it is."""
     if usage_log:
-        return load_usage_log(usage_log, gallery.ids())
-    weights = stored_weights(gallery)
+        return load_usage_log(usage_log, ids())
+    weights = stored()
     if weights is None:
-        raise GalleryError(f"the usage orders ({', '.join(USAGE_ORDERS)}) need per-item usage weights, and the "
-                           f"gallery at {gallery.store.uri} has none: give a query log (--usage-log FILE or "
-                           "gallery.upgrade.usage_log: CSV/Parquet with columns query, hit), or adopt the gallery "
-                           "from a manifest with a weight column; else use order sigma or random")
-    return Usage(f"the items table's {WEIGHT} column", checked_weights(weights, f"{gallery.store.uri}: the {WEIGHT} column"))
+        raise GalleryError(f"the usage orders ({', '.join(USAGE_ORDERS)}) need per-item usage weights, and {where} "
+                           "has none: give a query log (--usage-log FILE or gallery.upgrade.usage_log: CSV/Parquet "
+                           f"with columns query, hit), or adopt it from a manifest with a {WEIGHT} column; else use "
+                           "order sigma or random")
+    return Usage(f"{column_of} {WEIGHT} column", checked_weights(weights, f"{where}: the {WEIGHT} column"))
 
 
 def checked_weights(weights: np.ndarray, what: str) -> np.ndarray:
