@@ -165,6 +165,11 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
 
     if judged is not None:  # judged queries first, as the gate and the prediction take them
         judgments, query_new, query_old = judged
+        usable = len(judgments.in_sample(positions)[0])
+        if usable < 2:  # before any pass over the gallery: every way would leave these queries out
+            return {"target_top1": target, "note": "the comparison of ways needs at least 2 judged queries with a "
+                    f"relevant item in the evaluation sample ({len(positions)} items), and {usable} have one; raise "
+                    "gallery.upgrade.eval_queries or judge more items"}
         anchor_new = judged_anchor(query_new, judgments, transformed_parts(), distance)
         anchor_old = judged_anchor(query_old, judgments, old_parts(), distance)
 
@@ -203,10 +208,6 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
         order = backfill_order(kind, gallery.num_items, seed, log_sigma2 if kind == "sigma" else None, weights)
         # no map, nothing embedded before the backfill: S's own places
         predictions[f"shadow index (rrf), {kind} order"] = shadow_way(ranks_of(order, positions))
-    if any(prediction is None for prediction in predictions.values()):
-        return {"target_top1": target, "note": "the comparison of ways needs at least 2 judged queries with a "
-                f"relevant item in the evaluation sample ({len(positions)} items); raise "
-                "gallery.upgrade.eval_queries or judge more items"}
     result = compare_ways(target, predictions)
     first = next(iter(predictions.values()))
     truth = (f"{first['queries']} judged queries against {len(positions)} sampled items" if judged is not None
