@@ -194,6 +194,7 @@ def test_the_usage_orders_on_a_table_follow_a_query_log(upgrade_env, prefect_har
     refused = runner.invoke(app, ["upgrade", "--params", lance_params, "--order", "usage_sigma",
                                   "--usage-log", str(tmp_path / "bad.csv")])
     assert refused.exit_code != 0 and "no-such-item" in refused.output, refused.output
+    assert "Traceback" not in refused.output and len(refused.output.strip().splitlines()) == 1, refused.output
     assert table.upgrade() is None  # nothing planned
     hit = [5, 17, 40, 63]  # positions the log hits, the last by three queries
     rows = [(f"q{i}", ids[p]) for i, p in enumerate(hit)] + [("q8", ids[63]), ("q9", ids[63])]
