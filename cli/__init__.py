@@ -1,7 +1,7 @@
 """The `fastfill` command, by command group: experiment (the pipeline and its reports), gallery
-(the stored gallery), upgrade (its upgrade and undoing it), services (upgrades that run
-themselves: deployments, the registry watcher, webhooks), doctor (the services' health and the
-gallery's state at a glance). The commands read params.yaml and call the flows in flows/ and the
+(the stored gallery), model (embedding models in the registry, a team's own included), upgrade
+(its upgrade and undoing it), services (upgrades that run themselves: deployments, the registry
+watcher, webhooks), doctor (the services' health and the gallery's state at a glance). The commands read params.yaml and call the flows in flows/ and the
 long-running processes in services/."""
 
 from typing import Annotated
@@ -29,8 +29,8 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 # each module registers its commands on ``app``, in this order
 from cli import (  # noqa: E402, I001
-    experiment_commands, gallery_commands, upgrade_commands, service_commands, doctor_commands,
+    experiment_commands, gallery_commands, upgrade_commands, service_commands, doctor_commands, model_commands,
 )
 
 __all__ = ["app", "experiment_commands", "gallery_commands", "upgrade_commands", "service_commands",
-           "doctor_commands"]
+           "doctor_commands", "model_commands"]

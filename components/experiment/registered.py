@@ -1,54 +1,38 @@
-"""Registered models as data, never code: a version's folder holds a typed description of the
-network (``models.describe``) and its weights (a state_dict in safetensors, the format that holds
-tensors and nothing else), and loading builds the network from the description and reads the
-weights as tensors, so nothing a writer to the registry puts there runs. Versions whose weights are
-a ``weights.pt`` (earlier releases) still load, with ``torch.load(weights_only=True)``. Versions stored as pickled modules by earlier releases are
-refused unless ``mlflow.allow_pickled_models`` says their writers are trusted."""
+"""Registered models as MLflow models holding data, never code (``components.models.artifact``):
+each version is an ``MLmodel`` (pyfunc flavour over this package's loader, signature, input
+example) beside a typed description of the network and its weights (safetensors, or an ONNX
+graph), so ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run it and loading builds the
+network from the description: nothing a writer to the registry puts there runs. Versions written
+by earlier releases (the description and ``weights.safetensors``/``weights.pt`` with no
+``MLmodel``) still load. Versions stored as pickled modules by earlier releases are refused
+unless ``mlflow.allow_pickled_models`` says their writers are trusted."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import pickle
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from components.experiment.models import build, describe
+from components.models.artifact import (FORMAT as MODEL_FORMAT, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
+                                        WEIGHTS_FILE, load_folder, preprocessing_of, read_description, write_folder)
 from components.platform import registry
 from components.platform.registry import RegistryError
 
-MODEL_FILE = "fastfill-model.json"  # the typed description; beside it the weights, a state_dict
-WEIGHTS_FILE = "weights.safetensors"
-LEGACY_WEIGHTS_FILE = "weights.pt"  # earlier releases: a state_dict read with torch.load(weights_only=True)
-MODEL_FORMAT = "fastfill-model/1"
 
+def _new_version(client, run_id: str, name: str, artifact: str, write, tags: Mapping[str, str]) -> str:
+    """Write a model folder with ``write(path)`` under ``artifact`` in the run (a name of its own:
+    a second model registered from the same run must not overwrite the first's files), register
+    it as a new version of ``name`` and tag the version; returns the version."""
+    from mlflow.exceptions import MlflowException
 
-def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
-              tags: Mapping[str, str]) -> str:
-    """Log a torch module under ``artifact`` in the run as data, never as code: its typed
-    description (``models.describe``) and its weights (a state_dict in safetensors); register that folder as a new version of ``name`` and
-    tag the version; returns the version."""
-    from safetensors.torch import save_file
-
-    module = module.cpu().eval()
-    # a folder of its own in the run: a second model registered from the same run (a fallback map
-    # beside the map it replaces, two versions copied in one run) must not overwrite the first's files
     taken = {entry.path for entry in client.list_artifacts(run_id)}
     artifact = next(path for path in (artifact, *(f"{artifact}-{k}" for k in range(2, 10_000))) if path not in taken)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, folder / WEIGHTS_FILE)
-        weights = hashlib.sha256((folder / WEIGHTS_FILE).read_bytes()).hexdigest()
-        (folder / MODEL_FILE).write_text(json.dumps({
-            "format": MODEL_FORMAT, "spec": describe(module), "input_shape": list(example.shape[1:]),
-            "weights": WEIGHTS_FILE, "sha256": weights}, indent=2))
+        folder = write(Path(tmp) / "model")
         client.log_artifacts(run_id, str(folder), artifact)
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact}"
-    from mlflow.exceptions import MlflowException
-
     try:
         client.get_registered_model(name)
     except MlflowException as error:
@@ -62,6 +46,48 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     version = str(client.create_model_version(name, source, run_id=run_id).version)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
+    return version
+
+
+def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
+              tags: Mapping[str, str]) -> str:
+    """A module of this project's own architectures as a version of ``name``: its typed
+    description (``models.describe``) and its weights (a state_dict in safetensors)."""
+    from safetensors.torch import save
+
+    from components.experiment.models import Embedder, describe
+
+    module = module.cpu().eval()
+    weights = save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
+    spec = describe(module)
+    embedder = isinstance(module, Embedder)
+    description = {"kind": "embedder" if embedder else "alignment", "source": "fastfill", "spec": spec,
+                   "input_shape": list(example.shape[1:])}
+    if embedder:
+        shape = tuple(int(x) for x in example.shape[1:])
+        description.update(
+            preprocessing=dict(channels=shape[0], height=shape[1], width=shape[2], resize="stretch",
+                               mean=[float(module.pixel_mean)], std=[float(module.pixel_std)]),
+            embedding_dim=module.embedding_dim, head=len(module.classes))
+        pixels = np.zeros((1, *shape), dtype=np.uint8)
+        write = lambda path: write_folder(path, description, {WEIGHTS_FILE: weights}, pixels,  # noqa: E731
+                                          module.embedding_dim)
+    else:
+        sigma = getattr(module, "uncertainty", None) is not None
+        write = lambda path: write_folder(path, description, {WEIGHTS_FILE: weights},  # noqa: E731
+                                          np.zeros((1, module.old_dim), np.float32), module.new_dim, sigma=sigma)
+    return _new_version(client, run_id, name, artifact, write, tags)
+
+
+def register_source(client, run_id: str, source, name: str, alias: str | None, tags: Mapping[str, str]) -> str:
+    """A team's embedder (``components.models.sources.Source``, probed) as a version of ``name``."""
+    embedder = source.embedder
+    pixels = np.zeros((1, *embedder.preprocessing.shape), dtype=np.uint8)
+    version = _new_version(client, run_id, name, "embedder",
+                           lambda path: write_folder(path, source.description, source.files, pixels,
+                                                     embedder.embedding_dim), tags)
+    if alias:
+        client.set_registered_model_alias(name, alias, version)
     return version
 
 
@@ -90,60 +116,40 @@ def _model_folder(uri: str) -> Path:
         raise RegistryError(f"cannot read the model {uri}: {error}") from error
 
 
-def _description(folder: Path) -> dict | None:
-    path = folder / MODEL_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def load_model(uri: str):
-    """A registered model by URI, e.g. ``models:/embedder@champion``: built from its typed
-    description, its weights read as tensors (safetensors; a legacy ``weights.pt`` with
-    ``weights_only=True``), so loading runs no code from the registry. A version stored as a pickled module (an older format) is refused unless
-    ``mlflow.allow_pickled_models`` (or FASTFILL_ALLOW_PICKLED_MODELS=1) says its writers are trusted."""
-    import torch
-    from pydantic import ValidationError
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """A registered model by URI, e.g. ``models:/embedder@champion``, built from its typed
+    description with its weights read as tensors (or its ONNX graph), so loading runs no code from
+    the registry; an embedder carries its ``preprocessing``. A version stored as a pickled module
+    (an older format) is refused unless ``mlflow.allow_pickled_models`` (or
+    FASTFILL_ALLOW_PICKLED_MODELS=1) says its writers are trusted."""
     folder = _model_folder(uri)
-    described = _description(folder)
-    if described is None:
+    if read_description(folder) is None:
         if not (folder / "MLmodel").is_file():
             raise RegistryError(f"{uri} is not a model this product wrote: no {MODEL_FILE} and no MLmodel in it")
         if not registry.pickled_models_allowed():
             raise RegistryError(
                 f"{uri} is stored as a pickled module (an older format), and loading a pickle runs any code in "
-                f"it. Register it again from weights (fastfill train/align do), or, if you trust everyone who "
+                f"it. Register it again from weights (fastfill model register), or, if you trust everyone who "
                 f"can write to this registry, set mlflow.allow_pickled_models: true (or {registry.PICKLE_OPT_IN}=1)")
         import mlflow.pytorch
 
         return mlflow.pytorch.load_model(uri, map_location="cpu")
-    if described.get("format") != MODEL_FORMAT:
-        raise RegistryError(f"{uri} is in format {described.get('format')!r}; this release reads {MODEL_FORMAT}")
-    weights = folder / described["weights"]
-    if hashlib.sha256(weights.read_bytes()).hexdigest() != described["sha256"]:
-        raise RegistryError(f"{uri}: {described['weights']} does not match its recorded sha256; the artifact "
-                            f"was altered or torn: register the model again")
-    try:
-        module = build(described["spec"])
-        if weights.suffix == ".safetensors":
-            state = load_file(weights, device="cpu")
-        else:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
-        module.load_state_dict(state)
-    except (ValidationError, pickle.UnpicklingError, SafetensorError, RuntimeError, KeyError, TypeError) as error:
-        # a wrong description, a refused pickle, or weights that do not fit the network
-        raise RegistryError(f"{uri} could not be loaded as data: {type(error).__name__}: {error}") from error
-    return module.eval()
+    return load_folder(folder, uri)
+
+
+def description(uri: str) -> dict | None:
+    """A registered version's description (``components.models.artifact``), or None for a
+    version this product did not write."""
+    return read_description(_model_folder(uri))
 
 
 def input_shape(uri: str) -> tuple[int, ...] | None:
-    """The input shape of one example that a registered model was logged with, e.g. (1, 28, 28)
-    for a grey 28x28 image model; None if it records none."""
-    described = _description(_model_folder(uri))
+    """The (C, H, W) a registered embedder takes, e.g. (1, 28, 28) for a grey 28x28 model; None
+    if it records none."""
+    described = description(uri)
     if described is not None:
-        shape = described.get("input_shape") or []
-        return tuple(int(x) for x in shape) if shape and all(int(x) > 0 for x in shape) else None
+        preprocessing = preprocessing_of(described)
+        return preprocessing.shape if preprocessing is not None else None
     import mlflow.models
 
     signature = mlflow.models.get_model_info(uri).signature  # an older, pickled version: its signature

@@ -1,0 +1,189 @@
+"""A registered model version's folder: a real MLflow model holding data, never code.
+
+    MLmodel                   flavours python_function (loader_module components.models.pyfunc)
+                              and fastfill (the description below); signature; input example
+    input_example.json, serving_input_example.json, requirements.txt, python_env.yaml, conda.yaml
+    data/fastfill/fastfill-model.json   the typed description (format fastfill-model/2)
+    data/fastfill/weights.safetensors   a state dict, tensors only   (or)
+    data/fastfill/model.onnx            an ONNX graph
+
+The description says where the network comes from (``source``): ``fastfill`` (this project's own
+architectures, ``components.experiment.models.describe``), ``torchvision`` (an architecture by
+name and the layer the embedding is read at), ``onnx`` (a graph), or ``mlflow`` (a model in a
+registry whose flavour is a pickle: a reference, loaded only where its writers are trusted); and,
+for an embedder, its preprocessing, embedding size and head. Folders of the previous format
+(``fastfill-model.json`` beside ``weights.safetensors``/``weights.pt``, no ``MLmodel``) still load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from components.models.embedders import ModelSourceError
+from components.models.preprocessing import Preprocessing
+
+MODEL_FILE = "fastfill-model.json"
+DATA_DIR = "fastfill"
+WEIGHTS_FILE = "weights.safetensors"
+ONNX_FILE = "model.onnx"
+LEGACY_WEIGHTS_FILE = "weights.pt"  # format 1 of earlier releases: torch.load(weights_only=True)
+FORMAT_1, FORMAT = "fastfill-model/1", "fastfill-model/2"
+LOADER_MODULE = "components.models.pyfunc"
+SOURCES = ("fastfill", "torchvision", "onnx", "mlflow")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def requirements() -> list[str]:
+    """What loading a version needs besides this package (pinned as installed here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for name in ("mlflow", "torch", "numpy", "safetensors", "onnxruntime", "pillow"):
+        try:
+            pins.append(f"{name}=={version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return pins
+
+
+def write_folder(path: Path, description: dict, files: dict[str, Path | bytes], example: np.ndarray,
+                 output_dim: int, *, sigma: bool = False) -> Path:
+    """Write an MLflow model at ``path`` (which must not exist): ``files`` (name -> path or
+    bytes) into ``data/fastfill/``, the description with the first file's sha256, a tensor signature
+    (``example``'s dtype and shape, any batch size -> float32 (N, output_dim), plus ``log_sigma2``
+    for a map with ``sigma``) and ``example`` as the input example."""
+    import mlflow.pyfunc
+    from mlflow.models import Model
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / DATA_DIR
+        data.mkdir()
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (data / name).write_bytes(content)
+            else:
+                shutil.copyfile(content, data / name)
+        first = next(iter(files), None)
+        described = {"format": FORMAT, **description}
+        if first is not None:
+            described.update(weights=first, sha256=_sha256(data / first))
+        (data / MODEL_FILE).write_text(json.dumps(described, indent=2, sort_keys=True))
+        inputs = Schema([TensorSpec(example.dtype, (-1, *example.shape[1:]))])
+        if sigma:
+            outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, output_dim), "features"),
+                              TensorSpec(np.dtype(np.float32), (-1,), "log_sigma2")])
+        else:
+            outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, output_dim))])
+        model = Model()
+        model.add_flavor("fastfill", **{k: v for k, v in described.items() if k in ("format", "kind", "source")})
+        mlflow.pyfunc.save_model(str(path), loader_module=LOADER_MODULE, data_path=str(data), mlflow_model=model,
+                                 signature=ModelSignature(inputs, outputs), input_example=example,
+                                 pip_requirements=requirements())
+    return path
+
+
+def read_description(folder: Path) -> dict | None:
+    """The description of a version's folder (format 2 in ``data/fastfill/``, format 1 at its root),
+    or None for a folder this product did not write."""
+    folder = Path(folder)
+    for path in (folder / "data" / DATA_DIR / MODEL_FILE, folder / MODEL_FILE):
+        if path.is_file():
+            described = json.loads(path.read_text())
+            described["_folder"] = str(path.parent)
+            return described
+    return None
+
+
+def preprocessing_of(described: dict) -> Preprocessing | None:
+    """The preprocessing a description records; format 1 recorded only the input shape, which
+    it had as a stretch with the model's own scaling."""
+    if described.get("preprocessing"):
+        return Preprocessing(**described["preprocessing"])
+    shape = described.get("input_shape") or []
+    if len(shape) == 3 and all(int(x) > 0 for x in shape):
+        return Preprocessing.plain(shape)
+    return None
+
+
+def load_folder(folder, uri: str):
+    """The module a version's folder (or its ``data/fastfill/`` folder) describes, built as data:
+    a ModelSourceError (a RegistryError upstream) says what is wrong."""
+    from components.platform.registry import RegistryError
+
+    folder = Path(folder)
+    described = read_description(folder)
+    if described is None:
+        raise RegistryError(f"{uri} is not a model this product wrote: no {MODEL_FILE} in it")
+    if described.get("format") not in (FORMAT, FORMAT_1):
+        raise RegistryError(f"{uri} is in format {described.get('format')!r}; this release reads {FORMAT} "
+                            f"and {FORMAT_1}")
+    data = Path(described["_folder"])
+    weights = data / described["weights"] if described.get("weights") else None
+    if weights is not None and _sha256(weights) != described["sha256"]:
+        raise RegistryError(f"{uri}: {described['weights']} does not match its recorded sha256; the artifact "
+                            f"was altered or torn: register the model again")
+    try:
+        module = _build(described, weights, uri)
+    except ModelSourceError as error:
+        raise RegistryError(f"{uri} could not be loaded: {error}") from error
+    module.fastfill_kind = described.get("kind") or described.get("spec", {}).get("kind", "embedder")
+    if module.fastfill_kind in ("alignment", "unified"):
+        module.fastfill_kind = "alignment"
+    else:
+        preprocessing = preprocessing_of(described)
+        if preprocessing is not None:
+            module.preprocessing = preprocessing
+    module.fastfill_source = described.get("source", "fastfill")
+    return module.eval()
+
+
+def _build(described: dict, weights: Path | None, uri: str):
+    import torch
+    from pydantic import ValidationError
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    source = described.get("source", "fastfill")
+    preprocessing = preprocessing_of(described)
+    if source == "fastfill":
+        from components.experiment.models import build
+
+        try:
+            module = build(described["spec"])
+            state = load_file(weights, device="cpu") if weights.suffix == ".safetensors" else \
+                torch.load(weights, map_location="cpu", weights_only=True)
+            module.load_state_dict(state)
+        except (ValidationError, pickle.UnpicklingError, SafetensorError, RuntimeError, KeyError, TypeError) as error:
+            raise ModelSourceError(f"{type(error).__name__}: {error}") from error
+        return module
+    if source == "torchvision":
+        from components.models.embedders import TorchvisionEmbedder
+
+        module = TorchvisionEmbedder(described["architecture"], load_file(weights, device="cpu"), preprocessing,
+                                     described.get("layer"))
+    elif source == "onnx":
+        from components.models.embedders import OnnxEmbedder
+
+        module = OnnxEmbedder(weights.read_bytes(), preprocessing, described.get("output"))
+    elif source == "mlflow":
+        from components.models.sources import load_trusted_mlflow
+
+        module = load_trusted_mlflow(described["reference"], preprocessing, described.get("layer"))
+    else:
+        raise ModelSourceError(f"unknown source {source!r}; this release reads {', '.join(SOURCES)}")
+    module.embedding_dim = int(described["embedding_dim"])
+    if not described.get("head"):
+        module.classifier = None
+    return module
