@@ -54,7 +54,7 @@ def read_versions(tracking_uri: str, name: str, old: str | None, new: str | None
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from components.experiment import registered
+    from components.model_store import registered
 
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
         raise SystemExit(f"{tracking_uri}: no such MLflow store. Run `fastfill run` first (it registers @champion and "
@@ -87,7 +87,7 @@ def register_copies(params_file: Path, versions: dict) -> dict:
     """The two versions in the backend's own fresh registry: old @champion, new @challenger."""
     import numpy as np
 
-    from components.experiment import registered
+    from components.model_store import registered
     from components.platform import registry
     from components.platform.config import load_params
 

@@ -48,7 +48,7 @@ def main() -> None:
     from components.platform import registry
     from components.platform.config import load_params
     from components.platform.layout import Layout
-    from components.experiment import registered
+    from components.model_store import registered
     from flows.ingest import ingest_flow
     from flows.undo import abort_flow
     from flows.upgrade import upgrade_flow

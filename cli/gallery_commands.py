@@ -220,7 +220,7 @@ def search(store: StoreOption = None,
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
         from components.platform import registry
-        from components.experiment import registered
+        from components.model_store import registered
 
         require_services(config)  # the model comes from the registry
         registry.setup(config.mlflow)
@@ -289,7 +289,7 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
             old = _load_array(old_features, "--old-features") if old_features is not None else new
             return searcher, searcher.search(old, new if searcher.mid_upgrade else None, k)
         from components.platform import registry
-        from components.experiment import registered
+        from components.model_store import registered
 
         require_services(config)  # the models come from the registry
         registry.setup(config.mlflow)

@@ -56,8 +56,8 @@ def model_register(
     vector per image, or another size than --dim are refused in one line, with nothing registered.
     The version is an MLflow model (mlflow.pyfunc.load_model and mlflow models serve run it)
     holding the weights or graph and the preprocessing, never pickled code."""
-    from components.models import catalogue, sources
-    from components.models.embedders import ModelSourceError
+    from components.model_store import catalogue, sources
+    from components.model_store.embedders import ModelSourceError
     from components.platform import registry
 
     given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
@@ -108,7 +108,7 @@ def model_register(
 def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
                as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False,
                params: ParamsOption = Path("params.yaml")) -> None:
-    from components.models import catalogue
+    from components.model_store import catalogue
     from components.platform import registry
 
     config = load(params)
@@ -130,7 +130,7 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
 def _summaries(client, name: str):
     from mlflow.exceptions import MlflowException
 
-    from components.models import catalogue
+    from components.model_store import catalogue
     from components.platform.registry import RegistryError
 
     try:
@@ -148,7 +148,7 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
                params: ParamsOption = Path("params.yaml")) -> None:
     """Print one version as JSON: name, version, aliases, its description (source, embedding
     size, preprocessing, head) and the MLflow signature."""
-    from components.experiment import registered
+    from components.model_store import registered
     from components.platform import registry
 
     config = load(params)

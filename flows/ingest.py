@@ -11,7 +11,7 @@ from prefect import flow
 
 from components.gallery.catalog import GalleryError, check_empty, check_features
 from components.platform import registry
-from components.experiment import registered
+from components.model_store import registered
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from flows.parameters import resolve_params, run_parameters, store_of
@@ -115,6 +115,7 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         root = str(Path(root.removeprefix("file://")).resolve())
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
+    # the images as the model takes them: its own preprocessing, unless --image-shape says otherwise
     shape = tuple(image_shape) if image_shape else registered.input_shape(ref.uri)
     if not shape or len(shape) != 3:
         raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
@@ -135,8 +136,10 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         model = load_model(ref)
         ref, rows = ModelRef(ref.name, ref.version, model.embedding_dim), None
 
+        decoding = shape if image_shape else getattr(model, "preprocessing", None) or shape
+
         def embed_part(uris: list[str]) -> np.ndarray:
-            images, failures = read_images(uris, shape, root=root, workers=config.read_workers)
+            images, failures = read_images(uris, decoding, root=root, workers=config.read_workers)
             if failures:
                 first = failures[0]
                 raise GalleryError(f"{len(failures)} of {len(uris)} images of a part could not be read (first: "

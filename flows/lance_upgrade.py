@@ -199,7 +199,8 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
         return pairs
 
     positions = samples.map_sample(config, table.num_items())
-    images, failures = table_upgrade.images_at(table, positions, config.read_workers)
+    images, failures = table_upgrade.images_at(table, positions, config.read_workers,
+                                               getattr(new_model, "preprocessing", None))
     keep = ~np.isin(positions, [f.position for f in failures])
     log(f"map pairs: embedding {int(keep.sum())} gallery items with the new model")
     new = embed_images(new_model, images[keep], config.batch_size, config.precision)
@@ -216,11 +217,15 @@ def _judged_features(table: LanceGallery, judged, new_model, old: ModelRef, conf
     def embed_new(images):
         return embed_images(new_model, images, config.batch_size, config.precision, label="embedding the judged queries")
 
+    champion = load_model(old)
+
     def embed_champion(images):
-        return embed_images(load_model(old), images, config.batch_size, config.precision)
+        return embed_images(champion, images, config.batch_size, config.precision)
 
     return table_upgrade.judged_queries(table, judged, embed_new, embed_champion, workers=config.read_workers,
-                                        source=config.judgments)
+                                        source=config.judgments,
+                                        preprocessing=getattr(new_model, "preprocessing", None),
+                                        champion_preprocessing=getattr(champion, "preprocessing", None))
 
 
 def _gate(params: Params, table: LanceGallery, store, plan: planning.Plan, order: np.ndarray, new_model,
@@ -238,7 +243,8 @@ def _gate(params: Params, table: LanceGallery, store, plan: planning.Plan, order
                                                  distance=plan.distance, curve_points=promotion.curve_points)
     positions, labels = sample if sample is not None else table_upgrade.gate_sample(table, config.eval_queries,
                                                                                     config.seed)
-    images, failures = table_upgrade.images_at(table, positions, config.read_workers)
+    images, failures = table_upgrade.images_at(table, positions, config.read_workers,
+                                               getattr(new_model, "preprocessing", None))
     keep = ~np.isin(positions, [f.position for f in failures])
     queries = embed_images(new_model, images[keep], config.batch_size, config.precision)
     return table_upgrade.gate_numbers(table, positions[keep], labels[keep], queries, order, distance=plan.distance,

@@ -85,12 +85,17 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     def embed(images, label=None):
         return embed_images(new_model, images, config.batch_size, config.precision, label=label)
 
+    preprocessing = getattr(new_model, "preprocessing", None)
     if judged is not None:
-        def embed_champion(images, label=None):
-            return embed_images(load_model(gallery.model), images, config.batch_size, config.precision)
+        champion = load_model(gallery.model)
 
-        judged = samples.judged_queries(gallery, config, judged, embed, embed_champion, embedded)
-    positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log)
+        def embed_champion(images, label=None):
+            return embed_images(champion, images, config.batch_size, config.precision)
+
+        judged = samples.judged_queries(gallery, config, judged, embed, embed_champion, embedded,
+                                        preprocessing=preprocessing,
+                                        champion_preprocessing=getattr(champion, "preprocessing", None))
+    positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log, preprocessing)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
     # the items embedded while planning are backfilled from the start: the first chunks of the order
     prefilled = np.fromiter(sorted(embedded), dtype=np.int64, count=len(embedded))

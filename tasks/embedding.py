@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from prefect import task
 
-from components.experiment import registered
+from components.model_store import registered
 from components.gallery.catalog import Gallery, check_features, features_key, rows_at
 from components.gallery.lifecycle import SPLITS_SOURCE
 from components.gallery.pairs import TARGETS_LABELS, MapPairs, from_gallery
@@ -66,7 +66,8 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
     from components.experiment.inference import embed
 
     gallery = Gallery(store_at(store_uri))
-    positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log)
+    positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log,
+                                        getattr(new_model, "preprocessing", None))
     log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
         "are kept as backfilled)")
     with progress("embedding the map sample", total=len(images), unit="image", log=log) as bar:

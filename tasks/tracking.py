@@ -9,7 +9,7 @@ import numpy as np
 from prefect import task
 
 from components.platform import registry
-from components.experiment import registered
+from components.model_store import registered
 from components.platform.config import MlflowConfig, Params
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 from prefect import task
 
-from components.experiment import registered
+from components.model_store import registered
 from components.gallery.lifecycle import CHECK_SOURCE_TAG, checked_on
 from components.gallery.pairs import MapPairs
 from components.platform import registry

@@ -45,7 +45,8 @@ def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype
 @torch.no_grad()
 def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device: torch.device | None = None,
           precision: str = "auto", on_batch: Callable[[int], None] | None = None) -> np.ndarray:
-    """Features of uint8 images (N, C, H, W), float32 (N, d).
+    """Features of uint8 images (N, C, H, W), float32 (N, d); images of another shape than the
+    model's ``preprocessing`` takes are resized by its rule first.
 
     ``on_batch``: called after each batch, its features copied back, with the number of images
     that batch embedded (an increment: ``on_batch=bar.advance`` of
@@ -62,9 +63,14 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
         return out
     dtype = autocast_dtype(device, precision)
     copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+    # images of another shape than the model takes (a gallery's stored pixels, query arrays) go
+    # through the model's own colour and resize rule, a batch at a time
+    preprocessing = getattr(model, "preprocessing", None)
+    reshape = preprocessing is not None and tuple(images.shape[1:]) != preprocessing.shape
 
     def load(start: int) -> torch.Tensor:
-        batch = torch.from_numpy(np.ascontiguousarray(images[start: start + batch_size]))
+        batch = images[start: start + batch_size]
+        batch = torch.from_numpy(np.ascontiguousarray(preprocessing.adapt(batch) if reshape else batch))
         if copies is None:
             return batch
         batch = batch.pin_memory()

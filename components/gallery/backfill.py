@@ -62,7 +62,8 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
     gallery = Gallery(store)
-    images, failures = fetch_images(gallery, positions, IMAGE_CACHE, workers=read_workers)
+    images, failures = fetch_images(gallery, positions, IMAGE_CACHE, workers=read_workers,
+                                    preprocessing=getattr(model, "preprocessing", None))
     features = np.empty((len(positions), plan.new.dim), dtype=np.float32)
     ok = readable(len(positions), failures)
     if ok.any():

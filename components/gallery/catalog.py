@@ -212,16 +212,18 @@ def by_part(gallery: Gallery, positions: np.ndarray):
 
 
 def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE, *,
-                 workers: int = 16) -> tuple[np.ndarray, list]:
+                 workers: int = 16, preprocessing=None) -> tuple[np.ndarray, list]:
     """The images of items at ``positions`` (any order) and the failures
-    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts read part by part,
-    or an adopted gallery's images read by URI, ``workers`` at a time."""
+    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts read part by part
+    (as stored: ``inference.embed`` brings them to the model's shape), or an adopted gallery's
+    images read by URI, ``workers`` at a time, decoded by ``preprocessing`` (the model's that
+    embeds them; default a plain stretch to the gallery's image shape)."""
     shape = tuple(gallery.manifest()["image_shape"])
     positions = np.asarray(positions, dtype=np.int64)
     if gallery.adopted:
         from components.gallery.images import read_images
 
-        return read_images(item_column(gallery, positions, "image"), shape, root=gallery.image_root,
+        return read_images(item_column(gallery, positions, "image"), preprocessing or shape, root=gallery.image_root,
                            workers=workers)
     out = np.empty((len(positions), *shape), dtype=np.uint8)
     for part, rows, offsets in by_part(gallery, positions):

@@ -47,7 +47,8 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     old_dim, new_dim = gallery.model.dim or 0, new_model.embedding_dim
     positions = np.sort(np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False))
     started = time.perf_counter()
-    images, failures = fetch_images(gallery, positions, workers=config.read_workers)
+    images, failures = fetch_images(gallery, positions, workers=config.read_workers,
+                                    preprocessing=getattr(new_model, "preprocessing", None))
     read_seconds = time.perf_counter() - started
     ok = readable(len(positions), failures)
     embed(new_model, images[ok][:2], batch_size=config.batch_size, precision=config.precision)  # warm-up: first-call costs are not per item
@@ -90,7 +91,7 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     the gate would measure against, where the map's pairs come from, and the budget advisor's
     prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
     (each order of the map, or the shadow index) reaches it with the least backfill."""
-    from components.experiment.registered import load_model
+    from components.model_store.registered import load_model
     from components.gallery.decider import GalleryView, UpgradeDecider
     from components.gallery.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, truth_of
     from components.gallery.planning import upgrade_id
@@ -126,7 +127,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     sent through the map part by part, twice: its order first (sigma's, the usage weights', or
     random), then the search). Otherwise a note saying when the prediction appears."""
     from components.experiment.inference import apply_alignment, embed
-    from components.experiment.registered import load_model
+    from components.model_store.registered import load_model
     from components.gallery import advisor
     from components.gallery.catalog import features_key, rows_at
     from components.gallery.judgments import load_judgments
@@ -176,17 +177,25 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     def embed_new(images, label=None):
         return embed(model, images, batch_size=config.batch_size, precision=config.precision)
 
-    def embed_champion(images, label=None):
-        return embed(load_model(gallery.model.uri).eval(), images, batch_size=config.batch_size,
-                     precision=config.precision)
+    champion = None
 
+    def embed_champion(images, label=None):
+        return embed(champion_model(), images, batch_size=config.batch_size, precision=config.precision)
+
+    def champion_model():
+        nonlocal champion
+        champion = champion if champion is not None else load_model(gallery.model.uri).eval()
+        return champion
+
+    preprocessing = getattr(model, "preprocessing", None)
     positions, images = readable_images(gallery, evaluation_positions(gallery, config), config.read_workers,
-                                        "evaluation sample", lambda line: None)
+                                        "evaluation sample", lambda line: None, preprocessing)
     queries = embed_new(images)
     judged = None
     if config.judgments:
         judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
-                                embed_champion, {})  # (judgments, new-model and champion features of the queries)
+                                embed_champion, {}, preprocessing=preprocessing,
+                                champion_preprocessing=getattr(champion_model(), "preprocessing", None))  # (judgments, new-model and champion features of the queries)
     prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.gallery.store import StoreError
+from components.model_store.preprocessing import Preprocessing
 
 DEFAULT_WORKERS = 16
 
@@ -74,18 +75,16 @@ def read_bytes(location: str) -> bytes:
         return file.read()
 
 
-def decode(data: bytes, shape: Sequence[int]) -> np.ndarray:
-    """Encoded image bytes (PNG, JPEG, anything Pillow reads) -> uint8 (C, H, W) of ``shape``:
-    grey for one channel, RGB for three, resized (bilinear) when the size differs."""
-    from PIL import Image
+def as_preprocessing(shape: Sequence[int] | Preprocessing) -> Preprocessing:
+    """A model's preprocessing as it is, or a bare (C, H, W) as a plain stretch to it."""
+    return shape if isinstance(shape, Preprocessing) else Preprocessing.plain(shape)
 
-    channels, height, width = shape
-    with Image.open(io.BytesIO(data)) as image:
-        image = image.convert("L" if channels == 1 else "RGB")
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.Resampling.BILINEAR)
-        array = np.asarray(image, dtype=np.uint8)
-    return array[None] if channels == 1 else array.transpose(2, 0, 1)
+
+def decode(data: bytes, shape: Sequence[int] | Preprocessing) -> np.ndarray:
+    """Encoded image bytes (PNG, JPEG, WebP, anything Pillow reads; RGB, RGBA, grey, 16-bit)
+    -> uint8 (C, H, W) as the model's preprocessing makes them (its colour mode and resize rule),
+    or for a bare (C, H, W) grey or RGB stretched to that size (bilinear)."""
+    return as_preprocessing(shape).decode(data)
 
 
 # S3 answers about one object (the item's problem) as opposed to the store's (outage, throttling
@@ -97,7 +96,7 @@ class ImageStoreError(StoreError):
     """The images' store itself failed (not one image): the chunk stops and is retried."""
 
 
-def read_image(location: str, shape: Sequence[int]) -> tuple[np.ndarray | None, str | None]:
+def read_image(location: str, shape: Sequence[int] | Preprocessing) -> tuple[np.ndarray | None, str | None]:
     """(image, None), or (None, why) when this one image is missing, forbidden or undecodable.
     A failure of the store itself raises ImageStoreError: it says nothing about the image."""
     from PIL import Image
@@ -128,13 +127,15 @@ def read_image(location: str, shape: Sequence[int]) -> tuple[np.ndarray | None, 
         return None, f"undecodable: {type(error).__name__}: {error}"[:300]
 
 
-def read_images(uris: Sequence[str], shape: Sequence[int], *, root: str | None = None,
+def read_images(uris: Sequence[str], shape: Sequence[int] | Preprocessing, *, root: str | None = None,
                 workers: int = DEFAULT_WORKERS) -> tuple[np.ndarray, list[ImageFailure]]:
-    """The images at ``uris`` as uint8 (n, C, H, W), read by ``workers`` threads, each taking a
+    """The images at ``uris`` as uint8 (n, C, H, W) (``shape``: a model's preprocessing, or a bare
+    (C, H, W), see ``decode``), read by ``workers`` threads, each taking a
     contiguous slice and decoding straight into the result (no per-image task: the overhead per
     image stays at the read and the decode); a failed row is zeros and listed in the failures,
     in row order. A failure of the store itself (not of one image) raises ImageStoreError."""
-    out = np.zeros((len(uris), *shape), dtype=np.uint8)
+    shape = as_preprocessing(shape)
+    out = np.zeros((len(uris), *shape.shape), dtype=np.uint8)
     count = len(uris)
     if not count:
         return out, []

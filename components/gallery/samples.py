@@ -44,12 +44,13 @@ def registry_map(client, alignment_model: str, old: ModelRef, new: ModelRef, ord
 
 
 def readable_images(gallery: Gallery, positions: np.ndarray, workers: int, what: str,
-                    log: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray | None]:
-    """(the positions whose image could be read, their images); the others are left out and
-    said so (``what``: the sample's name)."""
+                    log: Callable[[str], None], preprocessing=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the positions whose image could be read, their images, decoded by ``preprocessing``:
+    the model's that embeds them); the others are left out and said so (``what``: the sample's
+    name)."""
     if not len(positions):
         return positions, None
-    images, failures = fetch_images(gallery, positions, workers=workers)
+    images, failures = fetch_images(gallery, positions, workers=workers, preprocessing=preprocessing)
     if failures:
         log(f"{what}: {len(failures)} of {len(positions)} images could not be read and are left out "
             f"(first: {failures[0].uri}: {failures[0].reason})")
@@ -64,13 +65,13 @@ def evaluation_positions(gallery: Gallery, config) -> np.ndarray:
 
 
 def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
-                      log: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray | None]:
+                      log: Callable[[str], None], preprocessing=None) -> tuple[np.ndarray, np.ndarray | None]:
     """(positions, new-model features) of the evaluation sample, or (positions, None) with fewer
     than two readable items; items already in ``embedded`` (position -> features: the map
-    sample) are not embedded again."""
+    sample) are not embedded again. ``preprocessing``: the new model's."""
     positions = evaluation_positions(gallery, config)
     missing = np.array([p for p in positions.tolist() if p not in embedded], dtype=np.int64)
-    kept, images = readable_images(gallery, missing, config.read_workers, "evaluation sample", log)
+    kept, images = readable_images(gallery, missing, config.read_workers, "evaluation sample", log, preprocessing)
     unreadable = set(missing.tolist()) - set(kept.tolist())
     positions = np.array([p for p in positions.tolist() if p not in unreadable], dtype=np.int64)
     if len(positions) < 2:
@@ -80,16 +81,21 @@ def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
     return positions, np.stack([new_of[int(p)] for p in positions]).astype(np.float32)
 
 
-def judged_queries(gallery: Gallery, config, judged, embed: Embed, embed_champion: Embed, embedded: dict) -> tuple:
+def judged_queries(gallery: Gallery, config, judged, embed: Embed, embed_champion: Embed, embedded: dict, *,
+                   preprocessing=None, champion_preprocessing=None) -> tuple:
     """The judged queries (``judged``: ``judgments.load_judgments``'s) with their features on both
     sides of the gate, on the parts layout (``judged_features``); a gallery item's new features
-    join ``embedded``, so they are backfilled from the start."""
+    join ``embedded``, so they are backfilled from the start. Images are decoded by each model's
+    own ``preprocessing`` (new) and ``champion_preprocessing``."""
+    shape = tuple(gallery.manifest()["image_shape"])
+    sides = {"new": preprocessing or shape, "champion": champion_preprocessing or shape}
     return judged_features(
         judged, embed, embed_champion, config.judgments, embedded=embedded,
-        item_images=lambda positions: fetch_images(gallery, positions, workers=config.read_workers),
+        item_images=lambda positions: fetch_images(gallery, positions, workers=config.read_workers,
+                                                   preprocessing=preprocessing),
         item_features=lambda positions: rows_at(gallery, positions, lambda part: features_key(gallery.model, part)),
-        uri_images=lambda uris: read_images(uris, gallery.manifest()["image_shape"], root=gallery.image_root,
-                                            workers=config.read_workers))
+        uri_images=lambda uris, side: read_images(uris, sides[side], root=gallery.image_root,
+                                                  workers=config.read_workers))
 
 
 def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *, item_images, item_features,
@@ -97,8 +103,8 @@ def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *,
     """(judged, new-model query features, champion query features), whatever the layout: a
     gallery item's new features are embedded from its image (``item_images(positions)``, unless
     ``embedded`` has them; they join it) and its champion features are the stored ones
-    (``item_features(positions)``); an image query (``uri_images(uris)``) is embedded by both
-    models. Unreadable query images are refused, naming ``source`` (the judgments file)."""
+    (``item_features(positions)``); an image query (``uri_images(uris, side)``, side ``new`` or
+    ``champion``: each model's preprocessing) is embedded by both models. Unreadable query images are refused, naming ``source`` (the judgments file)."""
     embedded = {} if embedded is None else embedded
     items = judged.query_positions[judged.query_positions >= 0]
     missing = np.array([p for p in items.tolist() if p not in embedded], dtype=np.int64)
@@ -112,10 +118,11 @@ def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *,
         new_rows.update(zip(inside.tolist(), (embedded[int(p)] for p in judged.query_positions[inside])))
         old_rows.update(zip(inside.tolist(), item_features(judged.query_positions[inside])))
     if len(outside):
-        images, failures = uri_images([judged.query_uris[i] for i in outside])
-        _refuse_unreadable(failures, source)
-        new_rows.update(zip(outside.tolist(), embed(images)))
-        old_rows.update(zip(outside.tolist(), embed_champion(images)))
+        uris = [judged.query_uris[i] for i in outside]
+        for side, embed_side, rows in (("new", embed, new_rows), ("champion", embed_champion, old_rows)):
+            images, failures = uri_images(uris, side)
+            _refuse_unreadable(failures, source)
+            rows.update(zip(outside.tolist(), embed_side(images)))
     new = np.stack([new_rows[i] for i in range(len(judged))]).astype(np.float32)
     old = np.stack([old_rows[i] for i in range(len(judged))]).astype(np.float32)
     return judged, new, old

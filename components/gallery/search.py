@@ -214,15 +214,17 @@ def new_index(config, dim: int, distance: str, num_items: int, training_sample: 
 
 
 def query_images(gallery: Gallery, images) -> np.ndarray:
-    """Query images checked against the gallery's image shape: uint8, (N, C, H, W), or (N, H, W)
-    for one channel."""
+    """Query images checked: uint8, (N, C, H, W) with 1 or 3 channels, or (N, H, W) for one.
+    Any size: the model that embeds them resizes them by its own preprocessing."""
     images = np.asarray(images)
     if images.ndim == 3:
         images = images[:, None]
     expected = tuple(gallery.manifest()["image_shape"])
-    if images.ndim != 4 or images.shape[1:] != expected or images.dtype != np.uint8:
-        raise GalleryError(f"query images must be uint8 of shape (N, {', '.join(map(str, expected))}), "
-                           f"got {images.dtype} {images.shape}")
+    if images.ndim != 4 or images.shape[1] not in (1, 3) or min(images.shape[2:], default=0) < 1 \
+            or images.dtype != np.uint8:
+        raise GalleryError(f"query images must be uint8 of shape (N, C, H, W) with 1 or 3 channels, e.g. "
+                           f"(N, {', '.join(map(str, expected))}) as the gallery stores them; got {images.dtype} "
+                           f"{images.shape}")
     return images
 
 

@@ -27,9 +27,11 @@ class Failure:
     id: object = None  # the item's id
 
 
-def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> tuple[np.ndarray, list[Failure]]:
+def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16,
+              preprocessing=None) -> tuple[np.ndarray, list[Failure]]:
     """The uint8 images (n, C, H, W) of the items at ``positions``, in that order, and the ones that
-    could not be read (their rows are zeros)."""
+    could not be read (their rows are zeros): stored pixels as stored (``inference.embed`` brings
+    them to the model's shape), URIs decoded by ``preprocessing`` (the embedding model's)."""
     from components.gallery.images import read_images
 
     positions = np.asarray(positions, dtype=np.int64)
@@ -48,7 +50,7 @@ def images_at(table: LanceGallery, positions: np.ndarray, workers: int = 16) -> 
     values = rows.column(column).take(picked).to_pylist()
     if column == "pixels":
         return np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(positions), *shape).copy(), []
-    images, failures = read_images(values, shape, root=root, workers=workers)
+    images, failures = read_images(values, preprocessing or shape, root=root, workers=workers)
     ids = rows.column("id").take(picked).to_pylist()
     return images, [Failure(int(positions[f.row]), f.uri, f.reason, ids[f.row]) for f in failures]
 
@@ -110,7 +112,7 @@ def backfill_chunk(table: LanceGallery, upgrade: str, token: str, chunk: int, po
     from components.experiment.inference import embed
 
     positions = np.asarray(positions, dtype=np.int64)
-    images, failures = images_at(table, positions, read_workers)
+    images, failures = images_at(table, positions, read_workers, getattr(model, "preprocessing", None))
     dim = table.upgrade().new.dim
     features = np.empty((len(positions), dim), dtype=np.float32)
     failed = np.isin(positions, [f.position for f in failures])
@@ -154,19 +156,21 @@ def gate_numbers(table: LanceGallery, positions: np.ndarray, labels: np.ndarray,
                         curve_points=curve_points)
 
 
-def judged_queries(table: LanceGallery, judged, embed_new, embed_champion, *, workers: int = 16, source: str = ""):
+def judged_queries(table: LanceGallery, judged, embed_new, embed_champion, *, workers: int = 16, source: str = "",
+                   preprocessing=None, champion_preprocessing=None):
     """The judged queries' features on both sides of the gate (``judgments.load_judgments``'s
     ``judged``, resolved against the table's ids), on the table (``samples.judged_features``).
     Returns (judged, new queries, champion queries)."""
     from components.gallery.images import read_images
     from components.gallery.samples import judged_features
 
-    def uri_images(uris: list[str]):
+    def uri_images(uris: list[str], side: str):
         shape, root = _image_source(table, table.dataset())
-        return read_images(uris, shape, root=root, workers=workers)
+        wanted = preprocessing if side == "new" else champion_preprocessing
+        return read_images(uris, wanted or shape, root=root, workers=workers)
 
     return judged_features(judged, embed_new, embed_champion, source,
-                           item_images=lambda positions: images_at(table, positions, workers),
+                           item_images=lambda positions: images_at(table, positions, workers, preprocessing),
                            item_features=table.features_at, uri_images=uri_images)
 
 

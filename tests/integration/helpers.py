@@ -48,7 +48,7 @@ def cli_environment(prefect_home: Path) -> dict:
 def registry_models(params):
     """(client, champion model, challenger model, champion version, challenger version)."""
     from components.platform import registry
-    from components.experiment import registered
+    from components.model_store import registered
 
     client, _ = registry.setup(params.mlflow)
     name = params.mlflow.registered_model

@@ -169,7 +169,7 @@ def _worse_version(params) -> str:
     without an alias: the gate rejects it."""
     import torch
 
-    from components.experiment import registered
+    from components.model_store import registered
     from components.experiment.models import Embedder
     from components.platform import registry
     from components.platform.config import TrainConfig

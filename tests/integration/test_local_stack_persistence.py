@@ -192,7 +192,7 @@ def test_the_registry_still_loads_its_models_after_the_stack_restarts(stack):
     import torch
     from mlflow import MlflowClient
 
-    from components.experiment import registered
+    from components.model_store import registered
     from components.experiment.models import Embedder
     from components.platform.config import TrainConfig
 

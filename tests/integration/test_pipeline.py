@@ -67,7 +67,7 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     import torch
 
     from components.platform import registry
-    from components.experiment import registered
+    from components.model_store import registered
 
     registry.setup(params.mlflow)
     champion = registered.load_model("models:/embedder@champion")

@@ -14,7 +14,7 @@ import torch
 
 from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps, load_embedder, save_embedder
 from components.platform import registry
-from components.experiment import registered
+from components.model_store import registered
 from components.platform.config import MlflowConfig, TrainConfig
 from components.platform.registry import RegistryError
 
@@ -75,8 +75,9 @@ def test_registered_models_load_back_as_the_same_networks(mlflow_store):
 
 
 def _version_folder(client, name: str, version: str) -> Path:
+    """The folder of the version's description and weights (inside the MLflow model)."""
     source = client.get_model_version(name, version).source
-    return Path(source.removeprefix("file://"))
+    return Path(source.removeprefix("file://")) / registered.DATA_PATH
 
 
 @pytest.mark.parametrize("weights_file, refused_as", [(registered.WEIGHTS_FILE, "SafetensorError"),

@@ -124,7 +124,7 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
     import mlflow
 
     from components.experiment.models import load_embedder
-    from components.experiment import registered
+    from components.model_store import registered
 
     model = load_embedder(model_or_path) if isinstance(model_or_path, Path) else model_or_path
     uri = stack["MLFLOW_TRACKING_URI"]

@@ -217,7 +217,7 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     reason on the version and the run, and the upgrade completes."""
     import torch
 
-    from components.experiment import registered
+    from components.model_store import registered
     from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 

@@ -30,7 +30,7 @@ def _register(params, model, tags):
     import torch
 
     from components.platform import registry
-    from components.experiment import registered
+    from components.model_store import registered
 
     client, experiment = registry.setup(params.mlflow)
     run = client.create_run(experiment, run_name="register")
@@ -138,7 +138,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
     work through the composed maps, the new order covers every item, and it completes."""
-    from components.experiment import registered
+    from components.model_store import registered
     from components.evaluation import pairwise_distances
     from components.experiment.inference import embed
     from flows.ingest import ingest_flow

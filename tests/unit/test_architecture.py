@@ -1,6 +1,6 @@
 """The layering, read from the source: components/ never imports Prefect, tasks/, flows/, cli/
-or services/; its packages import only downward (platform < evaluation < experiment <
-gallery); tasks/ never imports flows/, cli/ or services/; flows/ never imports cli/ or
+or services/; its packages import only downward (platform < evaluation < experiment < model_store
+< gallery); tasks/ never imports flows/, cli/ or services/; flows/ never imports cli/ or
 services/; services/ never imports cli/ (the command line sits on top of everything)."""
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RANK = {"platform": 0, "evaluation": 1, "experiment": 2, "gallery": 3}
+RANK = {"platform": 0, "evaluation": 1, "experiment": 2, "model_store": 3, "gallery": 4}
 
 
 def _imports(path: Path) -> list[str]:

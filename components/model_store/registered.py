@@ -1,4 +1,4 @@
-"""Registered models as MLflow models holding data, never code (``components.models.artifact``):
+"""Registered models as MLflow models holding data, never code (``components.model_store.artifact``):
 each version is an ``MLmodel`` (pyfunc flavour over this package's loader, signature, input
 example) beside a typed description of the network and its weights (safetensors, or an ONNX
 graph), so ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run it and loading builds the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.models.artifact import (FORMAT as MODEL_FORMAT, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
+from components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
                                         WEIGHTS_FILE, load_folder, preprocessing_of, read_description, write_folder)
 from components.platform import registry
 from components.platform.registry import RegistryError
@@ -80,7 +80,7 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
 
 
 def register_source(client, run_id: str, source, name: str, alias: str | None, tags: Mapping[str, str]) -> str:
-    """A team's embedder (``components.models.sources.Source``, probed) as a version of ``name``."""
+    """A team's embedder (``components.model_store.sources.Source``, probed) as a version of ``name``."""
     embedder = source.embedder
     pixels = np.zeros((1, *embedder.preprocessing.shape), dtype=np.uint8)
     version = _new_version(client, run_id, name, "embedder",
@@ -138,7 +138,7 @@ def load_model(uri: str):
 
 
 def description(uri: str) -> dict | None:
-    """A registered version's description (``components.models.artifact``), or None for a
+    """A registered version's description (``components.model_store.artifact``), or None for a
     version this product did not write."""
     return read_description(_model_folder(uri))
 

@@ -1,6 +1,6 @@
 """A registered model version's folder: a real MLflow model holding data, never code.
 
-    MLmodel                   flavours python_function (loader_module components.models.pyfunc)
+    MLmodel                   flavours python_function (loader_module components.model_store.pyfunc)
                               and fastfill (the description below); signature; input example
     input_example.json, serving_input_example.json, requirements.txt, python_env.yaml, conda.yaml
     data/fastfill/fastfill-model.json   the typed description (format fastfill-model/2)
@@ -26,16 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from components.models.embedders import ModelSourceError
-from components.models.preprocessing import Preprocessing
+from components.model_store.embedders import ModelSourceError
+from components.model_store.preprocessing import Preprocessing
 
 MODEL_FILE = "fastfill-model.json"
 DATA_DIR = "fastfill"
+DATA_PATH = Path("data") / DATA_DIR  # where MLflow puts a pyfunc model's data folder
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
 LEGACY_WEIGHTS_FILE = "weights.pt"  # format 1 of earlier releases: torch.load(weights_only=True)
 FORMAT_1, FORMAT = "fastfill-model/1", "fastfill-model/2"
-LOADER_MODULE = "components.models.pyfunc"
+LOADER_MODULE = "components.model_store.pyfunc"
 SOURCES = ("fastfill", "torchvision", "onnx", "mlflow")
 
 
@@ -98,7 +99,7 @@ def read_description(folder: Path) -> dict | None:
     """The description of a version's folder (format 2 in ``data/fastfill/``, format 1 at its root),
     or None for a folder this product did not write."""
     folder = Path(folder)
-    for path in (folder / "data" / DATA_DIR / MODEL_FILE, folder / MODEL_FILE):
+    for path in (folder / DATA_PATH / MODEL_FILE, folder / MODEL_FILE):
         if path.is_file():
             described = json.loads(path.read_text())
             described["_folder"] = str(path.parent)
@@ -137,7 +138,7 @@ def load_folder(folder, uri: str):
     try:
         module = _build(described, weights, uri)
     except ModelSourceError as error:
-        raise RegistryError(f"{uri} could not be loaded: {error}") from error
+        raise RegistryError(f"{uri} could not be loaded as data: {error}") from error
     module.fastfill_kind = described.get("kind") or described.get("spec", {}).get("kind", "embedder")
     if module.fastfill_kind in ("alignment", "unified"):
         module.fastfill_kind = "alignment"
@@ -169,16 +170,16 @@ def _build(described: dict, weights: Path | None, uri: str):
             raise ModelSourceError(f"{type(error).__name__}: {error}") from error
         return module
     if source == "torchvision":
-        from components.models.embedders import TorchvisionEmbedder
+        from components.model_store.embedders import TorchvisionEmbedder
 
         module = TorchvisionEmbedder(described["architecture"], load_file(weights, device="cpu"), preprocessing,
                                      described.get("layer"))
     elif source == "onnx":
-        from components.models.embedders import OnnxEmbedder
+        from components.model_store.embedders import OnnxEmbedder
 
         module = OnnxEmbedder(weights.read_bytes(), preprocessing, described.get("output"))
     elif source == "mlflow":
-        from components.models.sources import load_trusted_mlflow
+        from components.model_store.sources import load_trusted_mlflow
 
         module = load_trusted_mlflow(described["reference"], preprocessing, described.get("layer"))
     else:

@@ -52,7 +52,7 @@ class AlignmentModel:
 
 
 def _load_pyfunc(data_path: str):
-    from components.models.artifact import load_folder
+    from components.model_store.artifact import load_folder
 
     module = load_folder(data_path, uri=data_path)
     kind = getattr(module, "fastfill_kind", "embedder")

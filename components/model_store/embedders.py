@@ -2,7 +2,7 @@
 
 Every embedder here is a torch module whose forward takes a float batch of pixels / 255 in its
 own (N, C, H, W) (what ``components.experiment.inference.embed`` feeds any model) and returns
-one embedding per image. Each carries its ``preprocessing`` (``components.models.preprocessing``),
+one embedding per image. Each carries its ``preprocessing`` (``components.model_store.preprocessing``),
 its ``embedding_dim``, and a ``classifier`` over its own classes or None. A team's classes are
 not the gallery's labels, so ``class_index`` knows none of them: the map's discriminative term
 then trains on the head's predicted classes (``components.gallery.pairs``).
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.models.preprocessing import Preprocessing
+from components.model_store.preprocessing import Preprocessing
 
 
 class ModelSourceError(ValueError):

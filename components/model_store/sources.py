@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.models.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
+from components.model_store.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
                                          read_state_dict)
-from components.models.preprocessing import Preprocessing
+from components.model_store.preprocessing import Preprocessing
 
 PICKLED_FLAVOURS = ("pytorch", "python_function")
 
