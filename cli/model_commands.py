@@ -5,6 +5,7 @@ versions, show one."""
 from __future__ import annotations
 
 import json
+import logging
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,12 @@ from cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="The registry's embedding models: register a team's own, list, show.")
 app.add_typer(model_app, name="model", short_help="Register your own embedding models; list and show versions.")
+
+def _quiet_mlflow() -> None:
+    """MLflow's INFO lines (a new store's tables, the input example's validation) are not this
+    command's answer: warnings and errors still show."""
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+
 
 Alias = Enum("Alias", {"champion": "champion", "challenger": "challenger"}, type=str)
 Resize = Enum("Resize", {"stretch": "stretch", "shorter-then-crop": "shorter-then-crop"}, type=str)
@@ -70,6 +77,7 @@ def model_register(
     if weights is not None and torchvision is None:
         fail("--weights goes with --torchvision NAME", USAGE)
     config = load(params)
+    _quiet_mlflow()
     try:
         preprocessing = catalogue.preprocessing_from_options(
             preset, channels, size, resize.value if resize else None, resize_to, mean, std,
@@ -108,10 +116,10 @@ def model_register(
 def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
                as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False,
                params: ParamsOption = Path("params.yaml")) -> None:
-    from components.model_store import catalogue
     from components.platform import registry
 
     config = load(params)
+    _quiet_mlflow()
     client, _ = call(registry.setup, config.mlflow)
     target = name or config.mlflow.registered_model
     rows = call(_summaries, client, target)
@@ -152,6 +160,7 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
     from components.platform import registry
 
     config = load(params)
+    _quiet_mlflow()
     client, _ = call(registry.setup, config.mlflow)
     target = name or config.mlflow.registered_model
     uri = version if version.startswith("models:/") else (

@@ -271,8 +271,14 @@ class OnnxEmbedder(ForeignEmbedder):
     def embed_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.preprocessing.normalise(pixels.float())
         dtype = np.float16 if self.input_type == "tensor(float16)" else np.float32
-        out = self.session.run([self.output_name], {self.input_name: x.detach().cpu().numpy().astype(dtype)})[0]
-        return pool(torch.from_numpy(np.asarray(out, dtype=np.float32))).to(pixels.device)
+        out = np.asarray(self.session.run([self.output_name], {self.input_name: x.detach().cpu().numpy().astype(dtype)})[0],
+                         dtype=np.float32)
+        if out.ndim < 2 or int(np.prod(out.shape[2:], dtype=np.int64)) != 1:
+            # a graph's output is taken as it is: a feature map or token sequence is not an embedding
+            raise ModelSourceError(f"the ONNX output {self.output_name!r} has shape {out.shape} for {len(out)} images; it "
+                                   f"must be one vector per image, ({len(out)}, d): export the pooled embedding, or "
+                                   f"name another output with --output")
+        return torch.from_numpy(out.reshape(len(out), -1)).to(pixels.device)
 
     def __getstate__(self):  # a session does not pickle; Prefect never needs to
         raise TypeError("an ONNX embedder is not picklable")
