@@ -37,6 +37,33 @@ def map_sample(config, num_items: int) -> np.ndarray:
     return sample_positions(num_items, map_sample_size(config.map_sample, config.map_sample_min, num_items), config.seed)
 
 
+def least_map_sample(validation_fraction: float) -> int:
+    """The fewest pairs the map can train on and be checked with: ``validation_fraction`` of
+    them held out must reach the check's minimum, and at least two must be left to train on."""
+    from components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
+
+    if validation_fraction == 0:
+        return MIN_TRAINING_PAIRS
+    size = MIN_TRAINING_PAIRS
+    while int(round(validation_fraction * size)) < MIN_VALIDATION_PAIRS or \
+            size - int(round(validation_fraction * size)) < MIN_TRAINING_PAIRS:
+        size += 1
+    return size
+
+
+def check_map_sample(config, method: str, validation_fraction: float, num_items: int) -> None:
+    """Refuse, before anything is embedded, a map sample too small for the map's check: the
+    message names ``gallery.upgrade.map_sample`` (the setting the user chose), not the check's."""
+    size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
+    least = least_map_sample(validation_fraction)
+    if size < least:
+        whole = " (the whole gallery)" if size == num_items else ""
+        raise GalleryError(
+            f"gallery.upgrade.map_sample gives {size} items{whole}, and the {method} map needs at least {least}: "
+            f"align.{method}.validation_fraction {validation_fraction} of them are held out to check it, and the "
+            f"check needs 20. Raise gallery.upgrade.map_sample to {least} or more; nothing was embedded")
+
+
 def registry_map(client, alignment_model: str, old: ModelRef, new: ModelRef, order: str, source: str):
     """The registry's map version for this pair of versions that an upgrade uses
     (``lifecycle.choose_map``), or None."""
