@@ -67,6 +67,8 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     # through the model's own colour and resize rule, a batch at a time
     preprocessing = getattr(model, "preprocessing", None)
     reshape = preprocessing is not None and tuple(images.shape[1:]) != preprocessing.shape
+    # torch's convolutions are faster channels-last; a graph runtime takes plain (N, C, H, W)
+    layout = CHANNELS_LAST if getattr(model, "channels_last", True) else torch.contiguous_format
 
     def load(start: int) -> torch.Tensor:
         batch = images[start: start + batch_size]
@@ -84,7 +86,7 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
             compute = torch.cuda.current_stream(device)
             compute.wait_stream(copies)  # this batch has arrived
             batch.record_stream(compute)  # allocated on the copy stream, used on this one
-        batch = batch.float().div_(255.0).contiguous(memory_format=CHANNELS_LAST)
+        batch = batch.float().div_(255.0).contiguous(memory_format=layout)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             features = model(batch)  # queued on the GPU; the next copy is queued beside it
         if start + batch_size < len(images):

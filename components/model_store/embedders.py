@@ -251,6 +251,7 @@ class OnnxEmbedder(ForeignEmbedder):
     out (``output``: its name; default the graph's first output)."""
 
     source = "onnx"
+    channels_last = False  # onnxruntime takes (N, C, H, W) as laid out: no reordering on the way
 
     def __init__(self, graph: bytes, preprocessing: Preprocessing, output: str | None = None,
                  threads: int | None = None):
@@ -271,8 +272,9 @@ class OnnxEmbedder(ForeignEmbedder):
     def embed_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.preprocessing.normalise(pixels.float())
         dtype = np.float16 if self.input_type == "tensor(float16)" else np.float32
-        out = np.asarray(self.session.run([self.output_name], {self.input_name: x.detach().cpu().numpy().astype(dtype)})[0],
-                         dtype=np.float32)
+        # C-contiguous: the product's batches arrive channels-last, and the runtime would copy them slowly
+        batch = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=dtype)
+        out = np.asarray(self.session.run([self.output_name], {self.input_name: batch})[0], dtype=np.float32)
         if out.ndim < 2 or int(np.prod(out.shape[2:], dtype=np.int64)) != 1:
             # a graph's output is taken as it is: a feature map or token sequence is not an embedding
             raise ModelSourceError(f"the ONNX output {self.output_name!r} has shape {out.shape} for {len(out)} images; it "

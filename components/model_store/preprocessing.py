@@ -135,9 +135,11 @@ class Preprocessing(BaseModel):
         """A float batch of pixels / 255 (N, C, H, W) -> (x - mean) / std per channel (torch)."""
         import torch
 
-        mean = torch.tensor(self.mean, dtype=batch.dtype, device=batch.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=batch.dtype, device=batch.device).view(1, -1, 1, 1)
-        return (batch - mean) / std
+        scale = 1.0 / torch.tensor(self.std, dtype=torch.float64)
+        shift = -torch.tensor(self.mean, dtype=torch.float64) * scale
+        # one pass over the batch: shift + x * scale
+        return torch.addcmul(shift.to(batch.device, batch.dtype).view(1, -1, 1, 1), batch,
+                             scale.to(batch.device, batch.dtype).view(1, -1, 1, 1))
 
 
 def _eight_bit(image):
