@@ -30,50 +30,46 @@ def _best(run, repeats: int) -> float:
     return min(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--size", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def _rows(args, onnx_arch: str, torch_arch: str, size: int, images: int) -> list[tuple]:
+    import onnxruntime as ort
 
     from components.experiment.inference import embed
     from components.experiment.vision import torchvision
     from components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
     from components.model_store.preprocessing import Preprocessing
 
-    prep = Preprocessing(channels=3, height=args.size, width=args.size, mean=(0.485, 0.456, 0.406),
-                         std=(0.229, 0.224, 0.225))
-    pixels = np.random.default_rng(0).integers(0, 256, (args.images, *prep.shape), dtype=np.uint8)
-    scaled = prep.normalise(torch.from_numpy(pixels).float() / 255)
+    prep = Preprocessing(channels=3, height=size, width=size, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    pixels = np.random.default_rng(0).integers(0, 256, (images, *prep.shape), dtype=np.uint8)
+    scaled = prep.normalise(torch.from_numpy(pixels).float() / 255).contiguous()
     torch.manual_seed(0)
-    rows = []
-
-    net = torchvision.models.resnet18(num_classes=10).eval()
     graph = io.BytesIO()
-    torch.onnx.export(torchvision.models.mobilenet_v3_small(num_classes=10).eval(), (scaled[:1],), graph,
+    torch.onnx.export(torchvision.models.get_model(onnx_arch, num_classes=10).eval(), (scaled[:1],), graph,
                       dynamo=False, input_names=["images"], dynamic_axes={"images": {0: "n"}})
+    options = ort.SessionOptions()  # the bare runtime: its defaults, the same threads
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(graph.getvalue(), sess_options=options, providers=["CPUExecutionProvider"])
     onnx = OnnxEmbedder(graph.getvalue(), prep, threads=args.threads)
     onnx.probe()
-    tv = TorchvisionEmbedder("resnet18", net.state_dict(), prep)
+    net = torchvision.models.get_model(torch_arch, num_classes=10).eval()
+    tv = TorchvisionEmbedder(torch_arch, net.state_dict(), prep)
     tv.probe()
-    bare_net = torchvision.models.resnet18(num_classes=10).eval()
+    bare_net = torchvision.models.get_model(torch_arch, num_classes=10).eval()
     bare_net.load_state_dict(net.state_dict())
-    bare_net.fc = torch.nn.Identity()
+    batches = [scaled[start:start + args.batch] for start in range(0, images, args.batch)]
+    arrays = [b.numpy() for b in batches]
 
     def bare_onnx():
-        for start in range(0, args.images, args.batch):
-            onnx.session.run(None, {"images": scaled[start:start + args.batch].numpy()})
+        for batch in arrays:
+            session.run(None, {"images": batch})
 
-    def bare_torch():
+    def bare_torch():  # the whole network, its classifier included: the product reads its input
         with torch.no_grad():
-            for start in range(0, args.images, args.batch):
-                bare_net(scaled[start:start + args.batch])
+            for batch in batches:
+                bare_net(batch)
 
-    for name, bare, model in (("onnx (mobilenet_v3_small)", bare_onnx, onnx), ("torchvision (resnet18)", bare_torch, tv)):
+    rows = []
+    for name, bare, model in ((f"onnx {onnx_arch} {size}px", bare_onnx, onnx),
+                              (f"torchvision {torch_arch} {size}px", bare_torch, tv)):
         product = lambda: embed(model, pixels, batch_size=args.batch, device=torch.device("cpu"))  # noqa: E731
         bare(), product()  # warm-up
         t_bare, t_product = [], []
@@ -81,12 +77,25 @@ def main() -> None:
             t_bare.append(_best(bare, 1))
             t_product.append(_best(product, 1))
         b, p = min(t_bare), min(t_product)
-        rows.append((name, args.images / b, args.images / p, b / p))
+        rows.append((name, images / b, images / p, b / p))
+    return rows
 
-    print(f"{args.images} images of {prep.shape}, batch {args.batch}, {args.threads} threads, best of {args.repeats}")
-    print(f"{'model':<28} {'bare img/s':>11} {'product img/s':>14} {'ratio':>6}")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="only the small models")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = _rows(args, "mobilenet_v3_small", "resnet18", 128, 256)
+    if not args.quick:
+        rows += _rows(args, "resnet50", "convnext_tiny", 224, 64)
+    print(f"batch {args.batch}, {args.threads} threads, best of {args.repeats}, CPU; ratio = product / bare")
+    print(f"{'model':<36} {'bare img/s':>11} {'product img/s':>14} {'ratio':>6}")
     for name, bare, product, ratio in rows:
-        print(f"{name:<28} {bare:>11.1f} {product:>14.1f} {ratio:>6.2f}")
+        print(f"{name:<36} {bare:>11.1f} {product:>14.1f} {ratio:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,16 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     so the next batch's host-to-device copy overlaps this batch's forward pass, and the model
     runs under autocast (``precision``, see ``autocast_dtype``); features are always returned
     in float32."""
+    preprocessing = getattr(model, "preprocessing", None)
+    reshape = preprocessing is not None and tuple(images.shape[1:]) != preprocessing.shape
+    if hasattr(model, "embed_uint8"):  # a graph runtime (ONNX): uint8 batches straight to it, no torch
+        out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
+        for start in range(0, len(images), batch_size):
+            batch = images[start: start + batch_size]
+            out[start: start + len(batch)] = model.embed_uint8(preprocessing.adapt(batch) if reshape else batch)
+            if on_batch is not None:
+                on_batch(len(batch))
+        return out
     device = device or pick_device()
     model = model.to(device).eval()
     out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
@@ -64,9 +74,7 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     dtype = autocast_dtype(device, precision)
     copies = torch.cuda.Stream(device) if device.type == "cuda" else None
     # images of another shape than the model takes (a gallery's stored pixels, query arrays) go
-    # through the model's own colour and resize rule, a batch at a time
-    preprocessing = getattr(model, "preprocessing", None)
-    reshape = preprocessing is not None and tuple(images.shape[1:]) != preprocessing.shape
+    # through the model's own colour and resize rule, a batch at a time (``reshape`` above)
     # torch's convolutions are faster channels-last; a graph runtime takes plain (N, C, H, W)
     layout = CHANNELS_LAST if getattr(model, "channels_last", True) else torch.contiguous_format
 

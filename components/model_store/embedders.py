@@ -268,22 +268,84 @@ class OnnxEmbedder(ForeignEmbedder):
             raise ModelSourceError(f"the ONNX graph has no output {output!r}; its outputs: {', '.join(outputs)}")
         self.output_name = output or outputs[0]
         check_onnx_input(inputs[0].shape, preprocessing)
+        self._dtype = np.float16 if self.input_type == "tensor(float16)" else np.float32
+        # pixels * scale + shift == (pixels / 255 - mean) / std, per channel
+        std = np.asarray(preprocessing.std, dtype=np.float64).reshape(1, -1, 1, 1)
+        mean = np.asarray(preprocessing.mean, dtype=np.float64).reshape(1, -1, 1, 1)
+        self._scale = (1.0 / (255.0 * std)).astype(self._dtype)
+        self._shift = (-mean / std).astype(self._dtype)
+        self.pixels_session = None
+        pixels_graph = with_pixel_input(graph, self.input_name, self._scale, self._shift)
+        if pixels_graph is not None:
+            self.pixels_session = onnx_session(pixels_graph, threads)
 
     def embed_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels / 255 as a torch batch (the interface every embedder has)."""
         x = self.preprocessing.normalise(pixels.float())
-        dtype = np.float16 if self.input_type == "tensor(float16)" else np.float32
-        # C-contiguous: the product's batches arrive channels-last, and the runtime would copy them slowly
-        batch = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=dtype)
-        out = np.asarray(self.session.run([self.output_name], {self.input_name: batch})[0], dtype=np.float32)
+        batch = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=self._dtype)
+        return torch.from_numpy(self._run(batch)).to(pixels.device)
+
+    def embed_uint8(self, images: np.ndarray) -> np.ndarray:
+        """uint8 (N, C, H, W) -> embeddings: what ``inference.embed`` calls. The scaling runs
+        inside onnxruntime (``pixels_session``: the graph with a uint8 input and its scaling
+        in front), else in numpy in place."""
+        if self.pixels_session is not None:
+            out = self.pixels_session.run([self.output_name], {PIXELS_INPUT: np.ascontiguousarray(images)})[0]
+            return self._vectors(out)
+        batch = np.asarray(images, dtype=self._dtype)  # one copy: uint8 -> float, C-contiguous
+        batch *= self._scale
+        batch += self._shift
+        return self._run(batch)
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        return self._vectors(self.session.run([self.output_name], {self.input_name: batch})[0])
+
+    def _vectors(self, out) -> np.ndarray:
+        out = np.asarray(out, dtype=np.float32)
         if out.ndim < 2 or int(np.prod(out.shape[2:], dtype=np.int64)) != 1:
             # a graph's output is taken as it is: a feature map or token sequence is not an embedding
             raise ModelSourceError(f"the ONNX output {self.output_name!r} has shape {out.shape} for {len(out)} images; it "
                                    f"must be one vector per image, ({len(out)}, d): export the pooled embedding, or "
                                    f"name another output with --output")
-        return torch.from_numpy(out.reshape(len(out), -1)).to(pixels.device)
+        return out.reshape(len(out), -1)
 
     def __getstate__(self):  # a session does not pickle; Prefect never needs to
         raise TypeError("an ONNX embedder is not picklable")
+
+
+PIXELS_INPUT = "fastfill_pixels"
+
+
+def with_pixel_input(graph: bytes, input_name: str, scale: np.ndarray, shift: np.ndarray) -> bytes | None:
+    """The graph with a uint8 input (``PIXELS_INPUT``) that it casts, scales and shifts into its
+    own input, so onnxruntime does the scaling with its threads; None where the graph cannot be
+    rewritten (the numpy scaling serves then)."""
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+
+        model = onnx.load_from_string(graph)
+        original = next(i for i in model.graph.input if i.name == input_name)
+        element = original.type.tensor_type.elem_type
+        pixels = onnx.ValueInfoProto()
+        pixels.CopyFrom(original)
+        pixels.name = PIXELS_INPUT
+        pixels.type.tensor_type.elem_type = TensorProto.UINT8
+        dtype = np.float16 if element == TensorProto.FLOAT16 else np.float32
+        names = ("fastfill_as_float", "fastfill_scaled", "fastfill_scale", "fastfill_shift")
+        nodes = [helper.make_node("Cast", [PIXELS_INPUT], [names[0]], to=element),
+                 helper.make_node("Mul", [names[0], names[2]], [names[1]]),
+                 helper.make_node("Add", [names[1], names[3]], [input_name])]
+        model.graph.initializer.extend([numpy_helper.from_array(scale.astype(dtype), names[2]),
+                                        numpy_helper.from_array(shift.astype(dtype), names[3])])
+        kept = [i for i in model.graph.input if i.name != input_name]
+        del model.graph.input[:]
+        model.graph.input.extend([pixels, *kept])
+        for position, node in enumerate(nodes):
+            model.graph.node.insert(position, node)
+        return model.SerializeToString()
+    except Exception:  # noqa: BLE001 - an unusual graph keeps the plain path
+        return None
 
 
 def check_onnx_input(shape, preprocessing: Preprocessing) -> None:
