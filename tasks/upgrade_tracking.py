@@ -55,7 +55,10 @@ def log_prediction(client, plan: Plan, advice: dict) -> None:
 
 def log_gate(client, run_id: str, numbers: dict) -> None:
     """The promotion gate's curve and numbers on the upgrade's run."""
-    registry.log_series(client, run_id, {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]})
+    series = {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]}
+    if "map" in numbers:  # judged queries: mAP along the backfill too
+        series["gate.map"] = numbers["map"]
+    registry.log_series(client, run_id, series)
     registry.log_metrics(client, run_id, {f"gate.{k}": numbers[k] for k in
                                           ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
 

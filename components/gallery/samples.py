@@ -28,8 +28,9 @@ def pairs_source(config, store_uri: str) -> str:
 def pairs_description(config, num_items: int) -> str:
     if config.map_pairs == "splits":
         return "this host's new-train split"
-    return (f"a sample of {map_sample_size(config.map_sample, config.map_sample_min, num_items):,} gallery items, "
-            "embedded once and kept as backfilled")
+    size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
+    return (f"a sample of {size:,} gallery items ({100 * size / max(num_items, 1):.1f}% of the gallery, "
+            "embedded while planning), kept as backfilled")
 
 
 def map_sample(config, num_items: int) -> np.ndarray:
