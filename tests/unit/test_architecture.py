@@ -27,7 +27,7 @@ def _modules(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
-def test_components_are_grouped_into_the_four_packages():
+def test_components_are_grouped_into_their_packages():
     loose = [p.name for p in (ROOT / "components").glob("*.py") if p.name != "__init__.py"]
     assert loose == [], f"modules outside a package: {loose}"
     assert {p.name for p in (ROOT / "components").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(RANK)
