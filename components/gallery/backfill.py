@@ -62,13 +62,15 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
     gallery = Gallery(store)
-    images, failures = fetch_images(gallery, positions, IMAGE_CACHE, workers=read_workers,
-                                    preprocessing=getattr(model, "preprocessing", None))
-    features = np.empty((len(positions), plan.new.dim), dtype=np.float32)
+    preprocessing = getattr(model, "preprocessing", None)
+    features, failures = embed_streamed(
+        lambda rows: fetch_images(gallery, positions[rows], IMAGE_CACHE, workers=read_workers,
+                                  preprocessing=preprocessing),
+        lambda images: embed(model, images, batch_size=batch_size, device=device, precision=precision),
+        len(positions), plan.new.dim, batch_size)
     ok = readable(len(positions), failures)
     if ok.any():
-        features[ok] = check_features(embed(model, images[ok], batch_size=batch_size, device=device, precision=precision), plan.new.dim,
-                                      f"new-model features of chunk {chunk}")
+        check_features(features[ok], plan.new.dim, f"new-model features of chunk {chunk}")
     failed = []
     if failures:
         failed_positions = positions[~ok]
@@ -77,6 +79,34 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
         failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
                   for i, f in enumerate(failures)]
     return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed), "skipped": False}
+
+
+def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.ndarray, list]:
+    """Features of ``count`` items read ``batch`` at a time: ``fetch(rows)`` -> (images,
+    failures indexing ``rows``) runs on a thread of its own, one batch ahead, so reading and
+    decoding the next batch overlap the model's forward pass on this one; ``embed(images)`` ->
+    features. Returns (features, failures indexing the ``count`` items); a failed row's features
+    are left unset (zeros)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from components.gallery.images import ImageFailure, readable
+
+    features = np.zeros((count, dim), dtype=np.float32)
+    failures: list = []
+    slices = [np.arange(start, min(start + batch, count)) for start in range(0, count, max(1, batch))]
+    if not slices:
+        return features, failures
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-read-ahead") as reader:
+        pending = reader.submit(fetch, slices[0])
+        for k, rows in enumerate(slices):
+            images, failed = pending.result()
+            if k + 1 < len(slices):
+                pending = reader.submit(fetch, slices[k + 1])
+            ok = readable(len(rows), failed)
+            if ok.any():
+                features[rows[ok]] = embed(images[ok])
+            failures += [ImageFailure(int(rows[f.row]), f.uri, f.reason) for f in failed]
+    return features, failures
 
 
 def write_chunk(store: Store, upgrade: str, chunk: int, start: int, stop: int, features: np.ndarray,
