@@ -8,7 +8,13 @@ threads and batch: images per second of
   kind of embedder (``OnnxEmbedder``, ``TorchvisionEmbedder``), which scales inside;
 
 measured side by side in one run, alternating, best of ``--repeats``; the ratio is product / bare
-(1.0: no overhead). Run: ``.venv/bin/python benchmarks/team_model_throughput.py``.
+(1.0: no overhead).
+
+Then the backfill's whole step on JPEG files of mixed sizes (read, decode by the model's
+preprocessing, embed): read ahead of the model (``backfill.embed_streamed``, what a chunk does)
+and read first then embedded, each against the bare runtime on the images already decoded.
+
+Run: ``.venv/bin/python benchmarks/team_model_throughput.py`` (``--quick``: the small models only).
 """
 
 from __future__ import annotations
@@ -67,18 +73,67 @@ def _rows(args, onnx_arch: str, torch_arch: str, size: int, images: int) -> list
             for batch in batches:
                 bare_net(batch)
 
+    files = _jpeg_files(images, size)
     rows = []
     for name, bare, model in ((f"onnx {onnx_arch} {size}px", bare_onnx, onnx),
                               (f"torchvision {torch_arch} {size}px", bare_torch, tv)):
         product = lambda: embed(model, pixels, batch_size=args.batch, device=torch.device("cpu"))  # noqa: E731
-        bare(), product()  # warm-up
-        t_bare, t_product = [], []
-        for _ in range(args.repeats):  # alternating: the machine's noise falls on both alike
-            t_bare.append(_best(bare, 1))
-            t_product.append(_best(product, 1))
-        b, p = min(t_bare), min(t_product)
-        rows.append((name, images / b, images / p, b / p))
+        streamed, sequential = _backfill_steps(model, files, args.batch)
+        runs = {"bare": bare, "product": product, "streamed": streamed, "sequential": sequential}
+        for run in runs.values():
+            run()  # warm-up
+        times: dict = {key: [] for key in runs}
+        for _ in range(args.repeats):  # alternating: the machine's noise falls on all alike
+            for key, run in runs.items():
+                times[key].append(_best(run, 1))
+        best = {key: min(value) for key, value in times.items()}
+        rows.append((name, images / best["bare"], images / best["product"], best["bare"] / best["product"]))
+        rows.append((f"  backfill step, read ahead", images / best["bare"], images / best["streamed"],
+                     best["bare"] / best["streamed"]))
+        rows.append((f"  backfill step, read first", images / best["bare"], images / best["sequential"],
+                     best["bare"] / best["sequential"]))
     return rows
+
+
+def _jpeg_files(count: int, size: int) -> list[str]:
+    """``count`` JPEG photos of mixed sizes (around the model's input) in a temporary folder."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from PIL import Image
+
+    folder = tempfile.mkdtemp(prefix="throughput-jpegs-")
+    atexit.register(shutil.rmtree, folder, True)
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(count):
+        width, height = (int(x) for x in rng.integers(size // 2, 2 * size, size=2))
+        path = f"{folder}/{i}.jpg"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+def _backfill_steps(model, files: list[str], batch: int):
+    """(read ahead, read first): the backfill's read + decode + embed of ``files``."""
+    from components.experiment.inference import embed
+    from components.gallery.backfill import embed_streamed
+    from components.gallery.images import read_images
+
+    prep = model.preprocessing
+    cpu = torch.device("cpu")
+
+    def streamed():
+        embed_streamed(lambda rows: read_images([files[r] for r in rows], prep, workers=1),
+                       lambda images: embed(model, images, batch_size=batch, device=cpu),
+                       len(files), model.embedding_dim, batch)
+
+    def sequential():
+        images, _ = read_images(files, prep, workers=1)
+        embed(model, images, batch_size=batch, device=cpu)
+
+    return streamed, sequential
 
 
 def main() -> None:

@@ -40,9 +40,15 @@ class AlignmentModel:
         self.module = module
 
     def predict(self, model_input, params=None):
+        import torch
+
         from components.experiment.inference import apply_alignment
 
-        features, log_sigma2 = apply_alignment(self.module, np.asarray(model_input, dtype=np.float32))
+        old = np.ascontiguousarray(model_input, dtype=np.float32)
+        if not hasattr(self.module, "uncertainty"):  # the unified space: its gallery side
+            with torch.no_grad():
+                return self.module.eval()(torch.from_numpy(old)).numpy()
+        features, log_sigma2 = apply_alignment(self.module, old)
         if log_sigma2 is None:
             return features
         return {"features": features, "log_sigma2": log_sigma2}

@@ -184,6 +184,15 @@ def test_mlflow_loads_what_the_product_registers(team):
     np.testing.assert_array_equal(predicted["features"], transformed)
     np.testing.assert_array_equal(predicted["log_sigma2"], log_sigma2)
 
+    from components.experiment.models import UnifiedMaps
+
+    unified = UnifiedMaps(10, 16, 4, blocks=2).eval()
+    unified_uri = "models:/maps/" + registered.register_alignment(client, run.info.run_id, unified,
+                                                                  np.zeros((2, 10), np.float32), "maps", {})
+    with torch.no_grad():
+        np.testing.assert_allclose(mlflow.pyfunc.load_model(unified_uri).predict(old_features),
+                                   unified(torch.from_numpy(old_features)).numpy(), rtol=1e-6, atol=1e-6)
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
