@@ -12,6 +12,7 @@ The map (``align.fastfill`` of params.yaml) trains on ``--pairs`` items of the t
 (old features from the ONNX model, new from the torchvision one, both through the product's
 embedders) with the discriminative term's classes taken from:
 
+- ``fct (random)``: for reference, the l2-only map of ``align.fct`` in random order;
 - ``off``: no discriminative term (l2 and the uncertainty head only);
 - ``labels``: the true labels (rows of the new head, which was trained on those classes);
 - ``predicted``: the new head's predicted classes (what the upgrade uses without labels);
@@ -118,14 +119,15 @@ def pseudo_classes(new: np.ndarray, k: int, seed: int):
 def curve(config, pair_old, pair_new, rows, head, gallery_old, gallery_new, labels) -> dict:
     import torch
 
-    from components.evaluation.ordering import sigma_order
+    from components.evaluation.ordering import random_order, sigma_order
     from components.evaluation.retrieval import backfill_curve
     from components.experiment.inference import apply_alignment
     from components.experiment.map_training import train_alignment
 
     h, _ = train_alignment(config, pair_old, pair_new, rows, head, device=torch.device("cpu"), log=lambda *_: None)
     transformed, log_sigma2 = apply_alignment(h, gallery_old, device=torch.device("cpu"))
-    measured = backfill_curve(gallery_new, gallery_new, transformed, labels, sigma_order(log_sigma2))
+    order = sigma_order(log_sigma2) if log_sigma2 is not None else random_order(len(labels), config.seed)
+    measured = backfill_curve(gallery_new, gallery_new, transformed, labels, order)
     return {"top1_auc": round(100 * measured.top1_auc, 2), "map_auc": round(100 * measured.map_auc, 2),
             "top1_0": round(100 * float(measured.top1[0]), 2)}
 
@@ -149,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime.apply_defaults()
     torch.set_num_threads(2)
-    base = AlignConfig(**yaml.safe_load((ROOT / "params.yaml").read_text())["align"]["fastfill"])
-    base = base.model_copy(update={"check": "off"}) if "check" in AlignConfig.model_fields else base
+    align = yaml.safe_load((ROOT / "params.yaml").read_text())["align"]
+    base, fct = AlignConfig(**align["fastfill"]), AlignConfig(**align["fct"])
     started = time.perf_counter()
     results: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                      "runs": []}
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             head = new.classifier.eval().requires_grad_(False)
             with torch.no_grad():
                 predicted = head(torch.from_numpy(pair_new)).argmax(1).numpy().astype(np.int64)
-            variants = {"off": (np.zeros(len(pair_y), np.int64), head, base.model_copy(update={"disc": False})),
+            variants = {"fct (random)": (np.zeros(len(pair_y), np.int64), head, fct),
+                        "off": (np.zeros(len(pair_y), np.int64), head, base.model_copy(update={"disc": False})),
                         "labels": (pair_y.astype(np.int64), head, base),
                         "predicted": (predicted, head, base)}
             for k in args.pseudo:
