@@ -88,9 +88,9 @@ def _rows(args, onnx_arch: str, torch_arch: str, size: int, images: int) -> list
                 times[key].append(_best(run, 1))
         best = {key: min(value) for key, value in times.items()}
         rows.append((name, images / best["bare"], images / best["product"], best["bare"] / best["product"]))
-        rows.append((f"  backfill step, read ahead", images / best["bare"], images / best["streamed"],
+        rows.append(("  backfill step, read ahead", images / best["bare"], images / best["streamed"],
                      best["bare"] / best["streamed"]))
-        rows.append((f"  backfill step, read first", images / best["bare"], images / best["sequential"],
+        rows.append(("  backfill step, read first", images / best["bare"], images / best["sequential"],
                      best["bare"] / best["sequential"]))
     return rows
 

@@ -6,7 +6,6 @@ exception and never a silent gap: the caller decides what a failure means.
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from collections.abc import Sequence
