@@ -211,3 +211,63 @@ def test_the_registry_conventions(mlflow_store):
 
     registry.log_series(client, run_id, {"top1": [0.5, 0.6, 0.7]}, steps=[0, 500, 1000])
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(0, 0.5), (500, 0.6), (1000, 0.7)]
+
+
+def test_a_version_in_the_previous_release_s_format_still_loads(mlflow_store, tmp_path):
+    """The folder an earlier release registered: its description and weights.safetensors at the
+    root, no MLmodel."""
+    from safetensors.torch import save_file
+
+    from components.experiment.models import describe
+
+    _, client, run_id = mlflow_store
+    model = _embedder()
+    folder = tmp_path / "earlier-release"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "weights.safetensors"))
+    (folder / registered.MODEL_FILE).write_text(json.dumps({
+        "format": "fastfill-model/1", "spec": describe(model), "input_shape": [1, 12, 12],
+        "weights": "weights.safetensors",
+        "sha256": hashlib.sha256((folder / "weights.safetensors").read_bytes()).hexdigest()}))
+    client.log_artifacts(run_id, str(folder), "embedder")
+    client.create_registered_model("old-release")
+    source = f"{client.get_run(run_id).info.artifact_uri}/embedder"
+    version = client.create_model_version("old-release", source, run_id=run_id).version
+    back = registered.load_model(f"models:/old-release/{version}")
+    assert back.preprocessing.shape == (1, 12, 12) and registered.input_shape(f"models:/old-release/{version}") == \
+        (1, 12, 12)
+    x = torch.rand(3, 1, 12, 12)
+    with torch.no_grad():
+        np.testing.assert_array_equal(back(x).numpy(), model(x).numpy())
+
+
+def test_a_pickled_mlflow_model_registers_where_its_writers_are_trusted(mlflow_store, monkeypatch):
+    """mlflow.allow_pickled_models (here FASTFILL_ALLOW_PICKLED_MODELS=1): a team's pytorch
+    flavour model is referred to and embeds as the module does."""
+    import mlflow.pytorch
+
+    from components.model_store import catalogue, sources
+    from components.model_store.preprocessing import Preprocessing
+
+    config, client, run_id = mlflow_store
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(net, name="theirs", registered_model_name="theirs",
+                                        serialization_format="pickle")
+    uri = f"models:/theirs/{info.registered_model_version}"
+    prep = Preprocessing(channels=3, height=10, width=10)
+    with pytest.raises(sources.ModelSourceError, match="allow_pickled_models"):
+        sources.from_mlflow(uri, prep)
+    monkeypatch.setenv(registry.PICKLE_OPT_IN, "1")
+    source = sources.from_mlflow(uri, prep)
+    version = catalogue.register(client, client.get_run(run_id).info.experiment_id, source, "embedder", None,
+                                 origin=uri)
+    ours = registered.load_model(f"models:/embedder/{version}")
+    assert ours.fastfill_source == "mlflow" and ours.embedding_dim == 4
+    x = torch.rand(2, 3, 10, 10)
+    with torch.no_grad():
+        np.testing.assert_allclose(ours(x).numpy(), net(x).numpy(), rtol=1e-6, atol=1e-6)
+    monkeypatch.delenv(registry.PICKLE_OPT_IN)  # the trust is checked again at every load
+    with pytest.raises(RegistryError, match="allow_pickled_models"):
+        registered.load_model(f"models:/embedder/{version}")
