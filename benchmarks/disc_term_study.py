@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.team_own_models import NEW, OLD, _encoded, fashion, photo, train_model  # noqa: E402
+from benchmarks.team_own_models import NEW, OLD, _encoded, fashion, photo, train_model, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,6 +131,26 @@ def curve(config, pair_old, pair_new, rows, head, gallery_old, gallery_new, labe
             "top1_0": round(100 * float(measured.top1[0]), 2)}
 
 
+def study_configs():
+    """The process set up as the stages are (threads, runtime defaults) and the maps' configurations
+    from params.yaml: (align.fastfill, align.fct)."""
+    import torch
+    import yaml
+
+    from components.platform import runtime
+    from components.platform.config import AlignConfig
+
+    runtime.apply_defaults()
+    torch.set_num_threads(2)
+    align = yaml.safe_load((ROOT / "params.yaml").read_text())["align"]
+    return AlignConfig(**align["fastfill"]), AlignConfig(**align["fct"])
+
+
+def arguments(args) -> dict:
+    """A run's arguments as JSON values."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", default="fashion,bars")
@@ -144,18 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "disc_term")
     args = parser.parse_args(argv)
     import torch
-    import yaml
 
-    from components.platform import runtime
-    from components.platform.config import AlignConfig
-
-    runtime.apply_defaults()
-    torch.set_num_threads(2)
-    align = yaml.safe_load((ROOT / "params.yaml").read_text())["align"]
-    base, fct = AlignConfig(**align["fastfill"]), AlignConfig(**align["fct"])
+    base, fct = study_configs()
     started = time.perf_counter()
-    results: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "runs": []}
+    results: dict = {"config": arguments(args), "runs": []}
     for dataset in args.datasets.split(","):
         for seed in args.seeds:
             (train_x, train_y), (pair_x, pair_y), (gallery_x, gallery_y) = data(
@@ -182,12 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{dataset} seed {seed} {name}: {row[name]}", flush=True)
             results["runs"].append(row)
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
-    text = markdown(results)
-    print("\n" + text)
-    out = args.out if args.out.is_absolute() else Path.cwd() / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    write_report(args.out, markdown(results), results)
     return 0
 
 

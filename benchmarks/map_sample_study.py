@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.disc_term_study import ROOT, curve, data, embedders, features  # noqa: E402
+from benchmarks.disc_term_study import ROOT, arguments, curve, data, embedders, features, study_configs  # noqa: E402
+from benchmarks.team_own_models import write_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,17 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "map_sample")
     args = parser.parse_args(argv)
     import torch
-    import yaml
 
-    from components.platform import runtime
-    from components.platform.config import AlignConfig
-
-    runtime.apply_defaults()
-    torch.set_num_threads(2)
-    align = yaml.safe_load((ROOT / "params.yaml").read_text())["align"]
-    fastfill, fct = AlignConfig(**align["fastfill"]), AlignConfig(**align["fct"])
+    fastfill, fct = study_configs()
     started = time.perf_counter()
-    results: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": []}
+    results: dict = {"config": arguments(args), "rows": []}
     for dataset in args.datasets.split(","):
         (train_x, train_y), (pair_x, pair_y), (gallery_x, gallery_y) = data(
             dataset, args.train_items, max(args.sizes), args.gallery, args.seed)
@@ -73,12 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             results["rows"].append(row)
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
-    text = markdown(results)
-    print("\n" + text)
-    out = args.out if args.out.is_absolute() else Path.cwd() / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    write_report(args.out, markdown(results), results)
     return 0
 
 

@@ -127,6 +127,17 @@ def train_model(spec: dict, images: np.ndarray, labels: np.ndarray, epochs: int,
     return net, round(time.perf_counter() - started, 1), round(100 * accuracy, 2)
 
 
+def write_report(out: Path, text: str, report: dict) -> Path:
+    """``text`` printed and written to ``out``.md, ``report`` to ``out``.json (``out`` relative to
+    the working folder unless absolute); returns the resolved ``out``."""
+    print("\n" + text)
+    out = out if out.is_absolute() else Path.cwd() / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    return out
+
+
 def team_models(folder: Path, items: int, epochs: int, seed: int) -> dict:
     import torch
     from safetensors.torch import save_file
@@ -271,12 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in result["steps"] + result["register_steps"]:
             step["stdout_tail"] = step.pop("stdout")[-3000:]
             step["stderr_tail"] = step.pop("stderr")[-3000:]
-    text = markdown(report)
-    print("\n" + text)
-    out = args.out if args.out.is_absolute() else Path.cwd() / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    write_report(args.out, markdown(report), report)
     return 1 if report["problems"] else 0
 
 

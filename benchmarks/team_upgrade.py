@@ -71,7 +71,6 @@ what MLflow recorded), ``team_upgrade_commands`` (running a command, reading wha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -87,6 +86,7 @@ from benchmarks.team_upgrade_inputs import (  # noqa: E402
     BUCKET, backend_params, gallery_images, read_versions, register_copies, start_s3, train_tiny_models,
     upload_images, write_gallery, write_judgments,
 )
+from benchmarks.team_own_models import write_report  # noqa: E402
 from benchmarks.team_upgrade_report import markdown  # noqa: E402
 from benchmarks.team_upgrade_strace import ALSO_WATCHED, MUST_NOT_READ, STRACE_FILTER, check_traces  # noqa: E402
 
@@ -244,12 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in result["steps"]:  # the JSON keeps the tails, not whole logs
             step["stdout_tail"] = step.pop("stdout")[-4000:]
             step["stderr_tail"] = step.pop("stderr")[-4000:]
-    text = markdown(report)
-    print("\n" + text)
-    out = args.out if args.out.is_absolute() else Path.cwd() / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    out = write_report(args.out, markdown(report), report)
     print(f"written: {out.with_suffix('.md')} and {out.with_suffix('.json')}; scratch folder kept: {scratch}")
     bad = report["problems"] or (use_strace and report["strace"]["must_not_read_hits"])
     return 1 if bad else 0

@@ -198,8 +198,7 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
                                f"{Layout(params.paths).splits}; use map_pairs: gallery (--pairs gallery)")
         return pairs
 
-    samples.check_map_sample(config, config.method, params.align[config.method].validation_fraction,
-                             table.num_items())
+    samples.check_map_sample(config, params.align[config.method].validation_fraction, table.num_items())
     positions = samples.map_sample(config, table.num_items())
     images, failures = table_upgrade.images_at(table, positions, config.read_workers,
                                                getattr(new_model, "preprocessing", None))

@@ -126,8 +126,7 @@ def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_mo
     config = params.gallery.upgrade
     if config.map_pairs == "splits":
         return embed_split_pairs(Layout(params.paths).splits, load_model(old), new_model)
-    samples.check_map_sample(config, config.method, params.align[config.method].validation_fraction,
-                             gallery.num_items)
+    samples.check_map_sample(config, params.align[config.method].validation_fraction, gallery.num_items)
     positions = samples.map_sample(config, gallery.num_items)
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
         f"{config.map_sample}, at least {config.map_sample_min})")

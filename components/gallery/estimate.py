@@ -177,25 +177,20 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     def embed_new(images, label=None):
         return embed(model, images, batch_size=config.batch_size, precision=config.precision)
 
-    champion = None
-
-    def embed_champion(images, label=None):
-        return embed(champion_model(), images, batch_size=config.batch_size, precision=config.precision)
-
-    def champion_model():
-        nonlocal champion
-        champion = champion if champion is not None else load_model(gallery.model.uri).eval()
-        return champion
-
     preprocessing = getattr(model, "preprocessing", None)
     positions, images = readable_images(gallery, evaluation_positions(gallery, config), config.read_workers,
                                         "evaluation sample", lambda line: None, preprocessing)
     queries = embed_new(images)
     judged = None
     if config.judgments:
+        champion = load_model(gallery.model.uri).eval()
+
+        def embed_champion(images, label=None):
+            return embed(champion, images, batch_size=config.batch_size, precision=config.precision)
+
         judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
                                 embed_champion, {}, preprocessing=preprocessing,
-                                champion_preprocessing=getattr(champion_model(), "preprocessing", None))  # (judgments, new-model and champion features of the queries)
+                                champion_preprocessing=getattr(champion, "preprocessing", None))  # (judgments, new-model and champion features of the queries)
     prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])

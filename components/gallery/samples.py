@@ -52,17 +52,22 @@ def least_map_sample(validation_fraction: float) -> int:
     return size
 
 
-def check_map_sample(config, method: str, validation_fraction: float, num_items: int) -> None:
-    """Refuse, before anything is embedded, a map sample too small for the map's check: the
-    message names ``gallery.upgrade.map_sample`` (the setting the user chose), not the check's."""
+def check_map_sample(config, validation_fraction: float, num_items: int) -> None:
+    """Refuse, before anything is embedded, a map sample too small for the check of the map of
+    ``config.method`` (gallery.upgrade): the message names ``gallery.upgrade.map_sample`` (the
+    setting the user chose), not the check's."""
+    from components.experiment.map_validation import MIN_VALIDATION_PAIRS
+
     size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
     least = least_map_sample(validation_fraction)
     if size < least:
         whole = " (the whole gallery)" if size == num_items else ""
+        method = config.method
         raise GalleryError(
             f"gallery.upgrade.map_sample gives {size} items{whole}, and the {method} map needs at least {least}: "
             f"align.{method}.validation_fraction {validation_fraction} of them are held out to check it, and the "
-            f"check needs 20. Raise gallery.upgrade.map_sample to {least} or more; nothing was embedded")
+            f"check needs {MIN_VALIDATION_PAIRS}. Raise gallery.upgrade.map_sample to {least} or more; nothing was "
+            "embedded")
 
 
 def registry_map(client, alignment_model: str, old: ModelRef, new: ModelRef, order: str, source: str):

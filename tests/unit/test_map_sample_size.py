@@ -21,7 +21,7 @@ def test_a_too_small_sample_is_refused_naming_map_sample():
     config = UpgradeConfig(map_sample=100)
     with pytest.raises(GalleryError, match=r"gallery.upgrade.map_sample gives 100 items.*at least 195.*Raise "
                                            r"gallery.upgrade.map_sample to 195"):
-        check_map_sample(config, "fastfill", 0.1, 600)
-    check_map_sample(UpgradeConfig(map_sample=200), "fastfill", 0.1, 600)  # enough: no refusal
+        check_map_sample(config, 0.1, 600)
+    check_map_sample(UpgradeConfig(map_sample=200), 0.1, 600)  # enough: no refusal
     with pytest.raises(GalleryError, match=r"gives 150 items \(the whole gallery\)"):
-        check_map_sample(UpgradeConfig(), "fastfill", 0.1, 150)
+        check_map_sample(UpgradeConfig(), 0.1, 150)
