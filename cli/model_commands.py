@@ -76,6 +76,10 @@ def model_register(
         fail("--torchvision needs --weights FILE (.safetensors or a torch state dict)", USAGE)
     if weights is not None and torchvision is None:
         fail("--weights goes with --torchvision NAME", USAGE)
+    if layer is not None and onnx is not None:
+        fail("--layer is for --torchvision or --mlflow; an ONNX graph's embedding is an output: --output NAME", USAGE)
+    if output is not None and torchvision is not None:
+        fail("--output is for --onnx or --mlflow; a torchvision network's embedding is a layer: --layer NAME", USAGE)
     config = load(params)
     _quiet_mlflow()
     try:

@@ -354,6 +354,8 @@ def test_each_bad_file_ends_in_one_line_with_nothing_registered(team):
     assert MlflowClient(f"sqlite:///{team / 'mlflow.db'}").search_registered_models() == []
     usage = _cli(team, "model", "register", "--onnx", str(team / "old.onnx"))
     assert usage.exit_code == 2 and "give --size and --channels" in usage.output
+    usage = _cli(team, "model", "register", "--onnx", str(team / "old.onnx"), *small, "--layer", "fc")
+    assert usage.exit_code == 2 and "--layer is for --torchvision or --mlflow" in usage.output
 
 
 def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, prefect_harness):
