@@ -83,21 +83,39 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
         typer.echo(_pause_served(found))
 
 
-def _pause_served(found: list) -> str:
-    """Pause the schedules of the deployments this process served (nobody runs them now): one
-    try, no retries, a few seconds at most; with the Prefect server gone, one line says so."""
+def _pause_served(found: list, deadline_seconds: float = 8.0) -> str:
+    """Pause the schedules of the deployments this process served (nobody runs them now), within
+    ``deadline_seconds``: a server that answers with an error (5xx: its database busy while the
+    runner stops) is asked again until then; a server that is gone is not waited for. One line
+    says how it ended."""
     from prefect import get_client
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    try:
-        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
-                get_client(sync_client=True) as client:
-            for deployment in found:
-                client.pause_deployment(client.read_deployment_by_name(f"{deployment.flow_name}/{deployment.name}").id)
-    except Exception as error:  # noqa: BLE001 - stopping must not fail on it
-        return (f"stopped; the served deployments' schedules could not be paused ({type(error).__name__}: the Prefect "
-                "server did not answer); they stay due until `fastfill serve` runs again")
-    return "stopped; the served deployments' schedules are paused until `fastfill serve` runs again"
+    deadline = time.monotonic() + deadline_seconds
+    pending = [f"{deployment.flow_name}/{deployment.name}" for deployment in found]
+    unknown = []  # stopped before the runner registered them: no schedule of theirs is due
+    while True:
+        try:
+            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
+                    get_client(sync_client=True) as client:
+                while pending:
+                    try:
+                        client.pause_deployment(client.read_deployment_by_name(pending[0]).id)
+                    except ObjectNotFound:
+                        unknown.append(pending[0])
+                    pending.pop(0)
+            never = f" ({', '.join(unknown)}: not registered yet, so never due)" if unknown else ""
+            return f"stopped; the served deployments' schedules are paused until `fastfill serve` runs again{never}"
+        except Exception as error:  # noqa: BLE001 - stopping must not fail on it
+            status = getattr(getattr(error, "response", None), "status_code", None)
+            answered = isinstance(error, PrefectHTTPStatusError) and status is not None
+            if answered and status >= 500 and time.monotonic() + 1.0 < deadline:
+                time.sleep(1.0)
+                continue
+            why = (f"the Prefect server answered {status}" if answered else "the Prefect server did not answer")
+            return (f"stopped; the served deployments' schedules could not be paused ({type(error).__name__}: {why}); "
+                    "they stay due until `fastfill serve` runs again")
 
 
 @app.command(short_help="Check the registry once; start an upgrade if due.")
