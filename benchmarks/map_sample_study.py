@@ -3,12 +3,20 @@ the map sample's size, for a team's pair of models (``benchmarks/disc_term_study
 MobileNetV3-Small, old, and a torchvision ResNet-18, new, trained briefly here), on Fashion-MNIST
 photos and on the synthetic bars.
 
-For each sample size, FastFill's map (``align.fastfill``; the disc term on the new head's
-predicted classes, as an upgrade without labels trains it) and the l2-only map (``align.fct``)
-train on that many pairs; each is measured on ``--gallery`` test photos against their labels
-(FastFill in sigma order, the l2-only map in random order: top1_auc and map_auc, in %). The
-check's resolution is the standard error of a top-1 measured on the held-out pairs
-(``validation_fraction`` of the sample): sqrt(p (1 - p) / held-out), in points.
+For each sample size, these maps train on that many pairs:
+
+- ``fastfill``: FastFill's map (``align.fastfill``), the disc term on the new head's predicted
+  classes, as an upgrade without labels trains it;
+- ``pseudo``: the same as if the new model had no head: the disc term on the product's K-means
+  pseudo-classes (``components.gallery.pseudo_classes``, K = gallery.upgrade.pseudo_classes) with
+  the head fitted on them;
+- ``off``: the same without a head and with the disc term off (what ``pseudo_classes: 0`` does);
+- ``fct``: the l2-only map (``align.fct``).
+
+Each is measured on ``--gallery`` test photos against their labels (FastFill in sigma order, the
+l2-only map in random order: top1_auc and map_auc, in %). The check's resolution is the standard
+error of a top-1 measured on the held-out pairs (``validation_fraction`` of the sample):
+sqrt(p (1 - p) / held-out), in points.
 
     .venv/bin/python benchmarks/map_sample_study.py
 """
@@ -38,11 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gallery", type=int, default=3000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default="fastfill,pseudo,off,fct")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "map_sample")
     args = parser.parse_args(argv)
     import torch
 
     fastfill, fct = study_configs()
+    from components.gallery.pseudo_classes import cluster_classes
+    from components.platform.config import UpgradeConfig
+
+    wanted = UpgradeConfig().pseudo_classes
     started = time.perf_counter()
     results: dict = {"config": arguments(args), "rows": []}
     for dataset in args.datasets.split(","):
@@ -57,11 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             take = np.random.default_rng([args.seed, size]).permutation(len(pair_old))[:size]
             row = {"dataset": dataset, "pairs": size, **accuracy}
-            for name, config in (("fastfill", fastfill), ("fct", fct)):
-                row[name] = curve(config, pair_old[take], pair_new[take], predicted[take], head, gallery_old,
-                                  gallery_new, gallery_y)
+            for name in args.variants.split(","):
+                rows, kappa, config = predicted[take], head, fastfill
+                if name == "pseudo":
+                    rows, kappa, k = cluster_classes(pair_new[take], wanted, args.seed)
+                    row["pseudo_k"] = k
+                elif name == "off":
+                    config = fastfill.model_copy(update={"disc": False})
+                elif name == "fct":
+                    config = fct
+                started_map = time.perf_counter()
+                row[name] = curve(config, pair_old[take], pair_new[take], rows, kappa, gallery_old, gallery_new,
+                                  gallery_y)
+                row[name]["seconds"] = round(time.perf_counter() - started_map, 1)
             held = int(round(fastfill.validation_fraction * size))
-            p = row["fastfill"]["top1_0"] / 100
+            p = row[args.variants.split(",")[0]]["top1_0"] / 100
             row["held_out"] = held
             row["check_se_points"] = round(100 * math.sqrt(max(p * (1 - p), 1e-9) / max(held, 1)), 2)
             print(json.dumps(row), flush=True)
@@ -72,16 +95,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(results: dict) -> str:
+    names = [n for n in ("fastfill", "pseudo", "off", "fct") if results["rows"] and n in results["rows"][0]]
+    titles = {"fastfill": "FastFill, predicted classes", "pseudo": "FastFill, no head: pseudo-classes",
+              "off": "FastFill, no head: disc off", "fct": "l2-only map, random"}
     lines = ["# The map sample's size", "",
              f"`benchmarks/map_sample_study.py` ({results['wall_seconds']:.0f} s). Measured on the test photos against "
-             "their labels, %: FastFill (predicted classes, sigma order) and the l2-only map (random order).", "",
-             "| data set | pairs | held out | check's s.e. (points) | FastFill top1_auc / map_auc | l2-only top1_auc / map_auc "
-             "| FastFill minus l2-only (top1 / mAP) |", "|---|---|---|---|---|---|---|"]
+             "their labels, top1_auc / map_auc in %; FastFill in sigma order, the l2-only map in random order. The "
+             "check's s.e.: the standard error of a top-1 on the held-out pairs.", "",
+             "| data set | pairs | held out | check's s.e. (points) | " + " | ".join(titles[n] for n in names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
     for row in results["rows"]:
-        ff, l2 = row["fastfill"], row["fct"]
+        cells = [f"{row[n]['top1_auc']} / {row[n]['map_auc']}" for n in names]
         lines.append(f"| {row['dataset']} | {row['pairs']:,} | {row['held_out']} | {row['check_se_points']} | "
-                     f"{ff['top1_auc']} / {ff['map_auc']} | {l2['top1_auc']} / {l2['map_auc']} | "
-                     f"{ff['top1_auc'] - l2['top1_auc']:+.2f} / {ff['map_auc'] - l2['map_auc']:+.2f} |")
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

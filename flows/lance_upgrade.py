@@ -209,7 +209,7 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
     labels = None
     if "label" in table.dataset().schema.names:
         labels = np.asarray(table.items(["label"]).column("label").to_pylist(), dtype=np.int64)[positions[keep]]
-    return from_gallery(new_model, positions[keep], old, new, labels, store_uri)
+    return from_gallery(new_model, positions[keep], old, new, labels, store_uri, config.pseudo_classes, config.seed)
 
 
 def _judged_features(table: LanceGallery, judged, new_model, old: ModelRef, config) -> tuple:

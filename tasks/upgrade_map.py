@@ -30,7 +30,7 @@ class MapSettings:
 
     def for_pairs(self, pairs: MapPairs | None) -> AlignConfig:
         """The method's settings for ``pairs``: without classes for the disc term (a new model
-        without a classifier) the term is off."""
+        without a classifier, and pseudo-classes off) the term is off."""
         if pairs is not None and pairs.targets is None and self.config.disc:
             return self.config.model_copy(update={"disc": False})
         return self.config
@@ -62,7 +62,7 @@ def train_upgrade_map(client, settings: MapSettings, pairs: MapPairs, new_model,
     method, config = settings.method, settings.for_pairs(pairs)
     log(f"training a {method} map {old.key} -> {new.key} on {len(pairs)} pairs ({pairs.source}); disc term "
         f"targets: {pairs.targets_from}")
-    h, history = train_alignment(config, *pairs.training, new_model.classifier, device=pick_device(), log=log,
+    h, history = train_alignment(config, *pairs.training, pairs.classifier(new_model), device=pick_device(), log=log,
                                  method=method)
     return h.eval(), register_map(client, settings.alignment_model, h, method, old, new, run_id, pair_tags(pairs))
 
@@ -103,7 +103,7 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     if pairs is not None:
         decision = decide_map(method, config, alignment_map, pairs.training,
                               _registered_reference(client, model_name, old, new, version, pairs.source, found),
-                              new_model.classifier, checking=pairs.checking, order=order,
+                              pairs.classifier(new_model), checking=pairs.checking, order=order,
                               distance=settings.distance, device=pick_device(), log=log,
                               pairs_from=pairs.source, check_l2_only=True)
     if decision is None or decision.skipped:

@@ -345,6 +345,11 @@ class UpgradeConfig(Section):
     map_sample_min: Annotated[int, Field(ge=0)] = Field(
         default=5000, description="map_pairs gallery: a fractional map_sample is at least this many items (all "
         "of a smaller gallery)")
+    pseudo_classes: Annotated[int, Field(ge=0)] = Field(
+        default=50, description="a new model without a classifier: the map's disc term takes K-means clusters of "
+        "the map sample's new features as its classes (at most this many, at least 20 items each) with a linear "
+        "head fitted on them, and the check counts them as matches where the gallery has no labels; 0 = the disc "
+        "term off for such a model")
     recheck: bool = Field(
         default=False, description="check the registry's map again on this upgrade's pairs even when it already "
         "passed its check on the same source")

@@ -396,3 +396,56 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     assert gallery.model.uri == new_uri and gallery.model.dim == 512
     as_new = np.stack([NEW_INPUT.decode(f) for f in files])
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, as_new), rtol=1e-5, atol=1e-5)
+
+
+def _headless_network() -> nn.Module:
+    """A feature extractor with no classifier: its last layer is the 16-d embedding."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(3, 10, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(10, 16, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 16)).eval()
+
+
+def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team, prefect_harness):
+    """Both models ONNX exports (no head), a gallery without labels: the FastFill map's disc term
+    takes K-means pseudo-classes of the map sample (recorded on the map's version), and the
+    upgrade completes with the new model's features."""
+    import mlflow
+
+    from components.gallery.catalog import Gallery
+    from components.gallery.store import open_store
+    from components.platform.config import load_params
+    from flows.upgrade import upgrade_flow
+
+    _export(_headless_network(), (3, 24, 24), team / "new.onnx")
+    old = _cli(team, "model", "register", "--onnx", str(team / "old.onnx"), "--size", "20", "--channels", "3",
+               "--mean", "0.5", "--std", "0.5", "--alias", "champion", "--json")
+    new = _cli(team, "model", "register", "--onnx", str(team / "new.onnx"), "--size", "24", "--channels", "3",
+               "--alias", "challenger", "--json")
+    assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
+    assert json.loads(new.stdout).get("head") in (None, False, 0), new.stdout
+    photos = team / "photos"
+    photos.mkdir()
+    for i, picture in enumerate(_photos(80, seed=9)):
+        picture.save(photos / f"p{i:02d}.jpg", quality=90)
+    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{900 + i},p{i:02d}.jpg\n" for i in range(80)))
+    data = yaml.safe_load((team / "params.yaml").read_text())
+    data["paths"]["data"] = str(team / "no-pipeline-here")
+    data["gallery"] = {"store": str(team / "gallery"), "part_size": 40,
+                       "upgrade": {"chunk_size": 20, "eval_queries": 0, "map_pairs": "gallery", "map_sample": 60}}
+    data["align"]["fastfill"]["validation_fraction"] = 0.5
+    (team / "params.yaml").write_text(yaml.safe_dump(data))
+    adopted = _cli(team, "gallery", "adopt", "--manifest", str(photos / "items.csv"), "--store", str(team / "gallery"))
+    assert adopted.exit_code == 0, adopted.output
+
+    params = load_params(team / "params.yaml")
+    done = upgrade_flow(params, str(team / "gallery"), gate=False)
+    assert done["state"] == "complete" and done["items_done"] == 80, done
+    gallery = Gallery(open_store(str(team / "gallery")))
+    assert gallery.model.uri == json.loads(new.stdout)["uri"] and gallery.model.dim == 16
+    client = mlflow.MlflowClient(params.mlflow.tracking_uri)
+    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    trained = min(versions, key=lambda v: int(v.version))
+    # 60 sampled items: K is lowered to 60 // 20 = 3 classes
+    assert trained.tags["disc_targets"] == ("pseudo-classes: 3 K-means clusters of the new features, with a head "
+                                            "fitted on them"), trained.tags
+    assert trained.tags["pairs.count"] == "60"
