@@ -11,10 +11,11 @@ def _worth_retrying(task, task_run, state) -> bool:
     owns the gallery now) or whose input is wrong (retrying cannot fix either)."""
     from components.gallery.catalog import GalleryError
     from components.gallery.lock import UpgradeLocked
+    from components.gallery.store import DamagedObject
 
     try:
         state.result()
-    except (UpgradeLocked, GalleryError):
+    except (UpgradeLocked, GalleryError, DamagedObject):
         return False
     except BaseException:  # noqa: BLE001 - any other failure: the I/O retries below
         return True

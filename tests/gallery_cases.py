@@ -193,6 +193,29 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
     assert backfill.done_chunks(gallery.store, plan.id) == []
 
 
+def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri, models, data):
+    """A features part written whole (its checksum matching) with fewer rows than its part's
+    items: every reader refuses it in one error naming the object, the map sample's reader of
+    scattered rows included, and the tasks' retry policy does not read it again."""
+    from components.gallery.catalog import features_key, rows_at
+    from components.gallery.store import DamagedObject
+    from tasks._policy import _worth_retrying
+
+    gallery = _gallery(store_uri, models, data)
+    key = features_key(OLD, 3)
+    gallery.store.put_array(key, gallery.features(OLD, 3)[:7])  # 7 rows for the part's 10 items
+    for read in (lambda: gallery.features(OLD, 3),
+                 lambda: rows_at(gallery, np.array([2, 38, 35]), lambda part: features_key(OLD, part))):
+        with pytest.raises(DamagedObject, match=rf"{key}: 7 rows, but part 3 has 10 items"):
+            read()
+
+    class Failed:
+        def result(self):
+            raise DamagedObject("damaged")
+
+    assert _worth_retrying(None, None, Failed()) is False
+
+
 def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
     store = open_store(store_uri)
     lock = locking.acquire_lock(store, "u1", log=lambda m: None)
@@ -351,6 +374,7 @@ STORE_CASES = [
     ingest_writes_parts_and_reads_back,
     backfill_resumes_without_redoing_chunks_and_finishes,
     a_corrupt_image_part_fails_its_chunk_without_a_marker,
+    a_features_part_short_of_rows_is_refused_naming_it_and_not_retried,
     lock_refuses_a_second_upgrade_and_takes_over_a_dead_one,
     search_updates_vectors_by_id_as_chunks_land,
     adopted_gallery_reads_images_by_uri_and_keeps_failed_items,

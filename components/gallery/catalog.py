@@ -18,13 +18,12 @@ Items are numbered by position 0..N-1 (part = position // part_size); item ids a
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from datetime import UTC, datetime
 
 import numpy as np
 
-from components.gallery.store import ObjectMissing, Store, StoreError
+from components.gallery.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
+from components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
@@ -153,53 +152,28 @@ class Gallery:
         images = self.store.get_array(part_key("images", part))
         expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
         if images.shape != tuple(expected) or images.dtype != np.uint8:
-            raise StoreError(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
+            raise DamagedObject(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
                              f"{tuple(expected)}, found {images.dtype} {images.shape}")
         return images
 
     def features(self, model: ModelRef, part: int) -> np.ndarray:
         key = features_key(model, part)
+        return check_features(self.part_rows(key, part), model.dim, self.store.describe(key))
+
+    def part_rows(self, key: str, part: int) -> np.ndarray:
+        """The per-part array at ``key`` (one row per item of ``part``), checked against the
+        manifest's item count; a damaged one is refused naming it (DamagedObject: not retried)."""
         start, stop = self.part_bounds(part)
         array = self.store.get_array(key)
-        if array.shape[0] != stop - start:
-            raise StoreError(f"{self.store.describe(key)}: {array.shape[0]} rows, the part has {stop - start} items")
-        return check_features(array, model.dim, self.store.describe(key))
+        if array.ndim == 0 or array.shape[0] != stop - start:
+            rows = array.shape[0] if array.ndim else 0
+            raise DamagedObject(f"{self.store.describe(key)}: {rows} rows, but part {part} has {stop - start} items "
+                                "in the gallery's manifest; restore the object from a copy (or `fastfill upgrade "
+                                "abort` when it belongs to an unfinished upgrade)")
+        return array
 
     def all_features(self, model: ModelRef) -> np.ndarray:
         return np.concatenate([self.features(model, p) for p in range(self.num_parts)])
-
-
-class ImageCache:
-    """Image parts read recently, shared by the threads of one process: a backfill chunk in
-    sigma order touches many parts, and neighbouring chunks touch the same ones."""
-
-    def __init__(self, max_bytes: int = 1 << 30):
-        self.max_bytes = max_bytes
-        self._parts: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
-        self._loading: dict[tuple[str, int], threading.Lock] = {}
-
-    def get(self, gallery: Gallery, part: int) -> np.ndarray:
-        key = (gallery.store.uri, part)
-        with self._lock:
-            if key in self._parts:
-                self._parts.move_to_end(key)
-                return self._parts[key]
-            loading = self._loading.setdefault(key, threading.Lock())
-        with loading:  # one reader per part; the others wait for it
-            with self._lock:
-                if key in self._parts:
-                    return self._parts[key]
-            images = gallery.images(part)
-            with self._lock:
-                self._parts[key] = images
-                self._loading.pop(key, None)
-                while sum(a.nbytes for a in self._parts.values()) > self.max_bytes and len(self._parts) > 1:
-                    self._parts.popitem(last=False)
-            return images
-
-
-IMAGE_CACHE = ImageCache()
 
 
 def by_part(gallery: Gallery, positions: np.ndarray):
@@ -246,38 +220,11 @@ def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
     the parts they fall in, one at a time: memory grows with the rows asked for, not the gallery."""
     out = None
     for part, rows, offsets in by_part(gallery, np.asarray(positions, dtype=np.int64)):
-        array = gallery.store.get_array(key_of_part(part))
+        array = gallery.part_rows(key_of_part(part), part)
         if out is None:
             out = np.empty((len(positions), *array.shape[1:]), dtype=array.dtype)
         out[rows] = array[offsets]
     return out if out is not None else np.zeros((0,), dtype=np.float32)
-
-
-class ColumnCache:
-    """Columns of item parts read recently (an adopted gallery's image URIs above all), shared by
-    the threads of one process: a sigma-ordered chunk holds items of every part, so without it
-    each chunk would read every part's items table again."""
-
-    def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = max_bytes
-        self._columns: OrderedDict[tuple[str, int, str], object] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, gallery: Gallery, part: int, name: str):
-        key = (gallery.store.uri, part, name)
-        with self._lock:
-            if key in self._columns:
-                self._columns.move_to_end(key)
-                return self._columns[key]
-        column = gallery.items_part(part).column(name).combine_chunks()
-        with self._lock:
-            self._columns[key] = column
-            while sum(c.nbytes for c in self._columns.values()) > self.max_bytes and len(self._columns) > 1:
-                self._columns.popitem(last=False)
-        return column
-
-
-COLUMN_CACHE = ColumnCache()
 
 
 def item_column(gallery: Gallery, positions: np.ndarray, name: str, cache: ColumnCache = COLUMN_CACHE) -> list:

@@ -72,6 +72,9 @@ def image_folder(tmp_path_factory) -> Path:
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
+    from tasks.temporary_server import tether_temporary_server
+
+    tether_temporary_server()  # a test process killed hard takes its harness's server with it
     with prefect_test_harness(server_startup_timeout=120):
         yield
 

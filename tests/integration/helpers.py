@@ -128,3 +128,45 @@ def photo_folder(folder: Path, images, ids, labels=None) -> Path:
     rows = [f"{item},item-{i:04d}.png" + (f",{labels[i]}" if labels is not None else "") for i, item in enumerate(ids)]
     (folder / "items.csv").write_text("\n".join([header, *rows]) + "\n")
     return folder / "items.csv"
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def assert_none_outlive(pids: list[int], timeout: float = 20) -> None:
+    """Each of ``pids`` has ended within ``timeout`` seconds (a process killed hard must take
+    what it started with it)."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    shown = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in left]
+    for pid in left:  # the test fails, and leaves nothing running either
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, shown
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

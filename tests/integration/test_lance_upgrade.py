@@ -20,7 +20,8 @@ from cli import app
 from components.gallery.lance_table import LanceGallery
 from tests.environment import new_bucket
 from tests.integration.helpers import (
-    cli_environment, lance_params as _lance, photo_folder, registry_models, split_images,
+    assert_none_outlive, cli_environment, descendants, lance_params as _lance, photo_folder, registry_models,
+    split_images,
 )
 
 
@@ -105,8 +106,12 @@ def test_an_upgrade_killed_in_its_backfill_resumes(upgrade_env, prefect_harness)
             break
         time.sleep(0.2)
     assert child.poll() is None, child.stdout.read()
-    os.kill(child.pid, signal.SIGKILL)
+    below = descendants(child.pid)  # its temporary Prefect server among them
+    os.kill(child.pid, signal.SIGKILL)  # the command alone, as the out-of-memory killer does
     child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert below, "the command started no temporary Prefect server"
+    assert_none_outlive(below)
     landed = table.landed_chunks()
     assert table.upgrade() is not None and landed
     vectors, backfilled, _ = table.mixed()  # queries meanwhile: the whole gallery, mixed

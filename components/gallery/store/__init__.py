@@ -31,16 +31,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.gallery.store.base import (
-    AlreadyExists, ChecksumMismatch, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable, fence,
-    json_bytes, parse_json, sha256, unfence,
+    AlreadyExists, ChecksumMismatch, Conflict, DamagedObject, ObjectMissing, Store, StoreError, StoreUnreachable,
+    fence, json_bytes, parse_json, sha256, unfence,
 )
 from components.gallery.store.local import CHECKSUM_SUFFIX, LocalStore
 from components.gallery.store.s3 import S3Store, configure_s3, s3_client, s3_endpoint, s3_settings
 
 __all__ = [
-    "CHECKSUM_SUFFIX", "AlreadyExists", "ChecksumMismatch", "Conflict", "LocalStore", "ObjectMissing", "S3Store",
-    "Store", "StoreError", "StoreUnreachable", "configure_s3", "fence", "json_bytes", "open_store", "parse_json",
-    "s3_client", "s3_endpoint", "s3_settings", "sha256", "unfence",
+    "CHECKSUM_SUFFIX", "AlreadyExists", "ChecksumMismatch", "Conflict", "DamagedObject", "LocalStore", "ObjectMissing",
+    "S3Store", "Store", "StoreError", "StoreUnreachable", "configure_s3", "fence", "json_bytes", "open_store",
+    "parse_json", "s3_client", "s3_endpoint", "s3_settings", "sha256", "unfence",
 ]
 
 

@@ -29,6 +29,11 @@ class ChecksumMismatch(StoreError):
     pass
 
 
+class DamagedObject(StoreError):
+    """An object read whole, its checksum matching, whose contents disagree with the gallery's
+    manifest (a features part with fewer rows than its items): a data error, which no retry fixes."""
+
+
 class StoreUnreachable(StoreError):
     pass
 
