@@ -111,6 +111,19 @@ def _run(uri: str, step: str, *, kill_after: int = 0, delay: float | None = None
     return killed, None if killed else int(out.split()[-1])
 
 
+def _working_seconds(uri: str, step: str) -> float:
+    """Seconds from a whole run's "started" to its "done": the step's work, without the
+    process's start and exit."""
+    child = subprocess.Popen([sys.executable, "-c", STEP.format(root=str(ROOT), uri=uri, step=step, kill_after=0)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    assert child.stdout.readline().strip() == "started"
+    started = time.monotonic()
+    assert child.stdout.readline().startswith("done")
+    seconds = time.monotonic() - started
+    child.communicate(timeout=120)
+    return seconds
+
+
 def _whole(table: LanceGallery, d) -> tuple[np.ndarray, np.ndarray]:
     """The mixed gallery reads whole: every item once, each row either h(old) or its new features."""
     vectors, backfilled, model = table.mixed()
@@ -194,10 +207,19 @@ def test_killed_after_each_commit_of_a_step_then_run_again(tmp_path, step):
         _completed(table, step)
 
 
-@pytest.mark.parametrize("delay", (0.02, 0.1, 0.3))
-def test_killed_at_any_moment_while_chunks_commit(tmp_path, delay):
-    """Killed at a moment, not at a commit's end (a data file half written): the same."""
-    table = _prepared(tmp_path / "store", "chunks")
-    _run(table.store_uri, "chunks", delay=delay)
+@pytest.mark.parametrize("moment", (0.1, 0.4, 0.7))
+def test_killed_at_any_moment_while_chunks_commit(tmp_path, moment):
+    """Killed at a moment, not at a commit's end (a data file half written): the same. The moment
+    is a fraction of how long a whole run of the chunks takes here; a run that ends before its
+    kill is tried again at half the delay, and the test fails unless a kill lands mid-run."""
+    delay = moment * _working_seconds(_prepared(tmp_path / "whole", "chunks").store_uri, "chunks")
+    for attempt in range(6):
+        table = _prepared(tmp_path / f"killed-{attempt}", "chunks")
+        killed, _ = _run(table.store_uri, "chunks", delay=delay)
+        if killed:
+            break
+        delay /= 2
+    assert killed, f"every run of the chunks ended before its kill (the last at {delay * 2:.3f} s)"
+    assert len(table.landed_chunks()) < N // CHUNK  # killed while chunks were still to commit
     _whole(table, data())
     _completed(table, "chunks")
