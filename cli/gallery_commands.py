@@ -151,7 +151,7 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # gallery.layout lance: the table goes back to its previous serving tag (docs/lance.md).
     config = load(params)
     if config.gallery.layout == "lance":
-        from flows.lance_rollback import table_rollback_flow
+        from flows.lance_undo import table_rollback_flow
 
         uri = store_uri(config, store)
         result = call(table_rollback_flow, params_path=str(params.resolve()), store_uri=uri)

@@ -307,17 +307,13 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
     config = load(params)
-    if config.gallery.layout == "lance":  # the table's upgrade columns and backfill table go (docs/lance.md)
-        from components.gallery.lance_table import LanceGallery
+    if config.gallery.layout == "lance":  # under the lock, recorded, the version claimed (flows/lance_undo.py)
+        from flows.lance_undo import table_abort_flow
 
         uri = store_uri(config, store)
-        table = LanceGallery(uri)
-        upgrade = call(table.upgrade)
-        if upgrade is None:
-            fail(f"{table.uri}: no upgrade in progress to abort", USAGE)
-        call(lambda: table.abort(upgrade.id))
-        typer.echo(f"{uri}: aborted upgrade {upgrade.id} to {upgrade.new.uri}; the table serves "
-                   f"{table.model().uri}'s features again")
+        record = call(table_abort_flow, config, uri, str(params))
+        typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['chunks_done']} chunks "
+                   f"landed); the table serves {record['model']}'s features again")
         return
     from flows.undo import abort_flow
 

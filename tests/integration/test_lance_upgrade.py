@@ -73,6 +73,45 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     assert str(champion.version) == old_version
     assert client.get_model_version(params.mlflow.registered_model, new_version).tags["promotion"] == "rolled-back"
     assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2", "serving-3"]
+    from components.gallery.claims import claimed
+    from components.gallery.store import open_store
+
+    # the rolled-back version is claimed: the watcher and the webhook do not start it again
+    assert claimed(open_store(store), params.mlflow.registered_model, new_version)["source"] == "rollback"
+
+
+def test_an_abort_of_the_table_takes_the_lock_records_and_claims(upgrade_env, prefect_harness):
+    from components.gallery.claims import claimed
+    from components.gallery.lock import acquire_lock
+    from components.gallery.store import open_store
+
+    params, tmp_path = upgrade_env
+    _, _, _, old_version, new_version = registry_models(params)
+    lance_params = _lance(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["gallery", "ingest", "--params", lance_params]).exit_code == 0
+    table, store = LanceGallery(params.gallery.store), open_store(params.gallery.store)
+    paused = runner.invoke(app, ["upgrade", "--params", lance_params, "--budget", "25%"])
+    assert paused.exit_code == 0 and "paused" in paused.output, paused.output
+    upgrade = table.upgrade()
+
+    held = acquire_lock(store, "another-upgrade", log=lambda _: None, renew=False)  # another process at work
+    try:
+        refused = runner.invoke(app, ["upgrade", "abort", "--params", lance_params])
+    finally:
+        held.release()
+    assert refused.exit_code == 6 and f"cannot abort upgrade {upgrade.id} now" in refused.output, refused.output
+    assert table.upgrade() is not None and not store.exists(f"upgrades/{upgrade.id}/aborted.json")
+
+    aborted = runner.invoke(app, ["upgrade", "abort", "--params", lance_params])
+    assert aborted.exit_code == 0 and f"aborted upgrade {upgrade.id}" in aborted.output, aborted.output
+    assert table.upgrade() is None and table.model().version == old_version
+    record = store.get_json(f"upgrades/{upgrade.id}/aborted.json")
+    assert record["to"] == upgrade.new.uri and record["chunks_done"] >= 1 and record["by"]["pid"]
+    assert claimed(store, params.mlflow.registered_model, new_version)["source"] == "abort"
+    assert not store.exists("upgrades/lock.json")
+    again = runner.invoke(app, ["upgrade", "abort", "--params", lance_params])
+    assert again.exit_code == 6 and "no upgrade in progress to abort" in again.output, again.output
 
 
 def test_a_rejected_upgrade_leaves_the_champion_s_features(upgrade_env, prefect_harness):
