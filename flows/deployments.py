@@ -80,12 +80,19 @@ def _entry_run_name() -> str:
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
-    run of the upgrade flow (flows/upgrade.py) on the task runner they name, with the same small
-    parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
+    run of the upgrade flow of its layout (flows/upgrade.py on the task runner they name, or
+    flows/lance_upgrade.py for gallery.layout lance), with the same small parameters. Its own run
+    ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
     from flows.upgrade import named_state, run_upgrade_file
 
     params = load_params(params_path)
-    result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
+    if params.gallery.layout == "lance":  # the table's upgrade flow, as `fastfill upgrade` runs it
+        from flows.lance_upgrade import table_upgrade_flow
+
+        result = table_upgrade_flow(store_uri=store or params.gallery.store, to_uri=to, gate=gate,
+                                    params_path=params_path, budget=budget)
+    else:
+        result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
     return named_state(result, to or f"models:/{params.mlflow.registered_model}@challenger")
 
 
@@ -125,10 +132,25 @@ def registry_candidate(params: Params, store_uri: str) -> tuple[str | None, str 
     start an upgrade or None)."""
     client, _ = registry.setup(params.mlflow)
     candidate = registry.alias_version(client, params.mlflow.registered_model, registry.CHALLENGER)
+    model, upgrading_to, _ = gallery_course(params, store_uri)
+    return candidate, wants_upgrade(model, upgrading_to, candidate)
+
+
+def gallery_course(params: Params, store_uri: str) -> tuple:
+    """(the gallery's model, the model its upgrade in progress goes to or None, that upgrade as
+    {"id", "to"} when it is paused and a run may resume it, else None), for either layout."""
+    if params.gallery.layout == "lance":  # no process runs a table's upgrade between runs: it is paused
+        from components.gallery.lance_table import LanceGallery
+
+        table = LanceGallery(store_uri)
+        upgrade = table.upgrade()
+        return (table.model(), upgrade.new if upgrade else None,
+                {"id": upgrade.id, "to": upgrade.new.uri} if upgrade else None)
     gallery = Gallery(store_at(store_uri))
     manifest = gallery.manifest(refresh=True)
     planned = load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
-    return candidate, wants_upgrade(gallery.model, planned.new if planned else None, candidate)
+    state = gallery_status(gallery) if planned else {"state": "idle"}
+    return gallery.model, planned.new if planned else None, state["upgrade"] if state["state"] == "paused" else None
 
 
 def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = False,
@@ -140,11 +162,10 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
     if why_not is None:
         return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
     if resume:
-        gallery = Gallery(store_at(store_uri))
-        state = gallery_status(gallery)
-        if state["state"] == "paused":
-            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": state["upgrade"]["to"]})
-            say(f"resuming the paused upgrade {state['upgrade']['id']}: flow run {run.id}")
+        _, _, paused = gallery_course(params, store_uri)
+        if paused is not None:
+            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": paused["to"]})
+            say(f"resuming the paused upgrade {paused['id']}: flow run {run.id}")
             return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
     return {"started": False, "reason": why_not}
 

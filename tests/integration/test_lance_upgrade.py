@@ -114,6 +114,32 @@ def test_an_abort_of_the_table_takes_the_lock_records_and_claims(upgrade_env, pr
     assert again.exit_code == 6 and "no upgrade in progress to abort" in again.output, again.output
 
 
+def test_the_deployment_and_the_watcher_run_the_table_s_upgrade(upgrade_env, prefect_harness):
+    """What the upgrade deployment runs (and the watcher and the webhook start) follows
+    gallery.layout: the table's flow, and the watcher reads the table's model and upgrade."""
+    from components.platform.config import load_params
+    from flows.deployments import gallery_course, registry_candidate, upgrade_entry
+
+    params, tmp_path = upgrade_env
+    _, _, _, old_version, new_version = registry_models(params)
+    lance_params = _lance(tmp_path)
+    assert CliRunner().invoke(app, ["gallery", "ingest", "--params", lance_params]).exit_code == 0
+    table, lance = LanceGallery(params.gallery.store), load_params(lance_params)
+    assert registry_candidate(lance, params.gallery.store) == (new_version, None)  # the challenger is new
+
+    paused = upgrade_entry(params_path=lance_params, budget=0.25)
+    assert paused["state"] == "paused" and table.upgrade() is not None, paused
+    upgrade = table.upgrade()
+    assert gallery_course(lance, params.gallery.store) == (table.model(), upgrade.new,
+                                                           {"id": upgrade.id, "to": upgrade.new.uri})
+    assert registry_candidate(lance, params.gallery.store)[1] == f"the gallery is already upgrading to version " \
+                                                                 f"{new_version}"
+    done = upgrade_entry(params_path=lance_params)
+    assert done["state"] == "complete" and table.model().version == new_version, done
+    assert gallery_course(lance, params.gallery.store) == (table.model(), None, None)
+    assert table.model().version == new_version != old_version
+
+
 def test_a_rejected_upgrade_leaves_the_champion_s_features(upgrade_env, prefect_harness):
     params, tmp_path = upgrade_env
     _, _, _, old_version, _ = registry_models(params)
