@@ -215,6 +215,16 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
 
     assert _worth_retrying(None, None, Failed()) is False
 
+    # an upgrade's transformed part, read by the search, the backfill's mixed features and the advisor
+    gallery.store.put_array(key, gallery.features(OLD, 0)[:10])  # whole again
+    plan = _plan(gallery, models[2])
+    short = planning.transformed_key(plan.id, 2)
+    gallery.store.put_array(short, gallery.part_rows(short, 2)[:4])
+    for read in (lambda: planning.transformed_all(gallery, plan.id), lambda: backfill.mixed_features(gallery, plan),
+                 lambda: GallerySearch(gallery)):
+        with pytest.raises(DamagedObject, match=rf"{short}: 4 rows, but part 2 has 10 items"):
+            read()
+
 
 def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
     store = open_store(store_uri)

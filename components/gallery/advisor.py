@@ -375,7 +375,8 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     positions, queries = stored_eval_sample(store, plan.id)
 
     def transformed_parts():
-        return ((gallery.part_bounds(p)[0], store.get_array(transformed_key(plan.id, p))) for p in range(gallery.num_parts))
+        return ((gallery.part_bounds(p)[0], gallery.part_rows(transformed_key(plan.id, p), p))
+                for p in range(gallery.num_parts))
 
     judged = stored_judged(store, plan.id)
     prediction = predict_upgrade(positions, queries, transformed_rows(gallery, plan.id, positions),

@@ -245,7 +245,7 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
             features = np.empty((stop - start, dim), dtype=np.float32)  # filled in place: no second copy
             for part in range(first, last):
                 p_start, p_stop = gallery.part_bounds(part)
-                features[p_start - start:p_stop - start] = gallery.store.get_array(transformed_key(plan.id, part))
+                features[p_start - start:p_stop - start] = gallery.part_rows(transformed_key(plan.id, part), part)
             backfilled = np.zeros(stop - start, dtype=bool)
             if len(batches) == 1:
                 for chunk in done:

@@ -207,7 +207,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
     features, see write_sources); returns the part's item count."""
     from components.experiment.inference import apply_alignment
 
-    old = gallery.store.get_array(source_key(upgrade, part)) if sequential else gallery.features(gallery.model, part)
+    old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
     check_features(transformed, None, f"transformed features of part {part}")
     gallery.store.put_array(transformed_key(upgrade, part), transformed)
@@ -225,7 +225,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np
     if kind == "random":
         return usage.backfill_order(kind, gallery.num_items, seed)
     try:
-        sigma = np.concatenate([gallery.store.get_array(sigma_key(upgrade, p)) for p in range(gallery.num_parts)])
+        sigma = np.concatenate([gallery.part_rows(sigma_key(upgrade, p), p) for p in range(gallery.num_parts)])
     except ObjectMissing:
         sigma = None
     if kind in usage.USAGE_ORDERS and weights is None:
@@ -321,7 +321,7 @@ def order_of(store: Store, upgrade: str) -> np.ndarray:
 
 
 def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
-    return np.concatenate([gallery.store.get_array(transformed_key(upgrade, p)) for p in range(gallery.num_parts)])
+    return np.concatenate([gallery.part_rows(transformed_key(upgrade, p), p) for p in range(gallery.num_parts)])
 
 
 

@@ -60,7 +60,7 @@ class GallerySearch:
             self.order = order_of(self.gallery.store, self.plan.id)
 
             def part_features(part: int) -> np.ndarray:
-                return self.gallery.store.get_array(transformed_key(self.plan.id, part))
+                return self.gallery.part_rows(transformed_key(self.plan.id, part), part)
         else:
             self.upgrade = None
             self.query_model = self.gallery.model

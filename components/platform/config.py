@@ -340,8 +340,9 @@ class UpgradeConfig(Section):
         "gallery's own items (old features from the store, new ones by embedding their images; they are written "
         "as backfilled, so no embedding is wasted); splits = the pipeline's prepared new-train split on this host")
     map_sample: Annotated[float, Field(gt=0, le=1)] | Annotated[int, Field(ge=2)] = Field(
-        default=0.1, description="map_pairs gallery: the items sampled, a fraction of the gallery (0 < f <= 1.0, "
-        "raised to map_sample_min) or a count")
+        default=5000, description="map_pairs gallery: the items sampled, a count (all of a smaller gallery; it does "
+        "not grow with the gallery: what the map and its check need, docs/results.md) or a fraction of the gallery "
+        "(0 < f <= 1.0, raised to map_sample_min)")
     map_sample_min: Annotated[int, Field(ge=0)] = Field(
         default=5000, description="map_pairs gallery: a fractional map_sample is at least this many items (all "
         "of a smaller gallery)")
