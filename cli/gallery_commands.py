@@ -154,6 +154,7 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
         from flows.lance_undo import table_rollback_flow
 
         uri = store_uri(config, store)
+        need_services(config)  # and a temporary Prefect server tied to this process
         result = call(table_rollback_flow, params_path=str(params.resolve()), store_uri=uri)
         typer.echo(f"{uri}: the table serves {result['model']}'s features again (rolled back from {result['from']}); "
                    + ("champion moved back" if result["champion_moved"] else

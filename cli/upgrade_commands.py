@@ -311,7 +311,8 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
         from flows.lance_undo import table_abort_flow
 
         uri = store_uri(config, store)
-        record = call(table_abort_flow, config, uri, str(params))
+        need_services(config)
+        record = call(table_abort_flow, params_path=str(params.resolve()), store_uri=uri)
         typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['chunks_done']} chunks "
                    f"landed); the table serves {record['model']}'s features again")
         return

@@ -92,7 +92,7 @@ def table_upgrade_flow(params: Params | None = None, store_uri: str | None = Non
             new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
             judged = sample = None
             if gated and config.judgments:  # read and resolved before any work: a bad file is refused first
-                judged = judgments.load_judgments(config.judgments, table.items(["id"]).column("id").to_numpy())
+                judged = judgments.load_judgments(config.judgments, table.items(["id"]).column("id"))
                 log(f"the gate measures against {judged.describe()}")
             elif gated and judgments.stored_judged(store, uid) is None:
                 sample = table_upgrade.gate_sample(table, config.eval_queries, config.seed)  # refused before any work

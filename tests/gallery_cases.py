@@ -278,8 +278,8 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
     queries = embed(new, data[0][:6])
     ids, distances = searcher.search(queries, k=5)
     np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
-    item = int(gallery.ids()[planning.order_of(gallery.store, plan.id)[0]])
-    np.testing.assert_allclose(searcher.index.reconstruct(item), mixed[planning.order_of(gallery.store, plan.id)[0]])
+    first = int(planning.order_of(gallery.store, plan.id)[0])  # the index's ids are the items' positions
+    np.testing.assert_allclose(searcher.index.reconstruct(first), mixed[first])
     _, backfilled = backfill.mixed_features(gallery, plan)
     position = {int(i): p for p, i in enumerate(gallery.ids())}
     mapped = f"{OLD.uri} mapped by {plan.map_uri}"

@@ -20,6 +20,7 @@ import numpy as np
 from components.gallery.catalog import (
     GalleryError, check_empty, check_features, commit_manifest, features_key, part_key,
 )
+from components.gallery.item_ids import id_array
 from components.gallery.store import Store
 from components.platform.registry import ModelRef
 
@@ -45,7 +46,7 @@ def read_manifest(path: Path):
             import pyarrow.csv as pcsv
 
             table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
-                                  convert_options=pcsv.ConvertOptions(column_types={"uri": pa.string(),
+                                  convert_options=pcsv.ConvertOptions(column_types={"id": pa.string(), "uri": pa.string(),
                                                                                      "group": pa.string()}))
         else:
             raise GalleryError(f"--manifest {path}: give a .csv, .tsv or .parquet file")
@@ -65,7 +66,10 @@ def read_manifest(path: Path):
         if column.null_count:
             row = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
             raise GalleryError(f"--manifest {path}: column {name} is empty at row {row}")
-        kind = pa.int64() if name in ("id", "label") else pa.float64() if name == "weight" else pa.string()
+        if name == "id":
+            columns[name] = _ids(column, path)
+            continue
+        kind = pa.int64() if name == "label" else pa.float64() if name == "weight" else pa.string()
         try:
             column = column.cast(kind)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -80,10 +84,30 @@ def read_manifest(path: Path):
             row = int(np.flatnonzero(bad)[0])
             raise GalleryError(f"--manifest {path}: column weight must hold numbers >= 0 (how much queries ask for "
                                f"each item); {int(bad.sum())} are not (first: row {row}, {weights[row]})")
-    ids = columns["id"].to_numpy()
+    ids = id_array(columns["id"])
     if len(np.unique(ids)) != len(ids):
         raise GalleryError(f"--manifest {path}: item ids must be unique")
     return pa.table(columns)
+
+
+def _ids(column, path):
+    """The manifest's id column as the team has it: integers stay int64; text stays text (SKUs,
+    UUIDs, paths), unless every id is written as a plain integer ("00123" is text: its zeros are
+    part of the id)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_integer(column.type):
+        return column.cast(pa.int64())
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise GalleryError(f"--manifest {path}: column id must hold integers or text, found {column.type}")
+    column = pc.utf8_trim_whitespace(column.cast(pa.string()))
+    if pc.any(pc.equal(column, "")).as_py():
+        row = int(np.flatnonzero(pc.equal(column, "").to_numpy(zero_copy_only=False))[0])
+        raise GalleryError(f"--manifest {path}: column id is empty at row {row}")
+    if pc.all(pc.match_substring_regex(column, r"^(0|-?[1-9][0-9]{0,17})$")).as_py():
+        return column.cast(pa.int64())
+    return column
 
 
 def npy_rows(paths: Sequence[Path]) -> Iterator[np.ndarray]:

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from components.gallery.item_ids import id_array
 from components.gallery.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
 from components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from components.platform.registry import ModelRef
@@ -139,7 +140,8 @@ class Gallery:
                                for p in range(self.num_parts)])
 
     def ids(self) -> np.ndarray:
-        return self.column("id")
+        """The items' ids in position order: int64, or str for a gallery of text ids."""
+        return np.concatenate([id_array(self.items_part(p).column("id")) for p in range(self.num_parts)])
 
     def labels(self) -> np.ndarray | None:
         if not self.manifest().get("has_labels"):
@@ -303,7 +305,7 @@ def check_ingest(images, labels, groups, ids) -> tuple[np.ndarray, np.ndarray]:
     for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
         if column is not None and len(column) != n:
             raise GalleryError(f"{name}: {len(column)} values for {n} images")
-    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    ids = np.arange(n, dtype=np.int64) if ids is None else id_array(ids)  # integers or text, as given
     if len(np.unique(ids)) != n:
         raise GalleryError("item ids must be unique")
     return images, ids

@@ -20,6 +20,7 @@ import numpy as np
 
 from components.gallery.backfill import landed_since
 from components.gallery.catalog import Gallery, GalleryError, check_features
+from components.gallery.item_ids import ids_at
 from components.gallery.planning import load_plan, order_of
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES, MERGES
@@ -53,7 +54,7 @@ class DualSearch:
         for part in range(self.gallery.num_parts):  # part by part: never the whole gallery at once
             start, stop = self.gallery.part_bounds(part)
             self.old_index.add_with_ids(self._prepare(self.gallery.features(self.old_model, part)),
-                                        self.ids[start:stop])
+                                        np.arange(start, stop, dtype=np.int64))  # the index's ids: positions
         self.new_dim = self.new_model.dim if self.new_model is not None and self.new_model.dim else self.dim
         self.new_index = faiss.IndexIDMap2(flat(self.new_dim))
         self.on_new = np.zeros(len(self.ids), dtype=bool)
@@ -89,9 +90,9 @@ class DualSearch:
             count = 0
             for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order,
                                                                  self.applied):
-                ids = self.ids[positions[read]]  # an image that could not be read stays old
-                self.old_index.remove_ids(ids)
-                self.new_index.add_with_ids(self._prepare(features[read]), ids)
+                moved = np.asarray(positions[read], dtype=np.int64)  # an image that could not be read stays old
+                self.old_index.remove_ids(moved)
+                self.new_index.add_with_ids(self._prepare(features[read]), moved)
                 self.on_new[positions[read]] = True
                 self.applied.add(chunk)
                 count += 1
@@ -120,7 +121,7 @@ class DualSearch:
         with self._lock:
             old_ids, old_dist = self._one(self.old_index, old_queries, k)
             if self.plan is None:
-                return old_ids, old_dist, [[self.old_model.uri] * old_ids.shape[1] for _ in old_ids]
+                return ids_at(self.ids, old_ids), old_dist, [[self.old_model.uri] * old_ids.shape[1] for _ in old_ids]
             if new_queries is None:
                 raise GalleryError(f"an upgrade to {self.new_model.uri} is on: the merged search needs each "
                                    "query's features from both models (the new model's too)")
@@ -139,7 +140,8 @@ class DualSearch:
             rows.append(ids)
             scores.append(score)
             sources.append([names[s] for s in source])
-        return np.stack(rows), np.stack(scores), sources
+        return ids_at(self.ids, np.stack(rows)), np.stack(scores), sources
+
 
     def search_images(self, images: np.ndarray, old_model, new_model, k: int = 10):
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with both models, and search."""

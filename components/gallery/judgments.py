@@ -23,7 +23,8 @@ import numpy as np
 
 from components.gallery.catalog import GalleryError
 from components.gallery.judged_gate import measure_judged_gate
-from components.gallery.table_files import TableFile, as_id, file_rows, first_few, gallery_positions
+from components.gallery.item_ids import id_array, id_of, is_text, positions_of
+from components.gallery.table_files import TableFile, file_rows, first_few
 
 __all__ = ["COLUMNS", "JUDGED", "Judgments", "load_judgments", "measure_judged_gate", "store_judged", "stored_judged"]
 
@@ -100,18 +101,19 @@ def load_judgments(uri: str, ids: np.ndarray | list) -> Judgments:
     against the gallery's item ``ids`` (position order). Every problem is a GalleryError of one
     line that names the file, what is wrong and what to do."""
     uri = str(uri)
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = id_array(ids)
     queries, relevant_ids, relevant_positions = JUDGMENTS_FILE.queries_and_items(
         uri, JUDGMENTS_FILE.read(uri), "relevant", ids, query_is="a gallery item id or an image URI",
         unknown="remove those rows or ingest the items first")
 
-    query_ids = [as_id(q) for q in queries]
-    numeric = np.array([q is not None for q in query_ids])
+    text = is_text(ids)
+    query_ids = [id_of(q, text) for q in queries]
+    named = np.array([q is not None for q in query_ids])
     query_positions = np.full(len(queries), -1, dtype=np.int64)
-    if numeric.any():
-        numeric_ids = np.asarray([query_ids[i] for i in np.flatnonzero(numeric)], dtype=np.int64)
-        query_positions[numeric] = gallery_positions(ids, numeric_ids)
-    stray = numeric & (query_positions < 0)
+    if named.any():
+        query_positions[named] = positions_of(ids, [query_ids[i] for i in np.flatnonzero(named)])
+    # integer ids: a query of digits must be an item; text ids: a query that is no item's id is an image URI
+    stray = named & (query_positions < 0) & (not text)
     if stray.any():
         names = list(dict.fromkeys(query_ids[i] for i in np.flatnonzero(stray)))
         raise GalleryError(f"judgments file {uri}: {len(names)} queries look like item ids but are not in the "

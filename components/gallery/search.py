@@ -4,6 +4,7 @@ Before an upgrade the index holds the gallery model's features and queries use t
 From the moment an upgrade's plan exists, queries use the new model and the index holds the
 transformed old features, with each finished chunk's new features replacing its items'
 vectors by id (``IndexIDMap2.remove_ids`` + ``add_with_ids``) as chunks land: never a rebuild.
+The index's ids are the items' positions; answers carry the team's own ids (integers or text).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from components.gallery.catalog import Gallery, GalleryError, check_features
+from components.gallery.item_ids import ids_at, is_text, positions_of
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES
 from components.gallery.backfill import landed_since
@@ -51,7 +53,6 @@ class GallerySearch:
     def _build(self) -> None:
         manifest = self.gallery.manifest(refresh=True)
         self.ids = self.gallery.ids()
-        self._by_id = np.argsort(self.ids, kind="stable")
         self.upgrade = manifest.get("upgrade")
         self.fresh = np.zeros(len(self.ids), dtype=bool)  # during an upgrade: items on the new model
         self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
@@ -72,7 +73,7 @@ class GallerySearch:
         self.index = self._new_index(part_features)
         for part in range(self.gallery.num_parts):  # part by part: never the whole gallery at once
             start, stop = self.gallery.part_bounds(part)
-            self.index.add_with_ids(self._prepare(part_features(part)), self.ids[start:stop])
+            self.index.add_with_ids(self._prepare(part_features(part)), np.arange(start, stop, dtype=np.int64))
         self.applied: set[int] = set()
         self.rebuilds = getattr(self, "rebuilds", -1) + 1
         self.gpu = GpuCopy.choose(self.index_config, self.distance)
@@ -127,9 +128,9 @@ class GallerySearch:
     def _apply_new_chunks(self) -> int:
         count = 0
         for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order, self.applied):
-            ids = self.ids[positions]
-            self.index.remove_ids(ids)
-            self.index.add_with_ids(self._prepare(features), ids)
+            positions = np.asarray(positions, dtype=np.int64)
+            self.index.remove_ids(positions)
+            self.index.add_with_ids(self._prepare(features), positions)
             if self.gpu is not None:
                 self.gpu.stale = True
             self.applied.add(chunk)
@@ -156,14 +157,17 @@ class GallerySearch:
         """Where each hit's features come from: the model URI that embedded its image, or
         ``<old model> mapped by <map>`` for transformed features (items not yet backfilled, or
         whose image could not be read)."""
-        ids = np.asarray(ids)
-        rank = np.searchsorted(self.ids, ids.ravel(), sorter=self._by_id)
-        positions = self._by_id[np.minimum(rank, len(self.ids) - 1)]
+        ids = np.asarray(ids, dtype=object if is_text(self.ids) else np.int64)
+        flat = ids.ravel()
+        found = np.array([i is not None and not (isinstance(i, (int, np.integer)) and i < 0) for i in flat], dtype=bool)
+        positions = np.full(len(flat), -1, dtype=np.int64)
+        if found.any():
+            positions[found] = positions_of(self.ids, [flat[i] for i in np.flatnonzero(found)])
         if self.plan is not None:
             new, mapped = self.plan.new.uri, f"{self.plan.old.uri} mapped by {self.plan.map_uri}"
         else:
             new, mapped = self.query_model.uri, self._mapped
-        out = [new if self.fresh[p] else mapped if i >= 0 else None for p, i in zip(positions, ids.ravel())]
+        out = [None if p < 0 else new if self.fresh[p] else mapped for p in positions]
         return np.array(out, dtype=object).reshape(ids.shape).tolist()
 
     @property
@@ -179,10 +183,10 @@ class GallerySearch:
         features, k = check_queries(features, self.dim, self.query_model.uri, k, self.gallery.num_items)
         with self._lock:
             if self.gpu is not None:
-                scores, ids = self.gpu.search(self.index, self._prepare(features), k)
+                scores, positions = self.gpu.search(self.index, self._prepare(features), k)
             else:
-                scores, ids = self.index.search(self._prepare(features), k)
-        return ids, (1.0 - scores if self.distance == "cosine" else scores)
+                scores, positions = self.index.search(self._prepare(features), k)
+        return ids_at(self.ids, positions), (1.0 - scores if self.distance == "cosine" else scores)
 
     def search_images(self, images: np.ndarray, model, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with ``model``, the query model

@@ -6,14 +6,12 @@ names the file, what is wrong and what to do."""
 from __future__ import annotations
 
 import io
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from components.gallery.catalog import GalleryError
-
-_INTEGER = re.compile(r"[+-]?\d+")
+from components.gallery.item_ids import id_array, id_of, is_text, positions_of
 
 
 @dataclass(frozen=True)
@@ -119,31 +117,20 @@ class TableFile:
         if blank.any():
             raise GalleryError(f"{self.what} {uri}: {int(blank.sum())} rows have no query (rows {file_rows(blank)}); "
                                f"give each row {query_is}")
-        item_ids = [as_id(v) for v in values]
+        ids = id_array(ids)
+        item_ids = [id_of(v, is_text(ids)) for v in values]
         not_ids = np.array([v is None for v in item_ids])
         if not_ids.any():
             bad = [values[i] for i in np.flatnonzero(not_ids)]
             raise GalleryError(f"{self.what} {uri}: {int(not_ids.sum())} {column} values are not item ids (rows "
                                f"{file_rows(not_ids)}: {first_few(bad, 3)}); `{column}` must hold gallery item ids")
-        positions = gallery_positions(np.asarray(ids, dtype=np.int64), np.asarray(item_ids, dtype=np.int64))
+        positions = positions_of(ids, item_ids)
         missing = positions < 0
         if missing.any():
             names = list(dict.fromkeys(item_ids[i] for i in np.flatnonzero(missing)))
             raise GalleryError(f"{self.what} {uri}: {len(names)} {column} ids are not in the gallery "
                                f"({first_few(names)}; {int(missing.sum())} rows); {unknown}")
         return queries, item_ids, positions
-
-
-def as_id(value) -> int | None:
-    """An integer item id from a cell (int, integral float, or digits in text), else None."""
-    if isinstance(value, (bool, np.bool_)) or value is None:
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return int(value) if np.isfinite(value) and float(value).is_integer() else None
-    text = str(value).strip()
-    return int(text) if _INTEGER.fullmatch(text) else None
 
 
 def first_few(values, count: int = 5) -> str:
@@ -155,15 +142,3 @@ def first_few(values, count: int = 5) -> str:
 def file_rows(mask) -> str:
     """The rows where ``mask`` is true, as a file shows them (1-based after the header)."""
     return first_few([int(r) + 1 for r in np.flatnonzero(mask)])
-
-
-def gallery_positions(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Gallery positions of the item ids ``values`` (``ids``: the gallery's, in position order),
-    -1 where no item has the id."""
-    ids, values = np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.int64)
-    if not len(ids):
-        return np.full(len(values), -1, dtype=np.int64)
-    sorter = np.argsort(ids, kind="stable")
-    slot = np.clip(np.searchsorted(ids, values, sorter=sorter), 0, len(ids) - 1)
-    found = sorter[slot]
-    return np.where(ids[found] == values, found, -1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.gallery.catalog import GalleryError, check_features
+from components.gallery.item_ids import id_array
 from components.gallery.lance_format import _metadata
 from components.gallery.lance_table import LanceGallery
 
@@ -83,7 +84,7 @@ def usage_weights(table: LanceGallery, usage_log: str | None):
             return None
         return np.asarray(table.items([usage.WEIGHT]).column(usage.WEIGHT).to_pylist(), dtype=np.float64)
 
-    return usage.weights_of(usage_log, lambda: table.items(["id"]).column("id").to_numpy(), stored,
+    return usage.weights_of(usage_log, lambda: id_array(table.items(["id"]).column("id")), stored,
                             f"the table {table.uri}", "the table's")
 
 

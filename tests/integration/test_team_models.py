@@ -406,9 +406,10 @@ def _headless_network() -> nn.Module:
 
 
 def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team, prefect_harness):
-    """Both models ONNX exports (no head), a gallery without labels: the FastFill map's disc term
-    takes K-means pseudo-classes of the map sample (recorded on the map's version), and the
-    upgrade completes with the new model's features."""
+    """Both models ONNX exports (no head), a gallery without labels whose ids are text: the
+    FastFill map's disc term takes K-means pseudo-classes of the map sample (recorded on the
+    map's version), the upgrade completes with the new model's features, and the search answers
+    with the team's ids."""
     import mlflow
 
     from components.gallery.catalog import Gallery
@@ -427,7 +428,8 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     photos.mkdir()
     for i, picture in enumerate(_photos(80, seed=9)):
         picture.save(photos / f"p{i:02d}.jpg", quality=90)
-    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{900 + i},p{i:02d}.jpg\n" for i in range(80)))
+    # the team's ids are text: SKUs with their leading zeros
+    (photos / "items.csv").write_text("id,uri\n" + "".join(f"SKU-{i:05d},p{i:02d}.jpg\n" for i in range(80)))
     data = yaml.safe_load((team / "params.yaml").read_text())
     data["paths"]["data"] = str(team / "no-pipeline-here")
     data["gallery"] = {"store": str(team / "gallery"), "part_size": 40,
@@ -449,3 +451,13 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     assert trained.tags["disc_targets"] == ("pseudo-classes: 3 K-means clusters of the new features, with a head "
                                             "fitted on them"), trained.tags
     assert trained.tags["pairs.count"] == "60"
+
+    # the search answers with the team's own ids
+    np.testing.assert_array_equal(gallery.ids(), [f"SKU-{i:05d}" for i in range(80)])
+    queries = gallery.all_features(gallery.model)[[3, 41, 77]]
+    np.save(team / "queries.npy", queries)
+    found = _cli(team, "search", "--features", str(team / "queries.npy"), "-k", "2", "--store", str(team / "gallery"))
+    assert found.exit_code == 0, found.output
+    answer = json.loads(found.stdout)
+    assert [row[0] for row in answer["ids"]] == ["SKU-00003", "SKU-00041", "SKU-00077"], answer
+    assert answer["sources"][0][0] == gallery.model.uri

@@ -58,7 +58,8 @@ def test_reads_are_bounded_and_in_order(tmp_path):
     ("id,path\n1,a.png\n2,b.png\n", "no column uri"),
     ("id,uri\n1,a.png\n1,b.png\n", "ids must be unique"),
     ("id,uri\n1,a.png\n", "at least 2 items"),
-    ("id,uri\n1,a.png\nx,b.png\n", "column id must hold integers"),
+    ("id,uri\nsku-1,a.png\n  ,b.png\n", "column id is empty at row 1"),
+    ("id,uri\nsku-1,a.png\n sku-1 ,b.png\n", "ids must be unique"),
     ("id,uri,label\n1,a.png,3\n2,b.png,\n", "column label is empty at row 1"),
 ])
 def test_a_bad_manifest_is_refused_with_the_reason(tmp_path, text, message):
@@ -118,3 +119,16 @@ def test_failed_images_past_the_limit_stop_new_chunks():
     assert isinstance(state.failure, GalleryError) and state.to_start() == []
     assert "2 images could not be read" in str(state.failure) and "item 4 at s3://b/4.png" in str(state.failure)
     assert state.summary()["failed_images"] == 2
+
+
+@pytest.mark.parametrize("text, ids", [
+    ("id,uri\n7,a.png\n-3,b.png\n", [7, -3]),  # integers stay integers
+    ("id,uri\n1,a.png\nx,b.png\n", ["1", "x"]),  # one text id: all are text
+    ("id,uri\n00123,a.png\n123,b.png\n", ["00123", "123"]),  # zeros are part of an id
+    ("id,uri\nSKU-9 ,a.png\n3f2b6c1e-8a1d-4c3e-9b7f-0e2d4c6a8b10,b.png\n",
+     ["SKU-9", "3f2b6c1e-8a1d-4c3e-9b7f-0e2d4c6a8b10"]),
+])
+def test_ids_are_kept_as_the_team_has_them(tmp_path, text, ids):
+    path = tmp_path / "items.csv"
+    path.write_text(text)
+    assert read_manifest(path).column("id").to_pylist() == ids

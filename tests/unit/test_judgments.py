@@ -46,6 +46,18 @@ def test_load_parquet_with_integer_relevant_ids(tmp_path):
     _check_resolved(load_judgments(str(path), IDS.tolist()))
 
 
+def test_text_ids_resolve_as_the_team_wrote_them(tmp_path):
+    """A gallery of text ids (SKUs with their zeros): the same file with those ids resolves to the
+    same positions; a query that is no item's id is an image URI; an unknown relevant id is named."""
+    text = np.array(["SKU-010", "SKU-020", "0030", "SKU-040", "SKU-050"])
+    as_text = {"10": "SKU-010", "20": "SKU-020", "30": "0030", "40": "SKU-040", "50": "SKU-050"}
+    rows = {name: [as_text.get(v, v) for v in values] for name, values in ROWS.items()}
+    _check_resolved(load_judgments(_csv(tmp_path / "judged.csv", rows), text))
+    path = _csv(tmp_path / "unknown.csv", {"query": ["SKU-010"], "relevant": ["30"]})  # "30" is not "0030"
+    with pytest.raises(GalleryError, match=r"1 relevant ids are not in the gallery \(30; 1 rows\)"):
+        load_judgments(path, text)
+
+
 def test_a_missing_column_is_named(tmp_path):
     path = _csv(tmp_path / "judged.csv", {"query": ["10"], "relevant_id": ["20"]})
     with pytest.raises(GalleryError, match=r"judged\.csv lacks the column relevant \(it has: query, relevant_id\)"):

@@ -290,6 +290,7 @@ def test_commands_on_the_lance_layout(tmp_path):
 
     from typer.testing import CliRunner
 
+    import flows.lance_undo  # noqa: F401 - Prefect (abort runs a flow) configures its logging outside the runner
     from cli import app
 
     data = _data()
@@ -381,6 +382,29 @@ def test_adopt_with_the_current_features(tmp_path):
     with pytest.raises(GalleryError, match="200 feature rows for the manifest's 600 items"):
         lance_convert.adopt(tmp_path / "other", read_manifest(manifest), OLD, (1, 4, 4),
                           features=npy_rows([tmp_path / "a.npy"]))
+
+
+def test_a_table_keeps_the_team_s_text_ids_through_search_and_judgments(tmp_path):
+    from components.gallery import lance_convert
+    from components.gallery.adopt import npy_rows, read_manifest
+    from components.gallery.judgments import load_judgments
+    from components.gallery.lance_search import LanceSearch
+
+    data = _data()
+    manifest = tmp_path / "items.csv"
+    manifest.write_text("id,uri\n" + "".join(f"shelf/{i:05d}.png,s3://shelf/{i}.png\n" for i in range(N)))
+    np.save(tmp_path / "old.npy", data["old"])
+    lance_convert.adopt(tmp_path / "store", read_manifest(manifest), OLD, (1, 4, 4), root="s3://shelf",
+                        features=npy_rows([tmp_path / "old.npy"]), registry="sqlite:///r.db")
+    table = LanceGallery(tmp_path / "store")
+    ids = table.items(["id"]).column("id")
+    assert ids.to_pylist()[:2] == ["shelf/00000.png", "shelf/00001.png"]
+    found, _, _ = LanceSearch(table).search(data["old"][[5, 321]], k=1)
+    assert [row[0] for row in found] == ["shelf/00005.png", "shelf/00321.png"]
+    judged_file = tmp_path / "judged.csv"
+    judged_file.write_text("query,relevant\nshelf/00005.png,shelf/00006.png\n")
+    judged = load_judgments(str(judged_file), ids)
+    assert judged.query_positions.tolist() == [5] and [r.tolist() for r in judged.relevant] == [[6]]
 
 
 def test_status_and_doctor_read_the_table(tmp_path):

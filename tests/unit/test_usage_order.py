@@ -44,6 +44,12 @@ def test_weights_are_counted_from_a_parquet_log_with_integer_ids(tmp_path):
     assert load_usage_log(str(path), IDS.tolist()).weights.tolist() == EXPECTED
 
 
+def test_weights_are_counted_against_text_ids(tmp_path):
+    text = np.array(["a/10.jpg", "a/20.jpg", "a/30.jpg", "a/40.jpg", "a/50.jpg", "a/60.jpg"])
+    log = {"query": LOG["query"], "hit": [f"a/{h}.jpg" for h in LOG["hit"]]}
+    assert load_usage_log(_csv(tmp_path / "log.csv", log), text).weights.tolist() == EXPECTED
+
+
 def test_unknown_ids_are_counted_and_named(tmp_path):
     path = _csv(tmp_path / "log.csv", {"query": ["a", "a", "b", "c"], "hit": ["99", "20", "98", "99"]})
     with pytest.raises(GalleryError) as error:
