@@ -191,19 +191,7 @@ def require_services(config) -> None:
         return
     check_tracking_server(config.mlflow, timeout=SERVICE_TIMEOUT)
     check_prefect_api(SERVICE_TIMEOUT)
-    tether_temporary_prefect()
     _answered.add(services)
-
-
-def tether_temporary_prefect() -> None:
-    """Without PREFECT_API_URL, the first flow run starts a temporary Prefect server: tie it to
-    this process, so that it ends with it however the process ends (tasks.temporary_server)."""
-    from prefect.settings import get_current_settings
-
-    if not get_current_settings().api.url:
-        from tasks.temporary_server import tether_temporary_server
-
-        tether_temporary_server()
 
 
 def need_services(config) -> None:

@@ -11,8 +11,7 @@ from typing import Annotated
 import typer
 
 from cli import app
-from cli.command_support import (INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri,
-                                 tether_temporary_prefect)
+from cli.command_support import INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri
 
 webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook", short_help="MLflow webhooks: serve, register, list, delete.")
@@ -131,7 +130,6 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     from services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
-    tether_temporary_prefect()
     _stop_on_sigterm()  # a check blocked on a registry or Prefect server that is gone is interrupted too
     if every is not None:
         if every <= 0:
@@ -186,7 +184,6 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
         typer.secho("warning: PREFECT_API_URL is not set, so a delivery would start the upgrade on a temporary "
                     "Prefect server that has no deployments; point it at the server `fastfill serve` uses",
                     fg=typer.colors.YELLOW, err=True)
-    tether_temporary_prefect()
     _stop_on_sigterm()
     try:
         receiver.serve_forever()  # SIGTERM or Ctrl-C: the deliveries in flight get a few seconds, then it ends

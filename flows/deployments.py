@@ -59,7 +59,6 @@ def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None)
     (Prefect's own error for that says only "None")."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
-
     name = f"upgrade {parameters.get('store') or 'gallery.store'} to {parameters.get('to') or 'challenger'}"
     try:
         return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters,
