@@ -59,6 +59,7 @@ def run_upgrade_deployment(parameters: dict, idempotency_key: str | None = None)
     (Prefect's own error for that says only "None")."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
+
     name = f"upgrade {parameters.get('store') or 'gallery.store'} to {parameters.get('to') or 'challenger'}"
     try:
         return run_deployment(UPGRADE_DEPLOYMENT, timeout=0, idempotency_key=idempotency_key, parameters=parameters,
@@ -131,25 +132,35 @@ def registry_candidate(params: Params, store_uri: str) -> tuple[str | None, str 
     start an upgrade or None)."""
     client, _ = registry.setup(params.mlflow)
     candidate = registry.alias_version(client, params.mlflow.registered_model, registry.CHALLENGER)
-    model, upgrading_to, _ = gallery_course(params, store_uri)
+    model, upgrading_to = gallery_course(params, store_uri)
     return candidate, wants_upgrade(model, upgrading_to, candidate)
 
 
 def gallery_course(params: Params, store_uri: str) -> tuple:
-    """(the gallery's model, the model its upgrade in progress goes to or None, that upgrade as
-    {"id", "to"} when it is paused and a run may resume it, else None), for either layout."""
-    if params.gallery.layout == "lance":  # no process runs a table's upgrade between runs: it is paused
+    """(the gallery's model, the model its upgrade in progress goes to or None), for either
+    layout: what each registry check reads, from the manifest and the plan alone."""
+    if params.gallery.layout == "lance":
         from components.gallery.lance_table import LanceGallery
 
         table = LanceGallery(store_uri)
         upgrade = table.upgrade()
-        return (table.model(), upgrade.new if upgrade else None,
-                {"id": upgrade.id, "to": upgrade.new.uri} if upgrade else None)
+        return table.model(), upgrade.new if upgrade else None
     gallery = Gallery(store_at(store_uri))
     manifest = gallery.manifest(refresh=True)
     planned = load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
-    state = gallery_status(gallery) if planned else {"state": "idle"}
-    return gallery.model, planned.new if planned else None, state["upgrade"] if state["state"] == "paused" else None
+    return gallery.model, planned.new if planned else None
+
+
+def paused_upgrade(params: Params, store_uri: str) -> dict | None:
+    """The gallery's paused upgrade as {"id", "to"}, which a run may resume, or None, for either
+    layout (no process runs a table's upgrade between runs: one in progress is paused)."""
+    if params.gallery.layout == "lance":
+        from components.gallery.lance_table import LanceGallery
+
+        upgrade = LanceGallery(store_uri).upgrade()
+        return {"id": upgrade.id, "to": upgrade.new.uri} if upgrade else None
+    state = gallery_status(Gallery(store_at(store_uri)))
+    return state["upgrade"] if state["state"] == "paused" else None
 
 
 def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = False,
@@ -161,7 +172,7 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
     if why_not is None:
         return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
     if resume:
-        _, _, paused = gallery_course(params, store_uri)
+        paused = paused_upgrade(params, store_uri)
         if paused is not None:
             run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": paused["to"]})
             say(f"resuming the paused upgrade {paused['id']}: flow run {run.id}")

@@ -21,12 +21,13 @@ from components.gallery import planning, reversal
 from components.gallery.catalog import GalleryError, now
 from components.gallery.claims import claim
 from components.gallery.lance_table import LanceGallery
-from components.gallery.lock import UpgradeLocked, acquire_lock
+from components.gallery.lock import acquire_lock
 from components.gallery.store import ObjectMissing, open_store
 from components.platform import registry
 from components.platform.config import Params
 from components.platform.registry import ModelRef
 from flows.parameters import resolve_params
+from flows.undo import mark_run_aborted, take_undo_lock
 from tasks._policy import log
 
 ROLLBACK = "upgrades/rollback.json"
@@ -81,11 +82,7 @@ def table_abort_flow(params: Params | None = None, store_uri: str | None = None,
     upgrade = table.upgrade()
     if upgrade is None:
         raise GalleryError(f"{table.uri}: no upgrade in progress to abort")
-    try:
-        lock = acquire_lock(store, upgrade.id, log=log, lease_seconds=params.gallery.upgrade.lease_seconds)
-    except UpgradeLocked as error:
-        raise UpgradeLocked(f"cannot abort upgrade {upgrade.id} now: {error}") from None
-    with lock:
+    with take_undo_lock(store, upgrade.id, f"abort upgrade {upgrade.id}", params):
         current = table.upgrade()  # read again under the lock
         if current is None or current.id != upgrade.id:
             raise GalleryError(f"upgrade {upgrade.id} is no longer the one in progress at {table.uri}; nothing was "
@@ -102,25 +99,7 @@ def table_abort_flow(params: Params | None = None, store_uri: str | None = None,
         if claim(store, upgrade.new.name, upgrade.new.version, "abort", upgrade=upgrade.id):
             log(f"{upgrade.new.uri} is claimed for {table.uri}: the registry watcher and the webhook will not start "
                 "it again (`fastfill upgrade` still can)")
-        _end_run_killed(params, record)
+        mark_run_aborted(params, record, f"{record['chunks_done']} chunks")
         log(f"aborted upgrade {upgrade.id} ({record['chunks_done']} chunks landed); {table.uri} serves "
             f"{table.model().uri}'s features again")
         return {**record, "state": "aborted", "model": table.model().uri}
-
-
-def _end_run_killed(params: Params, record: dict) -> None:
-    """The aborted upgrade's MLflow run ends KILLED, tagged with who aborted it; the store's record
-    is what counts, so a registry that cannot take this is reported and the abort stands."""
-    from mlflow.exceptions import MlflowException
-
-    run_id = record.get("mlflow_run_id")
-    if not run_id:
-        return
-    by = record.get("by") or {}
-    try:
-        client, _ = registry.setup(params.mlflow)
-        client.set_tag(run_id, "fastfill.aborted", f"{record['aborted']} by {by.get('user')}@{by.get('host')} at "
-                                                   f"{record['chunks_done']} chunks")
-        client.set_terminated(run_id, "KILLED")
-    except (MlflowException, OSError) as error:
-        log(f"the abort stands, but its MLflow run {run_id} could not be marked KILLED: {error}")

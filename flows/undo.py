@@ -18,7 +18,7 @@ from tasks._policy import log
 from tasks.gallery_store import open_gallery
 
 
-def _take_lock(store, holder: str, doing: str, params: Params):
+def take_undo_lock(store, holder: str, doing: str, params: Params):
     """The gallery's lock for ``doing``; held by another live process, a refusal that names it."""
     from components.gallery.lock import LeaseLost, UpgradeLocked
 
@@ -47,7 +47,7 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
     gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3)
     store = gallery.store
     upgrade = reversal.abortable(gallery)  # refused with its reason before the lock is touched
-    lock = _take_lock(store, upgrade, f"abort upgrade {upgrade}", params)
+    lock = take_undo_lock(store, upgrade, f"abort upgrade {upgrade}", params)
     try:
         record = reversal.abort(gallery, upgrade)  # checked again under the lock
         plan = planning.load_plan(store, upgrade)
@@ -63,9 +63,17 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
 
 
 def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: dict) -> None:
-    """The aborted upgrade's MLflow run ends KILLED, tagged with who aborted it and where. The
-    store's ``aborted.json`` is the record that counts: a registry that cannot take this is
-    reported, and the abort stands."""
+    """The aborted upgrade's MLflow run ends KILLED (``mark_run_aborted``), once the gallery is
+    known to belong to this registry."""
+    mark_run_aborted(params, record, f"{record['items_done']}/{record['items']} items ({record['stage']})",
+                     lambda: check_registry(gallery.manifest(), gallery.store.uri, registry.identity(params.mlflow)))
+
+
+def mark_run_aborted(params: Params, record: dict, progress: str, check=lambda: None) -> None:
+    """The aborted upgrade's MLflow run (``record['mlflow_run_id']``) ends KILLED, tagged with who
+    aborted it, when and how far it got (``progress``), after ``check()``. The store's
+    ``aborted.json`` is the record that counts: a registry that cannot take this is reported, and
+    the abort stands. Both layouts' aborts call it."""
     from mlflow.exceptions import MlflowException
 
     run_id = record.get("mlflow_run_id")
@@ -73,10 +81,10 @@ def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: dict) -> N
         return
     by = record.get("by") or {}
     try:
-        check_registry(gallery.manifest(), gallery.store.uri, registry.identity(params.mlflow))
+        check()
         client, _ = registry.setup(params.mlflow)
         client.set_tag(run_id, "fastfill.aborted", f"{record['aborted']} by {by.get('user')}@{by.get('host')} at "
-                                                   f"{record['items_done']}/{record['items']} items ({record['stage']})")
+                                                   f"{progress}")
         client.set_terminated(run_id, "KILLED")
     except (GalleryError, MlflowException, OSError) as error:
         log(f"the abort stands, but MLflow run {run_id} could not be marked aborted: {error}")
@@ -102,7 +110,7 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     client, _ = registry.setup(params.mlflow)  # the run's one registry client
     pending = reversal.interrupted_rollback(gallery)
     upgrade = pending["upgrade"] if pending is not None else reversal.rollback_target(gallery)[0]  # refusals first
-    lock = _take_lock(store, f"rollback of {upgrade}", "roll back", params)
+    lock = take_undo_lock(store, f"rollback of {upgrade}", "roll back", params)
     try:
         record = reversal.interrupted_rollback(gallery)
         if record is None:

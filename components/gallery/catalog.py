@@ -155,7 +155,7 @@ class Gallery:
         expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
         if images.shape != tuple(expected) or images.dtype != np.uint8:
             raise DamagedObject(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
-                             f"{tuple(expected)}, found {images.dtype} {images.shape}")
+                                f"{tuple(expected)}, found {images.dtype} {images.shape}")
         return images
 
     def features(self, model: ModelRef, part: int) -> np.ndarray:

@@ -142,7 +142,6 @@ class DualSearch:
             sources.append([names[s] for s in source])
         return ids_at(self.ids, np.stack(rows)), np.stack(scores), sources
 
-
     def search_images(self, images: np.ndarray, old_model, new_model, k: int = 10):
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with both models, and search."""
         from components.experiment.inference import embed

@@ -118,7 +118,7 @@ def test_the_deployment_and_the_watcher_run_the_table_s_upgrade(upgrade_env, pre
     """What the upgrade deployment runs (and the watcher and the webhook start) follows
     gallery.layout: the table's flow, and the watcher reads the table's model and upgrade."""
     from components.platform.config import load_params
-    from flows.deployments import gallery_course, registry_candidate, upgrade_entry
+    from flows.deployments import gallery_course, paused_upgrade, registry_candidate, upgrade_entry
 
     params, tmp_path = upgrade_env
     _, _, _, old_version, new_version = registry_models(params)
@@ -130,13 +130,14 @@ def test_the_deployment_and_the_watcher_run_the_table_s_upgrade(upgrade_env, pre
     paused = upgrade_entry(params_path=lance_params, budget=0.25)
     assert paused["state"] == "paused" and table.upgrade() is not None, paused
     upgrade = table.upgrade()
-    assert gallery_course(lance, params.gallery.store) == (table.model(), upgrade.new,
-                                                           {"id": upgrade.id, "to": upgrade.new.uri})
+    assert gallery_course(lance, params.gallery.store) == (table.model(), upgrade.new)
+    assert paused_upgrade(lance, params.gallery.store) == {"id": upgrade.id, "to": upgrade.new.uri}
     assert registry_candidate(lance, params.gallery.store)[1] == f"the gallery is already upgrading to version " \
                                                                  f"{new_version}"
     done = upgrade_entry(params_path=lance_params)
     assert done["state"] == "complete" and table.model().version == new_version, done
-    assert gallery_course(lance, params.gallery.store) == (table.model(), None, None)
+    assert gallery_course(lance, params.gallery.store) == (table.model(), None)
+    assert paused_upgrade(lance, params.gallery.store) is None
     assert table.model().version == new_version != old_version
 
 

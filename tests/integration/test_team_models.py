@@ -107,6 +107,26 @@ def _encoded(picture, fmt="JPEG") -> bytes:
     return buffer.getvalue()
 
 
+def _adopted(team: Path, pictures: list, rows: list, upgrade: dict) -> Path:
+    """The team's JPEGs in ``team/photos`` with a manifest of ``rows`` (id, file name), params.yaml
+    pointing at a gallery there with no pipeline files (the map's pairs from the gallery, half of
+    them held out; ``upgrade``: more gallery.upgrade settings), adopted; returns the photos' folder."""
+    photos = team / "photos"
+    photos.mkdir()
+    for picture, (_, name) in zip(pictures, rows):
+        picture.save(photos / name, quality=90)
+    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{item},{name}\n" for item, name in rows))
+    data = yaml.safe_load((team / "params.yaml").read_text())
+    data["paths"]["data"] = str(team / "no-pipeline-here")
+    data["gallery"] = {"store": str(team / "gallery"), "part_size": 40,
+                       "upgrade": {"map_pairs": "gallery", **upgrade}}
+    data["align"]["fastfill"]["validation_fraction"] = 0.5
+    (team / "params.yaml").write_text(yaml.safe_dump(data))
+    adopted = _cli(team, "gallery", "adopt", "--manifest", str(photos / "items.csv"), "--store", str(team / "gallery"))
+    assert adopted.exit_code == 0, adopted.output
+    return photos
+
+
 def test_each_source_registers_and_embeds_as_its_framework_does(team):
     import onnxruntime as ort
 
@@ -368,21 +388,9 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     from flows.upgrade import upgrade_flow
 
     old_uri, new_uri = _register_both(team)
-    photos = team / "photos"
-    photos.mkdir()
     pictures = _photos(90, seed=5)
-    for i, picture in enumerate(pictures):
-        picture.save(photos / f"sku-{i:03d}.jpg", quality=90)
-    (photos / "items.csv").write_text("id,uri\n" + "".join(f"{7000 + i},sku-{i:03d}.jpg\n"
-                                                           for i in range(len(pictures))))
-    data = yaml.safe_load((team / "params.yaml").read_text())
-    data["paths"]["data"] = str(team / "no-pipeline-here")
-    data["gallery"] = {"store": str(team / "gallery"), "part_size": 40,
-                       "upgrade": {"chunk_size": 16, "eval_queries": 20, "map_pairs": "gallery", "map_sample": 40}}
-    data["align"]["fastfill"]["validation_fraction"] = 0.5
-    (team / "params.yaml").write_text(yaml.safe_dump(data))
-    adopted = _cli(team, "gallery", "adopt", "--manifest", str(photos / "items.csv"), "--store", str(team / "gallery"))
-    assert adopted.exit_code == 0, adopted.output
+    photos = _adopted(team, pictures, [(7000 + i, f"sku-{i:03d}.jpg") for i in range(len(pictures))],
+                      {"chunk_size": 16, "eval_queries": 20, "map_sample": 40})
 
     gallery = Gallery(open_store(str(team / "gallery")))
     old_model, new_model = registered.load_model(old_uri), registered.load_model(new_uri)
@@ -424,20 +432,9 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
                "--alias", "challenger", "--json")
     assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
     assert json.loads(new.stdout).get("head") in (None, False, 0), new.stdout
-    photos = team / "photos"
-    photos.mkdir()
-    for i, picture in enumerate(_photos(80, seed=9)):
-        picture.save(photos / f"p{i:02d}.jpg", quality=90)
     # the team's ids are text: SKUs with their leading zeros
-    (photos / "items.csv").write_text("id,uri\n" + "".join(f"SKU-{i:05d},p{i:02d}.jpg\n" for i in range(80)))
-    data = yaml.safe_load((team / "params.yaml").read_text())
-    data["paths"]["data"] = str(team / "no-pipeline-here")
-    data["gallery"] = {"store": str(team / "gallery"), "part_size": 40,
-                       "upgrade": {"chunk_size": 20, "eval_queries": 0, "map_pairs": "gallery", "map_sample": 60}}
-    data["align"]["fastfill"]["validation_fraction"] = 0.5
-    (team / "params.yaml").write_text(yaml.safe_dump(data))
-    adopted = _cli(team, "gallery", "adopt", "--manifest", str(photos / "items.csv"), "--store", str(team / "gallery"))
-    assert adopted.exit_code == 0, adopted.output
+    _adopted(team, _photos(80, seed=9), [(f"SKU-{i:05d}", f"p{i:02d}.jpg") for i in range(80)],
+             {"chunk_size": 20, "eval_queries": 0, "map_sample": 60})
 
     params = load_params(team / "params.yaml")
     done = upgrade_flow(params, str(team / "gallery"), gate=False)
