@@ -119,9 +119,9 @@ def _write_files(images: np.ndarray, root: str) -> float:
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, files_root: str | None = None):
     import pyarrow as pa
 
-    from components.gallery import planning
-    from components.gallery.adopt import adopt
-    from components.gallery.catalog import Gallery, ingest
+    from components.gallery.upgrade import planning
+    from components.gallery.inputs.adopt import adopt
+    from components.gallery.layouts.catalog import Gallery, ingest
     from components.platform.registry import ModelRef
     from components.gallery.store import open_store
     from components.experiment.inference import embed
@@ -164,7 +164,7 @@ def main() -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from components.platform.config import parse_params
-    from components.gallery.catalog import IMAGE_CACHE
+    from components.gallery.layouts.catalog import IMAGE_CACHE
     from components.experiment.inference import embed
     from flows.upgrade import _backfill
 

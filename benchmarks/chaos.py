@@ -68,16 +68,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 
-    from components.gallery import backfill, ending, planning
-    from components.gallery.catalog import Gallery
-    from components.gallery.lock import LOCK
+    from components.gallery.upgrade import backfill, ending, planning
+    from components.gallery.layouts.catalog import Gallery
+    from components.gallery.store.lock import LOCK
     from components.gallery.store import open_store
     from components.platform import registry
     from components.platform.config import parse_params
     from flows.pipeline import pipeline_flow
-    from components.platform.process_state import in_workdir
-    from components.gallery.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
-    from components.experiment.tiny_demo import make_image_folder, tiny_params
+    from testkit.process_state import in_workdir
+    from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
+    from testkit.tiny_demo import make_image_folder, tiny_params
 
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))

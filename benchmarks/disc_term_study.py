@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bars(count: int, seed: int):
-    from components.experiment.tiny_demo import class_image
+    from testkit.tiny_demo import class_image
 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, size=count)

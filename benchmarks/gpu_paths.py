@@ -111,7 +111,7 @@ def throughput(model, images, cuda, batch_sizes=(512, 2048), cpu_items: int = 20
 def search(n: int, queries: int) -> dict:
     import faiss
 
-    from components.gallery.search import GpuCopy
+    from components.gallery.search.index import GpuCopy
     from components.platform.config import IndexConfig
 
     rng = np.random.default_rng(0)
@@ -136,8 +136,8 @@ def backfill(model, images, cuda) -> dict:
     import torch
 
     from components.experiment.models import AlignmentMap
-    from components.gallery import backfill, planning
-    from components.gallery.catalog import Gallery, ingest
+    from components.gallery.upgrade import backfill, planning
+    from components.gallery.layouts.catalog import Gallery, ingest
     from components.gallery.store import open_store
     from components.platform.registry import ModelRef
 

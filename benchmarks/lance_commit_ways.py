@@ -8,7 +8,7 @@ Ways, each committing the same chunks (positions in a random order) of new featu
 - ``merge_insert``: ``merge_insert("position").when_matched_update_all()`` into the gallery
   table's ``new`` column (idempotent: an update by key);
 - ``merge_insert+btree``: the same with a BTREE scalar index on ``position``;
-- ``append``: one append per chunk to a second table (what components/gallery/lance_table.py
+- ``append``: one append per chunk to a second table (what components/gallery/layouts/lance_table.py
   does; made idempotent by reading one commit per chunk).
 
 and, for each, the same chunks from ``--writers`` threads at once. Printed: the median seconds per

@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/lance_store.py --pixels     # an ingested gallery: images in the store
     .venv/bin/python benchmarks/lance_store.py --png        # an adopted one: PNG files read by URI
 
-For each backend (``today``: the parts layout of components/gallery/catalog.py through the
-product's own adopt, commit_plan, write_chunk and finish; ``lance``: components/gallery/lance_table.py)
+For each backend (``today``: the parts layout of components/gallery/layouts/catalog.py through the
+product's own adopt, commit_plan, write_chunk and finish; ``lance``: components/gallery/layouts/lance_table.py)
 and each location (a local folder; S3 on a moto server started here, reached through a counting
 proxy), one process of its own runs the same upgrade of a features-only gallery (``--items`` x
 ``--dim`` float32, ids and image URIs; the new model's features as random rows):
@@ -126,11 +126,11 @@ def _commit_all(commit, chunks, writers: int) -> dict:
 
 
 def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
-    from components.gallery import ending
-    from components.gallery.adopt import adopt
-    from components.gallery.backfill import write_chunk
-    from components.gallery.catalog import Gallery
-    from components.gallery.planning import Plan, commit_plan, sigma_key, transformed_key
+    from components.gallery.upgrade import ending
+    from components.gallery.inputs.adopt import adopt
+    from components.gallery.upgrade.backfill import write_chunk
+    from components.gallery.layouts.catalog import Gallery
+    from components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
     from components.gallery.store import open_store
     from components.platform.registry import ModelRef
 
@@ -140,7 +140,7 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     times = {}
     start = time.perf_counter()
     if "pixels" in data and not data.get("png_root"):
-        from components.gallery.catalog import ingest
+        from components.gallery.layouts.catalog import ingest
 
         ingest(store, data["pixels"], data["old"], old, ids=np.arange(items), part_size=1000)
     else:
@@ -163,7 +163,7 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     def commit(c):
         number, lo, hi, positions = c
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
-            from components.gallery.catalog import fetch_images
+            from components.gallery.layouts.catalog import fetch_images
 
             images, failures = fetch_images(reading, positions, workers=16)
             assert not failures and np.array_equal(images, data["pixels"][positions])
@@ -181,7 +181,7 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
 
 
 def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
-    from components.gallery.lance_table import LanceGallery
+    from components.gallery.layouts.lance_table import LanceGallery
     from components.platform.registry import ModelRef
 
     items, dim = data["old"].shape
@@ -206,7 +206,7 @@ def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
     def commit(c):
         number, _, _, positions = c
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
-            from components.gallery.table_upgrade import images_at
+            from components.gallery.upgrade.table_upgrade import images_at
 
             images, failures = images_at(table, positions, workers=16)
             assert not failures and np.array_equal(images, data["pixels"][positions])
@@ -243,7 +243,7 @@ def worker(args) -> None:
         data["png_root"] = args.png_root
     proxy = None
     if args.uri.startswith("s3://"):
-        from components.gallery.s3_fault_proxy import FaultProxy
+        from testkit.s3_fault_proxy import FaultProxy
 
         proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL_S3"], rate=0.0).__enter__()
         upstream = os.environ["AWS_ENDPOINT_URL_S3"]

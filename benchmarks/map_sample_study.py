@@ -8,7 +8,7 @@ For each sample size, these maps train on that many pairs:
 - ``fastfill``: FastFill's map (``align.fastfill``), the disc term on the new head's predicted
   classes, as an upgrade without labels trains it;
 - ``pseudo``: the same as if the new model had no head: the disc term on the product's K-means
-  pseudo-classes (``components.gallery.pseudo_classes``, K = gallery.upgrade.pseudo_classes) with
+  pseudo-classes (``components.gallery.upgrade.pseudo_classes``, K = gallery.upgrade.pseudo_classes) with
   the head fitted on them;
 - ``off``: the same without a head and with the disc term off (what ``pseudo_classes: 0`` does);
 - ``fct``: the l2-only map (``align.fct``).
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     fastfill, fct = study_configs()
-    from components.gallery.pseudo_classes import cluster_classes
+    from components.gallery.upgrade.pseudo_classes import cluster_classes
     from components.platform.config import UpgradeConfig
 
     wanted = UpgradeConfig().pseudo_classes

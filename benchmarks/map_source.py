@@ -45,8 +45,8 @@ from components.experiment.inference import apply_alignment  # noqa: E402
 from components.experiment.map_check import check_map, fallback_map, held_out, reference_config  # noqa: E402
 from components.experiment.map_training import train_alignment  # noqa: E402
 from components.experiment.models import load_embedder  # noqa: E402
-from components.gallery.pairs import class_targets, sample_positions  # noqa: E402
-from components.gallery.planning import front_loaded  # noqa: E402
+from components.gallery.upgrade.pairs import class_targets, sample_positions  # noqa: E402
+from components.gallery.upgrade.planning import front_loaded  # noqa: E402
 from components.platform.config import load_params  # noqa: E402
 from components.platform.layout import Layout, load_array  # noqa: E402
 

@@ -48,7 +48,7 @@ def _refs():
 def make(folder: Path, size: int, part_size: int) -> dict:
     import pyarrow as pa
 
-    from components.gallery.adopt import adopt
+    from components.gallery.inputs.adopt import adopt
     from components.gallery.store import open_store
 
     old, _ = _refs()
@@ -69,8 +69,8 @@ def plan(folder: Path, chunk_size: int) -> dict:
     import torch
 
     from components.experiment.models import AlignmentMap
-    from components.gallery import planning
-    from components.gallery.catalog import Gallery
+    from components.gallery.upgrade import planning
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
 
     old, new = _refs()
@@ -92,10 +92,10 @@ def plan(folder: Path, chunk_size: int) -> dict:
 def finish(folder: Path) -> dict:
     import json as _json
 
-    from components.gallery import planning
-    from components.gallery.catalog import Gallery
+    from components.gallery.upgrade import planning
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
-    from components.gallery.ending import finish
+    from components.gallery.upgrade.ending import finish
 
     gallery = Gallery(open_store(folder))
     record = planning.load_plan(gallery.store, gallery.manifest()["upgrade"])

@@ -118,8 +118,8 @@ def _jpeg_files(count: int, size: int) -> list[str]:
 def _backfill_steps(model, files: list[str], batch: int):
     """(read ahead, read first): the backfill's read + decode + embed of ``files``."""
     from components.experiment.inference import embed
-    from components.gallery.backfill import embed_streamed
-    from components.gallery.images import read_images
+    from components.gallery.upgrade.backfill import embed_streamed
+    from components.gallery.inputs.images import read_images
 
     prep = model.preprocessing
     cpu = torch.device("cpu")

@@ -24,7 +24,7 @@ def train_tiny_models(folder: Path, timeout: float) -> dict:
     configuration and a small synthetic ImageFolder, in ``folder`` (outside the scratch)."""
     import yaml
 
-    from components.experiment.tiny_demo import make_image_folder, tiny_params
+    from testkit.tiny_demo import make_image_folder, tiny_params
 
     images = make_image_folder(folder / "imagefolder", num_classes=6, train_per_class=40, test_per_class=12)
     data = tiny_params(images)
@@ -116,7 +116,7 @@ def gallery_images(tiny: bool, items: int, seed: int):
 
     rng = np.random.default_rng(seed)
     if tiny:
-        from components.experiment.tiny_demo import class_image
+        from testkit.tiny_demo import class_image
 
         labels = rng.integers(0, 6, size=items)
         images = np.stack([class_image(int(label), rng, 16, 6) for label in labels])

@@ -62,12 +62,12 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from components.experiment.models import AlignmentMap, Embedder
-    from components.gallery import planning
-    from components.gallery.adopt import adopt, npy_rows, read_manifest
-    from components.gallery.catalog import Gallery
+    from components.gallery.upgrade import planning
+    from components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
-    from components.gallery.ending import finish
-    from components.gallery.garbage import collect_garbage
+    from components.gallery.upgrade.ending import finish
+    from components.gallery.upgrade.garbage import collect_garbage
     from components.platform.config import load_params, parse_params
     from components.platform.registry import ModelRef
     from flows.upgrade import _backfill

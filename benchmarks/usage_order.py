@@ -19,7 +19,7 @@ Per workload seed:
 - The query log: ``--log-queries`` draws (default n / 2); each logged query's hits are the top-10
   gallery items it retrieves with the old model (old query, old gallery, itself excluded): what
   production logs show before the upgrade. The log is written as a Parquet file (query, hit) and
-  counted by the product (``components.gallery.usage.load_usage_log``).
+  counted by the product (``components.gallery.upgrade.usage.load_usage_log``).
 - Evaluation: ``--eval-queries`` draws from the workload on the other half; each backfill order's
   curve is ``per_query_curve`` (new queries against the mixed gallery of new and transformed old
   features, 22 points, the protocol of ``backfill_curve``), and each point's top-1 is the mean over
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from components.evaluation import curve_alphas, per_query_curve  # noqa: E402
 from components.evaluation.dual_curve import dual_curves  # noqa: E402
 from components.evaluation.ordering import random_order  # noqa: E402
-from components.gallery.usage import backfill_order, load_usage_log  # noqa: E402
+from components.gallery.upgrade.usage import backfill_order, load_usage_log  # noqa: E402
 
 WORKLOADS = ("uniform", "class", "item, new", "item, repeated")
 ORDERS = ("random", "sigma", "usage", "usage_sigma")  # the map's way (FastFill's h(old) until re-embedded)

@@ -81,9 +81,9 @@ def outcome(error: BaseException) -> tuple[int, str] | None:
     traceback). The message is the error's own: it names the problem and what to do."""
     from components.experiment.data import DataError
     from components.experiment.map_check import MapCheckError
-    from components.gallery.catalog import GalleryError
-    from components.gallery.images import ImageStoreError
-    from components.gallery.lock import LeaseLost, UpgradeLocked
+    from components.gallery.layouts.catalog import GalleryError
+    from components.gallery.inputs.images import ImageStoreError
+    from components.gallery.store.lock import LeaseLost, UpgradeLocked
     from components.gallery.store import StoreError, StoreUnreachable
     from components.platform.config import ConfigError
     from components.platform.layout import ArrayFileError

@@ -90,15 +90,15 @@ def _registry_line(client, config) -> tuple[bool, str]:
 
 
 def _store_line(config, uri: str) -> tuple[str | bool, str]:
-    from components.gallery.catalog import Gallery, check_registry
+    from components.gallery.layouts.catalog import Gallery, check_registry
     from components.gallery.store import open_store
-    from components.gallery.status import gallery_status
+    from components.gallery.upgrade.status import gallery_status
     from components.platform import registry
 
     store = open_store(uri)
     store.check()
     if config.gallery.layout == "lance":
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
 
         table = LanceGallery(uri)
         if not table.exists():
@@ -209,8 +209,8 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
 
 def _last_decision(store) -> dict | None:
     """The newest promotion decision recorded in the gallery (``upgrades/<id>/decision.json``)."""
-    from components.gallery.ending import decision
-    from components.gallery.planning import DECISION
+    from components.gallery.upgrade.ending import decision
+    from components.gallery.upgrade.planning import DECISION
 
     upgrades = sorted({key.split("/")[1] for key in store.list("upgrades/") if key.endswith("/" + DECISION)})
     decisions = [d for d in (decision(store, u) for u in upgrades) if d is not None]
@@ -292,9 +292,9 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     Prefect flow run; with no gallery yet, the registry and how to make one. Exit 5 when a
     service could not be reached (what it could read is shown)."""
     config = load(params)
-    from components.gallery.catalog import Gallery
-    from components.gallery.planning import load_plan
-    from components.gallery.status import gallery_status
+    from components.gallery.layouts.catalog import Gallery
+    from components.gallery.upgrade.planning import load_plan
+    from components.gallery.upgrade.status import gallery_status
     from components.gallery.store import open_store
 
     uri = store_uri(config, store)
@@ -303,7 +303,7 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
         opened = open_store(uri)
         opened.check()
         if config.gallery.layout == "lance":  # the table's state; its upgrades have no decisions yet
-            from components.gallery.lance_table import LanceGallery
+            from components.gallery.layouts.lance_table import LanceGallery
 
             table = LanceGallery(uri)
             return Gallery(opened), (table.status() if table.exists() else None), None

@@ -26,11 +26,11 @@ def show_status(store: str | None, params: Path) -> None:
     config = load(params)
     uri = store_uri(config, store)
     if config.gallery.layout == "lance":
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
 
         typer.echo(json.dumps(call(lambda: LanceGallery(uri).status()), indent=2))
         return
-    from components.gallery.status import gallery_status
+    from components.gallery.upgrade.status import gallery_status
     from tasks.gallery_store import open_gallery
 
     typer.echo(json.dumps(call(lambda: gallery_status(open_gallery(uri))), indent=2))
@@ -126,14 +126,14 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
     if config.gallery.layout == "lance":
         from datetime import timedelta
 
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
 
         days = config.gallery.keep_versions_days
         removed = call(lambda: LanceGallery(uri).collect_garbage(timedelta(days=days)))
         typer.echo(f"{uri}: removed {removed['old_versions']} table versions older than {days:g} days that no tag "
                    f"references ({removed['bytes_removed'] / 1e6:.1f} MB, {removed['data_files_removed']} data files)")
         return
-    from components.gallery.garbage import collect_garbage
+    from components.gallery.upgrade.garbage import collect_garbage
 
     from tasks.gallery_store import open_gallery
 
@@ -177,7 +177,7 @@ def gallery_convert(store: StoreOption = None,
     dataset that pyarrow, DuckDB and LanceDB open (docs/lance.md), read it back and compare it
     with the source. Refused during an upgrade and where a table exists."""
     config = load(params)
-    from components.gallery.lance_convert import convert
+    from components.gallery.layouts.lance_convert import convert
 
     uri = store_uri(config, store)
     result = call(lambda: convert(uri, to))
@@ -211,7 +211,7 @@ def search(store: StoreOption = None,
         return _table_search(config, uri, merge, features, old_features, images, k)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
-    from components.gallery.search import GallerySearch
+    from components.gallery.search.index import GallerySearch
     from flows.ingest import _load_array
 
     def run_search():
@@ -241,8 +241,8 @@ def _table_search(config, uri: str, merge, features: Path | None, old_features: 
     if images is not None:
         fail("with gallery.layout lance, search takes query features (--features, and --old-features with --merge)",
              USAGE)
-    from components.gallery.lance_search import LanceDualSearch, LanceSearch
-    from components.gallery.lance_table import LanceGallery
+    from components.gallery.search.lance import LanceDualSearch, LanceSearch
+    from components.gallery.layouts.lance_table import LanceGallery
     from flows.ingest import _load_array
 
     def run_search():
@@ -274,8 +274,8 @@ def _table_search(config, uri: str, merge, features: Path | None, old_features: 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
                    images: Path | None, k: int) -> None:
-    """`search --merge`: the shadow index's answer (components/gallery/dual_search.py)."""
-    from components.gallery.dual_search import DualSearch
+    """`search --merge`: the shadow index's answer (components/gallery/search/dual.py)."""
+    from components.gallery.search.dual import DualSearch
     from flows.ingest import _load_array
 
     def run_search():

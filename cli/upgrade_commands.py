@@ -133,7 +133,7 @@ def _describe_dry_run(plan: dict) -> str:
     ]
     advice = plan.get("advice") or {}
     if "top1" in advice:
-        from components.gallery.advisor import describe
+        from components.gallery.advice.advisor import describe
 
         lines += ["  " + line for line in describe(advice)]
     elif advice.get("note"):
@@ -282,11 +282,11 @@ def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("param
 def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """Break a stale upgrade lock (its process is gone); the next 'fastfill upgrade' resumes."""
     config = load(params)
-    from components.gallery.lock import break_lock
+    from components.gallery.store.lock import break_lock
 
     uri = store_uri(config, store)
     if config.gallery.layout == "lance":  # the lock is an object beside the table
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
         from components.gallery.store import open_store
 
         if not call(LanceGallery(uri).exists):
@@ -326,9 +326,9 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
 
 
 def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> dict:
-    """What ``fastfill upgrade --dry-run`` reports (``components.gallery.estimate.dry_run_upgrade``),
+    """What ``fastfill upgrade --dry-run`` reports (``components.gallery.advice.estimate.dry_run_upgrade``),
     writing nothing."""
-    from components.gallery.estimate import dry_run_upgrade
+    from components.gallery.advice.estimate import dry_run_upgrade
     from components.platform import registry
     from tasks.gallery_store import open_gallery
 

@@ -76,7 +76,7 @@ class ProgressBar:
         self._show(label, result["items"], result["items_done"])
 
     def _run(self) -> None:
-        from components.gallery.status import gallery_status
+        from components.gallery.upgrade.status import gallery_status
 
         try:
             from tasks.gallery_store import open_gallery

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery.catalog import Gallery
-from components.gallery.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
-from components.gallery.planning import load_plan
-from components.gallery.status import gallery_status
+from components.gallery.layouts.catalog import Gallery
+from components.gallery.triggers.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
+from components.gallery.upgrade.planning import load_plan
+from components.gallery.upgrade.status import gallery_status
 from components.platform import registry
 from components.platform.config import Params, load_params
 from flows.parameters import run_parameters, store_of
@@ -140,7 +140,7 @@ def gallery_course(params: Params, store_uri: str) -> tuple:
     """(the gallery's model, the model its upgrade in progress goes to or None), for either
     layout: what each registry check reads, from the manifest and the plan alone."""
     if params.gallery.layout == "lance":
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
 
         table = LanceGallery(store_uri)
         upgrade = table.upgrade()
@@ -155,7 +155,7 @@ def paused_upgrade(params: Params, store_uri: str) -> dict | None:
     """The gallery's paused upgrade as {"id", "to"}, which a run may resume, or None, for either
     layout (no process runs a table's upgrade between runs: one in progress is paused)."""
     if params.gallery.layout == "lance":
-        from components.gallery.lance_table import LanceGallery
+        from components.gallery.layouts.lance_table import LanceGallery
 
         upgrade = LanceGallery(store_uri).upgrade()
         return {"id": upgrade.id, "to": upgrade.new.uri} if upgrade else None

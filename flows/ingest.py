@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from prefect import flow
 
-from components.gallery.catalog import GalleryError, check_empty, check_features
+from components.gallery.layouts.catalog import GalleryError, check_empty, check_features
 from components.platform import registry
 from components.model_store import registered
 from components.platform.config import Params
@@ -79,7 +79,7 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
     if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery import lance_convert
+        from components.gallery.layouts import lance_convert
 
         result = lance_convert.ingest(store_uri, image_array, feature_array, ref, labels=label_array,
                                     groups=group_array, ids=id_array, registry=registry.identity(params.mlflow))
@@ -100,11 +100,11 @@ def _adopt_run_name() -> str:
 def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = "", root: str | None = None,
                features: list[Path] | None = None, features_column: str = "features",
                image_shape: tuple[int, int, int] | None = None) -> dict:
-    """Adopt a gallery where it is (components.gallery.adopt): the manifest file's items, the
+    """Adopt a gallery where it is (components.gallery.inputs.adopt): the manifest file's items, the
     current features of ``model_uri`` (default: the champion) from ``.npy`` shards or a Parquet
     column, or, without ``features``, the model's features of the images read by URI."""
-    from components.gallery.adopt import adopt, npy_rows, parquet_rows, read_manifest
-    from components.gallery.images import read_images
+    from components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
+    from components.gallery.inputs.images import read_images
 
     store = store_at(store_uri)
     store.check()
@@ -153,7 +153,7 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
         log(f"adopt: part {done}/{total} written")
 
     if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery import lance_convert
+        from components.gallery.layouts import lance_convert
 
         result = lance_convert.adopt(store_uri, table, ref, shape, root=root, features=rows, embed_part=embed_part,
                                    part_size=params.gallery.part_size, on_part=on_part,

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery import planning, reversal
-from components.gallery.catalog import GalleryError, now
-from components.gallery.claims import claim
-from components.gallery.lance_table import LanceGallery
-from components.gallery.lock import acquire_lock
+from components.gallery.upgrade import planning, reversal
+from components.gallery.layouts.catalog import GalleryError, now
+from components.gallery.triggers.claims import claim
+from components.gallery.layouts.lance_table import LanceGallery
+from components.gallery.store.lock import acquire_lock
 from components.gallery.store import ObjectMissing, open_store
 from components.platform import registry
 from components.platform.config import Params

@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 from prefect import flow, task
 
-from components.gallery import ending, judgments, planning, samples, table_upgrade, usage
-from components.gallery.catalog import GalleryError
-from components.gallery.decider import UpgradeDecider
-from components.gallery.lance_table import LanceGallery
-from components.gallery.lifecycle import check_map_fits, plan_fields
-from components.gallery.lock import acquire_lock
+from components.gallery.upgrade import ending, planning, samples, table_upgrade, usage
+
+from components.gallery.inputs import judgments
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.upgrade.decider import UpgradeDecider
+from components.gallery.layouts.lance_table import LanceGallery
+from components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
+from components.gallery.store.lock import acquire_lock
 from components.gallery.store import open_store
 from components.platform import registry
 from components.platform.config import Params
@@ -185,7 +187,7 @@ def _pairs(table: LanceGallery, params: Params, old: ModelRef, new_model, store_
     """The map's pairs (gallery.upgrade.map_pairs): this host's prepared split, or a seeded
     sample of the gallery: the stored features, and the new model's of the items' images
     (unreadable ones left out)."""
-    from components.gallery.pairs import from_gallery
+    from components.gallery.upgrade.pairs import from_gallery
 
     config = params.gallery.upgrade
     if config.map_pairs == "splits":
@@ -258,7 +260,7 @@ def _backfill(table: LanceGallery, plan: planning.Plan, token: str, order: np.nd
     ``max_concurrency`` at a time, no faster than ``max_items_per_second``, stopping (what is in
     flight finishes) past ``max_failed_images`` unreadable images; then the chunks folded in.
     The bookkeeping (returned) is ``lifecycle.Backfill``'s."""
-    from components.gallery.lifecycle import Backfill, budget_items, failure_limit
+    from components.gallery.upgrade.lifecycle import Backfill, budget_items, failure_limit
     from components.platform.progress import progress, resolve_mode
     from flows.upgrade import run_chunks
 

@@ -1,15 +1,15 @@
 """Undoing an upgrade, as Prefect runs it: ``abort_flow`` drops an unfinished upgrade and
 ``rollback_flow`` undoes a finished one. The decisions and records are
-``components.gallery.reversal``'s; the flows take the lock, call them and follow in the registry."""
+``components.gallery.upgrade.reversal``'s; the flows take the lock, call them and follow in the registry."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery import planning, reversal
-from components.gallery.catalog import Gallery, GalleryError, check_registry
-from components.gallery.claims import claim
-from components.gallery.lock import acquire_lock
+from components.gallery.upgrade import planning, reversal
+from components.gallery.layouts.catalog import Gallery, GalleryError, check_registry
+from components.gallery.triggers.claims import claim
+from components.gallery.store.lock import acquire_lock
 from components.platform import registry
 from components.platform.config import Params
 from components.platform.registry import ModelRef
@@ -20,7 +20,7 @@ from tasks.gallery_store import open_gallery
 
 def take_undo_lock(store, holder: str, doing: str, params: Params):
     """The gallery's lock for ``doing``; held by another live process, a refusal that names it."""
-    from components.gallery.lock import LeaseLost, UpgradeLocked
+    from components.gallery.store.lock import LeaseLost, UpgradeLocked
 
     try:
         return acquire_lock(store, holder, log=log, lease_seconds=params.gallery.upgrade.lease_seconds)

@@ -1,5 +1,5 @@
 """The upgrade of a stored gallery, as Prefect runs it. ``upgrade_flow`` is the list of its
-steps; what happens next at each one is decided by ``components.gallery.decider``
+steps; what happens next at each one is decided by ``components.gallery.upgrade.decider``
 (``UpgradeDecider``), the steps' work is in tasks (tasks/gallery_store.py, tasks/embedding.py,
 tasks/upgrade_map.py, tasks/upgrade_tracking.py, with retries) and components. Planning is
 ``flows/upgrade_planning.py``; abort and rollback are ``flows/undo.py``. Queries are served from
@@ -14,12 +14,16 @@ from typing import Any
 from prefect import flow
 from prefect.futures import as_completed
 
-from components.gallery import advisor, backfill, ending, judgments, planning, reversal
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.decider import ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView, UpgradeDecider, up_to_date
-from components.gallery.lifecycle import TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit, failure_limit
-from components.gallery.lock import acquire_lock
-from components.gallery.measure import meter_for
+from components.gallery.advice import advisor
+
+from components.gallery.upgrade import backfill, ending, planning, reversal
+
+from components.gallery.inputs import judgments
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.upgrade.decider import ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView, UpgradeDecider, up_to_date
+from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit, failure_limit
+from components.gallery.store.lock import acquire_lock
+from components.gallery.upgrade.measure import meter_for
 from components.platform import registry
 from components.platform.config import Params
 from components.platform.progress import progress, resolve_mode
@@ -260,7 +264,7 @@ def run_chunks(state: Backfill, submit: Callable[[int], Any], landed: Callable[[
 
 
 def _end(decider: UpgradeDecider, client, gallery: Gallery, plan: planning.Plan, promotion) -> dict:
-    """The end of a complete backfill, as a recoverable sequence (``components.gallery.ending``):
+    """The end of a complete backfill, as a recoverable sequence (``components.gallery.upgrade.ending``):
     the decision recorded first, then the gallery switched (or back on the champion's features),
     then the registry; the caller releases the lock last. A decision already recorded (a re-run
     after a kill) is completed, never measured again."""

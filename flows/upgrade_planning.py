@@ -8,10 +8,12 @@ from __future__ import annotations
 import numpy as np
 from prefect.futures import as_completed, wait
 
-from components.gallery import backfill, judgments, planning, samples, usage
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.decider import Course
-from components.gallery.lifecycle import check_map_fits, plan_fields
+from components.gallery.upgrade import backfill, planning, samples, usage
+
+from components.gallery.inputs import judgments
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.upgrade.decider import Course
+from components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
 from components.gallery.store import StoreError
 from components.platform.config import Params
 from components.platform.layout import Layout

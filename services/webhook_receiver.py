@@ -10,7 +10,7 @@ as it arrives with ``triggers.webhook_read_timeout_seconds`` for each part (408)
 413 once it grows past the limit (a chunked body has no length to check first); then the
 signature, the replay window and the event. A request h11 cannot parse (a malformed
 Content-Length, for one) is answered 400 by uvicorn itself and never reaches the app. The checks
-themselves, free of HTTP, are components/gallery/webhook_checks.py.
+themselves, free of HTTP, are components/gallery/triggers/webhook_checks.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import uvicorn
 
-from components.gallery.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
+from components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
 from components.platform import registry
 from components.platform.config import Params
 from flows.deployments import DeploymentMissing, start_upgrade

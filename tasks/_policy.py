@@ -9,8 +9,8 @@ from prefect.cache_policies import NO_CACHE
 def _worth_retrying(task, task_run, state) -> bool:
     """Retry a task that failed on I/O, not one whose upgrade lost its lock (another process
     owns the gallery now) or whose input is wrong (retrying cannot fix either)."""
-    from components.gallery.catalog import GalleryError
-    from components.gallery.lock import UpgradeLocked
+    from components.gallery.layouts.catalog import GalleryError
+    from components.gallery.store.lock import UpgradeLocked
     from components.gallery.store import DamagedObject
 
     try:

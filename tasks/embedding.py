@@ -7,11 +7,11 @@ import numpy as np
 from prefect import task
 
 from components.model_store import registered
-from components.gallery.catalog import Gallery, check_features, features_key, rows_at
-from components.gallery.lifecycle import SPLITS_SOURCE
-from components.gallery.pairs import TARGETS_LABELS, MapPairs, from_gallery
-from components.gallery.planning import source_key
-from components.gallery.samples import readable_images
+from components.gallery.layouts.catalog import Gallery, check_features, features_key, rows_at
+from components.gallery.upgrade.lifecycle import SPLITS_SOURCE
+from components.gallery.upgrade.pairs import TARGETS_LABELS, MapPairs, from_gallery
+from components.gallery.upgrade.planning import source_key
+from components.gallery.upgrade.samples import readable_images
 from components.platform.progress import progress
 from components.platform.registry import ModelRef
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log

@@ -8,9 +8,11 @@ import functools
 import numpy as np
 from prefect import task
 
-from components.gallery import backfill, catalog, ending, planning
-from components.gallery.catalog import Gallery
-from components.gallery.planning import Plan
+from components.gallery.upgrade import backfill, ending, planning
+
+from components.gallery.layouts import catalog
+from components.gallery.layouts.catalog import Gallery
+from components.gallery.upgrade.planning import Plan
 from components.gallery.store import Store, configure_s3, open_store
 from components.platform.registry import ModelRef
 from tasks._policy import IO_RETRIES, NO_CACHING, log
@@ -68,10 +70,10 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 
 @task(name="evaluate-gate", **NO_CACHING)
 def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
-    """The promotion gate's numbers (components.gallery.promotion): the judged queries against
+    """The promotion gate's numbers (components.gallery.gate.promotion): the judged queries against
     the whole gallery along the backfill's order when there are any, else the evaluation sample."""
-    from components.gallery.judgments import measure_judged_gate, stored_judged
-    from components.gallery.promotion import measure_gate
+    from components.gallery.inputs.judgments import measure_judged_gate, stored_judged
+    from components.gallery.gate.promotion import measure_gate
 
     gallery = Gallery(store_at(store_uri))
     store = gallery.store

@@ -10,8 +10,8 @@ import numpy as np
 from prefect import task
 
 from components.model_store import registered
-from components.gallery.lifecycle import CHECK_SOURCE_TAG, checked_on
-from components.gallery.pairs import MapPairs
+from components.gallery.upgrade.lifecycle import CHECK_SOURCE_TAG, checked_on
+from components.gallery.upgrade.pairs import MapPairs
 from components.platform import registry
 from components.platform.config import AlignConfig
 from components.platform.registry import ModelRef
@@ -139,9 +139,9 @@ def choose_upgrade_map(params, client, store_uri: str, old: ModelRef, new: Model
     already passed on the same source (``recheck`` forces it); or a map trained now on those
     pairs and checked. The usage orders choose and check the map for sigma, and go by usage
     alone when its sigma order was not shown to help."""
-    from components.gallery import samples, usage
-    from components.gallery.catalog import GalleryError
-    from components.gallery.lifecycle import needs_check, registered_map_order
+    from components.gallery.upgrade import samples, usage
+    from components.gallery.layouts.catalog import GalleryError
+    from components.gallery.upgrade.lifecycle import needs_check, registered_map_order
     from components.platform.layout import Layout
     from tasks.upgrade_tracking import tag_run
 

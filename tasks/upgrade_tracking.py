@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from components.gallery.lifecycle import done_prefix
-from components.gallery.planning import Plan
+from components.gallery.upgrade.lifecycle import done_prefix
+from components.gallery.upgrade.planning import Plan
 from components.platform import registry
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 

@@ -1,5 +1,5 @@
 """An S3 bucket of a test's own. The process state a test changes and gives back (environment
-variables, the working folder) is components.platform.process_state's."""
+variables, the working folder) is testkit.process_state's."""
 
 
 def new_bucket(endpoint: str) -> str:

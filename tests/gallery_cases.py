@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from components.platform.config import TrainConfig
-from components.gallery import lock as locking
-from components.gallery import backfill, ending, garbage, planning
-from components.gallery.status import gallery_status
-from components.gallery.catalog import IMAGE_CACHE
-from components.gallery.adopt import adopt
-from components.gallery.catalog import Gallery, GalleryError, fetch_images, ingest
+from components.gallery.store import lock as locking
+from components.gallery.upgrade import backfill, ending, garbage, planning
+from components.gallery.upgrade.status import gallery_status
+from components.gallery.layouts.catalog import IMAGE_CACHE
+from components.gallery.inputs.adopt import adopt
+from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, ingest
 from components.platform.registry import ModelRef
-from components.gallery.search import GallerySearch
+from components.gallery.search.index import GallerySearch
 from components.gallery.store import (
     AlreadyExists, ChecksumMismatch, LocalStore, ObjectMissing, open_store,
 )
@@ -197,7 +197,7 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
     """A features part written whole (its checksum matching) with fewer rows than its part's
     items: every reader refuses it in one error naming the object, the map sample's reader of
     scattered rows included, and the tasks' retry policy does not read it again."""
-    from components.gallery.catalog import features_key, rows_at
+    from components.gallery.layouts.catalog import features_key, rows_at
     from components.gallery.store import DamagedObject
     from tasks._policy import _worth_retrying
 

@@ -1,5 +1,5 @@
 """Small report inputs the tests make. The synthetic ImageFolder and the tiny whole-pipeline
-configuration are components.experiment.tiny_demo's."""
+configuration are testkit.tiny_demo's."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ own (N, C, H, W) (what ``components.experiment.inference.embed`` feeds any model
 one embedding per image. Each carries its ``preprocessing`` (``components.model_store.preprocessing``),
 its ``embedding_dim``, and a ``classifier`` over its own classes or None. A team's classes are
 not the gallery's labels, so ``class_index`` knows none of them: the map's discriminative term
-then trains on the head's predicted classes (``components.gallery.pairs``).
+then trains on the head's predicted classes (``components.gallery.upgrade.pairs``).
 
 - ``TorchvisionEmbedder``: any architecture ``torchvision.models.get_model`` builds, with the
   team's weights, the embedding read at a named layer (default: the input of the last linear

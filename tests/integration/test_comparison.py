@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from components.platform.process_state import in_workdir, restored_environ
-from components.experiment.tiny_demo import tiny_params
+from testkit.process_state import in_workdir, restored_environ
+from testkit.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from components.evaluation.reports import ROW_KEYS
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 from tests.integration.helpers import cli_environment, copy_repository
 
 pytestmark = pytest.mark.slow  # `dvc repro` of the tiny pipeline: minutes on 2 cores

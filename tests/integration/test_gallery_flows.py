@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.gallery import lock as locking
-from components.gallery import backfill, ending, planning
-from components.gallery.status import gallery_status
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.search import GallerySearch
+from components.gallery.store import lock as locking
+from components.gallery.upgrade import backfill, ending, planning
+from components.gallery.upgrade.status import gallery_status
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.search.index import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
 from components.platform.registry import RegistryError
 from tests.integration.helpers import killed_when, registry_models, split_images
@@ -29,7 +29,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from components.evaluation import curve_at_counts
-    from components.gallery.measure import restricted_order
+    from components.gallery.upgrade.measure import restricted_order
     from components.experiment.inference import embed
     from flows.ingest import ingest_flow
     from flows.upgrade import progress_key, upgrade_flow
@@ -160,7 +160,7 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     from PIL import Image
 
     from components.experiment.inference import embed
-    from components.gallery.adopt import adopt
+    from components.gallery.inputs.adopt import adopt
     from components.platform.registry import ModelRef
     from tests.environment import new_bucket
     from flows.upgrade import run_upgrade
@@ -240,7 +240,7 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
 
 def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings_are_closed(upgrade_env,
                                                                                             prefect_harness):
-    from components.gallery.catalog import features_key
+    from components.gallery.layouts.catalog import features_key
     from components.platform import registry
     from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
@@ -550,7 +550,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     there when asked again, and goes on to 100% without the stop."""
     from typer.testing import CliRunner
 
-    from components.gallery.advisor import recommend
+    from components.gallery.advice.advisor import recommend
     from cli import app
     from flows.ingest import ingest_flow
     from cli.upgrade_commands import estimate_upgrade

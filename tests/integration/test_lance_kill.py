@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from components.gallery.lance_table import LanceGallery
+from components.gallery.layouts.lance_table import LanceGallery
 from components.platform.registry import ModelRef
 
 N, OLD_DIM, NEW_DIM, CHUNK = 3000, 16, 24, 250
@@ -30,7 +30,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import lance
 from lance.dataset import LanceDataset, MergeInsertBuilder
-from components.gallery import lance_table
+from components.gallery.layouts import lance_table
 from tests.integration.test_lance_kill import data, chunk_positions, NEW, TOKEN, N, CHUNK
 
 KILL_AFTER = {kill_after}  # SIGKILL right after this many Lance commits (0: never)

@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from components.gallery import ending, planning
-from components.gallery.lance_table import LanceGallery
-from components.gallery.lock import LOCK, UpgradeLocked, acquire_lock
+from components.gallery.upgrade import ending, planning
+from components.gallery.layouts.lance_table import LanceGallery
+from components.gallery.store.lock import LOCK, UpgradeLocked, acquire_lock
 from components.gallery.store import open_store
 from components.platform.config import load_params as load
 from components.platform.registry import ModelRef, alias_version, setup

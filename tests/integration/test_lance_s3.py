@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from components.gallery.lance_table import LanceGallery, storage_options
-from components.gallery.s3_fault_proxy import FaultProxy
+from components.gallery.layouts.lance_table import LanceGallery, storage_options
+from testkit.s3_fault_proxy import FaultProxy
 from components.platform.registry import ModelRef
 from tests.environment import new_bucket
 
@@ -110,8 +110,8 @@ def test_chunks_commit_through_injected_faults(s3_table, s3_endpoint, monkeypatc
     """Each chunk committed through a proxy that answers 5xx, or drops and resets connections and
     cuts replies short; a commit that fails is run again, as the chunk's task retries. Then every
     item has its new features once."""
-    from components.gallery.catalog import GalleryError
-    from components.gallery.s3_fault_proxy import STATUS_FAULTS
+    from components.gallery.layouts.catalog import GalleryError
+    from testkit.s3_fault_proxy import STATUS_FAULTS
 
     uri, table, data = s3_table
     faults = STATUS_FAULTS if kinds == "5xx" else ("drop-request", "drop-reply", "reset-reply", "truncate-reply")

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from components.gallery.lance_table import LanceGallery
+from components.gallery.layouts.lance_table import LanceGallery
 from tests.environment import new_bucket
 from tests.integration.helpers import (
     assert_none_outlive, cli_environment, descendants, lance_params as _lance, photo_folder, registry_models,
@@ -73,7 +73,7 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
     assert str(champion.version) == old_version
     assert client.get_model_version(params.mlflow.registered_model, new_version).tags["promotion"] == "rolled-back"
     assert [name for _, name, _ in table.serving_tags()] == ["serving-1", "serving-2", "serving-3"]
-    from components.gallery.claims import claimed
+    from components.gallery.triggers.claims import claimed
     from components.gallery.store import open_store
 
     # the rolled-back version is claimed: the watcher and the webhook do not start it again
@@ -81,8 +81,8 @@ def test_an_upgrade_of_a_lance_table_end_to_end(upgrade_env, prefect_harness, re
 
 
 def test_an_abort_of_the_table_takes_the_lock_records_and_claims(upgrade_env, prefect_harness):
-    from components.gallery.claims import claimed
-    from components.gallery.lock import acquire_lock
+    from components.gallery.triggers.claims import claimed
+    from components.gallery.store.lock import acquire_lock
     from components.gallery.store import open_store
 
     params, tmp_path = upgrade_env
@@ -202,7 +202,7 @@ def test_a_table_without_labels_is_gated_on_judged_queries(upgrade_env, prefect_
 
     from components.evaluation import pairwise_distances
     from components.experiment.inference import embed
-    from components.gallery import ending, planning
+    from components.gallery.upgrade import ending, planning
     from components.gallery.store import open_store
     from components.platform.registry import ModelRef
 
@@ -253,7 +253,7 @@ def test_the_usage_orders_on_a_table_follow_a_query_log(upgrade_env, prefect_har
     """--order usage_sigma --usage-log on the lance layout: the map chosen for sigma as on the parts
     layout, the log counted against the table's ids, the items it hits backfilled first; a log
     naming unknown ids is refused before any work."""
-    from components.gallery import table_upgrade
+    from components.gallery.upgrade import table_upgrade
 
     params, tmp_path = upgrade_env
     lance_params = _lance(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.platform.process_state import restored_environ
+from testkit.process_state import restored_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "infra" / "local-stack.sh")

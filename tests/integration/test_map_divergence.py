@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from components.platform.config import parse_params
-from components.platform.process_state import in_workdir
-from components.experiment.tiny_demo import tiny_params
+from testkit.process_state import in_workdir
+from testkit.tiny_demo import tiny_params
 
 
 @pytest.fixture

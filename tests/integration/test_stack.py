@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from components.platform.process_state import restored_environ
-from components.experiment.tiny_demo import tiny_params
+from testkit.process_state import restored_environ
+from testkit.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 
@@ -178,7 +178,7 @@ def _wait(check, seconds: float, what: str, workdir: Path) -> None:
 
 
 def _gallery(stack):
-    from components.gallery.catalog import Gallery
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
 
     with restored_environ(*stack):

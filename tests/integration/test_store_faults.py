@@ -11,13 +11,15 @@ import time
 import numpy as np
 import pytest
 
-from components.gallery import backfill, ending, lock as locking
-from components.gallery.catalog import Gallery
+from components.gallery.upgrade import backfill, ending
+
+from components.gallery.store import lock as locking
+from components.gallery.layouts.catalog import Gallery
 from components.gallery.store import StoreUnreachable, configure_s3, open_store
 from components.platform.config import S3Config
 from tests.environment import new_bucket
 from tests.gallery_cases import NEW, _gallery, _plan, make_data, make_models
-from components.gallery.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
+from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
 
 # the proxy answers "late" after 1.5 s: with a 1 s read timeout that is a timed-out attempt, retried
 PATIENT = S3Config(retry_mode="standard", max_attempts=10, connect_timeout=2, read_timeout=1)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery import planning
-from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.upgrade import planning
+from components.gallery.layouts.catalog import Gallery, GalleryError
 from components.gallery.store import open_store
 from tests.integration.helpers import registry_models, split_images
 
@@ -85,7 +85,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
                                                                                           "warned")
     gallery = Gallery(store)
     sampled = planning.order_of(store, plan.id)[:48]
-    from components.gallery.backfill import mixed_features
+    from components.gallery.upgrade.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
     assert backfilled.sum() == 64 and backfilled[sampled].all()
@@ -162,7 +162,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     """No labels, a judgments file (query ids and their relevant ids): the gate measures the judged
     queries against the whole gallery along the backfill, and the judged items are embedded once."""
-    from components.gallery.adopt import adopt
+    from components.gallery.inputs.adopt import adopt
     from components.experiment.inference import embed
     from components.platform.registry import ModelRef
     from flows.upgrade import upgrade_flow

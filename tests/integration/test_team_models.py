@@ -23,7 +23,7 @@ import yaml
 from torch import nn
 
 from components.experiment.inference import apply_alignment, embed
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 from components.model_store import registered
 from components.model_store.preprocessing import Preprocessing
 
@@ -382,7 +382,7 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     """Old: an ONNX graph on 20x20 stretched RGB; new: a torchvision ResNet-18 on 32x32 crops with
     ImageNet scaling. A gallery of RGB JPEGs of mixed sizes, adopted without labels, ends with
     exactly the new model's features of each file as its preprocessing decodes it."""
-    from components.gallery.catalog import Gallery
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
     from components.platform.config import load_params
     from flows.upgrade import upgrade_flow
@@ -420,7 +420,7 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     with the team's ids."""
     import mlflow
 
-    from components.gallery.catalog import Gallery
+    from components.gallery.layouts.catalog import Gallery
     from components.gallery.store import open_store
     from components.platform.config import load_params
     from flows.upgrade import upgrade_flow

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery import garbage, planning, reversal
-from components.gallery.status import gallery_status
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.search import GallerySearch
+from components.gallery.upgrade import garbage, planning, reversal
+from components.gallery.upgrade.status import gallery_status
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.search.index import GallerySearch
 from components.gallery.store import open_store
-from components.gallery.claims import claim, claimed
+from components.gallery.triggers.claims import claim, claimed
 from tests.integration.helpers import registry_models, split_images
 
 
@@ -69,7 +69,7 @@ def model_version(gallery) -> str:
 def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from components.gallery.lock import UpgradeLocked, acquire_lock
+    from components.gallery.store.lock import UpgradeLocked, acquire_lock
     from cli import app
     from flows.ingest import ingest_flow
     from flows.deployments import upgrade_entry
@@ -225,12 +225,12 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     """A registry (SQLite) with embedder versions 1-3, champion and challenger on 1; a gallery on
     version 1; params.yaml; and the upgrade and poll deployments on the harness's Prefect API (no
     process serves them: a started run stays scheduled, to be counted)."""
-    from components.gallery.catalog import ingest
+    from components.gallery.layouts.catalog import ingest
     from components.platform import registry
     from components.platform.config import parse_params
     from components.platform.registry import ModelRef
     from flows.deployments import upgrade_entry, watch_flow
-    from components.experiment.tiny_demo import tiny_params
+    from testkit.tiny_demo import tiny_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = tiny_params(tmp_path)

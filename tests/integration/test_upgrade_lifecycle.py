@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from components.platform.config import parse_params
-from components.gallery import backfill, ending, garbage, planning
-from components.gallery.status import gallery_status
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.search import GallerySearch
+from components.gallery.upgrade import backfill, ending, garbage, planning
+from components.gallery.upgrade.status import gallery_status
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.search.index import GallerySearch
 from components.gallery.store import open_store
 from components.platform.registry import ModelRef
 from tests.integration.helpers import registry_models, run_then, split_images
@@ -227,7 +227,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
     import shutil
 
     import flows.upgrade as fu
-    from components.gallery.lock import LOCK
+    from components.gallery.store.lock import LOCK
 
     params, tmp_path = upgrade_env
     gain = -1.0 if passes else 1.0  # a gate every challenger passes, or one none can
@@ -283,7 +283,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     import shutil
 
     import flows.upgrade as fu
-    from components.gallery.lock import LOCK, UpgradeLocked
+    from components.gallery.store.lock import LOCK, UpgradeLocked
 
     params, tmp_path = upgrade_env
     params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from components.evaluation.ordering import check_permutation
-from components.gallery import planning
-from components.gallery.catalog import Gallery, GalleryError
+from components.gallery.upgrade import planning
+from components.gallery.layouts.catalog import Gallery, GalleryError
 from components.gallery.store import open_store
-from components.gallery.usage import load_usage_log
+from components.gallery.upgrade.usage import load_usage_log
 from tests.environment import new_bucket
 from tests.integration.helpers import registry_models
 

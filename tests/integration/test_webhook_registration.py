@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from components.platform import registry
 from components.platform.config import parse_params
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 
 
 def _setup(tmp_path, monkeypatch):

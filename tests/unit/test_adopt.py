@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from components.gallery import planning
-from components.gallery.adopt import adopt, npy_rows, parquet_rows, read_manifest
-from components.gallery.catalog import Gallery, GalleryError
-from components.gallery.images import read_images, resolve
-from components.gallery.lifecycle import Backfill, failure_limit
+from components.gallery.upgrade import planning
+from components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
+from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.inputs.images import read_images, resolve
+from components.gallery.upgrade.lifecycle import Backfill, failure_limit
 from components.gallery.store import open_store
 from components.platform.registry import ModelRef
 

@@ -10,9 +10,9 @@ import pytest
 
 from components.experiment.data import DataError
 from components.experiment.map_check import MapCheckError
-from components.gallery.catalog import GalleryError
-from components.gallery.images import ImageStoreError
-from components.gallery.lock import LeaseLost, UpgradeLocked
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.inputs.images import ImageStoreError
+from components.gallery.store.lock import LeaseLost, UpgradeLocked
 from components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
 from components.platform.config import ConfigError, MlflowConfig
 from components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server

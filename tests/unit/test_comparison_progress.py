@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 from components.platform.config import parse_params
 from components.platform.layout import write_json
 from components.platform.progress import Progress, following

@@ -9,8 +9,8 @@ import torch
 from components.experiment.inference import apply_alignment, autocast_dtype, embed
 from components.experiment.models import AlignmentMap, Embedder
 from components.experiment.map_training import train_alignment
-from components.gallery import backfill
-from components.gallery.search import GallerySearch, GpuCopy
+from components.gallery.upgrade import backfill
+from components.gallery.search.index import GallerySearch, GpuCopy
 from components.platform.config import AlignConfig, IndexConfig, TrainConfig
 from tests.gallery_cases import N, _gallery, _plan, make_data, make_models
 

@@ -5,7 +5,7 @@ from components.platform.config import PrepareConfig
 from components.experiment.data import (
     DataError, RawDataset, Split, load_meta, load_raw_dataset, load_split, make_splits, save_splits,
 )
-from components.experiment.tiny_demo import make_image_folder
+from testkit.tiny_demo import make_image_folder
 
 
 def _raw(n_train=200, n_test=50, classes=4, seed=0) -> RawDataset:

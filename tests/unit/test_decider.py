@@ -1,4 +1,4 @@
-"""Every state the upgrade's decider can meet (components.gallery.decider), as a table: no
+"""Every state the upgrade's decider can meet (components.gallery.upgrade.decider), as a table: no
 Prefect, no S3, no MLflow; the store is a small in-memory view."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from components.gallery.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
+from components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
 from components.platform.config import PromotionConfig
 from components.platform.registry import ModelRef
 
@@ -196,9 +196,9 @@ def test_a_paused_backfill_says_how_to_go_on():
 
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     """The real store's view against the table's: a planned, then aborted upgrade."""
-    from components.gallery.catalog import Gallery, ingest
-    from components.gallery.planning import Plan, write_plan
-    from components.gallery.reversal import abort
+    from components.gallery.layouts.catalog import Gallery, ingest
+    from components.gallery.upgrade.planning import Plan, write_plan
+    from components.gallery.upgrade.reversal import abort
     from components.gallery.store import open_store
     import numpy as np
 

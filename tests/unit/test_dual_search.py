@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from components.gallery import backfill, ending
-from components.gallery.catalog import GalleryError
-from components.gallery.dual_search import DualSearch
+from components.gallery.upgrade import backfill, ending
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.search.dual import DualSearch
 from components.experiment.inference import embed
 from tests.gallery_cases import N, NEW, OLD, _gallery, _plan, make_data, make_models
 

@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from components.gallery.catalog import GalleryError, ingest
-from components.gallery.lance_convert import convert
-from components.gallery.lance_table import LanceGallery, TableCorrupt
+from components.gallery.layouts.catalog import GalleryError, ingest
+from components.gallery.layouts.lance_convert import convert
+from components.gallery.layouts.lance_table import LanceGallery, TableCorrupt
 from components.gallery.store import LocalStore
 from components.platform.registry import ModelRef
 
@@ -336,7 +336,7 @@ def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
     exact search over the mixed gallery once the landed chunks are folded."""
     import lancedb
 
-    from components.gallery.lance_search import LanceSearch
+    from components.gallery.search.lance import LanceSearch
 
     data = _data()
     table = _upgraded(tmp_path, data)
@@ -363,8 +363,8 @@ def test_the_lancedb_lines_of_docs_lance_md(tmp_path):
 
 
 def test_adopt_with_the_current_features(tmp_path):
-    from components.gallery import lance_convert
-    from components.gallery.adopt import npy_rows, read_manifest
+    from components.gallery.layouts import lance_convert
+    from components.gallery.inputs.adopt import npy_rows, read_manifest
 
     data = _data()
     manifest = tmp_path / "items.csv"
@@ -385,10 +385,10 @@ def test_adopt_with_the_current_features(tmp_path):
 
 
 def test_a_table_keeps_the_team_s_text_ids_through_search_and_judgments(tmp_path):
-    from components.gallery import lance_convert
-    from components.gallery.adopt import npy_rows, read_manifest
-    from components.gallery.judgments import load_judgments
-    from components.gallery.lance_search import LanceSearch
+    from components.gallery.layouts import lance_convert
+    from components.gallery.inputs.adopt import npy_rows, read_manifest
+    from components.gallery.inputs.judgments import load_judgments
+    from components.gallery.search.lance import LanceSearch
 
     data = _data()
     manifest = tmp_path / "items.csv"
@@ -433,7 +433,7 @@ def test_the_merged_search_on_the_table_against_a_brute_force_reference(tmp_path
 
     from cli import app
     from components.evaluation.fusion import merge_lists
-    from components.gallery.lance_search import LanceDualSearch
+    from components.gallery.search.lance import LanceDualSearch
 
     data = _data()
     table = _upgraded(tmp_path, data)
@@ -478,7 +478,7 @@ def test_search_on_the_table_with_inverted_lists(tmp_path):
     """gallery.index on the table's search: inverted lists probed in full give the exact search's
     answer (same hits, same distances); probing one list of four finds fewer of them, each a real
     item at its true distance; too few items for the lists is refused, naming the setting."""
-    from components.gallery.lance_search import LanceSearch
+    from components.gallery.search.lance import LanceSearch
     from components.platform.config import IndexConfig
 
     data = _data()

@@ -1,4 +1,4 @@
-"""The upgrade's decisions (components.gallery.lifecycle): the budget, the map and its order,
+"""The upgrade's decisions (components.gallery.upgrade.lifecycle): the budget, the map and its order,
 whether the map fits, and the chunk scheduler's bookkeeping."""
 
 from types import SimpleNamespace
@@ -7,13 +7,13 @@ import numpy as np
 
 import pytest
 
-from components.gallery import planning
-from components.gallery.catalog import GalleryError
-from components.gallery.lifecycle import (
+from components.gallery.upgrade import planning
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.upgrade.lifecycle import (
     Backfill, budget_items, check_map_fits, checked_on, choose_map, cut_for_limit, done_prefix, failed_on, needs_check,
     plan_fields, registered_map_order,
 )
-from components.gallery.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
+from components.gallery.upgrade.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
 from components.platform.config import UpgradeConfig
 from components.platform.registry import ModelRef
 

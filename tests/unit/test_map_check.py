@@ -14,7 +14,7 @@ from components.experiment.map_check import (
 from components.experiment.map_validation import validation_split
 from components.experiment.inference import apply_alignment
 from components.experiment.map_training import feature_schedule, fit_uncertainty_head, train_alignment
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 
 CPU = torch.device("cpu")
 

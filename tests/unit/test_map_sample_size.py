@@ -4,8 +4,8 @@ gallery.upgrade.map_sample (the setting the user chose), not the check's own set
 import pytest
 
 from components.experiment.map_validation import validation_split
-from components.gallery.catalog import GalleryError
-from components.gallery.samples import check_map_sample, least_map_sample
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.upgrade.samples import check_map_sample, least_map_sample
 from components.platform.config import UpgradeConfig
 
 

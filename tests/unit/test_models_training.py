@@ -10,7 +10,7 @@ from components.experiment.models import (
 from components.experiment.inference import apply_alignment, embed
 from components.experiment.map_training import train_alignment, true_alignment_loss
 from components.experiment.training import TrainingRun, train_embedder
-from components.experiment.tiny_demo import class_image
+from testkit.tiny_demo import class_image
 
 CPU = torch.device("cpu")
 

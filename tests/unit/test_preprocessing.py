@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from components.gallery.images import decode, read_image
+from components.gallery.inputs.images import decode, read_image
 from components.model_store.catalogue import preprocessing_from_options
 from components.model_store.preprocessing import Preprocessing
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.gallery.pairs import TARGETS_NONE, TARGETS_PREDICTED, from_gallery
-from components.gallery.pseudo_classes import class_count, cluster_classes
+from components.gallery.upgrade.pairs import TARGETS_NONE, TARGETS_PREDICTED, from_gallery
+from components.gallery.upgrade.pseudo_classes import class_count, cluster_classes
 
 
 def _blobs(per_class: int = 80, classes: int = 5, dim: int = 16, seed: int = 0):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from components.gallery import lock as locking
+from components.gallery.store import lock as locking
 from components.gallery.store import ChecksumMismatch, LocalStore, open_store, sha256
 
 

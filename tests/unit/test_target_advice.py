@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from components.evaluation.dual_curve import dual_curve
-from components.gallery.advisor import ranks_of
-from components.gallery.target_advice import compare_ways, first_reaching, shadow_top1, ways_to_target
+from components.gallery.advice.advisor import ranks_of
+from components.gallery.advice.target_advice import compare_ways, first_reaching, shadow_top1, ways_to_target
 from tests.gallery_cases import N, _gallery, make_data, make_models
 
 
@@ -104,14 +104,14 @@ def _ways_inputs(gallery, models, data):
 
 def _judged_by_label(labels, positions, source="by label"):
     """Judgments that call relevant every other gallery item of the query's label: the labels' truth."""
-    from components.gallery.judgments import Judgments
+    from components.gallery.inputs.judgments import Judgments
 
     relevant = [np.flatnonzero((labels == labels[p]) & (np.arange(len(labels)) != p)) for p in positions]
     return Judgments(source, np.asarray(positions, dtype=np.int64), [None] * len(positions), relevant)
 
 
 def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_labels_do(tmp_path):
-    from components.gallery.catalog import Gallery, ingest
+    from components.gallery.layouts.catalog import Gallery, ingest
     from components.gallery.store import open_store
     from tests.gallery_cases import OLD
 
@@ -144,7 +144,7 @@ def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_lab
 
 
 def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
-    from components.gallery.target_advice import shadow_top1_judged
+    from components.gallery.advice.target_advice import shadow_top1_judged
 
     old, new, labels = _clustered(n=60)
     order = np.random.default_rng(2).permutation(60)

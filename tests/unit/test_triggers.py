@@ -13,9 +13,9 @@ import pytest
 from components.platform.config import parse_params
 from components.platform.registry import ModelRef
 from components.gallery.store import LocalStore
-from components.gallery.claims import claim, claimed, release, wants_upgrade
-from components.gallery.webhook_checks import WebhookRejected, alias_event, sign, verify
-from components.experiment.tiny_demo import tiny_params
+from components.gallery.triggers.claims import claim, claimed, release, wants_upgrade
+from components.gallery.triggers.webhook_checks import WebhookRejected, alias_event, sign, verify
+from testkit.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
 

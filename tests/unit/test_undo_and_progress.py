@@ -1,4 +1,4 @@
-"""Undoing upgrades in the store (components.gallery.reversal and garbage: abort, rollback, start_over, gc of
+"""Undoing upgrades in the store (components.gallery.upgrade.reversal and garbage: abort, rollback, start_over, gc of
 aborted work), the map training's progress lines, the CLI's progress default and the flows'
 configuration overrides; on a local folder, no Prefect."""
 
@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from components.gallery import backfill, ending, garbage, planning, reversal
-from components.gallery.status import gallery_status
-from components.gallery.catalog import GalleryError
+from components.gallery.upgrade import backfill, ending, garbage, planning, reversal
+from components.gallery.upgrade.status import gallery_status
+from components.gallery.layouts.catalog import GalleryError
 from tests.gallery_cases import NEW, OLD, _gallery, _plan, make_data, make_models
 
 
@@ -171,7 +171,7 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
 
 def test_a_search_kept_open_follows_a_rollback_and_an_abort(tmp_path, models, data):
     from components.experiment.inference import embed
-    from components.gallery.search import GallerySearch
+    from components.gallery.search.index import GallerySearch
 
     old_model, new, h = models
     images, _ = data
@@ -264,7 +264,7 @@ def test_the_progress_bar_is_on_by_default_on_a_terminal():
 def test_overrides_by_dotted_key_are_checked_like_params_yaml(tmp_path):
     from components.platform.config import ConfigError, parse_params
     from flows.parameters import apply_overrides, resolve_params
-    from components.experiment.tiny_demo import tiny_params
+    from testkit.tiny_demo import tiny_params
 
     params = parse_params(tiny_params(tmp_path))
     changed = apply_overrides(params, {"gallery.upgrade.chunk_size": 4, "gallery.upgrade.order": "random"})

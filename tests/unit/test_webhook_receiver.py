@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from components.gallery.store import LocalStore
-from components.gallery.claims import claim
-from components.gallery.webhook_checks import DeliveryLog, RateLimiter, sign
+from components.gallery.triggers.claims import claim
+from components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, sign
 from components.platform.config import parse_params
-from components.experiment.tiny_demo import tiny_params
+from testkit.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
 ROOT = Path(__file__).resolve().parents[2]

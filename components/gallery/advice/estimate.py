@@ -1,0 +1,254 @@
+"""What an upgrade would do, before it does it (``fastfill upgrade --dry-run``): items, chunks,
+bytes to read, object-store requests, and a duration estimated from reading and embedding a
+small random sample of the gallery's own images. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
+
+# The dry run's prediction reads every part through the map up to three times (its order, its
+# anchor, the target's); the parts are kept in memory while they fit in this many bytes.
+KEEP_TRANSFORMED = 1 << 30
+
+
+def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
+    """Mean bytes of an adopted gallery's encoded images (the sample's, read once more)."""
+    from components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, resolve
+
+    sizes = []
+    for uri in item_column(gallery, positions, "image"):
+        try:
+            sizes.append(len(read_bytes(resolve(str(uri), gallery.image_root))))
+        except OSError:  # a missing or unreadable file is counted by the sample's failures
+            continue
+        except Exception as error:  # noqa: BLE001 - S3: only an object's own problem is skipped
+            response = getattr(error, "response", None)
+            if not (isinstance(response, dict) and response.get("Error", {}).get("Code") in ITEM_S3_CODES):
+                raise
+            continue
+    return float(np.mean(sizes)) if sizes else 0.0
+
+
+def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> dict:
+    """The plan of an upgrade of ``gallery`` to ``new_model`` under ``config``
+    (gallery.upgrade), with measured per-item read and embedding times."""
+    from components.experiment.inference import embed
+    from components.gallery.inputs.images import readable
+
+    n, parts = gallery.num_items, gallery.num_parts
+    chunks = math.ceil(n / config.chunk_size)
+    shape = tuple(gallery.manifest()["image_shape"])
+    old_dim, new_dim = gallery.model.dim or 0, new_model.embedding_dim
+    positions = np.sort(np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False))
+    started = time.perf_counter()
+    images, failures = fetch_images(gallery, positions, workers=config.read_workers,
+                                    preprocessing=getattr(new_model, "preprocessing", None))
+    read_seconds = time.perf_counter() - started
+    ok = readable(len(positions), failures)
+    embed(new_model, images[ok][:2], batch_size=config.batch_size, precision=config.precision)  # warm-up: first-call costs are not per item
+    started = time.perf_counter()
+    embed(new_model, images[ok], batch_size=config.batch_size, precision=config.precision)
+    embed_seconds = time.perf_counter() - started
+    per_read, per_embed = read_seconds / len(positions), embed_seconds / max(1, int(ok.sum()))
+
+    image_bytes = _mean_encoded_size(gallery, positions) if gallery.adopted else float(np.prod(shape))
+    feature_bytes, new_bytes = n * old_dim * 4, n * new_dim * 4
+    image_reads = n if gallery.adopted else parts  # packed parts are cached per process
+    requests = {
+        "plan": 3 * parts + 5,  # features in, transformed and sigma out; order, eval sample, plan, manifest
+        # the images, each part's item URIs once (cached per process), a chunk's features and its marker
+        "backfill": image_reads + (parts if gallery.adopted else 0) + 2 * chunks,
+        "finish": 2 * chunks + 2 * parts + 2,  # markers and chunks in; transformed in, features out
+    }
+    backfill_seconds = n * (per_read + per_embed) / max(1, config.max_concurrency)
+    if config.max_items_per_second:
+        backfill_seconds = max(backfill_seconds, n / config.max_items_per_second)
+    return {
+        "store": gallery.store.uri, "items": n, "parts": parts, "chunks": chunks, "chunk_size": config.chunk_size,
+        "images": "read by URI where they are" if gallery.adopted else "packed parts in the store",
+        "bytes_to_read": {"features": feature_bytes, "images": int(n * image_bytes), "finish": 2 * new_bytes,
+                          "total": int(feature_bytes + n * image_bytes + 2 * new_bytes)},
+        "bytes_to_write": {"plan": int(n * (new_dim * 4 + 4 + 8)), "backfill": new_bytes, "finish": new_bytes},
+        "requests": {**requests, "total": sum(requests.values())},
+        "sample": {"items": len(positions), "failed": len(failures), "read_seconds_per_item": per_read,
+                   "embed_seconds_per_item": per_embed},
+        "estimated_backfill_seconds": backfill_seconds,
+        "note": "the estimate covers reading and embedding at max_concurrency chunks in flight; training a map "
+                "(when the registry has none for the two versions) and the store's latency under load are not in it",
+    }
+
+
+def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_top1: float | None = None) -> dict:
+    """What ``fastfill upgrade`` would do to ``gallery`` (``params``: the configuration;
+    ``client``: the registry's), writing nothing: no plan, no lock, no MLflow run. The version
+    as the upgrade chooses it (``decider.UpgradeDecider.target``), the cost (``dry_run``), what
+    the gate would measure against, where the map's pairs come from, and the budget advisor's
+    prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
+    (each order of the map, or the shadow index) reaches it with the least backfill."""
+    from components.model_store.registered import load_model
+    from components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+    from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, truth_of
+    from components.gallery.upgrade.planning import upgrade_id
+    from components.gallery.upgrade.samples import pairs_description
+    from components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
+
+    config, name = params.gallery.upgrade, params.mlflow.registered_model
+    view = GalleryView(gallery)
+    decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate, config.judgments,
+                             config.stop_when_gain_below)
+    new = decider.target(asked_version(client, name, to_uri), view)
+    if new is None:
+        return {"from": gallery.model.uri, "to": None, **decider.no_target(view, alias_version(client, name, CHAMPION))}
+    truth = truth_of(view.has_labels, config.judgments)
+    truth_line = {TRUTH_NONE: "none: the gallery has no labels and no judged queries are configured; "
+                  + ("the upgrade would be refused before planning (promotion.gate true)" if params.promotion.gate
+                     else "the upgrade runs ungated"),
+                  TRUTH_JUDGMENTS: f"the judged queries of {config.judgments}"}.get(truth, "the gallery's labels")
+    model = load_model(new.uri).eval()
+    result = dry_run(gallery, config, model, seed=config.seed)
+    resumes = view.current == upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
+    advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
+                        sequential=bool(view.current) and not resumes, target_top1=target_top1)
+    return {"from": gallery.model.uri, "to": new.uri, "in_progress": view.current, "resumes": resumes, **result,
+            "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice}
+
+
+def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,
+               target_top1: float | None = None) -> dict:
+    """The budget advisor's prediction without writing anything: the stored one of the upgrade
+    this would resume; else, when the registry holds a checked map joining the two versions,
+    computed here (the evaluation sample embedded with the new model, the gallery's features
+    sent through the map part by part, twice: its order first (sigma's, the usage weights', or
+    random), then the search). Otherwise a note saying when the prediction appears."""
+    from components.experiment.inference import apply_alignment, embed
+    from components.model_store.registered import load_model
+    from components.gallery.advice import advisor
+    from components.gallery.layouts.catalog import features_key, rows_at
+    from components.gallery.inputs.judgments import load_judgments
+    from components.gallery.upgrade.lifecycle import TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
+    from components.gallery.upgrade.planning import stand_in_ranks
+    from components.gallery.upgrade.samples import (
+        evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map,
+    )
+    from components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
+
+    config = params.gallery.upgrade
+    gain_below = config.stop_when_gain_below
+    if resumes:
+        stored = advisor.stored_advice(gallery.store, resumes)
+        if stored is not None:
+            target = None if target_top1 is None else {
+                "target_top1": target_top1, "note": f"the ways are compared before an upgrade starts; {resumes} is "
+                "under way in its own order (its predicted curve is above)"}
+            return {**stored, "recommendation": advisor.at_stop(stored, gain_below), "target": target}
+    labels = gallery.labels()
+    if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
+        return {"note": "no prediction: the upgrade would be refused before planning: "
+                        + no_truth_refusal(gallery.store.uri)}
+    if config.eval_queries == 0:
+        return {"note": "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"}
+    if sequential:
+        return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
+    source, pairs = pairs_source(config, gallery.store.uri), pairs_description(config, gallery.num_items)
+    chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, map_order(config.order), source)
+    if chosen is None:
+        return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
+                        f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
+                        "predicted curve"}
+    if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
+        return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
+                        f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
+                        "status` then shows the predicted curve"}
+    order_kind = order_after_map(config.order, registered_map_order(chosen.tags, map_order(config.order))[0])
+    weights = None
+    if order_kind in USAGE_ORDERS:  # before any embedding: the usage orders need the items' weights
+        try:
+            weights = usage_weights(gallery, config.usage_log).weights
+        except GalleryError as error:
+            return {"note": f"no prediction: {error}"}
+    alignment_map = load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
+
+    def embed_new(images, label=None):
+        return embed(model, images, batch_size=config.batch_size, precision=config.precision)
+
+    preprocessing = getattr(model, "preprocessing", None)
+    positions, images = readable_images(gallery, evaluation_positions(gallery, config), config.read_workers,
+                                        "evaluation sample", lambda line: None, preprocessing)
+    queries = embed_new(images)
+    judged = None
+    if config.judgments:
+        champion = load_model(gallery.model.uri).eval()
+
+        def embed_champion(images, label=None):
+            return embed(champion, images, batch_size=config.batch_size, precision=config.precision)
+
+        judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
+                                embed_champion, {}, preprocessing=preprocessing,
+                                champion_preprocessing=getattr(champion, "preprocessing", None))  # (judgments, new-model and champion features of the queries)
+    prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
+    if judged is not None:
+        prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
+
+    kept: dict[int, tuple] = {}  # parts through the map, while they fit in KEEP_TRANSFORMED bytes
+
+    def transformed(part: int):  # the order, the prediction and the target each read every part
+        if part not in kept:
+            result = apply_alignment(alignment_map, gallery.features(gallery.model, part))
+            if sum(a.nbytes for r in [*kept.values(), result] for a in r if a is not None) > KEEP_TRANSFORMED:
+                return result
+            kept[part] = result
+        return kept[part]
+
+    sigma = None
+    if order_kind != "random":
+        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
+        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
+        if sigma is None and order_kind != "usage":
+            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
+                            f"for the {order_kind} order; use --order random"
+                            + (" or usage" if order_kind == "usage_sigma" else "")}
+    order = backfill_order(order_kind, gallery.num_items, config.seed, sigma, weights)
+    # the evaluation sample is embedded while planning and backfilled first: its stand-in places
+    ranks = stand_in_ranks(order, prefilled, positions, config.seed)
+    old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    sample_transformed = apply_alignment(alignment_map, old_side)[0]
+
+    def transformed_parts():
+        return ((gallery.part_bounds(p)[0], transformed(p)[0]) for p in range(gallery.num_parts))
+
+    prediction = advisor.predict_upgrade(
+        positions, queries, sample_transformed, ranks, gallery.num_items, transformed_parts, order,
+        labels=labels, judged=None if judged is None else judged[:2], distance=params.gallery.distance,
+        gain_below=gain_below)
+    if target_top1 is not None:
+        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
+                                               sample_transformed, transformed, transformed_parts, sigma, weights,
+                                               params.gallery.distance, judged)
+    return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+
+
+def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, old_side, sample_transformed,
+                    transformed, transformed_parts, sigma, weights, distance: str, judged) -> dict:
+    """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
+    map has an uncertainty head, the usage orders' when the items have weights."""
+    from components.gallery.advice.target_advice import ways_to_target
+    from components.gallery.upgrade.usage import usage_weights
+
+    if sigma is None:
+        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
+        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
+    if weights is None:
+        try:
+            weights = usage_weights(gallery, config.usage_log).weights
+        except GalleryError:
+            weights = None  # no weights: the usage orders are not among the ways
+    return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
+                          old_side=old_side, sample_transformed=sample_transformed,
+                          transformed_parts=transformed_parts, log_sigma2=sigma, weights=weights, seed=config.seed,
+                          distance=distance, judged=judged)

@@ -1,0 +1,216 @@
+"""Which way reaches a top-1 target with the least backfill: the advisor's curves side by side.
+
+``fastfill upgrade --dry-run --target-top1 T`` predicts, on the team's own truth (its judged
+queries when it has them, as the gate; else the gallery's labels on the evaluation sample S),
+the curve of every way the upgrade could go, and names the one that first reaches T:
+
+- the map's way in each backfill order the gallery allows (sigma, the usage orders when the
+  items have weights, random): ``advisor.predict`` (labels) or ``advisor.predict_judged``
+  (judged queries) with that order's places of S;
+- the shadow index (``dual_rrf``): no map, the old query in the old features of the items not
+  yet re-embedded, the new query in the new features of those that are, merged by reciprocal
+  rank fusion (``components.evaluation.fusion``), backfilled in random order (as teams do), in
+  usage order when the items have weights (most-hit first, as teams also do), and in the map's
+  sigma order when there is one.
+
+The shadow index's top-1 needs no full ranking. The two parts are disjoint, so RRF gives each
+part's first hit the same score and the tie rule puts the new part's first: the merged top-1 is
+the new query's nearest re-embedded item whenever one exists (its own item excluded), else the
+old query's nearest among the rest. S measures it with S as the gallery, as ``advisor.predict``
+does; its error rate is scaled to the whole gallery by the ratio measured at 0%, where the
+shadow index is the old model alone: the old queries against the whole stored gallery
+(``NearestLabel``, or ``advisor.judged_anchor`` for judged queries), against S alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from components.gallery.advice.advisor import STEP, fractions
+
+
+def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarray, ranks: np.ndarray,
+                num_items: int, anchor_old_hits: np.ndarray | None = None, *, distance: str = "l2",
+                step: float = STEP) -> dict:
+    """The shadow index's (rrf) predicted top-1 at every ``step`` of the gallery. ``sample_old`` /
+    ``sample_new``: S's old and new features; ``labels``: S's; ``ranks``: S's places in the
+    backfill of ``num_items``; ``anchor_old_hits``: whether each S item's nearest item in the whole
+    old gallery has its label (None: S is the gallery)."""
+    from components.evaluation.retrieval import pairwise_distances
+
+    labels = np.asarray(labels)
+    m = len(labels)
+    if m < 2:
+        raise ValueError(f"the advisor needs an evaluation sample of at least 2 labeled items, got {m}")
+    d_old = pairwise_distances(np.asarray(sample_old, np.float32), np.asarray(sample_old, np.float32), distance)
+    d_new = pairwise_distances(np.asarray(sample_new, np.float32), np.asarray(sample_new, np.float32), distance)
+    np.fill_diagonal(d_old, np.inf)  # a query never retrieves itself
+    np.fill_diagonal(d_new, np.inf)
+    return _shadow_prediction(d_old, d_new, lambda nearest: labels[nearest] == labels, ranks, num_items,
+                              anchor_old_hits, step)
+
+
+def shadow_top1_judged(query_old: np.ndarray, query_new: np.ndarray, judged, positions: np.ndarray,
+                       sample_old: np.ndarray, sample_new: np.ndarray, ranks: np.ndarray, num_items: int,
+                       anchor_old_hits: np.ndarray, *, distance: str = "l2", step: float = STEP) -> dict | None:
+    """``shadow_top1`` with a team's judged queries for truth, as ``advisor.predict_judged`` has
+    them: the judged queries (``query_old``/``query_new``: both models' features of them) search
+    S (``positions``; its old and new features), a hit being an item the judgments call
+    relevant; the queries with no relevant item in S are left out (None when fewer than 2 are
+    left); ``anchor_old_hits``: whether each judged query's nearest item in the whole old
+    gallery is relevant (``advisor.judged_anchor`` over the stored features)."""
+    from components.evaluation.retrieval import pairwise_distances
+
+    used, relevant, own = judged.in_sample(np.asarray(positions, dtype=np.int64))
+    if len(used) < 2:
+        return None
+    d_old = pairwise_distances(np.asarray(query_old, np.float32)[used], np.asarray(sample_old, np.float32), distance)
+    d_new = pairwise_distances(np.asarray(query_new, np.float32)[used], np.asarray(sample_new, np.float32), distance)
+    rows = np.flatnonzero(own >= 0)
+    d_old[rows, own[rows]] = d_new[rows, own[rows]] = np.inf  # a query never retrieves itself
+    relevant_sets = [set(r.tolist()) for r in relevant]
+
+    def is_hit(nearest):
+        return np.array([n in r for n, r in zip(nearest.tolist(), relevant_sets)])
+
+    prediction = _shadow_prediction(d_old, d_new, is_hit, ranks, num_items, np.asarray(anchor_old_hits)[used], step)
+    return {**prediction, "truth": "judgments", "queries": int(len(used)),
+            "queries_left_out": int(len(judged) - len(used))}
+
+
+def _shadow_prediction(d_old: np.ndarray, d_new: np.ndarray, is_hit, ranks: np.ndarray, num_items: int,
+                       anchor_old_hits: np.ndarray | None, step: float) -> dict:
+    """The merged top-1 of each query row (``d_old``/``d_new``: its distances to S's old and new
+    features, its own item at +inf) at every ``step``: its nearest re-embedded item of S when one
+    is, else its nearest of the rest; ``is_hit(nearest)`` scores the rows' picks. Scaled to the
+    whole gallery by ``anchor_old_hits`` (each row's hit against the whole old gallery) at 0%."""
+    sample = d_old.shape[1]
+    points = fractions(step)
+    hits = np.zeros((len(points), len(d_old)))
+    for p, f in enumerate(points):
+        on_new = np.asarray(ranks) < math.floor(round(f * num_items, 9))
+        new_part = np.where(on_new[None, :], d_new, np.inf)
+        old_part = np.where(on_new[None, :], np.inf, d_old)
+        from_new = np.isfinite(new_part).any(axis=1)
+        hits[p] = is_hit(np.where(from_new, new_part.argmin(axis=1), old_part.argmin(axis=1)))
+    top1 = hits.mean(axis=1)
+    scale = 1.0 if anchor_old_hits is None else \
+        (1 - float(np.mean(anchor_old_hits))) / max(1e-9, 1 - float(top1[0]))
+    fpc = max(0.0, 1.0 - sample / max(num_items, sample))
+    return {"way": "shadow index (rrf)", "fractions": points.tolist(), "sample": sample, "items": int(num_items),
+            "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(),
+            "top1_se": np.sqrt(hits.var(axis=1, ddof=1) / len(d_old) * fpc).tolist(),
+            "sample_top1": top1.tolist(), "error_scale": scale}
+
+
+def first_reaching(prediction: dict, target: float) -> float | None:
+    """The first fraction at which the predicted top-1 reaches ``target`` (a fraction), or None."""
+    for f, value in zip(prediction["fractions"], prediction["top1"]):
+        if value >= target - 1e-12:
+            return float(f)
+    return None
+
+
+def compare_ways(target: float, predictions: dict[str, dict]) -> dict:
+    """Each way's first fraction reaching ``target`` (top-1 as a fraction), the best way (the
+    least backfill; at a tie the higher top-1 at 100%, then the way listed first), and a line."""
+    ways = []
+    for name, prediction in predictions.items():
+        fraction = first_reaching(prediction, target)
+        items = prediction["items"]
+        ways.append({"way": name, "fraction": fraction,
+                     "items": None if fraction is None else int(min(items, math.ceil(round(fraction * items, 9)))),
+                     "top1_at_0": float(prediction["top1"][0]), "top1_full": float(prediction["top1"][-1])})
+    reached = [w for w in ways if w["fraction"] is not None]
+    best = min(reached, key=lambda w: (w["fraction"], -w["top1_full"])) if reached else None
+    if best is None:
+        line = (f"no way reaches top-1 {100 * target:.2f}% on the evaluation sample; the best at 100% is "
+                f"{max(ways, key=lambda w: w['top1_full'])['way']} with "
+                f"{100 * max(w['top1_full'] for w in ways):.2f}%")
+    else:
+        line = (f"{best['way']} reaches top-1 {100 * target:.2f}% first: after {100 * best['fraction']:.0f}% of the "
+                f"gallery ({best['items']} items)" + "".join(
+                    f"; {w['way']}: " + ("never" if w["fraction"] is None else f"{100 * w['fraction']:.0f}%")
+                    for w in ways if w is not best))
+    return {"target_top1": target, "ways": ways, "best": None if best is None else best["way"], "line": line}
+
+
+def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: np.ndarray, queries: np.ndarray,
+                   old_side: np.ndarray, sample_transformed: np.ndarray, transformed_parts,
+                   log_sigma2: np.ndarray | None, weights: np.ndarray | None, seed: int, distance: str = "l2",
+                   judged: tuple | None = None) -> dict:
+    """``compare_ways`` for a gallery before its upgrade, on its judged queries when there are
+    (``judged``: the judgments, the queries' new-model and serving-model features), else on its
+    labels. ``positions``/``queries``: the evaluation sample S and its new-model features;
+    ``prefilled``: what planning would embed first; ``old_side``: S's stored old-model features;
+    ``sample_transformed``: S through the map; ``transformed_parts()``: the whole gallery through
+    the map, as ``(first item, rows)`` parts; ``log_sigma2``/``weights``: what orders the map's
+    sigma and the usage weights allow (None: not known)."""
+    from components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
+    from components.gallery.upgrade.planning import stand_in_ranks
+    from components.gallery.upgrade.usage import backfill_order
+
+    labels = gallery.labels()
+    if labels is None and judged is None:
+        return {"target_top1": target, "note": "the comparison of ways needs judged queries (--judgments) or the "
+                "gallery's labels; this gallery has neither"}
+    positions = np.asarray(positions, dtype=np.int64)
+    full = len(positions) == gallery.num_items  # S is the gallery: nothing to scale
+
+    def old_parts():
+        return ((gallery.part_bounds(part)[0], gallery.features(gallery.model, part))
+                for part in range(gallery.num_parts))
+
+    if judged is not None:  # judged queries first, as the gate and the prediction take them
+        judgments, query_new, query_old = judged
+        usable = len(judgments.in_sample(positions)[0])
+        if usable < 2:  # before any pass over the gallery: every way would leave these queries out
+            return {"target_top1": target, "note": "the comparison of ways needs at least 2 judged queries with a "
+                    f"relevant item in the evaluation sample ({len(positions)} items), and {usable} have one; raise "
+                    "gallery.upgrade.eval_queries or judge more items"}
+        anchor_new = judged_anchor(query_new, judgments, transformed_parts(), distance)
+        anchor_old = judged_anchor(query_old, judgments, old_parts(), distance)
+
+        def map_way(ranks):
+            return predict_judged(query_new, judgments, positions, queries, sample_transformed, ranks,
+                                  gallery.num_items, anchor_new, distance=distance)
+
+        def shadow_way(ranks):
+            return shadow_top1_judged(query_old, query_new, judgments, positions, old_side, queries, ranks,
+                                      gallery.num_items, anchor_old, distance=distance)
+    else:
+        anchor_new = NearestLabel(queries, positions, labels, distance)
+        for start, rows in transformed_parts():
+            anchor_new.add(start, rows)
+        anchor_old = NearestLabel(old_side, positions, labels, distance)
+        for start, rows in old_parts():
+            anchor_old.add(start, rows)
+
+        def map_way(ranks):
+            return predict(queries, sample_transformed, labels[positions], ranks, gallery.num_items,
+                           None if full else anchor_new.hits(), distance=distance)
+
+        def shadow_way(ranks):
+            return shadow_top1(old_side, queries, labels[positions], ranks, gallery.num_items,
+                               None if full else anchor_old.hits(), distance=distance)
+    kinds = [kind for kind, needs in (("sigma", log_sigma2), ("usage_sigma", weights if log_sigma2 is not None
+                                                                                       else None),
+                                      ("usage", weights), ("random", True)) if needs is not None]
+    predictions = {}
+    for kind in kinds:
+        order = backfill_order(kind, gallery.num_items, seed, log_sigma2, weights)
+        predictions[f"map, {kind} order"] = map_way(stand_in_ranks(order, prefilled, positions, seed))
+    shadow_kinds = [kind for kind, needs in (("random", True), ("usage", weights), ("sigma", log_sigma2))
+                    if needs is not None]
+    for kind in shadow_kinds:  # a team without a map breaks the usage order's ties by id, not by sigma
+        order = backfill_order(kind, gallery.num_items, seed, log_sigma2 if kind == "sigma" else None, weights)
+        # no map, nothing embedded before the backfill: S's own places
+        predictions[f"shadow index (rrf), {kind} order"] = shadow_way(ranks_of(order, positions))
+    result = compare_ways(target, predictions)
+    first = next(iter(predictions.values()))
+    truth = (f"{first['queries']} judged queries against {len(positions)} sampled items" if judged is not None
+             else f"the labels of {len(positions)} sampled items")
+    return {**result, "line": f"{result['line']} (on {truth})",
+            "truth": "judgments" if judged is not None else "labels"}

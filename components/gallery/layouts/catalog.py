@@ -1,0 +1,348 @@
+"""The gallery's layout in a store, and reading/writing it.
+
+Under one prefix::
+
+    gallery.json                            manifest: items, parts, image shape, the gallery's model
+    items/part-NNNNN.parquet                item id, image (key or URI), optional label and group,
+                                            and weight where adopted with one (components.gallery.upgrade.usage)
+    images/part-NNNNN.npy                   uint8 images (n, C, H, W) that a backfill re-embeds;
+                                            an adopted gallery has none: its images stay where
+                                            they are, read by the URI in the items table
+    features/<name>-v<version>/part-NNNNN.npy   features of one model version, written once
+    upgrades/lock.json                      held while an upgrade runs
+    upgrades/<upgrade-id>/...               see components.gallery.upgrade.planning
+
+Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
+``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import numpy as np
+
+from components.gallery.layouts.item_ids import id_array
+from components.gallery.layouts.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
+from components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
+from components.platform.registry import ModelRef
+
+MANIFEST = "gallery.json"
+FORMAT = 1
+
+
+class GalleryError(ValueError):
+    """Bad input for a gallery operation; the message says what is wrong and what to do."""
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def part_key(kind: str, part: int, suffix: str = "npy") -> str:
+    return f"{kind}/part-{part:05d}.{suffix}"
+
+
+def features_key(model: ModelRef, part: int) -> str:
+    return f"features/{model.key}/part-{part:05d}.npy"
+
+
+def check_features(features: np.ndarray, dim: int | None, what: str) -> np.ndarray:
+    """2-D, finite, float32, of the model's dimension; else a GalleryError naming ``what``."""
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise GalleryError(f"{what}: expected a 2-D array (items, dimension), got shape {features.shape}")
+    if dim is not None and features.shape[1] != dim:
+        raise GalleryError(f"{what}: features have dimension {features.shape[1]}, but the model's is {dim}; "
+                           "compute them with the same model")
+    if not np.issubdtype(features.dtype, np.floating) and not np.issubdtype(features.dtype, np.integer):
+        raise GalleryError(f"{what}: features must be numbers, got dtype {features.dtype}")
+    features = features.astype(np.float32, copy=False)
+    bad = ~np.isfinite(features).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise GalleryError(f"{what}: {len(rows)} rows contain NaN or infinite values (first: row {rows[0]}); "
+                           "nothing was written")
+    return features
+
+
+class Gallery:
+    """A gallery in a store: its manifest, items, images and features."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._manifest: dict | None = None
+
+    # ---- manifest
+
+    def exists(self) -> bool:
+        return self.store.exists(MANIFEST)
+
+    def manifest(self, refresh: bool = False) -> dict:
+        if self._manifest is None or refresh:
+            try:
+                manifest = self.store.get_json(MANIFEST)
+            except ObjectMissing:
+                raise GalleryError(f"no gallery at {self.store.uri}: {MANIFEST} is missing; run "
+                                   "`fastfill gallery ingest --store ...` first") from None
+            self._manifest = check_manifest(manifest, self.store.describe(MANIFEST))
+        return self._manifest
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.store.put_json(MANIFEST, manifest)
+        self._manifest = manifest
+
+    @property
+    def model(self) -> ModelRef:
+        return ModelRef.from_dict(self.manifest()["model"])
+
+    @property
+    def num_items(self) -> int:
+        return int(self.manifest()["num_items"])
+
+    @property
+    def adopted(self) -> bool:
+        """Images read by URI where they are (``fastfill gallery adopt``), not packed parts."""
+        return self.manifest().get("images", {}).get("source") == "uri"
+
+    @property
+    def image_root(self) -> str | None:
+        return self.manifest().get("images", {}).get("root")
+
+    @property
+    def part_size(self) -> int:
+        return int(self.manifest()["part_size"])
+
+    @property
+    def num_parts(self) -> int:
+        return int(self.manifest()["num_parts"])
+
+    def part_bounds(self, part: int) -> tuple[int, int]:
+        start = part * self.part_size
+        return start, min(start + self.part_size, self.num_items)
+
+    # ---- items
+
+    def items(self):
+        """The items table (pyarrow): id, image, label, group (and weight); in position order."""
+        import pyarrow as pa
+
+        return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))
+                                 for p in range(self.num_parts)])
+
+    def items_part(self, part: int):
+        return self.store.get_parquet(part_key("items", part, "parquet"))
+
+    def column(self, name: str) -> np.ndarray:
+        """One numeric column of the items table for every item, read part by part (the other
+        columns, image URIs among them, are not kept)."""
+        return np.concatenate([self.items_part(p).column(name).to_numpy().astype(np.int64)
+                               for p in range(self.num_parts)])
+
+    def ids(self) -> np.ndarray:
+        """The items' ids in position order: int64, or str for a gallery of text ids."""
+        return np.concatenate([id_array(self.items_part(p).column("id")) for p in range(self.num_parts)])
+
+    def labels(self) -> np.ndarray | None:
+        if not self.manifest().get("has_labels"):
+            return None
+        return self.column("label")
+
+    # ---- arrays
+
+    def images(self, part: int) -> np.ndarray:
+        images = self.store.get_array(part_key("images", part))
+        expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
+        if images.shape != tuple(expected) or images.dtype != np.uint8:
+            raise DamagedObject(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
+                                f"{tuple(expected)}, found {images.dtype} {images.shape}")
+        return images
+
+    def features(self, model: ModelRef, part: int) -> np.ndarray:
+        key = features_key(model, part)
+        return check_features(self.part_rows(key, part), model.dim, self.store.describe(key))
+
+    def part_rows(self, key: str, part: int) -> np.ndarray:
+        """The per-part array at ``key`` (one row per item of ``part``), checked against the
+        manifest's item count; a damaged one is refused naming it (DamagedObject: not retried)."""
+        start, stop = self.part_bounds(part)
+        array = self.store.get_array(key)
+        if array.ndim == 0 or array.shape[0] != stop - start:
+            rows = array.shape[0] if array.ndim else 0
+            raise DamagedObject(f"{self.store.describe(key)}: {rows} rows, but part {part} has {stop - start} items "
+                                "in the gallery's manifest; restore the object from a copy (or `fastfill upgrade "
+                                "abort` when it belongs to an unfinished upgrade)")
+        return array
+
+    def all_features(self, model: ModelRef) -> np.ndarray:
+        return np.concatenate([self.features(model, p) for p in range(self.num_parts)])
+
+
+def by_part(gallery: Gallery, positions: np.ndarray):
+    """(part, rows, offsets) for item ``positions`` (any order): the rows of the request that
+    fall in each part, and their offsets within it; each part once, in order."""
+    parts = positions // gallery.part_size
+    for part in np.unique(parts):
+        rows = np.flatnonzero(parts == part)
+        yield int(part), rows, positions[rows] - int(part) * gallery.part_size
+
+
+def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE, *,
+                 workers: int = 16, preprocessing=None) -> tuple[np.ndarray, list]:
+    """The images of items at ``positions`` (any order) and the failures
+    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts read part by part
+    (as stored: ``inference.embed`` brings them to the model's shape), or an adopted gallery's
+    images read by URI, ``workers`` at a time, decoded by ``preprocessing`` (the model's that
+    embeds them; default a plain stretch to the gallery's image shape)."""
+    shape = tuple(gallery.manifest()["image_shape"])
+    positions = np.asarray(positions, dtype=np.int64)
+    if gallery.adopted:
+        from components.gallery.inputs.images import read_images
+
+        return read_images(item_column(gallery, positions, "image"), preprocessing or shape, root=gallery.image_root,
+                           workers=workers)
+    out = np.empty((len(positions), *shape), dtype=np.uint8)
+    for part, rows, offsets in by_part(gallery, positions):
+        out[rows] = cache.get(gallery, part)[offsets]
+    return out, []
+
+
+def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE) -> np.ndarray:
+    """The images of items at ``positions``; a GalleryError if any cannot be read."""
+    images, failures = fetch_images(gallery, positions, cache)
+    if failures:
+        first = failures[0]
+        raise GalleryError(f"{len(failures)} of {len(positions)} images could not be read (first: {first.uri}: "
+                           f"{first.reason})")
+    return images
+
+
+def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
+    """Rows at ``positions`` of a per-part array (``key_of_part(part)`` is its key), reading only
+    the parts they fall in, one at a time: memory grows with the rows asked for, not the gallery."""
+    out = None
+    for part, rows, offsets in by_part(gallery, np.asarray(positions, dtype=np.int64)):
+        array = gallery.part_rows(key_of_part(part), part)
+        if out is None:
+            out = np.empty((len(positions), *array.shape[1:]), dtype=array.dtype)
+        out[rows] = array[offsets]
+    return out if out is not None else np.zeros((0,), dtype=np.float32)
+
+
+def item_column(gallery: Gallery, positions: np.ndarray, name: str, cache: ColumnCache = COLUMN_CACHE) -> list:
+    """One column of the items table (id, image, label, group) at ``positions``, part by part
+    (parts read recently come from ``cache``)."""
+    out: list = [None] * len(positions)
+    for part, rows, offsets in by_part(gallery, np.asarray(positions, dtype=np.int64)):
+        for row, value in zip(rows, cache.get(gallery, part, name).take(offsets).to_pylist()):
+            out[row] = value
+    return out
+
+
+def check_empty(store: Store, verb: str) -> None:
+    """The store is reachable and holds no gallery yet; else a GalleryError saying what to do."""
+    store.check()
+    if store.exists(MANIFEST):
+        raise GalleryError(f"{store.uri} already holds a gallery; {verb} into a new prefix or folder")
+
+
+REQUIRED = ("num_items", "part_size", "num_parts", "image_shape", "model")
+
+
+def check_registry(manifest: dict, where: str, registry: str) -> None:
+    """Refuse to work on a gallery whose model versions belong to another registry than
+    ``registry`` (``models:/embedder/3`` names a different model there). A gallery that records
+    none (written before galleries recorded it) is accepted."""
+    recorded = manifest.get("registry")
+    if recorded and recorded != registry:
+        raise GalleryError(f"{where} belongs to the model registry at {recorded}, but this command uses {registry}; "
+                           "point MLFLOW_TRACKING_URI (or mlflow.tracking_uri) at the gallery's registry")
+
+
+def check_manifest(manifest: object, where: str) -> dict:
+    """A gallery manifest with every key the product reads, or a GalleryError naming what is
+    missing (a hand-edited or foreign ``gallery.json``)."""
+    if not isinstance(manifest, dict):
+        raise GalleryError(f"{where} is not a gallery manifest (a JSON object); restore it from the store's history "
+                           "or re-create the gallery with `fastfill gallery ingest` / `adopt`")
+    missing = [key for key in REQUIRED if key not in manifest]
+    model = manifest.get("model")
+    if not missing and not (isinstance(model, dict) and {"name", "version"} <= set(model)):
+        missing = ["model.name and model.version"]
+    if missing:
+        raise GalleryError(f"{where} lacks {', '.join(missing)}: it is not a manifest this product wrote; restore "
+                           "it, or re-create the gallery with `fastfill gallery ingest` / `adopt`")
+    return manifest
+
+
+def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,
+                    has_groups: bool, by: str, images: dict | None = None, registry: str | None = None) -> dict:
+    """Write a new gallery's manifest, the last object of an ingest or an adopt: from here on
+    the gallery exists."""
+    manifest = {
+        "format": FORMAT, "created": now(), "num_items": num_items, "part_size": part_size,
+        "num_parts": -(-num_items // part_size), "image_shape": [int(x) for x in image_shape],
+        "has_labels": has_labels, "has_groups": has_groups, **({"images": images} if images else {}),
+        **({"registry": registry} if registry else {}),  # the model registry its model versions belong to
+        "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": by}],
+        "upgrade": None,
+    }
+    store.put_json(MANIFEST, manifest)
+    return manifest
+
+
+def check_ingest(images, labels, groups, ids) -> tuple[np.ndarray, np.ndarray]:
+    """An ingest's images as uint8 (N, C, H, W) (one channel added to (N, H, W)) and its ids
+    (0..N-1 by default), every column checked against N; a GalleryError naming what is wrong."""
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[:, None]
+    if images.ndim != 4 or images.dtype != np.uint8:
+        raise GalleryError(f"images must be uint8 of shape (N, C, H, W) or (N, H, W), got {images.dtype} {images.shape}")
+    n = len(images)
+    if n < 2:
+        raise GalleryError(f"a gallery needs at least 2 items, got {n}")
+    for name, column in (("labels", labels), ("groups", groups), ("ids", ids)):
+        if column is not None and len(column) != n:
+            raise GalleryError(f"{name}: {len(column)} values for {n} images")
+    ids = np.arange(n, dtype=np.int64) if ids is None else id_array(ids)  # integers or text, as given
+    if len(np.unique(ids)) != n:
+        raise GalleryError("item ids must be unique")
+    return images, ids
+
+
+def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
+           labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
+           part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
+    """Write a new gallery: items, images and the model's features, part by part; the manifest
+    last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
+    import pyarrow as pa
+
+    check_empty(store, "ingest")
+    images, ids = check_ingest(images, labels, groups, ids)
+    n = len(images)
+    features = check_features(features, model.dim, "gallery features")
+    if len(features) != n:
+        raise GalleryError(f"{len(features)} feature rows for {n} images")
+    if part_size < 1:
+        raise GalleryError(f"part_size must be >= 1, got {part_size}")
+
+    num_parts = -(-n // part_size)
+    for part in range(num_parts):
+        start, stop = part * part_size, min((part + 1) * part_size, n)
+        columns = {
+            "id": pa.array(ids[start:stop]),
+            "image": pa.array([f"{part_key('images', part)}#{row}" for row in range(stop - start)]),
+            "label": (pa.array(np.asarray(labels[start:stop], dtype=np.int64)) if labels is not None
+                      else pa.nulls(stop - start, pa.int64())),
+            "group": (pa.array([str(g) for g in groups[start:stop]], type=pa.string()) if groups is not None
+                      else pa.nulls(stop - start, pa.string())),
+        }
+        store.put_array(part_key("images", part), images[start:stop])
+        store.put_array(features_key(model, part), features[start:stop])
+        store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))
+        if on_part is not None:
+            on_part(part + 1, num_parts)
+    return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=images.shape[1:],
+                           has_labels=labels is not None, has_groups=groups is not None, by="ingest",
+                           registry=registry)

@@ -1,0 +1,63 @@
+"""What starts an upgrade by itself: a new `challenger` in the registry, seen by a watcher that
+polls or delivered by an MLflow registry webhook. Both paths claim the version in the gallery's
+store with a create-only write before starting anything, so one version never starts two
+upgrades, whichever path (or how many watchers, or webhook retries) saw it first; and both ask
+``wants_upgrade`` whether the candidate version should start one at all.
+"""
+
+from __future__ import annotations
+
+from components.gallery.layouts.catalog import now
+from components.gallery.store import AlreadyExists, ObjectMissing, Store
+from components.platform.registry import ModelRef
+
+
+def trigger_key(name: str, version: str) -> str:
+    return f"triggers/{name}-v{version}.json"
+
+
+def claim(store: Store, name: str, version: str, source: str, **details) -> bool:
+    """True for the first claim of this version in this gallery, False for every later one."""
+    record = {"name": name, "version": str(version), "source": source, "claimed": now(), **details}
+    try:
+        store.put_json(trigger_key(name, version), record, create_only=True)
+    except AlreadyExists:
+        return False
+    return True
+
+
+def record_start(store: Store, name: str, version: str, source: str, flow_run_id: str) -> None:
+    """The claim's upgrade was started: its flow run, written over the claim (which said
+    ``starting``). A claim still ``starting`` is one whose process stopped between the claim and
+    the start; the next trigger starts it (the flow run's idempotency key keeps that one run)."""
+    store.put_json(trigger_key(name, version), {"name": name, "version": str(version), "source": source,
+                                                "claimed": now(), "flow_run_id": flow_run_id})
+
+
+def unfinished(record: dict | None) -> bool:
+    """A trigger's claim whose start was never recorded (see ``record_start``). The claims that
+    abort and rollback write to keep a version from starting again are never unfinished."""
+    return bool(record and record.get("starting"))
+
+
+def release(store: Store, name: str, version: str) -> None:
+    """Undo a claim whose upgrade could not be started, so a later trigger may try again."""
+    store.delete(trigger_key(name, version))
+
+
+def claimed(store: Store, name: str, version: str) -> dict | None:
+    try:
+        return store.get_json(trigger_key(name, version))
+    except ObjectMissing:
+        return None
+
+
+def wants_upgrade(gallery_model: ModelRef, upgrading_to: ModelRef | None, candidate: str | None) -> str | None:
+    """Why the candidate version should NOT start an upgrade, or None when it should."""
+    if candidate is None:
+        return "no version has the alias"
+    if str(candidate) == str(gallery_model.version):
+        return f"the gallery is already on version {candidate}"
+    if upgrading_to is not None and str(candidate) == str(upgrading_to.version):
+        return f"the gallery is already upgrading to version {candidate}"
+    return None

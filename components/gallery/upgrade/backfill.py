@@ -1,0 +1,281 @@
+"""The backfill of a planned upgrade: re-embed one chunk (features first, then its completion
+marker), which chunks are done, and the gallery as queries see it meanwhile (mixed features).
+The objects' keys are in ``components.gallery.upgrade.planning``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from components.gallery.layouts.catalog import (
+    IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now, rows_at,
+)
+from components.gallery.upgrade.planning import (
+    Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
+)
+from components.gallery.store import ObjectMissing, Store, StoreError
+
+
+class _PlanCache:
+    """Orders read once per process per plan (chunks of one upgrade share them). The small
+    plan.json is read each time: an upgrade aborted and planned again under the same id has a
+    new plan, and a process (a Dask worker) that served the old one must not use its order."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: dict[tuple[str, str], tuple[Plan, np.ndarray]] = {}
+
+    def get(self, store: Store, upgrade: str) -> tuple[Plan, np.ndarray]:
+        key = (store.uri, upgrade)
+        plan = load_plan(store, upgrade)
+        if plan is None:
+            raise GalleryError(f"upgrade {upgrade} has no plan in {store.uri}; start it with `fastfill upgrade`")
+        with self._lock:
+            if key not in self._items or self._items[key][0] != plan:
+                self._items[key] = (plan, order_of(store, upgrade))
+            return self._items[key]
+
+
+PLANS = _PlanCache()
+
+
+def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
+                   read_workers: int = 16, precision: str = "auto") -> dict:
+    """Re-embed one chunk's images with the new model: read, embed, write the features, then the
+    marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
+    (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
+    from components.experiment.inference import embed
+    from components.gallery.inputs.images import readable
+
+    marker = marker_key(upgrade, chunk)
+    try:
+        return {**store.get_json(marker), "skipped": True}
+    except ObjectMissing:
+        pass
+    started = time.perf_counter()
+    plan, order = PLANS.get(store, upgrade)
+    start, stop = plan.chunk_bounds(chunk)
+    positions = order[start:stop]
+    gallery = Gallery(store)
+    preprocessing = getattr(model, "preprocessing", None)
+    features, failures = embed_streamed(
+        lambda rows: fetch_images(gallery, positions[rows], IMAGE_CACHE, workers=read_workers,
+                                  preprocessing=preprocessing),
+        lambda images: embed(model, images, batch_size=batch_size, device=device, precision=precision),
+        len(positions), plan.new.dim, batch_size)
+    ok = readable(len(positions), failures)
+    if ok.any():
+        check_features(features[ok], plan.new.dim, f"new-model features of chunk {chunk}")
+    failed = []
+    if failures:
+        failed_positions = positions[~ok]
+        features[~ok] = transformed_rows(gallery, upgrade, failed_positions)
+        ids = item_column(gallery, failed_positions, "id")
+        failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
+                  for i, f in enumerate(failures)]
+    return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed), "skipped": False}
+
+
+def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.ndarray, list]:
+    """Features of ``count`` items read ``batch`` at a time: ``fetch(rows)`` -> (images,
+    failures indexing ``rows``) runs on a thread of its own, one batch ahead, so reading and
+    decoding the next batch overlap the model's forward pass on this one; ``embed(images)`` ->
+    features. Returns (features, failures indexing the ``count`` items); a failed row's features
+    are left unset (zeros)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from components.gallery.inputs.images import ImageFailure, readable
+
+    features = np.zeros((count, dim), dtype=np.float32)
+    failures: list = []
+    slices = [np.arange(start, min(start + batch, count)) for start in range(0, count, max(1, batch))]
+    if not slices:
+        return features, failures
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-read-ahead") as reader:
+        pending = reader.submit(fetch, slices[0])
+        for k, rows in enumerate(slices):
+            images, failed = pending.result()
+            if k + 1 < len(slices):
+                pending = reader.submit(fetch, slices[k + 1])
+            ok = readable(len(rows), failed)
+            if ok.any():
+                features[rows[ok]] = embed(images[ok])
+            failures += [ImageFailure(int(rows[f.row]), f.uri, f.reason) for f in failed]
+    return features, failures
+
+
+def write_chunk(store: Store, upgrade: str, chunk: int, start: int, stop: int, features: np.ndarray,
+                started: float, failed: list | None = None, **extra) -> dict:
+    """A chunk's new features, then its completion marker (the chunk counts as done from here)."""
+    digest = store.put_array(chunk_key(upgrade, chunk), features)
+    record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
+              "failed": failed or [], "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+              "finished": now(), "seconds": round(time.perf_counter() - started, 4), **extra}
+    store.put_json(marker_key(upgrade, chunk), record)
+    return record
+
+
+def write_prefilled(store: Store, plan: Plan, order: np.ndarray, features_at: dict[int, np.ndarray]) -> int:
+    """The chunks at the front of the order whose items were embedded while planning (the map
+    sample and the evaluation sample, ``features_at``: position -> new features), written as
+    done chunks: they are backfilled from the start. Returns the chunks written."""
+    written = 0
+    for chunk in range(plan.num_chunks):
+        start, stop = plan.chunk_bounds(chunk)
+        if stop > plan.prefilled:
+            break
+        rows = np.stack([features_at[int(p)] for p in order[start:stop]]).astype(np.float32)
+        write_chunk(store, plan.id, chunk, start, stop, rows, time.perf_counter(), prefilled=True)
+        written += 1
+    return written
+
+
+def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
+    """h(old) of the items at ``positions`` (the upgrade's transformed parts), part by part."""
+    return rows_at(gallery, positions, lambda part: transformed_key(upgrade, part)).astype(np.float32, copy=False)
+
+
+def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarray:
+    """The features queries see now at ``positions`` only (new where backfilled, h(old)
+    elsewhere): each done chunk is read once and only its rows at ``positions`` are kept."""
+    positions = np.asarray(positions, dtype=np.int64)
+    out = transformed_rows(gallery, plan.id, positions)
+    order = order_of(gallery.store, plan.id)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    chunk_of = plan.chunk_of(rank[positions])
+    done = set(done_chunks(gallery.store, plan.id))
+    for chunk in np.unique(chunk_of):
+        if int(chunk) not in done:
+            continue
+        rows = np.flatnonzero(chunk_of == chunk)
+        features = chunk_features(gallery.store, plan.id, int(chunk))
+        out[rows] = features[rank[positions[rows]] - plan.chunk_bounds(int(chunk))[0]]
+    return out
+
+
+def failed_images(store: Store, upgrade: str) -> list[dict]:
+    """Every item whose image a backfill of ``upgrade`` could not read, from the chunk markers."""
+    return [entry for chunk in done_chunks(store, upgrade)
+            for entry in store.get_json(marker_key(upgrade, chunk)).get("failed", [])]
+
+
+def done_chunks(store: Store, upgrade: str) -> list[int]:
+    keys = store.list(upgrade_key(upgrade, "done/"))
+    return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
+
+
+def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
+    """The chunks of ``plan``'s backfill done and not in ``applied``, in chunk order, each as
+    ``(chunk, positions, features, read)``: its items' places (``order``'s slice), its stored
+    rows (the new features; h(old) for an item whose image could not be read) and which items
+    were re-embedded (False: the image was unreadable, the row is still h(old))."""
+    for chunk in done_chunks(store, plan.id):
+        if chunk in applied:
+            continue
+        start, stop = plan.chunk_bounds(chunk)
+        positions = np.asarray(order[start:stop])
+        failed = {entry["position"] for entry in store.get_json(marker_key(plan.id, chunk)).get("failed", [])}
+        read = np.array([p not in failed for p in positions.tolist()], dtype=bool)
+        yield chunk, positions, chunk_features(store, plan.id, chunk), read
+
+
+def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
+    """A finished chunk's features, checked against its marker."""
+    marker = store.get_json(marker_key(upgrade, chunk))
+    features = store.get_array(chunk_key(upgrade, chunk))
+    if len(features) != marker["count"]:
+        raise StoreError(f"{store.describe(chunk_key(upgrade, chunk))} has {len(features)} rows; its marker "
+                         f"says {marker['count']}")
+    return features
+
+
+def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The gallery as queries see it now: new features where backfilled, h(old) elsewhere;
+    and the backfilled mask. ``transformed``: the upgrade's h(old), when the caller has read it."""
+    features = transformed_all(gallery, plan.id) if transformed is None else transformed.copy()
+    backfilled = np.zeros(plan.num_items, dtype=bool)
+    order = order_of(gallery.store, plan.id)
+    for chunk in done_chunks(gallery.store, plan.id):
+        start, stop = plan.chunk_bounds(chunk)
+        features[order[start:stop]] = chunk_features(gallery.store, plan.id, chunk)
+        backfilled[order[start:stop]] = True
+    return features, backfilled
+
+
+def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20):
+    """(part, features, backfilled mask) of every part in turn, as ``mixed_features`` would give
+    them, in bounded memory and linear I/O. Parts are gathered in batches of about
+    ``memory_bytes`` of features. When there is more than one batch, the done chunks are first
+    read once each and their rows appended to a local scratch file per batch (sigma-ordered
+    chunks hold items of every part, so reading them per batch would read each chunk once per
+    batch); each batch then starts from its transformed parts and takes its rows from its file."""
+    import tempfile
+
+    dim = plan.new.dim
+    parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * dim * 4))
+    batches = [(first, min(first + parts_per_batch, gallery.num_parts))
+               for first in range(0, gallery.num_parts, parts_per_batch)]
+    batch_rows = parts_per_batch * gallery.part_size
+    done = done_chunks(gallery.store, plan.id)
+    order = order_of(gallery.store, plan.id)
+    with tempfile.TemporaryDirectory(prefix="fastfill-finish-") as scratch:
+        files = {}
+        if len(batches) > 1:  # pass 1: each done chunk read once, its rows sent to their batch's file
+            for chunk in done:
+                c_start, c_stop = plan.chunk_bounds(chunk)
+                positions = order[c_start:c_stop]
+                features = chunk_features(gallery.store, plan.id, chunk)
+                batch_of = positions // batch_rows
+                for batch in np.unique(batch_of):
+                    rows = batch_of == batch
+                    if int(batch) not in files:
+                        files[int(batch)] = open(os.path.join(scratch, f"batch-{int(batch)}.bin"), "w+b")
+                    record = np.empty(int(rows.sum()), dtype=[("position", np.int64), ("features", np.float32, dim)])
+                    record["position"], record["features"] = positions[rows], features[rows]
+                    files[int(batch)].write(record.tobytes())
+        for index, (first, last) in enumerate(batches):  # pass 2: one batch of parts at a time
+            start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
+            features = np.empty((stop - start, dim), dtype=np.float32)  # filled in place: no second copy
+            for part in range(first, last):
+                p_start, p_stop = gallery.part_bounds(part)
+                features[p_start - start:p_stop - start] = gallery.part_rows(transformed_key(plan.id, part), part)
+            backfilled = np.zeros(stop - start, dtype=bool)
+            if len(batches) == 1:
+                for chunk in done:
+                    c_start, c_stop = plan.chunk_bounds(chunk)
+                    positions = order[c_start:c_stop]
+                    features[positions - start] = chunk_features(gallery.store, plan.id, chunk)
+                    backfilled[positions - start] = True
+            elif index in files:
+                handle = files.pop(index)
+                handle.seek(0)
+                while True:  # in blocks, so the file never sits whole in memory beside the batch
+                    record = np.fromfile(handle, dtype=[("position", np.int64), ("features", np.float32, dim)],
+                                         count=65536)
+                    if not len(record):
+                        break
+                    features[record["position"] - start] = record["features"]
+                    backfilled[record["position"] - start] = True
+                handle.close()
+            for part in range(first, last):
+                p_start, p_stop = gallery.part_bounds(part)
+                yield part, features[p_start - start:p_stop - start], backfilled[p_start - start:p_stop - start]
+        for handle in files.values():
+            handle.close()
+
+
+def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
+    """A sequential upgrade starts from the gallery as queries see it in the unfinished ``base``
+    upgrade: its new model's features where backfilled, its transformed features elsewhere,
+    all in the space of ``base.new`` (the maps compose). Written per part, in bounded memory;
+    returns the parts."""
+    for part, features, _ in iter_mixed_parts(gallery, base):
+        gallery.store.put_array(source_key(upgrade, part), features)
+    return gallery.num_parts

@@ -1,0 +1,109 @@
+"""The end of an upgrade: its decision recorded, then finish (switch the gallery to the new
+model) or reject (the promotion gate failed), then the registry's step noted.
+
+The end of an upgrade as a recoverable sequence: decision, switch, registry, lock.
+
+1. the decision is recorded in the store (``decision.json``), before anything changes;
+2. the gallery switches (``finish``) or goes back to the champion's features (``reject``);
+3. the registry follows: the version's tags, and ``champion`` moved when it passed;
+   ``decision.json`` then says ``registry_recorded``;
+4. the lock is released (by the caller, last).
+A run killed after any step finds the decision and completes the steps after it; the
+decision is never measured again (after the switch that would judge the version against itself).
+``components.gallery.upgrade.decider`` decides which step comes next.
+"""
+
+from __future__ import annotations
+
+from components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, features_key, now
+from components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
+from components.gallery.store import Store
+
+
+def finish(gallery: Gallery, plan: Plan) -> dict:
+    """All chunks done: write the new model's features part by part, then switch the gallery.
+    Again after the switch (a re-run whose first try was killed after it): nothing is rewritten,
+    the record it wrote is returned."""
+    manifest = gallery.manifest(refresh=True)
+    if manifest.get("upgrade") is None and ModelRef.from_dict(manifest["model"]).same_version(plan.new):
+        recorded = upgrade_record(gallery.store, plan.id, FINISHED)
+        if recorded is not None:
+            return recorded
+    missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.id)))
+    if missing:
+        raise GalleryError(f"upgrade {plan.id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
+    for part, features, backfilled in iter_mixed_parts(gallery, plan):  # bounded memory, part by part
+        assert backfilled.all()
+        gallery.store.put_array(features_key(plan.new, part), features)
+    record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
+    if gallery.adopted:
+        failed = failed_images(gallery.store, plan.id)
+        record["failed_images"] = {"count": len(failed), "items": failed}
+    gallery.store.put_json(upgrade_key(plan.id, FINISHED), record)
+    manifest = dict(gallery.manifest(refresh=True))
+    manifest["model"] = plan.new.to_dict()
+    manifest["upgrade"] = None
+    manifest["history"] = [*manifest.get("history", []), {"model": plan.new.to_dict(), "since": now(), "by": plan.id}]
+    gallery.write_manifest(manifest)
+    return record
+
+
+def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
+    """The promotion gate failed: the gallery goes back to serving its own model's features (the
+    champion's); the upgrade's record says why, and its working data is garbage."""
+    record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), **decision}
+    gallery.store.put_json(upgrade_key(plan.id, REJECTED), record)
+    manifest = dict(gallery.manifest(refresh=True))
+    if manifest.get("upgrade") == plan.id:
+        manifest["upgrade"] = None
+        gallery.write_manifest(manifest)
+    return record
+
+
+def decision(store: Store, upgrade: str) -> dict | None:
+    return upgrade_record(store, upgrade, DECISION)
+
+
+def write_decision(store: Store, plan: Plan, *, passed: bool, reasons: list[str], numbers: dict | None,
+                    tags: dict, champion: ModelRef) -> dict:
+    """Step 1: the decision, written once (a decision already recorded is returned as it is)."""
+    existing = decision(store, plan.id)
+    if existing is not None:
+        return existing
+    record = {"upgrade": plan.id, "decided": now(), "passed": passed, "reasons": reasons, "numbers": numbers,
+              "tags": tags, "champion": champion.to_dict(), "new": plan.new.to_dict(), "registry_recorded": None}
+    store.put_json(upgrade_key(plan.id, DECISION), record)
+    return record
+
+
+def mark_registry_recorded(store: Store, upgrade: str) -> dict:
+    """Step 3 done: the registry holds the decision (tags, and champion when it passed)."""
+    record = {**decision(store, upgrade), "registry_recorded": now()}
+    store.put_json(upgrade_key(upgrade, DECISION), record)
+    return record
+
+
+def interrupted_ending(gallery: Gallery) -> dict | None:
+    """The decision of an upgrade whose end was interrupted after the gallery switched or went
+    back (step 2) but before the registry followed (step 3), or None. Found through the
+    manifest's history (a finish) or the newest rejection without its registry step."""
+    manifest = gallery.manifest(refresh=True)
+    history = manifest.get("history") or []
+    candidates = [history[-1].get("by")] if history else []
+    candidates += sorted({key.split("/")[1] for key in gallery.store.list("upgrades/")
+                          if key.endswith("/" + REJECTED)})
+    for upgrade in candidates:
+        if not upgrade:
+            continue
+        record = decision(gallery.store, upgrade)
+        if record is not None and not record.get("registry_recorded"):
+            switched = (record["passed"] and manifest.get("upgrade") is None
+                        and ModelRef.from_dict(manifest["model"]).same_version(ModelRef.from_dict(record["new"])))
+            if switched or (not record["passed"] and rejection(gallery.store, upgrade) is not None):
+                return record
+    return None
+
+
+def rejection(store: Store, upgrade: str) -> dict | None:
+    return upgrade_record(store, upgrade, REJECTED)

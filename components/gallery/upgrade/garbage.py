@@ -1,0 +1,33 @@
+"""Garbage collection: the features of models other than the gallery's own, and the working data
+of ended upgrades."""
+
+from __future__ import annotations
+
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef
+from components.gallery.upgrade.planning import DECISION, ENDINGS, upgrade_key
+from components.gallery.upgrade.reversal import ABORTED, ROLLED_BACK
+
+
+def collect_garbage(gallery: Gallery) -> dict:
+    """Delete features of models other than the gallery's own, and the working data of ended
+    upgrades: finished, rejected, superseded or aborted (their plan.json, decision and the record
+    of their end stay). A previous model's features deleted here can no longer be rolled back to."""
+    manifest = gallery.manifest(refresh=True)
+    if manifest.get("upgrade"):
+        raise GalleryError(f"upgrade {manifest['upgrade']} is in progress; finish it (or drop it with `fastfill "
+                           "upgrade abort`) before collecting garbage (its queries still use the old features)")
+    current = ModelRef.from_dict(manifest["model"]).key
+    deleted = {"features": 0, "upgrade_objects": 0}
+    for key in gallery.store.list("features/"):
+        if key.split("/")[1] != current:
+            gallery.store.delete(key)
+            deleted["features"] += 1
+    ended = (*ENDINGS, ABORTED)
+    for key in gallery.store.list("upgrades/"):
+        parts = key.split("/")
+        if len(parts) < 3 or parts[2] in ("plan.json", DECISION, *ended, ROLLED_BACK):
+            continue
+        if any(gallery.store.exists(upgrade_key(parts[1], end)) for end in ended):
+            gallery.store.delete(key)
+            deleted["upgrade_objects"] += 1
+    return deleted

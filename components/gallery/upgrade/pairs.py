@@ -1,0 +1,137 @@
+"""The pairs an upgrade's alignment map trains and is checked on, taken from the gallery itself.
+
+A retrieval team's upgrade host has the registry and the gallery, and none of the demo
+pipeline's files: the map learns old -> new from a seeded sample of the gallery's own items
+(their old features from the store, their new ones by embedding their images), and its check
+holds out pairs of the same sample, so the classes the gallery holds are the classes the map is
+judged on. The sampled items' new features are not thrown away: the plan writes them as the
+first, already backfilled chunks (``components.gallery.upgrade.planning``).
+
+The discriminative term needs a class per pair (a row of the new model's classifier): the
+gallery's label where the classifier knows it, else the new model's own prediction on the new
+features. A new model with no classifier gets K-means pseudo-classes of the sample's new features
+and a head fitted on them (``components.gallery.upgrade.pseudo_classes``), or, with
+``gallery.upgrade.pseudo_classes: 0``, no disc term. The check measures retrieval against the
+gallery's labels where there are labels, else against those classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+TARGETS_LABELS, TARGETS_PREDICTED, TARGETS_MIXED, TARGETS_NONE = (
+    "labels", "the new model's predicted classes", "labels, and the new model's predicted classes where its "
+    "classifier does not know the label", "none (the new model has no classifier: disc term off)")
+TARGETS_PSEUDO = "pseudo-classes: {k} K-means clusters of the new features, with a head fitted on them"
+
+
+def map_sample_size(sample: float | int, minimum: int, num_items: int) -> int:
+    """Items to sample: a fraction of the gallery raised to ``minimum``, or a count; at most all."""
+    if isinstance(sample, float):
+        wanted = max(math.ceil(sample * num_items), minimum)
+    else:
+        wanted = int(sample)
+    return min(num_items, wanted)
+
+
+def sample_positions(num_items: int, size: int, seed: int) -> np.ndarray:
+    """Sorted positions of a seeded uniform sample of ``size`` items (all when ``size`` >= N)."""
+    if size >= num_items:
+        return np.arange(num_items, dtype=np.int64)
+    return np.sort(np.random.default_rng([seed, 26]).choice(num_items, size=size, replace=False)).astype(np.int64)
+
+
+def predicted_rows(classifier, new_features: np.ndarray, batch: int = 8192) -> np.ndarray:
+    """The new model's classifier row (its predicted class) for each new feature."""
+    import torch
+
+    rows = []
+    parameter = next(classifier.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    with torch.no_grad():
+        for start in range(0, len(new_features), batch):
+            logits = classifier(torch.from_numpy(np.ascontiguousarray(new_features[start:start + batch])).to(device))
+            rows.append(logits.argmax(dim=1).cpu().numpy())
+    return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+
+
+def class_targets(new_model, labels: np.ndarray | None, new_features: np.ndarray, pseudo_classes: int = 0,
+                  seed: int = 0) -> tuple[np.ndarray | None, str, object]:
+    """(classifier row per pair for the disc term, where they come from, the head whose rows
+    they are: the new model's classifier, or one fitted on pseudo-classes). None rows: the new
+    model has no classifier and ``pseudo_classes`` is 0, so the disc term is off."""
+    import torch
+
+    classifier = getattr(new_model, "classifier", None)
+    if classifier is None:
+        if pseudo_classes <= 0 or len(new_features) < 2:
+            return None, TARGETS_NONE, None
+        from components.gallery.upgrade.pseudo_classes import cluster_classes
+
+        rows, head, k = cluster_classes(new_features, pseudo_classes, seed)
+        return rows, TARGETS_PSEUDO.format(k=k), head
+    predicted = predicted_rows(classifier, new_features)
+    if labels is None:
+        return predicted, TARGETS_PREDICTED, classifier
+    known = new_model.class_index(torch.from_numpy(np.asarray(labels, dtype=np.int64))).numpy()
+    if (known >= 0).all():
+        return known.astype(np.int64), TARGETS_LABELS, classifier
+    return np.where(known >= 0, known, predicted).astype(np.int64), TARGETS_MIXED, classifier
+
+
+@dataclass(frozen=True)
+class MapPairs:
+    """Old and new features of the same items, with the disc term's targets and the check's truth.
+
+    ``positions``: the gallery items (None for the pipeline's split); ``targets``: classifier
+    rows (None: no disc term); ``truth``: what the check's retrieval counts as a match (labels,
+    or the targets' classes); ``source``: ``splits`` or ``gallery <store>``, recorded with the
+    check; ``head``: the classifier the targets index when it is not the new model's own (fitted
+    on pseudo-classes)."""
+
+    old: np.ndarray
+    new: np.ndarray
+    targets: np.ndarray | None
+    truth: np.ndarray
+    source: str
+    targets_from: str
+    positions: np.ndarray | None = None
+    head: object | None = None
+
+    def classifier(self, new_model):
+        """kappa_new for the disc term and the check: the fitted head, else the new model's own."""
+        return self.head if self.head is not None else getattr(new_model, "classifier", None)
+
+    def __len__(self) -> int:
+        return len(self.old)
+
+    @property
+    def training(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(old, new, rows) as the map's training takes them; rows are 0 where there is no disc term."""
+        rows = self.targets if self.targets is not None else np.zeros(len(self.old), dtype=np.int64)
+        return self.old, self.new, rows
+
+    @property
+    def checking(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(old, new, truth) as the map check takes them."""
+        return self.old, self.new, self.truth
+
+
+def gallery_source(store_uri: str) -> str:
+    return f"gallery {store_uri}"
+
+
+def from_gallery(new_model, positions: np.ndarray, old: np.ndarray, new: np.ndarray, labels: np.ndarray | None,
+                 store_uri: str, pseudo_classes: int = 0, seed: int = 0) -> MapPairs:
+    """The pairs of the sampled items: ``labels`` are the gallery's labels of those items, or
+    None; ``pseudo_classes`` and ``seed``: gallery.upgrade's, for a new model without a classifier."""
+    targets, targets_from, head = class_targets(new_model, labels, new, pseudo_classes, seed)
+    truth = np.asarray(labels, dtype=np.int64) if labels is not None else (
+        targets if targets is not None else np.zeros(len(old), dtype=np.int64))
+    own = getattr(new_model, "classifier", None)
+    return MapPairs(np.asarray(old, np.float32), np.asarray(new, np.float32), targets, truth,
+                    gallery_source(store_uri), targets_from, np.asarray(positions, dtype=np.int64),
+                    head if head is not own else None)

@@ -1,0 +1,381 @@
+"""An upgrade's plan: where its objects live, the plan record, and the planning steps
+(transform each part through the map, the backfill order, the evaluation sample, commit).
+
+Under ``upgrades/<upgrade-id>/`` (the id joins the two model versions, so re-running the same
+command finds the same upgrade)::
+
+    source/part-NNNNN.npy       a sequential upgrade only: each part's features as the unfinished
+                                upgrade it starts from left them (its new features or its map's)
+    order.npy                   item positions in backfill order (gallery.upgrade.order: sigma,
+                                random, usage or usage_sigma; see components.gallery.upgrade.usage)
+    transformed/part-NNNNN.npy  h(old features) of each part, in the new model's space
+    sigma/part-NNNNN.npy        predicted log sigma^2 per item (maps with an uncertainty head)
+    eval/positions.npy, eval/queries.npy   the evaluation sample and its new-model features
+    plan.json                   models, map, order, chunking; written last: the plan exists once it does
+    chunks/chunk-NNNNN.npy      new features of a chunk's items, in order; deterministic key
+    done/chunk-NNNNN.json       the chunk's completion marker, written after its features
+    finished.json               written when the backfill is complete and the gallery switched
+    rejected.json               written when the promotion gate rejects it (reasons and numbers); the
+                                same upgrade is then refused until a better version is registered
+    superseded.json             written when a sequential upgrade starts from this unfinished one
+
+Chunk c holds the items ``order[bounds[c] : bounds[c + 1]]``: chunk_size items each, except where
+the plan is cut (``Plan.bounds``): after the items embedded while planning (the map sample and
+the evaluation sample, written as done chunks at the front of the order) and where a budget or
+the recommended stop ends a run, so a stop is exact, never rounded up to a whole chunk. A chunk
+is done when its marker exists; a killed backfill resumes by listing markers, and a chunk redone
+after a crash before its marker rewrites the same key with the same features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
+from components.gallery.store import ObjectMissing, Store
+
+ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
+ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
+DECISION = "decision.json"  # the promotion decision, written before the gallery switches (kept by gc)
+
+
+def upgrade_id(old: ModelRef, new: ModelRef) -> str:
+    return f"{old.key}-to-{new.key}"
+
+
+def upgrade_key(upgrade: str, name: str) -> str:
+    """An object of the upgrade's working data: ``upgrades/<upgrade>/<name>``."""
+    return f"upgrades/{upgrade}/{name}"
+
+
+def upgrade_record(store: Store, upgrade: str, name: str) -> dict | None:
+    """The upgrade's JSON record ``name`` (its decision, how it ended, ...), or None when there is none."""
+    try:
+        return store.get_json(upgrade_key(upgrade, name))
+    except ObjectMissing:
+        return None
+
+
+def chunk_key(upgrade: str, chunk: int) -> str:
+    return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
+
+
+def marker_key(upgrade: str, chunk: int) -> str:
+    return upgrade_key(upgrade, f"done/chunk-{chunk:05d}.json")
+
+
+def plan_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "plan.json")
+
+
+def transformed_key(upgrade: str, part: int) -> str:
+    return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
+
+
+def source_key(upgrade: str, part: int) -> str:
+    """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
+    return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
+
+
+def eval_positions_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/positions.npy")
+
+
+def eval_queries_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/queries.npy")
+
+
+def eval_ranks_key(upgrade: str) -> str:
+    return upgrade_key(upgrade, "eval/ranks.npy")
+
+
+def sigma_key(upgrade: str, part: int) -> str:
+    return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan record
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: str
+    old: ModelRef
+    new: ModelRef
+    map_uri: str
+    order_kind: str
+    chunk_size: int
+    num_items: int
+    eval_queries: int
+    distance: str
+    mlflow_run_id: str | None = None
+    created: str = field(default_factory=now)
+    base: str | None = None  # a sequential upgrade: the unfinished upgrade whose mixed gallery it starts from
+    # chunk boundaries (0, ..., num_items) where they are not the plain chunk_size grid; see chunk_grid
+    bounds: tuple[int, ...] | None = None
+    prefilled: int = 0  # items at the front of the order embedded while planning (done chunks from the start)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.bounds) - 1 if self.bounds else -(-self.num_items // self.chunk_size)
+
+    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} is outside 0..{self.num_chunks - 1}")
+        if self.bounds:
+            return self.bounds[chunk], self.bounds[chunk + 1]
+        start = chunk * self.chunk_size
+        return start, min(start + self.chunk_size, self.num_items)
+
+    def chunk_of(self, ranks: np.ndarray) -> np.ndarray:
+        """The chunk that holds each place ``ranks`` of the order."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        if self.bounds:
+            return np.searchsorted(np.asarray(self.bounds), ranks, side="right") - 1
+        return ranks // self.chunk_size
+
+    def items_in(self, chunks) -> int:
+        """How many items the given chunks hold."""
+        return sum(self.chunk_bounds(c)[1] - self.chunk_bounds(c)[0] for c in chunks)
+
+    def cut_at(self, item: int) -> tuple[Plan, int | None]:
+        """This plan with a chunk boundary at ``item`` (a place in the order), and the chunk that
+        was split in two (None when ``item`` already is a boundary). Chunks after the split one
+        move up by one index: only cut where no chunk from the split one on is done."""
+        if not 0 < item < self.num_items:
+            return self, None
+        edges = [self.chunk_bounds(c)[0] for c in range(self.num_chunks)] + [self.num_items]
+        if item in edges:
+            return self, None
+        split = int(np.searchsorted(edges, item, side="right")) - 1
+        return replace(self, bounds=tuple(sorted({*edges, item}))), split
+
+    def to_dict(self) -> dict:
+        data = {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
+                "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
+                "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
+                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base,
+                "prefilled": self.prefilled}
+        if self.bounds:
+            data["bounds"] = list(self.bounds)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        bounds = data.get("bounds")
+        return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
+                   data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
+                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"),
+                   tuple(int(b) for b in bounds) if bounds else None, int(data.get("prefilled", 0)))
+
+
+def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | None:
+    """Chunk boundaries: ``chunk_size`` items each, restarting at every cut (so the chunks after
+    the front's prefilled items are whole again); None when there is no cut (the plain grid)."""
+    cuts = sorted({int(c) for c in cuts if 0 < int(c) < num_items})
+    if not cuts:
+        return None
+    edges, start = [], 0
+    for stop in [*cuts, num_items]:
+        edges.extend(range(start, stop, chunk_size))
+        start = stop
+    return tuple([*edges, num_items])
+
+
+def load_plan(store: Store, upgrade: str) -> Plan | None:
+    try:
+        return Plan.from_dict(store.get_json(plan_key(upgrade)))
+    except ObjectMissing:
+        return None
+
+
+def write_plan(store: Store, plan: Plan) -> None:
+    store.put_json(plan_key(plan.id), plan.to_dict())
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+
+
+def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, device=None,
+                   sequential: bool = False) -> int:
+    """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
+    features, see write_sources); returns the part's item count."""
+    from components.experiment.inference import apply_alignment
+
+    old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
+    transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
+    check_features(transformed, None, f"transformed features of part {part}")
+    gallery.store.put_array(transformed_key(upgrade, part), transformed)
+    if log_sigma2 is not None:
+        gallery.store.put_array(sigma_key(upgrade, part), log_sigma2)
+    return len(old)
+
+
+def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
+    (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
+    (default: ``usage.usage_weights`` of the gallery's items table)."""
+    from components.gallery.upgrade import usage
+
+    if kind == "random":
+        return usage.backfill_order(kind, gallery.num_items, seed)
+    try:
+        sigma = np.concatenate([gallery.part_rows(sigma_key(upgrade, p), p) for p in range(gallery.num_parts)])
+    except ObjectMissing:
+        sigma = None
+    if kind in usage.USAGE_ORDERS and weights is None:
+        weights = usage.usage_weights(gallery, None).weights
+    return usage.backfill_order(kind, gallery.num_items, seed, sigma, weights)
+
+
+def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions: np.ndarray | None = None,
+                eval_queries: np.ndarray | None = None, eval_ranks: np.ndarray | None = None) -> None:
+    """Write the order (and evaluation sample), then plan.json, then point the gallery at the
+    upgrade: from here on queries use the new model against the mixed gallery. Needs the
+    transformed parts written first."""
+    store = gallery.store
+    from components.evaluation.ordering import check_permutation
+
+    try:
+        order = check_permutation(order, plan.num_items)
+    except ValueError as error:
+        raise GalleryError(f"the order of {plan.id}: {error}") from None
+    store.put_array(upgrade_key(plan.id, ORDER), order.astype(np.int64))
+    if eval_positions is not None and len(eval_positions) >= 2:
+        store.put_array(eval_positions_key(plan.id), eval_positions)
+        store.put_array(eval_queries_key(plan.id), eval_queries)
+        if eval_ranks is not None:
+            store.put_array(eval_ranks_key(plan.id), np.asarray(eval_ranks, dtype=np.float64))
+    write_plan(store, plan)
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
+    if plan.base:
+        store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
+
+
+def eval_sample(labels: np.ndarray | None, size: int | None, seed: int, num_items: int | None = None) -> np.ndarray:
+    """Positions of the items that serve as queries (and their own gallery) while the backfill
+    is measured and predicted; ``size`` None = all of them, 0 = none. Without labels, a sample
+    of the ``num_items`` items (the label-free prediction's), or none when that is not given."""
+    if size == 0 or (labels is None and not num_items):
+        return np.zeros(0, dtype=np.int64)
+    n = len(labels) if labels is not None else int(num_items)
+    if size is None or size >= n:
+        return np.arange(n, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)).astype(np.int64)
+
+
+def front_loaded(order: np.ndarray, prefilled: np.ndarray) -> np.ndarray:
+    """``order`` with the ``prefilled`` positions (embedded while planning) first, in the
+    sequence ``order`` gives them, then every other item as ``order`` has it."""
+    first = np.zeros(len(order), dtype=bool)
+    first[np.asarray(prefilled, dtype=np.int64)] = True
+    in_front = first[order]
+    return np.concatenate([order[in_front], order[~in_front]]).astype(np.int64)
+
+
+def stand_in_ranks(order: np.ndarray, prefilled: np.ndarray, positions: np.ndarray, seed: int) -> np.ndarray:
+    """Where each evaluation item stands in the backfill when the items embedded while planning
+    (``prefilled``, which holds every one of ``positions``) come first: the place a random item
+    of the gallery would have. The sample is a uniform sample of the gallery, so a share
+    |prefilled| / N of it (seeded) stands for the front and takes places spread over it; each
+    other item takes the place it has in ``order`` (sigma's or the random one, before the
+    prefilled items were moved to the front) among the items that were not prefilled. The
+    measurement along the backfill, the advisor and the gate count an evaluation item as
+    backfilled once the backfill passes its place, so the curves they give stand for the whole
+    gallery, not for a sample that is all backfilled from the start."""
+    order, positions = np.asarray(order, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+    n, m, front = len(order), len(positions), len(np.unique(prefilled))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    rest = np.ones(n, dtype=bool)
+    rest[np.asarray(prefilled, dtype=np.int64)] = False
+    rest_ranks = np.sort(rank[rest])  # original places of the items that were not prefilled
+    places = front + np.searchsorted(rest_ranks, rank[positions]).astype(np.float64)
+    rng = np.random.default_rng([seed, 27])
+    chosen = rng.choice(m, size=int(round(m * front / max(n, 1))), replace=False)
+    places[chosen] = rng.uniform(0, front, size=len(chosen))
+    return places
+
+
+def eval_ranks(store: Store, plan: Plan, positions: np.ndarray) -> np.ndarray:
+    """Each evaluation item's place in the backfill (see ``stand_in_ranks`` when items were
+    embedded while planning; else its place in the order)."""
+    if plan.prefilled:
+        try:
+            return store.get_array(eval_ranks_key(plan.id))
+        except ObjectMissing:
+            pass
+    order = order_of(store, plan.id)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank[np.asarray(positions, dtype=np.int64)].astype(np.float64)
+
+
+def order_of(store: Store, upgrade: str) -> np.ndarray:
+    return store.get_array(upgrade_key(upgrade, ORDER)).astype(np.int64)
+
+
+def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
+    return np.concatenate([gallery.part_rows(transformed_key(upgrade, p), p) for p in range(gallery.num_parts)])
+
+
+
+
+def stored_eval_sample(store, upgrade: str) -> tuple[np.ndarray, np.ndarray]:
+    """The upgrade's evaluation sample: (positions, new-model query features). Its absence is a
+    configuration problem, said so; any other store failure (an outage) propagates as it is, never
+    as a missing measurement."""
+    from components.gallery.layouts.catalog import GalleryError
+    from components.gallery.store import ObjectMissing
+
+    try:
+        return store.get_array(eval_positions_key(upgrade)), store.get_array(eval_queries_key(upgrade))
+    except ObjectMissing as error:
+        raise GalleryError(f"upgrade {upgrade} has no evaluation sample, so the promotion gate cannot measure it "
+                           "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
+                           "or set promotion.gate: false") from error
+
+
+def check_sources(gallery: Gallery, sequential: bool = False) -> None:
+    """Refuse, before planning writes anything, a gallery whose parts are not all there or do not
+    fit its manifest: every part's features (of the gallery's model; a sequential upgrade reads its
+    source parts instead), items and, for an ingested gallery, images, by one listing per kind;
+    and each items part's row count. Content (a NaN, a torn part) is checked as each part is read."""
+    from components.gallery.layouts.catalog import features_key, part_key
+
+    store, model = gallery.store, gallery.model
+    wanted = {"items": [part_key("items", p, "parquet") for p in range(gallery.num_parts)]}
+    if not sequential:
+        wanted["features"] = [features_key(model, p) for p in range(gallery.num_parts)]
+    if not gallery.adopted:
+        wanted["images"] = [part_key("images", p) for p in range(gallery.num_parts)]
+    for kind, keys in wanted.items():
+        present = set(store.list(keys[0].rsplit("/", 1)[0] + "/")) if keys else set()
+        missing = [key for key in keys if key not in present]
+        if missing:
+            raise GalleryError(f"{store.uri}: {len(missing)} of {len(keys)} {kind} parts are missing (first: "
+                               f"{missing[0]}); restore them, or re-create the gallery with `fastfill gallery ingest`"
+                               " / `adopt`. Nothing was written.")
+    for part in range(gallery.num_parts):
+        start, stop = gallery.part_bounds(part)
+        rows = gallery.items_part(part).num_rows
+        if rows != stop - start:
+            raise GalleryError(f"{store.describe(wanted['items'][part])} has {rows} rows, but the manifest's part "
+                               f"{part} has {stop - start} items: the part belongs to another gallery. Nothing was "
+                               "written.")
+
+
+def discard_unplanned(gallery: Gallery, upgrade: str) -> int:
+    """Delete what a refused or failed planning wrote under the upgrade's prefix, so the store is
+    as it was; never once plan.json exists (then the upgrade is resumable and its objects count)."""
+    if load_plan(gallery.store, upgrade) is not None:
+        return 0
+    keys = [key for key in gallery.store.list(f"upgrades/{upgrade}/") if not key.endswith("/rejected.json")]
+    for key in keys:
+        gallery.store.delete(key)
+    return len(keys)

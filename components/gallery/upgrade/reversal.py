@@ -1,0 +1,258 @@
+"""Undoing an upgrade: abort an unfinished one, roll back a finished one, and start over an
+upgrade that was undone and is asked for again.
+
+Besides ``plan``'s layout, an upgrade's folder may hold::
+
+    aborted.json      the upgrade was aborted before its end: who, when, how far it had got
+    rolled-back.json  the finished upgrade was rolled back: who, when, from which model to which
+
+Either makes the upgrade's working data garbage, and an upgrade to the same version asked for
+later is planned again from scratch (``start_over``), never resumed.
+
+Both run under the gallery's lock (taken by the caller), write the record of what they did
+first, then change the manifest. An abort recorded but cut short before the manifest changed
+is completed by the next abort (or by the next upgrade of the same version, which plans it
+again); a rollback whose registry step did not happen is completed by the next rollback.
+"""
+
+from __future__ import annotations
+
+from components.gallery.upgrade.backfill import done_chunks
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, features_key, now
+from components.gallery.upgrade.ending import decision, interrupted_ending, rejection
+from components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
+from components.gallery.store import Store
+
+ABORTED, ROLLED_BACK = "aborted.json", "rolled-back.json"
+ROLLBACK = "rollback"  # the ``by`` of a manifest history entry written by a rollback
+
+
+def who() -> dict:
+    """Who is doing something to the gallery: user, host and process."""
+    import getpass
+    import os
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        user = str(os.getuid())
+    return {"user": user, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def aborted(store: Store, upgrade: str) -> dict | None:
+    """The record of ``upgrade``'s abort, or None."""
+    return upgrade_record(store, upgrade, ABORTED)
+
+
+def rolled_back(store: Store, upgrade: str) -> dict | None:
+    """The record of ``upgrade``'s rollback, or None."""
+    return upgrade_record(store, upgrade, ROLLED_BACK)
+
+
+def _finished(store: Store, upgrade: str) -> dict | None:
+    return upgrade_record(store, upgrade, FINISHED)
+
+
+def _last_ended(gallery: Gallery, manifest: dict) -> tuple[str, str, dict] | None:
+    """The newest upgrade that ended by finishing or by the gate's rejection: (id, "finished" or
+    "rejected", its record), or None."""
+    found = []
+    history = manifest.get("history") or []
+    if history and history[-1].get("by") not in (None, "ingest", "adopt", ROLLBACK):
+        record = _finished(gallery.store, history[-1]["by"])
+        if record is not None:
+            found.append((record["finished"], history[-1]["by"], "finished", record))
+    for key in gallery.store.list("upgrades/"):
+        if key.endswith("/" + REJECTED):
+            upgrade = key.split("/")[1]
+            record = rejection(gallery.store, upgrade)
+            found.append((record.get("rejected", ""), upgrade, "rejected", record))
+    if not found:
+        return None
+    _, upgrade, how, record = max(found, key=lambda entry: entry[0])
+    return upgrade, how, record
+
+
+def _rollback_hint(manifest: dict) -> str:
+    history = manifest.get("history") or []
+    if len(history) < 2:
+        return ""
+    return (f"; `fastfill gallery rollback` returns the gallery to {ModelRef.from_dict(history[-2]['model']).uri} "
+            "while that model's features are still stored")
+
+
+def abortable(gallery: Gallery) -> str:
+    """The id of the gallery's unfinished upgrade (planned, or part of the way through its
+    backfill, its end not begun), or a GalleryError that says why there is none to abort."""
+    store = gallery.store
+    manifest = gallery.manifest(refresh=True)
+    upgrade = manifest.get("upgrade")
+    if upgrade:
+        decided = decision(store, upgrade)
+        if decided is not None:
+            raise GalleryError(
+                f"upgrade {upgrade} of {store.uri} is ending: its promotion decision "
+                f"({'passed' if decided['passed'] else 'rejected'}) was recorded on {decided['decided']}, so it is no "
+                "longer unfinished and cannot be aborted; run `fastfill upgrade` to complete its end"
+                + (", then `fastfill gallery rollback` to undo it" if decided["passed"] else ""))
+        return upgrade
+    ending = interrupted_ending(gallery)
+    if ending is not None:
+        raise GalleryError(
+            f"upgrade {ending['upgrade']} of {store.uri} has ended ({'passed' if ending['passed'] else 'rejected'} on "
+            f"{ending['decided']}); only its registry step is left, so it cannot be aborted: run `fastfill upgrade` to "
+            "complete it" + (", then `fastfill gallery rollback` to undo it" if ending["passed"] else ""))
+    serving = ModelRef.from_dict(manifest["model"]).uri
+    message = f"no upgrade of {store.uri} is in progress (the gallery serves {serving}); nothing to abort"
+    last = _last_ended(gallery, manifest)
+    if last is not None:
+        upgrade, how, record = last
+        if how == "finished":
+            message += (f". The last upgrade, {upgrade}, finished on {record['finished']}: a finished upgrade cannot "
+                        "be aborted" + _rollback_hint(manifest))
+        else:
+            message += (f". The last upgrade, {upgrade}, was rejected by the promotion gate on {record['rejected']}: "
+                        "it is over, and the gallery already serves the champion's features")
+    raise GalleryError(message)
+
+
+def how_far(gallery: Gallery, plan: Plan) -> dict:
+    """How far ``plan``'s upgrade has got: its stage, chunks and items done."""
+    done = done_chunks(gallery.store, plan.id)
+    items = plan.items_in(done)
+    stage = ("planned" if not done else "backfill complete" if len(done) == plan.num_chunks else "backfilling")
+    return {"stage": stage, "chunks_done": len(done), "chunks": plan.num_chunks, "items_done": items,
+            "items": plan.num_items, "fraction": items / plan.num_items if plan.num_items else 1.0}
+
+
+def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
+    """Drop the unfinished ``upgrade`` (the caller holds the lock): its record
+    ``aborted.json`` first (who, when, how far it got), then the gallery back on its own model's
+    features (the champion's). Its working data is garbage from then on, and the same upgrade
+    asked for again is planned from scratch. Returns the record (an abort already recorded but
+    cut short is completed, its record kept)."""
+    store = gallery.store
+    if abortable(gallery) != upgrade:
+        raise GalleryError(f"upgrade {upgrade} is no longer the one in progress at {store.uri}; nothing was changed")
+    record = aborted(store, upgrade)
+    if record is None:
+        plan = load_plan(store, upgrade)
+        if plan is None:
+            raise GalleryError(f"the gallery at {store.uri} points at upgrade {upgrade}, which has no plan.json")
+        record = {"upgrade": upgrade, "aborted": now(), "by": by or who(), "from": plan.old.uri, "to": plan.new.uri,
+                  "base": plan.base, **how_far(gallery, plan), "mlflow_run_id": plan.mlflow_run_id,
+                  "plan_created": plan.created}
+        store.put_json(upgrade_key(upgrade, ABORTED), record)
+    manifest = dict(gallery.manifest(refresh=True))
+    manifest["upgrade"] = None
+    gallery.write_manifest(manifest)
+    return record
+
+
+def undone(store: Store, upgrade: str) -> dict | None:
+    """The record of ``upgrade``'s abort or rollback, with ``ended`` ("aborted" or "rolled back"),
+    or None when it was neither: such an upgrade asked for again is planned from scratch."""
+    for ended, read in (("aborted", aborted), ("rolled back", rolled_back)):
+        record = read(store, upgrade)
+        if record is not None:
+            return {"ended": ended, **record}
+    return None
+
+
+def start_over(gallery: Gallery, upgrade: str) -> dict | None:
+    """``upgrade`` was aborted or rolled back (or rejected by the gate, and asked for again with
+    the gate off) and is asked for again: delete its objects so it is planned from scratch
+    (plan.json first, so nothing can resume it; the record of its end last, so a run cut short
+    here does this again). Returns that record, with ``ended`` ("aborted", "rolled back" or
+    "rejected"), or None when the upgrade was none of these."""
+    store = gallery.store
+    record = undone(store, upgrade)
+    if record is None:  # rejected by the gate, asked for again with the gate off
+        rejected = rejection(store, upgrade)
+        record = {"ended": "rejected", **rejected} if rejected is not None else None
+    if record is None:
+        return None
+    manifest = gallery.manifest(refresh=True)
+    if manifest.get("upgrade") == upgrade:  # an abort cut short before the gallery went back
+        gallery.write_manifest({**manifest, "upgrade": None})
+    records = {upgrade_key(upgrade, ABORTED), upgrade_key(upgrade, ROLLED_BACK), upgrade_key(upgrade, REJECTED)}
+    keys = store.list(f"upgrades/{upgrade}/")
+    if plan_key(upgrade) in keys:
+        store.delete(plan_key(upgrade))
+    for key in keys:
+        if key != plan_key(upgrade) and key not in records:
+            store.delete(key)
+    for key in sorted(records & set(keys)):
+        store.delete(key)
+    return record
+
+
+def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
+    """(the upgrade to roll back, the gallery's model now, the model it had before) when the
+    gallery's last change is a finished upgrade whose previous model's features all still exist;
+    else a GalleryError that says why not."""
+    store = gallery.store
+    manifest = gallery.manifest(refresh=True)
+    if manifest.get("upgrade"):
+        raise GalleryError(f"upgrade {manifest['upgrade']} of {store.uri} is in progress; drop it with `fastfill "
+                           "upgrade abort` (or let it finish) before rolling back")
+    ending = interrupted_ending(gallery)
+    if ending is not None:
+        raise GalleryError(f"the end of upgrade {ending['upgrade']} of {store.uri} was interrupted before the registry "
+                           "followed; run `fastfill upgrade` to complete it, then roll back")
+    history = manifest.get("history") or []
+    current = ModelRef.from_dict(manifest["model"])
+    last = history[-1] if history else {}
+    if last.get("by") == ROLLBACK:
+        raise GalleryError(f"the last change to {store.uri} was already a rollback (to {current.uri} on "
+                           f"{last.get('since')}); only the newest finished upgrade can be rolled back")
+    upgrade = last.get("by")
+    if len(history) < 2 or upgrade in (None, "ingest", "adopt") or _finished(store, upgrade) is None:
+        raise GalleryError(f"nothing to roll back: {store.uri} has served {current.uri} since it was created "
+                           f"({last.get('by', 'ingest')}, {last.get('since')}), not since a finished upgrade")
+    previous = ModelRef.from_dict(history[-2]["model"])
+    wanted = [features_key(previous, part) for part in range(int(manifest["num_parts"]))]
+    present = set(store.list(f"features/{previous.key}/"))
+    missing = [key for key in wanted if key not in present]
+    if missing:
+        raise GalleryError(
+            f"cannot roll {store.uri} back to {previous.uri}: the old features were collected ({len(missing)} of "
+            f"{len(wanted)} feature parts of {previous.key} are gone, first {missing[0]}; `fastfill gallery gc` "
+            f"deletes a previous model's features). Re-ingest the gallery with the previous model (`fastfill gallery "
+            f"ingest --model {previous.uri} --store <a new store>`, or `adopt`) to serve it again")
+    return upgrade, current, previous
+
+
+def rollback(gallery: Gallery, *, by: dict | None = None) -> dict:
+    """Return the gallery to the model it had before its last, finished upgrade (the caller holds
+    the lock): the record ``rolled-back.json`` first, then the manifest's model switched back
+    with a history entry ``rollback``. The registry's part (champion back, the version tagged) is
+    the caller's; ``mark_rollback_recorded`` notes it done."""
+    upgrade, current, previous = rollback_target(gallery)
+    record = {"upgrade": upgrade, "rolled_back": now(), "by": by or who(), "from": current.to_dict(),
+              "to": previous.to_dict(), "registry_recorded": None}
+    gallery.store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
+    manifest = dict(gallery.manifest(refresh=True))
+    manifest["model"] = previous.to_dict()
+    manifest["history"] = [*manifest.get("history", []),
+                           {"model": previous.to_dict(), "since": now(), "by": ROLLBACK, "upgrade": upgrade,
+                            "from": current.to_dict()}]
+    gallery.write_manifest(manifest)
+    return record
+
+
+def interrupted_rollback(gallery: Gallery) -> dict | None:
+    """The record of the gallery's last change when it is a rollback whose registry step was not
+    recorded, else None."""
+    history = gallery.manifest(refresh=True).get("history") or []
+    if not history or history[-1].get("by") != ROLLBACK:
+        return None
+    record = rolled_back(gallery.store, history[-1].get("upgrade", ""))
+    return record if record is not None and not record.get("registry_recorded") else None
+
+
+def mark_rollback_recorded(store: Store, upgrade: str) -> dict:
+    record = {**rolled_back(store, upgrade), "registry_recorded": now()}
+    store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
+    return record

@@ -1,0 +1,1 @@
+"""Helpers that tests and benchmarks use and the product never imports."""
