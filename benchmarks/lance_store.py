@@ -1,4 +1,5 @@
-"""Today's gallery store against the Lance table, side by side in one run.
+"""The parts layout against the Lance table, side by side in one run: the same upgrade through
+the same product functions on a gallery kept in each layout.
 
     .venv/bin/python benchmarks/lance_store.py                       # 100,000 items, local and S3
     .venv/bin/python benchmarks/lance_store.py --items 1000000 --where local
@@ -6,9 +7,9 @@
     .venv/bin/python benchmarks/lance_store.py --pixels     # an ingested gallery: images in the store
     .venv/bin/python benchmarks/lance_store.py --png        # an adopted one: PNG files read by URI
 
-For each backend (``today``: the parts layout of components/gallery/layouts/catalog.py through the
-product's own adopt, commit_plan, write_chunk and finish; ``lance``: components/gallery/layouts/lance_table.py)
-and each location (a local folder; S3 on a moto server started here, reached through a counting
+For each layout (``parts``: components/gallery/layouts/catalog.py; ``lance``:
+components/gallery/layouts/table.py), through the product's own adopt (or ingest), commit_plan,
+write_chunk and finish, and each location (a local folder; S3 on a moto server started here, reached through a counting
 proxy), one process of its own runs the same upgrade of a features-only gallery (``--items`` x
 ``--dim`` float32, ids and image URIs; the new model's features as random rows):
 
@@ -16,11 +17,11 @@ proxy), one process of its own runs the same upgrade of a features-only gallery 
 - plan: h(old), log sigma^2 and the backfill order written for every item;
 - chunks: every chunk of ``--chunk`` items committed, the first half by one writer, the second
   half by ``--writers`` threads at once; the median latency of a commit and items per second;
-- finish: the new features become the gallery's (Lance: the backfill table folded into the
-  gallery table first);
+- finish: the new features become the gallery's (parts: one object per part; Lance: one
+  column added in one commit);
 - read: the served features of every item read back (checksums or digests checked).
 
-Printed and written to reports/lance_store.{json,md}: seconds per step, the ratio lance/today,
+Printed and written to reports/lance_store.{json,md}: seconds per step, the ratio lance/parts,
 peak RSS per process, bytes stored, and (S3) the HTTP requests each made. The sizes here are small
 next to a production gallery, and moto is not S3: the ratios say more than the seconds.
 """
@@ -125,31 +126,32 @@ def _commit_all(commit, chunks, writers: int) -> dict:
             "items_n_writers": sum(c[2] - c[1] for c in chunks[half:])}
 
 
-def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
-    from components.gallery.upgrade import ending
+def run_layout(uri: str, data: dict, chunk: int, writers: int, layout: str) -> dict:
+    """One upgrade through the product's own functions (adopt or ingest, commit_plan, write_chunk,
+    finish, the served features read back) on the gallery kept in ``layout``."""
     from components.gallery.inputs.adopt import adopt
-    from components.gallery.upgrade.backfill import write_chunk
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
+    from components.gallery.layouts.catalog import fetch_images, ingest
+    from components.gallery.layouts.opening import gallery_at, layout_of
     from components.gallery.store import open_store
+    from components.gallery.upgrade import ending
+    from components.gallery.upgrade.backfill import write_chunk
+    from components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
     from components.platform.registry import ModelRef
 
     items, dim = data["old"].shape
     old, new = ModelRef("embedder", "1", dim), ModelRef("embedder", "2", dim)
-    store = open_store(uri)
+    store, kind = open_store(uri), layout_of(layout)
     times = {}
     start = time.perf_counter()
     if "pixels" in data and not data.get("png_root"):
-        from components.gallery.layouts.catalog import ingest
-
-        ingest(store, data["pixels"], data["old"], old, ids=np.arange(items), part_size=1000)
+        ingest(store, data["pixels"], data["old"], old, ids=np.arange(items), part_size=1000, layout=kind)
     else:
         adopt(store, _items(items, data.get("png_root")), old, IMAGE_SHAPE, root=data.get("png_root"),
-              features=iter([data["old"]]), part_size=1000)
+              features=iter([data["old"]]), part_size=1000, layout=kind)
     times["adopt"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    gallery = Gallery(store)
+    gallery = gallery_at(store)
     plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
     for part in range(gallery.num_parts):
         lo, hi = gallery.part_bounds(part)
@@ -158,68 +160,23 @@ def run_today(uri: str, data: dict, chunk: int, writers: int) -> dict:
     commit_plan(gallery, plan, data["order"])
     times["plan"] = time.perf_counter() - start
 
-    reading = Gallery(store)
+    reading = gallery_at(store)
 
     def commit(c):
         number, lo, hi, positions = c
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
-            from components.gallery.layouts.catalog import fetch_images
-
             images, failures = fetch_images(reading, positions, workers=16)
             assert not failures and np.array_equal(images, data["pixels"][positions])
         write_chunk(store, plan.id, number, lo, hi, data["new"][positions], time.perf_counter())
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
     start = time.perf_counter()
-    ending.finish(Gallery(store), plan)
+    ending.finish(gallery_at(store), plan)
     times["finish"] = time.perf_counter() - start
     start = time.perf_counter()
-    served = Gallery(store).all_features(new)
+    served = gallery_at(store).all_features(new)
     times["read"] = time.perf_counter() - start
-    assert np.array_equal(served, data["new"]), "today's store served other features"
-    return times
-
-
-def run_lance(uri: str, data: dict, chunk: int, writers: int) -> dict:
-    from components.gallery.layouts.lance_table import LanceGallery
-    from components.platform.registry import ModelRef
-
-    items, dim = data["old"].shape
-    old, new = ModelRef("embedder", "1", dim), ModelRef("embedder", "2", dim)
-    table_items = _items(items).rename_columns(["id", "image"])
-    times = {}
-    start = time.perf_counter()
-    if data.get("png_root"):  # an adopted gallery: the images are PNG files under the root, by URI
-        table = LanceGallery.create(uri, _items(items, data["png_root"]).rename_columns(["id", "image"]), data["old"],
-                                    old, image_shape=IMAGE_SHAPE, metadata={"fastfill.image_root": data["png_root"]})
-    elif "pixels" in data:
-        table = LanceGallery.create(uri, table_items.select(["id"]), data["old"], old, pixels=data["pixels"])
-    else:
-        table = LanceGallery.create(uri, table_items, data["old"], old)
-    times["adopt"] = time.perf_counter() - start
-    rank = np.empty(items, dtype=np.int64)
-    rank[data["order"]] = np.arange(items)
-    start = time.perf_counter()
-    token = table.begin_upgrade("u1", new, data["mapped"], rank, data["sigma"])
-    times["plan"] = time.perf_counter() - start
-
-    def commit(c):
-        number, _, _, positions = c
-        if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
-            from components.gallery.upgrade.table_upgrade import images_at
-
-            images, failures = images_at(table, positions, workers=16)
-            assert not failures and np.array_equal(images, data["pixels"][positions])
-        table.commit_chunk("u1", number, positions, data["new"][positions], token)
-
-    times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
-    start = time.perf_counter()
-    table.finish("u1")
-    times["finish"] = time.perf_counter() - start
-    start = time.perf_counter()
-    served = table.features()
-    times["read"] = time.perf_counter() - start
-    assert np.array_equal(served, data["new"]), "the Lance table served other features"
+    assert np.array_equal(served, data["new"]), f"the {layout} layout served other features"
     return times
 
 
@@ -248,8 +205,7 @@ def worker(args) -> None:
         proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL_S3"], rate=0.0).__enter__()
         upstream = os.environ["AWS_ENDPOINT_URL_S3"]
         os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
-    run = run_today if args.backend == "today" else run_lance
-    times = run(args.uri, data, args.chunk, args.writers)
+    times = run_layout(args.uri, data, args.chunk, args.writers, args.backend)
     result = {"backend": args.backend, "uri": args.uri, "seconds": times,
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if proxy is not None:
@@ -261,7 +217,7 @@ def worker(args) -> None:
 
 
 def markdown(results: list[dict], args) -> str:
-    lines = ["# Today's gallery store against the Lance table", "",
+    lines = ["# The parts layout against the Lance table", "",
              f"`python benchmarks/lance_store.py --items {args.items} --dim {args.dim} --chunk {args.chunk} "
              f"--writers {args.writers} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}"
              f"{' --png' if args.png else ''}`: {args.items:,} "
@@ -269,41 +225,42 @@ def markdown(results: list[dict], args) -> str:
                 if args.png else "ingested items (their 1 x 28 x 28 uint8 images kept in the store and read back "
                                  "for each chunk)" if args.pixels else "features-only items")
              + f" with features of dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by "
-             f"{args.writers} writers at once. Seconds per step (lower is better), lance/today the ratio (below 1: "
+             f"{args.writers} writers at once. Seconds per step (lower is better), lance/parts the ratio (below 1: "
              "Lance faster).", ""]
     for where in args.where:
         pair = {r["backend"]: r for r in results if r["where"] == where}
         if len(pair) < 2:
             continue
-        today, lance = pair["today"], pair["lance"]
-        lines += [f"## {where}", "", "| step | today (s) | lance (s) | lance/today |", "|---|---|---|---|"]
+        parts, lance = pair["parts"], pair["lance"]
+        lines += [f"## {where}", "", "| step | parts (s) | lance (s) | lance/parts |", "|---|---|---|---|"]
         for step in STEPS:
-            a, b = today["seconds"][step], lance["seconds"][step]
+            a, b = parts["seconds"][step], lance["seconds"][step]
             lines.append(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
-        for backend in (today, lance):
+        for backend in (parts, lance):
             s = backend["seconds"]
             backend["throughput"] = {"1": s["items_1_writer"] / s["chunks_1_writer"],
                                      "n": s["items_n_writers"] / s["chunks_n_writers"]}
-        lines += [f"| chunk commit latency, 1 writer (median, s) | {today['seconds']['latency_1_writer']:.4f} | "
+        lines += [f"| chunk commit latency, 1 writer (median, s) | {parts['seconds']['latency_1_writer']:.4f} | "
                   f"{lance['seconds']['latency_1_writer']:.4f} | "
-                  f"{lance['seconds']['latency_1_writer'] / today['seconds']['latency_1_writer']:.2f} |",
-                  f"| chunk commit latency, {args.writers} writers (median, s) | {today['seconds']['latency_n_writers']:.4f} | "
+                  f"{lance['seconds']['latency_1_writer'] / parts['seconds']['latency_1_writer']:.2f} |",
+                  f"| chunk commit latency, {args.writers} writers (median, s) | {parts['seconds']['latency_n_writers']:.4f} | "
                   f"{lance['seconds']['latency_n_writers']:.4f} | "
-                  f"{lance['seconds']['latency_n_writers'] / today['seconds']['latency_n_writers']:.2f} |",
-                  f"| chunk throughput, 1 writer (items/s) | {today['throughput']['1']:.0f} | {lance['throughput']['1']:.0f} | "
-                  f"{today['throughput']['1'] / lance['throughput']['1']:.2f} |",
-                  f"| chunk throughput, {args.writers} writers (items/s) | {today['throughput']['n']:.0f} | "
-                  f"{lance['throughput']['n']:.0f} | {today['throughput']['n'] / lance['throughput']['n']:.2f} |",
-                  f"| peak RSS (MB) | {today['peak_rss_mb']:.0f} | {lance['peak_rss_mb']:.0f} | "
-                  f"{lance['peak_rss_mb'] / today['peak_rss_mb']:.2f} |",
-                  f"| bytes stored (MB) | {today['bytes_stored'] / 1e6:.1f} | {lance['bytes_stored'] / 1e6:.1f} | "
-                  f"{lance['bytes_stored'] / today['bytes_stored']:.2f} |"]
-        if "requests" in today:
-            lines.append(f"| HTTP requests | {today['requests']} | {lance['requests']} | "
-                         f"{lance['requests'] / today['requests']:.2f} |")
-        lines += ["", "Throughput rows: the ratio is today/lance (above 1: today faster), so every ratio reads "
-                  "'how many times today's cost Lance pays'. Bytes stored: Lance keeps every version until gc "
-                  "(`collect_garbage`), today's store overwrites in place.", ""]
+                  f"{lance['seconds']['latency_n_writers'] / parts['seconds']['latency_n_writers']:.2f} |",
+                  f"| chunk throughput, 1 writer (items/s) | {parts['throughput']['1']:.0f} | {lance['throughput']['1']:.0f} | "
+                  f"{parts['throughput']['1'] / lance['throughput']['1']:.2f} |",
+                  f"| chunk throughput, {args.writers} writers (items/s) | {parts['throughput']['n']:.0f} | "
+                  f"{lance['throughput']['n']:.0f} | {parts['throughput']['n'] / lance['throughput']['n']:.2f} |",
+                  f"| peak RSS (MB) | {parts['peak_rss_mb']:.0f} | {lance['peak_rss_mb']:.0f} | "
+                  f"{lance['peak_rss_mb'] / parts['peak_rss_mb']:.2f} |",
+                  f"| bytes stored (MB) | {parts['bytes_stored'] / 1e6:.1f} | {lance['bytes_stored'] / 1e6:.1f} | "
+                  f"{lance['bytes_stored'] / parts['bytes_stored']:.2f} |"]
+        if "requests" in parts:
+            lines.append(f"| HTTP requests | {parts['requests']} | {lance['requests']} | "
+                         f"{lance['requests'] / parts['requests']:.2f} |")
+        lines += ["", "Throughput rows: the ratio is parts/lance (above 1: parts faster), so every ratio reads "
+                  "'how many times the parts layout's cost Lance pays'. Bytes stored: Lance keeps every version until "
+                  "`fastfill gallery gc`; the parts layout overwrites in place. The upgrade's own objects (plan, "
+                  "chunks) are the same objects on both layouts.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -320,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", action="store_true",
                         help="an adopted gallery: 1 x 28 x 28 images as PNG files beside the store, read by URI per chunk")
     parser.add_argument("--png-root", help=argparse.SUPPRESS)
-    parser.add_argument("--backend", choices=["today", "lance"], help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=["parts", "lance"], help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.backend:
@@ -343,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             env["AWS_ENDPOINT_URL_S3"] = os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
         try:
             for where in args.where:
-                for backend in ("today", "lance"):
+                for backend in ("parts", "lance"):
                     if where == "s3":
                         import boto3
 

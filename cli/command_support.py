@@ -42,13 +42,6 @@ def store_uri(config, store: str | None) -> str:
     return store or config.gallery.store
 
 
-def parts_layout(config, what: str) -> None:
-    """End the command where gallery.layout is lance and ``what`` runs on the parts layout only."""
-    if config.gallery.layout == "lance":
-        fail(f"gallery.layout is lance, and {what} runs on the parts layout only so far (docs/lance.md lists what "
-             "runs on the table: convert, ingest, adopt, info, status, search, gc, rollback, upgrade, upgrade abort); set gallery.layout: parts to use it", USAGE)
-
-
 def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
     """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
     codes above)."""

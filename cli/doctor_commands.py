@@ -91,26 +91,17 @@ def _registry_line(client, config) -> tuple[bool, str]:
 
 def _store_line(config, uri: str) -> tuple[str | bool, str]:
     from components.gallery.layouts.catalog import Gallery, check_registry
+    from components.gallery.layouts.opening import gallery_at
     from components.gallery.store import open_store
     from components.gallery.upgrade.status import gallery_status
     from components.platform import registry
 
     store = open_store(uri)
     store.check()
-    if config.gallery.layout == "lance":
-        from components.gallery.layouts.lance_table import LanceGallery
-
-        table = LanceGallery(uri)
-        if not table.exists():
-            return NOT_SET_UP, (f"{table.uri} holds no gallery table yet (gallery.layout is lance): make one with "
-                                "`fastfill gallery convert` or `fastfill gallery adopt`, or pass --store")
-        state = table.status()
-        return True, (f"{table.uri}: {state['items']:,} items, model {state['model']}, {state['state']}"
-                      + (f" ({state['upgrade']['id']})" if state.get("upgrade") else ""))
-    gallery = Gallery(store)
-    if not gallery.exists():
+    if not Gallery(store).exists():
         return NOT_SET_UP, (f"{store.uri} is reachable and holds no gallery yet: make one with `fastfill gallery "
                             "ingest` (or `fastfill gallery adopt`), or pass --store")
+    gallery = gallery_at(store)  # in the layout its manifest names
     manifest = gallery.manifest(refresh=True)
     check_registry(manifest, store.uri, registry.identity(config.mlflow))
     state = gallery_status(gallery, failures=False)
@@ -293,6 +284,7 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     service could not be reached (what it could read is shown)."""
     config = load(params)
     from components.gallery.layouts.catalog import Gallery
+    from components.gallery.layouts.opening import gallery_at
     from components.gallery.upgrade.planning import load_plan
     from components.gallery.upgrade.status import gallery_status
     from components.gallery.store import open_store
@@ -302,14 +294,10 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     def read():
         opened = open_store(uri)
         opened.check()
-        if config.gallery.layout == "lance":  # the table's state; its upgrades have no decisions yet
-            from components.gallery.layouts.lance_table import LanceGallery
-
-            table = LanceGallery(uri)
-            return Gallery(opened), (table.status() if table.exists() else None), None
         gallery = Gallery(opened)
         if not gallery.exists():
             return gallery, None, None
+        gallery = gallery_at(opened)  # in the layout its manifest names
         return gallery, gallery_status(gallery, failures=False), _last_decision(opened)
 
     gallery, state, decided = call(read)

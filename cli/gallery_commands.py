@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import (
-    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, parts_layout, require_services, store_uri,
+    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
 )
 from components.platform.vocabulary import MERGES
 
@@ -25,11 +25,6 @@ def show_status(store: str | None, params: Path) -> None:
     """The gallery's manifest and upgrade state, as JSON on stdout."""
     config = load(params)
     uri = store_uri(config, store)
-    if config.gallery.layout == "lance":
-        from components.gallery.layouts.lance_table import LanceGallery
-
-        typer.echo(json.dumps(call(lambda: LanceGallery(uri).status()), indent=2))
-        return
     from components.gallery.upgrade.status import gallery_status
     from tasks.gallery_store import open_gallery
 
@@ -40,8 +35,6 @@ def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
     """Run an undoing flow (abort, rollback) on the gallery, the services checked first: (its
     store's URI, the flow's result). The flow reads the configuration file itself."""
     config = load(params)
-    parts_layout(config, {"gallery-rollback": "`gallery rollback`", "gallery-upgrade-abort": "`upgrade abort`"}
-                 .get(flow.name, flow.name))
     uri = store_uri(config, store)
     need_services(config)
     return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
@@ -123,23 +116,12 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
     uri = store_uri(config, store)
-    if config.gallery.layout == "lance":
-        from datetime import timedelta
-
-        from components.gallery.layouts.lance_table import LanceGallery
-
-        days = config.gallery.keep_versions_days
-        removed = call(lambda: LanceGallery(uri).collect_garbage(timedelta(days=days)))
-        typer.echo(f"{uri}: removed {removed['old_versions']} table versions older than {days:g} days that no tag "
-                   f"references ({removed['bytes_removed'] / 1e6:.1f} MB, {removed['data_files_removed']} data files)")
-        return
     from components.gallery.upgrade.garbage import collect_garbage
-
     from tasks.gallery_store import open_gallery
 
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
-    typer.echo(f"{uri}: deleted {deleted['features']} feature objects and {deleted['upgrade_objects']} "
-               "objects of finished upgrades")
+    typer.echo(f"{uri}: deleted {deleted['features']} unused features (objects, or the table's columns) and "
+               f"{deleted['upgrade_objects']} objects of finished upgrades")
 
 
 @gallery_app.command("rollback", short_help="Undo the last finished upgrade (before gc).")
@@ -148,18 +130,6 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    # gallery.layout lance: the table goes back to its previous serving tag (docs/lance.md).
-    config = load(params)
-    if config.gallery.layout == "lance":
-        from flows.lance_undo import table_rollback_flow
-
-        uri = store_uri(config, store)
-        need_services(config)  # and a temporary Prefect server tied to this process
-        result = call(table_rollback_flow, params_path=str(params.resolve()), store_uri=uri)
-        typer.echo(f"{uri}: the table serves {result['model']}'s features again (rolled back from {result['from']}); "
-                   + ("champion moved back" if result["champion_moved"] else
-                      f"champion left as it was (it no longer named {result['from']})"))
-        return
     from flows.undo import rollback_flow
 
     uri, result = run_undo(rollback_flow, store, params)
@@ -168,22 +138,25 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
                                                                        f"named {result['from']})"))
 
 
-@gallery_app.command("convert", short_help="Today's layout into a Lance table (gallery.lance).")
+@gallery_app.command("convert", short_help="The gallery into another layout (default: the Lance table).")
 def gallery_convert(store: StoreOption = None,
-                    to: Annotated[str | None, typer.Option(help="store URI (folder or s3://bucket/prefix) that gets "
-                                                          "<uri>/gallery.lance; default: the same store")] = None,
+                    to: Annotated[str | None, typer.Option(help="store URI (folder or s3://bucket/prefix) to write "
+                                                          "the converted gallery to; default: the same store")] = None,
+                    layout: Annotated[str, typer.Option(help="the layout to convert to: lance (gallery.lance, which "
+                                                        "pyarrow, DuckDB and LanceDB open) or parts")] = "lance",
                     params: ParamsOption = Path("params.yaml")) -> None:
-    """Write the gallery (items, images or their URIs, the serving model's features) as a Lance
-    dataset that pyarrow, DuckDB and LanceDB open (docs/lance.md), read it back and compare it
-    with the source. Refused during an upgrade and where a table exists."""
+    """Move the gallery (items, images or their URIs, the serving model's features, its history)
+    into another layout, read it back and compare it with the source, then switch the manifest.
+    Refused during an upgrade. In the same store the old layout's data stays until gallery gc."""
     config = load(params)
-    from components.gallery.layouts.lance_convert import convert
+    from components.gallery.layouts.convert import convert
+    from tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
-    result = call(lambda: convert(uri, to))
-    typer.echo(f"{result['table']}: {result['items']} items, features of {result['model']['uri']} "
-               f"(dimension {result['dim']}), images {result['images']}; version {result['version']}, "
-               f"tagged {result['tag']}; read back and equal to the source")
+    result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout))
+    typer.echo(f"{result['store']}: {result['items']} items, features of {result['model']} (dimension {result['dim']}), "
+               f"now in the {result['layout']} layout; read back and equal to the source"
+               + ("; `fastfill gallery gc` deletes the old layout's data" if result["in_place"] else ""))
 
 
 @app.command(short_help="Nearest gallery items of each query, mid-upgrade too.")
@@ -207,8 +180,6 @@ def search(store: StoreOption = None,
     if old_features is not None and (merge is None or features is None):
         fail("--old-features goes with --merge and --features (with --images both models embed the queries)", USAGE)
     uri = store_uri(config, store)
-    if config.gallery.layout == "lance":
-        return _table_search(config, uri, merge, features, old_features, images, k)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
     from components.gallery.search.index import GallerySearch
@@ -232,44 +203,6 @@ def search(store: StoreOption = None,
     typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
                            "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
                            "distances": [[round(float(d), 6) for d in row] for row in distances]}))
-
-
-def _table_search(config, uri: str, merge, features: Path | None, old_features: Path | None, images: Path | None,
-                  k: int) -> None:
-    """`search` on the Lance table (gallery.layout: lance): query features, through the map, or
-    with --merge as the shadow index (then --old-features too while an upgrade is on)."""
-    if images is not None:
-        fail("with gallery.layout lance, search takes query features (--features, and --old-features with --merge)",
-             USAGE)
-    from components.gallery.search.lance import LanceDualSearch, LanceSearch
-    from components.gallery.layouts.lance_table import LanceGallery
-    from flows.ingest import _load_array
-
-    def run_search():
-        if merge is not None:
-            searcher = LanceDualSearch(LanceGallery(uri), config.gallery.distance, merge.value, config.evaluate.rrf_k)
-            if searcher.mid_upgrade and old_features is None:
-                fail(f"an upgrade to {searcher.new_model.uri} is on: --merge needs the queries' old-model features "
-                     f"too (--old-features, for {searcher.old_model.uri})", USAGE)
-            new = _load_array(features, "--features")
-            if not searcher.mid_upgrade:
-                return searcher, searcher.search(new if old_features is None else _load_array(old_features,
-                                                                                              "--old-features"), None, k)
-            return searcher, searcher.search(_load_array(old_features, "--old-features"), new, k)
-        searcher = LanceSearch(LanceGallery(uri), config.gallery.distance, config.gallery.index)
-        return searcher, searcher.search(_load_array(features, "--features"), k)
-
-    searcher, (ids, distances, sources) = call(run_search)
-    rounded = [[round(float(d), 6) for d in row] for row in distances]
-    if merge is None:
-        answer = {"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
-                  "items": len(searcher.ids), "ids": ids, "sources": sources, "distances": rounded}
-    else:  # as the parts layout's merged search answers
-        answer = {"merge": merge.value if searcher.mid_upgrade else None,
-                  "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
-                  "backfilled": searcher.backfilled, "items": len(searcher.ids), "ids": ids, "sources": sources,
-                  ("scores" if searcher.mid_upgrade else "distances"): rounded}
-    typer.echo(json.dumps(answer, default=str))
 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,

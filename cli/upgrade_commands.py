@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 from cli.command_support import (
-    INPUT, REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
+    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
 )
 from cli.gallery_commands import run_undo, show_status
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
@@ -188,10 +188,6 @@ def upgrade(ctx: typer.Context,
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
-    if config.gallery.layout == "lance":
-        return _table_upgrade(config, params, store, to, gate, break_lock, overrides,
-                              _parse_budget(budget), {"--dry-run": dry_run or None,
-                               "--stop-when-gain-below": stop_when_gain_below, "--target-top1": target_top1})
     from components.platform.progress import forced_mode
     from flows.upgrade import run_upgrade_file
 
@@ -238,40 +234,6 @@ def upgrade(ctx: typer.Context,
         raise typer.Exit(REJECTED)
 
 
-def _table_upgrade(config, params: Path, store: str | None, to: str, gate: bool | None, break_lock: bool,
-                   overrides: dict, budget: float | int | None, unsupported: dict) -> None:
-    """`upgrade` with gallery.layout lance: flows/lance_upgrade.py, on the upgrade's task runner."""
-    given = [option for option, value in unsupported.items() if value is not None]
-    if given or config.gallery.upgrade.stop_when_gain_below is not None:
-        named = ", ".join(given) or "gallery.upgrade.stop_when_gain_below"
-        fail(f"{named}: not available on the lance layout yet (docs/lance.md); the parts layout has them", USAGE)
-    from flows.lance_upgrade import table_upgrade_flow
-    from flows.upgrade import runner_for
-
-    uri = store_uri(config, store)
-    need_services(config)
-    start = time.perf_counter()
-    flow = table_upgrade_flow.with_options(task_runner=runner_for(config.gallery.upgrade))
-    result = call(flow, store_uri=uri, to_uri=to, gate=gate, break_lock=break_lock,
-                  params_path=str(params.resolve()), overrides=overrides or None, budget=budget)
-    if result["state"] in ("up-to-date", "no target"):
-        typer.echo(f"{result['state']}: {result['message']}")
-        return
-    if result["state"] == "paused":
-        typer.echo(f"paused: {result['items_done']} of {result['items']} items backfilled "
-                   f"({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; the same command "
-                   f"goes on; MLflow run {result['mlflow_run_id']}")
-        return
-    typer.echo(f"{result['state']}: upgrade {result['upgrade']} of {result['items']} items in "
-               f"{time.perf_counter() - start:.0f} s; the table serves {result['model']}; MLflow run "
-               f"{result['mlflow_run_id']}")
-    if "promotion" in result:
-        for reason in result["promotion"]["reasons"]:
-            typer.echo(f"  - {reason}")
-    if result["state"] == "rejected":
-        raise typer.Exit(REJECTED)
-
-
 @upgrade_app.command("status", short_help="The upgrade's state and progress (JSON).")
 def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's model and the running or paused upgrade, with how much is done (JSON)."""
@@ -284,18 +246,10 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
     config = load(params)
     from components.gallery.store.lock import break_lock
 
+    from tasks.gallery_store import open_gallery
+
     uri = store_uri(config, store)
-    if config.gallery.layout == "lance":  # the lock is an object beside the table
-        from components.gallery.layouts.lance_table import LanceGallery
-        from components.gallery.store import open_store
-
-        if not call(LanceGallery(uri).exists):
-            fail(f"no gallery table at {uri} (gallery.layout is lance): nothing to unlock", INPUT)
-        held = call(lambda: break_lock(open_store(uri)))
-    else:
-        from tasks.gallery_store import open_gallery
-
-        held = call(lambda: break_lock(open_gallery(uri).store))
+    held = call(lambda: break_lock(open_gallery(uri).store))
     typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
                              f"{held.get('host')})" if held else "no lock was held"))
 
@@ -306,16 +260,6 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    config = load(params)
-    if config.gallery.layout == "lance":  # under the lock, recorded, the version claimed (flows/lance_undo.py)
-        from flows.lance_undo import table_abort_flow
-
-        uri = store_uri(config, store)
-        need_services(config)
-        record = call(table_abort_flow, params_path=str(params.resolve()), store_uri=uri)
-        typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['chunks_done']} chunks "
-                   f"landed); the table serves {record['model']}'s features again")
-        return
     from flows.undo import abort_flow
 
     uri, record = run_undo(abort_flow, store, params)

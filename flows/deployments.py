@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery.layouts.catalog import Gallery
 from components.gallery.triggers.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
 from components.gallery.upgrade.planning import load_plan
 from components.gallery.upgrade.status import gallery_status
@@ -31,6 +30,7 @@ from components.platform.config import Params, load_params
 from flows.parameters import run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery_store import store_at
+from components.gallery.layouts.opening import gallery_at
 
 UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
 POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher
@@ -80,19 +80,12 @@ def _entry_run_name() -> str:
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
-    run of the upgrade flow of its layout (flows/upgrade.py on the task runner they name, or
-    flows/lance_upgrade.py for gallery.layout lance), with the same small parameters. Its own run
-    ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
+    run of flows/upgrade.py (either layout) on the task runner they name, with the same small
+    parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
     from flows.upgrade import named_state, run_upgrade_file
 
     params = load_params(params_path)
-    if params.gallery.layout == "lance":  # the table's upgrade flow, as `fastfill upgrade` runs it
-        from flows.lance_upgrade import table_upgrade_flow
-
-        result = table_upgrade_flow(store_uri=store or params.gallery.store, to_uri=to, gate=gate,
-                                    params_path=params_path, budget=budget)
-    else:
-        result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
+    result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
     return named_state(result, to or f"models:/{params.mlflow.registered_model}@challenger")
 
 
@@ -139,13 +132,7 @@ def registry_candidate(params: Params, store_uri: str) -> tuple[str | None, str 
 def gallery_course(params: Params, store_uri: str) -> tuple:
     """(the gallery's model, the model its upgrade in progress goes to or None), for either
     layout: what each registry check reads, from the manifest and the plan alone."""
-    if params.gallery.layout == "lance":
-        from components.gallery.layouts.lance_table import LanceGallery
-
-        table = LanceGallery(store_uri)
-        upgrade = table.upgrade()
-        return table.model(), upgrade.new if upgrade else None
-    gallery = Gallery(store_at(store_uri))
+    gallery = gallery_at(store_at(store_uri))
     manifest = gallery.manifest(refresh=True)
     planned = load_plan(gallery.store, manifest["upgrade"]) if manifest.get("upgrade") else None
     return gallery.model, planned.new if planned else None
@@ -153,13 +140,8 @@ def gallery_course(params: Params, store_uri: str) -> tuple:
 
 def paused_upgrade(params: Params, store_uri: str) -> dict | None:
     """The gallery's paused upgrade as {"id", "to"}, which a run may resume, or None, for either
-    layout (no process runs a table's upgrade between runs: one in progress is paused)."""
-    if params.gallery.layout == "lance":
-        from components.gallery.layouts.lance_table import LanceGallery
-
-        upgrade = LanceGallery(store_uri).upgrade()
-        return {"id": upgrade.id, "to": upgrade.new.uri} if upgrade else None
-    state = gallery_status(Gallery(store_at(store_uri)))
+    layout."""
+    state = gallery_status(gallery_at(store_at(store_uri)))
     return state["upgrade"] if state["state"] == "paused" else None
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from prefect import flow
 
 from components.gallery.layouts.catalog import GalleryError, check_empty, check_features
+from components.gallery.layouts.opening import layout_of
 from components.platform import registry
 from components.model_store import registered
 from components.platform.config import Params
@@ -78,16 +79,10 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
         feature_array = embed_images(model, image_array)
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
-    if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery.layouts import lance_convert
-
-        result = lance_convert.ingest(store_uri, image_array, feature_array, ref, labels=label_array,
-                                    groups=group_array, ids=id_array, registry=registry.identity(params.mlflow))
-        log(f"gallery table {result['table']}: {result['num_items']} items with their images, model {ref.uri}")
-        return result
     manifest = write_gallery(store_uri, image_array, feature_array, ref, label_array, group_array, id_array,
-                             params.gallery.part_size, registry.identity(params.mlflow))
-    log(f"gallery at {store.uri}: {manifest['num_items']} items in {manifest['num_parts']} parts, model {ref.uri}")
+                             params.gallery.part_size, registry.identity(params.mlflow), params.gallery.layout)
+    log(f"gallery at {store.uri} ({manifest['layout']} layout): {manifest['num_items']} items in "
+        f"{manifest['num_parts']} parts, model {ref.uri}")
     return manifest
 
 
@@ -152,17 +147,9 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
     def on_part(done: int, total: int) -> None:
         log(f"adopt: part {done}/{total} written")
 
-    if params.gallery.layout == "lance":  # the Lance table <store>/gallery.lance (docs/lance.md)
-        from components.gallery.layouts import lance_convert
-
-        result = lance_convert.adopt(store_uri, table, ref, shape, root=root, features=rows, embed_part=embed_part,
-                                   part_size=params.gallery.part_size, on_part=on_part,
-                                   registry=registry.identity(params.mlflow))
-        log(f"gallery table {result['table']}: {result['num_items']} items, model {ref.uri}, images read by URI"
-            f"{f' under {root}' if root else ''}")
-        return result
     result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
-                   part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow))
-    log(f"gallery at {store.uri}: {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
+                   part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow),
+                   layout=layout_of(params.gallery.layout))
+    log(f"gallery at {store.uri} ({result['layout']} layout): {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
         f"images read by URI{f' under {root}' if root else ''}")
     return result

@@ -38,7 +38,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     here, before anything is written."""
     config, uid = params.gallery.upgrade, course.uid
     base = planning.load_plan(gallery.store, course.base) if course.base else None
-    planning.check_sources(gallery, sequential=base is not None)  # before anything is written
+    gallery.check_sources(sequential=base is not None)  # before anything is written
     weights = None
     if config.order in usage.USAGE_ORDERS:  # read and checked against the gallery before any work
         found = usage.usage_weights(gallery, config.usage_log)

@@ -7,7 +7,7 @@ import numpy as np
 from prefect import task
 
 from components.model_store import registered
-from components.gallery.layouts.catalog import Gallery, check_features, features_key, rows_at
+from components.gallery.layouts.catalog import Gallery, check_features, rows_at
 from components.gallery.upgrade.lifecycle import SPLITS_SOURCE
 from components.gallery.upgrade.pairs import TARGETS_LABELS, MapPairs, from_gallery
 from components.gallery.upgrade.planning import source_key
@@ -16,6 +16,7 @@ from components.platform.progress import progress
 from components.platform.registry import ModelRef
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 from tasks.gallery_store import store_at
+from components.gallery.layouts.opening import gallery_at
 
 
 @task(name="load-model", **IO_RETRIES, **NO_CACHING)
@@ -65,7 +66,7 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
     by embedding the items' images; unreadable images are left out of the sample."""
     from components.experiment.inference import embed
 
-    gallery = Gallery(store_at(store_uri))
+    gallery = gallery_at(store_at(store_uri))
     positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log,
                                         getattr(new_model, "preprocessing", None))
     log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
@@ -74,7 +75,7 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
         new = check_features(embed(new_model, images, batch_size=config.batch_size, precision=config.precision,
                                    on_batch=bar.advance), None, "new-model features of the map sample")
     labels = gallery.labels()
-    old = rows_at(gallery, positions, (lambda part: source_key(sequential, part)) if sequential else
-                  (lambda part: features_key(gallery.model, part)))
+    old = (rows_at(gallery, positions, lambda part: source_key(sequential, part)) if sequential else
+           gallery.features_at(gallery.model, positions))
     return from_gallery(new_model, positions, old, new, None if labels is None else labels[positions],
                         gallery.store.uri, config.pseudo_classes, config.seed)

@@ -16,6 +16,7 @@ from components.gallery.upgrade.planning import Plan
 from components.gallery.store import Store, configure_s3, open_store
 from components.platform.registry import ModelRef
 from tasks._policy import IO_RETRIES, NO_CACHING, log
+from components.gallery.layouts.opening import gallery_at, layout_of
 
 
 @functools.lru_cache(maxsize=16)
@@ -33,8 +34,8 @@ def open_gallery(store_uri: str, s3=None, registry_identity: str | None = None) 
         configure_s3(s3)
     store = store_at(store_uri)
     store.check()
-    gallery = Gallery(store)
-    manifest = gallery.manifest(refresh=True)
+    gallery = gallery_at(store)  # its manifest says its layout
+    manifest = gallery.manifest()
     if registry_identity is not None:
         catalog.check_registry(manifest, store.uri, registry_identity)
     return gallery
@@ -42,22 +43,23 @@ def open_gallery(store_uri: str, s3=None, registry_identity: str | None = None) 
 
 @task(name="write-gallery", **NO_CACHING)
 def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int,
-                  registry_uri: str | None = None) -> dict:
+                  registry_uri: str | None = None, layout: str = catalog.PARTS) -> dict:
+    """A new gallery in the layout ``layout`` (gallery.layout)."""
     def on_part(done: int, total: int) -> None:
         log(f"ingest: part {done}/{total} written")
 
     return catalog.ingest(store_at(store_uri), images, features, model, labels=labels, groups=groups, ids=ids,
-                          part_size=part_size, on_part=on_part, registry=registry_uri)
+                          part_size=part_size, on_part=on_part, registry=registry_uri, layout=layout_of(layout))
 
 
 @task(name="write-sources", **IO_RETRIES, **NO_CACHING)
 def write_sources(store_uri: str, upgrade_id: str, base: Plan) -> int:
-    return backfill.write_sources(Gallery(store_at(store_uri)), upgrade_id, base)
+    return backfill.write_sources(gallery_at(store_at(store_uri)), upgrade_id, base)
 
 
 @task(name="transform-part", **IO_RETRIES, **NO_CACHING)
 def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, sequential: bool = False) -> int:
-    return planning.transform_part(Gallery(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
+    return planning.transform_part(gallery_at(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
 
 
 @task(name="backfill-chunk", **IO_RETRIES, **NO_CACHING)
@@ -75,7 +77,7 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     from components.gallery.inputs.judgments import measure_judged_gate, stored_judged
     from components.gallery.gate.promotion import measure_gate
 
-    gallery = Gallery(store_at(store_uri))
+    gallery = gallery_at(store_at(store_uri))
     store = gallery.store
     judged = stored_judged(store, plan.id)
     if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
@@ -88,7 +90,7 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     positions, queries = planning.stored_eval_sample(store, plan.id)
     transformed = backfill.transformed_rows(gallery, plan.id, positions)
     new = backfill.mixed_rows(gallery, plan, positions)
-    champion = catalog.rows_at(gallery, positions, lambda part: catalog.features_key(gallery.model, part))
+    champion = gallery.features_at(gallery.model, positions)
     order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
     return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=curve_points)
@@ -96,9 +98,9 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
 def finish_upgrade(store_uri: str, plan: Plan) -> dict:
-    return ending.finish(Gallery(store_at(store_uri)), plan)
+    return ending.finish(gallery_at(store_at(store_uri)), plan)
 
 
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
 def reject_upgrade(store_uri: str, plan: Plan, decision: dict) -> dict:
-    return ending.reject(Gallery(store_at(store_uri)), plan, decision)
+    return ending.reject(gallery_at(store_at(store_uri)), plan, decision)

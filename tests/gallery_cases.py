@@ -1,5 +1,7 @@
 """What the gallery components must do on any store (a local folder in the unit tier, a real
-S3 HTTP endpoint in the integration tier): each case takes (store_uri, models, data)."""
+S3 HTTP endpoint in the integration tier) and in either layout (the parts, the Lance table): each
+case takes (store_uri, models, data, layout); ``CASES`` pairs each with the layouts it applies
+to (None: the store alone)."""
 
 import functools
 import io
@@ -19,6 +21,7 @@ from components.gallery.upgrade.status import gallery_status
 from components.gallery.layouts.catalog import IMAGE_CACHE
 from components.gallery.inputs.adopt import adopt
 from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, ingest
+from components.gallery.layouts.opening import gallery_at, layout_of
 from components.platform.registry import ModelRef
 from components.gallery.search.index import GallerySearch
 from components.gallery.store import (
@@ -51,12 +54,17 @@ OLD = ModelRef("embedder", "1", OLD_DIM)
 NEW = ModelRef("embedder", "2", NEW_DIM)
 
 
-def _gallery(store_uri, models, data, part_size=10) -> Gallery:
+LAYOUTS = ("parts", "lance")
+
+
+def _gallery(store_uri, models, data, part_size=10, layout="parts") -> Gallery:
     old, _, _ = models
     images, labels = data
     ingest(open_store(store_uri), images, embed(old, images), OLD, labels=labels, ids=np.arange(N) + 1000,
-           groups=np.array([f"g{i % 3}" for i in range(N)]), part_size=part_size)
-    return Gallery(open_store(store_uri))
+           groups=np.array([f"g{i % 3}" for i in range(N)]), part_size=part_size, layout=layout_of(layout))
+    gallery = gallery_at(open_store(store_uri))
+    assert gallery.layout == layout
+    return gallery
 
 
 def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> planning.Plan:
@@ -69,7 +77,7 @@ def _plan(gallery: Gallery, h, chunk_size=7, eval_all=True) -> planning.Plan:
     return plan
 
 
-def store_roundtrip_listing_and_create_only(store_uri, models, data):
+def store_roundtrip_listing_and_create_only(store_uri, models, data, layout=None):
     store = open_store(store_uri)
     store.check()
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -101,7 +109,7 @@ def _tamper(store_uri: str, key: str, data: bytes) -> None:
         store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data, Metadata=head["Metadata"])
 
 
-def checksum_mismatch_is_an_error_naming_the_object(store_uri, models, data):
+def checksum_mismatch_is_an_error_naming_the_object(store_uri, models, data, layout=None):
     store = open_store(store_uri)
     store.put_array("images/part-00000.npy", np.zeros((2, 1, 4, 4), np.uint8))
     buffer = io.BytesIO()
@@ -111,8 +119,8 @@ def checksum_mismatch_is_an_error_naming_the_object(store_uri, models, data):
         store.get_array("images/part-00000.npy")
 
 
-def ingest_writes_parts_and_reads_back(store_uri, models, data):
-    gallery = _gallery(store_uri, models, data)
+def ingest_writes_parts_and_reads_back(store_uri, models, data, layout=None):
+    gallery = _gallery(store_uri, models, data, layout=layout)
     images, labels = data
     assert gallery.num_items == N and gallery.num_parts == 6 and gallery.model == OLD
     np.testing.assert_array_equal(gallery.ids(), np.arange(N) + 1000)
@@ -124,10 +132,10 @@ def ingest_writes_parts_and_reads_back(store_uri, models, data):
         ingest(gallery.store, images, np.zeros((N, OLD_DIM)), OLD)
 
 
-def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data):
+def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data, layout=None):
     _, new, h = models
     images, _ = data
-    gallery = _gallery(store_uri, models, data)
+    gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
     assert gallery.manifest(refresh=True)["upgrade"] == plan.id and plan.num_chunks == 8
     order = planning.order_of(gallery.store, plan.id)
@@ -167,20 +175,76 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
     assert gallery_status(gallery)["state"] == "idle"
-    # old features stay until collected explicitly
-    assert gallery.store.list(f"features/{OLD.key}/")
+    # old features stay until collected explicitly (6 parts' objects, or the table's one column)
+    assert gallery.missing_features(OLD) == []
     deleted = garbage.collect_garbage(gallery)
-    assert deleted["features"] == 6 and deleted["upgrade_objects"] > 0
+    assert deleted["features"] == (6 if layout == "parts" else 1) and deleted["upgrade_objects"] > 0
+    assert gallery.missing_features(OLD) != []
     assert gallery.store.list(f"features/{OLD.key}/") == []
     assert gallery.store.exists(f"upgrades/{plan.id}/plan.json")
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
 
 
-def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, data):
+def _table_data_files(store_uri: str) -> list[str]:
+    """The keys (in the store) of the Lance table's data files."""
+    return sorted(_raw_keys(store_uri, "gallery.lance/data/"))
+
+
+def _raw_keys(store_uri: str, prefix: str) -> list[str]:
+    if store_uri.startswith("s3://"):
+        import boto3
+
+        bucket, _, root = store_uri[5:].partition("/")
+        pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{root}/{prefix}")
+        return [o["Key"][len(root) + 1:] for page in pages for o in page.get("Contents", [])]
+    folder = os.path.join(store_uri, prefix)
+    return [f"{prefix}{name}" for name in os.listdir(folder)]
+
+
+def _read_raw(store_uri: str, key: str) -> bytes:
+    if store_uri.startswith("s3://"):
+        import boto3
+
+        bucket, _, root = store_uri[5:].partition("/")
+        return boto3.client("s3").get_object(Bucket=bucket, Key=f"{root}/{key}")["Body"].read()
+    with open(os.path.join(store_uri, key), "rb") as handle:
+        return handle.read()
+
+
+def _rewrite_raw(store_uri: str, key: str, change) -> None:
+    """Replace a file of the Lance table behind everyone's back with ``change(its bytes)``."""
+    if store_uri.startswith("s3://"):
+        import boto3
+
+        bucket, _, root = store_uri[5:].partition("/")
+        client = boto3.client("s3")
+        body = client.get_object(Bucket=bucket, Key=f"{root}/{key}")["Body"].read()
+        client.put_object(Bucket=bucket, Key=f"{root}/{key}", Body=change(body))
+    else:
+        path = os.path.join(store_uri, key)
+        with open(path, "rb") as handle:
+            body = handle.read()
+        with open(path, "wb") as handle:
+            handle.write(change(body))
+
+
+def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, data, layout=None):
+    """A damaged image part (parts: an object whose bytes do not match its checksum, then a
+    missing one; the table: a truncated data file) fails the chunk that reads it, naming it,
+    and writes no marker."""
+    from components.gallery.store import DamagedObject
+
     _, new, h = models
-    gallery = _gallery(store_uri, models, data)
+    gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h, chunk_size=N)  # one chunk touches every part
     IMAGE_CACHE._parts.clear()
+    if layout == "lance":
+        (data_file,) = _table_data_files(store_uri)
+        _rewrite_raw(store_uri, data_file, lambda body: body[:len(body) // 2])
+        with pytest.raises(DamagedObject, match=rf"data file .*{os.path.basename(data_file)}.* cannot be read"):
+            backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+        assert backfill.done_chunks(gallery.store, plan.id) == []
+        return
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
     _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
@@ -193,7 +257,32 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
     assert backfill.done_chunks(gallery.store, plan.id) == []
 
 
-def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri, models, data):
+def features_altered_in_the_table_are_refused_naming_the_item_and_file(store_uri, models, data, layout=None):
+    """The table keeps no checksum of its own: a float changed inside a data file reads back as
+    another number. The digest per row finds it, naming the position and the data file, on
+    every read of those features (a part, scattered rows, all of them)."""
+    from components.gallery.store import DamagedObject
+
+    _, new, h = models
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    plan = _plan(gallery, h)
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.finish(gallery, plan)  # the new model's column: a data file of its own
+    row = gallery.features(NEW, 1)[0].astype("<f4").tobytes()  # position 10's floats, as stored
+    newest = next(key for key in _table_data_files(store_uri) if row in _read_raw(store_uri, key))
+    at = _read_raw(store_uri, newest).index(row) + 1
+    _rewrite_raw(store_uri, newest, lambda body: body[:at] + bytes([body[at] ^ 0x10]) + body[at + 1:])
+    gallery = gallery_at(open_store(store_uri))
+    for read in (lambda: gallery.features(NEW, 1), lambda: gallery.features_at(NEW, np.array([40, 10])),
+                 lambda: gallery.all_features(NEW)):
+        with pytest.raises(DamagedObject, match=rf"do not match their digest \(first: position 10, in data files "
+                                                rf".*{os.path.basename(newest)}"):
+            read()
+    np.testing.assert_array_equal(gallery.features(OLD, 1), embed(models[0], data[0][10:20]))  # the rest reads
+
+
+def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri, models, data, layout=None):
     """A features part written whole (its checksum matching) with fewer rows than its part's
     items: every reader refuses it in one error naming the object, the map sample's reader of
     scattered rows included, and the tasks' retry policy does not read it again."""
@@ -201,7 +290,7 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
     from components.gallery.store import DamagedObject
     from tasks._policy import _worth_retrying
 
-    gallery = _gallery(store_uri, models, data)
+    gallery = _gallery(store_uri, models, data, layout=layout)
     key = features_key(OLD, 3)
     gallery.store.put_array(key, gallery.features(OLD, 3)[:7])  # 7 rows for the part's 10 items
     for read in (lambda: gallery.features(OLD, 3),
@@ -215,8 +304,13 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
 
     assert _worth_retrying(None, None, Failed()) is False
 
-    # an upgrade's transformed part, read by the search, the backfill's mixed features and the advisor
-    gallery.store.put_array(key, gallery.features(OLD, 0)[:10])  # whole again
+
+def a_transformed_part_short_of_rows_is_refused_naming_it(store_uri, models, data, layout=None):
+    """An upgrade's transformed part (an object beside the gallery on both layouts) short of
+    rows: the search, the backfill's mixed features and the advisor refuse it naming it."""
+    from components.gallery.store import DamagedObject
+
+    gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, models[2])
     short = planning.transformed_key(plan.id, 2)
     gallery.store.put_array(short, gallery.part_rows(short, 2)[:4])
@@ -226,7 +320,7 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
             read()
 
 
-def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data):
+def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, data, layout=None):
     store = open_store(store_uri)
     lock = locking.acquire_lock(store, "u1", log=lambda m: None)
     with pytest.raises(locking.UpgradeLocked, match=r"being upgraded: upgrade u1 by process \d+ .*fastfill upgrade unlock"):
@@ -258,9 +352,9 @@ def _brute_force(gallery_features, ids, queries, k):
     return ids[np.argsort(distances, axis=1, kind="stable")[:, :k]]
 
 
-def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data):
+def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data, layout=None):
     _, new, h = models
-    gallery = _gallery(store_uri, models, data)
+    gallery = _gallery(store_uri, models, data, layout=layout)
     searcher = GallerySearch(gallery)
     assert searcher.query_model == OLD
     queries_old = gallery.all_features(OLD)[:5]
@@ -335,7 +429,7 @@ def _png(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models, data):
+def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models, data, layout=None):
     import pyarrow as pa
 
     old, new, h = models
@@ -346,8 +440,8 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     table = pa.table({"id": np.arange(N) + 500, "uri": [f"img-{i:05d}.png" for i in range(N)], "label": labels})
     features = embed(old, images)
     adopt(open_store(store_uri), table, OLD, (1, 8, 8), root=root, features=iter([features[:20], features[20:]]),
-          part_size=10)
-    gallery = Gallery(open_store(store_uri))
+          part_size=10, layout=layout_of(layout))
+    gallery = gallery_at(open_store(store_uri))
     assert gallery.adopted and gallery.image_root == root and gallery.store.list("images/") == []
     np.testing.assert_array_equal(gallery.all_features(OLD), features)
     got, failures = fetch_images(gallery, np.array([3, 40, 0]))
@@ -378,14 +472,24 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     assert GallerySearch(gallery).sources(np.array([506, 500])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
 
 
-STORE_CASES = [
+STORE_CASES = [  # the store alone
     store_roundtrip_listing_and_create_only,
     checksum_mismatch_is_an_error_naming_the_object,
+    lock_refuses_a_second_upgrade_and_takes_over_a_dead_one,
+]
+GALLERY_CASES = [  # every layout
     ingest_writes_parts_and_reads_back,
     backfill_resumes_without_redoing_chunks_and_finishes,
     a_corrupt_image_part_fails_its_chunk_without_a_marker,
-    a_features_part_short_of_rows_is_refused_naming_it_and_not_retried,
-    lock_refuses_a_second_upgrade_and_takes_over_a_dead_one,
+    a_transformed_part_short_of_rows_is_refused_naming_it,
     search_updates_vectors_by_id_as_chunks_land,
     adopted_gallery_reads_images_by_uri_and_keeps_failed_items,
 ]
+CASES = ([(case, None) for case in STORE_CASES] + [(case, layout) for case in GALLERY_CASES for layout in LAYOUTS]
+         + [(a_features_part_short_of_rows_is_refused_naming_it_and_not_retried, "parts"),
+            (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")])
+
+
+def case_id(pair) -> str:
+    case, layout = pair
+    return case.__name__ + (f"-{layout}" if layout else "")

@@ -36,6 +36,12 @@ def s3_endpoint():
             server.stop()
 
 
+@pytest.fixture(params=["parts", "lance"])
+def layout(request) -> str:
+    """Each gallery layout (gallery.layout): the tests that take it run on both."""
+    return request.param
+
+
 @pytest.fixture(params=["local", "s3"])
 def store_uri(request, tmp_path) -> str:
     """A fresh, empty store of each backend."""

@@ -66,19 +66,13 @@ def split_images(params):
     return load_split(Layout(params.paths).splits, "test")
 
 
-
-
-def lance_params(tmp_path: Path, store: str | None = None, **promotion) -> str:
-    """tmp_path/lance.yaml: tmp_path/params.yaml with gallery.layout lance (and ``store``, and
-    ``promotion`` settings); returns its path."""
+def in_layout(params, tmp_path: Path, layout: str):
+    """``params`` with gallery.layout ``layout``, and tmp_path/params.yaml (what the CLI reads)
+    saying the same; returns the params."""
     settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    settings["gallery"]["layout"] = "lance"
-    if store is not None:
-        settings["gallery"]["store"] = store
-    settings["promotion"] = {**settings.get("promotion", {}), **promotion}
-    path = tmp_path / "lance.yaml"
-    path.write_text(yaml.safe_dump(settings))
-    return str(path)
+    settings["gallery"]["layout"] = layout
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(settings))
+    return params.model_copy(update={"gallery": params.gallery.model_copy(update={"layout": layout})})
 
 
 def run_then(owner, name: str, then):

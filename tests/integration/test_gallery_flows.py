@@ -21,10 +21,11 @@ from components.gallery.layouts.catalog import Gallery, GalleryError
 from components.gallery.search.index import GallerySearch
 from components.gallery.store import StoreUnreachable, open_store
 from components.platform.registry import RegistryError
-from tests.integration.helpers import killed_when, registry_models, split_images
+from components.gallery.layouts.opening import gallery_at
+from tests.integration.helpers import in_layout, killed_when, registry_models, split_images
 
 
-def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, prefect_harness):
+def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrade_env, prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -34,18 +35,21 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, upgrade_env, p
     from flows.ingest import ingest_flow
     from flows.upgrade import progress_key, upgrade_flow
 
-    params, _ = upgrade_env
+    params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
     client, old_model, new_model, old_version, new_version = registry_models(params)
     split = split_images(params)
     n = len(split.labels)
 
     manifest = ingest_flow(params, store_uri)
+    assert manifest["layout"] == layout
     assert manifest["num_items"] == n and manifest["model"]["version"] == old_version
 
     paused = upgrade_flow(params, store_uri, budget=0.4)
     assert paused["state"] == "paused"
     assert paused["items_done"] == int(np.ceil(0.4 * n))  # exact: the chunk the budget falls in was cut
-    gallery = Gallery(open_store(store_uri))
+    gallery = gallery_at(open_store(store_uri))
+    assert gallery.layout == layout
     state = gallery_status(gallery)
     assert state["state"] == "paused" and state["lock"] is None
     assert state["upgrade"]["items_done"] == paused["items_done"]
@@ -359,11 +363,12 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 # ---- SIGKILL ------------------------------------------------------------------------------------
 
 
-def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env, prefect_harness):
+def test_a_sigkilled_backfill_resumes_with_the_same_command(layout, upgrade_env, cli_env, prefect_harness):
     from flows.ingest import ingest_flow
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
     store_uri = str(tmp_path / "store")  # S3: the chaos test below
     ingest_flow(params, store_uri)
     reference_uri = str(tmp_path / "reference")
@@ -405,14 +410,15 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(upgrade_env, cli_env
     assert sum(m["count"] for m in after.values()) == plan.num_items
     order = planning.order_of(store, upgrade_id)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in after.values()])) == list(range(plan.num_items))
-    gallery = Gallery(store)
+    gallery = gallery_at(store)
+    assert gallery.layout == layout
     assert gallery.manifest(refresh=True)["model"] == plan.new.to_dict() and not store.exists(locking.LOCK)
 
     # the same features as an uninterrupted run with the same chunking
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
     upgrade_flow(changed, reference_uri, plan.new.uri)  # by version: the promotion cleared `challenger`
-    reference = Gallery(open_store(reference_uri))
+    reference = gallery_at(open_store(reference_uri))
     np.testing.assert_array_equal(gallery.all_features(plan.new), reference.all_features(plan.new))
 
 
@@ -647,7 +653,7 @@ def _photos(folder: Path, images: np.ndarray) -> list[str]:
     return names
 
 
-def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_harness):
+def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
     from components.experiment.inference import embed
@@ -655,6 +661,7 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_ha
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
     _, old_model, new_model, old_version, new_version = registry_models(params)
     split = split_images(params)
     n = len(split.labels)
@@ -669,7 +676,8 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_ha
     # the manifest's folder; the image shape comes from the model's registered signature
     result = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"), *common])
     assert result.exit_code == 0 and f"{n} items adopted" in result.output, result.output
-    gallery = Gallery(open_store(store_uri))
+    gallery = gallery_at(open_store(store_uri))
+    assert gallery.layout == layout
     assert gallery.adopted and gallery.image_root == str(tmp_path / "photos") and gallery.store.list("images/") == []
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(old_model, split.images), rtol=1e-5,
                                atol=1e-5)
@@ -704,6 +712,6 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(upgrade_env, prefect_ha
         "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 2, "max_concurrency": 1})})})
     with pytest.raises(GalleryError, match=r"images could not be read or decoded, more than the 2"):
         upgrade_flow(strict, strict_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
-    state = gallery_status(Gallery(open_store(strict_uri)))
+    state = gallery_status(gallery_at(open_store(strict_uri)))
     assert state["state"] == "paused" and state["upgrade"]["failed_images"]["count"] == 3
     assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {1003, 1011, 1019}

@@ -7,12 +7,13 @@ import pytest
 
 from components.gallery.store import StoreError, StoreUnreachable, open_store
 from tests.environment import new_bucket
-from tests.gallery_cases import STORE_CASES, make_data, make_models
+from tests.gallery_cases import CASES, case_id, make_data, make_models
 
 
-@pytest.mark.parametrize("case", STORE_CASES, ids=lambda case: case.__name__)
-def test_on_s3(case, s3_endpoint):
-    case(f"s3://{new_bucket(s3_endpoint)}/galleries/main", make_models(), make_data())
+@pytest.mark.parametrize("pair", CASES, ids=case_id)
+def test_on_s3(pair, s3_endpoint):
+    case, layout = pair
+    case(f"s3://{new_bucket(s3_endpoint)}/galleries/main", make_models(), make_data(), layout)
 
 
 def _closed_port() -> int:

@@ -12,11 +12,12 @@ import yaml
 
 from components.gallery.upgrade import garbage, planning, reversal
 from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.layouts.catalog import GalleryError
 from components.gallery.search.index import GallerySearch
 from components.gallery.store import open_store
 from components.gallery.triggers.claims import claim, claimed
-from tests.integration.helpers import registry_models, split_images
+from components.gallery.layouts.opening import gallery_at
+from tests.integration.helpers import in_layout, registry_models, split_images
 
 
 def _flow_run(flow_name: str):
@@ -66,7 +67,7 @@ def model_version(gallery) -> str:
     return gallery.manifest(refresh=True)["model"]["version"]
 
 
-def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(upgrade_env, prefect_harness):
+def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
     from components.gallery.store.lock import UpgradeLocked, acquire_lock
@@ -77,6 +78,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     from flows.upgrade import run_upgrade_file
 
     params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
     params_path = str(tmp_path / "params.yaml")
     client, old_model, _, old_version, new_version = registry_models(params)
     uri = str(tmp_path / "g")
@@ -95,7 +97,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert upgrade_run.state.name == "Paused" and upgrade_run.state.is_completed(), upgrade_run.state
     assert "(budget); run the same command to go on" in upgrade_run.state.message
     store = open_store(uri)
-    gallery = Gallery(store)
+    gallery = gallery_at(store)
+    assert gallery.layout == layout
     plan = planning.load_plan(store, paused["upgrade"])
     assert 0 < paused["items_done"] < plan.num_items
 
@@ -150,7 +153,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
                for line in _logs(run.id))
 
 
-def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_features(upgrade_env, prefect_harness):
+def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_features(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
     from cli import app
@@ -159,6 +162,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     from flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
     params_path = str(tmp_path / "params.yaml")
     client, old_model, new_model, old_version, new_version = registry_models(params)
     client.delete_registered_model(params.mlflow.alignment_model)  # the upgrade trains its map
@@ -166,8 +170,10 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
     store = open_store(uri)
-    gallery = Gallery(store)
-    before = {key: store.get(key) for key in store.list(f"features/embedder-v{old_version}/")}
+    gallery = gallery_at(store)
+    assert gallery.layout == layout
+    champion = gallery.model
+    before = gallery.all_features(champion)
 
     state = upgrade_flow(params, uri, return_state=True)
     first = state.result()
@@ -192,7 +198,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     assert (f"rolled back from models:/embedder/{new_version} to models:/embedder/{old_version}; champion moved back"
             in result.output)
     assert model_version(gallery) == old_version and gallery.manifest()["history"][-1]["by"] == "rollback"
-    assert {key: store.get(key) for key in store.list(f"features/embedder-v{old_version}/")} == before
+    np.testing.assert_array_equal(gallery_at(store).all_features(champion), before)
     _finds_itself(gallery, old_model, params)
     assert str(client.get_model_version_by_alias(name, "champion").version) == old_version
     tags = client.get_model_version(name, new_version).tags

@@ -13,22 +13,13 @@ from components.gallery.store import (
     open_store,
 )
 
-from tests.gallery_cases import N, OLD, OLD_DIM, STORE_CASES, _gallery, _plan, make_data, make_models
+from tests.gallery_cases import CASES, N, OLD, OLD_DIM, _gallery, case_id, _plan
 
 
-@pytest.fixture
-def models():
-    return make_models()
-
-
-@pytest.fixture
-def data():
-    return make_data()
-
-
-@pytest.mark.parametrize("case", STORE_CASES, ids=lambda case: case.__name__)
-def test_on_a_local_folder(case, tmp_path, models, data):
-    case(str(tmp_path / "store"), models, data)
+@pytest.mark.parametrize("pair", CASES, ids=case_id)
+def test_on_a_local_folder(pair, tmp_path, models, data):
+    case, layout = pair
+    case(str(tmp_path / "store"), models, data, layout)
 
 
 @pytest.mark.parametrize("case, message", [

@@ -10,17 +10,7 @@ import pytest
 from components.gallery.upgrade import backfill, ending, garbage, planning, reversal
 from components.gallery.upgrade.status import gallery_status
 from components.gallery.layouts.catalog import GalleryError
-from tests.gallery_cases import NEW, OLD, _gallery, _plan, make_data, make_models
-
-
-@pytest.fixture
-def models():
-    return make_models()
-
-
-@pytest.fixture
-def data():
-    return make_data()
+from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
 
 def _finish_all(gallery, plan, new):

@@ -129,7 +129,6 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     from components.experiment.inference import apply_alignment, embed
     from components.model_store.registered import load_model
     from components.gallery.advice import advisor
-    from components.gallery.layouts.catalog import features_key, rows_at
     from components.gallery.inputs.judgments import load_judgments
     from components.gallery.upgrade.lifecycle import TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
     from components.gallery.upgrade.planning import stand_in_ranks
@@ -216,7 +215,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     order = backfill_order(order_kind, gallery.num_items, config.seed, sigma, weights)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
     ranks = stand_in_ranks(order, prefilled, positions, config.seed)
-    old_side = rows_at(gallery, positions, lambda part: features_key(gallery.model, part))
+    old_side = gallery.features_at(gallery.model, positions)
     sample_transformed = apply_alignment(alignment_map, old_side)[0]
 
     def transformed_parts():

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from components.gallery.layouts.catalog import (
-    GalleryError, check_empty, check_features, commit_manifest, features_key, part_key,
+    Gallery, GalleryError, check_empty, check_features, commit_manifest,
 )
 from components.gallery.layouts.item_ids import id_array
 from components.gallery.store import Store
@@ -161,9 +161,11 @@ def _take(rows: Iterator[np.ndarray], count: int, buffer: list[np.ndarray]) -> n
 def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, root: str | None = None,
           features: Iterator[np.ndarray] | None = None,
           embed_part: Callable[[list[str]], np.ndarray] | None = None, part_size: int = 1000,
-          on_part: Callable[[int, int], None] | None = None, registry: str | None = None) -> dict:
+          on_part: Callable[[int, int], None] | None = None, registry: str | None = None,
+          layout: type[Gallery] | None = None) -> dict:
     """Write the gallery of ``table`` (``read_manifest``): items and ``model``'s features part by
-    part, from ``features`` (rows in table order) or ``embed_part(uris)``; the manifest last."""
+    part, from ``features`` (rows in table order) or ``embed_part(uris)``, in ``layout`` (a
+    Gallery class; default the parts layout); the manifest last."""
     import pyarrow as pa
 
     check_empty(store, "adopt")
@@ -175,6 +177,8 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
         raise GalleryError(f"image shape must be (channels, height, width), got {tuple(image_shape)}")
     n = table.num_rows
     num_parts = -(-n // part_size)
+    layout = layout or Gallery
+    writer = layout.writer(store, model, part_size)
     buffer: list[np.ndarray] = []
     for part in range(num_parts):
         start, stop = part * part_size, min((part + 1) * part_size, n)
@@ -195,12 +199,13 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
             "group": items.column("group") if "group" in items.column_names else pa.nulls(len(items), pa.string()),
             **({"weight": items.column("weight")} if "weight" in items.column_names else {}),  # the usage orders'
         }
-        store.put_array(features_key(model, part), block)
-        store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))
+        writer.write(start, pa.table(columns), block)
         if on_part is not None:
             on_part(part + 1, num_parts)
     if features is not None and (buffer or next(features, None) is not None):
         raise GalleryError(f"more feature rows than the manifest's {n} items; give one row per item, in its order")
+    writer.close()
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
                            has_labels="label" in table.column_names, has_groups="group" in table.column_names,
-                           by="adopt", images={"source": "uri", "root": root}, registry=registry)
+                           by="adopt", images={"source": "uri", "root": root}, registry=registry,
+                           layout=layout.layout)

@@ -14,6 +14,12 @@ Under one prefix::
 
 Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
 ``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.
+
+``Gallery`` is the interface every layout implements, and the parts layout above (``layout:
+parts`` in the manifest). The Lance table (``components.gallery.layouts.table``, ``layout:
+lance``) keeps the items, images and features in ``gallery.lance`` instead, and everything else
+(the manifest, the lock, the upgrades' objects) as here. ``components.gallery.layouts.opening``
+opens either from the manifest; the upgrade, search, gate and advice read only this interface.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
 FORMAT = 1
+PARTS, LANCE = "parts", "lance"  # the layouts (gallery.layout; the manifest's ``layout``)
 
 
 class GalleryError(ValueError):
@@ -67,11 +74,17 @@ def check_features(features: np.ndarray, dim: int | None, what: str) -> np.ndarr
 
 
 class Gallery:
-    """A gallery in a store: its manifest, items, images and features."""
+    """A gallery in a store: its manifest, items, images and features. This class is the
+    interface of every layout and the parts layout's implementation of it; a layout overrides
+    the readers and writers of items, images and features (``items_part``, ``images``,
+    ``features``, ``features_at``, ``write_features``, ``missing_features``, ``collect_features``,
+    ``check_sources``), never the manifest or the upgrade's objects."""
 
-    def __init__(self, store: Store):
+    layout = PARTS
+
+    def __init__(self, store: Store, manifest: dict | None = None):
         self.store = store
-        self._manifest: dict | None = None
+        self._manifest = manifest
 
     # ---- manifest
 
@@ -177,6 +190,83 @@ class Gallery:
     def all_features(self, model: ModelRef) -> np.ndarray:
         return np.concatenate([self.features(model, p) for p in range(self.num_parts)])
 
+    def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
+        """``model``'s features of the items at ``positions`` (any order), reading only their parts."""
+        return rows_at(self, positions, lambda part: features_key(model, part))
+
+    # ---- writing (a new gallery; the finish of an upgrade) and removing features (gc)
+
+    @staticmethod
+    def writer(store: Store, model: ModelRef, part_size: int) -> PartsWriter:
+        """What writes a new gallery of this layout, part by part (ingest, adopt, convert)."""
+        return PartsWriter(store, model, part_size)
+
+    def write_features(self, model: ModelRef, parts) -> None:
+        """``model``'s features of every part, from ``parts`` ((part, features) in part order);
+        they serve once the manifest names ``model``."""
+        for part, features in parts:
+            self.store.put_array(features_key(model, part), features)
+
+    def missing_features(self, model: ModelRef) -> list[str]:
+        """Where ``model``'s features of the gallery's parts are missing (empty: all there)."""
+        wanted = [features_key(model, part) for part in range(self.num_parts)]
+        present = set(self.store.list(f"features/{model.key}/"))
+        return [self.store.describe(key) for key in wanted if key not in present]
+
+    def collect_features(self) -> int:
+        """Delete the features of every model but the gallery's own; returns how many objects."""
+        current, deleted = self.model.key, 0
+        for key in self.store.list("features/"):
+            if key.split("/")[1] != current:
+                self.store.delete(key)
+                deleted += 1
+        return deleted
+
+    def check_sources(self, sequential: bool = False) -> None:
+        """Refuse, before planning writes anything, a gallery whose parts are not all there or do
+        not fit its manifest: every part's features (of the gallery's model; a sequential upgrade
+        reads its source parts instead), items and, for an ingested gallery, images, by one listing
+        per kind; and each items part's row count. Content (a NaN, a torn part) is checked as each
+        part is read."""
+        store, model = self.store, self.model
+        wanted = {"items": [part_key("items", p, "parquet") for p in range(self.num_parts)]}
+        if not sequential:
+            wanted["features"] = [features_key(model, p) for p in range(self.num_parts)]
+        if not self.adopted:
+            wanted["images"] = [part_key("images", p) for p in range(self.num_parts)]
+        for kind, keys in wanted.items():
+            present = set(store.list(keys[0].rsplit("/", 1)[0] + "/")) if keys else set()
+            missing = [key for key in keys if key not in present]
+            if missing:
+                raise GalleryError(f"{store.uri}: {len(missing)} of {len(keys)} {kind} parts are missing (first: "
+                                   f"{missing[0]}); restore them, or re-create the gallery with `fastfill gallery "
+                                   "ingest` / `adopt`. Nothing was written.")
+        for part in range(self.num_parts):
+            start, stop = self.part_bounds(part)
+            rows = self.items_part(part).num_rows
+            if rows != stop - start:
+                raise GalleryError(f"{store.describe(wanted['items'][part])} has {rows} rows, but the manifest's "
+                                   f"part {part} has {stop - start} items: the part belongs to another gallery. "
+                                   "Nothing was written.")
+
+
+class PartsWriter:
+    """Writes a new gallery of the parts layout: each part's items, features and images (an
+    ingested gallery's) as objects; the manifest comes after ``close``."""
+
+    def __init__(self, store: Store, model: ModelRef, part_size: int):
+        self.store, self.model, self.part_size = store, model, part_size
+
+    def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:
+        part = start // self.part_size
+        if images is not None:
+            self.store.put_array(part_key("images", part), images)
+        self.store.put_array(features_key(self.model, part), features)
+        self.store.put_parquet(part_key("items", part, "parquet"), items)
+
+    def close(self) -> None:
+        pass
+
 
 def by_part(gallery: Gallery, positions: np.ndarray):
     """(part, rows, offsets) for item ``positions`` (any order): the rows of the request that
@@ -276,11 +366,12 @@ def check_manifest(manifest: object, where: str) -> dict:
 
 
 def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,
-                    has_groups: bool, by: str, images: dict | None = None, registry: str | None = None) -> dict:
+                    has_groups: bool, by: str, images: dict | None = None, registry: str | None = None,
+                    layout: str = PARTS) -> dict:
     """Write a new gallery's manifest, the last object of an ingest or an adopt: from here on
     the gallery exists."""
     manifest = {
-        "format": FORMAT, "created": now(), "num_items": num_items, "part_size": part_size,
+        "format": FORMAT, "layout": layout, "created": now(), "num_items": num_items, "part_size": part_size,
         "num_parts": -(-num_items // part_size), "image_shape": [int(x) for x in image_shape],
         "has_labels": has_labels, "has_groups": has_groups, **({"images": images} if images else {}),
         **({"registry": registry} if registry else {}),  # the model registry its model versions belong to
@@ -313,12 +404,14 @@ def check_ingest(images, labels, groups, ids) -> tuple[np.ndarray, np.ndarray]:
 
 def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelRef, *,
            labels: np.ndarray | None = None, groups: np.ndarray | None = None, ids: np.ndarray | None = None,
-           part_size: int = 1000, on_part=None, registry: str | None = None) -> dict:
-    """Write a new gallery: items, images and the model's features, part by part; the manifest
-    last, so a crashed ingest leaves no gallery (re-run it: the parts are overwritten)."""
+           part_size: int = 1000, on_part=None, registry: str | None = None, layout: type[Gallery] | None = None) -> dict:
+    """Write a new gallery: items, images and the model's features, part by part, in ``layout``
+    (a Gallery class; default the parts layout); the manifest last, so a crashed ingest leaves no
+    gallery (re-run it: the parts are overwritten)."""
     import pyarrow as pa
 
     check_empty(store, "ingest")
+    layout = layout or Gallery
     images, ids = check_ingest(images, labels, groups, ids)
     n = len(images)
     features = check_features(features, model.dim, "gallery features")
@@ -328,6 +421,7 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
         raise GalleryError(f"part_size must be >= 1, got {part_size}")
 
     num_parts = -(-n // part_size)
+    writer = layout.writer(store, model, part_size)
     for part in range(num_parts):
         start, stop = part * part_size, min((part + 1) * part_size, n)
         columns = {
@@ -338,11 +432,10 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
             "group": (pa.array([str(g) for g in groups[start:stop]], type=pa.string()) if groups is not None
                       else pa.nulls(stop - start, pa.string())),
         }
-        store.put_array(part_key("images", part), images[start:stop])
-        store.put_array(features_key(model, part), features[start:stop])
-        store.put_parquet(part_key("items", part, "parquet"), pa.table(columns))
+        writer.write(start, pa.table(columns), features[start:stop], images[start:stop])
         if on_part is not None:
             on_part(part + 1, num_parts)
+    writer.close()
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=images.shape[1:],
                            has_labels=labels is not None, has_groups=groups is not None, by="ingest",
-                           registry=registry)
+                           registry=registry, layout=layout.layout)

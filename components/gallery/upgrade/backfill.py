@@ -19,6 +19,7 @@ from components.gallery.upgrade.planning import (
     Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
 )
 from components.gallery.store import ObjectMissing, Store, StoreError
+from components.gallery.layouts.opening import gallery_at
 
 
 class _PlanCache:
@@ -61,7 +62,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     plan, order = PLANS.get(store, upgrade)
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
-    gallery = Gallery(store)
+    gallery = gallery_at(store)
     preprocessing = getattr(model, "preprocessing", None)
     features, failures = embed_streamed(
         lambda rows: fetch_images(gallery, positions[rows], IMAGE_CACHE, workers=read_workers,

@@ -16,7 +16,7 @@ decision is never measured again (after the switch that would judge the version 
 from __future__ import annotations
 
 from components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, features_key, now
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 from components.gallery.store import Store
 
@@ -33,9 +33,7 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.id)))
     if missing:
         raise GalleryError(f"upgrade {plan.id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
-    for part, features, backfilled in iter_mixed_parts(gallery, plan):  # bounded memory, part by part
-        assert backfilled.all()
-        gallery.store.put_array(features_key(plan.new, part), features)
+    gallery.write_features(plan.new, _whole_parts(gallery, plan))
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
     if gallery.adopted:
         failed = failed_images(gallery.store, plan.id)
@@ -47,6 +45,14 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     manifest["history"] = [*manifest.get("history", []), {"model": plan.new.to_dict(), "since": now(), "by": plan.id}]
     gallery.write_manifest(manifest)
     return record
+
+
+def _whole_parts(gallery: Gallery, plan: Plan):
+    """(part, the new features) of every part, from the landed chunks; bounded memory."""
+    for part, features, backfilled in iter_mixed_parts(gallery, plan):
+        if not backfilled.all():
+            raise GalleryError(f"part {part} of upgrade {plan.id} is not wholly backfilled; run the upgrade again")
+        yield part, features
 
 
 def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:

@@ -3,7 +3,7 @@ of ended upgrades."""
 
 from __future__ import annotations
 
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef
+from components.gallery.layouts.catalog import Gallery, GalleryError
 from components.gallery.upgrade.planning import DECISION, ENDINGS, upgrade_key
 from components.gallery.upgrade.reversal import ABORTED, ROLLED_BACK
 
@@ -16,12 +16,7 @@ def collect_garbage(gallery: Gallery) -> dict:
     if manifest.get("upgrade"):
         raise GalleryError(f"upgrade {manifest['upgrade']} is in progress; finish it (or drop it with `fastfill "
                            "upgrade abort`) before collecting garbage (its queries still use the old features)")
-    current = ModelRef.from_dict(manifest["model"]).key
-    deleted = {"features": 0, "upgrade_objects": 0}
-    for key in gallery.store.list("features/"):
-        if key.split("/")[1] != current:
-            gallery.store.delete(key)
-            deleted["features"] += 1
+    deleted = {"features": gallery.collect_features(), "upgrade_objects": 0}
     ended = (*ENDINGS, ABORTED)
     for key in gallery.store.list("upgrades/"):
         parts = key.split("/")

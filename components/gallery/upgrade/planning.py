@@ -341,35 +341,6 @@ def stored_eval_sample(store, upgrade: str) -> tuple[np.ndarray, np.ndarray]:
                            "or set promotion.gate: false") from error
 
 
-def check_sources(gallery: Gallery, sequential: bool = False) -> None:
-    """Refuse, before planning writes anything, a gallery whose parts are not all there or do not
-    fit its manifest: every part's features (of the gallery's model; a sequential upgrade reads its
-    source parts instead), items and, for an ingested gallery, images, by one listing per kind;
-    and each items part's row count. Content (a NaN, a torn part) is checked as each part is read."""
-    from components.gallery.layouts.catalog import features_key, part_key
-
-    store, model = gallery.store, gallery.model
-    wanted = {"items": [part_key("items", p, "parquet") for p in range(gallery.num_parts)]}
-    if not sequential:
-        wanted["features"] = [features_key(model, p) for p in range(gallery.num_parts)]
-    if not gallery.adopted:
-        wanted["images"] = [part_key("images", p) for p in range(gallery.num_parts)]
-    for kind, keys in wanted.items():
-        present = set(store.list(keys[0].rsplit("/", 1)[0] + "/")) if keys else set()
-        missing = [key for key in keys if key not in present]
-        if missing:
-            raise GalleryError(f"{store.uri}: {len(missing)} of {len(keys)} {kind} parts are missing (first: "
-                               f"{missing[0]}); restore them, or re-create the gallery with `fastfill gallery ingest`"
-                               " / `adopt`. Nothing was written.")
-    for part in range(gallery.num_parts):
-        start, stop = gallery.part_bounds(part)
-        rows = gallery.items_part(part).num_rows
-        if rows != stop - start:
-            raise GalleryError(f"{store.describe(wanted['items'][part])} has {rows} rows, but the manifest's part "
-                               f"{part} has {stop - start} items: the part belongs to another gallery. Nothing was "
-                               "written.")
-
-
 def discard_unplanned(gallery: Gallery, upgrade: str) -> int:
     """Delete what a refused or failed planning wrote under the upgrade's prefix, so the store is
     as it was; never once plan.json exists (then the upgrade is resumable and its objects count)."""

@@ -18,7 +18,7 @@ again); a rollback whose registry step did not happen is completed by the next r
 from __future__ import annotations
 
 from components.gallery.upgrade.backfill import done_chunks
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, features_key, now
+from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from components.gallery.upgrade.ending import decision, interrupted_ending, rejection
 from components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
 from components.gallery.store import Store
@@ -212,13 +212,11 @@ def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
         raise GalleryError(f"nothing to roll back: {store.uri} has served {current.uri} since it was created "
                            f"({last.get('by', 'ingest')}, {last.get('since')}), not since a finished upgrade")
     previous = ModelRef.from_dict(history[-2]["model"])
-    wanted = [features_key(previous, part) for part in range(int(manifest["num_parts"]))]
-    present = set(store.list(f"features/{previous.key}/"))
-    missing = [key for key in wanted if key not in present]
+    missing = gallery.missing_features(previous)
     if missing:
         raise GalleryError(
-            f"cannot roll {store.uri} back to {previous.uri}: the old features were collected ({len(missing)} of "
-            f"{len(wanted)} feature parts of {previous.key} are gone, first {missing[0]}; `fastfill gallery gc` "
+            f"cannot roll {store.uri} back to {previous.uri}: the old features were collected ({len(missing)} "
+            f"of {previous.key}'s features are gone, first {missing[0]}; `fastfill gallery gc` "
             f"deletes a previous model's features). Re-ingest the gallery with the previous model (`fastfill gallery "
             f"ingest --model {previous.uri} --store <a new store>`, or `adopt`) to serve it again")
     return upgrade, current, previous

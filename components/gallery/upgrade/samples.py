@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from components.gallery.layouts.catalog import Gallery, GalleryError, features_key, fetch_images, rows_at
+from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
 from components.gallery.inputs.images import read_images, readable
 from components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
 from components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
@@ -126,7 +126,7 @@ def judged_queries(gallery: Gallery, config, judged, embed: Embed, embed_champio
         judged, embed, embed_champion, config.judgments, embedded=embedded,
         item_images=lambda positions: fetch_images(gallery, positions, workers=config.read_workers,
                                                    preprocessing=preprocessing),
-        item_features=lambda positions: rows_at(gallery, positions, lambda part: features_key(gallery.model, part)),
+        item_features=lambda positions: gallery.features_at(gallery.model, positions),
         uri_images=lambda uris, side: read_images(uris, sides[side], root=gallery.image_root,
                                                   workers=config.read_workers))
 

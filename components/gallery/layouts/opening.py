@@ -1,0 +1,33 @@
+"""Which layout a gallery is kept in, and opening it: the one place that reads a gallery's
+``layout`` (the manifest's, written when the gallery was made from ``gallery.layout``)."""
+
+from __future__ import annotations
+
+from components.gallery.layouts.catalog import LANCE, MANIFEST, PARTS, Gallery, GalleryError, check_manifest
+from components.gallery.layouts.table import TableGallery
+from components.gallery.store import ObjectMissing, Store
+
+LAYOUTS = {PARTS: Gallery, LANCE: TableGallery}
+
+
+def gallery_at(store: Store) -> Gallery:
+    """The gallery in ``store``, as its manifest says it is kept (a manifest without ``layout``
+    is the parts layout's); a GalleryError when there is none."""
+    try:
+        manifest = store.get_json(MANIFEST)
+    except ObjectMissing:
+        raise GalleryError(f"no gallery at {store.uri}: {MANIFEST} is missing; run `fastfill gallery ingest --store "
+                           "...` (or `adopt`) first") from None
+    manifest = check_manifest(manifest, store.describe(MANIFEST))
+    layout = manifest.get("layout", PARTS)
+    if layout not in LAYOUTS:
+        raise GalleryError(f"{store.describe(MANIFEST)} says layout {layout!r}; this version reads "
+                           f"{', '.join(LAYOUTS)}. Upgrade fastfill")
+    return LAYOUTS[layout](store, manifest)
+
+
+def layout_of(name: str) -> type[Gallery]:
+    """The class of the layout ``name`` (gallery.layout), for writing a new gallery."""
+    if name not in LAYOUTS:
+        raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
