@@ -216,19 +216,33 @@ def worker(args) -> None:
     print(json.dumps(result), flush=True)
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One backend's runs at one location as one: the median of each figure over the runs."""
+    median = dict(runs[0])
+    median["seconds"] = {key: statistics.median(run["seconds"][key] for run in runs) for key in runs[0]["seconds"]}
+    for key in ("peak_rss_mb", "bytes_stored", "requests"):
+        if key in runs[0]:
+            median[key] = statistics.median(run[key] for run in runs)
+    median["runs"] = len(runs)
+    return median
+
+
 def markdown(results: list[dict], args) -> str:
     lines = ["# The parts layout against the Lance table", "",
              f"`python benchmarks/lance_store.py --items {args.items} --dim {args.dim} --chunk {args.chunk} "
-             f"--writers {args.writers} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}"
+             f"--writers {args.writers} --repeat {args.repeat} --where {' '.join(args.where)}{' --pixels' if args.pixels else ''}"
              f"{' --png' if args.png else ''}`: {args.items:,} "
              + ("adopted items whose 1 x 28 x 28 images are PNG files beside the store, read by URI for each chunk"
                 if args.png else "ingested items (their 1 x 28 x 28 uint8 images kept in the store and read back "
                                  "for each chunk)" if args.pixels else "features-only items")
              + f" with features of dimension {args.dim}, chunks of {args.chunk}, the second half of the chunks by "
-             f"{args.writers} writers at once. Seconds per step (lower is better), lance/parts the ratio (below 1: "
-             "Lance faster).", ""]
+             f"{args.writers} writers at once. Each figure is the median of {args.repeat} runs of each layout (a process "
+             "each, alternating which layout runs first). Seconds per step (lower is better), lance/parts the ratio "
+             "(below 1: Lance faster).", ""]
     for where in args.where:
-        pair = {r["backend"]: r for r in results if r["where"] == where}
+        pair = {backend: _median_run([r for r in results if r["where"] == where and r["backend"] == backend])
+                for backend in ("parts", "lance") if any(r["backend"] == backend and r["where"] == where
+                                                         for r in results)}
         if len(pair) < 2:
             continue
         parts, lance = pair["parts"], pair["lance"]
@@ -270,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=2_000)
     parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each layout at each location, alternating which goes first; medians reported")
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     parser.add_argument("--reports", type=Path, default=ROOT / "reports")
     parser.add_argument("--pixels", action="store_true",
@@ -299,38 +315,38 @@ def main(argv: list[str] | None = None) -> int:
             host, port = server.get_host_and_port()
             env["AWS_ENDPOINT_URL_S3"] = os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
         try:
-            for where in args.where:
-                for backend in ("parts", "lance"):
-                    if where == "s3":
-                        import boto3
+            for where, backend, repeat in [(w, b, r) for w in args.where for r in range(args.repeat)
+                                           for b in (("parts", "lance") if r % 2 == 0 else ("lance", "parts"))]:
+                if where == "s3":
+                    import boto3
 
-                        bucket = f"bench-{backend}-{os.getpid()}"
-                        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(Bucket=bucket)
-                        uri = f"s3://{bucket}/gallery"
-                    else:
-                        uri = str(Path(scratch) / backend)
-                    if args.png and where not in png_roots:  # written once per location, read by both backends
-                        png_roots[where] = (f"s3://{bucket}-png/images" if where == "s3" else str(Path(scratch) / "png"))
-                        if where == "s3":
-                            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(
-                                Bucket=f"{bucket}-png")
-                        started = time.perf_counter()
-                        write_pngs(_data(args.items, args.dim, pixels=True)["pixels"], png_roots[where])
-                        print(f"{where}: {args.items} PNGs written in {time.perf_counter() - started:.0f} s", flush=True)
-                    command = [sys.executable, __file__, "--backend", backend, "--uri", uri, "--items", str(args.items),
-                               "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers),
-                               *(["--pixels"] if args.pixels else []),
-                               *(["--png-root", png_roots[where]] if args.png else [])]
-                    print(f"{where} {backend}: running", flush=True)
-                    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-                    if out.returncode != 0:
-                        print(out.stderr[-3000:], file=sys.stderr)
-                        return out.returncode
-                    result = json.loads(out.stdout.strip().splitlines()[-1])
-                    result["where"] = where
-                    results.append(result)
-                    print(f"{where} {backend}: " + ", ".join(f"{k} {v:.3f}" for k, v in result["seconds"].items()
-                                                            if k in STEPS), flush=True)
+                    bucket = f"bench-{backend}-{repeat}-{os.getpid()}"
+                    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(Bucket=bucket)
+                    uri = f"s3://{bucket}/gallery"
+                else:
+                    uri = str(Path(scratch) / f"{backend}-{repeat}")
+                if args.png and where not in png_roots:  # written once per location, read by both backends
+                    png_roots[where] = (f"s3://{bucket}-png/images" if where == "s3" else str(Path(scratch) / "png"))
+                    if where == "s3":
+                        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(
+                            Bucket=f"{bucket}-png")
+                    started = time.perf_counter()
+                    write_pngs(_data(args.items, args.dim, pixels=True)["pixels"], png_roots[where])
+                    print(f"{where}: {args.items} PNGs written in {time.perf_counter() - started:.0f} s", flush=True)
+                command = [sys.executable, __file__, "--backend", backend, "--uri", uri, "--items", str(args.items),
+                           "--dim", str(args.dim), "--chunk", str(args.chunk), "--writers", str(args.writers),
+                           *(["--pixels"] if args.pixels else []),
+                           *(["--png-root", png_roots[where]] if args.png else [])]
+                print(f"{where} {backend}: running", flush=True)
+                out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+                if out.returncode != 0:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    return out.returncode
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                result["where"] = where
+                results.append(result)
+                print(f"{where} {backend}: " + ", ".join(f"{k} {v:.3f}" for k, v in result["seconds"].items()
+                                                        if k in STEPS), flush=True)
         finally:
             if server is not None:
                 server.stop()

@@ -404,10 +404,10 @@ class GalleryConfig(Section):
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
     layout: Literal["parts", "lance"] = Field(
-        default="parts", description="parts: .npy and Parquet parts with a manifest; lance: the table "
-        "<store>/gallery.lance (`fastfill gallery convert`), which search, info, gc and rollback then read")
-    keep_versions_days: Annotated[float, Field(ge=0)] = Field(
-        default=7.0, description="lance: gc removes the table's versions that no tag references once older than this")
+        default="parts", description="the layout of a gallery that ingest or adopt makes: parts (.npy and "
+        "Parquet parts with a manifest) or lance (the Lance table <store>/gallery.lance that other tools read; "
+        "docs/lance.md); an existing gallery is read in the layout its manifest names (`fastfill gallery convert` "
+        "moves it)")
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
     s3: S3Config = S3Config()

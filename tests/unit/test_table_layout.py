@@ -140,3 +140,25 @@ def test_the_row_digest_changes_with_any_one_word_and_with_the_position():
     checked = digests(np.arange(10), pixels)
     pixels[4, 0, 6, 6] ^= 1
     assert (digests(np.arange(10), pixels) != checked).tolist() == [i == 4 for i in range(10)]
+
+
+def test_the_lines_of_docs_lance_md_read_the_table(tmp_path, models, data):
+    """The reading lines of docs/lance.md, run as written on a finished upgrade: DuckDB counts the
+    labels, LanceDB's exact search on the serving column finds what the product's search finds."""
+    import re
+    from pathlib import Path
+
+    from components.gallery.search.index import GallerySearch
+
+    uri = str(tmp_path / "g")
+    gallery, _ = _finished(uri, models, data)
+    text = (Path(__file__).resolve().parents[2] / "docs" / "lance.md").read_text()
+    code = re.search(r"## Reading the table with other tools\s+```python\n(.*?)```", text, re.S).group(1)
+    query = embed(models[1], data[0][:1])[0]
+    scope = {"store": uri, "options": None, "query": query}
+    exec(compile(code, "docs/lance.md", "exec"), scope)  # noqa: S102 - the documented lines, as written
+    assert scope["serving"] == column_name(NEW)
+    labels = data[1]
+    assert scope["counts"] == [(label, int((labels == label).sum())) for label in sorted(set(labels.tolist()))]
+    ids, _ = GallerySearch(gallery).search(query[None], k=10)
+    assert [hit["id"] for hit in scope["hits"]] == ids[0].tolist()
