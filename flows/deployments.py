@@ -82,7 +82,7 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
     run of flows/upgrade.py (either layout) on the task runner they name, with the same small
     parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
-    from flows.upgrade import named_state, run_upgrade_file
+    from flows.upgrade import named_state, run_upgrade_file  # late: keeps the CLI's and the services' start-up light
 
     params = load_params(params_path)
     result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
@@ -92,7 +92,7 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
 @flow(name="comparison", log_prints=True)
 def comparison_entry(params_path: str = "params.yaml") -> dict:
     """What the scheduled comparison runs: every method over compare.seeds."""
-    from flows.compare import compare_flow
+    from flows.compare import compare_flow  # late: keeps the CLI's and the services' start-up light
 
     summary = compare_flow(load_params(params_path))
     return {"seeds": summary["seeds"], "expectations": summary["expectations"]}

@@ -19,6 +19,10 @@ from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.embedding import embed_images, load_model
 from tasks.gallery_store import store_at, write_gallery
+from components.experiment.data import load_split
+from components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
+from components.gallery.inputs.images import read_images
+from components.platform.layout import Layout, load_array
 
 
 def _resolve(params: Params, uri: str) -> ModelRef:
@@ -29,7 +33,6 @@ def _resolve(params: Params, uri: str) -> ModelRef:
 def _load_array(path: Path | None, what: str) -> np.ndarray | None:
     if path is None:
         return None
-    from components.platform.layout import load_array
 
     try:
         return load_array(path, what, missing="check the path")
@@ -57,8 +60,6 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
     if images is None:
-        from components.experiment.data import load_split
-        from components.platform.layout import Layout
 
         split = load_split(Layout(params.paths).splits, "test")
         image_array, label_array = split.images, split.labels
@@ -98,8 +99,6 @@ def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = 
     """Adopt a gallery where it is (components.gallery.inputs.adopt): the manifest file's items, the
     current features of ``model_uri`` (default: the champion) from ``.npy`` shards or a Parquet
     column, or, without ``features``, the model's features of the images read by URI."""
-    from components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
-    from components.gallery.inputs.images import read_images
 
     store = store_at(store_uri)
     store.check()

@@ -16,11 +16,11 @@ from components.platform.registry import ModelRef
 from flows.parameters import resolve_params, run_parameters, store_of
 from tasks._policy import log
 from tasks.gallery_store import open_gallery
+from components.gallery.store.lock import LeaseLost, UpgradeLocked
 
 
 def take_undo_lock(store, holder: str, doing: str, params: Params):
     """The gallery's lock for ``doing``; held by another live process, a refusal that names it."""
-    from components.gallery.store.lock import LeaseLost, UpgradeLocked
 
     try:
         return acquire_lock(store, holder, log=log, lease_seconds=params.gallery.upgrade.lease_seconds)

@@ -17,6 +17,8 @@ from components.platform.registry import ModelRef
 from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 from tasks.gallery_store import store_at
 from components.gallery.layouts.opening import gallery_at
+from components.experiment.data import DataError, load_split
+from components.experiment.inference import embed
 
 
 @task(name="load-model", **IO_RETRIES, **NO_CACHING)
@@ -29,7 +31,6 @@ def load_model(ref: ModelRef):
 def embed_images(model, images: np.ndarray, batch_size: int = 512, precision: str = "auto",
                  label: str | None = None) -> np.ndarray:
     """``images`` embedded by ``model``; with ``label``, its progress shown (a bar, or log lines)."""
-    from components.experiment.inference import embed
 
     if label is None:
         return embed(model, images, batch_size=batch_size, precision=precision)
@@ -42,9 +43,6 @@ def embed_split_pairs(splits_folder, old_model, new_model) -> MapPairs | None:
     """Both models' features of this host's prepared new-train split (``map_pairs: splits``)
     with kappa_new's row of each label, or None when no split is prepared here."""
     import torch
-
-    from components.experiment.data import DataError, load_split
-    from components.experiment.inference import embed
 
     try:
         split = load_split(splits_folder, "new_train")
@@ -64,7 +62,6 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
     """The map sample's pairs (``map_pairs: gallery``): old features from the store (the
     gallery's model's, or for a ``sequential`` upgrade the source parts it starts from), new ones
     by embedding the items' images; unreadable images are left out of the sample."""
-    from components.experiment.inference import embed
 
     gallery = gallery_at(store_at(store_uri))
     positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log,

@@ -74,8 +74,8 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     """The promotion gate's numbers (components.gallery.gate.promotion): the judged queries against
     the whole gallery along the backfill's order when there are any, else the evaluation sample."""
-    from components.gallery.inputs.judgments import measure_judged_gate, stored_judged
-    from components.gallery.gate.promotion import measure_gate
+    from components.gallery.inputs.judgments import measure_judged_gate, stored_judged  # late: keeps the CLI's and the services' start-up light
+    from components.gallery.gate.promotion import measure_gate  # late: keeps the CLI's and the services' start-up light
 
     gallery = gallery_at(store_at(store_uri))
     store = gallery.store

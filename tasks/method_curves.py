@@ -16,6 +16,10 @@ from components.experiment.data import load_split
 from components.platform.layout import Layout, load_array, read_json, write_json
 from components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
 from tasks._policy import IO_RETRIES, NO_CACHING, log
+from components.evaluation import curve_alphas, dual_curves
+from components.evaluation.ordering import random_order
+from components.experiment.adapters import fit_adapter
+from components.experiment.map_check import non_finite_rows
 
 
 @task(name="evaluate-reference", **NO_CACHING)
@@ -47,7 +51,6 @@ def _method_outputs(method: str, layout: Layout, compatible: bool) -> MethodOutp
 def diverged_curve(curve_points: int, reason: str) -> dict:
     """The curve of a method whose stored outputs are not finite (a map that diverged, used
     unchecked: check off, as in the comparison): every number NaN, and ``diverged``: why."""
-    from components.evaluation import curve_alphas
 
     alphas = [float(a) for a in curve_alphas(curve_points)]
     keys = ("top1", "top5", "map", "nfr1", "pfr1", "negative_flips", "positive_flips")
@@ -57,7 +60,6 @@ def diverged_curve(curve_points: int, reason: str) -> dict:
 
 
 def _non_finite(outputs: MethodOutputs) -> list[str]:
-    from components.experiment.map_check import non_finite_rows
 
     named = {"gallery_old": outputs.gallery_old, "query": outputs.query, "log_sigma2": outputs.log_sigma2}
     return [f"{name} in {non_finite_rows(values)} of {len(values)} rows" for name, values in named.items()
@@ -95,7 +97,6 @@ def adapter_curves(config: EvaluateConfig, kind: str, layout: Layout) -> dict:
     space. Queries search the old gallery as stored; a backfilled item's new features go through
     the same adapter, so every distance is in the old space. One order: random. (The evaluation
     stage and benchmarks/query_adapter.py both measure adapters with this.)"""
-    from components.experiment.adapters import fit_adapter
 
     labels = load_split(layout.splits, "test").labels
     adapter = fit_adapter(kind, load_array(layout.features("new", "new_train")),
@@ -122,8 +123,6 @@ def dual_order(config: EvaluateConfig, name: str, layout: Layout, n: int):
     other methods), or sigma, built from ``evaluate.dual_sigma_from``'s stored log_sigma2 as that
     map's own sigma order is. Returns ``(order, None)``, or ``(None, reason)`` when the map's
     sigma is not finite (those rows are reported as diverged)."""
-    from components.evaluation.ordering import random_order
-    from components.experiment.map_check import non_finite_rows
 
     if name == "random":
         return random_order(n, config.seed), None
@@ -148,7 +147,6 @@ def dual_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
     query searches the re-embedded items' new features, the old query the other items' old
     features (the old model's raw test features), the two lists merged. Every merge of
     ``evaluate.dual`` in one pass per order of ``evaluate.dual_orders``."""
-    from components.evaluation import dual_curves
 
     labels = load_split(layout.splits, "test").labels
     old, new = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))

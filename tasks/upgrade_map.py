@@ -16,6 +16,14 @@ from components.platform import registry
 from components.platform.config import AlignConfig
 from components.platform.registry import ModelRef
 from tasks._policy import GPU_TAGS, NO_CACHING, log
+from components.experiment.inference import pick_device
+from components.experiment.map_check import check_metrics, check_tags, decide_map
+from components.experiment.map_training import train_alignment
+from components.gallery.layouts.catalog import GalleryError
+from components.gallery.upgrade import samples, usage
+from components.gallery.upgrade.lifecycle import needs_check, registered_map_order
+from components.platform.layout import Layout
+from tasks.upgrade_tracking import tag_run
 
 
 @dataclass(frozen=True)
@@ -56,8 +64,6 @@ def register_map(client, alignment_model: str, h, method: str, old: ModelRef, ne
 def train_upgrade_map(client, settings: MapSettings, pairs: MapPairs, new_model, old: ModelRef, new: ModelRef,
                       run_id: str) -> tuple:
     """No registered map joins the two versions: train one on ``pairs`` and register it."""
-    from components.experiment.inference import pick_device
-    from components.experiment.map_training import train_alignment
 
     method, config = settings.method, settings.for_pairs(pairs)
     log(f"training a {method} map {old.key} -> {new.key} on {len(pairs)} pairs ({pairs.source}); disc term "
@@ -94,8 +100,6 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     (``order``, or random for a fallback map whose fitted sigma head is not shown to help); the
     outcome and its source are tagged on the map's version and the upgrade's run. Raises
     MapCheckError under ``check: fail``."""
-    from components.experiment.map_check import check_metrics, check_tags, decide_map
-    from components.experiment.inference import pick_device
 
     method, config, model_name = settings.method, settings.for_pairs(pairs), settings.alignment_model
     version = map_uri.rsplit("/", 1)[1]
@@ -139,11 +143,6 @@ def choose_upgrade_map(params, client, store_uri: str, old: ModelRef, new: Model
     already passed on the same source (``recheck`` forces it); or a map trained now on those
     pairs and checked. The usage orders choose and check the map for sigma, and go by usage
     alone when its sigma order was not shown to help."""
-    from components.gallery.upgrade import samples, usage
-    from components.gallery.layouts.catalog import GalleryError
-    from components.gallery.upgrade.lifecycle import needs_check, registered_map_order
-    from components.platform.layout import Layout
-    from tasks.upgrade_tracking import tag_run
 
     config = params.gallery.upgrade
     settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],

@@ -19,6 +19,7 @@ import numpy as np
 
 from components.evaluation import backfill_curve, dual_curves
 from components.platform.vocabulary import MERGES
+from components.platform.layout import load_array
 
 REQUIRED = ("query", "gallery_new", "gallery_old", "labels")
 RAW_OLD = "gallery_old_raw"
@@ -29,7 +30,6 @@ class EvaluationInputError(ValueError):
 
 
 def _load(path: Path, what: str = "") -> np.ndarray:
-    from components.platform.layout import load_array
 
     try:
         return load_array(path, what, missing="pass a folder that holds it")

@@ -9,6 +9,7 @@ import torch
 
 from components.experiment.losses import bct_influence_per_sample, match_dimension, ract_per_sample, synthesized_classifier
 from components.experiment.models import Embedder
+from components.experiment.inference import embed
 
 
 @torch.no_grad()
@@ -16,7 +17,6 @@ def old_class_means(old_model: Embedder, images: np.ndarray, labels: np.ndarray,
                     ) -> dict[int, torch.Tensor]:
     """Mean old-model feature of every class in ``labels`` (BCT's rows for classes the old
     classifier never saw)."""
-    from components.experiment.inference import embed
 
     features = torch.from_numpy(embed(old_model, images, batch_size=batch_size, device=torch.device("cpu")))
     labels_t = torch.from_numpy(labels)

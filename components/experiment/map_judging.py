@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from components.platform.config import AlignConfig
+from components.evaluation import backfill_curve, per_query_curve
+from components.evaluation.ordering import random_order, sigma_order
 
 POLICIES = ("fail", "fallback", "warn")
 CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)
@@ -32,7 +34,6 @@ class SideOutputs:
 
 
 def _order(side: SideOutputs, order_name: str, seed: int) -> np.ndarray:
-    from components.evaluation.ordering import random_order, sigma_order
 
     return sigma_order(side.log_sigma2) if order_name == "sigma" else random_order(len(side.new_side), seed)
 
@@ -40,7 +41,6 @@ def _order(side: SideOutputs, order_name: str, seed: int) -> np.ndarray:
 def curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2") -> dict:
     """Top-1 and mAP at 0% and their means over the 12-point simulated curve on held-out pairs
     (queries and backfilled items: the new side; the rest of the gallery: the old side)."""
-    from components.evaluation import backfill_curve
 
     curve = backfill_curve(side.new_side, side.new_side, side.gallery_old, labels, _order(side, order_name, seed),
                            distance=distance, num_intermediate=CHECK_POINTS)
@@ -51,7 +51,6 @@ def curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: 
 def _per_query(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(top-1 hits, AP) per curve point and query, and which queries have a positive."""
-    from components.evaluation import per_query_curve
 
     labels = np.asarray(labels)
     top1, precision = per_query_curve(side.new_side, side.new_side, side.gallery_old, labels,

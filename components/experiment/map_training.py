@@ -26,6 +26,7 @@ from components.experiment.training import (
 )
 from components.experiment.uncertainty_head_fit import fit_uncertainty_head, true_alignment_loss
 from components.platform.config import AlignConfig
+from components.experiment.map_validation import held_out, retrieval_at_zero, validation_split
 
 __all__ = ["PROGRESS_SECONDS", "Validate", "divergence", "feature_schedule", "fit_uncertainty_head", "split_pairs",
            "train_alignment", "train_unified", "true_alignment_loss", "unified_validation_record", "validation_record"]
@@ -240,7 +241,6 @@ def _describe_validation(record: dict) -> str:
 
 def split_pairs(config: AlignConfig, num_pairs: int, method: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The map's training and held-out pairs (see components.experiment.map_validation)."""
-    from components.experiment.map_validation import validation_split
 
     key = f"align.{method}.validation_fraction" if method else "validation_fraction"
     return validation_split(num_pairs, config.validation_fraction, config.seed, key=key)
@@ -288,8 +288,6 @@ def train_alignment(
         )
         return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
 
-    from components.experiment.map_validation import held_out
-
     pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None if pairs is None else functools.partial(validation_record, config, h, pairs, classifier, device)
 
@@ -307,7 +305,6 @@ def validation_record(config: AlignConfig, h: AlignmentMap, pairs, classifier: n
                       device: torch.device) -> dict[str, float]:
     """l2 and disc (per-item means, the map's own reduction) and retrieval at 0% backfill on
     held-out pairs; all NaN when the map's outputs are not finite."""
-    from components.experiment.map_validation import retrieval_at_zero
 
     transformed = h(torch.from_numpy(pairs.old).to(device))
     if not _rankable(transformed):
@@ -355,8 +352,6 @@ def train_unified(
         return {"loss": parts.total, "similarity": parts.similarity, "classification": parts.classification,
                 "kl": parts.kl}
 
-    from components.experiment.map_validation import held_out
-
     pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None if pairs is None else functools.partial(unified_validation_record, config, maps, pairs, device)
 
@@ -374,7 +369,6 @@ def train_unified(
 def unified_validation_record(config: AlignConfig, maps: UnifiedMaps, pairs, device: torch.device) -> dict[str, float]:
     """A unified space on held-out pairs: l2 between T_q(new) and T_g(old), disc of T_g(old),
     and retrieval at 0% backfill (queries T_q(new), gallery T_g(old))."""
-    from components.experiment.map_validation import retrieval_at_zero
 
     query = maps.query(torch.from_numpy(pairs.new).to(device))
     gallery = maps.gallery(torch.from_numpy(pairs.old).to(device))

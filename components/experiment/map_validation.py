@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components.platform.config import ConfigError
+from components.evaluation import retrieval_metrics
 
 MIN_VALIDATION_PAIRS = 20
 MIN_TRAINING_PAIRS = 2
@@ -60,7 +61,6 @@ class ValidationPairs:
 
 def retrieval_at_zero(transformed: np.ndarray, new: np.ndarray, labels: np.ndarray, distance: str = "l2") -> dict:
     """Top-1 and mAP with every gallery item still on its transformed old feature (0% backfill)."""
-    from components.evaluation import retrieval_metrics
 
     metrics = retrieval_metrics(new, transformed, labels, distance=distance)
     return {"top1": float(metrics["top1"]), "map": float(metrics["map"])}

@@ -11,6 +11,7 @@ from torch import nn
 
 from components.platform.config import AlignConfig, TrainConfig
 from components.platform.layout import save_torch
+from components.experiment.vision import torchvision
 
 
 def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:
@@ -40,7 +41,6 @@ def cnn(channels: int, width: int) -> tuple[nn.Module, int]:
 
 def resnet18_small(channels: int, width: int) -> tuple[nn.Module, int]:
     """torchvision's ResNet-18 adapted to small images: 3x3 stem, stride 1, no max-pool."""
-    from components.experiment.vision import torchvision
 
     net = torchvision.models.resnet18(weights=None)
     net.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)

@@ -28,6 +28,10 @@ import numpy as np
 
 from components.model_store.embedders import ModelSourceError
 from components.model_store.preprocessing import Preprocessing
+from components.experiment.models import build
+from components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+from components.model_store.sources import load_trusted_mlflow
+from components.platform.registry import RegistryError
 
 MODEL_FILE = "fastfill-model.json"
 DATA_DIR = "fastfill"
@@ -121,7 +125,6 @@ def preprocessing_of(described: dict) -> Preprocessing | None:
 def load_folder(folder, uri: str):
     """The module a version's folder (or its ``data/fastfill/`` folder) describes, built as data:
     a ModelSourceError (a RegistryError upstream) says what is wrong."""
-    from components.platform.registry import RegistryError
 
     folder = Path(folder)
     described = read_description(folder)
@@ -159,7 +162,6 @@ def _build(described: dict, weights: Path | None, uri: str):
     source = described.get("source", "fastfill")
     preprocessing = preprocessing_of(described)
     if source == "fastfill":
-        from components.experiment.models import build
 
         try:
             module = build(described["spec"])
@@ -170,16 +172,13 @@ def _build(described: dict, weights: Path | None, uri: str):
             raise ModelSourceError(f"{type(error).__name__}: {error}") from error
         return module
     if source == "torchvision":
-        from components.model_store.embedders import TorchvisionEmbedder
 
         module = TorchvisionEmbedder(described["architecture"], load_file(weights, device="cpu"), preprocessing,
                                      described.get("layer"))
     elif source == "onnx":
-        from components.model_store.embedders import OnnxEmbedder
 
         module = OnnxEmbedder(weights.read_bytes(), preprocessing, described.get("output"))
     elif source == "mlflow":
-        from components.model_store.sources import load_trusted_mlflow
 
         module = load_trusted_mlflow(described["reference"], preprocessing, described.get("layer"))
     else:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from components.model_store.preprocessing import Preprocessing
+from components.experiment.vision import torchvision
 
 
 class ModelSourceError(ValueError):
@@ -168,7 +169,6 @@ class TorchvisionEmbedder(ModuleEmbedder):
 def build_torchvision(architecture: str, state: dict) -> nn.Module:
     """``torchvision.models.get_model(architecture)`` with ``state`` loaded: the classifier's
     size taken from the weights (a team's fine-tuned head rarely has 1,000 classes)."""
-    from components.experiment.vision import torchvision
 
     names = torchvision.models.list_models()
     if architecture not in names:

@@ -15,6 +15,8 @@ description, so nothing stored in the registry runs as code: ``mlflow.pyfunc.loa
 from __future__ import annotations
 
 import numpy as np
+from components.experiment.inference import apply_alignment, embed
+from components.model_store.artifact import load_folder
 
 
 class EmbedderModel:
@@ -22,7 +24,6 @@ class EmbedderModel:
         self.module = module
 
     def predict(self, model_input, params=None):
-        from components.experiment.inference import embed
 
         images = np.asarray(model_input)
         if images.ndim == 3:
@@ -42,8 +43,6 @@ class AlignmentModel:
     def predict(self, model_input, params=None):
         import torch
 
-        from components.experiment.inference import apply_alignment
-
         old = np.ascontiguousarray(model_input, dtype=np.float32)
         if not hasattr(self.module, "uncertainty"):  # the unified space: its gallery side
             with torch.no_grad():
@@ -58,7 +57,6 @@ class AlignmentModel:
 
 
 def _load_pyfunc(data_path: str):
-    from components.model_store.artifact import load_folder
 
     module = load_folder(data_path, uri=data_path)
     kind = getattr(module, "fastfill_kind", "embedder")

@@ -22,6 +22,7 @@ from pathlib import Path
 from components.model_store.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
                                          read_state_dict)
 from components.model_store.preprocessing import Preprocessing
+from components.platform import registry
 
 PICKLED_FLAVOURS = ("pytorch", "python_function")
 
@@ -93,7 +94,6 @@ def from_mlflow(uri: str, preprocessing: Preprocessing, *, layer: str | None = N
                 dim: int | None = None) -> Source:
     """A model already in an MLflow registry (``models:/name/3``, ``runs:/...``): its ``onnx``
     flavour copied, or (trusted writers only) its pickled flavour referred to."""
-    from components.platform import registry
 
     folder, flavours = mlflow_flavours(uri)
     if "fastfill" in flavours:
@@ -140,7 +140,6 @@ class _PyfuncModule(ModuleEmbedder):
 def load_trusted_mlflow(uri: str, preprocessing: Preprocessing, layer: str | None = None):
     """A pickled MLflow model, loaded only where its writers are trusted (the caller checked;
     checked again here, since a registered reference is loaded again later)."""
-    from components.platform import registry
 
     if not registry.pickled_models_allowed():
         raise ModelSourceError(f"{uri} is a pickled model; loading it needs mlflow.allow_pickled_models: true "

@@ -126,3 +126,24 @@ def test_no_file_is_long_enough_to_hold_several_ideas():
     long = {str(p.relative_to(ROOT)): n for p in _product_files()
             if (n := len(p.read_text().splitlines())) >= 800 and str(p.relative_to(ROOT)) not in LONG_ALLOWED}
     assert not long, f"split these by idea: {long}"
+
+
+LATE_ROOMS = ("components", "tasks", "flows")  # cli/ and services/ load flows and their libraries per command
+
+
+@pytest.mark.parametrize("path", [p for room in LATE_ROOMS for p in _modules(room)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_our_own_modules_are_imported_at_the_top_or_say_why_not(path):
+    """An import of the product's own modules inside a function hides the dependency graph; the
+    ones that stay there keep the start-up of the CLI and the services light (no torch, faiss,
+    Lance or MLflow before a command needs them) and say so with ``# late:``."""
+    lines = path.read_text().splitlines()
+    hidden = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0
+                        and sub.module.split(".")[0] in PRODUCT[:5]
+                        and not any("# late:" in line for line in lines[sub.lineno - 1:sub.end_lineno])):
+                    hidden.append(f"line {sub.lineno}: from {sub.module} import ...")
+    assert not hidden, f"{path.relative_to(ROOT)}: move to the top, or mark `# late: <why>`: {hidden}"

@@ -11,6 +11,18 @@ import time
 import numpy as np
 
 from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
+from components.experiment.inference import apply_alignment, embed
+from components.gallery.advice import advisor
+from components.gallery.advice.target_advice import ways_to_target
+from components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
+from components.gallery.inputs.judgments import load_judgments
+from components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
+from components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
+from components.gallery.upgrade.samples import evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map
+from components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
+from components.model_store.registered import load_model
+from components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
 
 # The dry run's prediction reads every part through the map up to three times (its order, its
 # anchor, the target's); the parts are kept in memory while they fit in this many bytes.
@@ -19,7 +31,6 @@ KEEP_TRANSFORMED = 1 << 30
 
 def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
     """Mean bytes of an adopted gallery's encoded images (the sample's, read once more)."""
-    from components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, resolve
 
     sizes = []
     for uri in item_column(gallery, positions, "image"):
@@ -38,8 +49,6 @@ def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
 def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> dict:
     """The plan of an upgrade of ``gallery`` to ``new_model`` under ``config``
     (gallery.upgrade), with measured per-item read and embedding times."""
-    from components.experiment.inference import embed
-    from components.gallery.inputs.images import readable
 
     n, parts = gallery.num_items, gallery.num_parts
     chunks = math.ceil(n / config.chunk_size)
@@ -91,12 +100,6 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     the gate would measure against, where the map's pairs come from, and the budget advisor's
     prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
     (each order of the map, or the shadow index) reaches it with the least backfill."""
-    from components.model_store.registered import load_model
-    from components.gallery.upgrade.decider import GalleryView, UpgradeDecider
-    from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, truth_of
-    from components.gallery.upgrade.planning import upgrade_id
-    from components.gallery.upgrade.samples import pairs_description
-    from components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
 
     config, name = params.gallery.upgrade, params.mlflow.registered_model
     view = GalleryView(gallery)
@@ -126,16 +129,6 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     computed here (the evaluation sample embedded with the new model, the gallery's features
     sent through the map part by part, twice: its order first (sigma's, the usage weights', or
     random), then the search). Otherwise a note saying when the prediction appears."""
-    from components.experiment.inference import apply_alignment, embed
-    from components.model_store.registered import load_model
-    from components.gallery.advice import advisor
-    from components.gallery.inputs.judgments import load_judgments
-    from components.gallery.upgrade.lifecycle import TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
-    from components.gallery.upgrade.planning import stand_in_ranks
-    from components.gallery.upgrade.samples import (
-        evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map,
-    )
-    from components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
 
     config = params.gallery.upgrade
     gain_below = config.stop_when_gain_below
@@ -236,8 +229,6 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
                     transformed, transformed_parts, sigma, weights, distance: str, judged) -> dict:
     """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
     map has an uncertainty head, the usage orders' when the items have weights."""
-    from components.gallery.advice.target_advice import ways_to_target
-    from components.gallery.upgrade.usage import usage_weights
 
     if sigma is None:
         parts = [transformed(p)[1] for p in range(gallery.num_parts)]

@@ -29,6 +29,10 @@ import math
 import numpy as np
 
 from components.gallery.advice.advisor import STEP, fractions
+from components.evaluation.retrieval import pairwise_distances
+from components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
+from components.gallery.upgrade.planning import stand_in_ranks
+from components.gallery.upgrade.usage import backfill_order
 
 
 def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarray, ranks: np.ndarray,
@@ -38,7 +42,6 @@ def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarr
     ``sample_new``: S's old and new features; ``labels``: S's; ``ranks``: S's places in the
     backfill of ``num_items``; ``anchor_old_hits``: whether each S item's nearest item in the whole
     old gallery has its label (None: S is the gallery)."""
-    from components.evaluation.retrieval import pairwise_distances
 
     labels = np.asarray(labels)
     m = len(labels)
@@ -61,7 +64,6 @@ def shadow_top1_judged(query_old: np.ndarray, query_new: np.ndarray, judged, pos
     relevant; the queries with no relevant item in S are left out (None when fewer than 2 are
     left); ``anchor_old_hits``: whether each judged query's nearest item in the whole old
     gallery is relevant (``advisor.judged_anchor`` over the stored features)."""
-    from components.evaluation.retrieval import pairwise_distances
 
     used, relevant, own = judged.in_sample(np.asarray(positions, dtype=np.int64))
     if len(used) < 2:
@@ -148,9 +150,6 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
     ``sample_transformed``: S through the map; ``transformed_parts()``: the whole gallery through
     the map, as ``(first item, rows)`` parts; ``log_sigma2``/``weights``: what orders the map's
     sigma and the usage weights allow (None: not known)."""
-    from components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
-    from components.gallery.upgrade.planning import stand_in_ranks
-    from components.gallery.upgrade.usage import backfill_order
 
     labels = gallery.labels()
     if labels is None and judged is None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from components.gallery.store import StoreError
 from components.model_store.preprocessing import Preprocessing
+from components.gallery.store import s3_client, s3_endpoint
 
 DEFAULT_WORKERS = 16
 
@@ -53,7 +54,6 @@ class _S3Reader:
 
     @classmethod
     def client(cls):
-        from components.gallery.store import s3_client, s3_endpoint
 
         endpoint = s3_endpoint()
         with cls._lock:

@@ -25,6 +25,8 @@ from components.gallery.layouts.catalog import GalleryError
 from components.gallery.gate.judged_gate import measure_judged_gate
 from components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
 from components.gallery.inputs.table_files import TableFile, file_rows, first_few
+from components.gallery.store import ObjectMissing
+from components.gallery.upgrade.planning import upgrade_key
 
 __all__ = ["COLUMNS", "JUDGED", "Judgments", "load_judgments", "measure_judged_gate", "store_judged", "stored_judged"]
 
@@ -158,7 +160,6 @@ JUDGED = "eval/judgments.json"
 
 def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray, champion_queries: np.ndarray) -> None:
     """The resolved judgments and both sides' query features, under ``upgrades/<upgrade>/eval/``."""
-    from components.gallery.upgrade.planning import upgrade_key
 
     store.put_array(upgrade_key(upgrade, "eval/judged_new.npy"), np.asarray(new_queries, dtype=np.float32))
     store.put_array(upgrade_key(upgrade, "eval/judged_champion.npy"), np.asarray(champion_queries, dtype=np.float32))
@@ -169,8 +170,6 @@ def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray
 
 def stored_judged(store, upgrade: str) -> tuple[Judgments, np.ndarray, np.ndarray] | None:
     """(judgments, new-model query features, champion query features) of a planned upgrade, or None."""
-    from components.gallery.upgrade.planning import upgrade_key
-    from components.gallery.store import ObjectMissing
 
     try:
         record = store.get_json(upgrade_key(upgrade, JUDGED))

@@ -12,6 +12,7 @@ import numpy as np
 
 from components.gallery.layouts.catalog import GalleryError
 from components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
+from components.gallery.store import s3_client, s3_endpoint
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,6 @@ class TableFile:
                 raise GalleryError(f"{self.what} {uri} cannot be read ({error.strerror}); check the path and its "
                                    "permissions") from None
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-        from components.gallery.store import s3_client, s3_endpoint
 
         bucket, _, key = uri[len("s3://"):].partition("/")
         if not bucket or not key:

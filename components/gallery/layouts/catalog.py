@@ -287,7 +287,7 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
     shape = tuple(gallery.manifest()["image_shape"])
     positions = np.asarray(positions, dtype=np.int64)
     if gallery.adopted:
-        from components.gallery.inputs.images import read_images
+        from components.gallery.inputs.images import read_images  # late: keeps the CLI's and the services' start-up light
 
         return read_images(item_column(gallery, positions, "image"), preprocessing or shape, root=gallery.image_root,
                            workers=workers)

@@ -24,6 +24,9 @@ from components.gallery.layouts.item_ids import ids_at
 from components.gallery.upgrade.planning import load_plan, order_of
 from components.platform.registry import ModelRef
 from components.platform.vocabulary import DISTANCES, MERGES
+from components.evaluation.fusion import merge_lists
+from components.experiment.inference import embed
+from components.gallery.search.index import query_images
 
 
 class DualSearch:
@@ -112,7 +115,6 @@ class DualSearch:
         an upgrade is on). Each part gives its k nearest; the merge (``fusion.merge_lists``: rrf's
         fused scores descending, or the normalised distances ascending) keeps the best k'.
         Outside an upgrade the scores are distances of the one index."""
-        from components.evaluation.fusion import merge_lists
 
         if k < 1:
             raise GalleryError(f"k must be >= 1, got {k}")
@@ -144,8 +146,6 @@ class DualSearch:
 
     def search_images(self, images: np.ndarray, old_model, new_model, k: int = 10):
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with both models, and search."""
-        from components.experiment.inference import embed
-        from components.gallery.search.index import query_images
 
         images = query_images(self.gallery, images)
         new = embed(new_model, images) if new_model is not None else None

@@ -21,6 +21,8 @@ from components.platform.vocabulary import DISTANCES
 from components.gallery.upgrade.backfill import landed_since
 from components.gallery.upgrade.planning import FINISHED, load_plan, order_of, transformed_key, upgrade_key
 from components.gallery.store import ObjectMissing
+from components.experiment.inference import embed, pick_device
+from components.platform.config import IndexConfig
 
 
 def check_queries(features, dim: int | None, model_uri: str, k: int, num_items: int) -> tuple[np.ndarray, int]:
@@ -39,7 +41,6 @@ class GallerySearch:
 
     def __init__(self, gallery: Gallery, distance: str = "l2", index=None):
         """``index``: an ``IndexConfig`` (flat by default)."""
-        from components.platform.config import IndexConfig
 
         if distance not in DISTANCES:
             raise GalleryError(f"distance must be l2 or cosine, got {distance!r}")
@@ -191,7 +192,6 @@ class GallerySearch:
     def search_images(self, images: np.ndarray, model, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with ``model``, the query model
         (``self.query_model``), and search."""
-        from components.experiment.inference import embed
 
         return self.search(embed(model, query_images(self.gallery, images)), k)
 
@@ -268,8 +268,6 @@ class GpuCopy:
         """The GPU copy ``config`` (gallery.index) asks for and this machine allows, or None (search
         on the CPU). ``device: cuda`` that cannot be honoured is an error, never a silent CPU."""
         import torch
-
-        from components.experiment.inference import pick_device
 
         if config.device == "cpu" or (config.device == "auto" and pick_device().type != "cuda"):
             return None  # auto follows FASTFILL_DEVICE too

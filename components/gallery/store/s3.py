@@ -20,6 +20,7 @@ import time
 from components.gallery.store.base import (
     AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable,
 )
+from components.platform.config import S3Config
 
 
 _S3_SETTINGS = None
@@ -37,7 +38,6 @@ def s3_settings():
     """The S3 client settings in force: those of ``configure_s3``, else ``gallery.s3``'s defaults."""
     if _S3_SETTINGS is not None:
         return _S3_SETTINGS
-    from components.platform.config import S3Config
 
     return S3Config()
 

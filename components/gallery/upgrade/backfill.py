@@ -50,8 +50,8 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
     marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
     (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
-    from components.experiment.inference import embed
-    from components.gallery.inputs.images import readable
+    from components.experiment.inference import embed  # late: keeps the CLI's and the services' start-up light
+    from components.gallery.inputs.images import readable  # late: keeps the CLI's and the services' start-up light
 
     marker = marker_key(upgrade, chunk)
     try:
@@ -90,7 +90,7 @@ def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.n
     are left unset (zeros)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from components.gallery.inputs.images import ImageFailure, readable
+    from components.gallery.inputs.images import ImageFailure, readable  # late: keeps the CLI's and the services' start-up light
 
     features = np.zeros((count, dim), dtype=np.float32)
     failures: list = []

@@ -34,6 +34,11 @@ from typing import Protocol
 from components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
 from components.gallery.upgrade.planning import upgrade_id
 from components.platform.registry import CHALLENGER, CHAMPION, ModelRef
+from components.gallery.advice.advisor import at_stop
+from components.gallery.gate.promotion import decide, decision_tags, gate_message
+from components.gallery.upgrade.ending import interrupted_ending, rejection
+from components.gallery.upgrade.planning import load_plan
+from components.gallery.upgrade.reversal import aborted, undone
 
 # what a course does after its preliminaries
 ENDED, UP_TO_DATE, REFUSE, RESUME, PLAN = "ended", "up-to-date", "refuse", "resume", "plan"
@@ -203,7 +208,6 @@ class UpgradeDecider:
     def advised_stop(self, advice: dict | None, budget) -> dict | None:
         """The budget advisor's recommended stop when stop_when_gain_below asks for one and no
         explicit budget is given (a budget is the user's own limit and wins); None when it is 100%."""
-        from components.gallery.advice.advisor import at_stop
 
         if self.gain_below is None or advice is None or budget is not None:
             return None
@@ -239,7 +243,6 @@ class UpgradeDecider:
                ) -> tuple[dict, list[str]]:
         """The decision to record: the gate's on ``numbers`` (``promotion``: its thresholds), or
         passed ungated when ``numbers`` is None. Returns (the decision's fields, lines to say)."""
-        from components.gallery.gate.promotion import decide, decision_tags, gate_message
 
         if numbers is None:
             return ({"passed": True, "reasons": [], "numbers": None,
@@ -283,27 +286,22 @@ class GalleryView:
         self.has_labels = gallery.labels() is not None
 
     def planned_new(self, upgrade: str) -> ModelRef | None:
-        from components.gallery.upgrade.planning import load_plan
 
         plan = load_plan(self.gallery.store, upgrade)
         return plan.new if plan is not None else None
 
     def aborted(self, upgrade: str) -> bool:
-        from components.gallery.upgrade.reversal import aborted
 
         return aborted(self.gallery.store, upgrade) is not None
 
     def undone(self, upgrade: str) -> dict | None:
-        from components.gallery.upgrade.reversal import undone
 
         return undone(self.gallery.store, upgrade)
 
     def rejected(self, upgrade: str) -> dict | None:
-        from components.gallery.upgrade.ending import rejection
 
         return rejection(self.gallery.store, upgrade)
 
     def interrupted_ending(self) -> dict | None:
-        from components.gallery.upgrade.ending import interrupted_ending
 
         return interrupted_ending(self.gallery)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from components.evaluation import curve_at_counts
+from components.gallery.upgrade.backfill import chunk_features, transformed_rows
+from components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
 
 def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -57,8 +59,6 @@ class BackfillMeter:
 def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     """The meter of a planned upgrade, with the chunks already ``done`` landed; None when the
     plan has no evaluation sample."""
-    from components.gallery.upgrade.backfill import chunk_features, transformed_rows
-    from components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
     labels = gallery.labels()
     if plan.eval_queries < 2 or labels is None:  # nothing to measure retrieval against

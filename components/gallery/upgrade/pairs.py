@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from components.gallery.upgrade.pseudo_classes import cluster_classes
 
 TARGETS_LABELS, TARGETS_PREDICTED, TARGETS_MIXED, TARGETS_NONE = (
     "labels", "the new model's predicted classes", "labels, and the new model's predicted classes where its "
@@ -69,7 +70,6 @@ def class_targets(new_model, labels: np.ndarray | None, new_features: np.ndarray
     if classifier is None:
         if pseudo_classes <= 0 or len(new_features) < 2:
             return None, TARGETS_NONE, None
-        from components.gallery.upgrade.pseudo_classes import cluster_classes
 
         rows, head, k = cluster_classes(new_features, pseudo_classes, seed)
         return rows, TARGETS_PSEUDO.format(k=k), head

@@ -205,7 +205,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
                    sequential: bool = False) -> int:
     """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
     features, see write_sources); returns the part's item count."""
-    from components.experiment.inference import apply_alignment
+    from components.experiment.inference import apply_alignment  # late: keeps the CLI's and the services' start-up light
 
     old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
@@ -220,7 +220,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np
     """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
     (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
     (default: ``usage.usage_weights`` of the gallery's items table)."""
-    from components.gallery.upgrade import usage
+    from components.gallery.upgrade import usage  # late: keeps the CLI's and the services' start-up light
 
     if kind == "random":
         return usage.backfill_order(kind, gallery.num_items, seed)
@@ -239,7 +239,7 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     upgrade: from here on queries use the new model against the mixed gallery. Needs the
     transformed parts written first."""
     store = gallery.store
-    from components.evaluation.ordering import check_permutation
+    from components.evaluation.ordering import check_permutation  # late: keeps the CLI's and the services' start-up light
 
     try:
         order = check_permutation(order, plan.num_items)
@@ -330,8 +330,6 @@ def stored_eval_sample(store, upgrade: str) -> tuple[np.ndarray, np.ndarray]:
     """The upgrade's evaluation sample: (positions, new-model query features). Its absence is a
     configuration problem, said so; any other store failure (an outage) propagates as it is, never
     as a missing measurement."""
-    from components.gallery.layouts.catalog import GalleryError
-    from components.gallery.store import ObjectMissing
 
     try:
         return store.get_array(eval_positions_key(upgrade)), store.get_array(eval_queries_key(upgrade))

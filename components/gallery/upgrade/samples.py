@@ -16,6 +16,7 @@ from components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
 from components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
 from components.gallery.upgrade.planning import eval_sample
 from components.platform.registry import ModelRef, find_alignment
+from components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 
 Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
 
@@ -41,7 +42,6 @@ def map_sample(config, num_items: int) -> np.ndarray:
 def least_map_sample(validation_fraction: float) -> int:
     """The fewest pairs the map can train on and be checked with: ``validation_fraction`` of
     them held out must reach the check's minimum, and at least two must be left to train on."""
-    from components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 
     if validation_fraction == 0:
         return MIN_TRAINING_PAIRS
@@ -56,7 +56,6 @@ def check_map_sample(config, validation_fraction: float, num_items: int) -> None
     """Refuse, before anything is embedded, a map sample too small for the check of the map of
     ``config.method`` (gallery.upgrade): the message names ``gallery.upgrade.map_sample`` (the
     setting the user chose), not the check's."""
-    from components.experiment.map_validation import MIN_VALIDATION_PAIRS
 
     size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
     least = least_map_sample(validation_fraction)

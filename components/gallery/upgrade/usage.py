@@ -24,6 +24,7 @@ import numpy as np
 from components.gallery.layouts.catalog import Gallery, GalleryError
 from components.gallery.inputs.table_files import TableFile
 from components.platform.vocabulary import GALLERY_ORDERS
+from components.evaluation.ordering import check_weights, expected_gain_order, random_order, sigma_order, usage_order
 
 WEIGHT = "weight"  # the items table's usage column
 LOG_COLUMNS = ("query", "hit")
@@ -97,7 +98,6 @@ def weights_of(usage_log: str | None, ids, stored, where: str, column_of: str) -
 def checked_weights(weights: np.ndarray, what: str) -> np.ndarray:
     """``weights`` as float64 when they are usage weights (``ordering.check_weights``), else a
     GalleryError that starts with ``what``."""
-    from components.evaluation.ordering import check_weights
 
     try:
         return check_weights(weights)
@@ -126,7 +126,6 @@ def backfill_order(kind: str, num_items: int, seed: int, log_sigma2: np.ndarray 
     """The backfill order ``kind`` of ``num_items`` items: random (seeded), sigma (least
     certain first), usage (most-hit first; ties by sigma when known, else by position) or
     usage_sigma (weight x sigma^2 first, the items never hit after them in sigma order)."""
-    from components.evaluation.ordering import expected_gain_order, random_order, sigma_order, usage_order
 
     if kind not in GALLERY_ORDERS:
         raise GalleryError(f"unknown backfill order {kind!r}; use one of {', '.join(GALLERY_ORDERS)}")
