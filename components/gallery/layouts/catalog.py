@@ -24,6 +24,7 @@ opens either from the manifest; the upgrade, search, gate and advice read only t
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import numpy as np
@@ -280,8 +281,8 @@ def by_part(gallery: Gallery, positions: np.ndarray):
 def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE, *,
                  workers: int = 16, preprocessing=None) -> tuple[np.ndarray, list]:
     """The images of items at ``positions`` (any order) and the failures
-    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts read part by part
-    (as stored: ``inference.embed`` brings them to the model's shape), or an adopted gallery's
+    (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts, those not in
+    ``cache`` read ``workers`` at a time (as stored: ``inference.embed`` brings them to the model's shape), or an adopted gallery's
     images read by URI, ``workers`` at a time, decoded by ``preprocessing`` (the model's that
     embeds them; default a plain stretch to the gallery's image shape)."""
     shape = tuple(gallery.manifest()["image_shape"])
@@ -292,7 +293,11 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
         return read_images(item_column(gallery, positions, "image"), preprocessing or shape, root=gallery.image_root,
                            workers=workers)
     out = np.empty((len(positions), *shape), dtype=np.uint8)
-    for part, rows, offsets in by_part(gallery, positions):
+    spans = list(by_part(gallery, positions))
+    if len(spans) > 1 and workers > 1:  # the parts not cached yet, read ``workers`` at a time
+        with ThreadPoolExecutor(min(workers, len(spans))) as pool:
+            list(pool.map(lambda span: cache.get(gallery, span[0]), spans))
+    for part, rows, offsets in spans:
         out[rows] = cache.get(gallery, part)[offsets]
     return out, []
 

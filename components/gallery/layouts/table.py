@@ -287,9 +287,13 @@ class TableGallery(Gallery):
             raise ObjectMissing(f"{self.table_uri} holds no features of {model.uri} (its columns: "
                                 f"{', '.join(self.dataset().schema.names)})")
         data = self._take(rows, [name, f"{name}_digest"])
-        column = data.column(name).combine_chunks()
+        column = data.column(name)
         dim = column.type.list_size
-        vectors = np.array(column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim), dtype=np.float32)
+        vectors = np.empty((len(rows), dim), dtype=np.float32)
+        at = 0
+        for chunk in column.chunks:  # one copy, chunk by chunk, into the array returned
+            vectors[at:at + len(chunk)] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+            at += len(chunk)
         self._verify(rows, vectors, data.column(f"{name}_digest").to_numpy(), name)
         return check_features(vectors, model.dim, f"{self.table_uri} column {name}")
 

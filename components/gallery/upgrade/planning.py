@@ -102,6 +102,18 @@ def sigma_key(upgrade: str, part: int) -> str:
 
 @dataclass(frozen=True)
 class Plan:
+    """What one upgrade is, written once as ``upgrades/<id>/plan.json`` before any chunk runs and
+    read by every later step and run (``load_plan``): the upgrade from ``old`` (the gallery's
+    model when it was planned) to ``new``, through the alignment map ``map_uri``, in the backfill
+    order ``order_kind`` (its positions are ``order.npy``), cut into chunks of ``chunk_size``
+    places of that order (``bounds`` where a chunk was cut at a budget's stop or the items embedded
+    while planning, ``prefilled``, fill the first chunks). ``eval_queries``: the size of the
+    evaluation sample the gate and the measured curve use (0: none); ``distance``: the search's.
+    ``mlflow_run_id`` is the upgrade's MLflow run; ``base``, for a sequential upgrade, the
+    unfinished upgrade whose mixed gallery this one starts from. A chunk is a range of places in
+    the order, not of positions: ``chunk_bounds(c)`` gives its places, ``order[start:stop]`` its
+    items."""
+
     id: str
     old: ModelRef
     new: ModelRef
