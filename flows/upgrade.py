@@ -20,6 +20,7 @@ from components.gallery.upgrade import backfill, ending, planning, reversal
 
 from components.gallery.inputs import judgments
 from components.gallery.layouts.catalog import Gallery, GalleryError
+from components.gallery.upgrade.outcome import Advice, UpgradeResult, backfilled
 from components.gallery.upgrade.decider import ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView, UpgradeDecider, up_to_date
 from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit, failure_limit
 from components.gallery.store.lock import acquire_lock
@@ -45,7 +46,7 @@ def _upgrade_run_name() -> str:
 @flow(name=UPGRADE_FLOW, flow_run_name=_upgrade_run_name, log_prints=True)
 def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
                  budget: float | int | None = None, break_lock: bool = False, gate: bool | None = None,
-                 params_path: str | None = None, overrides: dict[str, Any] | None = None) -> dict:
+                 params_path: str | None = None, overrides: dict[str, Any] | None = None) -> UpgradeResult:
     """Upgrade the stored gallery to ``to_uri`` (default: the challenger): plan, backfill in
     chunks (sigma order by default, measured as they land), then the promotion gate (``gate``,
     default promotion.gate) switches the gallery and moves champion, or rejects and the gallery
@@ -87,12 +88,14 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
         advice = _advice(client, gallery, plan, config.stop_when_gain_below)
         budget = config.budget if budget is None else budget
         stop = decider.advised_stop(advice, budget)
-        result = _backfill(client, gallery, plan, new_model, config, stop["items"] if stop else budget)
-        result.update(_advice_result(advice, config.stop_when_gain_below))
-        if not result["complete"]:
-            return named_state(_said(*decider.paused(result, stop)))
-        result.update(_end(decider, client, gallery, planning.load_plan(gallery.store, plan.id), params.promotion))
-        log(decider.ended_line(result, plan.id, new, ModelRef.from_dict(result.pop("champion"))))
+        ran = backfilled(_backfill(client, gallery, plan, new_model, config, stop["items"] if stop else budget),
+                         plan.mlflow_run_id, _advice_result(advice, config.stop_when_gain_below))
+        if not ran["complete"]:
+            return named_state(_said(*decider.paused(ran, stop)))
+        ended = _end(decider, client, gallery, planning.load_plan(gallery.store, plan.id), params.promotion)
+        champion = ModelRef.from_dict(ended.pop("champion"))
+        result: UpgradeResult = {**ran, **ended}
+        log(decider.ended_line(result, plan.id, new, champion))
         return _outcome(result, gallery.store.uri, new.uri)
 
 
@@ -168,12 +171,12 @@ def _advice(client, gallery: Gallery, plan: planning.Plan, gain_below: float | N
     return advice
 
 
-def _advice_result(advice: dict | None, gain_below: float | None) -> dict:
+def _advice_result(advice: dict | None, gain_below: float | None) -> Advice | None:
     if advice is None:
-        return {}
+        return None
     curves = ("agreement",) if advice.get("metric") == "agreement" else ("top1", "map")
-    return {"advice": {"recommendation": advisor.at_stop(advice, gain_below), "fractions": advice["fractions"],
-                       **{key: advice[key] for key in curves}}}
+    return {"recommendation": advisor.at_stop(advice, gain_below), "fractions": advice["fractions"],
+            **{key: advice[key] for key in curves}}
 
 
 def progress_key(store_uri: str, upgrade_id: str) -> str:
@@ -227,7 +230,7 @@ def _backfill(client, gallery: Gallery, plan: planning.Plan, new_model, config, 
     finally:
         shown.close(failed=not ok)
         tracker.close(ok)
-    return {**state.summary(), "mlflow_run_id": plan.mlflow_run_id}
+    return state.summary()
 
 
 def run_chunks(state: Backfill, submit: Callable[[int], Any], landed: Callable[[int, dict], None]) -> None:
