@@ -111,6 +111,20 @@ def digests(positions: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return out ^ (np.asarray(positions, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
 
 
+_SESSION = None
+
+
+def _session():
+    """One Lance session per process: the tables' file metadata cached once (256 MB at most),
+    not again by every gallery object that opens the table (a chunk's task opens it)."""
+    global _SESSION
+    if _SESSION is None:
+        import lance
+
+        _SESSION = lance.Session(metadata_cache_size_bytes=256 << 20, index_cache_size_bytes=64 << 20)
+    return _SESSION
+
+
 def column_name(model: ModelRef) -> str:
     """The features column of ``model``: ``features_<name>-v<version>``, letters, digits, ``-``,
     ``_`` and ``.`` kept (the field's metadata names the model exactly)."""
@@ -151,7 +165,8 @@ class TableGallery(Gallery):
 
         if self._dataset is None or refresh:
             try:
-                self._dataset = lance.dataset(self.table_uri, storage_options=storage_options(self.store.uri))
+                self._dataset = lance.dataset(self.table_uri, storage_options=storage_options(self.store.uri),
+                                              session=_session())
             except (ValueError, OSError) as error:
                 if "not found" in str(error).lower() or "does not exist" in str(error).lower():
                     raise ObjectMissing(f"{self.table_uri}: the gallery's table is missing, though {self.store.uri}'s "
