@@ -302,15 +302,20 @@ class TableGallery(Gallery):
             raise ObjectMissing(f"{self.table_uri} holds no features of {model.uri} (its columns: "
                                 f"{', '.join(self.dataset().schema.names)})")
         data = self._take(rows, [name, f"{name}_digest"])
-        column = data.column(name)
+        column, stored = data.column(name), data.column(f"{name}_digest").to_numpy()
         dim = column.type.list_size
         vectors = np.empty((len(rows), dim), dtype=np.float32)
-        at = 0
-        for chunk in column.chunks:  # one copy, chunk by chunk, into the array returned
-            vectors[at:at + len(chunk)] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
-            at += len(chunk)
-        self._verify(rows, vectors, data.column(f"{name}_digest").to_numpy(), name)
-        return check_features(vectors, model.dim, f"{self.table_uri} column {name}")
+        at, finite = 0, True
+        for chunk in column.chunks:  # one copy into the array returned, checked block by block while in cache
+            block = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+            span = slice(at, at + len(block))
+            vectors[span] = block
+            self._verify(rows[span], block, stored[span], name)
+            finite = finite and bool(np.isfinite(block).all())
+            at += len(block)
+        if not finite or (model.dim and model.dim != dim):  # the error, naming what is wrong
+            return check_features(vectors, model.dim, f"{self.table_uri} column {name}")
+        return vectors
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
         """``model``'s column, added in one commit that writes only its data files, from ``parts``
