@@ -189,13 +189,14 @@ def upgrade(ctx: typer.Context,
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
     from components.platform.progress import forced_mode
-    from flows.upgrade import run_upgrade_file
 
     target = _parse_target(target_top1)
     if target is not None and not dry_run:
         fail("--target-top1 goes with --dry-run: it compares the ways to a target before anything is written", USAGE)
     uri = store_uri(config, store)
-    need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow
+    need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow (and before torch loads)
+    from flows.upgrade import run_upgrade_file
+
     if dry_run:
         with forced_mode(progress_mode(progress)):
             typer.echo(_describe_dry_run(call(estimate_upgrade, config, uri, to, target)))

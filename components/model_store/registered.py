@@ -19,7 +19,6 @@ from components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MOD
                                         WEIGHTS_FILE, load_folder, preprocessing_of, read_description, write_folder)
 from components.platform import registry
 from components.platform.registry import RegistryError
-from components.experiment.models import Embedder, describe
 
 
 def _new_version(client, run_id: str, name: str, artifact: str, write, tags: Mapping[str, str]) -> str:
@@ -55,6 +54,8 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     """A module of this project's own architectures as a version of ``name``: its typed
     description (``models.describe``) and its weights (a state_dict in safetensors)."""
     from safetensors.torch import save
+
+    from components.experiment.models import Embedder, describe  # late: torch loads when a command needs it
 
     module = module.cpu().eval()
     weights = save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()})

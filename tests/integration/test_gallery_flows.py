@@ -356,7 +356,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     result = runner.invoke(app, ["upgrade", *args, "--no-progress"])
     assert result.exit_code == 0 and "complete:" in result.output, result.output
     result = runner.invoke(app, ["gallery", "gc", *args])
-    assert result.exit_code == 0 and "deleted 4 feature objects" in result.output, result.output
+    assert result.exit_code == 0 and "deleted 4 unused features" in result.output, result.output
     held.release()
 
 
