@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 from components.platform.config import Params
 from components.experiment.data import SPLITS
 from components.platform.layout import Layout, read_json
-from components.platform.runtime import use_threads
+from components.platform.runtime import kernels_in_effect, use_threads
 from tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
 
 
@@ -33,13 +35,19 @@ def stage_run(params: Params, stage: str, section: Mapping, parent_run_id: str |
     run on its own, e.g. by `dvc repro`) the newest pipeline run of the same params and commit
     is the parent, or a new one: RUNNING while the stage runs, then closed as the stage ended
     (FINISHED, or FAILED), so no parent run is left RUNNING after separate stages. The stage
-    computes with compute.threads threads."""
+    computes with compute.threads threads and compute.cpu_kernels' kernels (a warning says when this
+    process loaded its libraries before they could be pinned: its bytes may then differ)."""
     use_threads(params.compute.threads)
+    level = os.environ.get("FASTFILL_CPU_KERNELS") or params.compute.cpu_kernels
+    for problem in kernels_in_effect(level):
+        print(f"warning: stage {stage} does not compute with the {level} kernels of compute.cpu_kernels: {problem}; "
+              "its outputs may differ from another machine's. Run it as `fastfill stage ...` or `dvc repro`",
+              file=sys.stderr, flush=True)
     own_parent = parent_run_id is None
     parent = parent_run_id or open_pipeline_run(params, fresh=False)
     if own_parent:
         reopen_run(params.mlflow, parent)
-    run_id = open_stage_run(params.mlflow, parent, stage, section, split_files(Layout(params.paths)))
+    run_id = open_stage_run(params.mlflow, parent, stage, section, Layout(params.paths).splits)
     try:
         yield run_id
     except BaseException:

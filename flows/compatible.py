@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params
+from components.platform.config import Params, needs_train
 from components.experiment.data import load_meta
 from components.platform.layout import Layout, write_json
 from flows._stage import registered_version, stage_run
@@ -18,7 +18,7 @@ def compatible_flow(params: Params, method: str, parent_run_id: str | None = Non
     if method not in params.compatible:
         raise ValueError(f"unknown compatible method {method!r}; params.yaml defines {sorted(params.compatible)}")
     layout = Layout(params.paths)
-    config, train_config = params.compatible[method], params.train.new
+    config, train_config = params.compatible[method], needs_train(params, f"training {method}").new
     section = {f"compatible.{method}": config.model_dump(mode="json"), "train.new": train_config.model_dump(mode="json")}
     with stage_run(params, f"compatible-{method}", section, parent_run_id) as run_id:
         model, history = train_compatible(config, train_config, method, layout)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.platform.config import Params
+from components.platform.config import Params, needs_train
 from components.platform.layout import write_json
 from components.evaluation.reports import flatten_numbers
 from components.evaluation.seed_report import seeds_markdown, summarize_seeds
@@ -25,6 +25,7 @@ from tasks.tracking import close_run, log_results, open_pipeline_run
 def pipeline_flow(params: Params, prepare: bool = True, parent_run_id: str | None = None,
                   aliases: bool = True) -> dict:
     """``aliases=False``: the models are registered without moving champion/challenger."""
+    needs_train(params, "the pipeline")  # before any stage runs
     parent = parent_run_id or open_pipeline_run(params, fresh=True)
     try:
         if prepare:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from prefect import flow
 
-from components.platform.config import Params
+from components.platform.config import Params, needs_train
 from components.experiment.data import load_meta
 from components.platform.layout import Layout, write_json
 from flows._stage import stage_run
@@ -19,7 +19,7 @@ def train_flow(params: Params, role: Literal["old", "new"], parent_run_id: str |
                aliases: bool = True) -> dict:
     """``aliases=False``: register without moving champion/challenger (the comparison's runs)."""
     layout = Layout(params.paths)
-    config = getattr(params.train, role)
+    config = getattr(needs_train(params, f"training the {role} model"), role)
     with stage_run(params, f"train-{role}", {f"train.{role}": config.model_dump(mode="json")}, parent_run_id) as run_id:
         model, history = train_model(config, role, layout)
         embed_splits(model, role, layout)

@@ -40,9 +40,9 @@ def open_named_run(config: MlflowConfig, name: str, tags: Mapping[str, str]) -> 
 
 @task(name="open-stage-run", **IO_RETRIES, **NO_CACHING)
 def open_stage_run(config: MlflowConfig, parent_run_id: str, stage: str, section: Mapping,
-                   data_files: list[Path]) -> str:
+                   data_folder: Path) -> str:
     client, experiment = _client(config)
-    tags = {"git_commit": registry.git_commit(), "data_version": registry.data_version(data_files)}
+    tags = {"git_commit": registry.git_commit(), "data_version": registry.data_version(data_folder)}
     run_id = registry.stage_run(client, experiment, parent_run_id, stage, tags)
     registry.log_params(client, run_id, section)
     log(f"MLflow run {run_id} ({stage}) under pipeline run {parent_run_id}")

@@ -27,6 +27,7 @@ from components.platform.config import TrainConfig
 from components.experiment.data import Split
 from components.platform.layout import save_torch
 from components.platform.progress import progress
+from components.platform.runtime import onednn_below_bf16
 from components.experiment.losses import classification_per_sample
 from components.experiment.inference import CHANNELS_LAST, pick_device
 from components.experiment.models import Embedder
@@ -69,7 +70,10 @@ class TrainingRun:
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (avx512_bf16 or AMX): there
     bfloat16 autocast trains about twice as fast (benchmarks/cpu_bf16_training.py); elsewhere it
-    is emulated and slower than float32."""
+    is emulated and slower than float32. False under compute.cpu_kernels avx2 (the default), which
+    holds oneDNN below those instructions so that every CPU computes the same bytes."""
+    if onednn_below_bf16():  # compute.cpu_kernels holds oneDNN to AVX2: bfloat16 would be emulated
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:

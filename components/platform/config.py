@@ -19,6 +19,7 @@ from components.platform.vocabulary import (
     ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ORDERS, PRECISIONS,
     TRAINING_PRECISIONS,
 )
+from components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
 
 DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
@@ -40,12 +41,18 @@ class PathsConfig(Section):
 
 
 class ComputeConfig(Section):
-    """How many CPU threads the computing steps use: fixed, so a rerun on another machine of the
-    same kind, whatever its core count, gives the same bytes (docs/pipeline.md, "Reproducible")."""
+    """How the computing steps use the CPU: a fixed thread count and a fixed instruction-set level
+    for the kernels, so a rerun on another x86-64 machine, whatever its cores and instruction
+    set, gives the same bytes (docs/pipeline.md, "Reproducible")."""
 
     threads: PositiveInt | None = Field(
         default=2, description="torch's intra-op threads of the pipeline's stages (training, maps, evaluation); "
         "null = torch's default (the machine's cores). OMP_NUM_THREADS, when set in the environment, wins")
+    cpu_kernels: Literal[CPU_KERNELS] = Field(
+        default=DEFAULT_CPU_KERNELS, description="the instruction set every library's CPU kernels are held to (oneDNN, "
+        "MKL, OpenBLAS, ATen, faiss, numpy): avx2 = the same bytes on every x86-64 CPU with AVX2 (Intel since 2013, "
+        "AMD since 2017), whatever more it has; native = each library takes the machine's best (faster where the CPU "
+        "has AVX-512, other bytes there). FASTFILL_CPU_KERNELS, when set, wins. reports/cpu_kernels.md measures it")
 
 
 class PrepareConfig(Section):
@@ -286,6 +293,9 @@ class MlflowConfig(Section):
     tracking_uri: str = Field(
         default="sqlite:///mlruns.db", description="overridden by MLFLOW_TRACKING_URI when set"
     )
+    registry_uri: str | None = Field(
+        default=None, description="the model registry, where it is not the tracking store; null = the tracking URI. "
+        "Overridden by MLFLOW_REGISTRY_URI when set")
     artifact_location: str = Field(
         default="mlartifacts", description="a local store's artifact folder (a tracking server keeps its own)")
     experiment: str = Field(default="fastfill", description='the MLflow experiment of every run')
@@ -450,7 +460,19 @@ class TriggerConfig(Section):
     nightly_cron: str | None = Field(default="0 2 * * *", description="check-and-upgrade; null = none")
     comparison_cron: str | None = Field(default=None, description="re-run the comparison of every method (hours of "
                                        "training on the gallery's host), e.g. '0 3 * * 0'; null (default): none")
-    timezone: str = Field(default="UTC", description='of the cron schedules')
+    timezone: str = Field(default="UTC", description="of the cron schedules: an IANA name such as Europe/Paris "
+                          "(daylight saving followed)")
+
+    @model_validator(mode="after")
+    def _known_timezone(self) -> TriggerConfig:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"timezone: {self.timezone!r} is not an IANA time zone; use a name such as UTC, "
+                             "Europe/Paris or America/New_York") from None
+        return self
 
 
 class ExperimentConfig(Section):
@@ -518,12 +540,24 @@ def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, Ali
                                  "a unified map has random only")
 
 
+# The align section of a configuration that has none (a host that only upgrades a gallery): the
+# pipeline's two maps of params.yaml, FCT and FastFill (the upgrade trains fastfill where the
+# registry has no map; evaluate's default orders name both).
+HOST_MAPS = {"fct": {"hidden": [256, 256, 1024, 1024]},
+             "fastfill": {"disc": True, "uncertainty": True, "l2_reduction": "sum", "uncertainty_weighting": "joint",
+                          "hidden": [256, 256, 1024, 1024], "check": "fallback"}}
+
+
 class Params(Section):
     paths: PathsConfig = PathsConfig()
     compute: ComputeConfig = ComputeConfig()
     prepare: PrepareConfig = PrepareConfig()
-    train: TrainSection
-    align: dict[str, AlignConfig]
+    train: TrainSection | None = Field(
+        default=None, description="the pipeline's two models (train.old, train.new); a host that only upgrades a "
+        "gallery with registered models leaves it out")
+    align: dict[str, AlignConfig] = Field(
+        default_factory=lambda: {name: AlignConfig(**fields) for name, fields in HOST_MAPS.items()},
+        description="the alignment methods; left out, params.yaml's fct and fastfill (the map the upgrade trains)")
     compatible: dict[str, CompatibleConfig] = Field(
         default_factory=dict, description="compatible new models the pipeline trains (the comparison adds its own)")
     evaluate: EvaluateConfig = EvaluateConfig()
@@ -601,7 +635,8 @@ class Params(Section):
         for method in data["align"].values():
             method["check"] = "off"
         if compare["precision"] is not None:
-            for section in (data["train"]["old"], data["train"]["new"], *data["align"].values()):
+            trained = (data["train"]["old"], data["train"]["new"]) if data["train"] is not None else ()
+            for section in (*trained, *data["align"].values()):
                 section["precision"] = compare["precision"]
         root = Path(compare["out"]) / f"seed-{seed}"
         seeded = Params.model_validate(data).with_seed(seed).with_outputs_under(root)
@@ -612,7 +647,7 @@ class Params(Section):
     def with_seed(self, seed: int) -> Params:
         """A copy where every stage's seed is ``seed`` (the data split keeps its own)."""
         data = self.model_dump()
-        for role in ("old", "new"):
+        for role in ("old", "new") if data["train"] is not None else ():
             data["train"][role]["seed"] = seed
         for method in data["align"]:
             data["align"][method]["seed"] = seed
@@ -623,6 +658,14 @@ class Params(Section):
         """A copy whose artifacts and reports live under ``root`` (the data splits are shared)."""
         paths = self.paths.model_copy(update={"artifacts": root / "artifacts", "reports": root / "reports"})
         return self.model_copy(update={"paths": paths})
+
+
+def needs_train(params: Params, what: str) -> TrainSection:
+    """params.train, or a ConfigError saying that ``what`` needs it."""
+    if params.train is None:
+        raise ConfigError(f"{what} needs the train section (train.old and train.new), which this configuration "
+                          "leaves out; add it (params.yaml in the repository has the pipeline's)")
+    return params.train
 
 
 class ConfigError(ValueError):

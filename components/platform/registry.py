@@ -64,12 +64,17 @@ def tracking_uri(config: MlflowConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking_uri
 
 
-def identity(config: MlflowConfig) -> str:
-    """The registry's identity as a gallery records it: the tracking URI, a relative SQLite path
-    made absolute, credentials in a URL left out."""
+def registry_uri(config: MlflowConfig) -> str:
+    """Where the model registry lives: MLFLOW_REGISTRY_URI, else mlflow.registry_uri, else the
+    tracking URI (MLflow's own order)."""
+    return os.environ.get("MLFLOW_REGISTRY_URI") or config.registry_uri or tracking_uri(config)
+
+
+def shown_uri(uri: str) -> str:
+    """A store's URI as a record or a message shows it: a relative SQLite path made absolute,
+    credentials in a URL left out."""
     from urllib.parse import urlsplit, urlunsplit
 
-    uri = tracking_uri(config)
     if uri.startswith("sqlite:///"):  # sqlite:///relative.db or sqlite:////absolute.db
         return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
     if not uri.startswith(("http://", "https://")):
@@ -80,6 +85,11 @@ def identity(config: MlflowConfig) -> str:
     return urlunsplit(parts)
 
 
+def identity(config: MlflowConfig) -> str:
+    """The registry's identity as a gallery records it (``shown_uri`` of the registry URI)."""
+    return shown_uri(registry_uri(config))
+
+
 def setup(config: MlflowConfig) -> tuple[object, str]:
     """Point MLflow at the configured store and return (client, experiment id)."""
     import mlflow
@@ -87,13 +97,13 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
 
     global _allow_pickled
     _allow_pickled = config.allow_pickled_models
-    uri = tracking_uri(config)
+    uri, models = tracking_uri(config), registry_uri(config)
     # mlflow.set_*_uri also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI; left there, that
     # would read as the user's override and pin every later configuration of this process to
     # the first store. Keep the environment as the user set it.
     saved = {key: os.environ.get(key) for key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)  # the registry lives in the same store or server
+    mlflow.set_registry_uri(models)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -101,7 +111,7 @@ def setup(config: MlflowConfig) -> tuple[object, str]:
             os.environ[key] = value
     # the registry named explicitly: a client without one follows MLflow's process-wide
     # registry URI, i.e. whichever store was configured last in this process
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=models)
     experiment = client.get_experiment_by_name(config.experiment)
     if experiment is not None:
         if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
@@ -146,15 +156,20 @@ def git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-def data_version(files: Iterable[Path]) -> str:
-    """md5 over the split files, the same content hash DVC keeps for them."""
-    digest = hashlib.md5()
-    for path in sorted(Path(f) for f in files):
-        digest.update(path.name.encode())
+def data_version(directory: Path) -> str:
+    """DVC's own hash of a data folder, as dvc.lock records it for a stage's output folder
+    (``<md5>.dir``): the md5 of the JSON list of each file's md5 and path relative to the folder,
+    sorted by path. A run tagged with it names the dvc.lock entry of the data it used."""
+    directory = Path(directory)
+    entries = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest = hashlib.md5()
         with open(path, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-    return digest.hexdigest()
+        entries.append({"md5": digest.hexdigest(), "relpath": path.relative_to(directory).as_posix()})
+    entries.sort(key=lambda entry: entry["relpath"])
+    return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
 
 
 def pipeline_key(params_text: str, commit: str) -> str:
@@ -370,10 +385,10 @@ def check_tracking_server(config: MlflowConfig, timeout: float = 5.0) -> str:
     (SQLite, a folder) needs no server. Returns what was found, for a report."""
     uri = tracking_uri(config)
     if not uri.startswith(("http://", "https://")):
-        return f"{identity(config)} (a local store: no server to reach)"
+        return f"{shown_uri(uri)} (a local store: no server to reach)"
     import requests
 
-    shown = identity(config)  # without credentials
+    shown = shown_uri(uri)  # without credentials
     insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
     verify = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
     todo = ("check that the server is running and that MLFLOW_TRACKING_URI (or mlflow.tracking_uri in params.yaml) "

@@ -63,20 +63,17 @@ def table_uri(store_uri: str) -> str:
 
 def storage_options(store_uri: str) -> dict | None:
     """Lance's object-store settings for an ``s3://`` store: the endpoint of
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (as the product's other S3 clients),
-    credentials and region from boto3's standard chain; None for a local folder."""
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (as the product's other S3 clients) and the
+    region boto3 resolves; None for a local folder. No credentials are copied: Lance resolves them
+    itself with the AWS SDK's standard chain, the one boto3 follows (environment, AWS_PROFILE and
+    the shared files, SSO, assumed roles, web identity, the instance's role), and refreshes them
+    before they expire, so an upgrade that outlives a session token keeps going."""
     if not str(store_uri).startswith("s3://"):
         return None
     import boto3
 
     session = boto3.session.Session()
     options = {"aws_region": session.region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
-    credentials = session.get_credentials()
-    if credentials is not None:
-        frozen = credentials.get_frozen_credentials()
-        options.update(aws_access_key_id=frozen.access_key, aws_secret_access_key=frozen.secret_key)
-        if frozen.token:
-            options["aws_session_token"] = frozen.token
     endpoint = s3_endpoint()
     if endpoint:
         options["aws_endpoint"] = endpoint
