@@ -60,15 +60,22 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     """Serve the deployments (needs a Prefect server, PREFECT_API_URL): the upgrade, the nightly
     check-and-upgrade and, when triggers.comparison_cron is set, the comparison; and poll the registry every
     triggers.poll_seconds (no flow run unless there is an upgrade to start; pausing the
-    deployment registry-watcher/poll pauses the polling)."""
+    deployment registry-watcher/poll pauses the polling). Deployments that 'fastfill deploy' put on
+    a work pool are left to that pool's workers."""
     config = load(params)
     from flows.deployments import deployments
     from services.deployment_runner import serve_until_stopped
     from services.registry_watcher import RegistryWatcher
+    from services.work_pools import on_work_pools
 
     uri = store_uri(config, store)
     found = deployments(config, params_file(params), uri)
-    typer.echo("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in found))
+    pooled = on_work_pools([f"{d.flow_name}/{d.name}" for d in found])  # `fastfill deploy` put them there
+    for name, pool in pooled.items():
+        typer.echo(f"not serving {name}: it is on the work pool {pool}, whose workers run it")
+    found = [d for d in found if f"{d.flow_name}/{d.name}" not in pooled]
+    typer.echo("serving " + (", ".join(f"{d.flow_name}/{d.name}" for d in found)
+                             or "nothing: every deployment is on a work pool"))
     interval = config.triggers.poll_seconds
     watcher = RegistryWatcher(config, params_file(params), uri, interval)
     typer.echo(f"watching {config.mlflow.registered_model}@challenger for {uri} every {interval} s")
@@ -92,6 +99,8 @@ def _pause_served(found: list, deadline_seconds: float = 8.0) -> str:
     from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+    if not found:
+        return "stopped; nothing was served here (every deployment is on a work pool)"
     deadline = time.monotonic() + deadline_seconds
     pending = [f"{deployment.flow_name}/{deployment.name}" for deployment in found]
     unknown = []  # stopped before the runner registered them: no schedule of theirs is due
@@ -116,6 +125,71 @@ def _pause_served(found: list, deadline_seconds: float = 8.0) -> str:
             why = (f"the Prefect server answered {status}" if answered else "the Prefect server did not answer")
             return (f"stopped; the served deployments' schedules could not be paused ({type(error).__name__}: {why}); "
                     "they stay due until `fastfill serve` runs again")
+
+
+def _job_variables(text: str | None, option: str) -> dict:
+    """A --job-variables value: a JSON object, or nothing."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        fail(f"{option}: not JSON ({error}); give an object, e.g. '{{\"env\": {{\"FASTFILL_DEVICE\": "
+             f"\"cuda\"}}}}'", USAGE)
+    if not isinstance(value, dict):
+        fail(f"{option}: give a JSON object (job variable -> value), not {type(value).__name__}", USAGE)
+    return value
+
+
+PoolOption = Annotated[str, typer.Option("--pool", help="the work pool of the registry checks, and of every "
+                                         "deployment without --gpu-pool; created (type process) if missing")]
+
+
+@app.command(short_help="Put the deployments on Prefect work pools.")
+def deploy(pool: PoolOption,
+           gpu_pool: Annotated[str | None, typer.Option("--gpu-pool", help="the work pool of the upgrade and the "
+                                                        "comparison (they train models); created (type process) "
+                                                        "if missing")] = None,
+           store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
+           worker_params: Annotated[str | None, typer.Option(help="the configuration file's path on the workers' "
+                                                             "hosts; default: this file's absolute path")] = None,
+           worker_dir: Annotated[str | None, typer.Option(help="where a process pool's runs start (relative paths "
+                                                          "of the file are read from there); default: the "
+                                                          "folder of --worker-params")] = None,
+           job_variables: Annotated[str | None, typer.Option(help="JSON object: job variables of the runs on "
+                                                             "--pool, e.g. an image or env")] = None,
+           gpu_job_variables: Annotated[str | None, typer.Option(help="JSON object: job variables of the runs on "
+                                                                 "the GPU pool")] = None) -> None:
+    """Put the deployments on Prefect work pools (needs PREFECT_API_URL), so that a worker started
+    on another host (prefect worker start --pool NAME, where the package is installed) runs them
+    instead of 'fastfill serve': the upgrade, the registry checks and the scheduled comparison.
+    Pools that are missing are created as process pools. Running it again updates the
+    deployments in place. 'fastfill serve' then no longer serves those deployments; it still
+    polls the registry, and the upgrades it starts run on the pool."""
+    config = load(params)
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        fail("fastfill deploy needs PREFECT_API_URL: the Prefect server that the workers poll (without it the "
+             "deployments would go to a temporary server that ends with this command)", USAGE)
+    from cli.command_support import check_prefect_api
+    from services.work_pools import Placement, deploy_to_pools, worker_folder
+
+    placement = Placement(pool, gpu_pool, _job_variables(job_variables, "--job-variables"),
+                          _job_variables(gpu_job_variables, "--gpu-job-variables"))
+    call(check_prefect_api)
+    path = worker_params or params_file(params)
+    # keywords: `call` would check the MLflow server too, which deploying does not need
+    done = call(deploy_to_pools, params=config, params_path=path, store_uri=store, placement=placement,
+                working_dir=worker_dir or worker_folder(path), say=typer.echo)
+    for deployed in done:
+        extra = f"; job variables {json.dumps(deployed.job_variables)}" if deployed.job_variables else ""
+        extra += "; still paused" if deployed.paused else ""
+        was = {"created": "created", "updated": "updated", "moved": "moved from `fastfill serve`"}[deployed.action]
+        typer.echo(f"{deployed.name} -> work pool {deployed.pool} ({was}{extra})")
+    typer.echo(f"the runs read {path} on the worker's host; start a worker there for each pool: "
+               + "; ".join(f"prefect worker start --pool {name}" for name in placement.pools())
+               + f" (with PREFECT_API_URL={PREFECT_API_URL.value()})")
 
 
 @app.command(short_help="Check the registry once; start an upgrade if due.")

@@ -16,11 +16,15 @@ Every path that starts an upgrade by itself ends in the same Prefect deployment,
 
 A version is claimed in the gallery's store (create-only) before its upgrade starts, and the
 flow run carries an idempotency key, so no version starts two upgrades.
+
+`fastfill serve` serves these deployments on its own host; `fastfill deploy` puts them on Prefect
+work pools instead (services/work_pools.py), whose workers run them wherever they are started.
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.schedules import Cron
 
 from components.gallery.triggers.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
 from components.gallery.upgrade.planning import load_plan
@@ -178,29 +182,39 @@ def watch_flow(params_path: str = "params.yaml", store: str | None = None, resum
     return result
 
 
-def deployments(params: Params, params_path: str = "params.yaml", store_uri: str | None = None) -> list:
+def deployments(params: Params, params_path: str = "params.yaml", store_uri: str | None = None,
+                place=None) -> list:
     """Every deployment, defined in this one place; `fastfill serve` serves them (and polls the
     registry with the registry watcher). ``registry-watcher/poll`` has no schedule: a schedule would
     make a flow run a minute; the watcher polls instead, and this deployment is its pause switch
     and a check on demand. ``store_uri``: the gallery the upgrade and the checks work on, when it
-    is not gallery.store (`fastfill serve --store`)."""
+    is not gallery.store (`fastfill serve --store`). ``place``: for `fastfill deploy`, a function
+    of a deployment's full name that gives its work pool (to_deployment's ``work_pool_name``,
+    ``job_variables``, ``entrypoint_type``; services/work_pools.py); without it they are served."""
     parameters = {"params_path": params_path, **({"store": store_uri} if store_uri else {})}
     triggers = params.triggers
+    where = place or (lambda full_name: {})
     found = [
         upgrade_entry.to_deployment(name="upgrade", parameters=parameters, concurrency_limit=1,
-                                    description="Upgrade the stored gallery (started by the watcher or a webhook)"),
+                                    description="Upgrade the stored gallery (started by the watcher or a webhook)",
+                                    **where(UPGRADE_DEPLOYMENT)),
         watch_flow.to_deployment(name="poll", parameters=parameters,
                                  description=f"One registry check now. `fastfill serve` checks every "
                                              f"{triggers.poll_seconds} s without a flow run and starts the upgrade "
                                              "when a new version has the alias challenger; pause this deployment "
-                                             "to pause those checks"),
+                                             "to pause those checks",
+                                 **where(POLL_DEPLOYMENT)),
     ]
     if triggers.nightly_cron:
         found.append(watch_flow.to_deployment(
             name="nightly", parameters={**parameters, "resume": True},
-            cron=triggers.nightly_cron, description="Check the registry and resume a paused upgrade"))
+            schedule=Cron(triggers.nightly_cron, timezone=triggers.timezone),
+            description="Check the registry and resume a paused upgrade",
+            **where("registry-watcher/nightly")))
     if triggers.comparison_cron:
         found.append(comparison_entry.to_deployment(name="weekly", parameters={"params_path": params_path},
-                                                    cron=triggers.comparison_cron,
-                                                    description="Re-run the comparison of every method"))
+                                                    schedule=Cron(triggers.comparison_cron,
+                                                                  timezone=triggers.timezone),
+                                                    description="Re-run the comparison of every method",
+                                                    **where("comparison/weekly")))
     return found

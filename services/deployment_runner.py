@@ -49,6 +49,10 @@ def serve_until_stopped(found: list) -> str | None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    if not found:  # every deployment is on a work pool: no runner, the caller's watcher goes on until stopped
+        while not stop.wait(0.5):
+            pass
+        return None
     thread = threading.Thread(target=run, name="prefect-runner", daemon=True)
     thread.start()
     while thread.is_alive() and not stop.wait(0.5):

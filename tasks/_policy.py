@@ -24,7 +24,11 @@ def _worth_retrying(task, task_run, state) -> bool:
 
 IO_RETRIES = {"retries": 3, "retry_delay_seconds": [1, 5, 15], "retry_condition_fn": _worth_retrying}
 NO_CACHING = {"cache_policy": NO_CACHE}
-# Training tasks: a work pool with GPU workers takes them first (tag concurrency limit `gpu`).
+# Training tasks carry the tag `gpu`. A tag routes nothing: Prefect uses it for a tag concurrency
+# limit only (`prefect concurrency-limit create gpu 1`: at most one such task runs at a time, on
+# whatever machine runs its flow). Which machine runs them is the deployment's work pool:
+# `fastfill deploy --gpu-pool NAME` puts the upgrade and the comparison on a pool whose workers
+# run on GPU machines (docs/automation.md).
 GPU_TAGS = ["gpu"]
 
 
