@@ -245,9 +245,9 @@ class GpuCopy:
     rebuild-free upgrade edits), and the copy is reloaded at the first search after a change:
     one host-to-device copy per refresh that applied chunks, not per search.
 
-    With faiss's GPU build (``pip install -e .[gpu]``) the copy is faiss's own GPU index, of any
-    kind. With faiss-cpu and CUDA torch, a flat index's vectors are copied to the GPU and
-    searched exactly by torch (same squared-L2 or inner-product scores as faiss)."""
+    With faiss's GPU build (``FASTFILL_GPU=1 bash scripts/setup.sh``) the copy is faiss's own GPU
+    index, of any kind. With faiss-cpu and CUDA torch, a flat index's vectors are copied to the GPU
+    and searched exactly by torch (same squared-L2 or inner-product scores as faiss)."""
 
     QUERY_SCORES = 1 << 28  # query x item scores in flight at once (1 GiB of float32)
 
@@ -281,7 +281,8 @@ class GpuCopy:
                 raise GalleryError("gallery.index.device is cuda, but this machine has no CUDA device; set it to "
                                    "auto (the GPU when there is one) or cpu")
             raise GalleryError(f"gallery.index.kind {config.kind} on the GPU needs faiss's GPU build "
-                               "(pip install -e .[gpu]); without it use kind flat, or device auto or cpu")
+                               "(FASTFILL_GPU=1 bash scripts/setup.sh); without it use kind flat, or device "
+                               "auto or cpu")
         return None
 
     def load(self, index) -> None:
