@@ -203,7 +203,7 @@ def register(params_file: Path, folder: Path, models: dict, env: dict) -> list[d
         step = run_command(argv, folder, env, 600, None)
         step["name"] = f"model register ({role})"
         step["ok"] = step["rc"] == 0
-        step["said"] = (json.loads(step["stdout"]).get("fastfill.input", "") if step["ok"] else
+        step["said"] = (json.loads(step["stdout"]).get("input") or "" if step["ok"] else
                         " / ".join(error_lines(step["stdout"], step["stderr"], 3)))
         print(f"  {step['name']}: {step['seconds']:.1f} s, exit {step['rc']}: {step['said']}", flush=True)
         steps.append(step)

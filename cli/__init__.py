@@ -10,7 +10,9 @@ import typer
 
 # Plain help (no rich panels): option names and defaults are never cut at 80 columns, and
 # docstrings are reflowed as paragraphs. Each command has a one-line summary (short_help).
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+# Shell completion: `fastfill --install-completion` (bash, zsh, fish, PowerShell), or
+# `fastfill --show-completion` to see the script.
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation.")
 
 

@@ -44,8 +44,12 @@ def store_uri(config, store: str | None) -> str:
 
 def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
     """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
-    codes above)."""
+    codes above). With --json, stdout also gets ``{"error": ..., "exit_code": code}``
+    (cli/json_output.py)."""
+    from cli.json_output import failed
+
     typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+    failed(str(error), code)
     raise typer.Exit(code) from None
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import typer
 
-from cli import app
+from cli import app, json_output
 from cli.command_support import (
     SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, call, check_prefect_api, load, outcome, store_uri,
 )
+from cli.json_output import JsonOption, answer, answers_json
 from components.platform.vocabulary import UPGRADE_FLOW
 
 
@@ -159,7 +160,8 @@ def _prefect_health_line() -> tuple[str | bool, str]:
 
 
 @app.command(short_help="Check the services, registry and store; say what to fix.")
-def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def doctor(store: StoreOption = None, as_json: JsonOption = False, params: ParamsOption = Path("params.yaml")) -> None:
     """Check the tracking server, the registry (the model, its champion and challenger aliases,
     the challenger's promotion state), the store (reachable; its gallery), the Prefect server
     and its deployments, and the registry webhooks with their secret: one line each, with the
@@ -168,13 +170,19 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
     FAILs, else 5."""
     config = load(params)
     results: list[bool] = []
+    checks: list[tuple[str, str, str]] = []  # (name, ok / fail / not_set_up, text): the --json document
+
+    def report(state: str | bool, name: str, text: str) -> None:
+        checks.append((name, "ok" if state is True else "fail" if state is False else "not_set_up", text))
+        if not as_json:
+            _line(state, name, text)
 
     def check(name: str, run) -> object:
         try:
             ok, text, value = run()
         except Exception as error:  # noqa: BLE001 - every problem is one line of the report
             ok, text, value = False, _problem(error), None
-        _line(ok, name, text)
+        report(ok, name, text)
         results.append(ok is not False)
         return value
 
@@ -184,13 +192,15 @@ def doctor(store: StoreOption = None, params: ParamsOption = Path("params.yaml")
 
     client = check("tracking", tracking)
     if client is None:
-        _line(False, "registry", "not checked: the tracking store is not available")
+        report(False, "registry", "not checked: the tracking store is not available")
         results.append(False)
     else:
         check("registry", lambda: (*_registry_line(client, config), None))
     check("store", lambda: (*_store_line(config, store_uri(config, store)), None))
     check("prefect", lambda: (*_prefect_health_line(), None))
     check("webhook", lambda: (*_webhook_line(config, client), None))
+    if as_json:
+        answer(*json_output.doctor_document(checks))
     if not all(results):
         raise typer.Exit(SERVICE)
 
@@ -277,7 +287,9 @@ def _show(name: str, text: str) -> None:
 
 
 @app.command("status", short_help="Where the gallery and its upgrade stand.")
-def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
+                  params: ParamsOption = Path("params.yaml")) -> None:
     """Where the gallery stands: its model, the upgrade in progress and how far it is, the last
     promotion decision, and links to the upgrade's MLflow run and (with PREFECT_API_URL) its
     Prefect flow run; with no gallery yet, the registry and how to make one. Exit 5 when a
@@ -290,6 +302,19 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     from components.gallery.store import open_store
 
     uri = store_uri(config, store)
+    lines: dict[str, str] = {}  # what each line says, for --json
+
+    def show(name: str, text: str) -> None:
+        lines[name] = text
+        if not as_json:
+            _show(name, text)
+
+    def answered(healthy: bool, state: dict | None = None, decided: dict | None = None,
+                 run_id: str | None = None) -> None:
+        if as_json:
+            answer("fastfill.status/1", {"ok": healthy, "store": gallery.store.uri, "gallery": state,
+                                         "decision": json_output.decision_fields(decided), "mlflow_run_id": run_id,
+                                         "lines": lines})
 
     def read():
         opened = open_store(uri)
@@ -302,40 +327,42 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
 
     gallery, state, decided = call(read)
     if state is None:  # no gallery yet: what the registry holds, and how to make one
-        _show("gallery", f"no gallery at {gallery.store.uri} yet: make one with `fastfill gallery ingest` (images into "
-                         "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
+        show("gallery", f"no gallery at {gallery.store.uri} yet: make one with `fastfill gallery ingest` (images into "
+                        "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
         try:
             client, _ = _mlflow_client(config)
             ok, text = _registry_line(client, config)
         except Exception as error:  # noqa: BLE001 - reported as one line
-            _show("registry", f"unavailable: {_problem(error)}")
+            show("registry", f"unavailable: {_problem(error)}")
+            answered(False)
             raise typer.Exit(SERVICE) from None
-        _show("registry", text)
+        show("registry", text)
+        answered(True)
         return
-    _show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
+    show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
     info = state.get("upgrade")
     if info and info.get("chunks"):
-        _show("upgrade", f"{state['state']}: {info['id']} ({info['from']} -> {info['to']}, {info['order']} order), "
-                         f"{info['chunks_done']}/{info['chunks']} chunks, {info['items_done']:,}/{state['items']:,} "
-                         f"items ({100 * info['fraction']:.1f}%)")
+        show("upgrade", f"{state['state']}: {info['id']} ({info['from']} -> {info['to']}, {info['order']} order), "
+                        f"{info['chunks_done']}/{info['chunks']} chunks, {info['items_done']:,}/{state['items']:,} "
+                        f"items ({100 * info['fraction']:.1f}%)")
     elif info:
-        _show("upgrade", f"{state['state']}: {info['id']} to {info.get('to')}")
+        show("upgrade", f"{state['state']}: {info['id']} to {info.get('to')}")
     else:
-        _show("upgrade", "none in progress")
+        show("upgrade", "none in progress")
     lock = state.get("lock")
     if lock:
-        _show("lock", f"held by upgrade {lock.get('upgrade')}, process {lock.get('pid')} on {lock.get('host')}"
-                      + (" (its lease has expired)" if lock.get("expired") else ""))
+        show("lock", f"held by upgrade {lock.get('upgrade')}, process {lock.get('pid')} on {lock.get('host')}"
+                     + (" (its lease has expired)" if lock.get("expired") else ""))
     if state.get("next"):
-        _show("next", state["next"])
+        show("next", state["next"])
     if decided is None:
-        _show("gate", "no promotion decision recorded in this gallery")
+        show("gate", "no promotion decision recorded in this gallery")
     else:
         verdict = ("passed" if decided["passed"] else "rejected") if decided.get("numbers") is not None else (
             "ungated (promoted without the gate)")
         reasons = "; ".join(decided.get("reasons") or [])
-        _show("gate", f"{verdict} on {decided['decided']}: {decided['upgrade']}, {_uri(decided['new'])} against "
-                      f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
+        show("gate", f"{verdict} on {decided['decided']}: {decided['upgrade']}, {_uri(decided['new'])} against "
+                     f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
     run_id = (info or {}).get("mlflow_run_id")
     if run_id is None and decided is not None:
         plan = load_plan(gallery.store, decided["upgrade"])
@@ -343,17 +370,18 @@ def gallery_state(store: StoreOption = None, params: ParamsOption = Path("params
     healthy = True
     try:
         for name, text in _mlflow_lines(config, run_id, decided):
-            _show(name, text)
+            show(name, text)
     except Exception as error:  # noqa: BLE001 - reported as one line
         healthy = False
-        _show("mlflow", f"unavailable: {_problem(error)}")
+        show("mlflow", f"unavailable: {_problem(error)}")
     try:
         link = _prefect_line(gallery.store)
         if link is not None:
-            _show("prefect", link)
+            show("prefect", link)
     except Exception as error:  # noqa: BLE001 - reported as one line
         healthy = False
-        _show("prefect", f"unavailable: {_problem(error)}")
+        show("prefect", f"unavailable: {_problem(error)}")
+    answered(healthy, state, decided, run_id)
     if not healthy:
         raise typer.Exit(SERVICE)
 

@@ -13,6 +13,7 @@ import typer
 
 from cli import app
 from cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
+from cli.json_output import JsonOption, answer, answers_json
 from components.platform.vocabulary import DISTANCES
 
 stage_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Run one pipeline stage (what each DVC stage calls).")
@@ -194,6 +195,7 @@ Distance = Enum("Distance", {name: name for name in DISTANCES}, type=str)  # the
 
 
 @app.command(short_help="The backfill curve of your own features (JSON).")
+@answers_json
 def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
              distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance.l2,
              out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,
@@ -201,7 +203,8 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
              old_query: Annotated[Path | None, typer.Option(
                  "--old-query", help="the old model's features of the queries (.npy, n x d_old): adds the shadow "
                  "index's curves (dual: rrf, score_minmax, score_zscore) on the old model's own gallery features, "
-                 "gallery_old_raw.npy if the folder has it, else gallery_old.npy")] = None) -> None:
+                 "gallery_old_raw.npy if the folder has it, else gallery_old.npy")] = None,
+             as_json: JsonOption = False) -> None:
     """Evaluate your own features: the backfill curve and its summaries, as JSON; with
     --old-query, also the shadow index's curves under "dual" (docs/methods.md)."""
     from components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
@@ -211,6 +214,11 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
     except EvaluationInputError as error:
         fail(error, USAGE)
     text = json.dumps(result, indent=2)
+    if as_json:  # the document on stdout; --out still writes the plain result
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+        return answer("fastfill.evaluate/1", {**result, "written": str(out) if out is not None else None})
     if out is None:
         typer.echo(text)
     else:

@@ -9,10 +9,11 @@ from typing import Annotated
 
 import typer
 
-from cli import app
+from cli import app, json_output
 from cli.command_support import (
     USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
 )
+from cli.json_output import JsonOption, answer, answers_json
 from components.platform.vocabulary import MERGES
 
 Merge = Enum("Merge", {name: name for name in MERGES}, type=str)  # the choices of search --merge
@@ -21,14 +22,18 @@ gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The
 app.add_typer(gallery_app, name="gallery")
 
 
-def show_status(store: str | None, params: Path) -> None:
-    """The gallery's manifest and upgrade state, as JSON on stdout."""
+def show_status(store: str | None, params: Path, schema: str | None = None) -> None:
+    """The gallery's manifest and upgrade state, as JSON on stdout; with --json, the document
+    ``schema`` names (gallery.info, upgrade.status)."""
     config = load(params)
     uri = store_uri(config, store)
     from components.gallery.upgrade.status import gallery_status
     from tasks.gallery_store import open_gallery
 
-    typer.echo(json.dumps(call(lambda: gallery_status(open_gallery(uri))), indent=2))
+    state = call(lambda: gallery_status(open_gallery(uri)))
+    if schema is not None:
+        return answer(*json_output.status_document(schema, state))
+    typer.echo(json.dumps(state, indent=2))
 
 
 def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
@@ -106,13 +111,17 @@ def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: i
 
 
 @gallery_app.command("info", short_help="The manifest and upgrade state (JSON).")
-def gallery_info(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def gallery_info(store: StoreOption = None, as_json: JsonOption = False,
+                 params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's manifest and upgrade state, as JSON."""
-    show_status(store, params)
+    show_status(store, params, "gallery.info" if as_json else None)
 
 
 @gallery_app.command("gc", short_help="Delete unused features and ended upgrades' data.")
-def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def gallery_gc(store: StoreOption = None, as_json: JsonOption = False,
+               params: ParamsOption = Path("params.yaml")) -> None:
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
     uri = store_uri(config, store)
@@ -120,12 +129,16 @@ def gallery_gc(store: StoreOption = None, params: ParamsOption = Path("params.ya
     from tasks.gallery_store import open_gallery
 
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
+    if as_json:
+        return answer(*json_output.gc_document(uri, deleted))
     typer.echo(f"{uri}: deleted {deleted['features']} unused features (objects, or the table's columns) and "
                f"{deleted['upgrade_objects']} objects of finished upgrades")
 
 
 @gallery_app.command("rollback", short_help="Undo the last finished upgrade (before gc).")
-def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def gallery_rollback(store: StoreOption = None, as_json: JsonOption = False,
+                     params: ParamsOption = Path("params.yaml")) -> None:
     """Undo the last finished upgrade while the old features exist (before gc): champion moves back."""
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
@@ -133,17 +146,21 @@ def gallery_rollback(store: StoreOption = None, params: ParamsOption = Path("par
     from flows.undo import rollback_flow
 
     uri, result = run_undo(rollback_flow, store, params)
+    if as_json:
+        return answer(*json_output.undo_document("gallery.rollback", uri, result))
     typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "
                + ("champion moved back" if result["champion_moved"] else "champion left as it was (it no longer "
                                                                        f"named {result['from']})"))
 
 
 @gallery_app.command("convert", short_help="The gallery into another layout (default: the Lance table).")
+@answers_json
 def gallery_convert(store: StoreOption = None,
                     to: Annotated[str | None, typer.Option(help="store URI (folder or s3://bucket/prefix) to write "
                                                           "the converted gallery to; default: the same store")] = None,
                     layout: Annotated[str, typer.Option(help="the layout to convert to: lance (gallery.lance, which "
                                                         "pyarrow, DuckDB and LanceDB open) or parts")] = "lance",
+                    as_json: JsonOption = False,
                     params: ParamsOption = Path("params.yaml")) -> None:
     """Move the gallery (items, images or their URIs, the serving model's features, its history)
     into another layout, read it back and compare it with the source, then switch the manifest.
@@ -154,12 +171,15 @@ def gallery_convert(store: StoreOption = None,
 
     uri = store_uri(config, store)
     result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout))
+    if as_json:
+        return answer(*json_output.convert_document(result))
     typer.echo(f"{result['store']}: {result['items']} items, features of {result['model']} (dimension {result['dim']}), "
                f"now in the {result['layout']} layout; read back and equal to the source"
                + ("; `fastfill gallery gc` deletes the old layout's data" if result["in_place"] else ""))
 
 
 @app.command(short_help="Nearest gallery items of each query, mid-upgrade too.")
+@answers_json
 def search(store: StoreOption = None,
            features: Annotated[Path | None, typer.Option(help=".npy of query features (the query model's)")] = None,
            images: Annotated[Path | None, typer.Option(help=".npy of uint8 query images, embedded with the query model")] = None,
@@ -170,6 +190,7 @@ def search(store: StoreOption = None,
                "score_zscore); default: one index through the map")] = None,
            old_features: Annotated[Path | None, typer.Option(
                help="with --merge and --features: .npy of the same queries' old-model features")] = None,
+           as_json: JsonOption = False,
            params: ParamsOption = Path("params.yaml")) -> None:
     """Top-k item ids of each query against the gallery as it is now (mid-upgrade: the new model's
     features where backfilled, transformed old features elsewhere), and for each hit where its
@@ -200,9 +221,18 @@ def search(store: StoreOption = None,
         return searcher, searcher.search_images(_load_array(images, "--images"), model, k)
 
     searcher, (ids, distances) = call(run_search)
-    typer.echo(json.dumps({"query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
-                           "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
-                           "distances": [[round(float(d), 6) for d in row] for row in distances]}))
+    _answer_search("fastfill.search/1", {
+        "query_model": searcher.query_model.uri, "backfilled": searcher.backfilled,
+        "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": searcher.sources(ids),
+        "distances": [[round(float(d), 6) for d in row] for row in distances]})
+
+
+def _answer_search(schema: str, found: dict) -> None:
+    """The search's answer: one line of JSON; with --json, the document ``schema`` names."""
+    if json_output.json_mode():
+        answer(schema, found)
+    else:
+        typer.echo(json.dumps(found))
 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
@@ -232,9 +262,8 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
         return searcher, searcher.search_images(_load_array(images, "--images"), old_model, new_model, k)
 
     searcher, (ids, scores, sources) = call(run_search)
-    typer.echo(json.dumps({"merge": merge if searcher.mid_upgrade else None,
-                           "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
-                           "backfilled": searcher.backfilled, "items": searcher.gallery.num_items,
-                           "ids": ids.tolist(), "sources": sources,
-                           ("scores" if searcher.mid_upgrade else "distances"):
-                               [[round(float(d), 6) for d in row] for row in scores]}))
+    _answer_search("fastfill.search.merge/1", {
+        "merge": merge if searcher.mid_upgrade else None,
+        "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
+        "backfilled": searcher.backfilled, "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": sources,
+        ("scores" if searcher.mid_upgrade else "distances"): [[round(float(d), 6) for d in row] for row in scores]})

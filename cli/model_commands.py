@@ -12,8 +12,9 @@ from typing import Annotated
 
 import typer
 
-from cli import app
+from cli import app, json_output
 from cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
+from cli.json_output import JsonOption, answer, answers_json
 
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="The registry's embedding models: register a team's own, list, show.")
@@ -31,6 +32,7 @@ Interpolation = Enum("Interpolation", {n: n for n in ("bilinear", "bicubic", "ne
 
 
 @model_app.command("register", short_help="A model you already serve as a new registry version.")
+@answers_json
 def model_register(
         onnx: Annotated[Path | None, typer.Option(help="an ONNX graph: images (N, C, H, W) in, embeddings out")] = None,
         torchvision: Annotated[str | None, typer.Option(help="a torchvision architecture name (resnet50, vit_b_16, "
@@ -56,7 +58,7 @@ def model_register(
         dim: Annotated[int | None, typer.Option(help="the embedding size you expect (checked on a probe batch)")] = None,
         name: Annotated[str | None, typer.Option(help="the registered model; default mlflow.registered_model")] = None,
         alias: Annotated[Alias | None, typer.Option(help="give the new version this alias")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="print the new version as JSON")] = False,
+        as_json: JsonOption = False,
         params: ParamsOption = Path("params.yaml")) -> None:
     """Register a model you already serve. A probe batch runs through it first: a file that is
     not what it claims, weights that do not fit the architecture, an output that is not one finite
@@ -103,11 +105,13 @@ def model_register(
     target = name or config.mlflow.registered_model
     version = call(catalogue.register, client, experiment, source, target, alias.value if alias else None,
                    origin=origin)
-    described = {"name": target, "version": version, "uri": f"models:/{target}/{version}",
-                 "alias": alias.value if alias else None, **catalogue.version_tags(source.description)}
     if as_json:
-        typer.echo(json.dumps(described, indent=2))
-        return
+        tags = catalogue.version_tags(source.description)
+        row = {"version": version, "aliases": [alias.value] if alias else [], "source": tags[catalogue.TAG_SOURCE],
+               "embedding_dim": tags[catalogue.TAG_DIM], "head": tags[catalogue.TAG_HEAD],
+               "input": tags.get(catalogue.TAG_INPUT)}
+        return answer("fastfill.model.register/1", {**json_output.version_fields(target, row),
+                                                    "alias": alias.value if alias else None, "tags": tags})
     head = source.description.get("head")
     typer.echo(f"registered {target} v{version} ({source.description['source']}, {source.embedder.embedding_dim}-d, "
                f"{'a head over ' + str(head) + ' classes' if head else 'no head'})"
@@ -117,8 +121,9 @@ def model_register(
 
 
 @model_app.command("list", short_help="The versions: aliases, source, embedding size, input, head.")
+@answers_json
 def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
-               as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False,
+               as_json: JsonOption = False,
                params: ParamsOption = Path("params.yaml")) -> None:
     from components.platform import registry
 
@@ -128,8 +133,7 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
     target = name or config.mlflow.registered_model
     rows = call(_summaries, client, target)
     if as_json:
-        typer.echo(json.dumps([row.to_dict() for row in rows], indent=2))
-        return
+        return answer(*json_output.model_list_document(target, [row.to_dict() for row in rows]))
     if not rows:
         typer.echo(f"{target} has no versions; register one with `fastfill model register`")
         return
@@ -155,8 +159,10 @@ def _summaries(client, name: str):
 
 
 @model_app.command("show", short_help="One version: its description, preprocessing and MLflow signature.")
+@answers_json
 def model_show(version: Annotated[str, typer.Argument(help="a version number, an alias, or models:/NAME/VERSION")],
                name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
+               as_json: JsonOption = False,
                params: ParamsOption = Path("params.yaml")) -> None:
     """Print one version as JSON: name, version, aliases, its description (source, embedding
     size, preprocessing, head) and the MLflow signature."""
@@ -180,6 +186,8 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
         else None
     aliases = sorted(a for a, v in client.get_registered_model(ref.name).aliases.items() if str(v) == ref.version)
     described.pop("_folder", None)
-    typer.echo(json.dumps({"name": ref.name, "version": ref.version, "uri": ref.uri, "aliases": aliases,
-                           "description": described,
-                           "signature": signature.to_dict() if signature is not None else None}, indent=2))
+    shown = {"name": ref.name, "version": ref.version, "uri": ref.uri, "aliases": aliases, "description": described,
+             "signature": signature.to_dict() if signature is not None else None}
+    if as_json:
+        return answer("fastfill.model.show/1", shown)
+    typer.echo(json.dumps(shown, indent=2))

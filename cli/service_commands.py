@@ -12,6 +12,7 @@ import typer
 
 from cli import app
 from cli.command_support import INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri
+from cli.json_output import JsonOption, answer, answers_json, webhook_fields
 
 webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook", short_help="MLflow webhooks: serve, register, list, delete.")
@@ -193,10 +194,12 @@ def deploy(pool: PoolOption,
 
 
 @app.command(short_help="Check the registry once; start an upgrade if due.")
+@answers_json
 def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
           resume: Annotated[bool, typer.Option(help="also resume a paused upgrade")] = False,
           every: Annotated[float | None, typer.Option(help="keep checking, every this many seconds (as 'fastfill "
-                                                      "serve' does), until interrupted")] = None) -> None:
+                                                      "serve' does), until interrupted")] = None,
+          as_json: JsonOption = False) -> None:
     """Check the registry once: start the upgrade deployment when 'challenger' is new to the
     gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
@@ -206,6 +209,8 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     uri = store_uri(config, store)
     _stop_on_sigterm()  # a check blocked on a registry or Prefect server that is gone is interrupted too
     if every is not None:
+        if as_json:
+            fail("--json answers a single check; --every keeps checking (its lines are not one answer)", USAGE)
         if every <= 0:
             fail(f"--every {every:g}: give a positive number of seconds", USAGE)
         watcher = RegistryWatcher(config, params_file(params), uri, every)
@@ -227,6 +232,8 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     except KeyboardInterrupt:
         typer.echo("stopped; the registry check was interrupted", err=True)
         raise typer.Exit(130) from None
+    if as_json:
+        return answer("fastfill.watch/1", result)
     typer.echo(json.dumps(result, indent=1))
 
 
@@ -339,13 +346,17 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
 
 
 @webhook_app.command("list", short_help="The webhooks registered with MLflow.")
-def webhook_list(params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def webhook_list(params: ParamsOption = Path("params.yaml"), as_json: JsonOption = False) -> None:
     """The webhooks registered with the MLflow server: id, name, status, events and URL."""
     config = load(params)
     from components.platform import registry
 
     client, _ = registry.setup(config.mlflow)
     hooks = call(registered_webhooks, client)
+    if as_json:
+        return answer("fastfill.webhook.list/1", {"tracking": registry.identity(config.mlflow),
+                                                  "webhooks": [webhook_fields(h, webhook_events(h)) for h in hooks]})
     if not hooks:
         typer.echo(f"no webhooks on {registry.identity(config.mlflow)}; `fastfill webhook register --url ...` adds one")
         return

@@ -9,11 +9,12 @@ from typing import Annotated
 
 import typer
 
-from cli import app
+from cli import app, json_output
 from cli.command_support import (
     REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
 )
 from cli.gallery_commands import run_undo, show_status
+from cli.json_output import JsonOption, answer, answers_json
 from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 
 upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
@@ -145,6 +146,7 @@ def _describe_dry_run(plan: dict) -> str:
 
 
 @upgrade_app.callback(invoke_without_command=True)
+@answers_json
 def upgrade(ctx: typer.Context,
             store: StoreOption = None,
             to: Annotated[str, typer.Option("--to", help="the new model; default models:/<registered_model>@challenger")] = "",
@@ -180,6 +182,7 @@ def upgrade(ctx: typer.Context,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
                                                   "duration from a measured sample, the predicted backfill curve) "
                                                   "and write nothing")] = False,
+            as_json: JsonOption = False,
             params: ParamsOption = Path("params.yaml")) -> None:
     """Upgrade the stored gallery to a new model: plan, then backfill in chunks in sigma order;
     queries use the new model from the start. The same command resumes a stopped upgrade."""
@@ -199,13 +202,22 @@ def upgrade(ctx: typer.Context,
 
     if dry_run:
         with forced_mode(progress_mode(progress)):
-            typer.echo(_describe_dry_run(call(estimate_upgrade, config, uri, to, target)))
+            plan = call(estimate_upgrade, config, uri, to, target)
+        if as_json:
+            answer(*json_output.dry_run_document(plan))
+        else:
+            typer.echo(_describe_dry_run(plan))
         return
     start = time.perf_counter()
     with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
         result = call(run_upgrade_file, config, str(params.resolve()), uri, to, _parse_budget(budget), break_lock,
                       gate, overrides)
         bar.finish(result)
+    if as_json:  # the same outcome and exit code, as one document
+        answer(*json_output.upgrade_document(uri, result, time.perf_counter() - start))
+        if result["state"] == "rejected":
+            raise typer.Exit(REJECTED)
+        return
     if result["state"] == "up-to-date":
         typer.echo(f"up-to-date: {result['message']}" if result.get("message") else
                    f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
@@ -236,13 +248,17 @@ def upgrade(ctx: typer.Context,
 
 
 @upgrade_app.command("status", short_help="The upgrade's state and progress (JSON).")
-def upgrade_status(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def upgrade_status(store: StoreOption = None, as_json: JsonOption = False,
+                   params: ParamsOption = Path("params.yaml")) -> None:
     """The gallery's model and the running or paused upgrade, with how much is done (JSON)."""
-    show_status(store, params)
+    show_status(store, params, "upgrade.status" if as_json else None)
 
 
 @upgrade_app.command("unlock", short_help="Break a stale upgrade lock.")
-def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def upgrade_unlock(store: StoreOption = None, as_json: JsonOption = False,
+                   params: ParamsOption = Path("params.yaml")) -> None:
     """Break a stale upgrade lock (its process is gone); the next 'fastfill upgrade' resumes."""
     config = load(params)
     from components.gallery.store.lock import break_lock
@@ -251,12 +267,16 @@ def upgrade_unlock(store: StoreOption = None, params: ParamsOption = Path("param
 
     uri = store_uri(config, store)
     held = call(lambda: break_lock(open_gallery(uri).store))
+    if as_json:
+        return answer(*json_output.unlock_document(uri, held))
     typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
                              f"{held.get('host')})" if held else "no lock was held"))
 
 
 @upgrade_app.command("abort", short_help="Drop the unfinished upgrade.")
-def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params.yaml")) -> None:
+@answers_json
+def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
+                  params: ParamsOption = Path("params.yaml")) -> None:
     """Drop the unfinished upgrade; the gallery serves the champion's features again (see docs/upgrade.md)."""
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
@@ -264,6 +284,8 @@ def upgrade_abort(store: StoreOption = None, params: ParamsOption = Path("params
     from flows.undo import abort_flow
 
     uri, record = run_undo(abort_flow, store, params)
+    if as_json:
+        return answer(*json_output.undo_document("upgrade.abort", uri, record))
     typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
                f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
                f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "

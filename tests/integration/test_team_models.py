@@ -159,9 +159,9 @@ def test_each_source_registers_and_embeds_as_its_framework_does(team):
 
     listed = _cli(team, "model", "list", "--json")
     assert listed.exit_code == 0, listed.output
-    rows = {row["version"]: row for row in json.loads(listed.stdout)}
-    assert rows["1"]["aliases"] == ["champion"] and rows["1"]["source"] == "onnx" and rows["1"]["head"] == "none"
-    assert rows["2"]["aliases"] == ["challenger"] and rows["2"]["embedding_dim"] == "512" and rows["2"]["head"] == "6"
+    rows = {row["version"]: row for row in json.loads(listed.stdout)["versions"]}
+    assert rows["1"]["aliases"] == ["champion"] and rows["1"]["source"] == "onnx" and rows["1"]["head"] is None
+    assert rows["2"]["aliases"] == ["challenger"] and rows["2"]["embedding_dim"] == 512 and rows["2"]["head"] == 6
     assert "shorter side 36 then centre crop" in rows["2"]["input"]
     shown = _cli(team, "model", "show", "challenger")
     assert shown.exit_code == 0, shown.output
