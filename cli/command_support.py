@@ -14,7 +14,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
-ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the configuration file")]
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", envvar="FASTFILL_PARAMS",
+                                             help="the configuration file; default: FASTFILL_PARAMS, else ./params.yaml")]
 StoreOption = Annotated[str | None, typer.Option("--store", envvar="FASTFILL_STORE",
                                                  help="a local folder or s3://bucket/prefix; default: FASTFILL_STORE, "
                                                  "else gallery.store in params.yaml")]
@@ -58,7 +59,11 @@ class ServiceUnavailable(RuntimeError):
 
 
 def load(path: Path):
-    """params.yaml, validated; a bad file ends the command with every problem listed."""
+    """params.yaml, validated; a bad file ends the command with every problem listed. The CPU
+    kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
+    from components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
+
+    pin_cpu_kernels(cpu_kernels_of(path))
     from components.platform.config import ConfigError, load_params
 
     try:

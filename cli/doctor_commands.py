@@ -56,7 +56,7 @@ def _mlflow_client(config):
         raise FileNotFoundError(f"no MLflow store at {missing}: run `fastfill run` (it creates the store and registers "
                                 "the models), or point MLFLOW_TRACKING_URI (mlflow.tracking_uri) at yours")
     found = registry.check_tracking_server(config.mlflow, timeout=SERVICE_TIMEOUT)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri), found
+    return MlflowClient(tracking_uri=uri, registry_uri=registry.registry_uri(config.mlflow)), found
 
 
 def _registry_line(client, config) -> tuple[bool, str]:

@@ -71,6 +71,12 @@ def test_a_bad_option_is_a_usage_error_naming_the_option(tiny_workdir, cli_env):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+# Unbounded, MLflow's and Prefect's own retries take minutes (MLflow: about 270 s); the commands
+# cap them at about 15 s. The bound leaves room for a busy machine (a loaded 2-core run measured
+# 23 s for the Prefect check, whose own retries are part of it) and still tells the two apart.
+QUICK = 60
+
+
 def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_endpoint, tiny_workdir, prefect_env):
     closed = _closed_port()
     # the MLflow server: nothing listens on the port
@@ -78,7 +84,7 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
     result, seconds = _run(["upgrade"], env, tiny_workdir)
     _error_line(result, 5, f"cannot reach the MLflow tracking server at http://127.0.0.1:{closed}",
                 "check that the server is running")
-    assert seconds < 20, seconds
+    assert seconds < QUICK, seconds
     result, _ = _run(["gallery", "ingest"], env, tiny_workdir)
     _error_line(result, 5, "cannot reach the MLflow tracking server")
 
@@ -89,13 +95,13 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
         env = {**prefect_env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}"}
         result, seconds = _run(["upgrade"], env, tiny_workdir)
     _error_line(result, 5, "did not answer within 5 s")
-    assert seconds < 20, seconds
+    assert seconds < QUICK, seconds
 
     # the Prefect API
     env = {**prefect_env, "PREFECT_API_URL": f"http://127.0.0.1:{closed}/api"}
     result, seconds = _run(["gallery", "ingest"], env, tiny_workdir)
     _error_line(result, 5, f"cannot reach the Prefect API at http://127.0.0.1:{closed}/api", "prefect server start")
-    assert seconds < 20, seconds
+    assert seconds < QUICK, seconds
 
     # the S3 endpoint: nothing listens; then a bucket that does not exist
     env = {**prefect_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}"}
