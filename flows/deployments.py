@@ -51,7 +51,8 @@ def missing_deployment_message() -> str:
     url = PREFECT_API_URL.value()
     if url:
         return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the Prefect server at {url}; create it by "
-                f"running `fastfill serve` with PREFECT_API_URL={url} (it serves every deployment; keep it running)")
+                f"running `fastfill serve` with PREFECT_API_URL={url} (it serves every deployment; keep it running), or "
+                f"put it on a work pool with `fastfill deploy --pool NAME` and start a worker there")
     return (f"the deployment {UPGRADE_DEPLOYMENT} does not exist on the temporary Prefect server this process "
             "started for itself, because PREFECT_API_URL is not set; set PREFECT_API_URL to the Prefect server "
             "where `fastfill serve` runs (it serves every deployment) and restart this process")

@@ -41,7 +41,8 @@ def test_a_missing_deployment_on_the_prefect_server_is_named(tmp_path, prefect_h
         assert status == 503, reply
         assert reply["error"] == ("could not start the upgrade: the deployment upgrade-gallery/upgrade does not exist "
                                   f"on the Prefect server at {url}; create it by running `fastfill serve` with "
-                                  f"PREFECT_API_URL={url} (it serves every deployment; keep it running)")
+                                  f"PREFECT_API_URL={url} (it serves every deployment; keep it running), or put it on a "
+                                  "work pool with `fastfill deploy --pool NAME` and start a worker there")
     assert claimed(LocalStore(tmp_path / "gallery"), "embedder", "7") is None  # released for the next try
     assert "does not exist on the Prefect server" in (tmp_path / "webhook.log").read_text()
 
