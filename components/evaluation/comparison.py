@@ -37,6 +37,14 @@ def describe_method(config: AlignConfig | CompatibleConfig) -> str:
     if isinstance(config, CompatibleConfig):
         if config.loss == "bct":
             return f"new model + BCT influence loss (lambda {config.lam:g}), no map"
+        if config.loss == "stationary":
+            return (f"old and new model on a fixed d-Simplex classifier, new + HOC term (lambda {config.lam:g}, "
+                    f"mu {1 / config.tau:g}), no map; its 0% point is its own simplex-trained old model")
+        if config.loss == "bt2":
+            bt2 = config.bt2
+            return (f"new model + {bt2['extra_dims']} extra dims through an orthogonal basis transformation, compatible "
+                    f"part with BCT influence (lambda {config.lam:g}) and old-feature matching ({bt2['match_old']:g}), "
+                    "no map; old items meet the compatible part")
         kind = "RACT loss" if config.new_to_new else "vanilla compatible loss (no new-to-new)"
         return f"new model + {kind} (lambda {config.lam:g}, tau {config.tau:g}), no map"
     if config.architecture == "unified":

@@ -178,3 +178,51 @@ def unified_loss(query_side: torch.Tensor, gallery_side: torch.Tensor, classifie
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=1).mean()
     total = weights[0] * similarity + weights[1] * classification + weights[2] * kl
     return UnifiedLoss(total, similarity, classification, kl)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stationary representations (a fixed d-Simplex classifier) and BT^2 (basis transformation)
+
+
+def simplex_prototypes(dim: int) -> torch.Tensor:
+    """The d-Simplex: ``dim + 1`` unit vectors in ``dim`` dimensions, centred on the origin, every
+    pair at cosine ``-1 / dim`` (the vertices of a regular simplex). Row ``c`` is class ``c``'s
+    fixed prototype; a deterministic closed form, so every model built with the same ``dim`` gets
+    the same prototypes. Built in float64: the standard basis ``e_1 .. e_dim`` and the point
+    ``a (1, ..., 1)`` with ``a = (1 - sqrt(dim + 1)) / dim`` are equidistant from one another;
+    centring and normalising them gives the simplex."""
+    if dim < 1:
+        raise ValueError(f"a d-Simplex needs at least one dimension, got {dim}")
+    points = torch.cat([torch.eye(dim, dtype=torch.float64),
+                        torch.full((1, dim), (1.0 - (dim + 1) ** 0.5) / dim, dtype=torch.float64)])
+    points = points - points.mean(dim=0)
+    return (points / points.norm(dim=1, keepdim=True)).float()
+
+
+def hoc_per_sample(new_features: torch.Tensor, old_features: torch.Tensor, labels: torch.Tensor, *,
+                   scale: float = 10.0) -> torch.Tensor:
+    """The stationary representations' contrastive term between the new features and the frozen
+    old model's features of the same batch, on L2-normalised features with similarity scale
+    ``scale`` (mu): the positive is the sample's own old feature, the negatives the old features
+    of the other classes in the batch (same-class items are never negatives). This is RACT's
+    vanilla compatible loss with ``tau = 1 / scale``."""
+    return ract_per_sample(new_features, old_features, labels, tau=1.0 / scale, new_to_new=False)
+
+
+def cosine_mismatch_per_sample(features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``1 - cos(features, target)`` per sample: BT^2's matching term (``target`` frozen)."""
+    return 1.0 - F.cosine_similarity(features, target.detach(), dim=1)
+
+
+def bt2_per_sample(compatible: torch.Tensor, new_part: torch.Tensor, old_features: torch.Tensor,
+                   reference_features: torch.Tensor, old_weight: torch.Tensor, rows: torch.Tensor, *,
+                   lam: float = 10.0, match_old: float = 5.0, match_new: float = 1.0,
+                   label_smoothing: float = 0.0) -> torch.Tensor:
+    """BT^2's compatibility terms per sample: BCT's influence loss on the compatible part
+    (``old_weight`` the frozen, synthesised old classifier, ``rows`` the targets' rows), its
+    cosine mismatch with the old model's feature, and the cosine mismatch of the new
+    representation ``new_part`` (before the basis transformation) with the independently trained
+    new model's feature ``reference_features``."""
+    return (lam * bct_influence_per_sample(compatible, old_weight, rows, label_smoothing)
+            + match_old * cosine_mismatch_per_sample(compatible, old_features)
+            + match_new * cosine_mismatch_per_sample(new_part, reference_features))

@@ -203,21 +203,61 @@ class AlignConfig(Section):
         return self
 
 
-class CompatibleConfig(Section):
-    """A new model trained to be compatible with the old one (BCT, RACT): train.new's model and
-    schedule plus a compatibility term; it registers its own embedder version."""
+# BT^2's options when left null: the authors' CIFAR-100 configuration (docs/methods.md, "BT^2")
+BT2_DEFAULTS = {"extra_dims": 32, "match_old": 5.0, "match_new": 1.0}
 
-    loss: Literal["bct", "ract"] = Field(description="bct: BCT's influence loss; ract: RACT's contrastive term")
-    lam: PositiveFloat = Field(default=1.0, description="weight of the compatibility term")
-    tau: PositiveFloat = Field(default=0.05, description="RACT: temperature of the contrastive term")
+
+class CompatibleConfig(Section):
+    """A new model trained to be compatible with the old one (BCT, RACT, stationary
+    representations, BT^2): train.new's model and schedule plus a compatibility term; it registers
+    its own embedder version."""
+
+    loss: Literal["bct", "ract", "stationary", "bt2"] = Field(
+        description="bct: BCT's influence loss; ract: RACT's contrastive term; stationary: a fixed d-Simplex "
+        "classifier plus the HOC contrastive term (the row trains its own old model, with train.old's settings and "
+        "the same fixed classifier); bt2: BT^2, extra dimensions through an orthogonal basis transformation")
+    lam: PositiveFloat = Field(
+        default=1.0, description="weight of the compatibility term (bt2: of BCT's influence loss on the compatible "
+        "part); stationary: the convex weight lambda of the cross-entropy in lambda CE + (1 - lambda) HOC, at most 1")
+    tau: PositiveFloat = Field(
+        default=0.05, description="RACT: temperature of the contrastive term; stationary: 1 / mu, mu the HOC "
+        "term's similarity scale")
     new_to_new: bool = Field(default=True, description="RACT: false = the vanilla compatible loss (ablation)")
     label_smoothing: Annotated[float, Field(ge=0, lt=1)] = Field(
-        default=0.0, description="BCT: label smoothing of the influence loss")
+        default=0.0, description="BCT and bt2: label smoothing of the influence loss")
+    extra_dims: PositiveInt | None = Field(
+        default=None, description=f"bt2: dimensions added to train.new's embedding_dim (the feature's first d_old "
+        f"are the compatible part, the rest free); null = {BT2_DEFAULTS['extra_dims']}")
+    match_old: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description=f"bt2: weight of 1 - cos(compatible part, phi_old); null = "
+        f"{BT2_DEFAULTS['match_old']:g}")
+    match_new: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description=f"bt2: weight of 1 - cos(f, phi'_new), f the new representation before the basis "
+        f"transformation and phi'_new the independently trained new model (train.new's); null = "
+        f"{BT2_DEFAULTS['match_new']:g}")
+
+    @property
+    def bt2(self) -> dict[str, float]:
+        """BT^2's options with their defaults filled in."""
+        return {key: default if getattr(self, key) is None else getattr(self, key)
+                for key, default in BT2_DEFAULTS.items()}
+
+    @property
+    def trains_own_old_model(self) -> bool:
+        """Stationary representations need an old model trained with the same fixed classifier."""
+        return self.loss == "stationary"
 
     @model_validator(mode="after")
     def _options_of_loss(self) -> CompatibleConfig:
-        if self.loss == "bct" and not self.new_to_new:
+        if self.loss != "ract" and not self.new_to_new:
             raise ValueError("new_to_new applies to loss: ract only")
+        if self.loss != "bt2":
+            set_here = [key for key in BT2_DEFAULTS if getattr(self, key) is not None]
+            if set_here:
+                raise ValueError(f"{', '.join(set_here)} apply to loss: bt2 only")
+        if self.loss == "stationary" and self.lam > 1:
+            raise ValueError(f"loss stationary: lam is the convex weight of the cross-entropy, at most 1 (0.1 in the "
+                             f"authors' configuration); got {self.lam}")
         return self
 
 

@@ -52,6 +52,10 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
     data["mlflow"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
     data["compare"]["seeds"] = [0, 1]
     data["compare"]["jobs"] = 2
+    # the compatible-training methods since FastFill, at the tiny models' 16 dimensions
+    data["compare"]["compatible"].update(stationary={"loss": "stationary", "lam": 0.1, "tau": 0.1},
+                                         bt2={"loss": "bt2", "lam": 10.0, "extra_dims": 4})
+    data["compare"]["orders"].update(stationary=["random"], bt2=["random"])
     params = parse_params(data)
     with in_workdir(workdir), pytest.MonkeyPatch.context() as patch, restored_environ("FASTFILL_PROGRESS"), \
             _flow_messages() as messages:
@@ -116,7 +120,8 @@ def test_each_seed_trains_every_method_under_its_own_folder(comparison):
         # each row is its method's own map: the comparison runs no map check, so nothing falls back
         assert not list((root / "align").glob("*/check.json"))
         assert (root / "align" / "unified" / "query.npy").is_file()
-        for method in ("bct", "ract"):
+        assert (root / "compatible" / "stationary" / "old" / "model.pt").is_file()
+        for method in ("bct", "ract", "stationary", "bt2"):
             history = json.loads((root / "compatible" / method / "history.json").read_text())
             assert all(epoch["compatibility"] > 0 for epoch in history)
             assert (root / "compatible" / method / "logits.npy").is_file()
@@ -139,8 +144,8 @@ def test_the_flow_shows_how_many_of_every_seeds_stages_are_done(comparison):
     *_, messages = comparison
     lines = [m for m in messages if m.startswith("comparison of seeds 0, 1: ")]
     assert lines, messages[-20:]
-    # two seeds of 10 stages: the old and new models, 5 maps, 2 compatible models, the evaluation
-    assert re.fullmatch(r"comparison of seeds 0, 1: done, 20/20 stages \(100%\) in .+, .+", lines[-1]), lines
+    # two seeds of 12 stages: the old and new models, 5 maps, 4 compatible models, the evaluation
+    assert re.fullmatch(r"comparison of seeds 0, 1: done, 24/24 stages \(100%\) in .+, .+", lines[-1]), lines
 
 
 def test_a_failing_seed_is_named_with_its_log_once_the_others_are_done(tmp_path, image_folder, prefect_harness,
@@ -175,9 +180,13 @@ def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison
     by_method = {}
     for version in versions:
         by_method.setdefault(version.tags.get("method", version.tags.get("role")), []).append(version)
-    # per seed: old, new, bct, ract
-    assert {k: len(v) for k, v in by_method.items()} == {"old": 2, "new": 2, "bct": 2, "ract": 2}
-    assert all(v.tags["compatible_with"] in {str(o.version) for o in by_method["old"]} for v in by_method["bct"])
+    # per seed: old, new, bct, ract, stationary, bt2
+    assert {k: len(v) for k, v in by_method.items()} == {"old": 2, "new": 2, "bct": 2, "ract": 2, "stationary": 2,
+                                                         "bt2": 2}
+    assert all(v.tags["compatible_with"] in {str(o.version) for o in by_method["old"]}
+               for v in by_method["bct"] + by_method["bt2"])
+    # stationary representations' gallery is built by their own simplex-trained old model
+    assert all(v.tags["compatible_with"] == "its own old model" for v in by_method["stationary"])
     assert client.get_registered_model(params.compare.registered_model).aliases == {}
     maps = client.search_model_versions(f"name = '{params.compare.alignment_model}'")
     assert sorted({v.tags["method"] for v in maps}) == ["fastfill", "fct", "l2_disc", "rbt", "unified"]

@@ -94,7 +94,8 @@ def test_the_comparison_covers_every_method_of_the_papers():
     assert set(seeded.align) == {"fct", "fastfill", "disc", "l2_disc", "l2_uncertainty", "disc_uncertainty",
                                  "rbt", "unified"}
     assert {name: c.loss for name, c in seeded.compatible.items()} == {"bct": "bct", "ract": "ract",
-                                                                      "ract_vanilla": "ract"}
+                                                                      "ract_vanilla": "ract",
+                                                                      "stationary": "stationary", "bt2": "bt2"}
     assert not seeded.compatible["ract_vanilla"].new_to_new
     assert seeded.align["unified"].architecture == "unified" and seeded.align["rbt"].architecture == "rbt"
     # the headline order of each method is the first it lists, and every method is evaluated
