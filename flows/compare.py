@@ -30,9 +30,9 @@ import yaml
 from prefect import flow
 
 from components.evaluation.comparison import (
-    comparison_markdown, describe_adapter, describe_dual, describe_method, plot_comparison, summarize,
+    comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, plot_comparison, summarize,
 )
-from components.platform.config import Params, adapter_method, dual_method
+from components.platform.config import Params, adapter_method, dual_method, online_method
 from components.platform.layout import Layout, read_json, write_json
 from flows.comparison_progress import comparison_progress
 from flows.pipeline import pipeline_flow
@@ -75,6 +75,8 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
     descriptions.update({adapter_method(kind): describe_adapter(kind, one.evaluate.adapter_rank)
                          for kind in one.evaluate.adapters})
     descriptions.update({dual_method(merge): describe_dual(merge) for merge in one.evaluate.dual})
+    descriptions.update({online_method(kind): describe_online(kind, one.evaluate.adapter_rank)
+                         for kind in one.evaluate.online})
     summary = summarize(metrics, curves, descriptions, one.evaluate.headlines)
     outputs = comparison_outputs(params)
     write_json(outputs["json"], summary)

@@ -1,5 +1,5 @@
 """Stage 5: backfill curves of every method and order (the maps, the compatible models, the
-query-side adapters, the shadow index), metrics.json, plot data and the PNG."""
+query-side adapters, the shadow index, online backfilling), metrics.json, plot data and the PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from components.platform.config import Params, adapter_method
 from components.platform.layout import Layout, read_json
 from components.evaluation.reports import flatten_numbers
 from flows._stage import stage_run
-from tasks.method_curves import evaluate_adapter, evaluate_dual, evaluate_method, evaluate_reference, write_reports
+from tasks.method_curves import (
+    evaluate_adapter, evaluate_dual, evaluate_method, evaluate_online, evaluate_reference, write_reports,
+)
 from tasks.tracking import log_results
 
 
@@ -28,6 +30,8 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
             curves[adapter_method(kind)] = evaluate_adapter(config, kind, layout)
         if config.dual:  # the shadow-index playbook, no map (the comparison lists it)
             curves.update(evaluate_dual(config, layout))
+        if config.online:  # new query only, reverse-transformed for the old part (the comparison lists it)
+            curves.update(evaluate_online(config, layout))
         outputs = write_reports(config, reference, curves, kendall, layout)
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()

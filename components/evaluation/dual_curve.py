@@ -17,6 +17,9 @@ negative before a positive at equal distance). The two lists are merged
   normalised over the whole list, i.e. the partition without the query's own item, in float64;
   a list whose distances are all equal normalises to 0. Merged by ascending normalised distance,
   the new list's item first at an equal value, each list keeping its own order.
+- ``distance`` (online backfilling): the two lists merged by their raw distances, the new list's
+  item first at an equal distance. Meant for an old-side query that is the new query mapped into
+  the old space by a reverse transformation, which makes the two sides' distances comparable.
 
 Implementation
 --------------
@@ -45,9 +48,12 @@ from components.evaluation.retrieval import (
     ALPHA_POINTS_DEFAULT, BackfillCurve, BlockTotals, Prepared, as_features, block_distances, check_distance,
     check_labels, check_num_intermediate, check_order, curve_alphas, curve_from_totals, over_blocks,
 )
-from components.platform.vocabulary import MERGES
+from components.platform.vocabulary import MERGES, ONLINE_MERGE
 
-__all__ = ["dual_curve", "dual_curves"]
+__all__ = ["CURVE_MERGES", "dual_curve", "dual_curves"]
+
+CURVE_MERGES = (*MERGES, ONLINE_MERGE)
+"""The merges a curve can be measured with: the shadow index's and online backfilling's."""
 
 # Query rows ranked together: their keys, prefix counts and pairs (about 22 * R * P * 8 bytes
 # per row for R positives, P points) stay in cache; 8 measured best, 16 to 64 about 1.5x slower.
@@ -68,7 +74,7 @@ def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.nd
         query_new, gallery_new: ``(n, d_new)`` new-model features of the same images.
         labels: ``(n,)`` integer class ids.
         order: permutation of ``0 .. n-1``, the backfill order; ``None`` means ``0 .. n-1``.
-        merges: names from MERGES.
+        merges: names from CURVE_MERGES.
         distance, num_intermediate: as for ``backfill_curve``.
         block_size: query rows whose distances are computed together; a worker holds about
             ``8 * block_size * n`` bytes of them, and ranks ``_CHUNK_ROWS`` rows at a time.
@@ -80,9 +86,9 @@ def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.nd
     distance = check_distance(distance)
     num_intermediate = check_num_intermediate(num_intermediate)
     merges = list(dict.fromkeys(merges))
-    unknown = [m for m in merges if m not in MERGES]
+    unknown = [m for m in merges if m not in CURVE_MERGES]
     if unknown or not merges:
-        raise ValueError(f"merges must name at least one of {MERGES}, got {merges!r}")
+        raise ValueError(f"merges must name at least one of {CURVE_MERGES}, got {merges!r}")
     for name, value in (("block_size", block_size), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -136,7 +142,7 @@ class _Setup:
         self.e_column = np.searchsorted(cuts, np.arange(n), side="right").astype(np.uint64)
         _, inverse, sizes = np.unique(labels, return_inverse=True, return_counts=True)
         self.num_positives = sizes[inverse] - 1
-        self.norms = [m.removeprefix("score_") for m in merges if m != "rrf"]
+        self.norms = {m: m.removeprefix("score_") for m in merges if m != "rrf"}  # distance: raw
         self._weights: dict[int, np.ndarray] = {}
 
     def ap_weights(self, positives: int) -> np.ndarray:
@@ -172,11 +178,11 @@ class _Setup:
         if "rrf" in self.merges:  # interleave by rank, the new list first at equal rank
             positions["rrf"] = (new.rank + np.minimum(new.rank - 1, size[old][new.group]),
                                 old.rank + np.minimum(old.rank, size[new][old.group]))
-        for norm in self.norms:
+        for merge, norm in self.norms.items():
             new.normalise(norm, size[new])
             old.normalise(norm, size[old])
             # the other list's items with a lower normalised distance (the new list's at a tie)
-            positions[f"score_{norm}"] = (new.rank + old.count_below(new, size[old], strict=True),
+            positions[merge] = (new.rank + old.count_below(new, size[old], strict=True),
                                           old.rank + new.count_below(old, size[new], strict=False))
         scoring = _Scoring(self.num_positives[start:stop], points, n, self.ap_weights, self.per_query)
         return {merge: scoring.totals(new.group, positions[merge][0], old.group, positions[merge][1])
@@ -225,9 +231,12 @@ class _Side:
 
     def normalise(self, norm: str, size: np.ndarray) -> None:
         """This side's list statistics at every point for ``norm`` (``low``, ``spread``, flat by
-        group) and each pair's normalised distance (``value``)."""
-        low, spread = _list_statistics(self.distances, self.self_column, self.setup.cuts, size.reshape(-1, self.setup.points),
-                                       norm, self.is_new)
+        group) and each pair's normalised distance (``value``); ``distance``: the raw distance."""
+        if norm == ONLINE_MERGE:
+            low, spread = np.zeros(size.shape), np.ones(size.shape)
+        else:
+            low, spread = _list_statistics(self.distances, self.self_column, self.setup.cuts,
+                                           size.reshape(-1, self.setup.points), norm, self.is_new)
         self.low, self.spread = low.ravel(), spread.ravel()
         if not hasattr(self, "sorted_distances"):  # the keys' distances, exactly
             self.sorted_distances = (self.keys >> np.uint64(self.setup.e_bits + 1)).astype(np.uint32).view(

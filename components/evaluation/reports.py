@@ -7,7 +7,9 @@ metrics.json (every number, nested), numbers as fractions in [0, 1]:
                        top1_auc, top5_auc, map_auc            (a fixed gallery: 0% = 100%)
     <method>:          the same keys for the headline order, plus order (its name),
                        nfr1_mean, top1_trapz, top5_trapz, map_trapz, kendall_tau (when the
-                       method has sigma and oracle orders), and by_order.<order>.<same keys>
+                       method has sigma and oracle orders), and by_order.<order>.<same keys>;
+                       an online-backfilling method (online_<kind>) adds top1_max_drop,
+                       map_max_drop and monotone (its curve never falls) to each order
     headroom:          new_new_top1 - <method>_top1_0 for each method (top-1 points left to gain)
 
 summary/<line>.json, one file per line of the plot (old_old, new_new, <method>-<order>), each
@@ -36,6 +38,9 @@ def curve_summary(curve: Mapping) -> dict:
     for key in SUMMARY_KEYS:
         out[f"{key}_trapz"] = curve[f"{key}_trapz"]
     out["nfr1_mean"] = curve["nfr1_mean"]
+    for key in ("top1_max_drop", "map_max_drop", "monotone"):  # online backfilling's claim, measured
+        if key in curve:
+            out[key] = curve[key]
     return out
 
 

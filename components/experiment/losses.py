@@ -30,6 +30,14 @@ def uncertainty_weighted(per_sample_loss: torch.Tensor, log_sigma2: torch.Tensor
     return 0.5 * torch.exp(-log_sigma2) * per_sample_loss + 0.5 * log_sigma2 / lam
 
 
+def orthogonality_penalty(weight: torch.Tensor) -> torch.Tensor:
+    """||W^T W - I||_F^2 of an affine map's ``weight`` W (``(d_new, d_old)``, as torch's Linear
+    stores it): 0 when W's columns are orthonormal (a rotation, or an isometric embedding where
+    d_new > d_old). The lambda-orthogonality regulariser is lambda times this (Ricci et al., 2025)."""
+    gram = weight.t() @ weight
+    return (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).pow(2).sum()
+
+
 WEIGHTINGS = ("joint", "normalized", "detached")
 
 

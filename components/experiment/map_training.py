@@ -17,7 +17,7 @@ from torch import nn
 
 from components.experiment.inference import pick_device
 from components.experiment.losses import (
-    alignment_loss, classification_per_sample, l2_per_sample, unified_loss,
+    alignment_loss, classification_per_sample, l2_per_sample, orthogonality_penalty, unified_loss,
 )
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
@@ -286,16 +286,23 @@ def train_alignment(
             classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
             log_sigma2=log_sigma2, lam=config.uncertainty_lambda, weighting=config.uncertainty_weighting, warm=warm,
         )
-        return {"loss": parts.total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2}
+        total, orthogonality = parts.total, None
+        if config.architecture == "affine":  # lambda-orthogonality: lambda ||W^T W - I||_F^2, once per batch
+            orthogonality = orthogonality_penalty(h.affine_weight)
+            total = total + config.orthogonality_weight * orthogonality
+        return {"loss": total, "l2": parts.l2, "disc": parts.disc, "log_sigma2": parts.log_sigma2,
+                "orthogonality": orthogonality}
 
     pairs = held_out(config, old_features, new_features, class_rows, method)
     validate = None if pairs is None else functools.partial(validation_record, config, h, pairs, classifier, device)
 
     history = _train_on_features(
         h, config, len(train_index), generator, run_key(config, old_features, new_features, class_rows), batch_loss,
-        ("l2", "disc", "log_sigma2"),
+        ("l2", "disc", "log_sigma2") + (("orthogonality",) if config.architecture == "affine" else ()),
         lambda r: (f"loss {r['loss']:.4f} (l2 {r['l2']:.4f}, disc {r['disc']:.4f}, "
-                   f"mean log sigma^2 {r['log_sigma2']:.3f})" + _describe_validation(r)),
+                   f"mean log sigma^2 {r['log_sigma2']:.3f}"
+                   + (f", ||W^T W - I||_F^2 {r['orthogonality']:.4f}" if config.architecture == "affine" else "")
+                   + ")" + _describe_validation(r)),
         device=device, checkpoint=checkpoint, log=log, on_epoch=on_epoch, validate=validate)
     return h, history
 

@@ -123,8 +123,10 @@ class AlignmentMap(nn.Module):
 
     ``architecture="mlp"``: the reference MLP ``old_dim -> hidden... -> new_dim``, each hidden
     layer Linear + BatchNorm + ReLU, the last layer plain. ``"rbt"``: ``rbt_blocks`` RBT blocks
-    then a projection (the RBT baseline). psi is one linear layer on the transformed feature
-    that predicts s = log sigma^2.
+    then a projection (the RBT baseline). ``"affine"``: one Linear layer, ``W x + b`` (torch's
+    default initialisation); its training adds the lambda-orthogonality penalty on ``W``
+    (``affine_weight``). psi is one linear layer on the transformed feature that predicts
+    s = log sigma^2.
     """
 
     def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool,
@@ -132,6 +134,8 @@ class AlignmentMap(nn.Module):
         super().__init__()
         if architecture == "rbt":
             self.transform = rbt_stack(old_dim, new_dim, rbt_blocks)
+        elif architecture == "affine":
+            self.transform = nn.Linear(old_dim, new_dim)
         elif architecture == "mlp":
             layers: list[nn.Module] = []
             width = old_dim
@@ -141,7 +145,7 @@ class AlignmentMap(nn.Module):
             layers.append(nn.Linear(width, new_dim))
             self.transform = nn.Sequential(*layers)
         else:
-            raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp or rbt")
+            raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp, rbt or affine")
         self.uncertainty = nn.Linear(new_dim, 1) if uncertainty else None
         self.old_dim, self.new_dim = old_dim, new_dim
         self.architecture = {"hidden": list(hidden), "uncertainty": uncertainty, "architecture": architecture,
@@ -153,6 +157,13 @@ class AlignmentMap(nn.Module):
 
     def forward(self, old_features: torch.Tensor) -> torch.Tensor:
         return self.transform(old_features)
+
+    @property
+    def affine_weight(self) -> torch.Tensor:
+        """W of an affine map, ``(new_dim, old_dim)``: what the lambda-orthogonality penalty acts on."""
+        if not isinstance(self.transform, nn.Linear):
+            raise ValueError("only an affine map (architecture: affine) has one weight matrix W")
+        return self.transform.weight
 
     def log_sigma2(self, transformed: torch.Tensor) -> torch.Tensor:
         if self.uncertainty is None:
@@ -237,7 +248,7 @@ class AlignmentSpec(BaseModel):
     new_dim: PositiveInt
     hidden: list[PositiveInt]
     uncertainty: bool
-    architecture: Literal["mlp", "rbt"]
+    architecture: Literal["mlp", "rbt", "affine"]
     rbt_blocks: PositiveInt
 
 

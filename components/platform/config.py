@@ -25,6 +25,8 @@ DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+# lambda of the affine map's lambda-orthogonality penalty when align.<m>.orthogonality is null
+ORTHOGONALITY_DEFAULT = 1.0
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -144,9 +146,21 @@ class AlignConfig(Section):
         default=0.1, description="of the disc term's cross-entropy")
     hidden: list[PositiveInt] = Field(default_factory=lambda: [256, 256, 2048, 2048],
                                       description="widths of the mlp map's hidden layers (each Linear + BatchNorm + ReLU)")
-    architecture: Literal["mlp", "rbt", "unified"] = Field(
-        default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space")
+    architecture: Literal["mlp", "rbt", "unified", "affine"] = Field(
+        default="mlp", description="rbt: the RBT baseline's map; unified: two RBT maps into a shared space; "
+        "affine: h(x) = W x + b with the lambda-orthogonality penalty (see orthogonality)")
     rbt_blocks: PositiveInt = Field(default=2, description="RBT blocks of the rbt map, or of each unified map")
+    orthogonality: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="affine only: lambda of the lambda-orthogonality penalty lambda ||W^T W - I||_F^2 "
+        "added to the batch loss (Ricci et al., 2025), a soft orthogonality that keeps the old space's geometry; "
+        f"null = {ORTHOGONALITY_DEFAULT:g} for an affine map; 0 = a free affine map, larger = closer to a rotation")
+
+    @property
+    def orthogonality_weight(self) -> float:
+        """The affine map's lambda: ``orthogonality``, or its default; 0 for the other architectures."""
+        if self.architecture != "affine":
+            return 0.0
+        return ORTHOGONALITY_DEFAULT if self.orthogonality is None else self.orthogonality
     uncertainty_weighting: Literal["joint", "normalized", "detached"] = Field(
         default="joint", description="how psi's weight reaches the map's gradient: joint = the paper's loss "
         "as written (the map's gradient is divided by ~lambda L); normalized = per-sample weights exp(-s) "
@@ -196,6 +210,9 @@ class AlignConfig(Section):
         if self.architecture == "unified" and (self.uncertainty or self.disc or not self.l2):
             raise ValueError("architecture: unified trains its own fixed loss (similarity + dual classification + "
                              "KL); leave l2: true, disc: false, uncertainty: false")
+        if self.orthogonality is not None and self.architecture != "affine":
+            raise ValueError(f"orthogonality is the affine map's penalty; architecture {self.architecture!r} has "
+                             "no W to keep orthogonal: set architecture: affine, or remove orthogonality")
         if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
             raise ValueError(
                 f"warmup_epochs ({self.warmup_epochs}) must be smaller than epochs ({self.epochs})"
@@ -277,6 +294,11 @@ def dual_method(merge: str) -> str:
     return f"dual_{merge}"
 
 
+def online_method(kind: str) -> str:
+    """The method name of online backfilling with a reverse transformation of one adapter kind."""
+    return f"online_{kind}"
+
+
 class EvaluateConfig(Section):
     distance: Distance = Field(default="l2", description='l2, or cosine on L2-normalised features')
     curve_points: Annotated[int, Field(ge=0)] = Field(
@@ -308,15 +330,22 @@ class EvaluateConfig(Section):
     dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose stored sigma "
                                  "gives the dual methods' sigma order (the map orders the backfill, it serves "
                                  "nothing)")
+    online: list[AdapterKind] = Field(
+        default_factory=list, description="online backfilling evaluated as methods online_<kind> (Seo et al., WACV "
+        "2025): the new model's query searches the re-embedded items, the same query mapped into the old space by "
+        "a reverse transformation (the query-side adapter <kind>, fitted on the maps' pairs) the others, and the "
+        "two lists are merged by raw distance (one query embedding and two searches per query), in "
+        "evaluate.dual_orders; the comparison sets compare.online")
     rrf_k: PositiveInt = Field(default=60, description="reciprocal rank fusion: an item's score is the sum over "
                                "the lists of 1 / (rrf_k + its rank); a shadow index's two lists never share an "
                                "item, so the merge interleaves them by rank and rrf_k changes no position")
 
     @property
     def headlines(self) -> dict[str, str]:
-        """headline_order, each adapter's only order (random), each dual method's first order."""
+        """headline_order, each adapter's only order (random), each dual and online method's first order."""
         return {**self.headline_order, **{adapter_method(kind): "random" for kind in self.adapters},
-                **{dual_method(merge): self.dual_orders[0] for merge in self.dual}}
+                **{dual_method(merge): self.dual_orders[0] for merge in self.dual},
+                **{online_method(kind): self.dual_orders[0] for kind in self.online}}
 
     @model_validator(mode="after")
     def _headline_in_orders(self) -> EvaluateConfig:
@@ -545,6 +574,10 @@ class CompareConfig(Section):
         default_factory=lambda: list(MERGES),
         description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed), each in "
         "evaluate.dual_orders")
+    online: list[AdapterKind] = Field(
+        default_factory=lambda: ["residual_mlp"],
+        description="online backfilling's reverse transformations among the rows (evaluate.online of each seed), "
+        "each in evaluate.dual_orders; its metrics say whether the curve is monotone")
     precision: TrainingPrecision | None = Field(
         default="auto", description="the precision of every training of the comparison (the models, the maps, "
         "the compatible models), the same for every method; null = each configuration's own")
@@ -615,7 +648,7 @@ class Params(Section):
             raise ValueError(f"{sorted(clash)} is both under align and under compatible; rename one")
         _check_orders("evaluate.orders", self.evaluate.orders, self.align, self.compatible)
         sigma_from = self.evaluate.dual_sigma_from
-        if self.evaluate.dual and "sigma" in self.evaluate.dual_orders and (
+        if (self.evaluate.dual or self.evaluate.online) and "sigma" in self.evaluate.dual_orders and (
                 sigma_from not in self.align or not self.align[sigma_from].uncertainty):
             raise ValueError(f"evaluate.dual_sigma_from: {sigma_from!r} is not a map under align with "
                              "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
@@ -671,6 +704,7 @@ class Params(Section):
         data["evaluate"]["headline_order"] = {m: names[0] for m, names in orders.items()}
         data["evaluate"]["adapters"] = compare["adapters"]
         data["evaluate"]["dual"] = compare["dual"]
+        data["evaluate"]["online"] = compare["online"]
         # each row is its method's own map: the map check's fallback would put FCT's map in its place
         for method in data["align"].values():
             method["check"] = "off"

@@ -18,6 +18,10 @@ GALLERY_ORDERS = ("sigma", "random", "usage", "usage_sigma")
 # yet re-embedded, the new query those that are, and the two ranked lists are merged by reciprocal
 # rank fusion or by scores normalised per list (min-max or z-score).
 MERGES = ("rrf", "score_minmax", "score_zscore")
+# Online backfilling (Seo et al., WACV 2025): the new model's query searches the re-embedded items,
+# the same query mapped back into the old space (a reverse transformation) the others, and the two
+# lists are merged by their raw distances, which the reverse transformation makes comparable.
+ONLINE_MERGE = "distance"
 
 DISTANCES = ("l2", "cosine")
 

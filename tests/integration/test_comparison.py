@@ -56,6 +56,10 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
     data["compare"]["compatible"].update(stationary={"loss": "stationary", "lam": 0.1, "tau": 0.1},
                                          bt2={"loss": "bt2", "lam": 10.0, "extra_dims": 4})
     data["compare"]["orders"].update(stationary=["random"], bt2=["random"])
+    # the lambda-orthogonality affine map (online backfilling, compare.online, is on by default)
+    data["compare"]["align"]["lambda_orth"] = {"architecture": "affine", "disc": True, "epochs": 3, "warmup_epochs": 1,
+                                               "batch_size": 32, "min_steps": 30}
+    data["compare"]["orders"]["lambda_orth"] = ["random"]
     params = parse_params(data)
     with in_workdir(workdir), pytest.MonkeyPatch.context() as patch, restored_environ("FASTFILL_PROGRESS"), \
             _flow_messages() as messages:
@@ -80,7 +84,9 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
     assert set(seeded.evaluate.adapters) == {"procrustes", "low_rank", "residual_mlp"}  # compare.adapters' default
     duals = {f"dual_{merge} ({order})" for merge in ("rrf", "score_minmax", "score_zscore") for order in ("random", "sigma")}
     assert set(seeded.evaluate.dual) == {"rrf", "score_minmax", "score_zscore"}  # compare.dual's default
-    expected |= adapters | duals
+    onlines = {f"online_residual_mlp ({order})" for order in ("random", "sigma")}
+    assert seeded.evaluate.online == ["residual_mlp"]  # compare.online's default
+    expected |= adapters | duals | onlines
     assert set(summary["rows"]) == expected
     assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
             "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
@@ -94,6 +100,11 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
             assert math.isfinite(stat["std"]) and stat["std"] >= 0
     for label in adapters:
         assert summary["rows"][label]["description"].startswith("query-side adapter"), label
+    for label in onlines:  # whether the curve rises monotonically, the paper's claim, is in the row
+        row = summary["rows"][label]
+        assert row["description"].startswith("online backfilling") and 0 <= row["monotone"]["mean"] <= 1
+        assert all(math.isfinite(v) and v >= 0 for v in row["top1_max_drop"]["per_seed"].values()), label
+    assert summary["rows"]["lambda_orth (random)"]["description"].startswith("map (affine")
     # Procrustes is a similarity transform: once every item is backfilled through it, the ranking
     # is the new model's own, so its curve ends at new/new
     procrustes, paragon = summary["rows"]["adapter_procrustes (random)"], summary["rows"]["new/new"]
@@ -115,7 +126,7 @@ def test_each_seed_trains_every_method_under_its_own_folder(comparison):
     params, _, workdir, _ = comparison
     for seed in (0, 1):
         root = workdir / "runs" / "compare" / f"seed-{seed}" / "artifacts"
-        for method in ("fct", "fastfill", "l2_disc", "rbt", "unified"):
+        for method in ("fct", "fastfill", "l2_disc", "rbt", "unified", "lambda_orth"):
             assert (root / "align" / method / "map.pt").is_file(), (seed, method)
         # each row is its method's own map: the comparison runs no map check, so nothing falls back
         assert not list((root / "align").glob("*/check.json"))
@@ -144,8 +155,8 @@ def test_the_flow_shows_how_many_of_every_seeds_stages_are_done(comparison):
     *_, messages = comparison
     lines = [m for m in messages if m.startswith("comparison of seeds 0, 1: ")]
     assert lines, messages[-20:]
-    # two seeds of 12 stages: the old and new models, 5 maps, 4 compatible models, the evaluation
-    assert re.fullmatch(r"comparison of seeds 0, 1: done, 24/24 stages \(100%\) in .+, .+", lines[-1]), lines
+    # two seeds of 13 stages: the old and new models, 6 maps, 4 compatible models, the evaluation
+    assert re.fullmatch(r"comparison of seeds 0, 1: done, 26/26 stages \(100%\) in .+, .+", lines[-1]), lines
 
 
 def test_a_failing_seed_is_named_with_its_log_once_the_others_are_done(tmp_path, image_folder, prefect_harness,
@@ -189,7 +200,7 @@ def test_compatible_models_are_registered_versions_and_no_alias_moves(comparison
     assert all(v.tags["compatible_with"] == "its own old model" for v in by_method["stationary"])
     assert client.get_registered_model(params.compare.registered_model).aliases == {}
     maps = client.search_model_versions(f"name = '{params.compare.alignment_model}'")
-    assert sorted({v.tags["method"] for v in maps}) == ["fastfill", "fct", "l2_disc", "rbt", "unified"]
+    assert sorted({v.tags["method"] for v in maps}) == ["fastfill", "fct", "l2_disc", "lambda_orth", "rbt", "unified"]
 
 
 def test_the_table_and_plot_are_logged_to_mlflow(comparison):
