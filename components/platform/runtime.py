@@ -39,7 +39,8 @@ def use_threads(threads: int | None) -> int:
 # results follow the kernels (oneDNN's convolutions, MKL's and OpenBLAS's matrix products,
 # ATen's vectorised loops, faiss's distances and numpy's ufuncs each pick AVX-512 code where the
 # CPU has it), so two machines give the same bytes only when their kernels are the same: "avx2"
-# holds every library to AVX2 (x86-64-v3: Intel since Haswell, 2013; AMD since Zen, 2017);
+# holds every library to AVX2 (x86-64-v3: Intel since Haswell, 2013; AMD since Zen, 2017), and
+# MKL to its one vendor-neutral branch;
 # "native" lets each take the machine's best. Each library reads its variable once, when it loads
 # (numpy, faiss) or at its first kernel (torch, oneDNN, MKL): they are set before any of them.
 CPU_KERNELS = ("avx2", "native")  # a tuple: Literal[CPU_KERNELS] in the configuration
@@ -48,7 +49,11 @@ _KERNEL_ENVIRONMENT = {
     "avx2": {
         "ONEDNN_MAX_CPU_ISA": "AVX2",                 # torch's convolutions (oneDNN)
         "ATEN_CPU_CAPABILITY": "avx2",                # torch's own vectorised loops
-        "MKL_CBWR": "AVX2",                           # torch's matrix products (MKL, conditional bitwise reproducibility)
+        # torch's matrix products and vector maths (MKL). Only COMPATIBLE gives the same bytes on
+        # Intel and AMD: under AVX2 (strict or not) an Intel CPU runs other small-matrix and exp
+        # kernels than an AMD one, and on AMD MKL ignores every branch but COMPATIBLE
+        # (reports/cpu_kernels.md)
+        "MKL_CBWR": "COMPATIBLE",
         "OPENBLAS_CORETYPE": "Haswell",               # numpy's and faiss's matrix products (OpenBLAS)
         "FAISS_SIMD_LEVEL": "AVX2",                   # faiss's distance kernels (upper case: faiss aborts on others)
         "NPY_DISABLE_CPU_FEATURES": "X86_V4,AVX512_ICL,AVX512_SPR",  # numpy's ufuncs
