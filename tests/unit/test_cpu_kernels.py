@@ -22,8 +22,8 @@ HAS_AVX2 = " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 # which have AVX2 and no AVX-512 (reports/cpu_kernels.md). A machine whose pinned bytes differ
 # fails here, naming the part.
 PINNED_DIGESTS = {
-    "train cnn_small": "de15ac252dae3ccf", "embed cnn_small": "090718c5cc5850b8",
-    "train cnn": "75bb72dbd037baa7", "embed cnn": "7bc571311fdd4daf", "train map": "afca877857c1eb86",
+    "train cnn_small": "4688424afee43919", "embed cnn_small": "1829b9f0574951c9",
+    "train cnn": "fb0016181e44e3a3", "embed cnn": "7144f87d4dfe7334", "train map": "0a98db307a0b8a2d",
     "numpy matmul": "11401b298ac1c993", "numpy argsort": "5345ec897ad36ad2",
     "numpy exp/log/tanh": "ab45b3a7c85e7e55", "faiss search": "101ae423c87bea6e",
 }
