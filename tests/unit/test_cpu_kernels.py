@@ -17,10 +17,12 @@ PINNED = runtime.kernel_environment("avx2")
 HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 HAS_AVX2 = " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 
-# The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5): the same
-# on this project's AVX-512 machines and under qemu's emulated Intel Haswell and AMD EPYC Rome,
-# which have AVX2 and no AVX-512 (reports/cpu_kernels.md). A machine whose pinned bytes differ
-# fails here, naming the part.
+# The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5), as this
+# project's machines (AMD EPYC with AVX-512) compute them and a fresh clone's pipeline reproduces.
+# Emulated Intel Haswell and AMD EPYC Rome CPUs agree with each other under the pin but not with
+# these in torch's parts: torch.sqrt, through MKL's vector maths, uses the hardware's approximate
+# reciprocal square root (reports/cpu_kernels.md, docs/pipeline.md). A machine whose pinned bytes
+# differ fails here, naming the part.
 PINNED_DIGESTS = {
     "train cnn_small": "4688424afee43919", "embed cnn_small": "1829b9f0574951c9",
     "train cnn": "fb0016181e44e3a3", "embed cnn": "7144f87d4dfe7334", "train map": "0a98db307a0b8a2d",
@@ -102,7 +104,7 @@ def test_the_environment_wins_over_the_configuration():
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2: the avx2 level is above what it has")
 def test_the_pinned_probe_gives_the_committed_bytes():
     """Training steps of both CNNs and the map, an embedding, numpy's and faiss's kernels under the
-    avx2 level: the bytes every AVX2 machine gives (checked under emulated Intel and AMD CPUs)."""
+    avx2 level: the committed bytes, which a rerun on another machine must give."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_kernels.py"), "--probe", "--steps", "5"],
                           env=_clean_environment(**PINNED, FASTFILL_CPU_KERNELS="avx2"), cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
