@@ -35,13 +35,42 @@ ROOT = Path(__file__).resolve().parents[1]
 EMULATED = {"Intel Haswell (AVX2)": "Haswell", "AMD EPYC Rome (AVX2)": "EPYC-Rome"}
 
 
+def exact_adam(torch, np):
+    """Adam (no weight decay) whose square root is numpy's, correctly rounded on every CPU, where
+    torch.sqrt goes through MKL's vector maths and the hardware's approximate reciprocal square
+    root. ``--exact-sqrt`` trains with it, to show what is left of the differences without it."""
+
+    class ExactAdam(torch.optim.Optimizer):
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+            super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                    state["step"] += 1
+                    state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                    state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                    root = torch.from_numpy(np.sqrt(state["v"].numpy()))
+                    denom = root / float(np.sqrt(1 - beta2 ** state["step"])) + group["eps"]
+                    p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - beta1 ** state["step"]))
+
+    return ExactAdam
+
+
 def _digest(array) -> str:
     import numpy as np
 
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
 
 
-def probe(steps: int) -> dict:
+def probe(steps: int, exact_sqrt: bool = False) -> dict:
     """The parts' digests and the seconds the training part took (this process's kernels)."""
     import faiss
     import numpy as np
@@ -51,6 +80,7 @@ def probe(steps: int) -> dict:
     from components.experiment.models import AlignmentMap, Embedder
     from components.platform.config import TrainConfig
 
+    adam = exact_adam(torch, np) if exact_sqrt else torch.optim.Adam
     torch.set_num_threads(2)
     torch.manual_seed(0)
     generator = np.random.default_rng(0)
@@ -60,7 +90,7 @@ def probe(steps: int) -> dict:
     start = time.perf_counter()
     for backbone, width in (("cnn_small", 16), ("cnn", 32)):
         model = Embedder(TrainConfig(backbone=backbone, width=width, embedding_dim=128), 1, list(range(5)))
-        optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimiser = adam(model.parameters(), lr=1e-3)
         for _ in range(steps):
             optimiser.zero_grad()
             loss = torch.nn.functional.cross_entropy(model.classify(model(images)), labels)
@@ -73,7 +103,7 @@ def probe(steps: int) -> dict:
     old = torch.from_numpy(generator.standard_normal((512, 128), dtype=np.float32))
     new = torch.from_numpy(generator.standard_normal((512, 128), dtype=np.float32))
     mapping = AlignmentMap(128, 128, [256, 256], uncertainty=True)
-    optimiser = torch.optim.Adam(mapping.parameters(), lr=1e-3)
+    optimiser = adam(mapping.parameters(), lr=1e-3)
     for _ in range(steps):
         optimiser.zero_grad()
         mapped = mapping(old)
@@ -100,7 +130,7 @@ def probe(steps: int) -> dict:
             "kernels": {"torch": torch.backends.cpu.get_cpu_capability(), "faiss": faiss.SIMDConfig.get_level_name()}}
 
 
-def run_probe(level: str, steps: int, cpu: str | None = None) -> dict:
+def run_probe(level: str, steps: int, cpu: str | None = None, exact_sqrt: bool = False) -> dict:
     """The probe in a fresh process whose kernels are held to ``level`` (under qemu's ``cpu``)."""
     sys.path.insert(0, str(ROOT))
     from components.platform.runtime import kernel_environment
@@ -108,7 +138,7 @@ def run_probe(level: str, steps: int, cpu: str | None = None) -> dict:
     env = {key: value for key, value in os.environ.items()
            if key not in kernel_environment("avx2") and key != "FASTFILL_CPU_KERNELS"}
     env.update(kernel_environment(level))
-    command = [sys.executable, __file__, "--probe", "--steps", str(steps)]
+    command = [sys.executable, __file__, "--probe", "--steps", str(steps), *(["--exact-sqrt"] if exact_sqrt else [])]
     if cpu is not None:
         command = ["qemu-x86_64", "-cpu", cpu, *command]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -124,10 +154,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each level (medians)")
     parser.add_argument("--timing-steps", type=int, default=40, help="training steps of the timed runs")
     parser.add_argument("--qemu", action="store_true", help="also run under emulated AVX2-only CPUs")
+    parser.add_argument("--exact-sqrt", action="store_true",
+                        help="train with an Adam whose square root is numpy's (correctly rounded everywhere)")
+    parser.add_argument("--no-timing", action="store_true", help="only the bytes, no timed runs")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "cpu_kernels.md")
     args = parser.parse_args()
     if args.probe:
-        print(json.dumps(probe(args.steps)))
+        print(json.dumps(probe(args.steps, args.exact_sqrt)))
         return
     rows: dict[str, dict] = {}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -135,24 +168,31 @@ def main() -> None:
     has512 = "avx512f" in Path("/proc/cpuinfo").read_text()
     here = f"{cpu}{' (AVX-512)' if has512 else ''}"
     for level in ("native", "avx2"):
-        rows[f"{here}, {level}"] = run_probe(level, args.steps)
+        rows[f"{here}, {level}"] = run_probe(level, args.steps, exact_sqrt=args.exact_sqrt)
     if args.qemu:
         if shutil.which("qemu-x86_64") is None:
             raise SystemExit("--qemu needs qemu-user: apt-get install qemu-user")
         for name, model in EMULATED.items():
             for level in ("native", "avx2"):
-                rows[f"{name} under qemu, {level}"] = run_probe(level, args.steps, model)
+                rows[f"{name} under qemu, {level}"] = run_probe(level, args.steps, model, args.exact_sqrt)
     parts = list(next(iter(rows.values()))["digests"])
     reference = rows[f"{here}, avx2"]["digests"]
     lines = [f"CPU kernels and bytes (`.venv/bin/python benchmarks/cpu_kernels.py {' '.join(sys.argv[1:])}`): "
-             f"the probe's parts ({args.steps} training steps each), SHA-256 prefixes; = marks a part equal to "
-             f"this machine's pinned (avx2) run.", "",
+             f"the probe's parts ({args.steps} training steps each"
+             f"{', Adam with a correctly rounded square root' if args.exact_sqrt else ''}), SHA-256 prefixes; "
+             f"= marks a part equal to this machine's pinned (avx2) run.", "",
              "| run | kernels (torch, faiss) | " + " | ".join(parts) + " |",
              "|---|---|" + "---|" * len(parts)]
     for name, row in rows.items():
         cells = [("= " if row["digests"][p] == reference[p] else "") + row["digests"][p] for p in parts]
         lines.append(f"| {name} | {row['kernels']['torch']}, {row['kernels']['faiss']} | " + " | ".join(cells) + " |")
     timings: dict[str, list[float]] = {"native": [], "avx2": []}
+    if args.no_timing:
+        text = "\n".join(lines) + "\n"
+        print(text)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        return
     for _ in range(args.repeat):
         for level in ("native", "avx2"):
             timings[level].append(run_probe(level, args.timing_steps)["train_seconds"])
