@@ -31,3 +31,20 @@ def in_workdir(path):
             yield
         finally:
             os.chdir(previous)
+
+
+def stop_group(process, timeout: float) -> None:
+    """End a process started with start_new_session=True and everything in its group: SIGTERM,
+    ``timeout`` seconds to exit, then SIGKILL and another ``timeout`` to be reaped."""
+    import os
+    import signal
+    import subprocess
+
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)

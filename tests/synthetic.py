@@ -20,3 +20,23 @@ def tiny_curves() -> tuple[dict, dict]:
               "fastfill": {o: backfill_curve(new, new, old, labels, rng.permutation(30), num_intermediate=3).to_dict()
                            for o in ("random", "sigma")}}
     return reference, curves
+
+
+SQUARE_CLASSES = 4
+
+
+def square_images(per_class: int = 24, seed: int = 0):
+    """A Split of 8x8 images in SQUARE_CLASSES classes: class c is a bright 3x3 square at a
+    class-specific place, plus noise (tiny trainings that must learn something)."""
+    from components.experiment.data import Split
+
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label in range(SQUARE_CLASSES):
+        for _ in range(per_class):
+            image = rng.integers(0, 60, size=(1, 8, 8))
+            row, col = divmod(label, 2)
+            image[0, 4 * row: 4 * row + 3, 4 * col: 4 * col + 3] += 180
+            images.append(image)
+            labels.append(label)
+    return Split(np.clip(np.stack(images), 0, 255).astype(np.uint8), np.array(labels, dtype=np.int64))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from testkit.process_state import restored_environ
+from testkit.process_state import restored_environ, stop_group
 from testkit.tiny_demo import tiny_params
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
@@ -102,12 +102,7 @@ def platform(stack, tiny_pipeline, tmp_path_factory):
                "pipeline": pipeline_dir}
     finally:
         for process in processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_group(process, timeout=30)
         for handle in logs.values():
             handle.close()
 

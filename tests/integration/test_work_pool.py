@@ -6,7 +6,6 @@ in a real MLflow store, found by `fastfill watch`, is upgraded by the worker's f
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 
 from components.gallery.layouts.opening import gallery_at
 from components.gallery.store import open_store
+from testkit.process_state import stop_group
 from tests.integration.helpers import assert_none_outlive, descendants, registry_models
 from tests.integration.test_service_stop import _Command, _prefect_server
 
@@ -64,13 +64,7 @@ def _wait_for_run(url: str, run_id: str, worker_log: Path, timeout: float = 150)
 def _stop(process: subprocess.Popen) -> None:
     """The worker and everything below it (its flow runs have process groups of their own)."""
     below = descendants(process.pid)
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+    stop_group(process, timeout=20)
     assert_none_outlive(below, timeout=10)
 
 

@@ -1,7 +1,6 @@
 """Each method's training runs a few epochs on tiny data and lowers its loss: BCT and RACT
 (new models trained for compatibility), the RBT map and the unified space."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,22 +10,9 @@ from components.experiment.data import Split
 from components.experiment.inference import embed
 from components.experiment.map_training import train_alignment, train_unified
 from components.experiment.training import TrainingRun, train_embedder
+from tests.synthetic import SQUARE_CLASSES, square_images
 
-CLASSES = 4
-
-
-def _split(per_class: int = 24, seed: int = 0) -> Split:
-    """8x8 images: class c is a bright 3x3 square at a class-specific place, plus noise."""
-    rng = np.random.default_rng(seed)
-    images, labels = [], []
-    for label in range(CLASSES):
-        for _ in range(per_class):
-            image = rng.integers(0, 60, size=(1, 8, 8))
-            row, col = divmod(label, 2)
-            image[0, 4 * row: 4 * row + 3, 4 * col: 4 * col + 3] += 180
-            images.append(image)
-            labels.append(label)
-    return Split(np.clip(np.stack(images), 0, 255).astype(np.uint8), np.array(labels, dtype=np.int64))
+CLASSES = SQUARE_CLASSES
 
 
 def _quiet(_message: str) -> None:
@@ -35,7 +21,7 @@ def _quiet(_message: str) -> None:
 
 @pytest.fixture(scope="module")
 def setting():
-    split = _split()
+    split = square_images()
     old_part = Split(split.images[split.labels < 2], split.labels[split.labels < 2])
     old_config = TrainConfig(backbone="cnn_small", width=4, embedding_dim=8, epochs=2, batch_size=16, augment=False)
     old, _ = train_embedder(old_config, old_part, [0, 1], (0.2, 0.3),

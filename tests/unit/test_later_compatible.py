@@ -18,23 +18,10 @@ from components.experiment.losses import bt2_per_sample, hoc_per_sample, simplex
 from components.experiment.models import Embedder
 from components.experiment.training import TrainingRun, train_embedder
 from components.platform.config import CompatibleConfig, TrainConfig
+from tests.synthetic import SQUARE_CLASSES, square_images
 
 CPU = torch.device("cpu")
-CLASSES = 4
-
-
-def _split(per_class: int = 24, seed: int = 0) -> Split:
-    """8x8 images: class c is a bright 3x3 square at a class-specific place, plus noise."""
-    rng = np.random.default_rng(seed)
-    images, labels = [], []
-    for label in range(CLASSES):
-        for _ in range(per_class):
-            image = rng.integers(0, 60, size=(1, 8, 8))
-            row, col = divmod(label, 2)
-            image[0, 4 * row: 4 * row + 3, 4 * col: 4 * col + 3] += 180
-            images.append(image)
-            labels.append(label)
-    return Split(np.clip(np.stack(images), 0, 255).astype(np.uint8), np.array(labels, dtype=np.int64))
+CLASSES = SQUARE_CLASSES
 
 
 def _run() -> TrainingRun:
@@ -98,7 +85,7 @@ def test_the_hoc_term_of_a_tiny_batch():
 
 @pytest.fixture(scope="module")
 def stationary_old():
-    split = _split()
+    split = square_images()
     part = Split(split.images[split.labels < 2], split.labels[split.labels < 2])
     old, history = train_embedder(OLD, part, [0, 1], (0.2, 0.3), run=_run(), prepare=fix_simplex_classifier)
     assert torch.equal(old.classifier.weight, simplex_prototypes(8)[:2])  # not moved by training
@@ -165,7 +152,7 @@ def test_the_basis_transformation_is_orthogonal_and_stays_so_while_it_trains():
         assert torch.allclose(head.folded()(x), out, atol=1e-4)  # one linear layer after training
 
 
-def test_the_head_refuses_dimensions_it_cannot_split():
+def test_the_head_refuses_dimensions_it_cannotsquare_images():
     with pytest.raises(ValueError, match="needs extra dimensions"):
         BasisTransformedEmbedding(torch.nn.Linear(10, 12), new_dim=12, old_dim=8)
     with pytest.raises(ValueError, match="larger than the extra"):
@@ -174,7 +161,7 @@ def test_the_head_refuses_dimensions_it_cannot_split():
 
 @pytest.fixture(scope="module")
 def bt2_setting():
-    split = _split()
+    split = square_images()
     part = Split(split.images[split.labels < 2], split.labels[split.labels < 2])
     old, _ = train_embedder(OLD, part, [0, 1], (0.2, 0.3), run=_run())
     reference, _ = train_embedder(NEW.model_copy(update={"embedding_dim": 12}), split, list(range(CLASSES)),
