@@ -46,12 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+from components.evaluation.comparison import EARLY, early_area  # noqa: E402  (after the path)
+
 ROWS = {"FCT-random": ("fct", "random"), "FastFill-sigma": ("fastfill", "sigma"),
         "FastFill-random": ("fastfill", "random"), "dual_rrf-random": ("dual_rrf", "random"),
         "dual_rrf-sigma": ("dual_rrf", "sigma")}
 DUAL, MAPPED = (2, 2, "old and new, until 100%"), (1, 1, "new (old features mapped once)")
 COST = {row: DUAL if row.startswith("dual") else MAPPED for row in ROWS}  # per query: embeddings, searches, models
-EARLY = 0.3
 KEYS = ("top1_auc", "map_auc", "top1_early", "map_early", "top1_0", "top1_100")
 HEADERS = {"top1_auc": "top1_auc", "map_auc": "map_auc", "top1_early": "top-1 area 0-30%",
            "map_early": "mAP area 0-30%", "top1_0": "top-1 at 0%", "top1_100": "top-1 at 100%"}
@@ -60,18 +61,6 @@ PAIR = ("dual_rrf-random", "FastFill-sigma")
 README_DEFAULT = {"FCT-random": (86.65, 80.47), "FastFill-sigma": (88.38, 81.78), "FastFill-random": (88.06, 80.53)}
 RUN_START = re.compile(r"^(\d\d):(\d\d):(\d\d)\.\d+ .*train_per_class (\S+), seed (\d+): (\d+) training images")
 STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.\d+ ")
-
-
-def early_area(alphas, values, upto: float = EARLY) -> float:
-    """The mean of ``values`` over the curve points with ``alpha <= upto``: the product's *_auc
-    rule (a plain mean over points) restricted to the start of the backfill."""
-    alphas, values = np.asarray(alphas, dtype=np.float64), np.asarray(values, dtype=np.float64)
-    if alphas.shape != values.shape or alphas.ndim != 1:
-        raise ValueError(f"alphas and values must be 1-D of one length, got {alphas.shape} and {values.shape}")
-    chosen = alphas <= upto + 1e-12
-    if not chosen.any():
-        raise ValueError(f"no curve point has alpha <= {upto}")
-    return float(np.mean(values[chosen]))
 
 
 def curve_numbers(curve: dict, upto: float = EARLY) -> dict[str, float]:

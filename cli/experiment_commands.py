@@ -99,12 +99,17 @@ def compare(params: ParamsOption = Path("params.yaml"),
             seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
             dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True,
             jobs: Annotated[int | None, typer.Option(min=1, help="seeds trained side by side, each in its own process "
-                                                     "(logs in compare.out/seed-<s>.log); default: compare.jobs")] = None) -> None:
-    """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT)
-    over seeds; write reports/comparison.{md,json,png} and log them to MLflow. The same as
-    'dvc --cd comparison repro' (the stages of comparison/dvc.yaml); the models are registered as
-    compare.registered_model, never as versions of production's model."""
+                                                     "(logs in compare.out/seed-<s>.log); default: compare.jobs")] = None,
+            size: Annotated[int | None, typer.Option(min=1, help="training images per class (prepare.train_per_class); "
+                                                     "its splits and seeds under compare.out/n-<size>/, its report "
+                                                     "reports/comparison-<size>.*; not recorded in DVC")] = None) -> None:
+    """Train and evaluate every method (FCT, FastFill and its ablations, RBT, unified, BCT, RACT,
+    the later methods) over seeds; write reports/comparison.{md,json,png} and log them to MLflow.
+    The same as 'dvc --cd comparison repro' (the stages of comparison/dvc.yaml); the models are
+    registered as compare.registered_model, never as versions of production's model."""
     config = load(params)
+    if size is not None:
+        config, dvc_commit = config.comparison_at_size(size), False
     from components.evaluation.comparison import ranking
     from flows.compare import compare_flow, comparison_outputs
 

@@ -30,7 +30,8 @@ import yaml
 from prefect import flow
 
 from components.evaluation.comparison import (
-    comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, plot_comparison, summarize,
+    COSTS, comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, method_cost,
+    plot_comparison, summarize,
 )
 from components.platform.config import Params, adapter_method, dual_method, online_method
 from components.platform.layout import Layout, read_json, write_json
@@ -42,9 +43,10 @@ from tasks.tracking import close_run, log_results, open_named_run
 
 
 def comparison_outputs(params: Params) -> dict[str, Path]:
-    reports = params.paths.reports
-    return {"json": reports / "comparison.json", "markdown": reports / "comparison.md",
-            "plot": reports / "comparison.png"}
+    """reports/comparison.*, or reports/comparison-<n>.* at prepare.train_per_class n."""
+    reports, size = params.paths.reports, params.prepare.train_per_class
+    stem = "comparison" if size is None else f"comparison-{size}"
+    return {"json": reports / f"{stem}.json", "markdown": reports / f"{stem}.md", "plot": reports / f"{stem}.png"}
 
 
 @flow(name="compare-seed", log_prints=True)
@@ -77,7 +79,11 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
     descriptions.update({dual_method(merge): describe_dual(merge) for merge in one.evaluate.dual})
     descriptions.update({online_method(kind): describe_online(kind, one.evaluate.adapter_rank)
                          for kind in one.evaluate.online})
-    summary = summarize(metrics, curves, descriptions, one.evaluate.headlines)
+    costs = {m: method_cost(c) for m, c in configs.items()}
+    costs.update({adapter_method(kind): COSTS["adapter"] for kind in one.evaluate.adapters})
+    costs.update({dual_method(merge): COSTS["dual"] for merge in one.evaluate.dual})
+    costs.update({online_method(kind): COSTS["online"] for kind in one.evaluate.online})
+    summary = summarize(metrics, curves, descriptions, one.evaluate.headlines, costs)
     outputs = comparison_outputs(params)
     write_json(outputs["json"], summary)
     outputs["markdown"].write_text(comparison_markdown(summary))

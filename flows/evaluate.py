@@ -23,7 +23,9 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
         reference = evaluate_reference(config, layout)
         curves, kendall = {}, {}
         for method, orders in config.orders.items():
-            curves[method], tau = evaluate_method(config, method, orders, layout, method in params.compatible)
+            compatible = params.compatible.get(method)
+            distance = compatible.distance if compatible is not None and compatible.distance else config.distance
+            curves[method], tau = evaluate_method(config, method, orders, layout, compatible is not None, distance)
             if tau is not None:
                 kendall[method] = tau
         for kind in config.adapters:  # the zero-write alternative (the comparison lists them)

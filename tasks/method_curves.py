@@ -69,9 +69,10 @@ def _non_finite(outputs: MethodOutputs) -> list[str]:
 
 @task(name="evaluate-method", **NO_CACHING)
 def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], layout: Layout,
-                    compatible: bool = False) -> tuple[dict, float | None]:
-    """Each order's curve of ``method`` and its Kendall tau; a method whose stored outputs are
-    not finite gets ``diverged_curve`` for every order (its rows report NaN, the others go on)."""
+                    compatible: bool = False, distance: str | None = None) -> tuple[dict, float | None]:
+    """Each order's curve of ``method`` and its Kendall tau, searched with ``distance`` (default
+    config.distance); a method whose stored outputs are not finite gets ``diverged_curve`` for
+    every order (its rows report NaN, the others go on)."""
     labels = load_split(layout.splits, "test").labels
     outputs = _method_outputs(method, layout, compatible)
     bad = _non_finite(outputs)
@@ -83,7 +84,8 @@ def evaluate_method(config: EvaluateConfig, method: str, orders: Sequence[str], 
         log(f"{method} (sigma): its fallback map's sigma order was not shown to help on the held-out pairs, so it "
             "is backfilled, and measured, in random order (see check.json)")
     curves, tau = method_curves(outputs, load_array(layout.features("new", "test")), labels,
-                                orders, distance=config.distance, curve_points=config.curve_points, seed=config.seed)
+                                orders, distance=distance or config.distance, curve_points=config.curve_points,
+                                seed=config.seed)
     for order, curve in curves.items():
         log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f}% -> {100 * curve['top1'][-1]:.2f}%, "
             f"top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%")

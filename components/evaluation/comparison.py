@@ -35,18 +35,8 @@ EXPECTATIONS = [
 def describe_method(config: AlignConfig | CompatibleConfig) -> str:
     """What a method is, in the terms of docs/methods.md (the table's second column)."""
     if isinstance(config, CompatibleConfig):
-        if config.loss == "bct":
-            return f"new model + BCT influence loss (lambda {config.lam:g}), no map"
-        if config.loss == "stationary":
-            return (f"old and new model on a fixed d-Simplex classifier, new + HOC term (lambda {config.lam:g}, "
-                    f"mu {1 / config.tau:g}), no map; its 0% point is its own simplex-trained old model")
-        if config.loss == "bt2":
-            bt2 = config.bt2
-            return (f"new model + {bt2['extra_dims']} extra dims through an orthogonal basis transformation, compatible "
-                    f"part with BCT influence (lambda {config.lam:g}) and old-feature matching ({bt2['match_old']:g}), "
-                    "no map; old items meet the compatible part")
-        kind = "RACT loss" if config.new_to_new else "vanilla compatible loss (no new-to-new)"
-        return f"new model + {kind} (lambda {config.lam:g}, tau {config.tau:g}), no map"
+        searched = f"; searched by {config.distance}" if config.distance else ""
+        return _describe_compatible(config) + searched
     if config.architecture == "unified":
         return f"unified space, {config.rbt_blocks} RBT blocks per side"
     terms = "+".join(t for t in ("l2", "disc", "uncertainty") if getattr(config, t))
@@ -54,6 +44,59 @@ def describe_method(config: AlignConfig | CompatibleConfig) -> str:
         return f"map (affine W x + b), {terms} + lambda-orthogonality (lambda {config.orthogonality_weight:g})"
     shape = f"{config.rbt_blocks} RBT blocks" if config.architecture == "rbt" else "MLP"
     return f"map ({shape}), {terms}"
+
+
+def _describe_compatible(config: CompatibleConfig) -> str:
+    if config.loss == "bct":
+        return f"new model + BCT influence loss (lambda {config.lam:g}), no map"
+    if config.loss == "stationary":
+        return (f"old and new model on a fixed d-Simplex classifier, new + HOC term (lambda {config.lam:g}, "
+                f"mu {1 / config.tau:g}), no map; its 0% point is its own simplex-trained old model")
+    if config.loss == "bt2":
+        bt2 = config.bt2
+        return (f"new model + {bt2['extra_dims']} extra dims through an orthogonal basis transformation, compatible "
+                f"part with BCT influence (lambda {config.lam:g}) and old-feature matching ({bt2['match_old']:g}), "
+                "no map; old items meet the compatible part")
+    kind = "RACT loss" if config.new_to_new else "vanilla compatible loss (no new-to-new)"
+    return f"new model + {kind} (lambda {config.lam:g}, tau {config.tau:g}), no map"
+
+
+# What each kind of method costs while the upgrade runs: (per query, per gallery item). "switch" is
+# the moment queries move to the new model; "backfill" is an item's re-embedding.
+COSTS = {
+    "map": ("1 embedding, 1 search", "switch: 1 map pass + 1 write; backfill: 1 embedding + 1 write"),
+    "unified": ("1 embedding + the new side's transform, 1 search",
+                "switch: the old side's transform + 1 write; backfill: 1 embedding + the transform + 1 write"),
+    "compatible": ("1 embedding, 1 search", "switch: nothing; backfill: 1 embedding + 1 write"),
+    "stationary": ("1 embedding, 1 search", "switch: nothing; backfill: 1 embedding + 1 write; the old model must "
+                   "have been trained on the same fixed classifier"),
+    "bt2": ("1 embedding, 1 search", "switch: nothing; backfill: 1 embedding + 1 write of the wider feature"),
+    "adapter": ("1 embedding + the adapter, 1 search", "switch: nothing; backfill: 1 embedding + the adapter + 1 write"),
+    "dual": ("2 embeddings (old and new model), 2 searches", "switch: nothing; backfill: 1 embedding + 1 write"),
+    "online": ("1 embedding + the reverse map, 2 searches", "switch: nothing; backfill: 1 embedding + 1 write"),
+}
+
+
+def method_cost(config: AlignConfig | CompatibleConfig) -> tuple[str, str]:
+    """(per query, per item) of a map or a compatible new model, from ``COSTS``."""
+    if isinstance(config, CompatibleConfig):
+        return COSTS[config.loss] if config.loss in COSTS else COSTS["compatible"]
+    return COSTS["unified"] if config.architecture == "unified" else COSTS["map"]
+
+
+EARLY = 0.3  # the front of the backfill, reported on its own
+
+
+def early_area(alphas, values, upto: float = EARLY) -> float:
+    """The mean of ``values`` over the curve points with ``alpha <= upto``: the *_auc rule (a plain
+    mean over points) restricted to the start of the backfill."""
+    alphas, values = list(map(float, alphas)), list(map(float, values))
+    if len(alphas) != len(values) or not alphas:
+        raise ValueError(f"alphas and values must be of one non-zero length, got {len(alphas)} and {len(values)}")
+    chosen = [v for a, v in zip(alphas, values) if a <= upto + 1e-12]
+    if not chosen:
+        raise ValueError(f"no curve point has alpha <= {upto}")
+    return statistics.fmean(chosen)
 
 
 def describe_adapter(kind: str, rank: int) -> str:
@@ -94,9 +137,11 @@ def _spread(values_by_seed: Mapping) -> dict:
 
 
 def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[str, Mapping],
-              descriptions: Mapping[str, str], headline: Mapping[str, str]) -> dict:
+              descriptions: Mapping[str, str], headline: Mapping[str, str],
+              costs: Mapping[str, tuple[str, str]] | None = None) -> dict:
     """``per_seed_metrics[seed]``: a seed's metrics.json; ``per_seed_curves[seed]``: its
-    curves.json; ``headline[method]``: the order that stands for the method."""
+    curves.json; ``headline[method]``: the order that stands for the method; ``costs[method]``:
+    (per query, per item) while the upgrade runs."""
     seeds = list(per_seed_metrics)
     if not seeds:
         raise ValueError("no seed to summarise; run the comparison's seeds first")
@@ -134,6 +179,11 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
                 rows[label]["kendall_tau"] = _spread({s: per_seed_metrics[s][method].get("kendall_tau", math.nan)
                                                       for s in seeds})
             runs = [per_seed_curves[s]["curves"][method][each] for s in seeds]
+            for key in ("top1", "map"):  # the 0-30% area: the start of the backfill
+                rows[label][f"{key}_early"] = _spread({s: early_area(run["alpha"], run[key])
+                                                       for s, run in zip(seeds, runs)})
+            if costs and method in costs:
+                rows[label]["cost_per_query"], rows[label]["cost_per_item"] = costs[method]
             curves[label] = {"alpha": runs[0]["alpha"], "top1": _mean_curve(runs, "top1"),
                              "map": _mean_curve(runs, "map"), "headline": each == order}
     references = {name.replace("_", "/"): {k: statistics.fmean(per_seed_curves[s]["reference"][name][k] for s in seeds)
@@ -191,14 +241,16 @@ def _diverged_note(row: Mapping) -> str:
 
 def comparison_markdown(summary: Mapping) -> str:
     seeds = summary["seeds"]
-    columns = [("top1_auc", "top-1~"), ("top5_auc", "top-5~"), ("map_auc", "mAP~"), ("top1_0", "top-1 0%"),
-               ("top1_100", "top-1 100%"), ("map_0", "mAP 0%"), ("map_100", "mAP 100%"), ("nfr1_mean", "NFR@1 mean")]
+    columns = [("top1_auc", "top-1~"), ("map_auc", "mAP~"), ("top1_early", "top-1 0-30%"), ("map_early", "mAP 0-30%"),
+               ("top1_0", "top-1 0%"), ("map_0", "mAP 0%"), ("top1_100", "top-1 100%"), ("map_100", "mAP 100%"),
+               ("top5_auc", "top-5~"), ("nfr1_mean", "NFR@1 mean")]
     lines = [
         "# Comparison of the upgrade methods", "",
         f"Seeds: {', '.join(map(str, seeds))}. Numbers in %, mean ± standard deviation over the seeds. "
         "`~` is the mean of the 22-point backfill curve (the papers' tilde metric); 0% and 100% are its ends; "
-        "NFR@1 mean is the negative-flip rate at top-1 averaged along the curve. Rows in **bold** are each "
-        "method's headline order.", "",
+        "0-30% is the same mean over the points up to 30% backfilled; NFR@1 mean is the negative-flip rate at "
+        "top-1 averaged along the curve. Rows in **bold** are each method's headline order; what each costs "
+        "while the upgrade runs is in the table after.", "",
         "| row | method | " + " | ".join(title for _, title in columns) + " |",
         "|---|---|" + "---|" * len(columns),
     ]
@@ -206,6 +258,11 @@ def comparison_markdown(summary: Mapping) -> str:
         name = (f"**{label}**" if row["kind"] == "method" and row["headline"] else label) + _diverged_note(row)
         cells = [_pct(row[key]) if key in row else "" for key, _ in columns]
         lines.append(f"| {name} | {row['description']} | " + " | ".join(cells) + " |")
+    priced = [(label, row) for label, row in summary["rows"].items() if row.get("headline") and "cost_per_query" in row]
+    if priced:
+        lines += ["", "## Cost while the upgrade runs (headline rows)", "",
+                  "| row | per query | per gallery item |", "|---|---|---|"]
+        lines += [f"| {label} | {row['cost_per_query']} | {row['cost_per_item']} |" for label, row in priced]
     lines += ["", "## Ranking (headline rows)", ""]
     diverged = [label for label, row in summary["rows"].items() if row["kind"] == "method" and row["headline"]
                 and row.get("diverged")]

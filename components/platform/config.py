@@ -222,6 +222,7 @@ class AlignConfig(Section):
 
 # BT^2's options when left null: the authors' CIFAR-100 configuration (docs/methods.md, "BT^2")
 BT2_DEFAULTS = {"extra_dims": 32, "match_old": 5.0, "match_new": 1.0}
+Distance = Literal[DISTANCES]
 
 
 class CompatibleConfig(Section):
@@ -252,6 +253,9 @@ class CompatibleConfig(Section):
         default=None, description=f"bt2: weight of 1 - cos(f, phi'_new), f the new representation before the basis "
         f"transformation and phi'_new the independently trained new model (train.new's); null = "
         f"{BT2_DEFAULTS['match_new']:g}")
+    distance: Distance | None = Field(
+        default=None, description="the distance its rows are searched and measured with, when its loss prescribes "
+        "one (stationary's HOC and BT^2's matching are angular: cosine); null = evaluate.distance")
 
     @property
     def bt2(self) -> dict[str, float]:
@@ -281,7 +285,6 @@ class CompatibleConfig(Section):
 Order = Literal[ORDERS]
 AdapterKind = Literal[ADAPTERS]
 Merge = Literal[MERGES]
-Distance = Literal[DISTANCES]
 
 
 def adapter_method(kind: str) -> str:
@@ -726,6 +729,16 @@ class Params(Section):
         for method in data["align"]:
             data["align"][method]["seed"] = seed
         data["evaluate"]["seed"] = seed
+        return Params.model_validate(data)
+
+    def comparison_at_size(self, size: int) -> Params:
+        """The comparison at ``size`` training images per class (prepare.train_per_class): its data
+        splits and seeds under compare.out/n-<size>/, its report reports/comparison-<size>.*."""
+        data = self.model_dump(mode="json")
+        root = Path(data["compare"]["out"]) / f"n-{size}"
+        data["prepare"]["train_per_class"] = size
+        data["paths"]["data"] = str(root / "data")
+        data["compare"]["out"] = str(root)
         return Params.model_validate(data)
 
     def with_outputs_under(self, root: Path) -> Params:

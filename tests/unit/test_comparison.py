@@ -2,6 +2,7 @@
 table and the plot."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,44 @@ def test_the_shadow_index_rows_state_their_merge_and_their_cost():
                         {**headline, "dual_rrf": "random"})
     row = next(line for line in comparison_markdown(summary).splitlines() if line.startswith("| **dual_rrf (random)**"))
     assert "two searches per query" in row
+
+
+def test_each_row_has_its_0_30_area_and_its_cost_in_the_table():
+    from components.evaluation.comparison import COSTS, early_area, method_cost
+
+    # the mean of the points up to 30% backfilled, a point exactly at the bound included
+    assert early_area([0.0, 0.1, 0.3, 0.4], [1.0, 0.0, 0.0, 9.0]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="no curve point"):
+        early_area([0.5, 1.0], [1.0, 1.0])
+    (m0, c0, headline), (m1, c1, _) = _seed(0.75), _seed(0.62)
+    costs = {"fastfill": method_cost(AlignConfig()), "fct": method_cost(AlignConfig()),
+             "ract": method_cost(CompatibleConfig(loss="ract")), "bct": method_cost(CompatibleConfig(loss="bct"))}
+    summary = summarize({"0": m0, "1": m1}, {"0": c0, "1": c1}, {}, headline, costs)
+    row = summary["rows"]["fastfill (sigma)"]
+    # the curve's points are at 0, 0.5, 1: only the first is in 0-30%
+    assert row["top1_early"]["per_seed"] == {"0": 0.6, "1": 0.6} and row["map_early"]["mean"] == pytest.approx(0.4)
+    assert row["cost_per_query"] == "1 embedding, 1 search" and "1 map pass" in row["cost_per_item"]
+    assert "switch: nothing" in summary["rows"]["bct (random)"]["cost_per_item"]
+    text = comparison_markdown(summary)
+    assert "| top-1 0-30% | mAP 0-30% |" in text.splitlines()[4].replace("top-1~ | mAP~ | ", "")
+    assert f"| fastfill (sigma) | {COSTS['map'][0]} | {COSTS['map'][1]} |" in text
+    assert method_cost(CompatibleConfig(loss="stationary", lam=0.1)) == COSTS["stationary"]
+    assert method_cost(AlignConfig(architecture="unified")) == COSTS["unified"]
+
+
+def test_a_compatible_method_searched_by_its_own_distance_says_so():
+    assert describe_method(CompatibleConfig(loss="bt2", distance="cosine")).endswith("; searched by cosine")
+    assert "searched by" not in describe_method(CompatibleConfig(loss="bct"))
+
+
+def test_the_comparison_at_a_size_has_its_own_splits_seeds_and_report(tmp_path):
+    from components.platform.config import load_params
+    from flows.compare import comparison_outputs
+
+    params = load_params("params.yaml")
+    sized = params.comparison_at_size(1000)
+    assert sized.prepare.train_per_class == 1000
+    assert sized.paths.data == Path(params.compare.out) / "n-1000" / "data"
+    assert sized.for_comparison(2).paths.artifacts == Path(params.compare.out) / "n-1000" / "seed-2" / "artifacts"
+    assert comparison_outputs(sized)["markdown"] == params.paths.reports / "comparison-1000.md"
+    assert comparison_outputs(params)["json"] == params.paths.reports / "comparison.json"
