@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -11,7 +10,7 @@ from pathlib import Path
 from components.platform.config import Params
 from components.experiment.data import SPLITS
 from components.platform.layout import Layout, read_json
-from components.platform.runtime import kernels_in_effect, use_threads
+from components.platform.runtime import cpu_kernels_level, kernels_in_effect, use_threads
 from tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
 
 
@@ -38,7 +37,7 @@ def stage_run(params: Params, stage: str, section: Mapping, parent_run_id: str |
     computes with compute.threads threads and compute.cpu_kernels' kernels (a warning says when this
     process loaded its libraries before they could be pinned: its bytes may then differ)."""
     use_threads(params.compute.threads)
-    level = os.environ.get("FASTFILL_CPU_KERNELS") or params.compute.cpu_kernels
+    level = cpu_kernels_level(params.compute.cpu_kernels)
     for problem in kernels_in_effect(level):
         print(f"warning: stage {stage} does not compute with the {level} kernels of compute.cpu_kernels: {problem}; "
               "its outputs may differ from another machine's. Run it as `fastfill stage ...` or `dvc repro`",

@@ -84,13 +84,19 @@ def cpu_kernels_of(params_path) -> str:
     return level if level in _KERNEL_ENVIRONMENT else DEFAULT_CPU_KERNELS
 
 
+def cpu_kernels_level(configured: str) -> str:
+    """The CPU kernel level in force: FASTFILL_CPU_KERNELS when the environment sets it (it wins
+    over compute.cpu_kernels, as OMP_NUM_THREADS does over compute.threads), else ``configured``."""
+    return os.environ.get("FASTFILL_CPU_KERNELS") or configured
+
+
 def pin_cpu_kernels(level: str) -> str:
     """Hold this process's CPU kernels, and its subprocesses', to ``level``: FASTFILL_CPU_KERNELS
     when the environment sets it (it wins over compute.cpu_kernels, as OMP_NUM_THREADS does over
     compute.threads), else ``level``. Each library's variable is set unless the environment
     already sets it (a variable set by hand wins too). Returns the level. Call it before numpy,
     torch or faiss is imported; ``kernels_in_effect`` tells afterwards whether it came in time."""
-    level = os.environ.get("FASTFILL_CPU_KERNELS") or level
+    level = cpu_kernels_level(level)
     variables = kernel_environment(level)
     os.environ["FASTFILL_CPU_KERNELS"] = level
     for key, value in variables.items():

@@ -101,6 +101,15 @@ def test_the_environment_wins_over_the_configuration():
     assert any("MKL_CBWR='AVX2'" in p for p in hand["problems"])
 
 
+def test_one_function_gives_the_level_in_force(monkeypatch):
+    from components.platform.runtime import cpu_kernels_level
+
+    monkeypatch.delenv("FASTFILL_CPU_KERNELS", raising=False)
+    assert cpu_kernels_level("native") == "native"
+    monkeypatch.setenv("FASTFILL_CPU_KERNELS", "avx2")
+    assert cpu_kernels_level("native") == "avx2"
+
+
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2: the avx2 level is above what it has")
 def test_the_pinned_probe_gives_the_committed_bytes():
     """Training steps of both CNNs and the map, an embedding, numpy's and faiss's kernels under the
