@@ -137,11 +137,12 @@ def _service_problem(error: BaseException) -> str | None:
     return None
 
 
-def check_prefect_api(timeout: float = SERVICE_TIMEOUT) -> str:
+def check_prefect_api(timeout: float = SERVICE_TIMEOUT, *, needed: bool = False) -> str:
     """When PREFECT_API_URL is set, its ``/health`` must answer within ``timeout`` seconds (with
     the API key or auth string Prefect's client would send); raises ServiceUnavailable otherwise.
     Without it, a flow runs on a temporary server of its own and there is nothing to check.
-    Returns what was found, for a report."""
+    ``needed``: the command needs that server (deploying to its work pools), so the advice does
+    not offer a temporary one. Returns what was found, for a report."""
     import time
 
     import httpx
@@ -160,7 +161,8 @@ def check_prefect_api(timeout: float = SERVICE_TIMEOUT) -> str:
 
         secret = getattr(auth, "get_secret_value", lambda: auth)()
         headers["Authorization"] = "Basic " + base64.b64encode(secret.encode()).decode()
-    todo = ("start it (`prefect server start`), point PREFECT_API_URL at the right one, or unset it to run flows on "
+    todo = ("start it (`prefect server start`) or point PREFECT_API_URL at the right one" if needed else
+            "start it (`prefect server start`), point PREFECT_API_URL at the right one, or unset it to run flows on "
             "a temporary local server")
     started = time.monotonic()
     try:

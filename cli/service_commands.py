@@ -178,7 +178,7 @@ def deploy(pool: PoolOption,
 
     placement = Placement(pool, gpu_pool, _job_variables(job_variables, "--job-variables"),
                           _job_variables(gpu_job_variables, "--gpu-job-variables"))
-    call(check_prefect_api)
+    call(check_prefect_api, needed=True)
     path = worker_params or params_file(params)
     # keywords: `call` would check the MLflow server too, which deploying does not need
     done = call(deploy_to_pools, params=config, params_path=path, store_uri=store, placement=placement,

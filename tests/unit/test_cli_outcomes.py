@@ -114,5 +114,10 @@ def test_the_prefect_api_is_checked_only_when_it_is_set(monkeypatch):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
-        with pytest.raises(ServiceUnavailable, match=f"cannot reach the Prefect API at http://127.0.0.1:{port}/api"):
+        with pytest.raises(ServiceUnavailable, match=f"cannot reach the Prefect API at http://127.0.0.1:{port}/api"
+                           ) as offered:
             check_prefect_api(1)
+        assert "or unset it" in str(offered.value)  # a flow can run on a temporary server instead
+        with pytest.raises(ServiceUnavailable, match="point PREFECT_API_URL at the right one") as needed:
+            check_prefect_api(1, needed=True)  # fastfill deploy: no temporary server will do
+        assert "unset" not in str(needed.value)
