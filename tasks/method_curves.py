@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 from prefect import task
 
 from components.evaluation.assessment import MethodOutputs, build_order, method_curves, reference_points
@@ -185,25 +186,29 @@ def evaluate_dual(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
 
 def online_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
     """Online backfilling as methods ``online_<kind>`` (docs/methods.md): the reverse
-    transformation is the query-side adapter ``kind``, fitted on the maps' pairs (the new_train
-    split's new and old features); the new query searches the re-embedded items, its reverse
+    transformation is the paper's metric-compatible one (``kind`` metric_compatible, which also
+    reads the pairs' classes) or the query-side adapter ``kind``, fitted on the maps' pairs (the
+    new_train split's new and old features); the new query searches the re-embedded items, its reverse
     transform the others' stored old features, merged by raw distance. Each order of
     ``evaluate.dual_orders``, each curve with its ``monotonicity``."""
 
     labels = load_split(layout.splits, "test").labels
     old, new = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
     pairs = load_array(layout.features("new", "new_train")), load_array(layout.features("old", "new_train"))
+    pair_labels = load_split(layout.splits, "new_train").labels if "metric_compatible" in config.online else None
     orders = {name: dual_order(config, name, layout, len(labels)) for name in config.dual_orders}
     curves: dict[str, dict] = {}
     for kind in config.online:
-        reverse = fit_adapter(kind, *pairs, rank=config.adapter_rank, seed=config.seed)(new)
+        adapter = fit_adapter(kind, *pairs, rank=config.adapter_rank, seed=config.seed, labels=pair_labels)
+        # the metric-compatible transformation also scales the new space (its ranking unchanged)
+        reverse, new_side = adapter(new), new * np.float32(getattr(adapter, "new_scale", 1.0))
         by_order = curves[online_method(kind)] = {}
         for name, (order, diverged) in orders.items():
             if diverged:
                 log(f"{online_method(kind)} ({name}): {diverged}, so this row is reported as diverged, with NaN numbers")
                 by_order[name] = diverged_curve(config.curve_points, diverged)
                 continue
-            curve = online_curve(reverse, new, old, new, labels, order, distance=config.distance,
+            curve = online_curve(reverse, new_side, old, new_side, labels, order, distance=config.distance,
                                  num_intermediate=config.curve_points).to_dict()
             by_order[name] = {**curve, **monotonicity(curve)}
     return curves

@@ -74,7 +74,7 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
             # every key comparison/dvc.yaml reads must be in params.yaml (DVC fails on a missing one)
             "adapters": ["procrustes", "low_rank", "residual_mlp"],
             "dual": ["rrf"],
-            "online": ["residual_mlp"],
+            "online": ["metric_compatible", "residual_mlp"],
             "precision": "auto",
             "orders": {"fct": ["random"], "fastfill": ["sigma", "random", "oracle"], "l2_disc": ["random"],
                        "rbt": ["random"], "unified": ["random"], "bct": ["random"],

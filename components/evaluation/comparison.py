@@ -113,7 +113,9 @@ DUAL_MERGES = {"rrf": "reciprocal rank fusion (an interleave by rank)",
 def describe_online(kind: str, rank: int) -> str:
     """An online-backfilling row's description (docs/methods.md, "Online backfilling"), with its cost."""
     what = {"procrustes": "orthogonal Procrustes with a scale", "low_rank": f"affine map of rank {rank}",
-            "residual_mlp": f"affine map of rank {rank} + residual MLP"}[kind]
+            "residual_mlp": f"affine map of rank {rank} + residual MLP",
+            "metric_compatible": f"affine map of rank {rank} + residual MLP trained with the metric-compatible "
+                                 "contrastive term"}[kind]
     return (f"online backfilling: the new query on the re-embedded items, the same query mapped new -> old ({what}) "
             "on the others, merged by raw distance; costs one query embedding and two searches per query")
 

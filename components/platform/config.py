@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from components.platform.vocabulary import (
-    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ORDERS, PRECISIONS,
+    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ONLINE_REVERSES, ORDERS, PRECISIONS,
     TRAINING_PRECISIONS,
 )
 from components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
@@ -284,6 +284,7 @@ class CompatibleConfig(Section):
 
 Order = Literal[ORDERS]
 AdapterKind = Literal[ADAPTERS]
+OnlineReverse = Literal[ONLINE_REVERSES]
 Merge = Literal[MERGES]
 
 
@@ -333,10 +334,11 @@ class EvaluateConfig(Section):
     dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose stored sigma "
                                  "gives the dual methods' sigma order (the map orders the backfill, it serves "
                                  "nothing)")
-    online: list[AdapterKind] = Field(
+    online: list[OnlineReverse] = Field(
         default_factory=list, description="online backfilling evaluated as methods online_<kind> (Seo et al., WACV "
         "2025): the new model's query searches the re-embedded items, the same query mapped into the old space by "
-        "a reverse transformation (the query-side adapter <kind>, fitted on the maps' pairs) the others, and the "
+        "a reverse transformation (metric_compatible: the paper's, trained with its metric-compatible contrastive "
+        "term and the pairs' classes; or a query-side adapter <kind>), fitted on the maps' pairs, the others, and the "
         "two lists are merged by raw distance (one query embedding and two searches per query), in "
         "evaluate.dual_orders; the comparison sets compare.online")
     rrf_k: PositiveInt = Field(default=60, description="reciprocal rank fusion: an item's score is the sum over "
@@ -577,8 +579,8 @@ class CompareConfig(Section):
         default_factory=lambda: list(MERGES),
         description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed), each in "
         "evaluate.dual_orders")
-    online: list[AdapterKind] = Field(
-        default_factory=lambda: ["residual_mlp"],
+    online: list[OnlineReverse] = Field(
+        default_factory=lambda: ["metric_compatible", "residual_mlp"],
         description="online backfilling's reverse transformations among the rows (evaluate.online of each seed), "
         "each in evaluate.dual_orders; its metrics say whether the curve is monotone")
     precision: TrainingPrecision | None = Field(

@@ -27,6 +27,9 @@ DISTANCES = ("l2", "cosine")
 
 # Query-side adapters (components.experiment.adapters): new queries mapped into the old space.
 ADAPTERS = ("procrustes", "low_rank", "residual_mlp")
+# Online backfilling's reverse transformations: any adapter, or the paper's metric-compatible one
+# (trained so that the two spaces' distances rank one list; it needs the pairs' class labels).
+ONLINE_REVERSES = (*ADAPTERS, "metric_compatible")
 
 # Precision of a training's forward passes (components.experiment.training.training_dtype).
 TRAINING_PRECISIONS = ("fp32", "bf16", "auto")

@@ -254,3 +254,57 @@ def test_the_evaluation_stage_measures_online_backfilling_in_each_order(tmp_path
     metrics = build_metrics({}, curves, config.headlines, {})
     assert metrics["online_low_rank"]["monotone"] == curve["monotone"]
     assert metrics["online_low_rank"]["by_order"]["random"]["top1_max_drop"] == curve["top1_max_drop"]
+
+
+def test_the_metric_compatible_term_against_a_literal_computation():
+    """Two anchors of classes 0 and 1 in 1-D: the candidates of anchor 0 are the other new item
+    (distance 4) and the two old items through the reverse transformation (distances 0.25 and
+    6.25); its positive is the old item of its own class."""
+    from components.experiment.adapters import metric_compatible_loss
+
+    new = torch.tensor([[0.0], [2.0]])
+    reverse = torch.tensor([[0.5], [2.0]])
+    old = torch.tensor([[0.0], [3.0]])
+    labels = torch.tensor([0, 1])
+    loss = metric_compatible_loss(reverse, new, old, labels, scale=1.0, temperature=1.0)
+    logits0 = torch.tensor([-4.0, -0.25, -6.25])  # new item 1, old items 0 and 1
+    logits1 = torch.tensor([-4.0, -4.0, -1.0])  # new item 0, old items 0 and 1
+    expected = torch.stack([-(logits0[1] - torch.logsumexp(logits0, 0)), -(logits1[2] - torch.logsumexp(logits1, 0))])
+    assert torch.allclose(loss, expected)
+    # a same-class new item is a positive too: the loss is the mean over the positives
+    both = metric_compatible_loss(reverse, new, old, torch.tensor([0, 0]), scale=2.0, temperature=0.5)
+    scaled0 = logits0  # temperature * scale = 1
+    assert both[0] == pytest.approx(float(-(scaled0 - torch.logsumexp(scaled0, 0)).mean()))
+
+
+def test_the_metric_compatible_reverse_transformation_makes_the_merge_rise():
+    """An old space at another scale than the new one: a reverse transformation fitted by least
+    squares lands on the old features, but its distances do not rank with the new ones, and the
+    merge falls below its start; the metric-compatible one rises along the backfill."""
+    from components.experiment.adapters import fit_adapter, fit_metric_compatible
+
+    rng = np.random.default_rng(7)
+    centres_old, centres_new = rng.normal(size=(4, 6)), rng.normal(size=(4, 8))
+
+    def draw(n):
+        y = rng.integers(0, 4, n)
+        old = 3.0 * (centres_old[y] + rng.normal(scale=0.9, size=(n, 6)))  # wide, noisy old space
+        new = centres_new[y] + rng.normal(scale=0.3, size=(n, 8))
+        return y, old.astype(np.float32), new.astype(np.float32)
+
+    train_y, train_old, train_new = draw(600)
+    y, old, new = draw(200)
+    order = rng.permutation(200)
+    curves = {}
+    fitted = {"low_rank": fit_adapter("low_rank", train_new, train_old, rank=6),
+              "metric_compatible": fit_metric_compatible(train_new, train_old, train_y, rank=6, min_steps=300)}
+    for kind, adapter in fitted.items():
+        scaled = new * np.float32(getattr(adapter, "new_scale", 1.0))
+        curves[kind] = online_curve(adapter(new), scaled, old, scaled, y, order, num_intermediate=8)
+    plain, compatible = curves["low_rank"], curves["metric_compatible"]
+    assert monotonicity(plain.to_dict())["map_max_drop"] > 0.1  # least squares: the merge falls at first
+    assert monotonicity(compatible.to_dict())["monotone"]  # metric-compatible: it never falls
+    assert compatible.map.mean() > plain.map.mean() + 0.05
+    assert fitted["metric_compatible"].new_scale > 1.5  # the new space's distances raised to the old scale
+    with pytest.raises(ValueError, match="class labels"):
+        fit_adapter("metric_compatible", train_new, train_old)
