@@ -162,3 +162,18 @@ def test_each_method_has_its_own_colour_and_none_is_a_reference_grey(tmp_path):
     reference, curves = tiny_curves()
     png = plot_curves(tmp_path / "b.png", reference, curves, headline={"fct": "random", "fastfill": "sigma"})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_evaluate_stage_depends_on_every_evaluation_module_it_imports():
+    """Its deps list components/evaluation file by file (the comparison's reports are not the
+    stage's): whatever the stage loads of it must be among them."""
+    import subprocess
+    import sys
+
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, flows.evaluate; print('\\n'.join(m.__file__ for n, m in sys.modules.items() "
+         "if n.startswith('components.evaluation')))"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = {str(Path(f).resolve().relative_to(ROOT)) for f in loaded.stdout.split()}
+    assert "components/evaluation/retrieval.py" in files
+    deps = set(_declared_stages()["evaluate"]["deps"])
+    assert files <= deps, f"the evaluate stage imports {sorted(files - deps)}, which dvc.yaml does not list"
