@@ -133,7 +133,27 @@ def summarize(per_seed: dict[int, dict], report: dict) -> dict:
                   for m in first["compatible"]}
     return {"seeds": seeds, "k": K, "maps": maps, "compatible": compatible,
             "new_model_keeps": _stat([per_seed[s]["new_model_keeps"] for s in seeds]),
-            "claims": claims(maps, compatible, report)}
+            "claims": claims(maps, compatible, report), "above_fastfill": above_fastfill(report)}
+
+
+LATER = ("lambda_orth", "stationary", "bt2", "online_metric_compatible", "online_residual_mlp")
+
+
+def above_fastfill(report: dict, reference: str = "fastfill (sigma)") -> dict[str, list[str]]:
+    """Each later method's rows (every order), and the figures where its mean is above
+    FastFill-sigma's (NFR@1: below), with both means; what the upgrade would have to offer."""
+    rows, out = report["rows"], {}
+    base = rows.get(reference)
+    if base is None:
+        return out
+    for label, row in rows.items():
+        if row.get("method") not in LATER:
+            continue
+        better = [f"{key} {100 * row[key]['mean']:.2f} vs {100 * base[key]['mean']:.2f}" for key in (*TABLE_KEYS, "nfr1_mean")
+                  if key in row and key in base and
+                  ((row[key]["mean"] < base[key]["mean"]) if key == "nfr1_mean" else (row[key]["mean"] > base[key]["mean"]))]
+        out[label] = better
+    return out
 
 
 def _row(report: dict, method: str) -> dict | None:
@@ -187,11 +207,34 @@ def claims(maps: dict, compatible: dict, report: dict) -> list[dict]:
     return out
 
 
-def markdown(summary: dict, command: str, wall: float) -> str:
+# the rows shown beside the later methods: FastFill's headline, FCT, the shadow index
+TABLE_ROWS = ("old/old", "new/new", "fastfill (sigma)", "fct (random)", "dual_rrf (random)", "lambda_orth (random)",
+              "stationary (random)", "bt2 (random)", "online_metric_compatible (random)",
+              "online_residual_mlp (random)")
+TABLE_KEYS = ("top1_auc", "map_auc", "top1_early", "map_early", "top1_0", "map_0")
+
+
+def rows_table(report: dict) -> list[str]:
+    """The comparison's rows of TABLE_ROWS that it has: the numbers and the costs."""
+    lines = ["| row | top-1~ | mAP~ | top-1 0-30% | mAP 0-30% | top-1 0% | mAP 0% | per query | per gallery item |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label in TABLE_ROWS:
+        row = report["rows"].get(label)
+        if row is None:
+            continue
+        cells = [_show(row[k]) if k in row else "" for k in TABLE_KEYS]
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {row.get('cost_per_query', '')} | {row.get('cost_per_item', '')} |")
+    return lines
+
+
+def markdown(summary: dict, command: str, wall: float, report: dict | None = None) -> str:
     lines = ["# The later methods' claims, checked", "",
              f"`{command}` ({wall:.0f} s), on the comparison's stored outputs, seeds "
-             f"{', '.join(map(str, summary['seeds']))}; mean ± standard deviation, in %.", "",
-             f"## Neighbourhoods: the share of each test item's {summary['k']} nearest neighbours kept", "",
+             f"{', '.join(map(str, summary['seeds']))}; mean ± standard deviation, in %.", ""]
+    if report is not None:
+        lines += ["## The rows (from the comparison's report)", "", *rows_table(report), ""]
+    lines += [f"## Neighbourhoods: the share of each test item's {summary['k']} nearest neighbours kept", "",
              "`kept`: of its neighbours in the old space, after the map; `reached`: of its neighbours in the new "
              f"model's space, after the map. The new model's own features keep {_show(summary['new_model_keeps'])}.",
              "", "| map | kept (old space) | reached (new space) |", "|---|---|---|"]
@@ -205,6 +248,9 @@ def markdown(summary: dict, command: str, wall: float) -> str:
             own = [_show(v[k]) if k in v else "" for k in ("own_old_old_top1", "own_old_old_map")]
             lines.append(f"| {method} | {distance} | " + " | ".join(_show(v[k]) for k in (
                 "top1_auc", "map_auc", "top1_0", "map_0", "top1_100", "map_100")) + f" | {own[0]} | {own[1]} |")
+    lines += ["", "## Where a later method is above FastFill-sigma (means over the seeds)", ""]
+    for label, figures in summary["above_fastfill"].items():
+        lines.append(f"- {label}: " + ("; ".join(figures) if figures else "on no figure"))
     lines += ["", "## Each paper's claim", ""]
     for item in summary["claims"]:
         numbers = ", ".join(f"{k} {v}" for k, v in item["numbers"].items())
@@ -238,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/later_methods.py" + ("" if args.size is None else f" --size {args.size}")
     out = params.paths.reports / ("later_methods" + ("" if args.size is None else f"-{args.size}"))
     out.with_suffix(".json").write_text(json.dumps({"command": command, "wall_s": wall, **summary}, indent=2) + "\n")
-    text = markdown(summary, command, wall)
+    text = markdown(summary, command, wall, report)
     out.with_suffix(".md").write_text(text)
     print(text)
     return 0

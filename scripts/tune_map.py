@@ -97,14 +97,16 @@ def main(argv=None) -> int:
              f"{args.method} maps trained on the new_train pairs less a stratified {100 * args.fraction:g}% held out "
              f"({len(validation)} pairs; {size}; the comparison's first seed's features), measured on the held-out "
              "pairs (query = gallery, the items not yet backfilled holding their mapped old features), random order. "
-             f"Numbers in %. Chosen: the best mean of top1_auc and map_auc. Command: `{command}` "
+             f"Numbers in %. Best: the highest mean of top1_auc and map_auc (what the row uses is params.yaml's "
+             f"compare.align.{args.method}, and docs/results.md says why). Command: `{command}` "
              f"({time.perf_counter() - started:.0f} s).", "",
              "| " + " | ".join(keys) + " | top1_auc | map_auc | top-1 0% | mAP 0% |", "|" + "---|" * (len(keys) + 4)]
     for g in grid:
         mark = "**" if g is best else ""
         lines.append("| " + " | ".join(f"{mark}{g[k]:g}{mark}" for k in keys) + " | " + " | ".join(
             f"{100 * g[k]:.2f}" for k in ("top1_auc", "map_auc", "top1_0", "map_0")) + " |")
-    lines += ["", "Chosen: " + ", ".join(f"{k} {best[k]:g}" for k in keys) + f" (score {100 * best['score']:.2f})."]
+    lines += ["", "Best on the held-out pairs: " + ", ".join(f"{k} {best[k]:g}" for k in keys)
+              + f" (score {100 * best['score']:.2f})."]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"method": args.method, "grid": grid, "command": command,

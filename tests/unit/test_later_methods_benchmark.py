@@ -40,3 +40,25 @@ def test_a_rotation_keeps_every_neighbourhood_and_a_shuffle_keeps_about_k_over_n
     shuffled = module.nearest(x[rng.permutation(500)], 10)
     assert module.neighbours_shared(base, shuffled) < 0.1
     assert module.neighbours_shared(np.array([[1, 2]]), np.array([[2, 3]])) == 0.5
+
+
+def _row(method, **means):
+    return {"method": method, "headline": True, **{k: {"mean": v, "std": 0.0} for k, v in means.items()}}
+
+
+def test_the_figures_where_a_later_method_is_above_fastfill_are_named():
+    module = _script()
+    report = {"rows": {
+        "fastfill (sigma)": _row("fastfill", top1_auc=0.80, map_auc=0.70, nfr1_mean=0.05),
+        "online_metric_compatible (random)": _row("online_metric_compatible", top1_auc=0.81, map_auc=0.60,
+                                                  nfr1_mean=0.04),
+        "bt2 (random)": _row("bt2", top1_auc=0.70, map_auc=0.50, nfr1_mean=0.09),
+        "fct (random)": _row("fct", top1_auc=0.90, map_auc=0.90)}}
+    above = module.above_fastfill(report)
+    assert set(above) == {"online_metric_compatible (random)", "bt2 (random)"}  # FCT is not a later method
+    assert above["online_metric_compatible (random)"] == ["top1_auc 81.00 vs 80.00", "nfr1_mean 4.00 vs 5.00"]
+    assert above["bt2 (random)"] == []
+    table = module.rows_table(report)
+    assert table[2].startswith("| fastfill (sigma) | 80.00 ± 0.00 | 70.00 ± 0.00 |")
+    assert [line.split(" |")[0] for line in table[2:]] == ["| fastfill (sigma)", "| fct (random)", "| bt2 (random)",
+                                                           "| online_metric_compatible (random)"]
