@@ -82,17 +82,20 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
     expected = {"old/old", "new/new"} | {f"{m} ({o})" for m, orders in seeded.evaluate.orders.items() for o in orders}
     adapters = {f"adapter_{kind} (random)" for kind in ("procrustes", "low_rank", "residual_mlp")}
     assert set(seeded.evaluate.adapters) == {"procrustes", "low_rank", "residual_mlp"}  # compare.adapters' default
-    duals = {f"dual_{merge} ({order})" for merge in ("rrf", "score_minmax", "score_zscore") for order in ("random", "sigma")}
-    assert set(seeded.evaluate.dual) == {"rrf", "score_minmax", "score_zscore"}  # compare.dual's default
-    onlines = {f"online_residual_mlp ({order})" for order in ("random", "sigma")}
-    assert seeded.evaluate.online == ["residual_mlp"]  # compare.online's default
+    duals = {f"dual_rrf ({order})" for order in ("random", "sigma")}
+    assert seeded.evaluate.dual == ["rrf"]  # the tiny configuration's compare.dual
+    onlines = {f"online_{kind} ({order})" for kind in ("metric_compatible", "residual_mlp")
+               for order in ("random", "sigma")}
+    assert seeded.evaluate.online == ["metric_compatible", "residual_mlp"]  # the tiny configuration's compare.online
     expected |= adapters | duals | onlines
     assert set(summary["rows"]) == expected
     assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
             "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
     for label, row in summary["rows"].items():
         keys = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "map_0", "map_100")
-        keys += ("nfr1_mean",) if row["kind"] == "method" else ()
+        keys += ("nfr1_mean", "top1_early", "map_early") if row["kind"] == "method" else ()
+        if row["kind"] == "method":  # what it costs while the upgrade runs
+            assert "search" in row["cost_per_query"] and "backfill" in row["cost_per_item"], label
         for key in keys:
             stat = row[key]
             assert set(stat["per_seed"]) == {"0", "1"}, (label, key)
