@@ -62,3 +62,13 @@ def test_the_figures_where_a_later_method_is_above_fastfill_are_named():
     assert table[2].startswith("| fastfill (sigma) | 80.00 ± 0.00 | 70.00 ± 0.00 |")
     assert [line.split(" |")[0] for line in table[2:]] == ["| fastfill (sigma)", "| fct (random)", "| bt2 (random)",
                                                            "| online_metric_compatible (random)"]
+
+
+def test_a_tuning_grid_is_every_combination_of_its_axes():
+    spec = importlib.util.spec_from_file_location("tune_compatible", ROOT / "scripts" / "tune_compatible.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.grid_points(["lam=0.1,1", "tau=0.2"]) == [{"lam": 0.1, "tau": 0.2}, {"lam": 1.0, "tau": 0.2}]
+    assert module.grid_points([]) == [{}]
+    with pytest.raises(ValueError, match="KEY=v1,v2"):
+        module.grid_points(["lam"])
