@@ -123,6 +123,29 @@ class ResidualMLPAdapter:
         return (base + residual).astype(np.float32)
 
 
+def _residual_start(x: np.ndarray, y: np.ndarray, *, rank: int, hidden: int, seed: int, min_held: int):
+    """What the residual MLP and the metric-compatible transformation start from: a seeded
+    held-out tenth of the pairs (at least ``min_held``), the low-rank map on the rest, the
+    standardised inputs and an MLP whose output starts at zero. Returns (fit rows, held-out rows,
+    affine map, mean, std, inputs, mlp)."""
+    import torch
+    from torch import nn
+
+    rows = np.random.default_rng(seed).permutation(x.shape[0])
+    held = max(min_held, x.shape[0] // 10)
+    val, fit = rows[:held], rows[held:]
+    if fit.size < 2:
+        raise AdapterError(f"{x.shape[0]} pairs are too few to hold some out: give at least {min_held + 2}")
+    affine = fit_low_rank(x[fit], y[fit], rank=rank)
+    mean, std = x[fit].mean(0), x[fit].std(0) + 1e-6
+    inputs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
+    torch.manual_seed(seed)
+    mlp = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, y.shape[1]))
+    nn.init.zeros_(mlp[-1].weight)
+    nn.init.zeros_(mlp[-1].bias)
+    return fit, val, affine, mean, std, inputs, mlp
+
+
 def fit_residual_mlp(new, old, *, rank: int = 32, hidden: int = 256, epochs: int = 30, batch_size: int = 256,
                      min_steps: int = 1000, lr: float = 3e-3, weight_decay: float = 1e-4,
                      seed: int = 0) -> ResidualMLPAdapter:
@@ -131,23 +154,10 @@ def fit_residual_mlp(new, old, *, rank: int = 32, hidden: int = 256, epochs: int
     more on few pairs so that it takes at least ``min_steps`` steps; the epoch with the lowest
     error on the held-out tenth (measured about 50 times) is kept (epoch 0: the affine map alone)."""
     import torch
-    from torch import nn
 
     x, y = _pairs(new, old)
-    rng = np.random.default_rng(seed)
-    rows = rng.permutation(x.shape[0])
-    held = max(1, x.shape[0] // 10)
-    val, fit = rows[:held], rows[held:]
-    if fit.size < 2:
-        raise AdapterError(f"{x.shape[0]} pairs are too few to hold some out: give at least 3")
-    affine = fit_low_rank(x[fit], y[fit], rank=rank)
-    mean, std = x[fit].mean(0), x[fit].std(0) + 1e-6
-    inputs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
+    fit, val, affine, mean, std, inputs, mlp = _residual_start(x, y, rank=rank, hidden=hidden, seed=seed, min_held=1)
     residual = torch.as_tensor(y - affine(x).astype(np.float64), dtype=torch.float32)
-    torch.manual_seed(seed)
-    mlp = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, y.shape[1]))
-    nn.init.zeros_(mlp[-1].weight)
-    nn.init.zeros_(mlp[-1].bias)
     optimizer = torch.optim.AdamW(mlp.parameters(), lr=lr, weight_decay=weight_decay)
     fit_t, val_t = torch.as_tensor(fit), torch.as_tensor(val)
 
@@ -225,25 +235,13 @@ def fit_metric_compatible(new, old, labels, *, rank: int = 32, hidden: int = 256
     if labels.shape != (x.shape[0],):
         raise AdapterError(f"the metric-compatible reverse transformation needs one class label per pair: "
                            f"{x.shape[0]} pairs, labels of shape {labels.shape}")
-    rng = np.random.default_rng(seed)
-    rows = rng.permutation(x.shape[0])
-    held = max(2, x.shape[0] // 10)
-    val, fit = rows[:held], rows[held:]
-    if fit.size < 2:
-        raise AdapterError(f"{x.shape[0]} pairs are too few to hold some out: give at least 4")
-    affine = fit_low_rank(x[fit], y[fit], rank=rank)
-    mean, std = x[fit].mean(0), x[fit].std(0) + 1e-6
-    inputs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
+    fit, val, affine, mean, std, inputs, mlp = _residual_start(x, y, rank=rank, hidden=hidden, seed=seed, min_held=2)
     new_t = torch.as_tensor(x, dtype=torch.float32)
     base = torch.as_tensor(affine(x), dtype=torch.float32)
     old_t = torch.as_tensor(y, dtype=torch.float32)
     labels_t = torch.as_tensor(labels)
     sample = new_t[torch.as_tensor(fit[:2048])]
     scale = float(torch.cdist(sample, sample).pow(2).mean()) or 1.0
-    torch.manual_seed(seed)
-    mlp = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, y.shape[1]))
-    nn.init.zeros_(mlp[-1].weight)
-    nn.init.zeros_(mlp[-1].bias)
     log_gain = nn.Parameter(torch.zeros(()))  # the new space's squared distances times exp(log_gain)
     optimizer = torch.optim.AdamW([{"params": mlp.parameters()},  # the gain free to move by orders of magnitude
                                    {"params": [log_gain], "weight_decay": 0.0, "lr": 20 * lr}],
