@@ -130,7 +130,7 @@ def main() -> None:
         paths = paths.model_copy(update={"data": data, "artifacts": root / "artifacts"})
     layout = Layout(paths)
     distance, points = params.evaluate.distance, params.evaluate.curve_points
-    method_config = params.align[params.gallery.upgrade.method]
+    method_config = params.upgrade_map
     new_model = load_embedder(layout.model_dir("new") / "model.pt")
     classifier = new_model.classifier
     import torch

@@ -14,9 +14,9 @@ from cli.command_support import (
     USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
 )
 from cli.json_output import JsonOption, answer, answers_json
-from components.platform.vocabulary import MERGES
+from components.platform.vocabulary import SEARCH_MERGES
 
-Merge = Enum("Merge", {name: name for name in MERGES}, type=str)  # the choices of search --merge
+Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # the choices of search --merge
 
 gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, convert, info, gc, rollback.")
 app.add_typer(gallery_app, name="gallery")
@@ -187,7 +187,9 @@ def search(store: StoreOption = None,
            merge: Annotated[Merge | None, typer.Option(
                help="mid-upgrade, search like a shadow index: the old model's features of the items not yet "
                "re-embedded and the new model's of those that are, two lists merged (rrf, score_minmax, "
-               "score_zscore); default: one index through the map")] = None,
+               "score_zscore); online: the new model's query alone, its reverse transformation (kept by an "
+               "upgrade planned with gallery.upgrade.online) searching the old part, merged by distance; "
+               "default: one index through the map")] = None,
            old_features: Annotated[Path | None, typer.Option(
                help="with --merge and --features: .npy of the same queries' old-model features")] = None,
            as_json: JsonOption = False,
@@ -198,8 +200,9 @@ def search(store: StoreOption = None,
     config = load(params)
     if (features is None) == (images is None):
         fail("give exactly one of --features or --images", USAGE)
-    if old_features is not None and (merge is None or features is None):
-        fail("--old-features goes with --merge and --features (with --images both models embed the queries)", USAGE)
+    if old_features is not None and (merge is None or features is None or merge.value == "online"):
+        fail("--old-features goes with --merge rrf/score_* and --features (with --images both models embed the "
+             "queries; --merge online needs the new model's features alone)", USAGE)
     uri = store_uri(config, store)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
@@ -245,6 +248,8 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
         from tasks.gallery_store import open_gallery
 
         searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k)
+        if merge == "online" and features is not None:
+            return searcher, searcher.search_online(_load_array(features, "--features"), k)
         if features is not None:
             if searcher.mid_upgrade and old_features is None:
                 fail(f"an upgrade to {searcher.new_model.uri} is on: --merge needs the queries' old-model features "
@@ -257,13 +262,15 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
 
         require_services(config)  # the models come from the registry
         registry.setup(config.mlflow)
-        old_model = registered.load_model(searcher.old_model.uri)
+        online = merge == "online" and searcher.mid_upgrade  # the new model alone embeds the queries
+        old_model = None if online else registered.load_model(searcher.old_model.uri)
         new_model = registered.load_model(searcher.new_model.uri) if searcher.mid_upgrade else None
         return searcher, searcher.search_images(_load_array(images, "--images"), old_model, new_model, k)
 
     searcher, (ids, scores, sources) = call(run_search)
     _answer_search("fastfill.search.merge/1", {
         "merge": merge if searcher.mid_upgrade else None,
-        "query_models": [m.uri for m in (searcher.old_model, searcher.new_model) if m is not None],
+        "query_models": [m.uri for m in ((searcher.new_model,) if merge == "online" and searcher.mid_upgrade
+                                         else (searcher.old_model, searcher.new_model)) if m is not None],
         "backfilled": searcher.backfilled, "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": sources,
         ("scores" if searcher.mid_upgrade else "distances"): [[round(float(d), 6) for d in row] for row in scores]})

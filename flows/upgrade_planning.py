@@ -22,8 +22,8 @@ from components.platform.registry import ModelRef
 from tasks._policy import log
 from tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
 from tasks.gallery_store import transform_part, write_sources
-from tasks.upgrade_map import choose_upgrade_map
-from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run
+from tasks.upgrade_map import choose_upgrade_map, fit_reverse_transformation
+from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
 
 
 def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, course: Course, new: ModelRef,
@@ -72,6 +72,8 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
         lambda: _map_pairs(params, gallery, uid, old, new_model, base is not None))
     # an order that needs sigma without the map's uncertainty head is refused here, before the transform
     check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
+    if config.online:
+        pairs = _online_reverse(params, client, gallery, uid, old, new_model, base is not None, run_id, pairs)
     futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
                for p in range(gallery.num_parts)]
     try:
@@ -123,12 +125,32 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     return plan
 
 
+def _online_reverse(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new_model, sequential: bool,
+                    run_id: str, pairs):
+    """gallery.upgrade.online: online backfilling's reverse transformation, fitted on the map's
+    pairs (embedded now when the registry's map was used without them) and kept with the plan;
+    returns the pairs."""
+    if pairs is None:
+        log("online backfilling: the registry's map was used as it is, so its pairs are embedded now for the "
+            "reverse transformation")
+        pairs = _map_pairs(params, gallery, uid, old, new_model, sequential)
+    if pairs is None:
+        raise GalleryError(f"gallery.upgrade.online needs the map's pairs, and there is no training split at "
+                           f"{Layout(params.paths).splits} (gallery.upgrade.map_pairs: splits); use map_pairs: "
+                           "gallery, or set online: false")
+    config = params.gallery.upgrade
+    reverse = fit_reverse_transformation(pairs, config.pseudo_classes, config.seed)
+    planning.write_reverse(gallery.store, uid, reverse)
+    tag_run(client, run_id, {"online": "metric_compatible", "online.new_gain": f"{reverse.new_scale ** 2:.6g}"})
+    return pairs
+
+
 def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_model, sequential: bool):
     """The pairs that train and check the map, from ``gallery.upgrade.map_pairs``."""
     config = params.gallery.upgrade
     if config.map_pairs == "splits":
         return embed_split_pairs(Layout(params.paths).splits, load_model(old), new_model)
-    samples.check_map_sample(config, params.align[config.method].validation_fraction, gallery.num_items)
+    samples.check_map_sample(config, params.upgrade_map.validation_fraction, gallery.num_items)
     positions = samples.map_sample(config, gallery.num_items)
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
         f"{config.map_sample}, at least {config.map_sample_min})")

@@ -11,7 +11,7 @@ from prefect import task
 
 from components.model_store import registered
 from components.gallery.upgrade.lifecycle import CHECK_SOURCE_TAG, checked_on
-from components.gallery.upgrade.pairs import MapPairs
+from components.gallery.upgrade.pairs import MapPairs, fit_reverse
 from components.platform import registry
 from components.platform.config import AlignConfig
 from components.platform.registry import ModelRef
@@ -71,6 +71,13 @@ def train_upgrade_map(client, settings: MapSettings, pairs: MapPairs, new_model,
     h, history = train_alignment(config, *pairs.training, pairs.classifier(new_model), device=pick_device(), log=log,
                                  method=method)
     return h.eval(), register_map(client, settings.alignment_model, h, method, old, new, run_id, pair_tags(pairs))
+
+
+@task(name="fit-reverse-transformation", tags=GPU_TAGS, **NO_CACHING)
+def fit_reverse_transformation(pairs: MapPairs, pseudo_classes: int, seed: int):
+    """gallery.upgrade.online: online backfilling's metric-compatible reverse transformation on
+    the map's pairs (``pairs.fit_reverse``)."""
+    return fit_reverse(pairs, pseudo_classes, seed, log=log)
 
 
 def _registered_reference(client, alignment_model: str, old: ModelRef, new: ModelRef, version: str, source: str,
@@ -145,12 +152,12 @@ def choose_upgrade_map(params, client, store_uri: str, old: ModelRef, new: Model
     alone when its sigma order was not shown to help."""
 
     config = params.gallery.upgrade
-    settings = MapSettings(params.mlflow.alignment_model, config.method, params.align[config.method],
+    settings = MapSettings(params.mlflow.alignment_model, config.method, params.upgrade_map,
                            params.gallery.distance)
     source = samples.pairs_source(config, store_uri)
     wanted = usage.map_order(config.order)  # the usage orders want a map with an uncertainty head, as sigma does
     chosen = samples.registry_map(client, params.mlflow.alignment_model, old, new, wanted, source)
-    policy = params.align[config.method].check
+    policy = params.upgrade_map.check
     if chosen is not None:
         map_uri = f"models:/{params.mlflow.alignment_model}/{chosen.version}"
         decided, why = registered_map_order(chosen.tags, wanted)

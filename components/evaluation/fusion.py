@@ -29,6 +29,10 @@ Merges:
   the lowest normalised distance first; a list whose distances are all equal (one hit, say)
   normalises to 0. An id in several lists keeps its lowest normalised distance. The statistics
   come from the lists as given: top-k lists normalise over their k hits.
+- ``distance_merge``: online backfilling's merge: each list's raw distances, times that list's
+  scale (the reverse transformation's gain on the new space), the lowest first. Meaningful only
+  where the lists' distances are comparable, which the metric-compatible reverse transformation
+  is trained to make them.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import numpy as np
 
 from components.platform.vocabulary import DISTANCES, MERGES
 
-__all__ = ["NORMS", "merge_lists", "normalise_distances", "rrf_merge", "score_merge"]
+__all__ = ["NORMS", "distance_merge", "merge_lists", "normalise_distances", "rrf_merge", "score_merge"]
 
 NORMS = ("minmax", "zscore")
 """Per-list normalisations of ``score_merge`` (the merges ``score_<norm>`` of MERGES)."""
@@ -102,6 +106,36 @@ def score_merge(lists_of_ids: Sequence, lists_of_distances: Sequence, norm: str 
     ids, sources, ranks = _entries(lists)
     values = np.concatenate(normalised) if normalised else np.zeros(0)
     return _fuse(ids, values, sources, ranks, limit, combine="min")
+
+
+def distance_merge(lists_of_ids: Sequence, lists_of_distances: Sequence, scales: Sequence[float] | None = None,
+                   limit: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge ranked lists by their raw distances, list ``j``'s multiplied by ``scales[j]`` (None:
+    all 1); see the module docs for the conventions. Returns ``(ids, scaled distances, sources)``,
+    the distances ascending.
+
+    Raises:
+        ValueError: lists whose ids and distances differ in length, distances that are not
+            finite, negative or not ascending, a scale that is not a positive finite number, or a
+            repeated id within a list.
+    """
+    if len(lists_of_ids) != len(lists_of_distances):
+        raise ValueError(f"{len(lists_of_ids)} lists of ids but {len(lists_of_distances)} lists of "
+                         "distances; give one distance list per id list")
+    scales = [1.0] * len(lists_of_ids) if scales is None else list(scales)
+    if len(scales) != len(lists_of_ids) or not all(np.isfinite(s) and s > 0 for s in scales):
+        raise ValueError(f"give one positive finite scale per list ({len(lists_of_ids)}), got {scales!r}")
+    lists, scaled = [], []
+    for j, (ids, values) in enumerate(zip(lists_of_ids, lists_of_distances)):
+        ids = np.asarray(ids)
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != ids.shape:
+            raise ValueError(f"list {j} has {ids.shape} ids but {values.shape} distances; one each")
+        real = ids >= 0 if ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer) else slice(None)
+        lists.append(_ids(ids, j))
+        scaled.append(_distances(values[real], j, "l2") * float(scales[j]))
+    ids, sources, ranks = _entries(lists)
+    return _fuse(ids, np.concatenate(scaled) if scaled else np.zeros(0), sources, ranks, limit, combine="min")
 
 
 def merge_lists(merge: str, lists_of_ids: Sequence, lists_of_distances: Sequence, *, rrf_k: float = 60,

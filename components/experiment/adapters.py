@@ -309,3 +309,39 @@ def fit_adapter(kind: str, new, old, *, rank: int = 32, seed: int = 0, labels=No
     if kind == "residual_mlp":
         return fit_residual_mlp(new, old, rank=rank, seed=seed)
     raise AdapterError(f"unknown adapter {kind!r}; expected one of {', '.join(ADAPTERS)}")
+
+
+def adapter_arrays(adapter) -> dict[str, np.ndarray]:
+    """A fitted adapter as named arrays (``np.savez`` writes them; ``adapter_from_arrays`` reads
+    them back): no pickled code, so a stored reverse transformation is safe to load."""
+    if isinstance(adapter, AffineAdapter):
+        return {"kind": np.array(adapter.kind), "weight": adapter.weight, "bias": adapter.bias}
+    if not isinstance(adapter, ResidualMLPAdapter):
+        raise AdapterError(f"cannot store an adapter of type {type(adapter).__name__}")
+    arrays = {"kind": np.array(adapter.kind), "weight": adapter.affine.weight, "bias": adapter.affine.bias,
+              "mean": np.asarray(adapter.mean), "std": np.asarray(adapter.std),
+              "new_scale": np.array(float(adapter.new_scale))}
+    arrays.update({f"mlp.{name}": value.detach().cpu().numpy() for name, value in adapter.mlp.state_dict().items()})
+    return arrays
+
+
+def adapter_from_arrays(arrays) -> AffineAdapter | ResidualMLPAdapter:
+    """The adapter that ``adapter_arrays`` wrote (a mapping of arrays, or an ``np.load`` file)."""
+    import torch
+    from torch import nn
+
+    kind = str(np.asarray(arrays["kind"]))
+    affine = AffineAdapter(np.asarray(arrays["weight"]), np.asarray(arrays["bias"]),
+                           kind if kind in ("procrustes", "low_rank") else "low_rank")
+    if kind in ("procrustes", "low_rank"):
+        return affine
+    if kind not in ("residual_mlp", "metric_compatible"):
+        raise AdapterError(f"stored adapter of unknown kind {kind!r}")
+    first, last = np.asarray(arrays["mlp.0.weight"]), np.asarray(arrays["mlp.2.weight"])
+    mlp = nn.Sequential(nn.Linear(first.shape[1], first.shape[0]), nn.GELU(), nn.Linear(last.shape[1], last.shape[0]))
+    mlp.load_state_dict({name: torch.as_tensor(np.asarray(arrays[f"mlp.{name}"])) for name in mlp.state_dict()})
+    mlp.eval()
+    adapter = ResidualMLPAdapter(affine, mlp, np.asarray(arrays["mean"]), np.asarray(arrays["std"]), [])
+    adapter.kind = kind
+    adapter.new_scale = float(np.asarray(arrays["new_scale"]))
+    return adapter

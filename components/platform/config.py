@@ -385,8 +385,14 @@ class MlflowConfig(Section):
 class UpgradeConfig(Section):
     """`fastfill upgrade`: how a stored gallery is moved to a new model."""
 
-    method: str = Field(default="fastfill", description="the align.<method> that trains a map when the "
-                        "registry has none joining the two versions")
+    method: str = Field(default="fastfill", description="the map method that trains a map when the registry has "
+                        "none joining the two versions: a key of align, or of compare.align (lambda_orth: the "
+                        "affine lambda-orthogonal map, which has no sigma head, so order random or usage)")
+    online: bool = Field(
+        default=False, description="also fit online backfilling's metric-compatible reverse transformation (new "
+        "queries into the old space, distances comparable with the new space's) on the map's pairs while planning, "
+        "and keep it in the store: `fastfill search --merge online` then answers with the new model alone, its "
+        "query on the re-embedded items and its reverse transform on the rest, merged by distance")
     order: Literal[GALLERY_ORDERS] = Field(
         default="sigma", description="backfill order: sigma = least certain first (FastFill); random; usage = the "
         "items queries hit most first; usage_sigma = usage weight x predicted error (sigma^2) first, the items "
@@ -659,12 +665,13 @@ class Params(Section):
                              "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
                              "from evaluate.dual_orders")
         upgrade = self.gallery.upgrade.method
-        if upgrade not in self.align:
+        maps = {**self.compare.align, **self.align}
+        if upgrade not in maps:
             raise ValueError(
-                f"gallery.upgrade.method names {upgrade!r}, which is not under align "
-                f"(known: {sorted(self.align)})"
+                f"gallery.upgrade.method names {upgrade!r}, which is not under align or compare.align "
+                f"(known: {sorted(maps)})"
             )
-        if self.align[upgrade].architecture == "unified":
+        if maps[upgrade].architecture == "unified":
             raise ValueError(f"gallery.upgrade.method: {upgrade!r} is a unified map, whose queries live in a "
                              "shared space; a stored gallery upgrade needs a map into the new model's space")
         align = {**self.align, **self.compare.align}
@@ -693,6 +700,13 @@ class Params(Section):
         if self.compare.registered_model == self.compare.alignment_model:
             problems.append("compare.alignment_model: the same name as compare.registered_model; give each its own")
         return problems
+
+    @property
+    def upgrade_map(self) -> AlignConfig:
+        """The settings of the map an upgrade trains (gallery.upgrade.method): align's entry, else
+        compare.align's (the comparison's maps, lambda_orth among them, are offered to upgrades)."""
+        method = self.gallery.upgrade.method
+        return self.align[method] if method in self.align else self.compare.align[method]
 
     def for_comparison(self, seed: int) -> Params:
         """The configuration of one seed of the comparison: every method (align + compare.align,

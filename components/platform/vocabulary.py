@@ -22,6 +22,9 @@ MERGES = ("rrf", "score_minmax", "score_zscore")
 # the same query mapped back into the old space (a reverse transformation) the others, and the two
 # lists are merged by their raw distances, which the reverse transformation makes comparable.
 ONLINE_MERGE = "distance"
+# `fastfill search --merge`: the shadow index's merges, or online backfilling's ("online": the new
+# model's query alone, the upgrade's stored reverse transformation giving its old-space twin).
+SEARCH_MERGES = (*MERGES, "online")
 
 DISTANCES = ("l2", "cosine")
 

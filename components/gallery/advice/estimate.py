@@ -9,16 +9,20 @@ import math
 import time
 
 import numpy as np
+import torch
 
+from components.experiment.map_training import train_alignment
 from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
-from components.experiment.inference import apply_alignment, embed
+from components.experiment.inference import apply_alignment, embed, pick_device
 from components.gallery.advice import advisor
 from components.gallery.advice.target_advice import ways_to_target
 from components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
 from components.gallery.inputs.judgments import load_judgments
 from components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from components.gallery.upgrade.pairs import fit_reverse, from_gallery
 from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
 from components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
+from components.gallery.upgrade import samples
 from components.gallery.upgrade.samples import evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map
 from components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
 from components.model_store.registered import load_model
@@ -153,7 +157,7 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
                         f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
                         "predicted curve"}
-    if params.align[config.method].check != "off" and needs_check(chosen.tags, source, config.recheck):
+    if params.upgrade_map.check != "off" and needs_check(chosen.tags, source, config.recheck):
         return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
                         f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
                         "status` then shows the predicted curve"}
@@ -219,14 +223,61 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         labels=labels, judged=None if judged is None else judged[:2], distance=params.gallery.distance,
         gain_below=gain_below)
     if target_top1 is not None:
+        reverse, other_maps = _later_ways(params, gallery, model, dict(zip(positions.tolist(), queries)), old_side,
+                                          positions)
         prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
                                                sample_transformed, transformed, transformed_parts, sigma, weights,
-                                               params.gallery.distance, judged)
+                                               params.gallery.distance, judged, reverse, other_maps)
     return {**prediction, "map_version": str(chosen.version), "order": order_kind}
 
 
+LATER_MAP = "lambda_orth"  # the later map the ways compare: the affine, lambda-orthogonal one
+LATER_MAP_WAY = "lambda-orthogonal map (affine)"
+
+
+def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.ndarray, positions: np.ndarray):
+    """What the ways of the later methods need, fitted here on the map sample's pairs (the items
+    the upgrade would train its map on; those of the evaluation sample already embedded are not
+    embedded again): online backfilling's metric-compatible reverse transformation, and the
+    lambda-orthogonal affine map (align.lambda_orth, else compare.align.lambda_orth; left out
+    when neither is configured or the upgrade's own method is it). Returns (reverse, other maps
+    as ``ways_to_target`` takes them)."""
+    config = params.gallery.upgrade
+    wanted = samples.map_sample(config, gallery.num_items)
+    missing = np.array([p for p in wanted.tolist() if p not in embedded], dtype=np.int64)
+    if len(missing):
+        read, images = samples.readable_images(gallery, missing, config.read_workers, "map sample", lambda line: None,
+                                               getattr(model, "preprocessing", None))
+        embedded = {**embedded, **dict(zip(read.tolist(), embed(model, images, batch_size=config.batch_size,
+                                                                    precision=config.precision)))}
+    kept = np.array([p for p in wanted.tolist() if p in embedded], dtype=np.int64)
+    labels = gallery.labels()
+    pairs = from_gallery(model, kept, gallery.features_at(gallery.model, kept), np.stack([embedded[p] for p in kept]),
+                         None if labels is None else labels[kept], gallery.store.uri, config.pseudo_classes,
+                         config.seed)
+    reverse = fit_reverse(pairs, config.pseudo_classes, config.seed, log=lambda line: None)
+    maps = {**params.compare.align, **params.align}
+    if LATER_MAP not in maps or config.method == LATER_MAP:
+        return reverse, {}
+    settings = maps[LATER_MAP]
+    if pairs.targets is None and settings.disc:
+        settings = settings.model_copy(update={"disc": False})
+    classifier = pairs.classifier(model)
+    if classifier is None:  # no classes at all: the disc term is off, and its head is never called
+        classifier = torch.nn.Identity()
+    later = train_alignment(settings, *pairs.training, classifier, device=pick_device(), log=lambda line: None,
+                            method=LATER_MAP)[0].eval()
+
+    def later_parts():
+        return ((gallery.part_bounds(p)[0], apply_alignment(later, gallery.features(gallery.model, p))[0])
+                for p in range(gallery.num_parts))
+
+    return reverse, {LATER_MAP_WAY: (apply_alignment(later, old_side)[0], later_parts)}
+
+
 def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, queries, old_side, sample_transformed,
-                    transformed, transformed_parts, sigma, weights, distance: str, judged) -> dict:
+                    transformed, transformed_parts, sigma, weights, distance: str, judged, reverse=None,
+                    other_maps=None) -> dict:
     """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
     map has an uncertainty head, the usage orders' when the items have weights."""
 
@@ -241,4 +292,4 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
     return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
                           old_side=old_side, sample_transformed=sample_transformed,
                           transformed_parts=transformed_parts, log_sigma2=sigma, weights=weights, seed=config.seed,
-                          distance=distance, judged=judged)
+                          distance=distance, judged=judged, reverse=reverse, other_maps=other_maps)

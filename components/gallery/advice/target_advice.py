@@ -11,7 +11,13 @@ the curve of every way the upgrade could go, and names the one that first reache
   yet re-embedded, the new query in the new features of those that are, merged by reciprocal
   rank fusion (``components.evaluation.fusion``), backfilled in random order (as teams do), in
   usage order when the items have weights (most-hit first, as teams also do), and in the map's
-  sigma order when there is one.
+  sigma order when there is one;
+- online backfilling (``reverse``: its metric-compatible reverse transformation): no map, the
+  new query in the re-embedded items' new features, its reverse transform in the others' old
+  features, merged by distance (the new side's times the transformation's gain), in the shadow
+  index's orders;
+- other maps (``other_maps``: the lambda-orthogonal affine map), each in random order and, when
+  the items have weights, usage order (they have no sigma head).
 
 The shadow index's top-1 needs no full ranking. The two parts are disjoint, so RRF gives each
 part's first hit the same score and the tie rule puts the new part's first: the merged top-1 is
@@ -19,7 +25,10 @@ the new query's nearest re-embedded item whenever one exists (its own item exclu
 old query's nearest among the rest. S measures it with S as the gallery, as ``advisor.predict``
 does; its error rate is scaled to the whole gallery by the ratio measured at 0%, where the
 shadow index is the old model alone: the old queries against the whole stored gallery
-(``NearestLabel``, or ``advisor.judged_anchor`` for judged queries), against S alone.
+(``NearestLabel``, or ``advisor.judged_anchor`` for judged queries), against S alone. Online
+backfilling's top-1 is the nearest item of S by the merged distance (each S item by its new
+features when re-embedded, else by its old ones against the query's reverse transform), scaled
+the same way: at 0% it is the reverse-transformed queries against the whole old gallery.
 """
 
 from __future__ import annotations
@@ -55,21 +64,46 @@ def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarr
                               anchor_old_hits, step)
 
 
+def online_top1(sample_old: np.ndarray, sample_new: np.ndarray, twins: np.ndarray, labels: np.ndarray,
+                ranks: np.ndarray, num_items: int, anchor_hits: np.ndarray | None = None, *, gain: float = 1.0,
+                distance: str = "l2", step: float = STEP) -> dict:
+    """Online backfilling's predicted top-1 at every ``step`` of the gallery: ``twins`` are S's
+    new features through the reverse transformation (the queries' old-space side); ``gain``
+    multiplies the new space's distances (``reverse.new_scale ** 2`` for l2, 1 for cosine);
+    ``anchor_hits``: whether each twin's nearest item in the whole old gallery has its label
+    (None: S is the gallery). The rest as ``shadow_top1``."""
+
+    labels = np.asarray(labels)
+    if len(labels) < 2:
+        raise ValueError(f"the advisor needs an evaluation sample of at least 2 labeled items, got {len(labels)}")
+    d_old = pairwise_distances(np.asarray(twins, np.float32), np.asarray(sample_old, np.float32), distance)
+    d_new = pairwise_distances(np.asarray(sample_new, np.float32), np.asarray(sample_new, np.float32), distance) * gain
+    np.fill_diagonal(d_old, np.inf)
+    np.fill_diagonal(d_new, np.inf)
+    return _shadow_prediction(d_old, d_new, lambda nearest: labels[nearest] == labels, ranks, num_items,
+                              anchor_hits, step, by_distance=True)
+
+
 def shadow_top1_judged(query_old: np.ndarray, query_new: np.ndarray, judged, positions: np.ndarray,
                        sample_old: np.ndarray, sample_new: np.ndarray, ranks: np.ndarray, num_items: int,
-                       anchor_old_hits: np.ndarray, *, distance: str = "l2", step: float = STEP) -> dict | None:
+                       anchor_old_hits: np.ndarray, *, distance: str = "l2", step: float = STEP,
+                       gain: float | None = None) -> dict | None:
     """``shadow_top1`` with a team's judged queries for truth, as ``advisor.predict_judged`` has
     them: the judged queries (``query_old``/``query_new``: both models' features of them) search
     S (``positions``; its old and new features), a hit being an item the judgments call
     relevant; the queries with no relevant item in S are left out (None when fewer than 2 are
     left); ``anchor_old_hits``: whether each judged query's nearest item in the whole old
-    gallery is relevant (``advisor.judged_anchor`` over the stored features)."""
+    gallery is relevant (``advisor.judged_anchor`` over the stored features). With ``gain``, online backfilling's prediction instead:
+    ``query_old`` are the queries' reverse transforms, and the two sides merge by distance, the
+    new side's times ``gain``."""
 
     used, relevant, own = judged.in_sample(np.asarray(positions, dtype=np.int64))
     if len(used) < 2:
         return None
     d_old = pairwise_distances(np.asarray(query_old, np.float32)[used], np.asarray(sample_old, np.float32), distance)
     d_new = pairwise_distances(np.asarray(query_new, np.float32)[used], np.asarray(sample_new, np.float32), distance)
+    if gain is not None:
+        d_new *= gain
     rows = np.flatnonzero(own >= 0)
     d_old[rows, own[rows]] = d_new[rows, own[rows]] = np.inf  # a query never retrieves itself
     relevant_sets = [set(r.tolist()) for r in relevant]
@@ -77,17 +111,20 @@ def shadow_top1_judged(query_old: np.ndarray, query_new: np.ndarray, judged, pos
     def is_hit(nearest):
         return np.array([n in r for n, r in zip(nearest.tolist(), relevant_sets)])
 
-    prediction = _shadow_prediction(d_old, d_new, is_hit, ranks, num_items, np.asarray(anchor_old_hits)[used], step)
+    prediction = _shadow_prediction(d_old, d_new, is_hit, ranks, num_items, np.asarray(anchor_old_hits)[used], step,
+                                    by_distance=gain is not None)
     return {**prediction, "truth": "judgments", "queries": int(len(used)),
             "queries_left_out": int(len(judged) - len(used))}
 
 
 def _shadow_prediction(d_old: np.ndarray, d_new: np.ndarray, is_hit, ranks: np.ndarray, num_items: int,
-                       anchor_old_hits: np.ndarray | None, step: float) -> dict:
+                       anchor_old_hits: np.ndarray | None, step: float, by_distance: bool = False) -> dict:
     """The merged top-1 of each query row (``d_old``/``d_new``: its distances to S's old and new
     features, its own item at +inf) at every ``step``: its nearest re-embedded item of S when one
-    is, else its nearest of the rest; ``is_hit(nearest)`` scores the rows' picks. Scaled to the
-    whole gallery by ``anchor_old_hits`` (each row's hit against the whole old gallery) at 0%."""
+    is, else its nearest of the rest (rrf); ``by_distance``: its nearest item by either side's
+    distance, the new side's where the item is re-embedded (online backfilling; the new side
+    first at a tie). ``is_hit(nearest)`` scores the rows' picks. Scaled to the whole gallery by
+    ``anchor_old_hits`` (each row's hit against the whole old gallery) at 0%."""
     sample = d_old.shape[1]
     points = fractions(step)
     hits = np.zeros((len(points), len(d_old)))
@@ -95,13 +132,17 @@ def _shadow_prediction(d_old: np.ndarray, d_new: np.ndarray, is_hit, ranks: np.n
         on_new = np.asarray(ranks) < math.floor(round(f * num_items, 9))
         new_part = np.where(on_new[None, :], d_new, np.inf)
         old_part = np.where(on_new[None, :], np.inf, d_old)
-        from_new = np.isfinite(new_part).any(axis=1)
+        if by_distance:
+            rows = np.arange(len(d_old))
+            from_new = new_part[rows, new_part.argmin(axis=1)] <= old_part[rows, old_part.argmin(axis=1)]
+        else:
+            from_new = np.isfinite(new_part).any(axis=1)
         hits[p] = is_hit(np.where(from_new, new_part.argmin(axis=1), old_part.argmin(axis=1)))
     top1 = hits.mean(axis=1)
     scale = 1.0 if anchor_old_hits is None else \
         (1 - float(np.mean(anchor_old_hits))) / max(1e-9, 1 - float(top1[0]))
     fpc = max(0.0, 1.0 - sample / max(num_items, sample))
-    return {"way": "shadow index (rrf)", "fractions": points.tolist(), "sample": sample, "items": int(num_items),
+    return {"way": "online backfilling" if by_distance else "shadow index (rrf)", "fractions": points.tolist(), "sample": sample, "items": int(num_items),
             "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(),
             "top1_se": np.sqrt(hits.var(axis=1, ddof=1) / len(d_old) * fpc).tolist(),
             "sample_top1": top1.tolist(), "error_scale": scale}
@@ -142,14 +183,16 @@ def compare_ways(target: float, predictions: dict[str, dict]) -> dict:
 def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: np.ndarray, queries: np.ndarray,
                    old_side: np.ndarray, sample_transformed: np.ndarray, transformed_parts,
                    log_sigma2: np.ndarray | None, weights: np.ndarray | None, seed: int, distance: str = "l2",
-                   judged: tuple | None = None) -> dict:
+                   judged: tuple | None = None, reverse=None, other_maps: dict | None = None) -> dict:
     """``compare_ways`` for a gallery before its upgrade, on its judged queries when there are
     (``judged``: the judgments, the queries' new-model and serving-model features), else on its
     labels. ``positions``/``queries``: the evaluation sample S and its new-model features;
     ``prefilled``: what planning would embed first; ``old_side``: S's stored old-model features;
     ``sample_transformed``: S through the map; ``transformed_parts()``: the whole gallery through
     the map, as ``(first item, rows)`` parts; ``log_sigma2``/``weights``: what orders the map's
-    sigma and the usage weights allow (None: not known)."""
+    sigma and the usage weights allow (None: not known); ``reverse``: online backfilling's
+    reverse transformation (None: not among the ways); ``other_maps``: ``{name: (S through that
+    map, its transformed_parts)}``, each a way in random (and usage) order."""
 
     labels = gallery.labels()
     if labels is None and judged is None:
@@ -157,6 +200,8 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
                 "gallery's labels; this gallery has neither"}
     positions = np.asarray(positions, dtype=np.int64)
     full = len(positions) == gallery.num_items  # S is the gallery: nothing to scale
+    num_items = gallery.num_items
+    gain = float(reverse.new_scale) ** 2 if reverse is not None and distance == "l2" else 1.0
 
     def old_parts():
         return ((gallery.part_bounds(part)[0], gallery.features(gallery.model, part))
@@ -169,44 +214,73 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
             return {"target_top1": target, "note": "the comparison of ways needs at least 2 judged queries with a "
                     f"relevant item in the evaluation sample ({len(positions)} items), and {usable} have one; raise "
                     "gallery.upgrade.eval_queries or judge more items"}
-        anchor_new = judged_anchor(query_new, judgments, transformed_parts(), distance)
-        anchor_old = judged_anchor(query_old, judgments, old_parts(), distance)
 
-        def map_way(ranks):
-            return predict_judged(query_new, judgments, positions, queries, sample_transformed, ranks,
-                                  gallery.num_items, anchor_new, distance=distance)
+        def map_way_of(sample_t, parts):
+            anchor = judged_anchor(query_new, judgments, parts(), distance)
+            return lambda ranks: predict_judged(query_new, judgments, positions, queries, sample_t, ranks, num_items,
+                                                anchor, distance=distance)
+
+        anchor_old = judged_anchor(query_old, judgments, old_parts(), distance)
 
         def shadow_way(ranks):
             return shadow_top1_judged(query_old, query_new, judgments, positions, old_side, queries, ranks,
-                                      gallery.num_items, anchor_old, distance=distance)
-    else:
-        anchor_new = NearestLabel(queries, positions, labels, distance)
-        for start, rows in transformed_parts():
-            anchor_new.add(start, rows)
-        anchor_old = NearestLabel(old_side, positions, labels, distance)
-        for start, rows in old_parts():
-            anchor_old.add(start, rows)
+                                      num_items, anchor_old, distance=distance)
 
-        def map_way(ranks):
-            return predict(queries, sample_transformed, labels[positions], ranks, gallery.num_items,
-                           None if full else anchor_new.hits(), distance=distance)
+        if reverse is not None:
+            twins = reverse(query_new)
+            anchor_twins = judged_anchor(twins, judgments, old_parts(), distance)
+
+            def online_way(ranks):
+                return shadow_top1_judged(twins, query_new, judgments, positions, old_side, queries, ranks,
+                                          num_items, anchor_twins, distance=distance, gain=gain)
+    else:
+        def map_way_of(sample_t, parts):
+            anchor = NearestLabel(queries, positions, labels, distance)
+            for start, rows in parts():
+                anchor.add(start, rows)
+            hits = None if full else anchor.hits()
+            return lambda ranks: predict(queries, sample_t, labels[positions], ranks, num_items, hits,
+                                         distance=distance)
+
+        def anchored(features):
+            anchor = NearestLabel(features, positions, labels, distance)
+            for start, rows in old_parts():
+                anchor.add(start, rows)
+            return None if full else anchor.hits()
+
+        anchor_old = anchored(old_side)
 
         def shadow_way(ranks):
-            return shadow_top1(old_side, queries, labels[positions], ranks, gallery.num_items,
-                               None if full else anchor_old.hits(), distance=distance)
+            return shadow_top1(old_side, queries, labels[positions], ranks, num_items, anchor_old, distance=distance)
+
+        if reverse is not None:
+            twins = reverse(queries)
+            anchor_twins = anchored(twins)
+
+            def online_way(ranks):
+                return online_top1(old_side, queries, twins, labels[positions], ranks, num_items, anchor_twins,
+                                   gain=gain, distance=distance)
     kinds = [kind for kind, needs in (("sigma", log_sigma2), ("usage_sigma", weights if log_sigma2 is not None
                                                                                        else None),
                                       ("usage", weights), ("random", True)) if needs is not None]
     predictions = {}
+    map_way = map_way_of(sample_transformed, transformed_parts)
     for kind in kinds:
-        order = backfill_order(kind, gallery.num_items, seed, log_sigma2, weights)
+        order = backfill_order(kind, num_items, seed, log_sigma2, weights)
         predictions[f"map, {kind} order"] = map_way(stand_in_ranks(order, prefilled, positions, seed))
+    for name, (sample_t, parts) in (other_maps or {}).items():
+        other_way = map_way_of(sample_t, parts)
+        for kind in [kind for kind, needs in (("usage", weights), ("random", True)) if needs is not None]:
+            order = backfill_order(kind, num_items, seed, None, weights)
+            predictions[f"{name}, {kind} order"] = other_way(stand_in_ranks(order, prefilled, positions, seed))
     shadow_kinds = [kind for kind, needs in (("random", True), ("usage", weights), ("sigma", log_sigma2))
                     if needs is not None]
     for kind in shadow_kinds:  # a team without a map breaks the usage order's ties by id, not by sigma
-        order = backfill_order(kind, gallery.num_items, seed, log_sigma2 if kind == "sigma" else None, weights)
+        order = backfill_order(kind, num_items, seed, log_sigma2 if kind == "sigma" else None, weights)
         # no map, nothing embedded before the backfill: S's own places
         predictions[f"shadow index (rrf), {kind} order"] = shadow_way(ranks_of(order, positions))
+        if reverse is not None:
+            predictions[f"online backfilling (metric-compatible), {kind} order"] = online_way(ranks_of(order, positions))
     result = compare_ways(target, predictions)
     first = next(iter(predictions.values()))
     truth = (f"{first['queries']} judged queries against {len(positions)} sampled items" if judged is not None

@@ -8,6 +8,12 @@ lists are merged (reciprocal rank fusion by default, or scores normalised per li
 land, their items leave the old index and join the new one, by id: never a rebuild. Both indexes
 are exact (flat); each hit carries its source, the model whose features it was found by.
 
+Online backfilling (``merge="online"``) searches the same two indexes with one model: the new
+model's query in the new part, and its twin in the old space, the upgrade's stored reverse
+transformation of it (``gallery.upgrade.online``), in the old part; the two lists are merged by
+their raw distances, the new list's scaled by the transformation's gain (squared l2; a cosine
+distance is scale-free). Only the new model embeds a query.
+
 Outside an upgrade there is one model and one index: the merge has nothing to merge, and the
 search is the gallery's own.
 """
@@ -21,23 +27,24 @@ import numpy as np
 from components.gallery.upgrade.backfill import landed_since
 from components.gallery.layouts.catalog import Gallery, GalleryError, check_features
 from components.gallery.layouts.item_ids import ids_at
-from components.gallery.upgrade.planning import load_plan, order_of
+from components.gallery.upgrade.planning import load_plan, load_reverse, order_of
 from components.platform.registry import ModelRef
-from components.platform.vocabulary import DISTANCES, MERGES
-from components.evaluation.fusion import merge_lists
+from components.platform.vocabulary import DISTANCES, SEARCH_MERGES
+from components.evaluation.fusion import distance_merge, merge_lists
 from components.experiment.inference import embed
 from components.gallery.search.index import query_images
 
 
 class DualSearch:
     """Top-k item ids of query pairs (old model's, new model's features) over the two parts of a
-    gallery mid-upgrade, merged by ``merge`` (one of MERGES)."""
+    gallery mid-upgrade, merged by ``merge`` (one of SEARCH_MERGES; ``online``: see
+    ``search_online``)."""
 
     def __init__(self, gallery: Gallery, distance: str = "l2", merge: str = "rrf", rrf_k: int = 60):
         if distance not in DISTANCES:
             raise GalleryError(f"distance must be one of {', '.join(DISTANCES)}, got {distance!r}")
-        if merge not in MERGES:
-            raise GalleryError(f"merge must be one of {', '.join(MERGES)}, got {merge!r}")
+        if merge not in SEARCH_MERGES:
+            raise GalleryError(f"merge must be one of {', '.join(SEARCH_MERGES)}, got {merge!r}")
         self.gallery, self.distance, self.merge, self.rrf_k = gallery, distance, merge, rrf_k
         self._lock = threading.RLock()
         self._build()
@@ -51,6 +58,14 @@ class DualSearch:
         self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
         self.old_model = self.plan.old if self.plan else ModelRef.from_dict(manifest["model"])
         self.new_model = self.plan.new if self.plan else None
+        self.reverse = None
+        if self.merge == "online" and self.plan is not None:
+            self.reverse = load_reverse(self.gallery.store, self.plan.id)
+            if self.reverse is None:
+                raise GalleryError(
+                    f"the upgrade {self.plan.id} was planned without online backfilling's reverse transformation "
+                    "(gallery.upgrade.online was false), so --merge online has no old-space query; search with "
+                    "--merge rrf (or no --merge), or set gallery.upgrade.online: true before the next upgrade")
         self.dim = self.gallery.features(self.old_model, 0).shape[1]
         flat = faiss.IndexFlatIP if self.distance == "cosine" else faiss.IndexFlatL2
         self.old_index = faiss.IndexIDMap2(flat(self.dim))
@@ -106,7 +121,8 @@ class DualSearch:
         if k == 0:
             return np.empty((len(queries), 0), dtype=np.int64), np.empty((len(queries), 0), dtype=np.float32)
         scores, ids = index.search(self._prepare(queries), k)
-        return ids, (1.0 - scores if self.distance == "cosine" else scores)
+        # faiss's squared l2 can round just below 0 for a near-identical pair
+        return ids, (1.0 - scores if self.distance == "cosine" else np.maximum(scores, 0.0))
 
     def search(self, old_queries: np.ndarray, new_queries: np.ndarray | None, k: int = 10
                ) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
@@ -118,6 +134,8 @@ class DualSearch:
 
         if k < 1:
             raise GalleryError(f"k must be >= 1, got {k}")
+        if self.merge == "online" and self.plan is not None:
+            raise GalleryError("online backfilling searches with the new model's query alone: call search_online")
         old_queries = check_features(np.atleast_2d(np.asarray(old_queries)), self.dim,
                                      f"old query features (for {self.old_model.uri})")
         with self._lock:
@@ -133,12 +151,40 @@ class DualSearch:
                 raise GalleryError(f"{len(old_queries)} old query features but {len(new_queries)} new ones; "
                                    "give both models' features of the same queries, in the same order")
             new_ids, new_dist = self._one(self.new_index, new_queries, k)
+        return self._merged(old_ids, old_dist, new_ids, new_dist, k)
+
+    def search_online(self, queries: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
+        """Online backfilling's answer (``merge="online"``): ``queries`` are the new model's
+        features mid-upgrade (the serving model's outside one). The new part is searched with
+        them, the old part with their reverse transformation; (ids, merged distances, sources),
+        the distances ascending, the new part's scaled by the transformation's gain."""
+        if self.merge != "online":
+            raise GalleryError(f"search_online needs a searcher made with merge='online', not {self.merge!r}")
+        if k < 1:
+            raise GalleryError(f"k must be >= 1, got {k}")
+        with self._lock:
+            if self.plan is None:
+                return self.search(queries, None, k)
+            queries = check_features(np.atleast_2d(np.asarray(queries)), self.new_dim,
+                                     f"query features (for {self.new_model.uri})")
+            twins = self.reverse(np.asarray(queries, dtype=np.float32))
+            old_ids, old_dist = self._one(self.old_index, twins, k)
+            new_ids, new_dist = self._one(self.new_index, queries, k)
+        return self._merged(old_ids, old_dist, new_ids, new_dist, k)
+
+    def _merged(self, old_ids, old_dist, new_ids, new_dist, k: int):
         limit = min(k, self.gallery.num_items)
         names = [self.old_model.uri, self.new_model.uri]
+        # the reverse transformation's gain multiplies the new features, so squared l2 distances by its square
+        gain = float(getattr(self.reverse, "new_scale", 1.0)) ** 2 if self.distance == "l2" else 1.0
         rows, scores, sources = [], [], []
-        for q in range(len(old_queries)):
-            ids, score, source = merge_lists(self.merge, [old_ids[q], new_ids[q]], [old_dist[q], new_dist[q]],
-                                             rrf_k=self.rrf_k, distance=self.distance, limit=limit)
+        for q in range(len(old_ids)):
+            if self.merge == "online":
+                ids, score, source = distance_merge([old_ids[q], new_ids[q]], [old_dist[q], new_dist[q]],
+                                                    scales=[1.0, gain], limit=limit)
+            else:
+                ids, score, source = merge_lists(self.merge, [old_ids[q], new_ids[q]], [old_dist[q], new_dist[q]],
+                                                 rrf_k=self.rrf_k, distance=self.distance, limit=limit)
             rows.append(ids)
             scores.append(score)
             sources.append([names[s] for s in source])
@@ -148,5 +194,7 @@ class DualSearch:
         """Embed query images (uint8, (N, C, H, W) or (N, H, W)) with both models, and search."""
 
         images = query_images(self.gallery, images)
+        if self.merge == "online":  # one model embeds: the new one mid-upgrade, the gallery's own outside
+            return self.search_online(embed(new_model if self.plan is not None else old_model, images), k)
         new = embed(new_model, images) if new_model is not None else None
         return self.search(embed(old_model, images), new, k)

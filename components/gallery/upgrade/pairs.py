@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from components.gallery.upgrade.pseudo_classes import cluster_classes
+from components.experiment.adapters import fit_metric_compatible
+from components.gallery.upgrade.pseudo_classes import class_count, cluster, cluster_classes
 
 TARGETS_LABELS, TARGETS_PREDICTED, TARGETS_MIXED, TARGETS_NONE = (
     "labels", "the new model's predicted classes", "labels, and the new model's predicted classes where its "
@@ -135,3 +136,27 @@ def from_gallery(new_model, positions: np.ndarray, old: np.ndarray, new: np.ndar
     return MapPairs(np.asarray(old, np.float32), np.asarray(new, np.float32), targets, truth,
                     gallery_source(store_uri), targets_from, np.asarray(positions, dtype=np.int64),
                     head if head is not own else None)
+
+
+def reverse_classes(pairs: MapPairs, pseudo_classes: int, seed: int) -> tuple[np.ndarray, str]:
+    """The classes that online backfilling's metric-compatible reverse transformation contrasts
+    on the map's pairs: the check's truth (the gallery's labels, else the disc term's targets)
+    when it has two classes or more, else K-means clusters of the new features
+    (``pseudo_classes`` of them, 50 when that is 0). Returns (classes, where they come from)."""
+    truth = np.asarray(pairs.truth)
+    if len(np.unique(truth)) >= 2:
+        return truth.astype(np.int64), pairs.targets_from if pairs.targets is not None else TARGETS_LABELS
+    k = class_count(pseudo_classes or 50, len(pairs))
+    return cluster(pairs.new, k, seed), TARGETS_PSEUDO.format(k=k)
+
+
+def fit_reverse(pairs: MapPairs, pseudo_classes: int, seed: int, log=print):
+    """Online backfilling's metric-compatible reverse transformation (new -> old), fitted on the
+    map's pairs and their ``reverse_classes``."""
+    classes, source = reverse_classes(pairs, pseudo_classes, seed)
+    log(f"online backfilling: fitting the metric-compatible reverse transformation on {len(pairs)} pairs "
+        f"({pairs.source}; classes: {source})")
+    reverse = fit_metric_compatible(pairs.new, pairs.old, classes, seed=seed)
+    log(f"online backfilling: reverse transformation fitted; the new space's distances meet the old space's "
+        f"times {reverse.new_scale ** 2:.4g}")
+    return reverse

@@ -29,10 +29,12 @@ after a crash before its marker rewrites the same key with the same features.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from components.experiment.adapters import adapter_arrays, adapter_from_arrays
 from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
 from components.gallery.store import ObjectMissing, Store
 
@@ -93,6 +95,26 @@ def eval_ranks_key(upgrade: str) -> str:
 
 def sigma_key(upgrade: str, part: int) -> str:
     return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
+
+
+def reverse_key(upgrade: str) -> str:
+    """Online backfilling's reverse transformation (gallery.upgrade.online), as named arrays."""
+    return upgrade_key(upgrade, "reverse.npz")
+
+
+def write_reverse(store: Store, upgrade: str, adapter) -> None:
+    """Keep the upgrade's reverse transformation (``adapters.adapter_arrays``: arrays, no pickle)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **adapter_arrays(adapter))
+    store.put(reverse_key(upgrade), buffer.getvalue())
+
+
+def load_reverse(store: Store, upgrade: str):
+    """The upgrade's reverse transformation, or None when it was planned without one."""
+    if not store.exists(reverse_key(upgrade)):
+        return None
+    with np.load(io.BytesIO(store.get(reverse_key(upgrade))), allow_pickle=False) as arrays:
+        return adapter_from_arrays({name: arrays[name] for name in arrays.files})
 
 
 
