@@ -522,6 +522,63 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     assert plan.order_kind == order
 
 
+def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgrade_env, prefect_harness):
+    """gallery.upgrade.method names the comparison's affine lambda-orthogonal map and online is on:
+    the upgrade trains that map (checked, warn-only), fits the metric-compatible reverse
+    transformation on the map's pairs and keeps it with the plan; mid-upgrade, `search --merge
+    online` answers from the new model's features alone, with hits from both parts."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from cli import app
+    from components.experiment.inference import embed
+    from components.model_store.registered import load_model
+    from components.platform.config import parse_params
+    from flows.ingest import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    base, tmp_path = upgrade_env
+    client, _, new_model, old_version, new_version = registry_models(base)
+    client.delete_registered_model(base.mlflow.alignment_model)  # no map joins the two versions: one is trained
+    data = base.model_dump(mode="json")
+    data["compare"]["align"]["lambda_orth"] = {"architecture": "affine", "orthogonality": 1.0, "disc": True,
+                                               "uncertainty": False, "epochs": 3, "warmup_epochs": 1,
+                                               "batch_size": 32, "min_steps": 30, "check": "warn"}
+    data["compare"]["orders"]["lambda_orth"] = ["random"]
+    data["gallery"]["upgrade"].update(method="lambda_orth", order="random", online=True)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    params = parse_params(data)
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    paused = upgrade_flow(params, uri, budget=0.5)
+    assert paused["state"] == "paused", paused
+    store = open_store(uri)
+    plan = planning.load_plan(store, paused["upgrade"])
+    version = plan.map_uri.rsplit("/", 1)[1]
+    tags = client.get_model_version(params.mlflow.alignment_model, version).tags
+    assert tags["method"] == "lambda_orth" and plan.order_kind == "random"
+    assert load_model(plan.map_uri).transform.__class__.__name__ == "Linear"  # W x + b
+    reverse = planning.load_reverse(store, plan.id)
+    assert reverse.kind == "metric_compatible" and reverse.new_scale > 0
+    assert client.get_run(plan.mlflow_run_id).data.tags["online"] == "metric_compatible"
+
+    runner = CliRunner()
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+    np.save(tmp_path / "q.npy", embed(new_model, split_images(params).images[:8]))
+    # the queries are gallery items; half the gallery is re-embedded, so 40 hits reach into the old part
+    result = runner.invoke(app, ["search", *args, "--merge", "online", "--features", str(tmp_path / "q.npy"),
+                                 "-k", "40"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.output.strip().splitlines()[-1])
+    assert answer["merge"] == "online" and answer["query_models"] == [f"models:/embedder/{new_version}"]
+    assert all(np.all(np.diff(row) >= 0) for row in answer["scores"])  # one list, by distance
+    assert {s for row in answer["sources"] for s in row} == {f"models:/embedder/{old_version}",
+                                                             f"models:/embedder/{new_version}"}
+    refused = runner.invoke(app, ["search", *args, "--merge", "online", "--features", str(tmp_path / "q.npy"),
+                                  "--old-features", str(tmp_path / "q.npy")])
+    assert refused.exit_code == 2 and "--merge online needs the new model's features alone" in refused.output
+
+
 def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade_env, prefect_harness):
     """align.<method>.check: off (the comparison's setting) in an upgrade: the map is trained,
     registered and used as trained; the version and the run say the check was skipped, and why."""
@@ -571,6 +628,10 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     def configured(**upgrade):  # params.yaml (which the CLI reads) and the params the flows get
         data = base.model_dump(mode="json")
         data["gallery"]["upgrade"].update(eval_queries=40, **upgrade)
+        data["compare"]["align"]["lambda_orth"] = {  # the later map that the ways compare
+            "architecture": "affine", "orthogonality": 1.0, "disc": True, "epochs": 3, "warmup_epochs": 1,
+            "batch_size": 32, "min_steps": 30}
+        data["compare"]["orders"]["lambda_orth"] = ["random"]
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
         return parse_params(data)
 
@@ -588,8 +649,10 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     target = estimate_upgrade(params, uri, "", predicted["top1"][10])["advice"]["target"]
     assert {key: store.get(key) for key in store.list("")} == before  # still nothing written
     by = {way["way"]: way for way in target["ways"]}
-    sigma = {"map, sigma order", "shadow index (rrf), sigma order"}  # when the registry's map has a head
-    assert set(by) - sigma == {"map, random order", "shadow index (rrf), random order"}
+    sigma = {"map, sigma order", "shadow index (rrf), sigma order",  # when the registry's map has a head
+             "online backfilling (metric-compatible), sigma order"}
+    assert set(by) - sigma == {"map, random order", "lambda-orthogonal map (affine), random order",
+                               "shadow index (rrf), random order", "online backfilling (metric-compatible), random order"}
     assert set(by) & sigma in (set(), sigma)
     own = by[f"map, {predicted['order']} order"]
     assert own["top1_at_0"] == pytest.approx(predicted["top1"][0], abs=1e-9)

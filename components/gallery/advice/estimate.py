@@ -262,6 +262,8 @@ def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.nd
     settings = maps[LATER_MAP]
     if pairs.targets is None and settings.disc:
         settings = settings.model_copy(update={"disc": False})
+    if len(pairs) < samples.least_map_sample(settings.validation_fraction):  # too few to hold some out: the last epoch
+        settings = settings.model_copy(update={"validation_fraction": 0.0})
     classifier = pairs.classifier(model)
     if classifier is None:  # no classes at all: the disc term is off, and its head is never called
         classifier = torch.nn.Identity()
