@@ -30,7 +30,6 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from components.evaluation import curve_at_counts
-    from components.gallery.upgrade.measure import restricted_order
     from components.experiment.inference import embed
     from flows.ingest import ingest_flow
     from flows.upgrade import progress_key, upgrade_flow
