@@ -81,7 +81,7 @@ def _entry_run_name() -> str:
     return f"upgrade {store_of(parameters)} to {parameters.get('to') or 'challenger'}"
 
 
-@flow(name="upgrade-gallery", flow_run_name=_entry_run_name, log_prints=True)
+@flow(name="upgrade-gallery", flow_run_name=_entry_run_name, log_prints=True, persist_result=True)  # as upgrade_flow
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
                   gate: bool | None = None, budget: float | None = None) -> dict:
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a

@@ -43,7 +43,11 @@ def _upgrade_run_name() -> str:
     return f"upgrade {store_of(parameters)} to {parameters.get('to_uri') or 'challenger'}"
 
 
-@flow(name=UPGRADE_FLOW, flow_run_name=_upgrade_run_name, log_prints=True)
+# persist_result: a run that ends in a named state ("Paused", "Rejected") hands its result back
+# through that state's data; were the API to answer the final state's proposal with its own copy
+# (a proposal retried after a slow answer is rejected as already final), only a persisted result
+# could still be read from it. The result is a small dict in Prefect's result storage.
+@flow(name=UPGRADE_FLOW, flow_run_name=_upgrade_run_name, log_prints=True, persist_result=True)
 def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_uri: str = "",
                  budget: float | int | None = None, break_lock: bool = False, gate: bool | None = None,
                  params_path: str | None = None, overrides: dict[str, Any] | None = None) -> UpgradeResult:
