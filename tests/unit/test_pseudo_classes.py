@@ -73,3 +73,21 @@ def test_a_model_with_a_classifier_keeps_its_own():
     pairs = from_gallery(model, np.arange(len(features)), features, features, None, "file:///g", pseudo_classes=50)
     assert pairs.targets_from == TARGETS_PREDICTED and pairs.head is None
     assert pairs.classifier(model) is classifier
+
+
+def test_with_pseudo_classes_off_a_map_trains_without_a_classifier():
+    """pseudo_classes: 0 and a model without a classifier: no disc term, and the map's training
+    (which never calls a head without it) is given a stand-in that says so if it ever is."""
+    from components.experiment.map_training import train_alignment
+    from components.platform.config import AlignConfig
+
+    features, _ = _blobs(per_class=20)
+    old = features[:, :8].copy()
+    off = from_gallery(_Model(), np.arange(len(features)), old, features, None, "file:///g", pseudo_classes=0)
+    head = off.classifier(_Model())
+    with pytest.raises(RuntimeError, match="no classifier"):
+        head(torch.zeros(1, features.shape[1]))
+    config = AlignConfig(hidden=[8], epochs=2, warmup_epochs=1, batch_size=32, min_steps=4, disc=False,
+                         validation_fraction=0.0)
+    h, _ = train_alignment(config, *off.training, head, device=torch.device("cpu"), log=lambda line: None)
+    assert h(torch.from_numpy(old[:3])).shape == (3, features.shape[1])

@@ -9,7 +9,6 @@ import math
 import time
 
 import numpy as np
-import torch
 
 from components.experiment.map_training import train_alignment
 from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
@@ -264,11 +263,8 @@ def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.nd
         settings = settings.model_copy(update={"disc": False})
     if len(pairs) < samples.least_map_sample(settings.validation_fraction):  # too few to hold some out: the last epoch
         settings = settings.model_copy(update={"validation_fraction": 0.0})
-    classifier = pairs.classifier(model)
-    if classifier is None:  # no classes at all: the disc term is off, and its head is never called
-        classifier = torch.nn.Identity()
-    later = train_alignment(settings, *pairs.training, classifier, device=pick_device(), log=lambda line: None,
-                            method=LATER_MAP)[0].eval()
+    later = train_alignment(settings, *pairs.training, pairs.classifier(model), device=pick_device(),
+                            log=lambda line: None, method=LATER_MAP)[0].eval()
 
     def later_parts():
         return ((gallery.part_bounds(p)[0], apply_alignment(later, gallery.features(gallery.model, p))[0])

@@ -83,6 +83,19 @@ def class_targets(new_model, labels: np.ndarray | None, new_features: np.ndarray
     return np.where(known >= 0, known, predicted).astype(np.int64), TARGETS_MIXED, classifier
 
 
+def _no_classifier():
+    """The head given to a map's training when there is none (a new model without a classifier,
+    pseudo-classes off): the disc term is off then, so it is never called; if it were, it says why."""
+    import torch
+
+    class NoClassifier(torch.nn.Module):
+        def forward(self, features):
+            raise RuntimeError("no classifier: the new model has none and gallery.upgrade.pseudo_classes is 0, so "
+                               "the disc term is off")
+
+    return NoClassifier()
+
+
 @dataclass(frozen=True)
 class MapPairs:
     """Old and new features of the same items, with the disc term's targets and the check's truth.
@@ -103,8 +116,12 @@ class MapPairs:
     head: object | None = None
 
     def classifier(self, new_model):
-        """kappa_new for the disc term and the check: the fitted head, else the new model's own."""
-        return self.head if self.head is not None else getattr(new_model, "classifier", None)
+        """kappa_new for the disc term and the check: the fitted head, else the new model's own,
+        else (no classes at all, the disc term off) a stand-in that is never called."""
+        if self.head is not None:
+            return self.head
+        own = getattr(new_model, "classifier", None)
+        return own if own is not None else _no_classifier()
 
     def __len__(self) -> int:
         return len(self.old)
