@@ -39,9 +39,7 @@ class MapSettings:
     def for_pairs(self, pairs: MapPairs | None) -> AlignConfig:
         """The method's settings for ``pairs``: without classes for the disc term (a new model
         without a classifier, and pseudo-classes off) the term is off."""
-        if pairs is not None and pairs.targets is None and self.config.disc:
-            return self.config.model_copy(update={"disc": False})
-        return self.config
+        return self.config if pairs is None else pairs.settings(self.config)
 
 
 def pair_tags(pairs: MapPairs) -> dict:

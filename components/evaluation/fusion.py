@@ -91,18 +91,8 @@ def score_merge(lists_of_ids: Sequence, lists_of_distances: Sequence, norm: str 
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if distance not in DISTANCES:
         raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
-    if len(lists_of_ids) != len(lists_of_distances):
-        raise ValueError(f"{len(lists_of_ids)} lists of ids but {len(lists_of_distances)} lists of "
-                         "distances; give one distance list per id list")
-    lists, normalised = [], []
-    for j, (ids, values) in enumerate(zip(lists_of_ids, lists_of_distances)):
-        ids = np.asarray(ids)
-        values = np.asarray(values, dtype=np.float64)
-        if values.shape != ids.shape:
-            raise ValueError(f"list {j} has {ids.shape} ids but {values.shape} distances; one each")
-        real = ids >= 0 if ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer) else slice(None)
-        lists.append(_ids(ids, j))
-        normalised.append(normalise_distances(_distances(values[real], j, distance), norm))
+    lists, distances = _checked_lists(lists_of_ids, lists_of_distances, distance)
+    normalised = [normalise_distances(values, norm) for values in distances]
     ids, sources, ranks = _entries(lists)
     values = np.concatenate(normalised) if normalised else np.zeros(0)
     return _fuse(ids, values, sources, ranks, limit, combine="min")
@@ -119,21 +109,11 @@ def distance_merge(lists_of_ids: Sequence, lists_of_distances: Sequence, scales:
             finite, negative or not ascending, a scale that is not a positive finite number, or a
             repeated id within a list.
     """
-    if len(lists_of_ids) != len(lists_of_distances):
-        raise ValueError(f"{len(lists_of_ids)} lists of ids but {len(lists_of_distances)} lists of "
-                         "distances; give one distance list per id list")
     scales = [1.0] * len(lists_of_ids) if scales is None else list(scales)
     if len(scales) != len(lists_of_ids) or not all(np.isfinite(s) and s > 0 for s in scales):
         raise ValueError(f"give one positive finite scale per list ({len(lists_of_ids)}), got {scales!r}")
-    lists, scaled = [], []
-    for j, (ids, values) in enumerate(zip(lists_of_ids, lists_of_distances)):
-        ids = np.asarray(ids)
-        values = np.asarray(values, dtype=np.float64)
-        if values.shape != ids.shape:
-            raise ValueError(f"list {j} has {ids.shape} ids but {values.shape} distances; one each")
-        real = ids >= 0 if ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer) else slice(None)
-        lists.append(_ids(ids, j))
-        scaled.append(_distances(values[real], j, "l2") * float(scales[j]))
+    lists, distances = _checked_lists(lists_of_ids, lists_of_distances, "l2")
+    scaled = [values * float(scale) for values, scale in zip(distances, scales)]
     ids, sources, ranks = _entries(lists)
     return _fuse(ids, np.concatenate(scaled) if scaled else np.zeros(0), sources, ranks, limit, combine="min")
 
@@ -179,6 +159,25 @@ def _ids(ids, j: int) -> np.ndarray:
         raise ValueError(f"list {j} holds id {int(unique[counts > 1][0])} more than once; a ranked list "
                          "names each item once")
     return arr
+
+
+def _checked_lists(lists_of_ids: Sequence, lists_of_distances: Sequence, distance: str
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each list's ids (``_ids``) and its distances (``_distances``, float64), the padding dropped
+    from both; the lists checked to pair up, one distance per id."""
+    if len(lists_of_ids) != len(lists_of_distances):
+        raise ValueError(f"{len(lists_of_ids)} lists of ids but {len(lists_of_distances)} lists of "
+                         "distances; give one distance list per id list")
+    lists, distances = [], []
+    for j, (ids, values) in enumerate(zip(lists_of_ids, lists_of_distances)):
+        ids = np.asarray(ids)
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != ids.shape:
+            raise ValueError(f"list {j} has {ids.shape} ids but {values.shape} distances; one each")
+        real = ids >= 0 if ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer) else slice(None)
+        lists.append(_ids(ids, j))
+        distances.append(_distances(values[real], j, distance))
+    return lists, distances
 
 
 def _distances(values: np.ndarray, j: int, distance: str) -> np.ndarray:

@@ -665,7 +665,7 @@ class Params(Section):
                              "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
                              "from evaluate.dual_orders")
         upgrade = self.gallery.upgrade.method
-        maps = {**self.compare.align, **self.align}
+        maps = self.map_methods
         if upgrade not in maps:
             raise ValueError(
                 f"gallery.upgrade.method names {upgrade!r}, which is not under align or compare.align "
@@ -702,11 +702,15 @@ class Params(Section):
         return problems
 
     @property
+    def map_methods(self) -> dict[str, AlignConfig]:
+        """Every map an upgrade may train, by name: align's entries, and compare.align's (the
+        comparison's maps, lambda_orth among them) where align has none of that name."""
+        return {**self.compare.align, **self.align}
+
+    @property
     def upgrade_map(self) -> AlignConfig:
-        """The settings of the map an upgrade trains (gallery.upgrade.method): align's entry, else
-        compare.align's (the comparison's maps, lambda_orth among them, are offered to upgrades)."""
-        method = self.gallery.upgrade.method
-        return self.align[method] if method in self.align else self.compare.align[method]
+        """The settings of the map an upgrade trains (gallery.upgrade.method), from map_methods."""
+        return self.map_methods[self.gallery.upgrade.method]
 
     def for_comparison(self, seed: int) -> Params:
         """The configuration of one seed of the comparison: every method (align + compare.align,

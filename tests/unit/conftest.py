@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.gallery_cases import make_data, make_models
+from components.gallery.upgrade import backfill
+from tests.gallery_cases import _gallery, _plan, make_data, make_models
 
 
 @pytest.fixture
@@ -15,3 +16,15 @@ def models():
 def data():
     """(images, labels) of the tiny gallery."""
     return make_data()
+
+
+@pytest.fixture
+def mid_upgrade(tmp_path):
+    """(gallery, plan, models, data): the tiny gallery mid-upgrade, its first 3 chunks (21 of 53
+    items) re-embedded. (tests/unit/test_cli_json.py has a mid_upgrade of its own: a store URI.)"""
+    models, data = make_models(), make_data()
+    gallery = _gallery(str(tmp_path / "store"), models, data)
+    plan = _plan(gallery, models[2])
+    for chunk in (0, 1, 2):
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
+    return gallery, plan, models, data

@@ -10,7 +10,7 @@ from components.gallery.upgrade import backfill, ending
 from components.gallery.layouts.catalog import GalleryError
 from components.gallery.search.dual import DualSearch
 from components.experiment.inference import embed
-from tests.gallery_cases import N, NEW, OLD, _gallery, _plan, make_data, make_models
+from tests.gallery_cases import N, NEW, OLD
 
 
 def _ranked(features, ids, queries):
@@ -25,16 +25,6 @@ def _rrf(old_list, new_list, k, limit):
              [(1 / (k + r + 1), 0, int(i)) for r, i in enumerate(old_list)]
     scored.sort(key=lambda t: (-t[0], -t[1]))
     return [(i, source) for _, source, i in scored[:limit]]
-
-
-@pytest.fixture
-def mid_upgrade(tmp_path):
-    models, data = make_models(), make_data()
-    gallery = _gallery(str(tmp_path / "store"), models, data)
-    plan = _plan(gallery, models[2])
-    for chunk in (0, 1, 2):  # 21 of 53 items re-embedded
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
-    return gallery, plan, models, data
 
 
 def test_merged_hits_come_from_both_parts_with_their_sources(mid_upgrade):

@@ -19,7 +19,7 @@ from components.gallery.upgrade import backfill, planning
 from components.experiment.inference import apply_alignment, embed
 from components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
-from tests.gallery_cases import N, NEW, NEW_DIM, OLD, OLD_DIM, _gallery, _plan, make_data, make_models
+from tests.gallery_cases import N, NEW, NEW_DIM, OLD, OLD_DIM, _gallery, make_data, make_models
 
 
 # ---- the merge by distance
@@ -79,16 +79,6 @@ def _hand_made_reverse(scale=1.5, seed=1):
         "new_scale": np.array(scale), "mlp.0.weight": rng.normal(size=(hidden, NEW_DIM)).astype(np.float32),
         "mlp.0.bias": np.zeros(hidden, np.float32), "mlp.2.weight": rng.normal(size=(OLD_DIM, hidden)).astype(np.float32),
         "mlp.2.bias": np.zeros(OLD_DIM, np.float32)})
-
-
-@pytest.fixture
-def mid_upgrade(tmp_path):
-    models, data = make_models(), make_data()
-    gallery = _gallery(str(tmp_path / "store"), models, data)
-    plan = _plan(gallery, models[2])
-    for chunk in (0, 1, 2):  # 21 of 53 items re-embedded
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
-    return gallery, plan, models, data
 
 
 def test_the_online_merge_searches_the_old_part_with_the_reverse_transform(mid_upgrade):

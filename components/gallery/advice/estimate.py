@@ -255,12 +255,9 @@ def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.nd
                          None if labels is None else labels[kept], gallery.store.uri, config.pseudo_classes,
                          config.seed)
     reverse = fit_reverse(pairs, config.pseudo_classes, config.seed, log=lambda line: None)
-    maps = {**params.compare.align, **params.align}
-    if LATER_MAP not in maps or config.method == LATER_MAP:
+    if LATER_MAP not in params.map_methods or config.method == LATER_MAP:
         return reverse, {}
-    settings = maps[LATER_MAP]
-    if pairs.targets is None and settings.disc:
-        settings = settings.model_copy(update={"disc": False})
+    settings = pairs.settings(params.map_methods[LATER_MAP])
     if len(pairs) < samples.least_map_sample(settings.validation_fraction):  # too few to hold some out: the last epoch
         settings = settings.model_copy(update={"validation_fraction": 0.0})
     later = train_alignment(settings, *pairs.training, pairs.classifier(model), device=pick_device(),

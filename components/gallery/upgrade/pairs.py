@@ -126,6 +126,13 @@ class MapPairs:
     def __len__(self) -> int:
         return len(self.old)
 
+    def settings(self, config):
+        """A map's settings (an AlignConfig) for these pairs: without classes for the disc term
+        (a new model without a classifier, and pseudo-classes off) the term is off."""
+        if self.targets is None and config.disc:
+            return config.model_copy(update={"disc": False})
+        return config
+
     @property
     def training(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(old, new, rows) as the map's training takes them; rows are 0 where there is no disc term."""
