@@ -35,42 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 EMULATED = {"Intel Haswell (AVX2)": "Haswell", "AMD EPYC Rome (AVX2)": "EPYC-Rome"}
 
 
-def exact_adam(torch, np):
-    """Adam (no weight decay) whose square root is numpy's, correctly rounded on every CPU, where
-    torch.sqrt goes through MKL's vector maths and the hardware's approximate reciprocal square
-    root. ``--exact-sqrt`` trains with it, to show what is left of the differences without it."""
-
-    class ExactAdam(torch.optim.Optimizer):
-        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
-            super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
-
-        @torch.no_grad()
-        def step(self):
-            for group in self.param_groups:
-                beta1, beta2 = group["betas"]
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                    state["step"] += 1
-                    state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                    state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    root = torch.from_numpy(np.sqrt(state["v"].numpy()))
-                    denom = root / float(np.sqrt(1 - beta2 ** state["step"])) + group["eps"]
-                    p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - beta1 ** state["step"]))
-
-    return ExactAdam
-
-
 def _digest(array) -> str:
     import numpy as np
 
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
 
 
-def probe(steps: int, exact_sqrt: bool = False) -> dict:
+def probe(steps: int, torch_adam: bool = False) -> dict:
     """The parts' digests and the seconds the training part took (this process's kernels)."""
     import faiss
     import numpy as np
@@ -78,9 +49,12 @@ def probe(steps: int, exact_sqrt: bool = False) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from components.experiment.models import AlignmentMap, Embedder
+    from components.experiment.optimizers import ExactAdam
     from components.platform.config import TrainConfig
 
-    adam = exact_adam(torch, np) if exact_sqrt else torch.optim.Adam
+    # the product's optimiser (a correctly rounded square root), or torch's, whose square root
+    # follows the CPU maker (--torch-adam: what the product trained with before)
+    adam = torch.optim.Adam if torch_adam else ExactAdam
     torch.set_num_threads(2)
     torch.manual_seed(0)
     generator = np.random.default_rng(0)
@@ -130,15 +104,17 @@ def probe(steps: int, exact_sqrt: bool = False) -> dict:
             "kernels": {"torch": torch.backends.cpu.get_cpu_capability(), "faiss": faiss.SIMDConfig.get_level_name()}}
 
 
-def run_probe(level: str, steps: int, cpu: str | None = None, exact_sqrt: bool = False) -> dict:
-    """The probe in a fresh process whose kernels are held to ``level`` (under qemu's ``cpu``)."""
+def run_probe(level: str, steps: int, cpu: str | None = None, torch_adam: bool = False,
+              unset: tuple[str, ...] = ()) -> dict:
+    """The probe in a fresh process whose kernels are held to ``level`` (under qemu's ``cpu``),
+    less the variables named in ``unset``."""
     sys.path.insert(0, str(ROOT))
     from components.platform.runtime import kernel_environment
 
     env = {key: value for key, value in os.environ.items()
            if key not in kernel_environment("avx2") and key != "FASTFILL_CPU_KERNELS"}
-    env.update(kernel_environment(level))
-    command = [sys.executable, __file__, "--probe", "--steps", str(steps), *(["--exact-sqrt"] if exact_sqrt else [])]
+    env.update({key: value for key, value in kernel_environment(level).items() if key not in unset})
+    command = [sys.executable, __file__, "--probe", "--steps", str(steps), *(["--torch-adam"] if torch_adam else [])]
     if cpu is not None:
         command = ["qemu-x86_64", "-cpu", cpu, *command]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -154,13 +130,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each level (medians)")
     parser.add_argument("--timing-steps", type=int, default=40, help="training steps of the timed runs")
     parser.add_argument("--qemu", action="store_true", help="also run under emulated AVX2-only CPUs")
-    parser.add_argument("--exact-sqrt", action="store_true",
-                        help="train with an Adam whose square root is numpy's (correctly rounded everywhere)")
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="train with torch.optim.Adam (its square root follows the CPU maker) instead of "
+                             "the product's ExactAdam")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also time the pin less one variable at a time: what each costs")
     parser.add_argument("--no-timing", action="store_true", help="only the bytes, no timed runs")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "cpu_kernels.md")
     args = parser.parse_args()
     if args.probe:
-        print(json.dumps(probe(args.steps, args.exact_sqrt)))
+        print(json.dumps(probe(args.steps, args.torch_adam)))
         return
     rows: dict[str, dict] = {}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -168,38 +147,47 @@ def main() -> None:
     has512 = "avx512f" in Path("/proc/cpuinfo").read_text()
     here = f"{cpu}{' (AVX-512)' if has512 else ''}"
     for level in ("native", "avx2"):
-        rows[f"{here}, {level}"] = run_probe(level, args.steps, exact_sqrt=args.exact_sqrt)
+        rows[f"{here}, {level}"] = run_probe(level, args.steps, torch_adam=args.torch_adam)
     if args.qemu:
         if shutil.which("qemu-x86_64") is None:
             raise SystemExit("--qemu needs qemu-user: apt-get install qemu-user")
         for name, model in EMULATED.items():
             for level in ("native", "avx2"):
-                rows[f"{name} under qemu, {level}"] = run_probe(level, args.steps, model, args.exact_sqrt)
+                rows[f"{name} under qemu, {level}"] = run_probe(level, args.steps, model, args.torch_adam)
     parts = list(next(iter(rows.values()))["digests"])
     reference = rows[f"{here}, avx2"]["digests"]
     lines = [f"CPU kernels and bytes (`.venv/bin/python benchmarks/cpu_kernels.py {' '.join(sys.argv[1:])}`): "
              f"the probe's parts ({args.steps} training steps each"
-             f"{', Adam with a correctly rounded square root' if args.exact_sqrt else ''}), SHA-256 prefixes; "
+             f"{', torch.optim.Adam' if args.torch_adam else ', the product optimiser ExactAdam'}), SHA-256 prefixes; "
              f"= marks a part equal to this machine's pinned (avx2) run.", "",
              "| run | kernels (torch, faiss) | " + " | ".join(parts) + " |",
              "|---|---|" + "---|" * len(parts)]
     for name, row in rows.items():
         cells = [("= " if row["digests"][p] == reference[p] else "") + row["digests"][p] for p in parts]
         lines.append(f"| {name} | {row['kernels']['torch']}, {row['kernels']['faiss']} | " + " | ".join(cells) + " |")
-    timings: dict[str, list[float]] = {"native": [], "avx2": []}
     if args.no_timing:
         text = "\n".join(lines) + "\n"
         print(text)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         return
+    from components.platform.runtime import kernel_environment
+
+    variants = {"native": ("native", ()), "avx2": ("avx2", ())}
+    if args.attribute:  # the pin less one variable: how much of the cost that variable is
+        variants.update({f"avx2 less {key}": ("avx2", (key,)) for key in kernel_environment("avx2")})
+    timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeat):
-        for level in ("native", "avx2"):
-            timings[level].append(run_probe(level, args.timing_steps)["train_seconds"])
-    native, pinned = statistics.median(timings["native"]), statistics.median(timings["avx2"])
+        for name, (level, unset) in variants.items():
+            timings[name].append(run_probe(level, args.timing_steps, unset=unset)["train_seconds"])
+    medians = {name: statistics.median(values) for name, values in timings.items()}
+    native, pinned = medians["native"], medians["avx2"]
     lines += ["", f"Training part ({args.timing_steps} steps of each CNN and the map, 2 threads), medians of "
               f"{args.repeat} alternating runs on {here}: native {native:.2f} s, avx2 {pinned:.2f} s, "
               f"avx2 / native = {pinned / native:.2f}x."]
+    if args.attribute:
+        lines += ["", "| kernels | seconds | / native |", "|---|---|---|"]
+        lines += [f"| {name} | {seconds:.2f} | {seconds / native:.2f}x |" for name, seconds in medians.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

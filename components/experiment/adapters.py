@@ -158,7 +158,8 @@ def fit_residual_mlp(new, old, *, rank: int = 32, hidden: int = 256, epochs: int
     x, y = _pairs(new, old)
     fit, val, affine, mean, std, inputs, mlp = _residual_start(x, y, rank=rank, hidden=hidden, seed=seed, min_held=1)
     residual = torch.as_tensor(y - affine(x).astype(np.float64), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(mlp.parameters(), lr=lr, weight_decay=weight_decay)
+    from components.experiment.optimizers import ExactAdam  # late: torch loads when a command needs it
+    optimizer = ExactAdam(mlp.parameters(), lr=lr, weight_decay=weight_decay, decoupled=True)
     fit_t, val_t = torch.as_tensor(fit), torch.as_tensor(val)
 
     def val_error() -> float:

@@ -19,6 +19,7 @@ from components.experiment.inference import pick_device
 from components.experiment.losses import (
     alignment_loss, classification_per_sample, l2_per_sample, orthogonality_penalty, unified_loss,
 )
+from components.experiment.optimizers import ExactAdam
 from components.experiment.models import AlignmentMap, UnifiedMaps
 from components.experiment.training import (
     announced_dtype, forward_precision,
@@ -141,7 +142,7 @@ def _train_on_features(
     plan = feature_schedule(config, num_items)
     on_epoch = EpochProgress(on_epoch)
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
-    optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = ExactAdam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
     history, start_epoch, step, best, lowest = [], 0, 0, None, None
     state = resume_checkpoint(checkpoint, key, module, optimizer, scheduler, generator, log)

@@ -30,6 +30,7 @@ from components.platform.progress import progress
 from components.platform.runtime import onednn_below_bf16
 from components.experiment.losses import classification_per_sample
 from components.experiment.inference import CHANNELS_LAST, pick_device
+from components.experiment.optimizers import ExactAdam
 from components.experiment.models import Embedder
 
 Log = Callable[[str], None]
@@ -216,7 +217,7 @@ def train_embedder(
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
     if config.optimizer == "adam":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = ExactAdam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, decoupled=True)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9,
                                     weight_decay=config.weight_decay, nesterov=True)

@@ -14,6 +14,7 @@ from torch import nn
 from components.experiment.inference import pick_device
 from components.experiment.losses import classification_per_sample, l2_per_sample, uncertainty_weighted
 from components.experiment.map_validation import validation_split
+from components.experiment.optimizers import ExactAdam
 from components.experiment.models import AlignmentMap
 from components.experiment.training import seed_everything
 from components.platform.config import AlignConfig
@@ -53,7 +54,7 @@ def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.
         transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
     per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
                                                     class_rows[train_index], new_classifier)).to(device)
-    optimizer = torch.optim.Adam(fitted.uncertainty.parameters(), lr=1e-2)
+    optimizer = ExactAdam(fitted.uncertainty.parameters(), lr=1e-2)
     batch = min(1024, len(transformed))
     for _ in range(steps):
         index = torch.randint(0, len(transformed), (batch,), generator=generator).to(device)

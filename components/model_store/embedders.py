@@ -17,6 +17,8 @@ then trains on the head's predicted classes (``components.gallery.upgrade.pairs`
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from torch import nn
@@ -129,30 +131,49 @@ class ModuleEmbedder(ForeignEmbedder):
         if where is not None and where not in modules:
             known = ", ".join(name for name in modules if name)[:400]
             raise ModelSourceError(f"the model has no layer {where!r}; its layers: {known}")
-        self._capturing = False  # the hooks act only inside embed_pixels: the head is called on its own too
+        # The hooks act only inside embed_pixels (the head is called on its own too), and only in the
+        # thread whose embed_pixels is running: chunks embed with one model from several threads at
+        # once, and one flag for all of them let a finishing chunk switch off another's capture.
+        self._capturing = threading.local()
         if where is not None:
             capture = modules[where]
+            # bound methods, not closures: a copy of the embedder gets hooks bound to the copy
             if layer is not None:
-                capture.register_forward_hook(lambda _m, _i, output: self._capture(output))
+                capture.register_forward_hook(self._capture_output)
             else:
-                capture.register_forward_pre_hook(lambda _m, inputs: self._capture(inputs[0]))
+                capture.register_forward_pre_hook(self._capture_input)
                 self.classifier = modules[head]
 
+    def __getstate__(self):  # a thread-local does not pickle or copy: each copy gets its own
+        state = dict(super().__getstate__())
+        state.pop("_capturing", None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._capturing = threading.local()
+
+    def _capture_output(self, _module, _inputs, output) -> None:
+        self._capture(output)
+
+    def _capture_input(self, _module, inputs) -> None:
+        self._capture(inputs[0])
+
     def _capture(self, value) -> None:
-        if self._capturing:
+        if getattr(self._capturing, "active", False):
             raise _Captured(pool(value))
 
     def embed_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.preprocessing.normalise(pixels.float() if pixels.dtype == torch.uint8 else pixels)
         if self.layer is None and self.head is None:
             return pool(self.net(x))
-        self._capturing = True
+        self._capturing.active = True
         try:
             self.net(x)
         except _Captured as captured:
             return captured.value
         finally:
-            self._capturing = False
+            self._capturing.active = False
         raise ModelSourceError(f"the forward pass never reached layer {self.layer or self.head!r}")
 
 

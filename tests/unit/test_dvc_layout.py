@@ -164,16 +164,40 @@ def test_each_method_has_its_own_colour_and_none_is_a_reference_grey(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_evaluate_stage_depends_on_every_evaluation_module_it_imports():
-    """Its deps list components/evaluation file by file (the comparison's reports are not the
-    stage's): whatever the stage loads of it must be among them."""
+# What a stage loads that cannot change its outputs' bytes: the run's MLflow records, the Prefect
+# policy and server, and the registry's and gallery's plumbing that tasks/tracking.py brings in.
+_NOT_COMPUTING = ("flows/_stage.py", "tasks/_policy.py", "tasks/temporary_server.py", "tasks/tracking.py")
+_COMPUTING = ("components/experiment/", "components/evaluation/", "tasks/", "flows/",
+              "components/platform/layout.py", "components/platform/runtime.py")
+
+
+@pytest.mark.parametrize("stage, module", [("prepare", "flows.prepare"), ("train@old", "flows.train"),
+                                           ("align@fastfill", "flows.align"), ("evaluate", "flows.evaluate")])
+def test_every_stage_depends_on_what_it_imports(stage, module):
+    """Each stage's deps list, file by file, every module it loads that computes its outputs (the
+    experiment's and evaluation's components, its flow and tasks, the layout and the CPU pin)."""
     import subprocess
     import sys
 
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, flows.evaluate; print('\\n'.join(m.__file__ for n, m in sys.modules.items() "
-         "if n.startswith('components.evaluation')))"], cwd=ROOT, capture_output=True, text=True, check=True)
-    files = {str(Path(f).resolve().relative_to(ROOT)) for f in loaded.stdout.split()}
-    assert "components/evaluation/retrieval.py" in files
-    deps = set(_declared_stages()["evaluate"]["deps"])
-    assert files <= deps, f"the evaluate stage imports {sorted(files - deps)}, which dvc.yaml does not list"
+        [sys.executable, "-c", f"import sys, {module}; print('\\n'.join(m.__file__ for m in list(sys.modules.values()) "
+         "if getattr(m, '__file__', None)))"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = set()
+    for name in loaded.stdout.split():
+        path = Path(name).resolve()
+        if ROOT not in path.parents or ".venv" in path.parts or path.name == "__init__.py":
+            continue
+        relative = str(path.relative_to(ROOT))
+        if relative.startswith(_COMPUTING) and relative not in _NOT_COMPUTING:
+            files.add(relative)
+    assert f"{module.replace('.', '/')}.py" in files
+    deps = set(_declared_stages()[stage]["deps"])
+    assert files <= deps, f"the {stage} stage imports {sorted(files - deps)}, which dvc.yaml does not list"
+
+
+def test_the_stages_declare_the_params_and_data_they_read():
+    stages = _declared_stages()
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert params["prepare"]["source"] in stages["prepare"]["deps"]  # the dataset's files
+    for method in params["align"]:
+        assert "evaluate.distance" in stages[f"align@{method}"]["params"]  # the map check's distance
