@@ -63,7 +63,11 @@ def load(path: Path):
     kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
     from components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
 
-    pin_cpu_kernels(cpu_kernels_of(path))
+    try:
+        level = cpu_kernels_of(path)
+    except ValueError:  # not UTF-8: load_params says so in one line
+        level = None
+    pin_cpu_kernels(level or "avx2")
     from components.platform.config import ConfigError, load_params
 
     try:

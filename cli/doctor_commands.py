@@ -43,6 +43,20 @@ def _local_store_missing(uri: str) -> Path | None:
     return None
 
 
+def _demo_host() -> bool:
+    """This folder is the product's repository (its pipeline can run here), not a team's host."""
+    return Path("dvc.yaml").is_file() and Path("flows").is_dir()
+
+
+def _make_registry(name: str = "the models") -> str:
+    """How to get a registry with models on this host: the demo pipeline in the repository, the
+    team's own models anywhere else."""
+    if _demo_host():
+        return f"run `fastfill run` (it creates the store and registers {name} with champion and challenger)"
+    return ("register your models with `fastfill model register --onnx FILE` (or --torchvision NAME --weights FILE, "
+            "--mlflow URI) and `--alias champion` / `--alias challenger` (it creates the store)")
+
+
 def _mlflow_client(config):
     """(client, what was checked): the tracking store's client, after the server answered (an
     http(s) URI) or the local store was found; raises for either problem."""
@@ -53,8 +67,8 @@ def _mlflow_client(config):
     uri = registry.tracking_uri(config.mlflow)
     missing = _local_store_missing(uri)
     if missing is not None:
-        raise FileNotFoundError(f"no MLflow store at {missing}: run `fastfill run` (it creates the store and registers "
-                                "the models), or point MLFLOW_TRACKING_URI (mlflow.tracking_uri) at yours")
+        raise FileNotFoundError(f"no MLflow store at {missing}: point MLFLOW_TRACKING_URI (mlflow.tracking_uri) at "
+                                f"your registry, or {_make_registry()}")
     found = registry.check_tracking_server(config.mlflow, timeout=SERVICE_TIMEOUT)
     return MlflowClient(tracking_uri=uri, registry_uri=registry.registry_uri(config.mlflow)), found
 
@@ -69,8 +83,8 @@ def _registry_line(client, config) -> tuple[bool, str]:
         model = client.get_registered_model(name)
     except MlflowException as error:
         if getattr(error, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return False, (f"no registered model {name!r}: run `fastfill run` (it registers {name} with the aliases "
-                           f"{CHAMPION} and {CHALLENGER}), or set mlflow.registered_model to yours")
+            return False, (f"no registered model {name!r}: set mlflow.registered_model to yours, or "
+                           f"{_make_registry(name)}")
         raise
     aliases = dict(model.aliases)
     text = f"{name}: " + ", ".join(f"{alias} -> v{aliases[alias]}" if alias in aliases else f"no {alias}"
@@ -126,13 +140,13 @@ def _webhook_line(config, client) -> tuple[str | bool, str]:
     listed = "" if hooks is None else f"{len(hooks)} registered ({', '.join(h.name for h in hooks) or 'none'})"
     if not hooks and not secret:
         return NOT_SET_UP, ("no webhook registered and no secret: upgrades start by the watcher or by hand; to start "
-                            f"them on registry events set {variable} and run `fastfill webhook register URL`")
+                            f"them on registry events set {variable} and run `fastfill webhook register --url URL`")
     if hooks and not secret:
         return False, (f"{listed}, but {variable} is not set here: the receiver cannot verify their deliveries; set it to "
                        "the secret given to `fastfill webhook register`")
     if not hooks:
         return NOT_SET_UP, (f"{variable} is set, but no webhook is registered with the MLflow server: run `fastfill "
-                            "webhook register URL`" if hooks is not None else f"{variable} is set (this MLflow store "
+                            "webhook register --url URL`" if hooks is not None else f"{variable} is set (this MLflow store "
                             "lists no webhooks)")
     return True, f"{listed}; {variable} is set"
 

@@ -81,15 +81,15 @@ def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
 
 
 @gallery_app.command("adopt", short_help="Adopt a gallery where it is (images read by URI).")
-def gallery_adopt(manifest: Annotated[Path, typer.Option(help="CSV or Parquet: id, uri (s3://bucket/key, a path, "
+def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a path or s3://bucket/key): id, uri (s3://bucket/key, a path, "
                                                          "or a path under --root), optional label, group and weight (how often "
                                                          "queries hit the item: the usage orders' weight)")],
                   store: StoreOption = None,
                   root: Annotated[str | None, typer.Option(help="where relative URIs live: a folder or "
                                                            "s3://bucket/prefix")] = None,
-                  features: Annotated[list[Path] | None, typer.Option(
+                  features: Annotated[list[str] | None, typer.Option(
                       help="the current features in the manifest's row order: .npy shards (repeat the option, in "
-                           "order) or one Parquet file; omitted: the model embeds the images")] = None,
+                           "order) or one Parquet file, paths or s3:// URIs; omitted: the model embeds the images")] = None,
                   features_column: Annotated[str, typer.Option(help="the Parquet column of the features")] = "features",
                   model: Annotated[str, typer.Option(help="the model the features come from; default: "
                                                      "models:/<registered_model>@champion")] = "",

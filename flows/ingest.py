@@ -4,6 +4,7 @@ upgrade is flows/upgrade.py."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from tasks.gallery_store import store_at, write_gallery
 from components.experiment.data import load_split
 from components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
 from components.gallery.inputs.images import read_images
+from components.gallery.inputs.input_files import input_path, is_s3, s3_folder
 from components.platform.layout import Layout, load_array
 
 
@@ -93,18 +95,27 @@ def _adopt_run_name() -> str:
 
 
 @flow(name="gallery-adopt", flow_run_name=_adopt_run_name, log_prints=True)
-def adopt_flow(params: Params, store_uri: str, manifest: Path, model_uri: str = "", root: str | None = None,
-               features: list[Path] | None = None, features_column: str = "features",
+def adopt_flow(params: Params, store_uri: str, manifest: str, model_uri: str = "", root: str | None = None,
+               features: list[str] | None = None, features_column: str = "features",
                image_shape: tuple[int, int, int] | None = None) -> dict:
     """Adopt a gallery where it is (components.gallery.inputs.adopt): the manifest file's items, the
     current features of ``model_uri`` (default: the champion) from ``.npy`` shards or a Parquet
-    column, or, without ``features``, the model's features of the images read by URI."""
+    column, or, without ``features``, the model's features of the images read by URI. The
+    manifest and the feature files are local paths or ``s3://`` URIs alike."""
 
     store = store_at(store_uri)
     store.check()
-    table = read_manifest(manifest)
-    if root is None:
-        root = str(Path(manifest).resolve().parent)  # relative URIs: beside the manifest
+    with tempfile.TemporaryDirectory(prefix="fastfill-adopt-") as scratch:
+        features = [input_path(f, "--features", Path(scratch) / f"features-{i}") for i, f in enumerate(features or [])]
+        return _adopt(params, store, str(manifest), input_path(manifest, "--manifest", Path(scratch)), model_uri,
+                      root, features, features_column, image_shape)
+
+
+def _adopt(params: Params, store, manifest: str, manifest_file: Path, model_uri: str, root: str | None,
+           features: list[Path], features_column: str, image_shape: tuple[int, int, int] | None) -> dict:
+    table = read_manifest(manifest_file, shown=manifest)
+    if root is None:  # relative URIs: beside the manifest
+        root = s3_folder(manifest) if is_s3(manifest) else str(manifest_file.resolve().parent)
     elif not root.startswith("s3://"):
         root = str(Path(root.removeprefix("file://")).resolve())
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"

@@ -804,11 +804,23 @@ def parse_params(data: object, source: Path = DEFAULT_PARAMS) -> Params:
 
 
 def load_params(path: Path | str = DEFAULT_PARAMS) -> Params:
+    """The configuration in ``path``, validated. Without a file at the default path (a team's
+    upgrade host holds none of the pipeline's files) every setting takes its default; an empty
+    file is the defaults too. A file named explicitly must exist."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a params file; pass the file in it "
+                          f"(--params {path / DEFAULT_PARAMS.name})")
     if not path.is_file():
-        raise ConfigError(f"{path}: no such file; run from the project root or pass --params")
+        if path == DEFAULT_PARAMS:
+            return parse_params({}, path)
+        raise ConfigError(f"{path}: no such file; pass an existing params file with --params, or leave "
+                          f"--params out to use the defaults")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+                          "save it as UTF-8") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
-    return parse_params(data, path)
+    return parse_params({} if data is None else data, path)

@@ -27,15 +27,17 @@ from components.platform.registry import ModelRef
 REQUIRED, OPTIONAL = ("id", "uri"), ("label", "group", "weight")
 
 
-def read_manifest(path: Path):
+def read_manifest(path: Path, shown: str | None = None):
     """The manifest file as a pyarrow table with columns id, uri (and label, group, weight if given);
-    a GalleryError naming what is wrong otherwise."""
+    a GalleryError naming what is wrong otherwise. ``shown``: how messages name it (the URI
+    it was copied from)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     path = Path(path)
+    shown = shown or str(path)
     if not path.is_file():
-        raise GalleryError(f"--manifest {path}: no such file")
+        raise GalleryError(f"--manifest {shown}: no such file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
@@ -49,15 +51,15 @@ def read_manifest(path: Path):
                                   convert_options=pcsv.ConvertOptions(column_types={"id": pa.string(), "uri": pa.string(),
                                                                                      "group": pa.string()}))
         else:
-            raise GalleryError(f"--manifest {path}: give a .csv, .tsv or .parquet file")
+            raise GalleryError(f"--manifest {shown}: give a .csv, .tsv or .parquet file")
     except (pa.ArrowInvalid, OSError) as error:
-        raise GalleryError(f"--manifest {path}: cannot read it: {error}") from None
+        raise GalleryError(f"--manifest {shown}: cannot read it: {error}") from None
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
-        raise GalleryError(f"--manifest {path}: no column {', '.join(missing)}; it needs id and uri (and may have "
+        raise GalleryError(f"--manifest {shown}: no column {', '.join(missing)}; it needs id and uri (and may have "
                            f"label, group and weight), found {', '.join(table.column_names)}")
     if table.num_rows < 2:
-        raise GalleryError(f"--manifest {path}: a gallery needs at least 2 items, found {table.num_rows}")
+        raise GalleryError(f"--manifest {shown}: a gallery needs at least 2 items, found {table.num_rows}")
     columns = {}
     for name in (*REQUIRED, *OPTIONAL):
         if name not in table.column_names:
@@ -65,15 +67,15 @@ def read_manifest(path: Path):
         column = table.column(name)
         if column.null_count:
             row = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
-            raise GalleryError(f"--manifest {path}: column {name} is empty at row {row}")
+            raise GalleryError(f"--manifest {shown}: column {name} is empty at row {row}")
         if name == "id":
-            columns[name] = _ids(column, path)
+            columns[name] = _ids(column, shown)
             continue
         kind = pa.int64() if name == "label" else pa.float64() if name == "weight" else pa.string()
         try:
             column = column.cast(kind)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise GalleryError(f"--manifest {path}: column {name} must hold "
+            raise GalleryError(f"--manifest {shown}: column {name} must hold "
                                f"{'integers' if kind == pa.int64() else 'numbers' if name == 'weight' else 'text'}, "
                                f"found {column.type}") from None
         columns[name] = column
@@ -82,11 +84,11 @@ def read_manifest(path: Path):
         bad = ~np.isfinite(weights) | (weights < 0)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise GalleryError(f"--manifest {path}: column weight must hold numbers >= 0 (how much queries ask for "
+            raise GalleryError(f"--manifest {shown}: column weight must hold numbers >= 0 (how much queries ask for "
                                f"each item); {int(bad.sum())} are not (first: row {row}, {weights[row]})")
     ids = id_array(columns["id"])
     if len(np.unique(ids)) != len(ids):
-        raise GalleryError(f"--manifest {path}: item ids must be unique")
+        raise GalleryError(f"--manifest {shown}: item ids must be unique")
     return pa.table(columns)
 
 
