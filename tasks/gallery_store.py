@@ -14,6 +14,7 @@ from components.gallery.layouts import catalog
 from components.gallery.layouts.catalog import Gallery
 from components.gallery.upgrade.planning import Plan
 from components.gallery.store import Store, configure_s3, open_store
+from components.model_store import registered
 from components.platform.registry import ModelRef
 from tasks._policy import IO_RETRIES, NO_CACHING, log
 from components.gallery.layouts.opening import gallery_at, layout_of
@@ -98,7 +99,10 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)
 def finish_upgrade(store_uri: str, plan: Plan) -> dict:
-    return ending.finish(gallery_at(store_at(store_uri)), plan)
+    gallery = gallery_at(store_at(store_uri))
+    # an adopted gallery's images are decoded for the model it serves: its input shape moves with it
+    shape = registered.input_shape(plan.new.uri) if gallery.adopted else None
+    return ending.finish(gallery, plan, shape)
 
 
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)

@@ -376,11 +376,20 @@ class MlflowConfig(Section):
     registered_model: str = Field(
         default="embedder", description='the registered model of the embedding models (aliases champion, challenger)')
     alignment_model: str = Field(
-        default="embedder-alignment", description='the registered model of the alignment maps')
+        default="embedder-alignment", description="the registered model of the alignment maps; by default "
+        "<registered_model>-alignment (icon-embedder's maps are icon-embedder-alignment)")
     allow_pickled_models: bool = Field(
         default=False, description="load registry versions stored as pickled modules (an older format): "
         "loading a pickle runs its code, so only for a registry whose writers you trust")
 
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alignment_model_follows(cls, data):
+        """Without alignment_model, the maps are registered beside the embedder: <name>-alignment."""
+        if isinstance(data, dict) and "alignment_model" not in data and data.get("registered_model"):
+            data = {**data, "alignment_model": f"{data['registered_model']}-alignment"}
+        return data
 
 class UpgradeConfig(Section):
     """`fastfill upgrade`: how a stored gallery is moved to a new model."""

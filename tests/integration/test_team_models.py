@@ -404,6 +404,12 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     assert gallery.model.uri == new_uri and gallery.model.dim == 512
     as_new = np.stack([NEW_INPUT.decode(f) for f in files])
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, as_new), rtol=1e-5, atol=1e-5)
+    # the images a search sends are the new model's: the input shape moved with the model, and back on rollback
+    assert gallery.manifest()["image_shape"] == list(NEW_INPUT.shape)
+    from flows.undo import rollback_flow
+
+    rollback_flow(load_params(team / "params.yaml"), str(team / "gallery"))
+    assert gallery.manifest(refresh=True)["image_shape"] == list(OLD_INPUT.shape) and gallery.model.uri == old_uri
 
 
 def _headless_network() -> nn.Module:

@@ -180,3 +180,32 @@ def test_the_configuration_page_is_generated_from_the_definitions():
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert "| `gallery.upgrade.chunk_size` |" in page and "| `align.<name>.uncertainty` |" in page
     assert "|  |\n" not in page  # every key says what it does
+
+
+def test_the_maps_are_registered_beside_the_embedder_by_default():
+    from components.platform.config import parse_params
+
+    assert parse_params({"mlflow": {"registered_model": "icon-embedder"}}).mlflow.alignment_model == \
+        "icon-embedder-alignment"
+    assert parse_params({}).mlflow.alignment_model == "embedder-alignment"
+    named = parse_params({"mlflow": {"registered_model": "a", "alignment_model": "maps"}})
+    assert named.mlflow.alignment_model == "maps"
+
+
+def test_a_host_without_a_params_file_takes_the_defaults(tmp_path, monkeypatch):
+    """A team's upgrade host holds none of the pipeline's files: no params.yaml at the default path
+    is the defaults, and so is an empty one; a file named explicitly must exist; a folder or a file
+    that is not UTF-8 is one line that says what to do."""
+    from components.platform.config import ConfigError, load_params, parse_params
+
+    monkeypatch.chdir(tmp_path)
+    assert load_params() == parse_params({})
+    (tmp_path / "params.yaml").write_text("")
+    assert load_params("params.yaml") == parse_params({})
+    with pytest.raises(ConfigError, match="other.yaml: no such file; pass an existing params file"):
+        load_params(tmp_path / "other.yaml")
+    with pytest.raises(ConfigError, match=r"is a folder, not a params file; pass the file in it \(--params "):
+        load_params(tmp_path)
+    (tmp_path / "latin.yaml").write_bytes("gallery:\n  store: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.yaml: not UTF-8 text \(byte 0xe9 at offset 21\); save it as UTF-8"):
+        load_params(tmp_path / "latin.yaml")

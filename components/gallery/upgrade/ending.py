@@ -15,16 +15,20 @@ decision is never measured again (after the switch that would judge the version 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
 from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 from components.gallery.store import Store
 
 
-def finish(gallery: Gallery, plan: Plan) -> dict:
+def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = None) -> dict:
     """All chunks done: write the new model's features part by part, then switch the gallery.
     Again after the switch (a re-run whose first try was killed after it): nothing is rewritten,
-    the record it wrote is returned."""
+    the record it wrote is returned. ``image_shape``: the (C, H, W) the new model takes; an
+    adopted gallery (images read by URI) records it, so its images are decoded for the model it
+    now serves (an ingested gallery's stored pixels keep their shape)."""
     manifest = gallery.manifest(refresh=True)
     if manifest.get("upgrade") is None and ModelRef.from_dict(manifest["model"]).same_version(plan.new):
         recorded = upgrade_record(gallery.store, plan.id, FINISHED)
@@ -42,7 +46,11 @@ def finish(gallery: Gallery, plan: Plan) -> dict:
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()
     manifest["upgrade"] = None
-    manifest["history"] = [*manifest.get("history", []), {"model": plan.new.to_dict(), "since": now(), "by": plan.id}]
+    entry = {"model": plan.new.to_dict(), "since": now(), "by": plan.id}
+    if gallery.adopted and image_shape is not None and list(image_shape) != list(manifest["image_shape"]):
+        entry["image_shape_before"] = list(manifest["image_shape"])  # what a rollback restores
+        manifest["image_shape"] = [int(x) for x in image_shape]
+    manifest["history"] = [*manifest.get("history", []), entry]
     gallery.write_manifest(manifest)
     return record
 

@@ -233,6 +233,9 @@ def rollback(gallery: Gallery, *, by: dict | None = None) -> dict:
     gallery.store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = previous.to_dict()
+    shape_before = (manifest.get("history") or [{}])[-1].get("image_shape_before")
+    if shape_before is not None:  # the finish moved an adopted gallery's image shape to the new model's
+        manifest["image_shape"] = shape_before
     manifest["history"] = [*manifest.get("history", []),
                            {"model": previous.to_dict(), "since": now(), "by": ROLLBACK, "upgrade": upgrade,
                             "from": current.to_dict()}]
