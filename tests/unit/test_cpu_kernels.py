@@ -17,15 +17,14 @@ PINNED = runtime.kernel_environment("avx2")
 HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 HAS_AVX2 = " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 
-# The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5), as this
-# project's machines (AMD EPYC with AVX-512) compute them and a fresh clone's pipeline reproduces.
-# Emulated Intel Haswell and AMD EPYC Rome CPUs agree with each other under the pin but not with
-# these in torch's parts: torch.sqrt, through MKL's vector maths, uses the hardware's approximate
-# reciprocal square root (reports/cpu_kernels.md, docs/pipeline.md). A machine whose pinned bytes
-# differ fails here, naming the part.
+# The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5), trained
+# with the product's optimiser (components/experiment/optimizers.ExactAdam, whose square root is
+# correctly rounded): a real AMD EPYC with AVX-512 and emulated Intel Haswell and AMD EPYC Rome
+# CPUs compute these same bytes (reports/cpu_kernels.md), and a fresh clone's pipeline reproduces
+# the committed outputs from them. A machine whose pinned bytes differ fails here, naming the part.
 PINNED_DIGESTS = {
-    "train cnn_small": "4688424afee43919", "embed cnn_small": "1829b9f0574951c9",
-    "train cnn": "fb0016181e44e3a3", "embed cnn": "7144f87d4dfe7334", "train map": "0a98db307a0b8a2d",
+    "train cnn_small": "1160ed59311c9852", "embed cnn_small": "349928fd775d9059",
+    "train cnn": "12e5bd8c78517f74", "embed cnn": "d81f6e50de492d83", "train map": "fffc53d3d8dfae0e",
     "numpy matmul": "11401b298ac1c993", "numpy argsort": "5345ec897ad36ad2",
     "numpy exp/log/tanh": "ab45b3a7c85e7e55", "faiss search": "101ae423c87bea6e",
 }
