@@ -10,7 +10,7 @@ import numpy as np
 from prefect import task
 
 from components.model_store import registered
-from components.gallery.upgrade.lifecycle import CHECK_SOURCE_TAG, checked_on
+from components.gallery.upgrade.lifecycle import CHECK_SOURCE_TAG, SPLITS_SOURCE, checked_on
 from components.gallery.upgrade.pairs import MapPairs, fit_reverse
 from components.platform import registry
 from components.platform.config import AlignConfig
@@ -78,18 +78,31 @@ def fit_reverse_transformation(pairs: MapPairs, pseudo_classes: int, seed: int):
     return fit_reverse(pairs, pseudo_classes, seed, log=log)
 
 
+def trained_on(tags: dict) -> tuple[str, str | None]:
+    """The pairs a registered map trained on: (source, count); the pipeline's own maps carry no
+    tag and trained on its splits."""
+    return tags.get("pairs", SPLITS_SOURCE), tags.get("pairs.count")
+
+
 def _registered_reference(client, alignment_model: str, old: ModelRef, new: ModelRef, version: str, source: str,
                           found: dict):
-    """A callable giving the registry's FCT map for the two versions that passed its check on
-    ``source`` (other than the checked ``version``), loaded, or None; its URI goes into ``found``."""
+    """A callable giving the registry's FCT map for the two versions (other than the checked
+    ``version``), loaded, or None; its URI goes into ``found``. The reference is the l2-only map
+    trained on the same pairs as the checked map (the pipeline's FCT beside its FastFill map:
+    both measured on this upgrade's held-out pairs, nothing trained here), else one that passed
+    its own check on ``source``."""
     def reference():
-        matches = [v for v in registry.find_alignment(client, alignment_model, old.version, new.version)
-                   if v.tags.get("method") == "fct" and v.version != version and checked_on(v.tags, source)]
+        same = trained_on(client.get_model_version(alignment_model, version).tags)
+        fct = [v for v in registry.find_alignment(client, alignment_model, old.version, new.version)
+               if v.tags.get("method") == "fct" and v.version != version]
+        matches = ([v for v in fct if trained_on(v.tags) == same]
+                   or [v for v in fct if checked_on(v.tags, source)])
         if not matches:
             return None
         found["uri"] = f"models:/{alignment_model}/{matches[0].version}"
         loaded = registered.load_model(found["uri"]).eval()
-        log(f"map check: the l2-only reference is {found['uri']}")
+        log(f"map check: the l2-only reference is {found['uri']}"
+            + (f" (trained on the same pairs, {same[0]})" if trained_on(matches[0].tags) == same else ""))
         return loaded
 
     return reference
@@ -121,7 +134,8 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
         client.set_model_version_tag(model_name, version, "check", f"skipped ({why})")
         client.set_tag(run_id, "check", f"skipped ({why})")
         return alignment_map, map_uri, order
-    tags = {**check_tags(decision.record), CHECK_SOURCE_TAG: pairs.source}
+    tags = {**check_tags(decision.record), CHECK_SOURCE_TAG: pairs.source,
+            "check.reference": found.get("uri") or f"trained on {pairs.source}"}
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     registry.log_metrics(client, run_id, check_metrics(decision.record))

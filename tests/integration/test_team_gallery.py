@@ -138,6 +138,10 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 48
+    # the reference is the pipeline's FCT map, trained on the same pairs as the checked map: none trained here
+    fct = [v for v in client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+           if v.tags.get("method") == "fct" and "pairs" not in v.tags]
+    assert tags["check.reference"] in {f"models:/{params.mlflow.alignment_model}/{v.version}" for v in fct}, tags
     used = tags["map_version"]
     assert plan.map_uri.endswith(f"/{used}")
     registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
