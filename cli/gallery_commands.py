@@ -11,7 +11,7 @@ import typer
 
 from cli import app, json_output
 from cli.command_support import (
-    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, require_services, store_uri,
+    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, outcome, require_services, store_uri,
 )
 from cli.json_output import JsonOption, answer, answers_json
 from components.platform.vocabulary import SEARCH_MERGES
@@ -36,13 +36,28 @@ def show_status(store: str | None, params: Path, schema: str | None = None) -> N
     typer.echo(json.dumps(state, indent=2))
 
 
-def run_undo(flow, store: str | None, params: Path) -> tuple[str, dict]:
-    """Run an undoing flow (abort, rollback) on the gallery, the services checked first: (its
-    store's URI, the flow's result). The flow reads the configuration file itself."""
+def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[str, dict]:
+    """Run an undoing flow of flows/undo.py (``abort_flow``, ``rollback_flow``) on the gallery,
+    the services checked first: (its store's URI, the flow's result). The flow reads the
+    configuration file itself. ``target`` (reversal.abortable, reversal.rollback_target) is asked
+    first, without Prefect: with nothing to undo the command answers at once and starts no
+    server (the flow asks again under the lock)."""
     config = load(params)
     uri = store_uri(config, store)
+    from components.gallery.layouts.opening import gallery_at
+    from components.gallery.store import open_store
+
+    try:
+        target(gallery_at(open_store(uri)))
+    except Exception as error:  # noqa: BLE001 - a known failure is one line; anything else goes on to the flow
+        known = outcome(error)
+        if known is None:
+            raise
+        fail(known[1], known[0])
     need_services(config)
-    return uri, call(flow, store_uri=uri, params_path=str(params.resolve()))
+    from flows import undo  # late: Prefect and torch load only when there is something to undo
+
+    return uri, call(getattr(undo, flow_name), store_uri=uri, params_path=str(params.resolve()))
 
 
 @gallery_app.command("ingest", short_help="Images into the store with the champion's features.")
@@ -143,9 +158,9 @@ def gallery_rollback(store: StoreOption = None, as_json: JsonOption = False,
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    from flows.undo import rollback_flow
+    from components.gallery.upgrade.reversal import rollback_target
 
-    uri, result = run_undo(rollback_flow, store, params)
+    uri, result = run_undo("rollback_flow", store, params, rollback_target)
     if as_json:
         return answer(*json_output.undo_document("gallery.rollback", uri, result))
     typer.echo(f"{uri}: rolled back from {result['from']} to {result['model']}; "

@@ -281,9 +281,9 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    from flows.undo import abort_flow
+    from components.gallery.upgrade.reversal import abortable
 
-    uri, record = run_undo(abort_flow, store, params)
+    uri, record = run_undo("abort_flow", store, params, abortable)
     if as_json:
         return answer(*json_output.undo_document("upgrade.abort", uri, record))
     typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
