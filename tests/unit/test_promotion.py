@@ -60,6 +60,11 @@ def test_a_worse_challenger_is_rejected_with_every_reason():
     assert tags["promotion.fraction_to_gain"] == "never" and tags["promotion.champion_version"] == "3"
     line = gate_message(numbers, passed, reasons, "models:/e/4", "models:/e/3")
     assert "REJECTED" in line and "gain reached at never" in line and reasons[0] in line
+    # the flip-rate line says which rate it compares (the mean along the curve) and the one at the end
+    flip = next(r for r in reasons if "negative flip rate" in r)
+    assert "promotion.max_nfr1; the mean along the backfill over 4 points from 0% to 100%" in flip
+    assert f"at the end, all backfilled: {100 * numbers['nfr1_end']:.2f}%" in flip
+    assert f"({100 * numbers['nfr1_end']:.2f}% at the end)" in line
 
 
 def test_late_gain_fails_the_fraction_gate():
