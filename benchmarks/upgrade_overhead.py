@@ -5,6 +5,9 @@ After `fastfill run` (the registry holds the old and new models and their maps),
 is ingested as a gallery (a local folder), and each scenario upgrades a fresh copy of it, on a
 private copy of the MLflow store:
 
+- ``first upgrade``: the default upgrade as a user first runs it: the registry's map is checked on
+  this gallery's map sample (its l2-only reference: the registry's FCT map trained on the same
+  pairs), then used;
 - ``checked map``: the registry's map already passed its check on this gallery (a first upgrade
   checked it, then was aborted), so the upgrade uses it as it is;
 - ``splits map``: ``map_pairs: splits``, the pipeline's map checked on the split: used as it is
@@ -39,7 +42,7 @@ from components.platform import runtime  # noqa: E402,F401  (Prefect settings be
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--scenarios", nargs="+", default=["checked map", "splits map", "gallery-trained map"])
+    parser.add_argument("--scenarios", nargs="+", default=["first upgrade", "checked map", "splits map", "gallery-trained map"])
     parser.add_argument("--out", default="reports")
     args = parser.parse_args()
 
