@@ -11,7 +11,10 @@ from typing import Annotated
 import typer
 
 from cli import app
-from cli.command_support import INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, store_uri
+from cli.command_support import (
+    INPUT, SERVICE, USAGE, ParamsOption, ServiceUnavailable, StoreOption, call, check_prefect_api, fail, load,
+    store_uri,
+)
 from cli.json_output import JsonOption, answer, answers_json, webhook_fields
 
 webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
@@ -64,6 +67,7 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     deployment registry-watcher/poll pauses the polling). Deployments that 'fastfill deploy' put on
     a work pool are left to that pool's workers."""
     config = load(params)
+    _need_prefect_server()
     from flows.deployments import deployments
     from services.deployment_runner import serve_until_stopped
     from services.registry_watcher import RegistryWatcher
@@ -89,6 +93,21 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
         if failed:
             typer.echo(f"the Prefect runner stopped by itself ({failed})", err=True)
         typer.echo(_pause_served(found))
+
+
+def _need_prefect_server() -> None:
+    """Deployments and their schedules live on a Prefect server: without PREFECT_API_URL, or with
+    one that does not answer, the command ends in one line before anything is served."""
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        fail("fastfill serve needs a Prefect server, where its deployments and schedules live: start one "
+             "(`infra/local-stack.sh start prefect`, or `prefect server start`) and set PREFECT_API_URL (e.g. "
+             "http://127.0.0.1:4200/api); one upgrade needs no server: `fastfill upgrade`", SERVICE)
+    try:
+        check_prefect_api(needed=True)
+    except ServiceUnavailable as error:
+        fail(error, SERVICE)
 
 
 def _pause_served(found: list, deadline_seconds: float = 8.0) -> str:

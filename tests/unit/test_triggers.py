@@ -176,3 +176,18 @@ def test_the_comparison_is_served_only_when_its_schedule_is_set():
     assert "weekly" not in {d.name for d in deployments(params, "/p/params.yaml")}
     scheduled = params.model_copy(update={"triggers": params.triggers.model_copy(update={"comparison_cron": "0 3 * * 0"})})
     assert "weekly" in {d.name for d in deployments(scheduled, "/p/params.yaml")}
+
+
+def test_serve_refuses_in_one_line_without_a_prefect_server(monkeypatch, tmp_path):
+    """Its deployments and schedules live on a Prefect server: without PREFECT_API_URL it ends at
+    once, exit 5, naming the setting and how to start one; nothing is served."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    done = CliRunner().invoke(app, ["serve", "--store", str(tmp_path / "gallery")])
+    assert done.exit_code == 5, done.output
+    assert "fastfill serve needs a Prefect server" in done.output and "PREFECT_API_URL" in done.output
+    assert "serving" not in done.output and "Traceback" not in done.output
