@@ -86,7 +86,6 @@ def outcome(error: BaseException) -> tuple[int, str] | None:
     """(exit code, message) of a known failure, or None for anything else (a bug: it keeps its
     traceback). The message is the error's own: it names the problem and what to do."""
     from components.experiment.data import DataError
-    from components.experiment.map_check import MapCheckError
     from components.gallery.layouts.catalog import GalleryError
     from components.gallery.inputs.images import ImageStoreError
     from components.gallery.store.lock import LeaseLost, UpgradeLocked
@@ -106,7 +105,8 @@ def outcome(error: BaseException) -> tuple[int, str] | None:
         return SERVICE, service
     if isinstance(error, ConfigError):
         return USAGE, str(error)
-    if isinstance(error, MapCheckError):
+    map_check = sys.modules.get("components.experiment.map_check")  # loaded wherever a check can fail (scipy: slow)
+    if map_check is not None and isinstance(error, map_check.MapCheckError):
         return FAILED, str(error)
     if isinstance(error, (GalleryError, RegistryError, StoreError, UpgradeLocked, DataError, ArrayFileError,
                           FileNotFoundError)):
