@@ -132,6 +132,8 @@ def _describe_dry_run(plan: dict) -> str:
         f"  truth of the gate and the advisor: {plan['truth']}",
         f"  map pairs (when the registry's map must be trained or checked): {plan['map_pairs']}",
     ]
+    if plan.get("small_gallery"):
+        lines.append(f"  small gallery: {plan['small_gallery']}")
     advice = plan.get("advice") or {}
     if "top1" in advice:
         from components.gallery.advice.advisor import describe

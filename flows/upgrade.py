@@ -16,7 +16,7 @@ from prefect.futures import as_completed
 
 from components.gallery.advice import advisor
 
-from components.gallery.upgrade import backfill, ending, planning, reversal
+from components.gallery.upgrade import backfill, ending, planning, reversal, samples
 
 from components.gallery.inputs import judgments
 from components.gallery.layouts.catalog import Gallery, GalleryError
@@ -65,6 +65,10 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     config, name = params.gallery.upgrade, params.mlflow.registered_model
     gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3,
                            registry.identity(params.mlflow))
+    params, fitted = samples.fit_to_gallery(params, gallery.num_items)
+    if fitted:
+        log(fitted)
+    config = params.gallery.upgrade
     client, experiment = registry.setup(params.mlflow)  # the run's one registry client
     decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate if gate is None else gate,
                              config.judgments, config.stop_when_gain_below)

@@ -150,7 +150,9 @@ def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_mo
     config = params.gallery.upgrade
     if config.map_pairs == "splits":
         return embed_split_pairs(Layout(params.paths).splits, load_model(old), new_model)
-    samples.check_map_sample(config, params.upgrade_map.validation_fraction, gallery.num_items)
+    settings = params.upgrade_map
+    samples.check_map_sample(config, settings.validation_fraction, gallery.num_items,
+                             checked=settings.validation_fraction > 0 and settings.check != "off")
     positions = samples.map_sample(config, gallery.num_items)
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
         f"{config.map_sample}, at least {config.map_sample_min})")

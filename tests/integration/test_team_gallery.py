@@ -267,3 +267,35 @@ def test_a_bad_judgments_file_is_refused_in_one_line_before_any_work(upgrade_env
                                  "--judgments", str(tmp_path / "judged.csv")])
     assert result.exit_code == 6 and "99999" in result.output and "Traceback" not in result.output, result.output
     assert open_store(uri).list("upgrades/") == []  # nothing planned
+
+
+def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_env, prefect_harness, tmp_path):
+    """50 items, fewer than the 195 pairs that train and check a FastFill map with the default
+    validation_fraction: the dry run says so first, and the upgrade trains the l2-only map (which
+    needs no check) on every item instead of refusing with a setting it cannot reach."""
+    from cli.upgrade_commands import estimate_upgrade
+    from flows.ingest import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    params, _ = upgrade_env
+    client, *_ = registry_models(params)
+    client.delete_registered_model(params.mlflow.alignment_model)  # no map joins the two versions
+    split = split_images(params)
+    np.save(tmp_path / "images.npy", split.images[:50])
+    np.save(tmp_path / "labels.npy", split.labels[:50])
+    align = {**params.align, "fastfill": params.align["fastfill"].model_copy(update={"validation_fraction": 0.1})}
+    small = params.model_copy(update={"align": align, "gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery", "map_sample": 5000,
+                                                             "order": "sigma"})})})
+    uri = str(tmp_path / "small")
+    ingest_flow(small, uri, images=tmp_path / "images.npy", labels=tmp_path / "labels.npy")
+
+    dry = estimate_upgrade(small, uri)
+    assert dry["small_gallery"].startswith("the gallery has 50 items, fewer than the 195 that train and check a "
+                                           "fastfill map"), dry
+    done = upgrade_flow(small, uri, gate=False)
+    assert done["state"] == "complete" and done["items_done"] == 50, done
+    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert [v.tags["method"] for v in versions] == ["fct"]
+    plan = planning.load_plan(open_store(uri), done["upgrade"])
+    assert plan.order_kind == "random"

@@ -238,7 +238,7 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
             "requests": {"plan": 17, "backfill": 22, "finish": 28, "total": 67},
             "sample": {"items": 64, "failed": 0, "read_seconds_per_item": 1e-4, "embed_seconds_per_item": float("nan")},
             "estimated_backfill_seconds": np.float32(0.5), "note": "n", "truth": "the gallery's labels",
-            "map_pairs": "this host's new-train split",
+            "map_pairs": "this host's new-train split", "small_gallery": None,
             "advice": {"note": "no prediction yet: the registry has no map"}}
     monkeypatch.setattr(cli.command_support, "require_services", lambda config: None)
     monkeypatch.setattr(cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)

@@ -104,6 +104,7 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
     (each order of the map, or the shadow index) reaches it with the least backfill."""
 
+    params, fitted = samples.fit_to_gallery(params, gallery.num_items)  # as the upgrade will run it
     config, name = params.gallery.upgrade, params.mlflow.registered_model
     view = GalleryView(gallery)
     decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate, config.judgments,
@@ -122,7 +123,8 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
                         sequential=bool(view.current) and not resumes, target_top1=target_top1)
     return {"from": gallery.model.uri, "to": new.uri, "in_progress": view.current, "resumes": resumes, **result,
-            "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice}
+            "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice,
+            "small_gallery": fitted}
 
 
 def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,

@@ -52,13 +52,13 @@ def least_map_sample(validation_fraction: float) -> int:
     return size
 
 
-def check_map_sample(config, validation_fraction: float, num_items: int) -> None:
+def check_map_sample(config, validation_fraction: float, num_items: int, *, checked: bool = True) -> None:
     """Refuse, before anything is embedded, a map sample too small for the check of the map of
     ``config.method`` (gallery.upgrade): the message names ``gallery.upgrade.map_sample`` (the
     setting the user chose), not the check's."""
 
     size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
-    least = least_map_sample(validation_fraction)
+    least = least_map_sample(validation_fraction) if checked else MIN_TRAINING_PAIRS
     if size < least:
         whole = " (the whole gallery)" if size == num_items else ""
         method = config.method
@@ -164,3 +164,34 @@ def _refuse_unreadable(failures: list, judgments: str) -> None:
     if failures:
         raise GalleryError(f"{len(failures)} judged query images could not be read (first: {failures[0].uri}: "
                            f"{failures[0].reason}); fix them or leave those queries out of {judgments}")
+
+
+def fit_to_gallery(params, num_items: int):
+    """(params, a line saying why they changed, or None) for a gallery of ``num_items``. One
+    smaller than the fewest pairs that train and check the configured map (``least_map_sample``)
+    cannot hold that map's check, and no setting can raise its size: the upgrade takes the way
+    that works at that size, the l2-only map (fct, which needs no check) trained on the whole
+    gallery, in random order (or by usage alone), instead of a refusal naming a setting it cannot
+    reach. Unchanged where the pairs come from the splits, the check is off, the map is already
+    l2-only, or there is no fct map to take."""
+    config, method_config = params.gallery.upgrade, params.upgrade_map
+    l2_only = (method_config.l2 and not method_config.disc and not method_config.uncertainty
+               and method_config.architecture == "mlp")
+    if config.map_pairs != "gallery" or method_config.check == "off" or l2_only:
+        return params, None
+    least = least_map_sample(method_config.validation_fraction)
+    if num_items >= least:
+        return params, None
+    if "fct" not in params.align:
+        return params, None
+    order = "usage" if config.order.startswith("usage") else "random"
+    upgrade = config.model_copy(update={"method": "fct", "order": order})
+    # every pair trains it: too few to hold some out for choosing the best epoch (the last one is kept)
+    align = {**params.align, "fct": params.align["fct"].model_copy(update={"validation_fraction": 0.0})}
+    changed = params.model_copy(update={"align": align,
+                                        "gallery": params.gallery.model_copy(update={"upgrade": upgrade})})
+    why = (f"the gallery has {num_items} items, fewer than the {least} that train and check a {config.method} map "
+           f"(align.{config.method}.validation_fraction {method_config.validation_fraction} of them held out for its "
+           f"check): this upgrade trains the l2-only map (fct, which needs no check) on all of them and backfills in "
+           f"{order} order; at this size re-embedding every item is the larger part of the work anyway")
+    return changed, why
