@@ -821,7 +821,8 @@ def load_params(path: Path | str = DEFAULT_PARAMS) -> Params:
         raise ConfigError(f"{path}: is a folder, not a params file; pass the file in it "
                           f"(--params {path / DEFAULT_PARAMS.name})")
     if not path.is_file():
-        if path == DEFAULT_PARAMS:
+        # the default file of this folder (a command hands its flows the resolved path)
+        if path == DEFAULT_PARAMS or path == DEFAULT_PARAMS.resolve():
             return parse_params({}, path)
         raise ConfigError(f"{path}: no such file; pass an existing params file with --params, or leave "
                           f"--params out to use the defaults")

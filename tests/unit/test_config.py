@@ -200,6 +200,7 @@ def test_a_host_without_a_params_file_takes_the_defaults(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     assert load_params() == parse_params({})
+    assert load_params(tmp_path / "params.yaml") == parse_params({})  # as a command hands it to its flows
     (tmp_path / "params.yaml").write_text("")
     assert load_params("params.yaml") == parse_params({})
     with pytest.raises(ConfigError, match="other.yaml: no such file; pass an existing params file"):
