@@ -166,6 +166,9 @@ def _refuse_unreadable(failures: list, judgments: str) -> None:
                            f"{failures[0].reason}); fix them or leave those queries out of {judgments}")
 
 
+SMALL_GALLERY_STEPS = 300
+
+
 def fit_to_gallery(params, num_items: int):
     """(params, a line saying why they changed, or None) for a gallery of ``num_items``. One
     smaller than the fewest pairs that train and check the configured map (``least_map_sample``)
@@ -186,8 +189,13 @@ def fit_to_gallery(params, num_items: int):
         return params, None
     order = "usage" if config.order.startswith("usage") else "random"
     upgrade = config.model_copy(update={"method": "fct", "order": order})
-    # every pair trains it: too few to hold some out for choosing the best epoch (the last one is kept)
-    align = {**params.align, "fct": params.align["fct"].model_copy(update={"validation_fraction": 0.0})}
+    # every pair trains it: too few to hold some out for choosing the best epoch (the last one is kept);
+    # and at most SMALL_GALLERY_STEPS steps: with the default map_sample every item of such a gallery is
+    # embedded while planning, so the map transforms only the gate's stand-ins, and 2,000 one-step
+    # epochs (the step floor meant for the uncertainty head) took minutes for 50 pairs
+    fct = params.align["fct"]
+    align = {**params.align, "fct": fct.model_copy(update={"validation_fraction": 0.0,
+                                                          "min_steps": min(fct.min_steps, SMALL_GALLERY_STEPS)})}
     changed = params.model_copy(update={"align": align,
                                         "gallery": params.gallery.model_copy(update={"upgrade": upgrade})})
     why = (f"the gallery has {num_items} items, fewer than the {least} that train and check a {config.method} map "
