@@ -35,8 +35,8 @@ def test_params_come_from_the_option_then_the_environment_then_the_folder(tmp_pa
     result = runner.invoke(app, ["gallery", "info"])
     assert result.exit_code == 2 and "from-env.yaml: invalid configuration" in _error_of(result)
     monkeypatch.delenv("FASTFILL_PARAMS")
-    result = runner.invoke(app, ["gallery", "info"])
-    assert result.exit_code == 2 and "params.yaml: no such file" in _error_of(result)
+    result = runner.invoke(app, ["gallery", "info"])  # no params.yaml in the folder: the defaults
+    assert result.exit_code == 6 and "no gallery at gallery: gallery.json is missing" in _error_of(result)
 
 
 def test_a_gallery_hosts_configuration_needs_no_pipeline_sections():

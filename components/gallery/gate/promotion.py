@@ -64,10 +64,11 @@ def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
         reasons.append(f"top-1 gain along the backfill {100 * numbers['top1_auc_gain']:+.2f} points is below the "
                        f"minimum {100 * config.min_top1_auc_gain:+.2f}")
     if numbers["nfr1_mean"] > config.max_nfr1:
+        points = f" over {len(numbers['alpha'])} points" if "alpha" in numbers else ""
+        end = f"; at the end, all backfilled: {100 * numbers['nfr1_end']:.2f}%" if "nfr1_end" in numbers else ""
         reasons.append(f"negative flip rate at top-1 {100 * numbers['nfr1_mean']:.2f}% is above the maximum "
-                       f"{100 * config.max_nfr1:.2f}% (promotion.max_nfr1; the mean along the backfill over "
-                       f"{len(numbers['alpha'])} points from 0% to 100% of the champion's right answers the challenger "
-                       f"gets wrong; at the end, all backfilled: {100 * numbers['nfr1_end']:.2f}%)")
+                       f"{100 * config.max_nfr1:.2f}% (promotion.max_nfr1; the mean along the backfill{points} from 0% "
+                       f"to 100% of the champion's right answers the challenger gets wrong{end})")
     reached = numbers["fraction_to_gain"]
     if reached is None:
         reasons.append("top-1 never exceeds the champion's along the backfill")
@@ -99,7 +100,8 @@ def gate_message(numbers: dict, passed: bool, reasons: list[str], new_uri: str, 
     reached = numbers["fraction_to_gain"]
     return (f"promotion gate for {new_uri} against {champion_uri}: top-1 {100 * numbers['champion_top1']:.2f}% -> "
             f"mean {100 * numbers['top1_auc']:.2f}% along the backfill ({100 * numbers['top1_auc_gain']:+.2f} points), NFR@1 "
-            f"{100 * numbers['nfr1_mean']:.2f}% mean along the backfill ({100 * numbers['nfr1_end']:.2f}% at the end), "
+            f"{100 * numbers['nfr1_mean']:.2f}% mean along the backfill"
+            + (f" ({100 * numbers['nfr1_end']:.2f}% at the end)" if "nfr1_end" in numbers else "") + ", "
             f"gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'}: {'PASSED' if passed else 'REJECTED'}"
             + ("" if passed else f" ({'; '.join(reasons)})"))
