@@ -54,7 +54,8 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
             "fastfill": {"hidden": [16, 16], "epochs": 3, "warmup_epochs": 1, "batch_size": 32, "min_steps": 30,
                          "disc": True, "uncertainty": True},
         },
-        "evaluate": {"curve_points": curve_points},
+        # dvc.yaml's align stages read evaluate.distance (the map check's), so the file must name it
+        "evaluate": {"curve_points": curve_points, "distance": "l2"},
         "mlflow": {"tracking_uri": "sqlite:///mlruns.db", "artifact_location": "mlartifacts"},
         # without the gate: a complete upgrade switches the gallery and moves champion unchecked
         "promotion": {"gate": False},
