@@ -307,7 +307,7 @@ def test_doctor_and_status_without_a_registry_or_a_gallery(tiny_workdir, cli_env
     assert result.returncode == 5 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     report = {line.split()[1]: line for line in result.stdout.splitlines()}
     assert report["tracking"].startswith("FAIL") and f"no MLflow store at {tiny_workdir / 'mlflow.db'}" in \
-        report["tracking"] and "fastfill run" in report["tracking"]
+        report["tracking"] and "fastfill model register" in report["tracking"]  # not the repository: a team's advice
     assert not (tiny_workdir / "mlflow.db").exists()  # the check created nothing
     assert report["registry"].startswith("FAIL")
     assert report["store"].startswith("--") and "holds no gallery yet" in report["store"]
