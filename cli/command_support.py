@@ -61,13 +61,13 @@ class ServiceUnavailable(RuntimeError):
 def load(path: Path):
     """params.yaml, validated; a bad file ends the command with every problem listed. The CPU
     kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
-    from components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
+    from components.platform.runtime import DEFAULT_CPU_KERNELS, cpu_kernels_of, pin_cpu_kernels
 
     try:
         level = cpu_kernels_of(path)
     except ValueError:  # not UTF-8: load_params says so in one line
-        level = None
-    pin_cpu_kernels(level or "avx2")
+        level = DEFAULT_CPU_KERNELS
+    pin_cpu_kernels(level)
     from components.platform.config import ConfigError, load_params
 
     try:

@@ -96,9 +96,10 @@ def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
 
 
 @gallery_app.command("adopt", short_help="Adopt a gallery where it is (images read by URI).")
-def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a path or s3://bucket/key): id, uri (s3://bucket/key, a path, "
-                                                         "or a path under --root), optional label, group and weight (how often "
-                                                         "queries hit the item: the usage orders' weight)")],
+def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a path or s3://bucket/key): id, "
+                                                        "uri (s3://bucket/key, a path, or a path under --root), "
+                                                        "optional label, group and weight (how often queries hit "
+                                                        "the item: the usage orders' weight)")],
                   store: StoreOption = None,
                   root: Annotated[str | None, typer.Option(help="where relative URIs live: a folder or "
                                                            "s3://bucket/prefix")] = None,

@@ -62,13 +62,12 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     (``{"gallery.upgrade.chunk_size": 4}``): small parameters, readable in the Prefect UI.
     ``store_uri`` defaults to gallery.store."""
     params = resolve_params(params, params_path, overrides)
-    config, name = params.gallery.upgrade, params.mlflow.registered_model
     gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3,
                            registry.identity(params.mlflow))
     params, fitted = samples.fit_to_gallery(params, gallery.num_items)
     if fitted:
         log(fitted)
-    config = params.gallery.upgrade
+    config, name = params.gallery.upgrade, params.mlflow.registered_model
     client, experiment = registry.setup(params.mlflow)  # the run's one registry client
     decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate if gate is None else gate,
                              config.judgments, config.stop_when_gain_below)

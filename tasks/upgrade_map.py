@@ -95,14 +95,14 @@ def _registered_reference(client, alignment_model: str, old: ModelRef, new: Mode
         same = trained_on(client.get_model_version(alignment_model, version).tags)
         fct = [v for v in registry.find_alignment(client, alignment_model, old.version, new.version)
                if v.tags.get("method") == "fct" and v.version != version]
-        matches = ([v for v in fct if trained_on(v.tags) == same]
-                   or [v for v in fct if checked_on(v.tags, source)])
+        paired = [v for v in fct if trained_on(v.tags) == same]
+        matches = paired or [v for v in fct if checked_on(v.tags, source)]
         if not matches:
             return None
         found["uri"] = f"models:/{alignment_model}/{matches[0].version}"
         loaded = registered.load_model(found["uri"]).eval()
         log(f"map check: the l2-only reference is {found['uri']}"
-            + (f" (trained on the same pairs, {same[0]})" if trained_on(matches[0].tags) == same else ""))
+            + (f" (trained on the same pairs, {same[0]})" if paired else ""))
         return loaded
 
     return reference

@@ -382,7 +382,6 @@ class MlflowConfig(Section):
         default=False, description="load registry versions stored as pickled modules (an older format): "
         "loading a pickle runs its code, so only for a registry whose writers you trust")
 
-
     @model_validator(mode="before")
     @classmethod
     def _alignment_model_follows(cls, data):
@@ -390,6 +389,7 @@ class MlflowConfig(Section):
         if isinstance(data, dict) and "alignment_model" not in data and data.get("registered_model"):
             data = {**data, "alignment_model": f"{data['registered_model']}-alignment"}
         return data
+
 
 class UpgradeConfig(Section):
     """`fastfill upgrade`: how a stored gallery is moved to a new model."""

@@ -1,14 +1,14 @@
 """A file a command takes (a manifest, feature shards, model weights) from a local path or an
 ``s3://bucket/key`` URI alike: an S3 object is copied into a scratch folder first, with the
 same name, so the readers that want a path (pyarrow, numpy's memory map, torch) read it as a
-local file. Problems are one-line GalleryErrors naming the option (table_files.TableFile's
-S3 wording: missing object, bucket, credentials, endpoint)."""
+local file. Problems are one-line GalleryErrors naming the option (table_files.s3_bytes: a
+missing object or bucket, credentials, the endpoint)."""
 
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from components.gallery.inputs.table_files import TableFile
+from components.gallery.inputs.table_files import s3_bytes
 
 
 def is_s3(uri: str | Path) -> bool:
@@ -22,7 +22,7 @@ def input_path(uri: str | Path, option: str, scratch: Path) -> Path:
     if not is_s3(text):
         return Path(text.removeprefix("file://"))
     name = PurePosixPath(text[len("s3://"):].partition("/")[2]).name or "object"
-    data = TableFile(what=option, setting=option, columns=(), row="").read_bytes(text)
+    data = s3_bytes(text, option, option)
     scratch.mkdir(parents=True, exist_ok=True)
     target = scratch / name
     suffix = 1

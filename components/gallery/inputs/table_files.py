@@ -44,33 +44,7 @@ class TableFile:
             except OSError as error:
                 raise GalleryError(f"{self.what} {uri} cannot be read ({error.strerror}); check the path and its "
                                    "permissions") from None
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        if not bucket or not key:
-            raise GalleryError(f"{self.what} {uri}: an S3 location needs a bucket and a key, s3://BUCKET/KEY; fix "
-                               f"{self.setting}")
-        endpoint = s3_endpoint()
-        try:
-            return s3_client(endpoint).get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as error:
-            code = error.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404"):
-                why, todo = "does not exist", f"upload it or fix {self.setting}"
-            elif code == "NoSuchBucket":
-                why, todo = f"is in a bucket that does not exist at {endpoint or 'AWS'}", "check the URI and the endpoint"
-            elif code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-                why, todo = f"cannot be read: access denied ({code})", "check the AWS credentials"
-            else:
-                why, todo = f"cannot be read: S3 {code or error}", "check the endpoint and try again"
-            raise GalleryError(f"{self.what} {uri} {why}; {todo}") from None
-        except NoCredentialsError:
-            raise GalleryError(f"{self.what} {uri} cannot be read: no AWS credentials; set AWS_ACCESS_KEY_ID and "
-                               "AWS_SECRET_ACCESS_KEY or an AWS profile") from None
-        except BotoCoreError as error:
-            raise GalleryError(f"{self.what} {uri} cannot be read from the S3 endpoint {endpoint or 'AWS'} "
-                               f"({type(error).__name__}); check that it is up and AWS_ENDPOINT_URL_S3 is right, "
-                               "then try again") from None
+        return s3_bytes(uri, self.what, self.setting)
 
     def parse(self, uri: str, data: bytes):
         """``data`` as a pyarrow table: Parquet by its magic bytes, CSV otherwise; then the
@@ -141,3 +115,36 @@ def first_few(values, count: int = 5) -> str:
 def file_rows(mask) -> str:
     """The rows where ``mask`` is true, as a file shows them (1-based after the header)."""
     return first_few([int(r) + 1 for r in np.flatnonzero(mask)])
+
+
+def s3_bytes(uri: str, what: str, setting: str) -> bytes:
+    """The bytes of the object ``uri`` (s3://bucket/key; endpoint from AWS_ENDPOINT_URL_S3 /
+    AWS_ENDPOINT_URL, gallery.s3's retries and timeouts); a GalleryError of one line naming
+    ``what`` the file is, why it cannot be read and what to do (``setting``: where it is named)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not bucket or not key:
+        raise GalleryError(f"{what} {uri}: an S3 location needs a bucket and a key, s3://BUCKET/KEY; fix "
+                           f"{setting}")
+    endpoint = s3_endpoint()
+    try:
+        return s3_client(endpoint).get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as error:
+        code = error.response.get("Error", {}).get("Code", "")
+        if code in ("NoSuchKey", "404"):
+            why, todo = "does not exist", f"upload it or fix {setting}"
+        elif code == "NoSuchBucket":
+            why, todo = f"is in a bucket that does not exist at {endpoint or 'AWS'}", "check the URI and the endpoint"
+        elif code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            why, todo = f"cannot be read: access denied ({code})", "check the AWS credentials"
+        else:
+            why, todo = f"cannot be read: S3 {code or error}", "check the endpoint and try again"
+        raise GalleryError(f"{what} {uri} {why}; {todo}") from None
+    except NoCredentialsError:
+        raise GalleryError(f"{what} {uri} cannot be read: no AWS credentials; set AWS_ACCESS_KEY_ID and "
+                           "AWS_SECRET_ACCESS_KEY or an AWS profile") from None
+    except BotoCoreError as error:
+        raise GalleryError(f"{what} {uri} cannot be read from the S3 endpoint {endpoint or 'AWS'} "
+                           f"({type(error).__name__}); check that it is up and AWS_ENDPOINT_URL_S3 is right, "
+                           "then try again") from None

@@ -16,6 +16,7 @@ from components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
 from components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
 from components.gallery.upgrade.planning import eval_sample
 from components.platform.registry import ModelRef, find_alignment
+from components.experiment.map_check import is_reference
 from components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 
 Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
@@ -178,9 +179,7 @@ def fit_to_gallery(params, num_items: int):
     reach. Unchanged where the pairs come from the splits, the check is off, the map is already
     l2-only, or there is no fct map to take."""
     config, method_config = params.gallery.upgrade, params.upgrade_map
-    l2_only = (method_config.l2 and not method_config.disc and not method_config.uncertainty
-               and method_config.architecture == "mlp")
-    if config.map_pairs != "gallery" or method_config.check == "off" or l2_only:
+    if config.map_pairs != "gallery" or method_config.check == "off" or is_reference(method_config):
         return params, None
     least = least_map_sample(method_config.validation_fraction)
     if num_items >= least:
