@@ -31,8 +31,18 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 # each module registers its commands on ``app``, in this order
 from cli import (  # noqa: E402, I001
-    experiment_commands, gallery_commands, upgrade_commands, service_commands, doctor_commands, model_commands,
+    command_support, experiment_commands, gallery_commands, upgrade_commands, service_commands, doctor_commands, model_commands,
 )
 
-__all__ = ["app", "experiment_commands", "gallery_commands", "upgrade_commands", "service_commands",
+
+
+def run() -> None:
+    """The `fastfill` executable: the commands, in a process of their own. Only here do the
+    commands end the process themselves (a deadline after answering, the stop on SIGTERM or
+    SIGINT; cli/command_support.py); ``app`` called in another program's process never does."""
+    command_support.owns_process = True
+    app()
+
+
+__all__ = ["app", "run", "experiment_commands", "gallery_commands", "upgrade_commands", "service_commands",
            "doctor_commands", "model_commands"]

@@ -51,7 +51,98 @@ def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
 
     typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
     failed(str(error), code)
+    exit_within(ANSWERED_EXIT_SECONDS, code)
     raise typer.Exit(code) from None
+
+
+# Once a command has answered, its exit handlers (a temporary Prefect server stopping, logs still
+# queued for an API that is gone) get this long before the process ends anyway.
+ANSWERED_EXIT_SECONDS = 10.0
+# From SIGTERM or SIGINT to the end of a command doing work: the flow's own shutdown (recording
+# its run as crashed where the Prefect API answers) gets this long.
+STOP_SECONDS = 5.0
+INTERRUPTED = {2: 130, 15: 143}  # SIGINT, SIGTERM -> the shell's exit status for them
+
+
+owns_process = False  # set by the `fastfill` executable (cli.run): the command may end its process
+
+
+def exit_within(seconds: float, code: int = 0) -> None:
+    """If the interpreter's own exit has not ended the process ``seconds`` from now, end it then
+    with ``code``, output flushed (a daemon timer: it never keeps the process alive). Only in the
+    `fastfill` executable's own process (``owns_process``)."""
+    import threading
+
+    if not owns_process:
+        return
+
+    def force() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
+
+
+signals_owned = False  # a service command stops on signals its own way (service_commands)
+_watching: tuple | None = None  # the wakeup socket pair, held for the process's life (its fd is the interpreter's)
+
+
+def stop_promptly_on_signals() -> None:
+    """SIGTERM or SIGINT ends a command doing work within seconds, resumable: one line on stderr
+    says what stopped it and the command that resumes it; the flow's own shutdown gets
+    STOP_SECONDS, then the process ends with 128 + the signal's number (its temporary Prefect
+    server is tethered to it and goes too). Prefect's engine holds SIGTERM while a flow runs and
+    reports the run as crashed, retrying for minutes when the signal took its server down with
+    it: the watch does not wait for that. It learns of the signal through ``signal.set_wakeup_fd``,
+    which the interpreter writes at the signal itself, whoever's Python handler then runs. What
+    finished is kept: every write of a gallery, a stage or a map's checkpoint is whole or absent.
+    Once per process, from the main thread; not for the service commands (``signals_owned``)."""
+    import signal
+    import socket
+    import threading
+
+    global _watching
+    if _watching or signals_owned or not owns_process or threading.current_thread() is not threading.main_thread():
+        return
+    receiver, sender = socket.socketpair()
+    sender.setblocking(False)
+    try:
+        signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        return
+    _watching = (receiver, sender)
+
+    def stop(signum, frame):  # before and after a flow: SIGTERM as Ctrl-C, through the exit handlers
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a shell started it ignored
+    resume = "fastfill " + " ".join(_quoted(arg) for arg in sys.argv[1:])
+
+    def watch() -> None:
+        while True:
+            try:
+                received = receiver.recv(64)
+            except OSError:
+                return
+            caught = [number for number in received if number in INTERRUPTED]
+            if caught:
+                name = signal.Signals(caught[0]).name
+                typer.secho(f"stopped by {name}: what finished is kept; `{resume}` resumes it", fg=typer.colors.YELLOW,
+                            err=True)
+                exit_within(STOP_SECONDS, INTERRUPTED[caught[0]])
+                return
+
+    threading.Thread(target=watch, name="fastfill-signal-watch", daemon=True).start()
+
+
+def _quoted(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
 
 
 class ServiceUnavailable(RuntimeError):
@@ -133,6 +224,11 @@ def _service_problem(error: BaseException) -> str | None:
             return (f"the MLflow tracking server failed: {text}. Check that it is up and that MLFLOW_TRACKING_URI "
                     "names it, then run the same command again: finished work is kept")
         return None
+    if isinstance(error, RuntimeError) and "connect to ephemeral Prefect API server" in str(error):
+        return (f"Prefect's temporary server did not start in time ({_one_line(error)}); on a loaded machine set "
+                f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher (now "
+                f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS', 'unset')} s), or start a server "
+                "(`prefect server start`) and set PREFECT_API_URL, then run the same command again")
     httpx = sys.modules.get("httpx")
     if (httpx is not None and isinstance(error, httpx.TransportError)) or (
             isinstance(error, RuntimeError) and str(error).startswith("Failed to reach API at")):
@@ -244,6 +340,7 @@ def call(flow, *args, **kwargs):
 
     try:
         config = next((arg for arg in args if isinstance(arg, Params)), None)
+        stop_promptly_on_signals()
         if config is not None:
             require_services(config)
         quiet_known_failures()

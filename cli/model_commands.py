@@ -63,8 +63,9 @@ def model_register(
     """Register a model you already serve. A probe batch runs through it first: a file that is
     not what it claims, weights that do not fit the architecture, an output that is not one finite
     vector per image, or another size than --dim are refused in one line, with nothing registered.
-    The version is an MLflow model (mlflow.pyfunc.load_model and mlflow models serve run it)
-    holding the weights or graph and the preprocessing, never pickled code."""
+    The version is an MLflow model holding the weights or graph and the preprocessing, never
+    pickled code, with the loader and its requirements: mlflow.pyfunc.load_model and mlflow
+    models serve run it, also where this product is not installed."""
     from components.model_store import catalogue, sources
     from components.model_store.embedders import ModelSourceError
     from components.platform import registry

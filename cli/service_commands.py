@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cli import app
+from cli import app, command_support
 from cli.command_support import (
     INPUT, SERVICE, USAGE, ParamsOption, ServiceUnavailable, StoreOption, call, check_prefect_api, fail, load,
     store_uri,
@@ -32,6 +32,8 @@ def _stop_on_sigterm() -> None:
     started is stopped with it instead of being left running."""
     import signal
 
+    command_support.signals_owned = True  # not the work commands' watch: a service's stop is its own
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -39,24 +41,6 @@ def _stop_on_sigterm() -> None:
     # SIGINT too, even where it was inherited ignored (a command started in the background by a
     # non-interactive shell): `kill -INT` and Ctrl-C stop the service
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _exit_within(seconds: float) -> None:
-    """After a service's stop line: if the interpreter's own exit has not ended the process within
-    ``seconds`` (an exit handler or a library's thread still retrying a server that is gone),
-    end it then, with status 0; the output is flushed first."""
-    import os
-    import sys
-    import threading
-
-    def force() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    timer = threading.Timer(seconds, force)
-    timer.daemon = True
-    timer.start()
 
 
 @app.command(short_help="Serve the deployments and poll the registry.")
@@ -244,7 +228,7 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
             pass
         watcher.stop(wait=2.0)
         typer.echo(f"stopped watching {config.mlflow.registered_model}@challenger for {uri}")
-        _exit_within(10.0)
+        command_support.exit_within(10.0)
         return
     try:
         result = call(watch_once, config, uri, params_file(params), resume)  # a missing deployment: exit 5

@@ -1,8 +1,14 @@
-"""A registered model version's folder: a real MLflow model holding data, never code.
+"""A registered model version's folder: a real MLflow model whose network is data. It carries
+the loader's code for other environments (``mlflow.pyfunc.load_model`` in a clean virtualenv,
+``mlflow models serve``); the product itself builds the network from the description and never
+runs code found in a version.
 
     MLmodel                   flavours python_function (loader_module components.model_store.pyfunc)
-                              and fastfill (the description below); signature; input example
+                              and fastfill (the description below); signature; input example;
+                              the logged model's id and its run
     input_example.json, serving_input_example.json, requirements.txt, python_env.yaml, conda.yaml
+    code/components/...       the loader and the product's modules it imports (MLflow's code_paths),
+                              so a clean environment with requirements.txt loads the version
     data/fastfill/fastfill-model.json   the typed description (format fastfill-model/2)
     data/fastfill/weights.safetensors   a state dict, tensors only   (or)
     data/fastfill/model.onnx            an ONNX graph
@@ -41,6 +47,7 @@ ONNX_FILE = "model.onnx"
 LEGACY_WEIGHTS_FILE = "weights.pt"  # format 1 of earlier releases: torch.load(weights_only=True)
 FORMAT_1, FORMAT = "fastfill-model/1", "fastfill-model/2"
 LOADER_MODULE = "components.model_store.pyfunc"
+PACKAGE = LOADER_MODULE.split(".")[0]
 SOURCES = ("fastfill", "torchvision", "onnx", "mlflow")
 
 
@@ -49,11 +56,13 @@ def _sha256(path: Path) -> str:
 
 
 def requirements() -> list[str]:
-    """What loading a version needs besides this package (pinned as installed here)."""
+    """What loading a version needs besides the loader's own code (``loader_code``), pinned as
+    installed here: a clean environment holding these and the version's ``code/`` loads it."""
     from importlib.metadata import PackageNotFoundError, version
 
     pins = []
-    for name in ("mlflow", "torch", "numpy", "safetensors", "onnxruntime", "pillow"):
+    for name in ("mlflow", "torch", "torchvision", "numpy", "safetensors", "onnxruntime", "pillow", "pydantic",
+                 "pyyaml"):
         try:
             pins.append(f"{name}=={version(name).split('+')[0]}")
         except PackageNotFoundError:
@@ -61,12 +70,53 @@ def requirements() -> list[str]:
     return pins
 
 
-def write_folder(path: Path, description: dict, files: dict[str, Path | bytes], example: np.ndarray,
-                 output_dim: int, *, sigma: bool = False) -> Path:
-    """Write an MLflow model at ``path`` (which must not exist): ``files`` (name -> path or
-    bytes) into ``data/fastfill/``, the description with the first file's sha256, a tensor signature
-    (``example``'s dtype and shape, any batch size -> float32 (N, output_dim), plus ``log_sigma2``
-    for a map with ``sigma``) and ``example`` as the input example."""
+def _imported_modules(source: str) -> set[str]:
+    """The product's modules ``source`` imports (module level and inside functions alike)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] == PACKAGE}
+
+
+def loader_code(target: Path) -> Path:
+    """Copy the loader (``LOADER_MODULE``) and every module of the product it imports, directly or
+    not, with their packages' ``__init__.py``, into ``target/components`` (a version's ``code/``),
+    so the version loads where the product is not installed. Returns that folder."""
+    root = Path(__file__).resolve().parents[1]  # the components package
+    copied: set[Path] = set()
+    pending = [LOADER_MODULE]
+    while pending:
+        parts = pending.pop().split(".")[1:]
+        for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
+            if path.is_file() and path not in copied:
+                copied.add(path)
+                pending.extend(_imported_modules(path.read_text(encoding="utf-8")))
+                for level in range(1, len(parts) + 1):  # the packages above it
+                    copied.add(root.joinpath(*parts[:level - 1], "__init__.py"))
+    copied = {path for path in copied if path.is_file()}
+    for path in sorted(copied):
+        destination = target / PACKAGE / path.relative_to(root)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, destination)
+    return target / PACKAGE
+
+
+def log_version(run_id: str, name: str, description: dict, files: dict[str, Path | bytes], example: np.ndarray,
+                output_dim: int, *, sigma: bool = False):
+    """Log a version's MLflow model in run ``run_id`` as MLflow 3 logs models (a logged model
+    named ``name`` with the run as its source, so its metadata, input example and lineage work in
+    MLflow's API and UI) and return its ``ModelInfo``: ``files`` (name -> path or bytes) in
+    ``data/fastfill/``, the description with the first file's sha256, the loader's code in
+    ``code/`` and the requirements that load it. The signature is a tensor of ``example``'s dtype:
+    for images (N, C, H, W) any batch size and any height and width (the model resizes by its own
+    rule, so the input example is a few pixels), for features (N, d); it returns float32
+    (N, ``output_dim``), plus ``log_sigma2`` for a map with ``sigma``."""
     import mlflow.pyfunc
     from mlflow.models import Model
     from mlflow.models.signature import ModelSignature
@@ -75,28 +125,34 @@ def write_folder(path: Path, description: dict, files: dict[str, Path | bytes], 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / DATA_DIR
         data.mkdir()
-        for name, content in files.items():
+        for file_name, content in files.items():
             if isinstance(content, bytes):
-                (data / name).write_bytes(content)
+                (data / file_name).write_bytes(content)
             else:
-                shutil.copyfile(content, data / name)
+                shutil.copyfile(content, data / file_name)
         first = next(iter(files), None)
         described = {"format": FORMAT, **description}
         if first is not None:
             described.update(weights=first, sha256=_sha256(data / first))
         (data / MODEL_FILE).write_text(json.dumps(described, indent=2, sort_keys=True))
-        inputs = Schema([TensorSpec(example.dtype, (-1, *example.shape[1:]))])
+        shape = (-1, example.shape[1], -1, -1) if example.ndim == 4 else (-1, *example.shape[1:])
+        inputs = Schema([TensorSpec(example.dtype, shape)])
         if sigma:
             outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, output_dim), "features"),
                               TensorSpec(np.dtype(np.float32), (-1,), "log_sigma2")])
         else:
             outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, output_dim))])
-        model = Model()
-        model.add_flavor("fastfill", **{k: v for k, v in described.items() if k in ("format", "kind", "source")})
-        mlflow.pyfunc.save_model(str(path), loader_module=LOADER_MODULE, data_path=str(data), mlflow_model=model,
-                                 signature=ModelSignature(inputs, outputs), input_example=example,
-                                 pip_requirements=requirements())
-    return path
+        flavour = {k: v for k, v in described.items() if k in ("format", "kind", "source")}
+
+        class _Described(Model):  # the fastfill flavour beside python_function, in the MLmodel
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.add_flavor("fastfill", **flavour)
+
+        return _Described.log(None, mlflow.pyfunc, name=name, run_id=run_id, loader_module=LOADER_MODULE,
+                              data_path=str(data), code_paths=[str(loader_code(Path(tmp) / "code"))],
+                              signature=ModelSignature(inputs, outputs), input_example=example,
+                              pip_requirements=requirements())
 
 
 def read_description(folder: Path) -> dict | None:

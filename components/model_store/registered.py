@@ -1,38 +1,34 @@
-"""Registered models as MLflow models holding data, never code (``components.model_store.artifact``):
-each version is an ``MLmodel`` (pyfunc flavour over this package's loader, signature, input
-example) beside a typed description of the network and its weights (safetensors, or an ONNX
-graph), so ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run it and loading builds the
-network from the description: nothing a writer to the registry puts there runs. Versions written
+"""Registered models as MLflow logged models whose network is data (``components.model_store.artifact``):
+each version is an ``MLmodel`` (pyfunc flavour over this package's loader, carried in its
+``code/`` with the requirements that load it; signature; an input example of a few pixels; the
+logged model's run) beside a typed description of the network and its weights (safetensors, or an
+ONNX graph), so ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` run it anywhere, and the
+product's own loading builds the network from the description: nothing a writer to the registry
+puts there runs in the product. Versions written
 by earlier releases (the description and ``weights.safetensors``/``weights.pt`` with no
 ``MLmodel``) still load. Versions stored as pickled modules by earlier releases are refused
 unless ``mlflow.allow_pickled_models`` says their writers are trusted."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
-                                        WEIGHTS_FILE, load_folder, preprocessing_of, read_description, write_folder)
+                                        WEIGHTS_FILE, load_folder, log_version, preprocessing_of, read_description)
 from components.platform import registry
 from components.platform.registry import RegistryError
 
 
-def _new_version(client, run_id: str, name: str, artifact: str, write, tags: Mapping[str, str]) -> str:
-    """Write a model folder with ``write(path)`` under ``artifact`` in the run (a name of its own:
-    a second model registered from the same run must not overwrite the first's files), register
-    it as a new version of ``name`` and tag the version; returns the version."""
+def _new_version(client, run_id: str, name: str, artifact: str, log, tags: Mapping[str, str]) -> str:
+    """Log a model in the run with ``log(run_id, artifact)`` (a logged model named ``artifact``,
+    ``artifact.log_version``), register it as a new version of ``name`` and tag the version;
+    returns the version."""
     from mlflow.exceptions import MlflowException
 
-    taken = {entry.path for entry in client.list_artifacts(run_id)}
-    artifact = next(path for path in (artifact, *(f"{artifact}-{k}" for k in range(2, 10_000))) if path not in taken)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = write(Path(tmp) / "model")
-        client.log_artifacts(run_id, str(folder), artifact)
-    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact}"
+    info = log(run_id, artifact)
     try:
         client.get_registered_model(name)
     except MlflowException as error:
@@ -43,10 +39,17 @@ def _new_version(client, run_id: str, name: str, artifact: str, write, tags: Map
         except MlflowException as race:  # another process registered the name first
             if race.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-    version = str(client.create_model_version(name, source, run_id=run_id).version)
+    version = str(client.create_model_version(name, f"models:/{info.model_id}", run_id=run_id,
+                                              model_id=info.model_id).version)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
     return version
+
+
+def _example_pixels(channels: int) -> np.ndarray:
+    """An embedder's input example: one grey 8 x 8 image (the signature takes any size, and the
+    model resizes it by its own rule), a few hundred bytes in the version."""
+    return np.full((1, channels, 8, 8), 128, dtype=np.uint8)
 
 
 def _register(client, run_id: str, module, example: np.ndarray, name: str, artifact: str,
@@ -69,23 +72,22 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
             preprocessing=dict(channels=shape[0], height=shape[1], width=shape[2], resize="stretch",
                                mean=[float(module.pixel_mean)], std=[float(module.pixel_std)]),
             embedding_dim=module.embedding_dim, head=len(module.classes))
-        pixels = np.zeros((1, *shape), dtype=np.uint8)
-        write = lambda path: write_folder(path, description, {WEIGHTS_FILE: weights}, pixels,  # noqa: E731
-                                          module.embedding_dim)
+        log = lambda run, path: log_version(run, path, description, {WEIGHTS_FILE: weights},  # noqa: E731
+                                            _example_pixels(shape[0]), module.embedding_dim)
     else:
         sigma = getattr(module, "uncertainty", None) is not None
-        write = lambda path: write_folder(path, description, {WEIGHTS_FILE: weights},  # noqa: E731
-                                          np.zeros((1, module.old_dim), np.float32), module.new_dim, sigma=sigma)
-    return _new_version(client, run_id, name, artifact, write, tags)
+        log = lambda run, path: log_version(run, path, description, {WEIGHTS_FILE: weights},  # noqa: E731
+                                            np.zeros((1, module.old_dim), np.float32), module.new_dim, sigma=sigma)
+    return _new_version(client, run_id, name, artifact, log, tags)
 
 
 def register_source(client, run_id: str, source, name: str, alias: str | None, tags: Mapping[str, str]) -> str:
     """A team's embedder (``components.model_store.sources.Source``, probed) as a version of ``name``."""
     embedder = source.embedder
-    pixels = np.zeros((1, *embedder.preprocessing.shape), dtype=np.uint8)
     version = _new_version(client, run_id, name, "embedder",
-                           lambda path: write_folder(path, source.description, source.files, pixels,
-                                                     embedder.embedding_dim), tags)
+                           lambda run, path: log_version(run, path, source.description, source.files,
+                                                         _example_pixels(embedder.preprocessing.shape[0]),
+                                                         embedder.embedding_dim), tags)
     if alias:
         client.set_registered_model_alias(name, alias, version)
     return version

@@ -76,8 +76,8 @@ def test_registered_models_load_back_as_the_same_networks(mlflow_store):
 
 def _version_folder(client, name: str, version: str) -> Path:
     """The folder of the version's description and weights (inside the MLflow model)."""
-    source = client.get_model_version(name, version).source
-    return Path(source.removeprefix("file://")) / registered.DATA_PATH
+    logged = client.get_logged_model(client.get_model_version(name, version).source.removeprefix("models:/"))
+    return Path(logged.artifact_location.removeprefix("file://")) / registered.DATA_PATH
 
 
 @pytest.mark.parametrize("weights_file, refused_as", [(registered.WEIGHTS_FILE, "SafetensorError"),

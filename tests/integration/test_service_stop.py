@@ -225,3 +225,28 @@ def test_watch_stops_on_sigterm_and_on_sigint_with_the_registry_and_prefect_serv
         prefect.kill()
         nothing.wait_for("registry watcher: this check failed")
         nothing.assert_stopped_cleanly(nothing.stop(signal.SIGTERM), stop_line)
+
+
+def test_a_command_doing_work_stops_on_sigterm_with_its_prefect_server_gone_and_resumes(tiny_workdir, cli_env,
+                                                                                        tmp_path):
+    """`fastfill run` stopped mid-training: by Ctrl-C with the Prefect server up, and by SIGTERM
+    after the server went away (a service manager stopping everything at once; Prefect's engine
+    alone would retry its crash report for minutes): each within seconds, one line naming the
+    command that resumes it, the shell's exit status for the signal; then that command finishes."""
+    with _prefect_server(cli_env, tmp_path) as (env, prefect):
+        up = _Command(["run"], tiny_workdir, env, "run-up")
+        up.wait_for(r"training the (old|new) model")
+        up.assert_stopped_cleanly(up.stop(signal.SIGINT), "stopped by SIGINT")
+        assert up.process.returncode == 130
+        assert "`fastfill run` resumes it" in up.text()
+
+        gone = _Command(["run"], tiny_workdir, env, "run-gone")
+        gone.wait_for(r"training the (old|new) model")
+        prefect.kill()
+        time.sleep(2)
+        seconds = gone.stop(signal.SIGTERM)
+    gone.assert_stopped_cleanly(seconds, "stopped by SIGTERM")
+    assert gone.process.returncode == 143
+    again = subprocess.run([str(BIN / "fastfill"), "run"], cwd=tiny_workdir, env=cli_env, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]

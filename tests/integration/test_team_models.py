@@ -214,6 +214,60 @@ def test_mlflow_loads_what_the_product_registers(team):
                                    unified(torch.from_numpy(old_features)).numpy(), rtol=1e-6, atol=1e-6)
 
 
+_OUTSIDE_THE_PRODUCT = """
+import json, sys
+import numpy as np
+# the product out of reach: no editable-install finder, no repository on the path
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__ + getattr(f, "__name__", "")]
+sys.path[:] = [p for p in sys.path if p not in ("", sys.argv[1])]
+import mlflow.pyfunc
+model = mlflow.pyfunc.load_model(sys.argv[2])
+out = model.predict(np.load(sys.argv[3]))
+np.save(sys.argv[4], out)
+print(json.dumps({"loader": sys.modules["components"].__file__,
+                  "example": np.asarray(model.metadata.load_input_example(model.metadata.artifact_path
+                                                                          or sys.argv[5])).shape}))
+"""
+
+
+def test_a_version_carries_what_loads_it(team, tmp_path_factory):
+    """A registered version is an MLflow 3 logged model with its run, an input example of a few
+    bytes, and the loader in its code/: a Python without the product on its path loads it with
+    mlflow.pyfunc and predicts the product's numbers."""
+    import mlflow
+    import mlflow.artifacts
+
+    from components.platform import registry
+    from components.platform.config import load_params
+
+    old_uri, new_uri = _register_both(team)
+    registry.setup(load_params(team / "params.yaml").mlflow)
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    for uri in (old_uri, new_uri):
+        folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(elsewhere / uri[-1])))
+        mlmodel = yaml.safe_load((folder / "MLmodel").read_text())
+        assert mlmodel["run_id"] and mlmodel["model_id"], mlmodel
+        assert (folder / "code" / "components" / "model_store" / "pyfunc.py").is_file()
+        assert not list((folder / "code").rglob("*.pyc"))
+        pins = (folder / "requirements.txt").read_text().split()
+        assert {p.split("==")[0] for p in pins} >= {"mlflow", "torch", "torchvision", "numpy", "safetensors",
+                                                    "onnxruntime", "pydantic"}, pins
+        for example in ("input_example.json", "serving_input_example.json"):
+            assert (folder / example).stat().st_size < 4096, example
+        model = registered.load_model(uri)
+        pixels = np.stack([model.preprocessing.decode(_encoded(p)) for p in _photos(3, seed=4)])
+        np.save(elsewhere / "pixels.npy", pixels)
+        answer = subprocess.run([sys.executable, "-c", _OUTSIDE_THE_PRODUCT, str(Path.cwd()), str(folder),
+                                 str(elsewhere / "pixels.npy"), str(elsewhere / "out.npy"), str(folder)],
+                                cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "PYTHONPATH": ""})
+        assert answer.returncode == 0, answer.stderr[-3000:]
+        loaded = json.loads(answer.stdout.strip().splitlines()[-1])
+        assert Path(loaded["loader"]).is_relative_to(folder / "code"), loaded  # the version's own copy
+        assert loaded["example"][1] == model.preprocessing.channels
+        np.testing.assert_array_equal(np.load(elsewhere / "out.npy"), embed(model, pixels))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -48,6 +48,14 @@ def test_anything_else_is_not_a_known_failure():
     assert outcome(ValueError("something")) is None
 
 
+def test_a_temporary_server_that_does_not_start_in_time_is_one_line_naming_the_setting(monkeypatch):
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    code, message = outcome(RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server."))
+    assert code == SERVICE
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher (now 120 s)" in message
+    assert "\n" not in message
+
+
 def test_mlflow_and_prefect_client_errors_that_say_a_service_is_down_are_service_failures():
     from mlflow.exceptions import MlflowException
 
