@@ -238,15 +238,71 @@ def _same_store(uri: str, store) -> bool:
     return str(Path(uri.removeprefix("file://")).resolve()) == store.identity
 
 
-def _mlflow_lines(config, run_id: str | None, decided: dict | None) -> list[tuple[str, str]]:
-    """The run's link and the decision's record in the registry; raises when the tracking
-    store cannot be used."""
+def _challenger_line(client, config, store, state: dict) -> str | None:
+    """Whether the registry's challenger waits for this gallery, and what became of its claim
+    (components/gallery/triggers/claims.py): none yet, a start never recorded, a flow run (with its
+    state where PREFECT_API_URL names a server: no temporary server is started for a status), or
+    a version aborted or rolled back here. None when there is no challenger, or the gallery is on
+    it or upgrading to it."""
+    from components.gallery.triggers.claims import ENDED_UNSTARTED, claimed, unfinished
+    from components.platform.registry import CHALLENGER, alias_version
+
+    name = config.mlflow.registered_model
+    version = alias_version(client, name, CHALLENGER)
+    uri = f"models:/{name}/{version}"
+    if version is None or uri in (state.get("model"), (state.get("upgrade") or {}).get("to")):
+        return None
+    record = claimed(store, name, version)
+    if record is None:
+        return (f"{name} v{version} (challenger) waits: no upgrade of this gallery was started for it (`fastfill "
+                f"upgrade`, or the registry watcher of `fastfill serve` / `fastfill watch`, starts it)")
+    since = f"claimed by {record.get('source')} on {record.get('claimed')}"
+    if record.get("source") in ("abort", "rollback"):
+        undone = "aborted" if record["source"] == "abort" else "rolled back"
+        return (f"{name} v{version} (challenger) was {undone} on this gallery on {record.get('claimed')}: the watcher "
+                f"and the webhook do not start it again; `fastfill upgrade --to {uri}` does")
+    if unfinished(record):
+        return (f"{name} v{version} (challenger) {since}, but its start was never recorded (the process stopped "
+                "first): the next registry check starts it")
+    run = record.get("flow_run_id")
+    ended = _flow_run_state(run)
+    if ended in ENDED_UNSTARTED:
+        return (f"{name} v{version} (challenger) {since}: its flow run {run} ended {ended.lower()} before the gallery "
+                "started upgrading; the next registry check starts it again")
+    return (f"{name} v{version} (challenger) {since}: flow run {run}"
+            + (f" ({ended.lower()})" if ended else " (its state is on the Prefect server that ran it)")
+            + ", not started on the gallery yet")
+
+
+def _flow_run_state(flow_run_id: str | None) -> str | None:
+    """A flow run's state type where PREFECT_API_URL names a server, else None (a status never
+    starts a temporary server); None too when that server does not answer or know the run."""
+    from prefect.settings import get_current_settings
+
+    if not flow_run_id or not get_current_settings().api.url:
+        return None
+    from flows.deployments import flow_run_state  # late: Prefect's client, only where a server is named
+
+    try:
+        return flow_run_state(flow_run_id)
+    except Exception:  # noqa: BLE001 - the prefect line reports the server's problems
+        return None
+
+
+def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
+                  state: dict | None = None) -> list[tuple[str, str]]:
+    """The challenger's state for this gallery, the run's link and the decision's record in the
+    registry; raises when the tracking store cannot be used."""
     from mlflow.exceptions import MlflowException
 
     from components.platform import registry
 
     client, _ = _mlflow_client(config)
     lines = []
+    if store is not None and state is not None:
+        waiting = _challenger_line(client, config, store, state)
+        if waiting is not None:
+            lines.append(("trigger", waiting))
     if decided is not None:
         new = decided["new"]
         try:
@@ -383,7 +439,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
         run_id = plan.mlflow_run_id if plan else None
     healthy = True
     try:
-        for name, text in _mlflow_lines(config, run_id, decided):
+        for name, text in _mlflow_lines(config, run_id, decided, gallery.store, state):
             show(name, text)
     except Exception as error:  # noqa: BLE001 - reported as one line
         healthy = False

@@ -15,7 +15,9 @@ Every path that starts an upgrade by itself ends in the same Prefect deployment,
   the comparison of methods.
 
 A version is claimed in the gallery's store (create-only) before its upgrade starts, and the
-flow run carries an idempotency key, so no version starts two upgrades.
+flow run carries an idempotency key, so no version starts two upgrades. A claim whose flow run
+ended cancelled or crashed before the gallery started upgrading is started again by the next
+trigger (a new attempt, a new key).
 
 `fastfill serve` serves these deployments on its own host; `fastfill deploy` puts them on Prefect
 work pools instead (services/work_pools.py), whose workers run them wherever they are started.
@@ -26,7 +28,9 @@ from __future__ import annotations
 from prefect import flow
 from prefect.schedules import Cron
 
-from components.gallery.triggers.claims import claim, claimed, record_start, release, unfinished, wants_upgrade
+from components.gallery.triggers.claims import (
+    ENDED_UNSTARTED, attempt, claim, claimed, record_start, release, unfinished, wants_upgrade,
+)
 from components.gallery.upgrade.planning import load_plan
 from components.gallery.upgrade.status import gallery_status
 from components.platform import registry
@@ -108,21 +112,54 @@ def start_upgrade(params: Params, store_uri: str, version: str, source: str, par
     A version claimed before is not started again."""
     name = params.mlflow.registered_model
     store = store_at(store_uri)
+    tries = 1
     if not claim(store, name, version, source, starting=True):
-        if not unfinished(claimed(store, name, version)):
+        record = claimed(store, name, version)
+        ended = None if unfinished(record) else ended_unstarted(record)
+        if not unfinished(record) and ended is None:
             log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
             return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
+        tries = max(1, attempt(record) + (ended is not None))  # a start never recorded: the same attempt
         log(f"{name} version {version} was claimed for {store.uri} by a process that stopped before its start was "
-            "recorded; starting it now (the same flow run if that process did start one)")
+            "recorded; starting it now (the same flow run if that process did start one)" if ended is None else
+            f"{name} version {version}: its upgrade's flow run {record['flow_run_id']} ended {ended.lower()} before "
+            f"the gallery started upgrading; starting it again (attempt {tries})")
+    key = f"upgrade:{store.uri}:{name}:{version}" + (f":{tries}" if tries > 1 else "")
     try:
         run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": f"models:/{name}/{version}"},
-                                     idempotency_key=f"upgrade:{store.uri}:{name}:{version}")
+                                     idempotency_key=key)
     except BaseException:
-        release(store, name, version)  # let a later trigger try again
+        if tries == 1:
+            release(store, name, version)  # let a later trigger try again
         raise
-    record_start(store, name, version, source, str(run.id))
+    record_start(store, name, version, source, str(run.id), tries)
     log(f"{source}: started {UPGRADE_DEPLOYMENT} for {name} version {version} on {store.uri}: flow run {run.id}")
     return {"started": True, "flow_run_id": str(run.id), "version": version}
+
+
+def flow_run_state(flow_run_id: str) -> str | None:
+    """The state type of a flow run on the Prefect server (``COMPLETED``, ``CANCELLED``, ...), or
+    None when the server does not know it (a temporary server's runs are gone with it)."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(UUID(flow_run_id))
+    except (ObjectNotFound, ValueError):
+        return None
+    return run.state.type.value if run.state else None
+
+
+def ended_unstarted(record: dict | None) -> str | None:
+    """The state (CANCELLED or CRASHED) of a claim's flow run that ended before its upgrade did
+    anything, or None (see ``claims.ENDED_UNSTARTED``)."""
+    if not record or not record.get("flow_run_id"):
+        return None
+    state = flow_run_state(record["flow_run_id"])
+    return state if state in ENDED_UNSTARTED else None
 
 
 def registry_candidate(params: Params, store_uri: str) -> tuple[str | None, str | None]:

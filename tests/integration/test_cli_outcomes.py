@@ -262,6 +262,25 @@ def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor
     assert lines["registry"] == f"embedder v{worse}: promotion=rejected"
     assert f"run {payload['mlflow_run_id']} in sqlite:///{tmp_path / 'mlflow.db'}" in lines["mlflow"], lines["mlflow"]
     assert lines["prefect"].endswith(f"/runs/flow-run/{run.id} ({run.name}, Rejected)"), lines["prefect"]
+    assert lines["trigger"].startswith(f"embedder v{new_version} (challenger) waits: no upgrade"), lines["trigger"]
+
+    # a claim of the challenger whose flow run ended cancelled before the gallery started upgrading
+    # (a deployment's lost concurrency slot): status says so, and that the next check starts it again
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    from components.gallery.store import open_store
+    from components.gallery.triggers.claims import claim, record_start, release
+
+    claim(open_store(uri), "embedder", new_version, "registry-watcher", starting=True)
+    record_start(open_store(uri), "embedder", new_version, "registry-watcher", str(run.id))
+    with get_client(sync_client=True) as prefect:
+        prefect.set_flow_run_state(run.id, Cancelled(message="Deployment concurrency slot lost"), force=True)
+    result, _ = _run(["status", *args], prefect_env, tmp_path)
+    trigger = next(line for line in result.stdout.splitlines() if line.startswith("trigger"))
+    assert f"claimed by registry-watcher on " in trigger and f"its flow run {run.id} ended cancelled" in trigger, trigger
+    assert "the next registry check starts it again" in trigger
+    release(open_store(uri), "embedder", new_version)
 
     # doctor: what is set up passes; the optional parts not set up here (no deployments served, no
     # webhook registered) are "--", not failures; a bad store FAILs and says what to do

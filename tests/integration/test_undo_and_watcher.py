@@ -322,11 +322,23 @@ def test_the_watcher_starts_no_flow_run_until_the_challenger_moves(watched):
     assert run.parameters == {"params_path": params_path, "store": uri, "to": "models:/embedder/2"}
     assert claimed(open_store(uri), "embedder", "2")["source"] == "registry-watcher"
 
+    # that run ends cancelled before the gallery started upgrading (a lost concurrency slot, a
+    # person in the UI): the next check starts the version again, once, as a new attempt
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as prefect:
+        prefect.set_flow_run_state(run.id, Cancelled(message="Deployment concurrency slot lost"), force=True)
+    again = watcher.tick()
+    assert again["started"] and again["flow_run_id"] != started["flow_run_id"], again
+    assert claimed(open_store(uri), "embedder", "2")["attempt"] == 2
+    assert not watcher.tick()["started"]  # the new run is scheduled, not ended: claimed
+    assert _runs_of(upgrade_id) == 2
+
     # the poll deployment paused in the UI pauses the checks; resumed, the next one starts version 3
     with get_client(sync_client=True) as prefect:
         prefect.pause_deployment(poll_id)
     client.set_registered_model_alias("embedder", "challenger", "3")
-    assert watcher.tick()["paused"] and _runs_of(upgrade_id) == 1
+    assert watcher.tick()["paused"] and _runs_of(upgrade_id) == 2
     with get_client(sync_client=True) as prefect:
         prefect.resume_deployment(poll_id)
-    assert watcher.tick()["started"] and _runs_of(upgrade_id) == 2
+    assert watcher.tick()["started"] and _runs_of(upgrade_id) == 3

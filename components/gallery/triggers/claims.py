@@ -26,12 +26,28 @@ def claim(store: Store, name: str, version: str, source: str, **details) -> bool
     return True
 
 
-def record_start(store: Store, name: str, version: str, source: str, flow_run_id: str) -> None:
+def record_start(store: Store, name: str, version: str, source: str, flow_run_id: str, attempt: int = 1) -> None:
     """The claim's upgrade was started: its flow run, written over the claim (which said
     ``starting``). A claim still ``starting`` is one whose process stopped between the claim and
-    the start; the next trigger starts it (the flow run's idempotency key keeps that one run)."""
+    the start; the next trigger starts it (the flow run's idempotency key keeps that one run).
+    ``attempt``: how many flow runs were started for this version (see ``ENDED_UNSTARTED``)."""
     store.put_json(trigger_key(name, version), {"name": name, "version": str(version), "source": source,
-                                                "claimed": now(), "flow_run_id": flow_run_id})
+                                                "claimed": now(), "flow_run_id": flow_run_id, "attempt": attempt})
+
+
+# The states of a started flow run that ended before its upgrade could do anything of its own: the
+# run was cancelled (by a person, or by Prefect when the deployment's concurrency slot was lost)
+# or its infrastructure crashed. A claim whose run ended so is started again by the next trigger,
+# when the gallery is neither on the version nor upgrading to it. A run that failed (a refused
+# map, a rejected gate) keeps its claim: starting it again would fail the same way.
+ENDED_UNSTARTED = ("CANCELLED", "CRASHED")
+
+
+def attempt(record: dict | None) -> int:
+    """The number of flow runs started so far for a claim (0 for none)."""
+    if not record or not record.get("flow_run_id"):
+        return 0
+    return int(record.get("attempt", 1))
 
 
 def unfinished(record: dict | None) -> bool:
