@@ -277,9 +277,11 @@ def _challenger_line(client, config, store, state: dict) -> str | None:
 def _flow_run_state(flow_run_id: str | None) -> str | None:
     """A flow run's state type where PREFECT_API_URL names a server, else None (a status never
     starts a temporary server); None too when that server does not answer or know the run."""
+    if not flow_run_id or not _prefect_may_be_named():
+        return None
     from prefect.settings import get_current_settings
 
-    if not flow_run_id or not get_current_settings().api.url:
+    if not get_current_settings().api.url:
         return None
     from flows.deployments import flow_run_state  # late: Prefect's client, only where a server is named
 
@@ -327,9 +329,25 @@ def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
     return lines
 
 
+def _prefect_may_be_named() -> bool:
+    """Whether a Prefect server may be named, known without importing Prefect (a second of CPU a
+    status does not need): PREFECT_API_URL in the environment, or a Prefect profiles file that
+    mentions it (then Prefect's own settings decide)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    try:
+        return "PREFECT_API_URL" in profiles.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
 def _prefect_line(gallery_store) -> str | None:
     """The newest upgrade flow run of this gallery on the Prefect server, with its state, as a
     link to the UI; None without PREFECT_API_URL. Raises when the server does not answer."""
+    if not _prefect_may_be_named():
+        return None
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()

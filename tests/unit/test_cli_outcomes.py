@@ -129,3 +129,20 @@ def test_the_prefect_api_is_checked_only_when_it_is_set(monkeypatch):
         with pytest.raises(ServiceUnavailable, match="point PREFECT_API_URL at the right one") as needed:
             check_prefect_api(1, needed=True)  # fastfill deploy: no temporary server will do
         assert "unset" not in str(needed.value)
+
+
+def test_a_status_imports_prefect_only_where_a_server_may_be_named(tmp_path, monkeypatch):
+    """`fastfill status` links the Prefect flow run only where PREFECT_API_URL names a server; it
+    finds out without importing Prefect (about a second of CPU) when neither the environment nor
+    a profiles file names one."""
+    from cli.doctor_commands import _prefect_may_be_named
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("PREFECT_PROFILES_PATH", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    assert not _prefect_may_be_named()
+    (tmp_path / "profiles.toml").write_text('active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://p:4200/api"\n')
+    assert _prefect_may_be_named()
+    (tmp_path / "profiles.toml").unlink()
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert _prefect_may_be_named()
