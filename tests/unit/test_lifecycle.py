@@ -46,6 +46,9 @@ def test_registered_map_order_follows_the_fallback_tag():
     order, why = registered_map_order({"method": "fastfill", "fallback_order": "random"}, "sigma")
     assert order == "random" and "fallback_order: random" in why
     assert registered_map_order({"fallback_order": "random"}, "random") == ("random", None)
+    # an l2-only map (a small gallery's upgrade registers one): no sigma, so random, said
+    order, why = registered_map_order({"method": "fct"}, "sigma")
+    assert order == "random" and "no uncertainty head" in why
 
 
 def test_check_map_fits_names_what_does_not_fit():

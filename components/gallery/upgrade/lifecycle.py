@@ -102,10 +102,14 @@ def registered_map_order(tags: dict, order: str) -> tuple[str, str | None]:
     """The backfill order of a map taken from the registry, and why it differs from the
     configured ``order`` (None if it does not). The map check decided it when it registered a
     fallback map (``map_check.fallback_map``): its tag ``fallback_order: random`` means the
-    fallback's sigma order was not shown to help."""
+    fallback's sigma order was not shown to help. An l2-only map (tag ``method: fct``, what the
+    upgrade of a gallery too small for a checked map registers) has no sigma at all: random too,
+    rather than a refusal of the sigma order the configuration asks by default."""
     if order == "sigma" and tags.get("fallback_order") == "random":
         return "random", ("a fallback map whose sigma order was not shown to help (tag fallback_order: random): "
                           "the backfill goes in random order")
+    if order == "sigma" and tags.get("method") == "fct":  # e.g. what a small gallery's upgrade registered
+        return "random", "an l2-only map (method fct), with no uncertainty head: the backfill goes in random order"
     return order, None
 
 
