@@ -100,6 +100,7 @@ def stop_promptly_on_signals() -> None:
     which the interpreter writes at the signal itself, whoever's Python handler then runs. What
     finished is kept: every write of a gallery, a stage or a map's checkpoint is whole or absent.
     Once per process, from the main thread; not for the service commands (``signals_owned``)."""
+    import shlex
     import signal
     import socket
     import threading
@@ -115,12 +116,8 @@ def stop_promptly_on_signals() -> None:
         return
     _watching = (receiver, sender)
 
-    def stop(signum, frame):  # before and after a flow: SIGTERM as Ctrl-C, through the exit handlers
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a shell started it ignored
-    resume = "fastfill " + " ".join(_quoted(arg) for arg in sys.argv[1:])
+    signals_as_ctrl_c()  # before and after a flow (during one, Prefect's engine holds SIGTERM)
+    resume = shlex.join(["fastfill", *sys.argv[1:]])
 
     def watch() -> None:
         while True:
@@ -139,10 +136,18 @@ def stop_promptly_on_signals() -> None:
     threading.Thread(target=watch, name="fastfill-signal-watch", daemon=True).start()
 
 
-def _quoted(arg: str) -> str:
-    import shlex
+def signals_as_ctrl_c() -> None:
+    """SIGTERM (a service manager's stop, `docker stop`, `kill`) ends the command as Ctrl-C does,
+    through its shutdown and the exit handlers, so a temporary Prefect server it started is
+    stopped with it; and SIGINT does, even where it was inherited ignored (a command started in
+    the background by a non-interactive shell)."""
+    import signal
 
-    return shlex.quote(arg)
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class ServiceUnavailable(RuntimeError):

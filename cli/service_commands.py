@@ -27,20 +27,10 @@ def params_file(path: Path) -> str:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (a service manager's stop, `docker stop`, `kill`) ends a long-running command as
-    Ctrl-C does: through its shutdown and the exit handlers, so a temporary Prefect server it
-    started is stopped with it instead of being left running."""
-    import signal
-
-    command_support.signals_owned = True  # not the work commands' watch: a service's stop is its own
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    # SIGINT too, even where it was inherited ignored (a command started in the background by a
-    # non-interactive shell): `kill -INT` and Ctrl-C stop the service
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """SIGTERM or SIGINT ends a long-running service as Ctrl-C does (``signals_as_ctrl_c``), and
+    the service prints its own stop line: not the work commands' watch, which would add its own."""
+    command_support.signals_owned = True
+    command_support.signals_as_ctrl_c()
 
 
 @app.command(short_help="Serve the deployments and poll the registry.")

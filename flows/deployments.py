@@ -115,8 +115,9 @@ def start_upgrade(params: Params, store_uri: str, version: str, source: str, par
     tries = 1
     if not claim(store, name, version, source, starting=True):
         record = claimed(store, name, version)
-        ended = None if unfinished(record) else ended_unstarted(record)
-        if not unfinished(record) and ended is None:
+        never_started = unfinished(record)
+        ended = None if never_started else ended_unstarted(record)
+        if not never_started and ended is None:
             log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
             return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
         tries = max(1, attempt(record) + (ended is not None))  # a start never recorded: the same attempt

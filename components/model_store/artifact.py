@@ -97,9 +97,7 @@ def loader_code(target: Path) -> Path:
             if path.is_file() and path not in copied:
                 copied.add(path)
                 pending.extend(_imported_modules(path.read_text(encoding="utf-8")))
-                for level in range(1, len(parts) + 1):  # the packages above it
-                    copied.add(root.joinpath(*parts[:level - 1], "__init__.py"))
-    copied = {path for path in copied if path.is_file()}
+                pending.extend(".".join([PACKAGE, *parts[:level]]) for level in range(len(parts)))  # its packages
     for path in sorted(copied):
         destination = target / PACKAGE / path.relative_to(root)
         destination.parent.mkdir(parents=True, exist_ok=True)

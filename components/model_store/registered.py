@@ -22,13 +22,11 @@ from components.platform import registry
 from components.platform.registry import RegistryError
 
 
-def _new_version(client, run_id: str, name: str, artifact: str, log, tags: Mapping[str, str]) -> str:
-    """Log a model in the run with ``log(run_id, artifact)`` (a logged model named ``artifact``,
-    ``artifact.log_version``), register it as a new version of ``name`` and tag the version;
-    returns the version."""
+def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) -> str:
+    """Register the model the run logged (``info``: its ``ModelInfo``, from ``log_version``) as a
+    new version of ``name`` and tag the version; returns the version."""
     from mlflow.exceptions import MlflowException
 
-    info = log(run_id, artifact)
     try:
         client.get_registered_model(name)
     except MlflowException as error:
@@ -72,22 +70,21 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
             preprocessing=dict(channels=shape[0], height=shape[1], width=shape[2], resize="stretch",
                                mean=[float(module.pixel_mean)], std=[float(module.pixel_std)]),
             embedding_dim=module.embedding_dim, head=len(module.classes))
-        log = lambda run, path: log_version(run, path, description, {WEIGHTS_FILE: weights},  # noqa: E731
-                                            _example_pixels(shape[0]), module.embedding_dim)
+        info = log_version(run_id, artifact, description, {WEIGHTS_FILE: weights}, _example_pixels(shape[0]),
+                           module.embedding_dim)
     else:
         sigma = getattr(module, "uncertainty", None) is not None
-        log = lambda run, path: log_version(run, path, description, {WEIGHTS_FILE: weights},  # noqa: E731
-                                            np.zeros((1, module.old_dim), np.float32), module.new_dim, sigma=sigma)
-    return _new_version(client, run_id, name, artifact, log, tags)
+        info = log_version(run_id, artifact, description, {WEIGHTS_FILE: weights},
+                           np.zeros((1, module.old_dim), np.float32), module.new_dim, sigma=sigma)
+    return _new_version(client, run_id, name, info, tags)
 
 
 def register_source(client, run_id: str, source, name: str, alias: str | None, tags: Mapping[str, str]) -> str:
     """A team's embedder (``components.model_store.sources.Source``, probed) as a version of ``name``."""
     embedder = source.embedder
-    version = _new_version(client, run_id, name, "embedder",
-                           lambda run, path: log_version(run, path, source.description, source.files,
-                                                         _example_pixels(embedder.preprocessing.shape[0]),
-                                                         embedder.embedding_dim), tags)
+    info = log_version(run_id, "embedder", source.description, source.files,
+                       _example_pixels(embedder.preprocessing.shape[0]), embedder.embedding_dim)
+    version = _new_version(client, run_id, name, info, tags)
     if alias:
         client.set_registered_model_alias(name, alias, version)
     return version
