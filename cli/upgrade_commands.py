@@ -119,6 +119,7 @@ def _describe_dry_run(plan: dict) -> str:
         + (f" (resumes the upgrade in progress, {plan['in_progress']})" if plan["resumes"] else
            f" (the gallery is in the middle of {plan['in_progress']}: a sequential upgrade)" if plan["in_progress"]
            else ""),
+        *([f"  re-embed: {plan['small_gallery']}"] if plan.get("small_gallery") else []),
         f"  items {plan['items']:,} in {plan['parts']:,} parts; {plan['chunks']:,} chunks of {plan['chunk_size']:,}; "
         f"images {plan['images']}",
         f"  to read: {_size(plan['bytes_to_read']['total'])} (features {_size(plan['bytes_to_read']['features'])}, "
@@ -132,8 +133,6 @@ def _describe_dry_run(plan: dict) -> str:
         f"  truth of the gate and the advisor: {plan['truth']}",
         f"  map pairs (when the registry's map must be trained or checked): {plan['map_pairs']}",
     ]
-    if plan.get("small_gallery"):
-        lines.append(f"  small gallery: {plan['small_gallery']}")
     advice = plan.get("advice") or {}
     if "top1" in advice:
         from components.gallery.advice.advisor import describe

@@ -299,3 +299,44 @@ def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_
     assert [v.tags["method"] for v in versions] == ["fct"]
     plan = planning.load_plan(open_store(uri), done["upgrade"])
     assert plan.order_kind == "random"
+
+
+def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_env, prefect_harness, tmp_path):
+    """Large enough for a checked FastFill map, but the default map sample (5,000) holds every
+    item: the dry run says first that the upgrade is a re-embed, and the upgrade embeds every item
+    while planning, trains no FastFill map and runs no check."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from cli.upgrade_commands import estimate_upgrade
+    from flows.ingest import ingest_flow
+    from flows.upgrade import upgrade_flow
+
+    params, _ = upgrade_env
+    client, *_ = registry_models(params)
+    client.delete_registered_model(params.mlflow.alignment_model)  # no map joins the two versions
+    split = split_images(params)
+    n = len(split.labels)
+    np.save(tmp_path / "images.npy", split.images)
+    np.save(tmp_path / "labels.npy", split.labels)
+    align = {**params.align, "fastfill": params.align["fastfill"].model_copy(update={"validation_fraction": 0.5})}
+    team = params.model_copy(update={"align": align, "gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery", "order": "sigma"})})})
+    assert n >= 8 and team.gallery.upgrade.map_sample >= n  # checkable (4 held out), and the sample is all of it
+    uri = str(tmp_path / "whole")
+    ingest_flow(team, uri, images=tmp_path / "images.npy", labels=tmp_path / "labels.npy")
+
+    dry = estimate_upgrade(team, uri)
+    assert dry["small_gallery"].startswith(f"the map sample would hold {n:,} of the gallery's {n:,} items (100%"), dry
+    (tmp_path / "team.yaml").write_text(yaml.safe_dump(team.model_dump(mode="json")))
+    said = CliRunner().invoke(app, ["upgrade", "--dry-run", "--store", uri, "--params", str(tmp_path / "team.yaml")])
+    assert said.exit_code == 0, said.output
+    assert said.output.splitlines()[1].startswith("  re-embed: the map sample would hold"), said.output
+
+    done = upgrade_flow(team, uri, gate=False)
+    assert done["state"] == "complete" and done["items_done"] == n, done
+    versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
+    assert [v.tags["method"] for v in versions] == ["fct"]  # no FastFill map
+    assert all(not v.tags.get("check", "").startswith(("passed", "fallback", "failed")) for v in versions)
+    plan = planning.load_plan(open_store(uri), done["upgrade"])
+    assert plan.order_kind == "random" and plan.prefilled == n  # every item embedded while planning

@@ -168,37 +168,52 @@ def _refuse_unreadable(failures: list, judgments: str) -> None:
 
 
 SMALL_GALLERY_STEPS = 300
+# a map sample of at least this share of the gallery leaves too little to backfill for a map to be worth its
+# training and check: the upgrade embeds the whole gallery while planning instead
+REEMBED_SHARE = 0.75
 
 
 def fit_to_gallery(params, num_items: int):
-    """(params, a line saying why they changed, or None) for a gallery of ``num_items``. One
-    smaller than the fewest pairs that train and check the configured map (``least_map_sample``)
-    cannot hold that map's check, and no setting can raise its size: the upgrade takes the way
-    that works at that size, the l2-only map (fct, which needs no check) trained on the whole
-    gallery, in random order (or by usage alone), instead of a refusal naming a setting it cannot
-    reach. Unchanged where the pairs come from the splits, the check is off, the map is already
-    l2-only, or there is no fct map to take."""
+    """(params, a line saying why they changed, or None) for a gallery of ``num_items``, where the
+    map's pairs are the gallery's own (``map_pairs: gallery``). Two sizes change the upgrade's way:
+
+    - the map sample would hold the whole gallery or nearly (at least ``REEMBED_SHARE`` of it):
+      nothing, or next to nothing, is left to backfill, so the upgrade is a re-embed. Every item
+      is embedded while planning (the map sample becomes the whole gallery) and no map is chosen
+      by a check: a short l2-only map (fct, at most ``SMALL_GALLERY_STEPS`` steps, none held out)
+      only places the items whose images cannot be read.
+    - the gallery is smaller than the fewest pairs that train and check the configured map
+      (``least_map_sample``), and no setting can raise it: the same way, instead of a refusal
+      naming a setting it cannot reach.
+
+    The order is random (or by usage alone); every item's new features land before the switch
+    anyway. Unchanged where the pairs come from the splits, or there is no fct map to take."""
     config, method_config = params.gallery.upgrade, params.upgrade_map
-    if config.map_pairs != "gallery" or method_config.check == "off" or is_reference(method_config):
+    if config.map_pairs != "gallery" or "fct" not in params.align or num_items < 2:
         return params, None
+    size = map_sample_size(config.map_sample, config.map_sample_min, num_items)
     least = least_map_sample(method_config.validation_fraction)
-    if num_items >= least:
-        return params, None
-    if "fct" not in params.align:
+    small = method_config.check != "off" and not is_reference(method_config) and num_items < least
+    if not small and size < REEMBED_SHARE * num_items:
         return params, None
     order = "usage" if config.order.startswith("usage") else "random"
-    upgrade = config.model_copy(update={"method": "fct", "order": order})
-    # every pair trains it: too few to hold some out for choosing the best epoch (the last one is kept);
-    # and at most SMALL_GALLERY_STEPS steps: with the default map_sample every item of such a gallery is
-    # embedded while planning, so the map transforms only the gate's stand-ins, and 2,000 one-step
-    # epochs (the step floor meant for the uncertainty head) took minutes for 50 pairs
+    upgrade = config.model_copy(update={"method": "fct", "order": order, "map_sample": num_items})
+    # every pair trains it, none held out (the last epoch is kept); at most SMALL_GALLERY_STEPS steps: the map
+    # transforms only what cannot be embedded, and 2,000 one-step epochs (the step floor meant for the
+    # uncertainty head) took minutes for 50 pairs
     fct = params.align["fct"]
     align = {**params.align, "fct": fct.model_copy(update={"validation_fraction": 0.0,
                                                           "min_steps": min(fct.min_steps, SMALL_GALLERY_STEPS)})}
     changed = params.model_copy(update={"align": align,
                                         "gallery": params.gallery.model_copy(update={"upgrade": upgrade})})
-    why = (f"the gallery has {num_items} items, fewer than the {least} that train and check a {config.method} map "
-           f"(align.{config.method}.validation_fraction {method_config.validation_fraction} of them held out for its "
-           f"check): this upgrade trains the l2-only map (fct, which needs no check) on all of them and backfills in "
-           f"{order} order; at this size re-embedding every item is the larger part of the work anyway")
-    return changed, why
+    if small:
+        why = (f"the gallery has {num_items} items, fewer than the {least} that train and check a {config.method} "
+               f"map (align.{config.method}.validation_fraction {method_config.validation_fraction} of them held "
+               "out for its check)")
+    else:
+        why = (f"the map sample would hold {size:,} of the gallery's {num_items:,} items "
+               f"({100 * size / num_items:.0f}%, gallery.upgrade.map_sample {config.map_sample}), leaving "
+               f"{'nothing' if size == num_items else 'next to nothing'} to backfill")
+    return changed, (f"{why}: this upgrade re-embeds every item while planning; no {config.method} map is trained or "
+                     f"checked, and a short l2-only map (at most {SMALL_GALLERY_STEPS} steps, no check) places only "
+                     f"the items whose images cannot be read; {order} order")
