@@ -110,3 +110,39 @@ def test_the_judged_prediction_is_the_labeled_one_when_judgments_say_the_same_la
     sparse = Judgments("test", positions[:3], [None] * 3, [np.array([80]), np.array([81]), np.array([82])])
     assert predict_judged(new[:3], sparse, positions[:40], new[:40], transformed[:40], ranks[:40], n,
                           np.zeros(3, bool)) is None
+
+
+def test_on_a_curve_that_flattens_halfway_the_rule_pauses_there_as_the_measured_curve_says():
+    """A gallery made so that backfilling helps only in the first half of the order: there the
+    map's output lies in another class's cluster, in the second half it is the new features
+    themselves. Predicted from a third of the gallery, the stop for a gain below 0.1 top-1 points
+    per 5% is at the halfway point, within one step, as the rule applied to the measured curve of
+    the whole gallery says; the measured curve gains at least 10 points before it and less than the
+    threshold after it."""
+    rng = np.random.default_rng(4)
+    n, d, classes = 1500, 8, 6
+    labels = rng.integers(0, classes, n)
+    centers = rng.normal(size=(classes, d)) * 6
+    new = (centers[labels] + rng.normal(size=(n, d))).astype(np.float32)
+    order = rng.permutation(n)
+    transformed = new.copy()
+    first = order[: n // 2]  # the map is wrong here: each item sits in the next class's cluster
+    transformed[first] = centers[(labels[first] + 1) % classes] + rng.normal(size=(len(first), d))
+    counts = [int(np.floor(round(f * n, 9))) for f in fractions()]
+    measured = curve_at_counts(new, new, transformed, labels, order, counts)
+    measured_curve = {"fractions": fractions().tolist(), "items": n, "top1": measured.top1.tolist(),
+                      "map": measured.map.tolist()}
+    at_measured = recommend(measured_curve, 0.1)
+
+    positions = np.sort(rng.choice(n, 500, replace=False))
+    parts = ((s, transformed[s:s + 256]) for s in range(0, n, 256))
+    predicted = advise(parts, order, positions, new[positions], labels, gain_below=0.1)
+    stop = predicted["recommendation"]["fraction"]
+    assert 0.45 <= stop <= 0.55, predicted["recommendation"]
+    assert abs(stop - at_measured["fraction"]) <= 0.05 + 1e-9, (stop, at_measured)
+    top1 = 100 * measured.top1
+    k = int(round(stop / 0.05))
+    assert top1[k] - top1[0] >= 10, top1  # the pause is not at the start: the first half paid
+    later = np.arange(k + 1, len(top1))
+    assert np.all(top1[later] - top1[k] < 0.1 * (later - k) + 1e-9), top1  # and nothing after it does
+    assert predicted["recommendation"]["items_saved"] >= 0.45 * n
