@@ -627,6 +627,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     def configured(**upgrade):  # params.yaml (which the CLI reads) and the params the flows get
         data = base.model_dump(mode="json")
         data["gallery"]["upgrade"].update(eval_queries=40, **upgrade)
+        data["promotion"]["gate"] = True  # the dry run predicts the gate's decision
         data["compare"]["align"]["lambda_orth"] = {  # the later map that the ways compare
             "architecture": "affine", "orthogonality": 1.0, "disc": True, "epochs": 3, "warmup_epochs": 1,
             "batch_size": 32, "min_steps": 30}
@@ -663,6 +664,8 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
                                      "--dry-run", "--target-top1", asked])
     assert shown.exit_code == 0, shown.output
     assert f"target top-1 {asked}: {target['best']} reaches top-1 {asked} first" in shown.output
+    assert ("promotion gate, predicted on the 40 items of the evaluation sample as it will measure them: "
+            + ("PASS" if predicted["gate"]["passed"] else "REJECT")) in shown.output, shown.output
     # a gain that stops the backfill part of the way (the tiny curve is steep: a few points per 5%)
     gains = [g for g in (0.5, 1, 2, 3, 5, 8, 13, 20) if 0 < recommend(predicted, g)["fraction"] < 1]
     # a stop past the 40 items embedded while planning shows the cut best; any stop short of 100% does
@@ -697,7 +700,16 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert refused.exit_code == 2 and "--stop-when-gain-below" in refused.output, refused.output
 
     done = upgrade_flow(configured(), uri)
-    assert done["state"] == "complete" and done["items_done"] == n
+    assert done["state"] in ("complete", "rejected") and done["items_done"] == n, done
+    assert (done["state"] == "complete") == predicted["gate"]["passed"], (done, predicted["gate"])
+    # the dry run predicted the gate's decision and its numbers as the gate then measured them
+    from components.gallery.upgrade import ending
+
+    measured = ending.decision(store, done["upgrade"])
+    gate = predicted["gate"]
+    assert gate["passed"] == measured["passed"] and gate["reasons"] == measured["reasons"], (gate, measured)
+    for key in ("champion_top1", "top1_auc", "nfr1_mean", "nfr1_end", "fraction_to_gain"):
+        assert gate[key] == pytest.approx(measured["numbers"][key], abs=1e-9), key
 
 
 # ---- adopted in place ---------------------------------------------------------------------------

@@ -229,7 +229,31 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
                                                sample_transformed, transformed, transformed_parts, sigma, weights,
                                                params.gallery.distance, judged, reverse, other_maps)
+    prediction["gate"] = _gate_prediction(params, labels, positions, old_side, queries, sample_transformed, ranks,
+                                          judged is not None)
     return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+
+
+def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray, queries: np.ndarray,
+                     transformed: np.ndarray, ranks: np.ndarray, judged: bool) -> dict:
+    """The promotion gate's decision as the upgrade will measure it on a labeled gallery: the same
+    evaluation sample, its champion features, its new features (embedded while planning, so
+    backfilled), the map's transform of its old side and its stand-in places in the order
+    (``components.gallery.gate.promotion``). With judged queries the gate measures the whole
+    gallery's new features, so it is predicted only by the curve above; ungated, nothing."""
+    from components.gallery.gate.promotion import decide, measure_gate  # late: keeps the CLI's start-up light
+
+    if not params.promotion.gate:
+        return {"note": "the upgrade is ungated (promotion.gate false or --no-gate)"}
+    if judged or labels is None:
+        return {"note": "the judged gate measures the whole gallery's new features, so it is decided after the "
+                        "backfill; the predicted curve above is its best guess"}
+    numbers = measure_gate(champion, queries, queries, transformed, labels[positions],
+                           np.argsort(ranks, kind="stable"), distance=params.gallery.distance,
+                           curve_points=params.promotion.curve_points)
+    passed, reasons = decide(numbers, params.promotion)
+    keep = ("queries", "champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean", "nfr1_end", "fraction_to_gain")
+    return {"passed": passed, "reasons": reasons, **{key: numbers[key] for key in keep}}
 
 
 LATER_MAP = "lambda_orth"  # the later map the ways compare: the affine, lambda-orthogonal one
