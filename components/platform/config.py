@@ -522,7 +522,13 @@ class PromotionConfig(Section):
     min_top1_auc_gain: Annotated[float, Field(ge=-1, le=1)] = Field(
         default=0.0, description="challenger's mean top-1 along its backfill minus the champion's top-1, at least")
     max_nfr1: Annotated[float, Field(ge=0, le=1)] = Field(
-        default=0.1, description="negative flips at top-1 against the champion, mean along the backfill, at most")
+        default=1.0, description="negative flips at top-1 against the champion, mean along the backfill, at most "
+        "(1.0: no absolute bound; a weaker champion's right answers flip more under any better model, "
+        "docs/upgrade.md)")
+    max_relative_nfr1: Annotated[float, Field(ge=0)] = Field(
+        default=0.8, description="negative flips at top-1 (mean along the backfill) as a share of those a challenger "
+        "of its mean top-1 would make if its errors ignored the champion's right answers, at most: nfr1_mean / "
+        "(1 - top1_auc); about 1 for independent errors, 0.47-0.60 measured on real upgrades (docs/upgrade.md)")
     max_fraction_to_gain: Annotated[float, Field(ge=0, le=1)] = Field(
         default=1.0, description="the challenger's top-1 must exceed the champion's by this backfilled fraction")
     curve_points: Annotated[int, Field(ge=0)] = Field(default=20, description="B: the gate's curve has B + 2 points")

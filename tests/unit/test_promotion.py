@@ -60,11 +60,34 @@ def test_a_worse_challenger_is_rejected_with_every_reason():
     assert tags["promotion.fraction_to_gain"] == "never" and tags["promotion.champion_version"] == "3"
     line = gate_message(numbers, passed, reasons, "models:/e/4", "models:/e/3")
     assert "REJECTED" in line and "gain reached at never" in line and reasons[0] in line
-    # the flip-rate line says which rate it compares (the mean along the curve) and the one at the end
+    # by default the flips are judged against those of errors that ignore the champion's right answers:
+    # a model that knows nothing flips exactly as many (relative 1.0), above the default 0.8
     flip = next(r for r in reasons if "negative flip rate" in r)
+    assert "is 1.00 of the" in flip and "above the maximum 0.80 (promotion.max_relative_nfr1; both the mean along " \
+                                        "the backfill over 4 points)" in flip, flip
+    assert tags["promotion.nfr1_relative"] == "1.000000"
+    # the absolute bound, where set, says which rate it compares (the mean along the curve) and the one at the end
+    _, reasons = decide(numbers, PromotionConfig(max_nfr1=0.1))
+    flip = next(r for r in reasons if "promotion.max_nfr1" in r)
     assert "promotion.max_nfr1; the mean along the backfill over 4 points from 0% to 100%" in flip
     assert f"at the end, all backfilled: {100 * numbers['nfr1_end']:.2f}%" in flip
     assert f"({100 * numbers['nfr1_end']:.2f}% at the end)" in line
+
+
+def test_a_much_better_model_over_a_weak_champion_passes_the_default_flip_bound():
+    """Champion top-1 55.33%, challenger 74.26% along the backfill with 15.50% of the champion's
+    right answers flipped (a team's own pair of models, measured by the gate): the earlier absolute
+    10% bound rejected it; the flips are 0.60 of what errors independent of the champion's would
+    give, so the default passes it, while the same flips with the challenger's top-1 at 82% do not
+    (0.155 / 0.18 = 0.86)."""
+    numbers = {"champion_top1": 0.5533, "top1_auc": 0.7426, "top1_auc_gain": 0.7426 - 0.5533, "nfr1_mean": 0.155,
+               "fraction_to_gain": 0.0}
+    assert not decide(numbers, PromotionConfig(max_nfr1=0.1))[0]
+    passed, reasons = decide(numbers, PromotionConfig())
+    assert passed and reasons == [], reasons
+    churned = {**numbers, "top1_auc": 0.82, "top1_auc_gain": 0.82 - 0.5533}
+    passed, reasons = decide(churned, PromotionConfig())
+    assert not passed and "is 0.86 of the 18.00%" in reasons[0], reasons
 
 
 def test_late_gain_fails_the_fraction_gate():

@@ -10,7 +10,8 @@ each query removed from its own gallery):
 
 Gates (PromotionConfig): the challenger's mean top-1 along the curve minus the champion's top-1
 (``top1_auc_gain``), the mean negative-flip rate at top-1 against the champion along the curve
-(``nfr1_mean``: champion right, challenger wrong), and the smallest backfilled fraction at which
+(``nfr1_mean``: champion right, challenger wrong), absolute and relative to the flips of errors
+independent of the champion's (``relative_nfr``), and the smallest backfilled fraction at which
 the challenger's top-1 exceeds the champion's (``fraction_to_gain``; None = never).
 """
 
@@ -57,6 +58,18 @@ def measure_gate(champion: np.ndarray, queries: np.ndarray, new: np.ndarray, tra
             "fraction_to_gain": beyond[0] if beyond else None}
 
 
+def relative_nfr(numbers: dict) -> float | None:
+    """The negative flips as a share of those a challenger of the same top-1 would make if its
+    errors ignored which queries the champion gets right: ``nfr1_mean / (1 - top1_auc)``, both
+    along the backfill (0 where the challenger is never wrong; None without the numbers). About 1
+    for errors independent of the champion's; a real upgrade keeps the champion's right answers
+    better than that (docs/upgrade.md, "The promotion gate")."""
+    if "top1_auc" not in numbers or "nfr1_mean" not in numbers:
+        return None
+    wrong = 1.0 - numbers["top1_auc"]
+    return float(numbers["nfr1_mean"] / wrong) if wrong > 1e-12 else 0.0
+
+
 def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
     """Passed, and the reason for each gate that failed."""
     reasons = []
@@ -69,6 +82,13 @@ def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
         reasons.append(f"negative flip rate at top-1 {100 * numbers['nfr1_mean']:.2f}% is above the maximum "
                        f"{100 * config.max_nfr1:.2f}% (promotion.max_nfr1; the mean along the backfill{points} from 0% "
                        f"to 100% of the champion's right answers the challenger gets wrong{end})")
+    relative = relative_nfr(numbers)
+    if relative is not None and relative > config.max_relative_nfr1:
+        points = f" over {len(numbers['alpha'])} points" if "alpha" in numbers else ""
+        reasons.append(f"negative flip rate at top-1 {100 * numbers['nfr1_mean']:.2f}% is {relative:.2f} of the "
+                       f"{100 * (1 - numbers['top1_auc']):.2f}% that a challenger of its top-1 would flip if its errors "
+                       f"ignored the champion's right answers, above the maximum {config.max_relative_nfr1:.2f} "
+                       f"(promotion.max_relative_nfr1; both the mean along the backfill{points})")
     reached = numbers["fraction_to_gain"]
     if reached is None:
         reasons.append("top-1 never exceeds the champion's along the backfill")
@@ -90,6 +110,7 @@ def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_vers
         "promotion.top1_auc": f"{numbers['top1_auc']:.6f}",
         "promotion.top1_auc_gain": f"{numbers['top1_auc_gain']:.6f}",
         "promotion.nfr1_mean": f"{numbers['nfr1_mean']:.6f}",
+        "promotion.nfr1_relative": f"{relative_nfr(numbers):.6f}" if relative_nfr(numbers) is not None else "",
         "promotion.fraction_to_gain": "never" if reached is None else f"{reached:.6f}",
         "promotion.queries": str(numbers["queries"]),
     }
@@ -101,7 +122,9 @@ def gate_message(numbers: dict, passed: bool, reasons: list[str], new_uri: str, 
     return (f"promotion gate for {new_uri} against {champion_uri}: top-1 {100 * numbers['champion_top1']:.2f}% -> "
             f"mean {100 * numbers['top1_auc']:.2f}% along the backfill ({100 * numbers['top1_auc_gain']:+.2f} points), NFR@1 "
             f"{100 * numbers['nfr1_mean']:.2f}% mean along the backfill"
-            + (f" ({100 * numbers['nfr1_end']:.2f}% at the end)" if "nfr1_end" in numbers else "") + ", "
+            + (f" ({100 * numbers['nfr1_end']:.2f}% at the end)" if "nfr1_end" in numbers else "")
+            + (f", {relative_nfr(numbers):.2f} of independent errors' flips" if relative_nfr(numbers) is not None
+               else "") + ", "
             f"gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'}: {'PASSED' if passed else 'REJECTED'}"
             + ("" if passed else f" ({'; '.join(reasons)})"))
