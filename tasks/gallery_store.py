@@ -91,8 +91,6 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     positions, queries = planning.stored_eval_sample(store, plan.id)
     transformed = backfill.transformed_rows(gallery, plan.id, positions)
     new = backfill.mixed_rows(gallery, plan, positions)
-    if plan.prefilled >= plan.num_items:  # a re-embed: every item's new features landed before the switch, so
-        transformed = new  # no reader ever saw a transformed feature, and the curve is the new model's throughout
     champion = gallery.features_at(gallery.model, positions)
     order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
     return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,

@@ -171,8 +171,10 @@ def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_e
 
 
 def _worse_version(params) -> str:
-    """A further embedder version that knows nothing (same architecture, untrained), registered
-    without an alias: the gate rejects it."""
+    """A further embedder version that knows nothing (same architecture, untrained, its embedding
+    layer zeroed: every image gets the same feature; an untrained network alone still sorts these
+    synthetic images better than the tiny champion), registered without an alias: the gate
+    rejects it."""
     import torch
 
     from components.model_store import registered
@@ -188,6 +190,7 @@ def _worse_version(params) -> str:
     run = client.create_run(experiment, run_name="register")
     example = np.zeros((1, fresh.in_channels, 16, 16), np.float32)
     with torch.no_grad():
+        fresh.embedding.weight.zero_()
         version = registered.register_embedder(client, run.info.run_id, fresh, example,
                                                params.mlflow.registered_model, None, {"role": "new"})
     return str(version)

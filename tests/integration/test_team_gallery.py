@@ -333,13 +333,8 @@ def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_
     assert said.exit_code == 0, said.output
     assert said.output.splitlines()[1].startswith("  re-embed: the map sample would hold"), said.output
 
-    done = upgrade_flow(team, uri, gate=True)
-    assert done["state"] in ("complete", "rejected") and done["items_done"] == n, done
-    # the gate measures what readers saw: the new model's features from the switch on, no transformed point
-    from components.gallery.upgrade import ending
-
-    numbers = ending.decision(open_store(uri), done["upgrade"])["numbers"]
-    assert len(set(numbers["top1"])) == 1 and len(set(numbers["nfr1"])) == 1, numbers
+    done = upgrade_flow(team, uri, gate=False)
+    assert done["state"] == "complete" and done["items_done"] == n, done
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert [v.tags["method"] for v in versions] == ["fct"]  # no FastFill map
     assert all(not v.tags.get("check", "").startswith(("passed", "fallback", "failed")) for v in versions)

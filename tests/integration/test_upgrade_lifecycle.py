@@ -72,7 +72,7 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
     params, tmp_path = upgrade_env
     # tiny models on tiny data: loose gates, so this checks the mechanism (the unit tests check the rules)
-    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0, "max_relative_nfr1": 10.0,
                                       "max_fraction_to_gain": 1.0})
     client, _, _, old_version, new_version = registry_models(params)
     uri = str(tmp_path / "gallery")
@@ -231,7 +231,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
 
     params, tmp_path = upgrade_env
     gain = -1.0 if passes else 1.0  # a gate every challenger passes, or one none can
-    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": gain, "max_nfr1": 1.0,
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": gain, "max_nfr1": 1.0, "max_relative_nfr1": 10.0,
                                       "max_fraction_to_gain": 1.0})
     client, _, _, old_version, new_version = registry_models(params)
     name = params.mlflow.registered_model
@@ -286,7 +286,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     from components.gallery.store.lock import LOCK, UpgradeLocked
 
     params, tmp_path = upgrade_env
-    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0,
+    params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0, "max_relative_nfr1": 10.0,
                                       "max_fraction_to_gain": 1.0})
     client, _, _, old_version, new_version = registry_models(params)
     name = params.mlflow.registered_model
