@@ -277,11 +277,7 @@ def _challenger_line(client, config, store, state: dict) -> str | None:
 def _flow_run_state(flow_run_id: str | None) -> str | None:
     """A flow run's state type where PREFECT_API_URL names a server, else None (a status never
     starts a temporary server); None too when that server does not answer or know the run."""
-    if not flow_run_id or not _prefect_may_be_named():
-        return None
-    from prefect.settings import get_current_settings
-
-    if not get_current_settings().api.url:
+    if not flow_run_id or _named_prefect_settings() is None:
         return None
     from flows.deployments import flow_run_state  # late: Prefect's client, only where a server is named
 
@@ -343,15 +339,23 @@ def _prefect_may_be_named() -> bool:
         return False
 
 
-def _prefect_line(gallery_store) -> str | None:
-    """The newest upgrade flow run of this gallery on the Prefect server, with its state, as a
-    link to the UI; None without PREFECT_API_URL. Raises when the server does not answer."""
+def _named_prefect_settings():
+    """Prefect's settings where they name a server (PREFECT_API_URL), else None; Prefect is not
+    imported where nothing can name one (``_prefect_may_be_named``), and no temporary server is
+    ever started for a status."""
     if not _prefect_may_be_named():
         return None
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
-    if not settings.api.url:
+    return settings if settings.api.url else None
+
+
+def _prefect_line(gallery_store) -> str | None:
+    """The newest upgrade flow run of this gallery on the Prefect server, with its state, as a
+    link to the UI; None without PREFECT_API_URL. Raises when the server does not answer."""
+    settings = _named_prefect_settings()
+    if settings is None:
         return None
     check_prefect_api(SERVICE_TIMEOUT)
     from prefect import get_client

@@ -147,7 +147,7 @@ def _describe_dry_run(plan: dict) -> str:
             f"  promotion gate, predicted on the {gate['queries']:,} items of the evaluation sample as it will measure "
             f"them: {'PASS' if gate['passed'] else 'REJECT'} (top-1 {100 * gate['champion_top1']:.2f}% -> mean "
             f"{100 * gate['top1_auc']:.2f}% along the backfill, NFR@1 {100 * gate['nfr1_mean']:.2f}% mean along the "
-            f"backfill ({gate['nfr1_mean'] / max(1e-12, 1 - gate['top1_auc']):.2f} of independent errors' flips), "
+            f"backfill ({gate['nfr1_relative']:.2f} of independent errors' flips), "
             f"{100 * gate['nfr1_end']:.2f}% at the end, gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'})"
             + ("" if gate["passed"] else f": {'; '.join(gate['reasons'])}"))

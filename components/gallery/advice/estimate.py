@@ -241,7 +241,7 @@ def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray
     backfilled), the map's transform of its old side and its stand-in places in the order
     (``components.gallery.gate.promotion``). With judged queries the gate measures the whole
     gallery's new features, so it is predicted only by the curve above; ungated, nothing."""
-    from components.gallery.gate.promotion import decide, measure_gate  # late: keeps the CLI's start-up light
+    from components.gallery.gate.promotion import decide, measure_gate, relative_nfr  # late: keeps the CLI's start-up light
 
     if not params.promotion.gate:
         return {"note": "the upgrade is ungated (promotion.gate false or --no-gate)"}
@@ -253,7 +253,8 @@ def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray
                            curve_points=params.promotion.curve_points)
     passed, reasons = decide(numbers, params.promotion)
     keep = ("queries", "champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean", "nfr1_end", "fraction_to_gain")
-    return {"passed": passed, "reasons": reasons, **{key: numbers[key] for key in keep}}
+    return {"passed": passed, "reasons": reasons, **{key: numbers[key] for key in keep},
+            "nfr1_relative": relative_nfr(numbers)}
 
 
 LATER_MAP = "lambda_orth"  # the later map the ways compare: the affine, lambda-orthogonal one

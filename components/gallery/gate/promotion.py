@@ -73,18 +73,17 @@ def relative_nfr(numbers: dict) -> float | None:
 def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
     """Passed, and the reason for each gate that failed."""
     reasons = []
+    points = f" over {len(numbers['alpha'])} points" if "alpha" in numbers else ""  # the curve the means are over
     if numbers["top1_auc_gain"] < config.min_top1_auc_gain:
         reasons.append(f"top-1 gain along the backfill {100 * numbers['top1_auc_gain']:+.2f} points is below the "
                        f"minimum {100 * config.min_top1_auc_gain:+.2f}")
     if numbers["nfr1_mean"] > config.max_nfr1:
-        points = f" over {len(numbers['alpha'])} points" if "alpha" in numbers else ""
         end = f"; at the end, all backfilled: {100 * numbers['nfr1_end']:.2f}%" if "nfr1_end" in numbers else ""
         reasons.append(f"negative flip rate at top-1 {100 * numbers['nfr1_mean']:.2f}% is above the maximum "
                        f"{100 * config.max_nfr1:.2f}% (promotion.max_nfr1; the mean along the backfill{points} from 0% "
                        f"to 100% of the champion's right answers the challenger gets wrong{end})")
     relative = relative_nfr(numbers)
     if relative is not None and relative > config.max_relative_nfr1:
-        points = f" over {len(numbers['alpha'])} points" if "alpha" in numbers else ""
         reasons.append(f"negative flip rate at top-1 {100 * numbers['nfr1_mean']:.2f}% is {relative:.2f} of the "
                        f"{100 * (1 - numbers['top1_auc']):.2f}% that a challenger of its top-1 would flip if its errors "
                        f"ignored the champion's right answers, above the maximum {config.max_relative_nfr1:.2f} "
@@ -100,7 +99,7 @@ def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
 
 def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_version: str, upgrade: str) -> dict:
     """The decision and its numbers as MLflow tags (model version and run)."""
-    reached = numbers["fraction_to_gain"]
+    reached, relative = numbers["fraction_to_gain"], relative_nfr(numbers)
     return {
         "promotion": "passed" if passed else "rejected",
         "promotion.reason": "all gates passed" if passed else "; ".join(reasons),
@@ -110,7 +109,7 @@ def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_vers
         "promotion.top1_auc": f"{numbers['top1_auc']:.6f}",
         "promotion.top1_auc_gain": f"{numbers['top1_auc_gain']:.6f}",
         "promotion.nfr1_mean": f"{numbers['nfr1_mean']:.6f}",
-        "promotion.nfr1_relative": f"{relative_nfr(numbers):.6f}" if relative_nfr(numbers) is not None else "",
+        "promotion.nfr1_relative": "" if relative is None else f"{relative:.6f}",
         "promotion.fraction_to_gain": "never" if reached is None else f"{reached:.6f}",
         "promotion.queries": str(numbers["queries"]),
     }
@@ -118,13 +117,12 @@ def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_vers
 
 def gate_message(numbers: dict, passed: bool, reasons: list[str], new_uri: str, champion_uri: str) -> str:
     """One line on the gate's decision, for the log."""
-    reached = numbers["fraction_to_gain"]
+    reached, relative = numbers["fraction_to_gain"], relative_nfr(numbers)
     return (f"promotion gate for {new_uri} against {champion_uri}: top-1 {100 * numbers['champion_top1']:.2f}% -> "
             f"mean {100 * numbers['top1_auc']:.2f}% along the backfill ({100 * numbers['top1_auc_gain']:+.2f} points), NFR@1 "
             f"{100 * numbers['nfr1_mean']:.2f}% mean along the backfill"
             + (f" ({100 * numbers['nfr1_end']:.2f}% at the end)" if "nfr1_end" in numbers else "")
-            + (f", {relative_nfr(numbers):.2f} of independent errors' flips" if relative_nfr(numbers) is not None
-               else "") + ", "
+            + ("" if relative is None else f", {relative:.2f} of independent errors' flips") + ", "
             f"gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'}: {'PASSED' if passed else 'REJECTED'}"
             + ("" if passed else f" ({'; '.join(reasons)})"))

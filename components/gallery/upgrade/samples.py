@@ -214,6 +214,7 @@ def fit_to_gallery(params, num_items: int):
         why = (f"the map sample would hold {size:,} of the gallery's {num_items:,} items "
                f"({100 * size / num_items:.0f}%, gallery.upgrade.map_sample {config.map_sample}), leaving "
                f"{'nothing' if size == num_items else 'next to nothing'} to backfill")
-    return changed, (f"{why}: this upgrade re-embeds every item while planning; no {config.method} map is trained or "
-                     f"checked, and a short l2-only map (at most {SMALL_GALLERY_STEPS} steps, no check) places only "
-                     f"the items whose images cannot be read; {order} order")
+    skipped = "no map is checked" if is_reference(method_config) else f"no {config.method} map is trained or checked"
+    return changed, (f"{why}: this upgrade re-embeds every item while planning; {skipped}, and a short l2-only map "
+                     f"(at most {SMALL_GALLERY_STEPS} steps, no check) places only the items whose images cannot be "
+                     f"read; {order} order")
