@@ -24,11 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.evaluation.ordering import random_order, sigma_order  # noqa: E402
-from components.evaluation.retrieval import backfill_curve, per_query_curve  # noqa: E402
-from components.experiment.data import load_split  # noqa: E402
-from components.gallery.advice.advisor import advise, fractions, recommend  # noqa: E402
-from components.gallery.upgrade.planning import eval_sample  # noqa: E402
+from fastfill.components.evaluation.ordering import random_order, sigma_order  # noqa: E402
+from fastfill.components.evaluation.retrieval import backfill_curve, per_query_curve  # noqa: E402
+from fastfill.components.experiment.data import load_split  # noqa: E402
+from fastfill.components.gallery.advice.advisor import advise, fractions, recommend  # noqa: E402
+from fastfill.components.gallery.upgrade.planning import eval_sample  # noqa: E402
 
 
 def _order(directory: Path, n: int, seed: int) -> tuple[np.ndarray, str]:

@@ -33,14 +33,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+from fastfill.components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
 
 def _images(n: int) -> tuple[np.ndarray, str]:
     import tempfile as _tempfile
 
-    from components.experiment.data import DataError, load_raw_dataset, load_split
-    from components.platform.config import load_params
+    from fastfill.components.experiment.data import DataError, load_raw_dataset, load_split
+    from fastfill.components.platform.config import load_params
 
     try:
         images = load_split(Path("data/splits"), "test").images
@@ -61,8 +61,8 @@ def _images(n: int) -> tuple[np.ndarray, str]:
 def _models():
     import torch
 
-    from components.platform.config import load_params
-    from components.experiment.models import AlignmentMap, Embedder
+    from fastfill.components.platform.config import load_params
+    from fastfill.components.experiment.models import AlignmentMap, Embedder
 
     params = load_params("params.yaml")
     torch.manual_seed(0)
@@ -119,12 +119,12 @@ def _write_files(images: np.ndarray, root: str) -> float:
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, files_root: str | None = None):
     import pyarrow as pa
 
-    from components.gallery.upgrade import planning
-    from components.gallery.inputs.adopt import adopt
-    from components.gallery.layouts.catalog import Gallery, ingest
-    from components.platform.registry import ModelRef
-    from components.gallery.store import open_store
-    from components.experiment.inference import embed
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.platform.registry import ModelRef
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.experiment.inference import embed
 
     store = open_store(uri)
     old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
@@ -163,10 +163,10 @@ def main() -> None:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from components.platform.config import parse_params
-    from components.gallery.layouts.catalog import IMAGE_CACHE
-    from components.experiment.inference import embed
-    from flows.upgrade import _backfill
+    from fastfill.components.platform.config import parse_params
+    from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
+    from fastfill.components.experiment.inference import embed
+    from fastfill.flows.upgrade import _backfill
 
     images, source = _images(args.items)
     params, old, new, h = _models()

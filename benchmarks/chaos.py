@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+from fastfill.components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
 
 def _free_port() -> int:
@@ -68,13 +68,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 
-    from components.gallery.upgrade import backfill, ending, planning
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store.lock import LOCK
-    from components.gallery.store import open_store
-    from components.platform import registry
-    from components.platform.config import parse_params
-    from flows.pipeline import pipeline_flow
+    from fastfill.components.gallery.upgrade import backfill, ending, planning
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store.lock import LOCK
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import parse_params
+    from fastfill.flows.pipeline import pipeline_flow
     from testkit.process_state import in_workdir
     from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
     from testkit.tiny_demo import make_image_folder, tiny_params
@@ -94,8 +94,8 @@ def main() -> None:
         pipeline_flow(params)
     print(f"chaos: registry ready in {time.perf_counter() - started:.0f} s", flush=True)
 
-    from components.experiment.data import load_split
-    from components.platform.layout import Layout
+    from fastfill.components.experiment.data import load_split
+    from fastfill.components.platform.layout import Layout
 
     test = load_split(Layout(params.paths).splits, "test")
     reps = -(-args.items // len(test.labels))

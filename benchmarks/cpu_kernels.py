@@ -15,7 +15,10 @@ in fresh processes:
   an AVX2 machine, so a pinned run here that matches them is the same bytes another CPU gives.
 
 Then it times the probe's training part, pinned against native, alternating, medians of
-``--repeat`` runs: the cost of the pin. Everything is printed and written to ``--out``.
+``--repeat`` runs: the cost of the pin; and the default alignment map's training (the pipeline's
+heaviest CPU work) with the machine's own kernels (torch's nn.Linear on MKL, unpinned) against the
+pinned product (its linear layers on oneDNN, components/experiment/dense.py). Everything is printed
+and written to ``--out``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def probe(steps: int, torch_adam: bool = False) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from components.experiment.models import AlignmentMap, Embedder
-    from components.experiment.optimizers import ExactAdam
-    from components.platform.config import TrainConfig
+    from fastfill.components.experiment.models import AlignmentMap, Embedder
+    from fastfill.components.experiment.optimizers import ExactAdam
+    from fastfill.components.platform.config import TrainConfig
 
     # the product's optimiser (a correctly rounded square root), or torch's, whose square root
     # follows the CPU maker (--torch-adam: what the product trained with before)
@@ -104,12 +107,60 @@ def probe(steps: int, torch_adam: bool = False) -> dict:
             "kernels": {"torch": torch.backends.cpu.get_cpu_capability(), "faiss": faiss.SIMDConfig.get_level_name()}}
 
 
+def map_seconds(steps: int, mkl: bool) -> float:
+    """Seconds for ``steps`` training steps of the default alignment map's shape (128 -> 256, 256,
+    1024, 1024 -> 128 with its uncertainty head, 256 pairs a step, the product's optimiser), its
+    linear layers through oneDNN (the product's ``Dense``) or, with ``mkl``, through torch's own
+    ``nn.Linear`` (MKL's sgemm)."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from fastfill.components.experiment.dense import Dense
+    from fastfill.components.experiment.models import AlignmentMap
+    from fastfill.components.experiment.optimizers import ExactAdam
+
+    if mkl:
+        Dense.forward = torch.nn.Linear.forward
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    generator = np.random.default_rng(0)
+    old = torch.from_numpy(generator.standard_normal((4096, 128), dtype=np.float32))
+    new = torch.from_numpy(generator.standard_normal((4096, 128), dtype=np.float32))
+    mapping = AlignmentMap(128, 128, [256, 256, 1024, 1024], uncertainty=True)
+    optimiser = ExactAdam(mapping.parameters(), lr=1e-3)
+    start = time.perf_counter()
+    for step in range(steps):
+        rows = slice((step * 256) % 4096, (step * 256) % 4096 + 256)
+        optimiser.zero_grad()
+        mapped = mapping(old[rows])
+        log_var = mapping.log_sigma2(mapped)
+        loss = (((mapped - new[rows]) ** 2).sum(1) * torch.exp(-log_var) + log_var).mean()
+        loss.backward()
+        optimiser.step()
+    return time.perf_counter() - start
+
+
+def run_map_timing(level: str, steps: int, mkl: bool) -> float:
+    """``map_seconds`` in a fresh process whose kernels are held to ``level``."""
+    from fastfill.components.platform.runtime import kernel_environment
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in kernel_environment("avx2") and key != "FASTFILL_CPU_KERNELS"}
+    env.update(kernel_environment(level))
+    command = [sys.executable, __file__, "--map-probe", "--timing-steps", str(steps), *(["--mkl"] if mkl else [])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the map timing failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def run_probe(level: str, steps: int, cpu: str | None = None, torch_adam: bool = False,
               unset: tuple[str, ...] = ()) -> dict:
     """The probe in a fresh process whose kernels are held to ``level`` (under qemu's ``cpu``),
     less the variables named in ``unset``."""
     sys.path.insert(0, str(ROOT))
-    from components.platform.runtime import kernel_environment
+    from fastfill.components.platform.runtime import kernel_environment
 
     env = {key: value for key, value in os.environ.items()
            if key not in kernel_environment("avx2") and key != "FASTFILL_CPU_KERNELS"}
@@ -126,6 +177,9 @@ def run_probe(level: str, steps: int, cpu: str | None = None, torch_adam: bool =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--map-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mkl", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--map-steps", type=int, default=60, help="training steps of the timed alignment map")
     parser.add_argument("--steps", type=int, default=5, help="training steps of each part")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each level (medians)")
     parser.add_argument("--timing-steps", type=int, default=40, help="training steps of the timed runs")
@@ -140,6 +194,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe(args.steps, args.torch_adam)))
+        return
+    if args.map_probe:
+        print(map_seconds(args.timing_steps, args.mkl))
         return
     rows: dict[str, dict] = {}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -171,7 +228,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         return
-    from components.platform.runtime import kernel_environment
+    from fastfill.components.platform.runtime import kernel_environment
 
     variants = {"native": ("native", ()), "avx2": ("avx2", ())}
     if args.attribute:  # the pin less one variable: how much of the cost that variable is
@@ -185,6 +242,21 @@ def main() -> None:
     lines += ["", f"Training part ({args.timing_steps} steps of each CNN and the map, 2 threads), medians of "
               f"{args.repeat} alternating runs on {here}: native {native:.2f} s, avx2 {pinned:.2f} s, "
               f"avx2 / native = {pinned / native:.2f}x."]
+    # the alignment map's linear layers, the pipeline's heaviest CPU work: the machine's own kernels
+    # (torch's nn.Linear on MKL, unpinned) against the pinned product (oneDNN) and against what the
+    # pin cost before (nn.Linear on MKL's COMPATIBLE branch)
+    map_variants = {"native, nn.Linear (MKL)": ("native", True), "avx2, Dense (oneDNN)": ("avx2", False),
+                    "avx2, nn.Linear (MKL COMPATIBLE)": ("avx2", True), "native, Dense (oneDNN)": ("native", False)}
+    map_timings: dict[str, list[float]] = {name: [] for name in map_variants}
+    for _ in range(args.repeat):
+        for name, (level, mkl) in map_variants.items():
+            map_timings[name].append(run_map_timing(level, args.map_steps, mkl))
+    map_medians = {name: statistics.median(values) for name, values in map_timings.items()}
+    own = map_medians["native, nn.Linear (MKL)"]
+    lines += ["", f"The default alignment map ({args.map_steps} steps of 256 pairs, 2 threads), medians of "
+              f"{args.repeat} alternating runs on {here}; the product trains with Dense under the avx2 pin:",
+              "", "| kernels, linear layers | seconds | / the machine's own kernels |", "|---|---|---|"]
+    lines += [f"| {name} | {seconds:.2f} | {seconds / own:.2f}x |" for name, seconds in map_medians.items()]
     if args.attribute:
         lines += ["", "| kernels | seconds | / native |", "|---|---|---|"]
         lines += [f"| {name} | {seconds:.2f} | {seconds / native:.2f}x |" for name, seconds in medians.items()]

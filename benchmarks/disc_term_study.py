@@ -72,8 +72,8 @@ def embedders(train_images, train_labels, epochs: int, seed: int):
     import torch
     from safetensors.torch import save
 
-    from components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
-    from components.model_store.preprocessing import Preprocessing
+    from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+    from fastfill.components.model_store.preprocessing import Preprocessing
 
     old, _, old_accuracy = train_model(OLD, train_images, train_labels, epochs, seed, 2)
     graph = io.BytesIO()
@@ -91,7 +91,7 @@ def embedders(train_images, train_labels, epochs: int, seed: int):
 
 def features(model, images, seed: int) -> np.ndarray:
     """The model's features of the images as photos (the same photo for both models: the seed)."""
-    from components.experiment.inference import embed
+    from fastfill.components.experiment.inference import embed
 
     rng = np.random.default_rng(seed)
     files = [_encoded(photo(image, rng)) for image in images]
@@ -118,10 +118,10 @@ def pseudo_classes(new: np.ndarray, k: int, seed: int):
 def curve(config, pair_old, pair_new, rows, head, gallery_old, gallery_new, labels) -> dict:
     import torch
 
-    from components.evaluation.ordering import random_order, sigma_order
-    from components.evaluation.retrieval import backfill_curve
-    from components.experiment.inference import apply_alignment
-    from components.experiment.map_training import train_alignment
+    from fastfill.components.evaluation.ordering import random_order, sigma_order
+    from fastfill.components.evaluation.retrieval import backfill_curve
+    from fastfill.components.experiment.inference import apply_alignment
+    from fastfill.components.experiment.map_training import train_alignment
 
     h, _ = train_alignment(config, pair_old, pair_new, rows, head, device=torch.device("cpu"), log=lambda *_: None)
     transformed, log_sigma2 = apply_alignment(h, gallery_old, device=torch.device("cpu"))
@@ -137,8 +137,8 @@ def study_configs():
     import torch
     import yaml
 
-    from components.platform import runtime
-    from components.platform.config import AlignConfig
+    from fastfill.components.platform import runtime
+    from fastfill.components.platform.config import AlignConfig
 
     runtime.apply_defaults()
     torch.set_num_threads(2)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from components.evaluation import backfill_curve, curve_alphas, pairwise_distances
+from fastfill.components.evaluation import backfill_curve, curve_alphas, pairwise_distances
 
 
 def literal_curve(query, gallery_new, gallery_old, labels, order, num_intermediate=20):

@@ -60,11 +60,11 @@ def timed(fn, repeats: int = 3) -> tuple[float, object]:
 def quality(images, labels, cuda) -> dict:
     import torch
 
-    from components.evaluation.retrieval import retrieval_metrics
-    from components.experiment.inference import embed
-    from components.experiment.training import TrainingRun, train_embedder
-    from components.experiment.data import Split
-    from components.platform.config import TrainConfig
+    from fastfill.components.evaluation.retrieval import retrieval_metrics
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.experiment.training import TrainingRun, train_embedder
+    from fastfill.components.experiment.data import Split
+    from fastfill.components.platform.config import TrainConfig
 
     train, test = slice(0, 8000), slice(8000, 10000)
     pixels = images[train].astype(np.float32) / 255.0
@@ -90,7 +90,7 @@ def throughput(model, images, cuda, batch_sizes=(512, 2048), cpu_items: int = 20
     the GPU in float32 and under autocast, at each batch size."""
     import torch
 
-    from components.experiment.inference import embed
+    from fastfill.components.experiment.inference import embed
 
     out = {}
     for batch in batch_sizes:
@@ -111,8 +111,8 @@ def throughput(model, images, cuda, batch_sizes=(512, 2048), cpu_items: int = 20
 def search(n: int, queries: int) -> dict:
     import faiss
 
-    from components.gallery.search.index import GpuCopy
-    from components.platform.config import IndexConfig
+    from fastfill.components.gallery.search.index import GpuCopy
+    from fastfill.components.platform.config import IndexConfig
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((n, 128), dtype=np.float32)
@@ -135,11 +135,11 @@ def search(n: int, queries: int) -> dict:
 def backfill(model, images, cuda) -> dict:
     import torch
 
-    from components.experiment.models import AlignmentMap
-    from components.gallery.upgrade import backfill, planning
-    from components.gallery.layouts.catalog import Gallery, ingest
-    from components.gallery.store import open_store
-    from components.platform.registry import ModelRef
+    from fastfill.components.experiment.models import AlignmentMap
+    from fastfill.components.gallery.upgrade import backfill, planning
+    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.platform.registry import ModelRef
 
     old, new = ModelRef("embedder", "1", 64), ModelRef("embedder", "2", model.embedding_dim)
     torch.manual_seed(0)
@@ -191,16 +191,16 @@ def main() -> None:
         results["quality"], model = quality(images, labels, cuda)
         print("quality:", json.dumps(results["quality"]), flush=True)
     else:
-        from components.experiment.models import Embedder
-        from components.platform.config import TrainConfig
+        from fastfill.components.experiment.models import Embedder
+        from fastfill.components.platform.config import TrainConfig
 
         images = np.random.default_rng(0).integers(0, 256, size=(10000, 1, 28, 28), dtype=np.uint8)
         model = Embedder(TrainConfig(), 1, list(range(10))).eval()
     many = np.concatenate([images] * -(-args.items // len(images)))[:args.items]
     results["embedding items/s"] = throughput(model, many, cuda)
     print("embedding items/s (cnn):", json.dumps(results["embedding items/s"]), flush=True)
-    from components.experiment.models import Embedder
-    from components.platform.config import TrainConfig
+    from fastfill.components.experiment.models import Embedder
+    from fastfill.components.platform.config import TrainConfig
 
     resnet = Embedder(TrainConfig(backbone="resnet18"), 1, list(range(10))).eval()  # untrained: timing only
     results["embedding items/s, resnet18"] = throughput(resnet, many, cuda, cpu_items=5000)

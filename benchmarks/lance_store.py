@@ -129,14 +129,14 @@ def _commit_all(commit, chunks, writers: int) -> dict:
 def run_layout(uri: str, data: dict, chunk: int, writers: int, layout: str) -> dict:
     """One upgrade through the product's own functions (adopt or ingest, commit_plan, write_chunk,
     finish, the served features read back) on the gallery kept in ``layout``."""
-    from components.gallery.inputs.adopt import adopt
-    from components.gallery.layouts.catalog import fetch_images, ingest
-    from components.gallery.layouts.opening import gallery_at, layout_of
-    from components.gallery.store import open_store
-    from components.gallery.upgrade import ending
-    from components.gallery.upgrade.backfill import write_chunk
-    from components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
-    from components.platform.registry import ModelRef
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.gallery.layouts.catalog import fetch_images, ingest
+    from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import ending
+    from fastfill.components.gallery.upgrade.backfill import write_chunk
+    from fastfill.components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
+    from fastfill.components.platform.registry import ModelRef
 
     items, dim = data["old"].shape
     old, new = ModelRef("embedder", "1", dim), ModelRef("embedder", "2", dim)

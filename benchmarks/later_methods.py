@@ -38,11 +38,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.evaluation.assessment import MethodOutputs, method_curves, reference_points  # noqa: E402
-from components.evaluation.retrieval import pairwise_distances  # noqa: E402
-from components.experiment.data import load_split  # noqa: E402
-from components.platform.config import load_params  # noqa: E402
-from components.platform.layout import Layout, load_array  # noqa: E402
+from fastfill.components.evaluation.assessment import MethodOutputs, method_curves, reference_points  # noqa: E402
+from fastfill.components.evaluation.retrieval import pairwise_distances  # noqa: E402
+from fastfill.components.experiment.data import load_split  # noqa: E402
+from fastfill.components.platform.config import load_params  # noqa: E402
+from fastfill.components.platform.layout import Layout, load_array  # noqa: E402
 
 K = 10  # neighbours compared
 

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     fastfill, fct = study_configs()
-    from components.gallery.upgrade.pseudo_classes import cluster_classes
-    from components.platform.config import UpgradeConfig
+    from fastfill.components.gallery.upgrade.pseudo_classes import cluster_classes
+    from fastfill.components.platform.config import UpgradeConfig
 
     wanted = UpgradeConfig().pseudo_classes
     started = time.perf_counter()

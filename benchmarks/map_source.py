@@ -38,17 +38,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.evaluation import backfill_curve  # noqa: E402
-from components.evaluation.ordering import random_order, sigma_order  # noqa: E402
-from components.experiment.data import load_split  # noqa: E402
-from components.experiment.inference import apply_alignment  # noqa: E402
-from components.experiment.map_check import check_map, fallback_map, held_out, reference_config  # noqa: E402
-from components.experiment.map_training import train_alignment  # noqa: E402
-from components.experiment.models import load_embedder  # noqa: E402
-from components.gallery.upgrade.pairs import class_targets, sample_positions  # noqa: E402
-from components.gallery.upgrade.planning import front_loaded  # noqa: E402
-from components.platform.config import load_params  # noqa: E402
-from components.platform.layout import Layout, load_array  # noqa: E402
+from fastfill.components.evaluation import backfill_curve  # noqa: E402
+from fastfill.components.evaluation.ordering import random_order, sigma_order  # noqa: E402
+from fastfill.components.experiment.data import load_split  # noqa: E402
+from fastfill.components.experiment.inference import apply_alignment  # noqa: E402
+from fastfill.components.experiment.map_check import check_map, fallback_map, held_out, reference_config  # noqa: E402
+from fastfill.components.experiment.map_training import train_alignment  # noqa: E402
+from fastfill.components.experiment.models import load_embedder  # noqa: E402
+from fastfill.components.gallery.upgrade.pairs import class_targets, sample_positions  # noqa: E402
+from fastfill.components.gallery.upgrade.planning import front_loaded  # noqa: E402
+from fastfill.components.platform.config import load_params  # noqa: E402
+from fastfill.components.platform.layout import Layout, load_array  # noqa: E402
 
 
 def _quiet(_: str) -> None:

@@ -55,11 +55,11 @@ def _models(work: Path) -> list[tuple[str, str, object]]:
     from safetensors.torch import save_file
     from torch import nn
 
-    from components.experiment.models import AlignmentMap
-    from components.experiment.vision import torchvision
-    from components.model_store import registered
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.experiment.models import AlignmentMap
+    from fastfill.components.experiment.vision import torchvision
+    from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     (work / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}",
                                                                  "registered_model": "team-embedder"}}))
@@ -86,8 +86,8 @@ def _models(work: Path) -> list[tuple[str, str, object]]:
 
 
 def _product_output(uri: str, data):
-    from components.experiment.inference import apply_alignment, embed
-    from components.model_store import registered
+    from fastfill.components.experiment.inference import apply_alignment, embed
+    from fastfill.components.model_store import registered
 
     model = registered.load_model(uri)
     if getattr(model, "fastfill_kind", "embedder") == "alignment":

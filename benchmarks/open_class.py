@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from components.platform.config import Params, load_params  # noqa: E402
+from fastfill.components.platform.config import Params, load_params  # noqa: E402
 
 
 def open_class_params(params: Params, unseen: list[int], per_class: int | None, seed: int, out: Path) -> Params:
@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="runs/open-class")
     args = parser.parse_args()
-    from flows.pipeline import pipeline_flow
-    from flows.prepare import prepare_flow
+    from fastfill.flows.pipeline import pipeline_flow
+    from fastfill.flows.prepare import prepare_flow
 
     label = f"n{args.train_per_class or 'all'}"
     params = open_class_params(load_params(args.params), args.unseen, args.train_per_class, args.seed,

@@ -40,7 +40,7 @@ def _rss_mb() -> float:
 
 
 def _refs():
-    from components.platform.registry import ModelRef
+    from fastfill.components.platform.registry import ModelRef
 
     return ModelRef("embedder", "1", DIM), ModelRef("embedder", "2", DIM)
 
@@ -48,8 +48,8 @@ def _refs():
 def make(folder: Path, size: int, part_size: int) -> dict:
     import pyarrow as pa
 
-    from components.gallery.inputs.adopt import adopt
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.gallery.store import open_store
 
     old, _ = _refs()
     table = pa.table({"id": np.arange(size, dtype=np.int64),
@@ -68,10 +68,10 @@ def make(folder: Path, size: int, part_size: int) -> dict:
 def plan(folder: Path, chunk_size: int) -> dict:
     import torch
 
-    from components.experiment.models import AlignmentMap
-    from components.gallery.upgrade import planning
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
+    from fastfill.components.experiment.models import AlignmentMap
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
 
     old, new = _refs()
     torch.manual_seed(0)
@@ -92,10 +92,10 @@ def plan(folder: Path, chunk_size: int) -> dict:
 def finish(folder: Path) -> dict:
     import json as _json
 
-    from components.gallery.upgrade import planning
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
-    from components.gallery.upgrade.ending import finish
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade.ending import finish
 
     gallery = Gallery(open_store(folder))
     record = planning.load_plan(gallery.store, gallery.manifest()["upgrade"])

@@ -28,7 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import numpy as np  # noqa: E402
 
-from components.platform.config import load_params  # noqa: E402
+from fastfill.components.platform.config import load_params  # noqa: E402
 
 
 def _size(text: str) -> int | None:
@@ -47,9 +47,9 @@ def _point(curve: dict, index: int = 0) -> dict:
 def evaluate_run(params, rank: int) -> dict:
     """Rows for one (size, seed) run: references, FCT and FastFill from its metrics.json, and each
     adapter measured here."""
-    from components.experiment.adapters import ADAPTERS
-    from components.platform.layout import Layout, load_array, read_json
-    from tasks.method_curves import adapter_curves
+    from fastfill.components.experiment.adapters import ADAPTERS
+    from fastfill.components.platform.layout import Layout, load_array, read_json
+    from fastfill.tasks.method_curves import adapter_curves
 
     layout = Layout(params.paths)
     metrics = read_json(layout.metrics)
@@ -103,8 +103,8 @@ def main() -> None:
     parser.add_argument("--default-run", action="store_true",
                         help="measure the outputs of `fastfill run` (params.yaml's paths) instead of sweep runs")
     args = parser.parse_args()
-    from components.evaluation.sweep_report import size_label
-    from flows.sweep import sized, sweep_flow
+    from fastfill.components.evaluation.sweep_report import size_label
+    from fastfill.flows.sweep import sized, sweep_flow
 
     params = load_params(args.params)
     if args.default_run:  # what `fastfill run` left: train_per_class and seed of params.yaml

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from components.evaluation.comparison import EARLY, early_area  # noqa: E402  (after the path)
+from fastfill.components.evaluation.comparison import EARLY, early_area  # noqa: E402  (after the path)
 
 ROWS = {"FCT-random": ("fct", "random"), "FastFill-sigma": ("fastfill", "sigma"),
         "FastFill-random": ("fastfill", "random"), "dual_rrf-random": ("dual_rrf", "random"),
@@ -176,8 +176,8 @@ def density_check(out: Path, size: str, seed: int, per_class: list[int], draws: 
     """The shadow index and FastFill-sigma on a gallery cut to k test images per class: the
     run's stored test features (both models) and FastFill's stored map outputs, restricted to a
     random k per class, measured with the product's curve functions."""
-    from components.evaluation import backfill_curve, dual_curves
-    from components.evaluation.ordering import random_order, sigma_order
+    from fastfill.components.evaluation import backfill_curve, dual_curves
+    from fastfill.components.evaluation.ordering import random_order, sigma_order
 
     run = out / f"n-{size}" / f"seed-{seed}" / "artifacts"
     labels = np.load(out / f"n-{size}" / "data" / "splits" / "test_labels.npy")
@@ -295,7 +295,7 @@ def sweep_params(params_path: Path, out: Path) -> Path:
     and the MLflow store. Every number the runs compute is the default configuration's."""
     import yaml
 
-    from components.platform.config import parse_params
+    from fastfill.components.platform.config import parse_params
 
     data = yaml.safe_load(params_path.read_text())
     data["paths"]["reports"] = str(out / "reports")
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                "run_seconds": {name: seconds for name, seconds in run_times(out / "sweep.log").items()
                                if name.split("/")[1].removeprefix("seed-") in curves.get(name.split("/")[0][2:], {})}}
     if args.density is not None:
-        from components.platform.config import load_params
+        from fastfill.components.platform.config import load_params
 
         size = "all" if "all" in curves else list(curves)[-1]
         if "0" in curves[size]:

@@ -26,15 +26,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.evaluation.dual_curve import dual_curve  # noqa: E402
-from components.evaluation.online_backfill import online_curve  # noqa: E402
-from components.evaluation.ordering import random_order  # noqa: E402
-from components.experiment.adapters import fit_metric_compatible  # noqa: E402
-from components.experiment.data import load_split  # noqa: E402
-from components.gallery.advice.advisor import NearestLabel, fractions, ranks_of  # noqa: E402
-from components.gallery.advice.target_advice import online_top1, shadow_top1  # noqa: E402
-from components.gallery.upgrade.pairs import sample_positions  # noqa: E402
-from components.gallery.upgrade.planning import eval_sample  # noqa: E402
+from fastfill.components.evaluation.dual_curve import dual_curve  # noqa: E402
+from fastfill.components.evaluation.online_backfill import online_curve  # noqa: E402
+from fastfill.components.evaluation.ordering import random_order  # noqa: E402
+from fastfill.components.experiment.adapters import fit_metric_compatible  # noqa: E402
+from fastfill.components.experiment.data import load_split  # noqa: E402
+from fastfill.components.gallery.advice.advisor import NearestLabel, fractions, ranks_of  # noqa: E402
+from fastfill.components.gallery.advice.target_advice import online_top1, shadow_top1  # noqa: E402
+from fastfill.components.gallery.upgrade.pairs import sample_positions  # noqa: E402
+from fastfill.components.gallery.upgrade.planning import eval_sample  # noqa: E402
 
 
 def _hits(queries: np.ndarray, positions: np.ndarray, labels: np.ndarray, gallery: np.ndarray) -> np.ndarray:

@@ -39,10 +39,10 @@ def _best(run, repeats: int) -> float:
 def _rows(args, onnx_arch: str, torch_arch: str, size: int, images: int) -> list[tuple]:
     import onnxruntime as ort
 
-    from components.experiment.inference import embed
-    from components.experiment.vision import torchvision
-    from components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
-    from components.model_store.preprocessing import Preprocessing
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.experiment.vision import torchvision
+    from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+    from fastfill.components.model_store.preprocessing import Preprocessing
 
     prep = Preprocessing(channels=3, height=size, width=size, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     pixels = np.random.default_rng(0).integers(0, 256, (images, *prep.shape), dtype=np.uint8)
@@ -117,9 +117,9 @@ def _jpeg_files(count: int, size: int) -> list[str]:
 
 def _backfill_steps(model, files: list[str], batch: int):
     """(read ahead, read first): the backfill's read + decode + embed of ``files``."""
-    from components.experiment.inference import embed
-    from components.gallery.upgrade.backfill import embed_streamed
-    from components.gallery.inputs.images import read_images
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.upgrade.backfill import embed_streamed
+    from fastfill.components.gallery.inputs.images import read_images
 
     prep = model.preprocessing
     cpu = torch.device("cpu")

@@ -66,8 +66,8 @@ def photo(grey: np.ndarray, rng: np.random.Generator):
 
 
 def fashion(split: str):
-    from components.experiment.data import load_raw_dataset
-    from components.platform.config import PrepareConfig
+    from fastfill.components.experiment.data import load_raw_dataset
+    from fastfill.components.platform.config import PrepareConfig
 
     with tempfile.TemporaryDirectory(prefix="team-own-models-idx-") as cache:
         raw = load_raw_dataset(PrepareConfig(dataset="fashion-mnist", source=FASHION), Path(cache))
@@ -87,8 +87,8 @@ def train_model(spec: dict, images: np.ndarray, labels: np.ndarray, epochs: int,
     ``images`` decoded by its preprocessing; returns (network, seconds, held-out accuracy)."""
     import torch
 
-    from components.experiment.vision import torchvision
-    from components.model_store.preprocessing import Preprocessing
+    from fastfill.components.experiment.vision import torchvision
+    from fastfill.components.model_store.preprocessing import Preprocessing
 
     torch.set_num_threads(threads)
     prep = Preprocessing(**spec["preprocessing"])
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "team_own_models")
     args = parser.parse_args(argv)
-    from components.platform import runtime
+    from fastfill.components.platform import runtime
 
     runtime.apply_defaults()
     import yaml

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in CALLER_ENV_DROPPED:  # this process reads and writes the registries it names itself
         if key.startswith(("MLFLOW", "FASTFILL", "PREFECT")):
             os.environ.pop(key, None)
-    from components.platform import runtime
+    from fastfill.components.platform import runtime
 
     runtime.apply_defaults()
     import yaml

@@ -77,8 +77,8 @@ def describe_step(name: str, step: dict) -> str:
 
 def mlflow_numbers(params_file: Path, run_id: str | None) -> dict:
     """The upgrade's MLflow run (every metric's history, its tags) and the registry's aliases."""
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     config = load_params(params_file).mlflow
     client, _ = registry.setup(config)

@@ -54,7 +54,7 @@ def read_versions(tracking_uri: str, name: str, old: str | None, new: str | None
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from components.model_store import registered
+    from fastfill.components.model_store import registered
 
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
         raise SystemExit(f"{tracking_uri}: no such MLflow store. Run `fastfill run` first (it registers @champion and "
@@ -87,9 +87,9 @@ def register_copies(params_file: Path, versions: dict) -> dict:
     """The two versions in the backend's own fresh registry: old @champion, new @challenger."""
     import numpy as np
 
-    from components.model_store import registered
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     config = load_params(params_file).mlflow
     client, experiment = registry.setup(config)
@@ -122,8 +122,8 @@ def gallery_images(tiny: bool, items: int, seed: int):
         images = np.stack([class_image(int(label), rng, 16, 6) for label in labels])
         ids = np.sort(rng.choice(100_000, size=items, replace=False))
         return ids, images, labels, "synthetic 16x16 bars, 6 classes (components/experiment/tiny_demo.class_image)"
-    from components.experiment.data import load_raw_dataset
-    from components.platform.config import PrepareConfig
+    from fastfill.components.experiment.data import load_raw_dataset
+    from fastfill.components.platform.config import PrepareConfig
 
     with tempfile.TemporaryDirectory(prefix="team-upgrade-idx-") as cache:  # the unpacked IDX files
         test = load_raw_dataset(PrepareConfig(dataset="fashion-mnist", source=FASHION), Path(cache)).test

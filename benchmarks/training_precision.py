@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.evaluation.assessment import MethodOutputs, build_order  # noqa: E402
-from components.evaluation.retrieval import backfill_curve  # noqa: E402
-from components.experiment.data import load_split  # noqa: E402
-from components.experiment.inference import apply_alignment  # noqa: E402
-from components.experiment.map_training import train_alignment  # noqa: E402
-from components.experiment.models import load_embedder  # noqa: E402
-from components.platform.config import load_params  # noqa: E402
-from components.platform.layout import Layout, load_array  # noqa: E402
+from fastfill.components.evaluation.assessment import MethodOutputs, build_order  # noqa: E402
+from fastfill.components.evaluation.retrieval import backfill_curve  # noqa: E402
+from fastfill.components.experiment.data import load_split  # noqa: E402
+from fastfill.components.experiment.inference import apply_alignment  # noqa: E402
+from fastfill.components.experiment.map_training import train_alignment  # noqa: E402
+from fastfill.components.experiment.models import load_embedder  # noqa: E402
+from fastfill.components.platform.config import load_params  # noqa: E402
+from fastfill.components.platform.layout import Layout, load_array  # noqa: E402
 
 METHODS = {"fct": "random", "fastfill": "sigma"}
 PRECISIONS = ("fp32", "bf16")

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+from fastfill.components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plan_scale import _rss_mb, run_child  # noqa: E402
@@ -61,16 +61,16 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from components.experiment.models import AlignmentMap, Embedder
-    from components.gallery.upgrade import planning
-    from components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
-    from components.gallery.upgrade.ending import finish
-    from components.gallery.upgrade.garbage import collect_garbage
-    from components.platform.config import load_params, parse_params
-    from components.platform.registry import ModelRef
-    from flows.upgrade import _backfill
+    from fastfill.components.experiment.models import AlignmentMap, Embedder
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade.ending import finish
+    from fastfill.components.gallery.upgrade.garbage import collect_garbage
+    from fastfill.components.platform.config import load_params, parse_params
+    from fastfill.components.platform.registry import ModelRef
+    from fastfill.flows.upgrade import _backfill
 
     params = load_params(ROOT / "params.yaml")
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
+from fastfill.components.platform import runtime  # noqa: E402,F401  (Prefect settings before Prefect loads)
 
 
 def main() -> None:
@@ -46,15 +46,15 @@ def main() -> None:
     parser.add_argument("--out", default="reports")
     args = parser.parse_args()
 
-    from components.experiment.data import load_split
-    from components.experiment.inference import embed
-    from components.platform import registry
-    from components.platform.config import load_params
-    from components.platform.layout import Layout
-    from components.model_store import registered
-    from flows.ingest import ingest_flow
-    from flows.undo import abort_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.experiment.data import load_split
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
+    from fastfill.components.platform.layout import Layout
+    from fastfill.components.model_store import registered
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.undo import abort_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     base = load_params(args.params)
     source_db = Path(base.mlflow.tracking_uri.removeprefix("sqlite:///"))

@@ -48,10 +48,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.evaluation import curve_alphas, per_query_curve  # noqa: E402
-from components.evaluation.dual_curve import dual_curves  # noqa: E402
-from components.evaluation.ordering import random_order  # noqa: E402
-from components.gallery.upgrade.usage import backfill_order, load_usage_log  # noqa: E402
+from fastfill.components.evaluation import curve_alphas, per_query_curve  # noqa: E402
+from fastfill.components.evaluation.dual_curve import dual_curves  # noqa: E402
+from fastfill.components.evaluation.ordering import random_order  # noqa: E402
+from fastfill.components.gallery.upgrade.usage import backfill_order, load_usage_log  # noqa: E402
 
 WORKLOADS = ("uniform", "class", "item, new", "item, repeated")
 ORDERS = ("random", "sigma", "usage", "usage_sigma")  # the map's way (FastFill's h(old) until re-embedded)

@@ -30,7 +30,7 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """Upgrade an embedding model without re-indexing: FastFill pipeline, backfill and evaluation."""
 
 # each module registers its commands on ``app``, in this order
-from cli import (  # noqa: E402, I001
+from fastfill.cli import (  # noqa: E402, I001
     command_support, experiment_commands, gallery_commands, upgrade_commands, service_commands, doctor_commands, model_commands,
 )
 

@@ -1,3 +1,3 @@
-from cli import run
+from fastfill.cli import run
 
 run()

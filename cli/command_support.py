@@ -47,7 +47,7 @@ def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
     """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
     codes above). With --json, stdout also gets ``{"error": ..., "exit_code": code}``
     (cli/json_output.py)."""
-    from cli.json_output import failed
+    from fastfill.cli.json_output import failed
 
     typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
     failed(str(error), code)
@@ -157,20 +157,20 @@ class ServiceUnavailable(RuntimeError):
 def load(path: Path):
     """params.yaml, validated; a bad file ends the command with every problem listed. The CPU
     kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
-    from components.platform.runtime import DEFAULT_CPU_KERNELS, cpu_kernels_of, pin_cpu_kernels
+    from fastfill.components.platform.runtime import DEFAULT_CPU_KERNELS, cpu_kernels_of, pin_cpu_kernels
 
     try:
         level = cpu_kernels_of(path)
     except ValueError:  # not UTF-8: load_params says so in one line
         level = DEFAULT_CPU_KERNELS
     pin_cpu_kernels(level)
-    from components.platform.config import ConfigError, load_params
+    from fastfill.components.platform.config import ConfigError, load_params
 
     try:
         params = load_params(path)
     except ConfigError as error:
         fail(error, USAGE)
-    from components.gallery.store import configure_s3
+    from fastfill.components.gallery.store import configure_s3
 
     configure_s3(params.gallery.s3)  # every command's S3 clients retry as gallery.s3 says
     for key, value in MLFLOW_HTTP_LIMITS.items():  # read by MLflow at each request
@@ -181,19 +181,19 @@ def load(path: Path):
 def outcome(error: BaseException) -> tuple[int, str] | None:
     """(exit code, message) of a known failure, or None for anything else (a bug: it keeps its
     traceback). The message is the error's own: it names the problem and what to do."""
-    from components.experiment.data import DataError
-    from components.gallery.layouts.catalog import GalleryError
-    from components.gallery.inputs.images import ImageStoreError
-    from components.gallery.store.lock import LeaseLost, UpgradeLocked
-    from components.gallery.store import StoreError, StoreUnreachable
-    from components.platform.config import ConfigError
-    from components.platform.layout import ArrayFileError
-    from components.platform.registry import RegistryError, TrackingUnreachable
+    from fastfill.components.experiment.data import DataError
+    from fastfill.components.gallery.layouts.catalog import GalleryError
+    from fastfill.components.gallery.inputs.images import ImageStoreError
+    from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
+    from fastfill.components.gallery.store import StoreError, StoreUnreachable
+    from fastfill.components.platform.config import ConfigError
+    from fastfill.components.platform.layout import ArrayFileError
+    from fastfill.components.platform.registry import RegistryError, TrackingUnreachable
 
     # a lost lease comes from a store that could not be reached in time, or from a takeover
     if isinstance(error, (StoreUnreachable, ImageStoreError, LeaseLost, TrackingUnreachable, ServiceUnavailable)):
         return SERVICE, str(error)
-    deployments = sys.modules.get("flows.deployments")  # loaded wherever one of its errors can come from
+    deployments = sys.modules.get("fastfill.flows.deployments")  # loaded wherever one of its errors can come from
     if deployments is not None and isinstance(error, deployments.DeploymentMissing):
         return SERVICE, str(error)
     service = _service_problem(error)
@@ -201,7 +201,7 @@ def outcome(error: BaseException) -> tuple[int, str] | None:
         return SERVICE, service
     if isinstance(error, ConfigError):
         return USAGE, str(error)
-    map_check = sys.modules.get("components.experiment.map_check")  # loaded wherever a check can fail (scipy: slow)
+    map_check = sys.modules.get("fastfill.components.experiment.map_check")  # loaded wherever a check can fail (scipy: slow)
     if map_check is not None and isinstance(error, map_check.MapCheckError):
         return FAILED, str(error)
     if isinstance(error, (GalleryError, RegistryError, StoreError, UpgradeLocked, DataError, ArrayFileError,
@@ -293,7 +293,7 @@ def require_services(config) -> None:
     process and pair of services."""
     from prefect.settings import get_current_settings
 
-    from components.platform.registry import check_tracking_server, tracking_uri
+    from fastfill.components.platform.registry import check_tracking_server, tracking_uri
 
     services = (tracking_uri(config.mlflow), get_current_settings().api.url)
     if services in _answered:
@@ -341,7 +341,7 @@ def call(flow, *args, **kwargs):
     """Run a flow (or any function of the store). With the configuration among its arguments, the
     services it needs are checked first. A known failure ends the command with its kind's exit
     code and its message on one line; anything else keeps its traceback."""
-    from components.platform.config import Params
+    from fastfill.components.platform.config import Params
 
     try:
         config = next((arg for arg in args if isinstance(arg, Params)), None)

@@ -11,10 +11,10 @@ from typing import Annotated
 
 import typer
 
-from cli import app
-from cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
-from cli.json_output import JsonOption, answer, answers_json
-from components.platform.vocabulary import DISTANCES
+from fastfill.cli import app
+from fastfill.cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
+from fastfill.cli.json_output import JsonOption, answer, answers_json
+from fastfill.components.platform.vocabulary import DISTANCES
 
 stage_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Run one pipeline stage (what each DVC stage calls).")
 app.add_typer(stage_app, name="stage", short_help="Run one pipeline stage (what DVC calls).")
@@ -37,7 +37,7 @@ def run(params: ParamsOption = Path("params.yaml"),
         dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
     """Run the whole pipeline: data splits, old and new models, alignment maps, evaluation."""
     config = load(params)
-    from flows.pipeline import pipeline_flow
+    from fastfill.flows.pipeline import pipeline_flow
 
     start = time.perf_counter()
     metrics = call(pipeline_flow, config)
@@ -54,8 +54,8 @@ def seeds(params: ParamsOption = Path("params.yaml"),
           out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
     """Run the pipeline once per seed and write reports/seeds.json (per-seed numbers, mean, std)."""
     config = load(params)
-    from components.evaluation.seed_report import seeds_markdown
-    from flows.pipeline import seeds_flow
+    from fastfill.components.evaluation.seed_report import seeds_markdown
+    from fastfill.flows.pipeline import seeds_flow
 
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
@@ -76,7 +76,7 @@ def sweep(params: ParamsOption = Path("params.yaml"),
     """FastFill against FCT by data size: the pipeline at each train_per_class and seed, then
     reports/sweep.{md,json,png}."""
     config = load(params)
-    from flows.sweep import sweep_flow, sweep_outputs
+    from fastfill.flows.sweep import sweep_flow, sweep_outputs
 
     sizes = []
     for text in size or ["100", "300", "1000", "all"]:
@@ -110,8 +110,8 @@ def compare(params: ParamsOption = Path("params.yaml"),
     config = load(params)
     if size is not None:
         config, dvc_commit = config.comparison_at_size(size), False
-    from components.evaluation.comparison import ranking
-    from flows.compare import compare_flow, comparison_outputs
+    from fastfill.components.evaluation.comparison import ranking
+    from fastfill.flows.compare import compare_flow, comparison_outputs
 
     chosen = seed or list(config.compare.seeds)
     start = time.perf_counter()
@@ -140,7 +140,7 @@ class Role(str, Enum):
 def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
     """Write the deterministic splits (old-train, new-train, test)."""
     config = load(params)
-    from flows.prepare import prepare_flow
+    from fastfill.flows.prepare import prepare_flow
 
     call(prepare_flow, config)
 
@@ -150,7 +150,7 @@ def stage_train(role: Annotated[Role, typer.Option(help="which model")],
                 params: ParamsOption = Path("params.yaml")) -> None:
     """Train one embedding model, store its features of the splits, register it."""
     config = load(params)
-    from flows.train import train_flow
+    from fastfill.flows.train import train_flow
 
     call(train_flow, config, role.value)
 
@@ -162,7 +162,7 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
     config = load(params)
     if method not in config.align:
         fail(f"unknown method {method!r}; params.yaml defines {sorted(config.align)}", USAGE)
-    from flows.align import align_flow
+    from fastfill.flows.align import align_flow
 
     call(align_flow, config, method)
 
@@ -171,7 +171,7 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
 def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     """Backfill curves of every method and order; reports/metrics.json, plot data, PNG."""
     config = load(params)
-    from flows.evaluate import evaluate_flow
+    from fastfill.flows.evaluate import evaluate_flow
 
     _print_summary(call(evaluate_flow, config))
 
@@ -181,7 +181,7 @@ def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Every method of the comparison for one seed, under compare.out/seed-<s>/."""
     config = load(params)
-    from flows.compare import compare_seed_flow
+    from fastfill.flows.compare import compare_seed_flow
 
     _print_summary(call(compare_seed_flow, config, seed))
 
@@ -190,7 +190,7 @@ def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")
 def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
     """reports/comparison.{md,json,png} from the seeds' results."""
     config = load(params)
-    from flows.compare import comparison_report_flow
+    from fastfill.flows.compare import comparison_report_flow
 
     call(comparison_report_flow, config)
     typer.echo((config.paths.reports / "comparison.md").read_text())
@@ -212,7 +212,7 @@ def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy,
              as_json: JsonOption = False) -> None:
     """Evaluate your own features: the backfill curve and its summaries, as JSON; with
     --old-query, also the shadow index's curves under "dual" (docs/methods.md)."""
-    from components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
+    from fastfill.components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
 
     try:
         result = evaluate_feature_folder(features, distance=distance.value, num_intermediate=points, old_query=old_query)

@@ -9,12 +9,12 @@ from typing import Annotated
 
 import typer
 
-from cli import app, json_output
-from cli.command_support import (
+from fastfill.cli import app, json_output
+from fastfill.cli.command_support import (
     USAGE, ParamsOption, StoreOption, call, fail, load, need_services, outcome, require_services, store_uri,
 )
-from cli.json_output import JsonOption, answer, answers_json
-from components.platform.vocabulary import SEARCH_MERGES
+from fastfill.cli.json_output import JsonOption, answer, answers_json
+from fastfill.components.platform.vocabulary import SEARCH_MERGES
 
 Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # the choices of search --merge
 
@@ -27,8 +27,8 @@ def show_status(store: str | None, params: Path, schema: str | None = None) -> N
     ``schema`` names (gallery.info, upgrade.status)."""
     config = load(params)
     uri = store_uri(config, store)
-    from components.gallery.upgrade.status import gallery_status
-    from tasks.gallery_store import open_gallery
+    from fastfill.components.gallery.upgrade.status import gallery_status
+    from fastfill.tasks.gallery_store import open_gallery
 
     state = call(lambda: gallery_status(open_gallery(uri)))
     if schema is not None:
@@ -44,8 +44,8 @@ def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[s
     server (the flow asks again under the lock)."""
     config = load(params)
     uri = store_uri(config, store)
-    from components.gallery.layouts.opening import gallery_at
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.layouts.opening import gallery_at
+    from fastfill.components.gallery.store import open_store
 
     try:
         target(gallery_at(open_store(uri)))
@@ -55,7 +55,7 @@ def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[s
             raise
         fail(known[1], known[0])
     need_services(config)
-    from flows import undo  # late: Prefect and torch load only when there is something to undo
+    from fastfill.flows import undo  # late: Prefect and torch load only when there is something to undo
 
     return uri, call(getattr(undo, flow_name), store_uri=uri, params_path=str(params.resolve()))
 
@@ -73,7 +73,7 @@ def gallery_ingest(store: StoreOption = None,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Put images (and labels, groups) into the store with the champion model's features."""
     config = load(params)
-    from flows.ingest import ingest_flow
+    from fastfill.flows.ingest import ingest_flow
 
     uri = store_uri(config, store)
     need_services(config)
@@ -114,7 +114,7 @@ def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a 
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
     config = load(params)
-    from flows.ingest import adopt_flow
+    from fastfill.flows.ingest import adopt_flow
 
     uri = store_uri(config, store)
     result = call(adopt_flow, config, uri, manifest, model, root, features or None, features_column,
@@ -141,8 +141,8 @@ def gallery_gc(store: StoreOption = None, as_json: JsonOption = False,
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
     uri = store_uri(config, store)
-    from components.gallery.upgrade.garbage import collect_garbage
-    from tasks.gallery_store import open_gallery
+    from fastfill.components.gallery.upgrade.garbage import collect_garbage
+    from fastfill.tasks.gallery_store import open_gallery
 
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
     if as_json:
@@ -159,7 +159,7 @@ def gallery_rollback(store: StoreOption = None, as_json: JsonOption = False,
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    from components.gallery.upgrade.reversal import rollback_target
+    from fastfill.components.gallery.upgrade.reversal import rollback_target
 
     uri, result = run_undo("rollback_flow", store, params, rollback_target)
     if as_json:
@@ -182,8 +182,8 @@ def gallery_convert(store: StoreOption = None,
     into another layout, read it back and compare it with the source, then switch the manifest.
     Refused during an upgrade. In the same store the old layout's data stays until gallery gc."""
     config = load(params)
-    from components.gallery.layouts.convert import convert
-    from tasks.gallery_store import open_gallery
+    from fastfill.components.gallery.layouts.convert import convert
+    from fastfill.tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
     result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout))
@@ -222,17 +222,17 @@ def search(store: StoreOption = None,
     uri = store_uri(config, store)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
-    from components.gallery.search.index import GallerySearch
-    from flows.ingest import _load_array
+    from fastfill.components.gallery.search.index import GallerySearch
+    from fastfill.flows.ingest import _load_array
 
     def run_search():
-        from tasks.gallery_store import open_gallery
+        from fastfill.tasks.gallery_store import open_gallery
 
         searcher = GallerySearch(open_gallery(uri), config.gallery.distance, config.gallery.index)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
-        from components.platform import registry
-        from components.model_store import registered
+        from fastfill.components.platform import registry
+        from fastfill.components.model_store import registered
 
         require_services(config)  # the model comes from the registry
         registry.setup(config.mlflow)
@@ -257,11 +257,11 @@ def _answer_search(schema: str, found: dict) -> None:
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
                    images: Path | None, k: int) -> None:
     """`search --merge`: the shadow index's answer (components/gallery/search/dual.py)."""
-    from components.gallery.search.dual import DualSearch
-    from flows.ingest import _load_array
+    from fastfill.components.gallery.search.dual import DualSearch
+    from fastfill.flows.ingest import _load_array
 
     def run_search():
-        from tasks.gallery_store import open_gallery
+        from fastfill.tasks.gallery_store import open_gallery
 
         searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k)
         if merge == "online" and features is not None:
@@ -273,8 +273,8 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
             new = _load_array(features, "--features")
             old = _load_array(old_features, "--old-features") if old_features is not None else new
             return searcher, searcher.search(old, new if searcher.mid_upgrade else None, k)
-        from components.platform import registry
-        from components.model_store import registered
+        from fastfill.components.platform import registry
+        from fastfill.components.model_store import registered
 
         require_services(config)  # the models come from the registry
         registry.setup(config.mlflow)

@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from cli import app, json_output
-from cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
-from cli.json_output import JsonOption, answer, answers_json
+from fastfill.cli import app, json_output
+from fastfill.cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
+from fastfill.cli.json_output import JsonOption, answer, answers_json
 
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="The registry's embedding models: register a team's own, list, show.")
@@ -66,9 +66,9 @@ def model_register(
     The version is an MLflow model holding the weights or graph and the preprocessing, never
     pickled code, with the loader and its requirements: mlflow.pyfunc.load_model and mlflow
     models serve run it, also where this product is not installed."""
-    from components.model_store import catalogue, sources
-    from components.model_store.embedders import ModelSourceError
-    from components.platform import registry
+    from fastfill.components.model_store import catalogue, sources
+    from fastfill.components.model_store.embedders import ModelSourceError
+    from fastfill.components.platform import registry
 
     given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
              if value is not None]
@@ -126,7 +126,7 @@ def model_register(
 def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
                as_json: JsonOption = False,
                params: ParamsOption = Path("params.yaml")) -> None:
-    from components.platform import registry
+    from fastfill.components.platform import registry
 
     config = load(params)
     _quiet_mlflow()
@@ -147,8 +147,8 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
 def _summaries(client, name: str):
     from mlflow.exceptions import MlflowException
 
-    from components.model_store import catalogue
-    from components.platform.registry import RegistryError
+    from fastfill.components.model_store import catalogue
+    from fastfill.components.platform.registry import RegistryError
 
     try:
         client.get_registered_model(name)
@@ -167,8 +167,8 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
                params: ParamsOption = Path("params.yaml")) -> None:
     """Print one version as JSON: name, version, aliases, its description (source, embedding
     size, preprocessing, head) and the MLflow signature."""
-    from components.model_store import registered
-    from components.platform import registry
+    from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
 
     config = load(params)
     _quiet_mlflow()

@@ -10,12 +10,12 @@ from typing import Annotated
 
 import typer
 
-from cli import app, command_support
-from cli.command_support import (
+from fastfill.cli import app, command_support
+from fastfill.cli.command_support import (
     INPUT, SERVICE, USAGE, ParamsOption, ServiceUnavailable, StoreOption, call, check_prefect_api, fail, load,
     store_uri,
 )
-from cli.json_output import JsonOption, answer, answers_json, webhook_fields
+from fastfill.cli.json_output import JsonOption, answer, answers_json, webhook_fields
 
 webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook", short_help="MLflow webhooks: serve, register, list, delete.")
@@ -42,10 +42,10 @@ def serve(store: StoreOption = None, params: ParamsOption = Path("params.yaml"))
     a work pool are left to that pool's workers."""
     config = load(params)
     _need_prefect_server()
-    from flows.deployments import deployments
-    from services.deployment_runner import serve_until_stopped
-    from services.registry_watcher import RegistryWatcher
-    from services.work_pools import on_work_pools
+    from fastfill.flows.deployments import deployments
+    from fastfill.services.deployment_runner import serve_until_stopped
+    from fastfill.services.registry_watcher import RegistryWatcher
+    from fastfill.services.work_pools import on_work_pools
 
     uri = store_uri(config, store)
     found = deployments(config, params_file(params), uri)
@@ -166,8 +166,8 @@ def deploy(pool: PoolOption,
     if not PREFECT_API_URL.value():
         fail("fastfill deploy needs PREFECT_API_URL: the Prefect server that the workers poll (without it the "
              "deployments would go to a temporary server that ends with this command)", USAGE)
-    from cli.command_support import check_prefect_api
-    from services.work_pools import Placement, deploy_to_pools, worker_folder
+    from fastfill.cli.command_support import check_prefect_api
+    from fastfill.services.work_pools import Placement, deploy_to_pools, worker_folder
 
     placement = Placement(pool, gpu_pool, _job_variables(job_variables, "--job-variables"),
                           _job_variables(gpu_job_variables, "--gpu-job-variables"))
@@ -196,8 +196,8 @@ def watch(store: StoreOption = None, params: ParamsOption = Path("params.yaml"),
     """Check the registry once: start the upgrade deployment when 'challenger' is new to the
     gallery. A plain check: no flow run is created when there is nothing to start."""
     config = load(params)
-    from flows.deployments import watch_once
-    from services.registry_watcher import RegistryWatcher
+    from fastfill.flows.deployments import watch_once
+    from fastfill.services.registry_watcher import RegistryWatcher
 
     uri = store_uri(config, store)
     _stop_on_sigterm()  # a check blocked on a registry or Prefect server that is gone is interrupted too
@@ -238,7 +238,7 @@ def webhook_serve(store: StoreOption = None, params: ParamsOption = Path("params
                                                            help="default triggers.webhook_port")] = None) -> None:
     """Receive MLflow registry webhooks; a signed alias event for 'challenger' starts the upgrade."""
     config = load(params)
-    from services.webhook_receiver import WebhookReceiver, webhook_secret
+    from fastfill.services.webhook_receiver import WebhookReceiver, webhook_secret
 
     try:
         secret = webhook_secret(config)
@@ -291,7 +291,7 @@ def _refused_as_input(write, *args, **kwargs):
     change (MLflow accepts only https URLs, and no private address, unless its server allows them)."""
     from mlflow.exceptions import MlflowException
 
-    from components.platform.registry import RegistryError
+    from fastfill.components.platform.registry import RegistryError
 
     try:
         return write(*args, **kwargs)
@@ -310,8 +310,8 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
     Idempotent: a webhook of the same name is updated in place (URL, events, secret), never
     registered twice."""
     config = load(params)
-    from components.platform import registry
-    from services.webhook_receiver import webhook_secret
+    from fastfill.components.platform import registry
+    from fastfill.services.webhook_receiver import webhook_secret
 
     try:
         secret = webhook_secret(config)
@@ -343,7 +343,7 @@ def webhook_register(url: Annotated[str, typer.Option(help="where the receiver l
 def webhook_list(params: ParamsOption = Path("params.yaml"), as_json: JsonOption = False) -> None:
     """The webhooks registered with the MLflow server: id, name, status, events and URL."""
     config = load(params)
-    from components.platform import registry
+    from fastfill.components.platform import registry
 
     client, _ = registry.setup(config.mlflow)
     hooks = call(registered_webhooks, client)
@@ -364,7 +364,7 @@ def webhook_delete(params: ParamsOption = Path("params.yaml"), name: WebhookName
                    ) -> None:
     """Delete the webhook of that name (or id) from the MLflow server."""
     config = load(params)
-    from components.platform import registry
+    from fastfill.components.platform import registry
 
     client, _ = registry.setup(config.mlflow)
     hooks = call(registered_webhooks, client)

@@ -9,13 +9,13 @@ from typing import Annotated
 
 import typer
 
-from cli import app, json_output
-from cli.command_support import (
+from fastfill.cli import app, json_output
+from fastfill.cli.command_support import (
     REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
 )
-from cli.gallery_commands import run_undo, show_status
-from cli.json_output import JsonOption, answer, answers_json
-from cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
+from fastfill.cli.gallery_commands import run_undo, show_status
+from fastfill.cli.json_output import JsonOption, answer, answers_json
+from fastfill.cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 
 upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
                                "or see its state (fastfill upgrade status).")
@@ -48,8 +48,8 @@ def upgrade_overrides(given: dict) -> dict:
 def _with_upgrade(config, overrides: dict):
     """params with the command's gallery.upgrade options applied, checked as params.yaml is
     (one line per bad value, naming its key and the option that set it)."""
-    from components.platform.config import ConfigError
-    from flows.parameters import apply_overrides
+    from fastfill.components.platform.config import ConfigError
+    from fastfill.flows.parameters import apply_overrides
 
     try:
         return apply_overrides(config, overrides, "the command's options")
@@ -135,7 +135,7 @@ def _describe_dry_run(plan: dict) -> str:
     ]
     advice = plan.get("advice") or {}
     if "top1" in advice:
-        from components.gallery.advice.advisor import describe
+        from fastfill.components.gallery.advice.advisor import describe
 
         lines += ["  " + line for line in describe(advice)]
     elif advice.get("note"):
@@ -205,14 +205,14 @@ def upgrade(ctx: typer.Context,
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
-    from components.platform.progress import forced_mode
+    from fastfill.components.platform.progress import forced_mode
 
     target = _parse_target(target_top1)
     if target is not None and not dry_run:
         fail("--target-top1 goes with --dry-run: it compares the ways to a target before anything is written", USAGE)
     uri = store_uri(config, store)
     need_services(config)  # MLflow and Prefect answer, or one line and exit 5 before any flow (and before torch loads)
-    from flows.upgrade import run_upgrade_file
+    from fastfill.flows.upgrade import run_upgrade_file
 
     if dry_run:
         with forced_mode(progress_mode(progress)):
@@ -275,9 +275,9 @@ def upgrade_unlock(store: StoreOption = None, as_json: JsonOption = False,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Break a stale upgrade lock (its process is gone); the next 'fastfill upgrade' resumes."""
     config = load(params)
-    from components.gallery.store.lock import break_lock
+    from fastfill.components.gallery.store.lock import break_lock
 
-    from tasks.gallery_store import open_gallery
+    from fastfill.tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
     held = call(lambda: break_lock(open_gallery(uri).store))
@@ -295,7 +295,7 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    from components.gallery.upgrade.reversal import abortable
+    from fastfill.components.gallery.upgrade.reversal import abortable
 
     uri, record = run_undo("abort_flow", store, params, abortable)
     if as_json:
@@ -309,9 +309,9 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
 def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> dict:
     """What ``fastfill upgrade --dry-run`` reports (``components.gallery.advice.estimate.dry_run_upgrade``),
     writing nothing."""
-    from components.gallery.advice.estimate import dry_run_upgrade
-    from components.platform import registry
-    from tasks.gallery_store import open_gallery
+    from fastfill.components.gallery.advice.estimate import dry_run_upgrade
+    from fastfill.components.platform import registry
+    from fastfill.tasks.gallery_store import open_gallery
 
     gallery = open_gallery(store_uri, params.gallery.s3)
     return dry_run_upgrade(params, gallery, registry.setup(params.mlflow)[0], to_uri, target_top1)

@@ -10,7 +10,7 @@ import sys
 def progress_wanted(progress: bool | None, stream=None) -> bool:
     """``--progress`` / ``--no-progress``; neither: FASTFILL_PROGRESS when it says ``bar`` (on),
     ``log`` or ``off`` (off), else on when stderr (``stream``) is a terminal."""
-    from components.platform.progress import resolve_mode
+    from fastfill.components.platform.progress import resolve_mode
 
     stream = sys.stderr if stream is None else stream
     return resolve_mode(None, stream) == "bar" if progress is None else progress
@@ -56,7 +56,7 @@ class ProgressBar:
             self._thread.join(timeout=5)
 
     def _show(self, label: str, total: int, done: int) -> None:
-        from components.platform.progress import progress
+        from fastfill.components.platform.progress import progress
 
         with self._lock:
             if self.bar is None:
@@ -76,10 +76,10 @@ class ProgressBar:
         self._show(label, result["items"], result["items_done"])
 
     def _run(self) -> None:
-        from components.gallery.upgrade.status import gallery_status
+        from fastfill.components.gallery.upgrade.status import gallery_status
 
         try:
-            from tasks.gallery_store import open_gallery
+            from fastfill.tasks.gallery_store import open_gallery
 
             gallery = open_gallery(self.uri)
             while not self._stop.wait(self.interval):

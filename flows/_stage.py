@@ -7,11 +7,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from components.platform.config import Params
-from components.experiment.data import SPLITS
-from components.platform.layout import Layout, read_json
-from components.platform.runtime import cpu_kernels_level, kernels_in_effect, use_threads
-from tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
+from fastfill.components.platform.config import Params
+from fastfill.components.experiment.data import SPLITS
+from fastfill.components.platform.layout import Layout, read_json
+from fastfill.components.platform.runtime import cpu_kernels_level, kernels_in_effect, use_threads
+from fastfill.tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
 
 
 def split_files(layout: Layout) -> list[Path]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params
-from components.platform.layout import Layout, write_json
-from components.experiment.map_check import check_metrics, check_tags
-from flows._stage import registered_version, stage_run
-from tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
-from tasks.tracking import log_results, register_alignment
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout, write_json
+from fastfill.components.experiment.map_check import check_metrics, check_tags
+from fastfill.flows._stage import registered_version, stage_run
+from fastfill.tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
+from fastfill.tasks.tracking import log_results, register_alignment
 
 
 @flow(name="train-alignment", log_prints=True)

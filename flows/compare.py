@@ -29,17 +29,17 @@ import yaml
 
 from prefect import flow
 
-from components.evaluation.comparison import (
+from fastfill.components.evaluation.comparison import (
     COSTS, comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, method_cost,
     plot_comparison, summarize,
 )
-from components.platform.config import Params, adapter_method, dual_method, online_method
-from components.platform.layout import Layout, read_json, write_json
-from flows.comparison_progress import comparison_progress
-from flows.pipeline import pipeline_flow
-from flows.prepare import prepare_flow
-from tasks._policy import log
-from tasks.tracking import close_run, log_results, open_named_run
+from fastfill.components.platform.config import Params, adapter_method, dual_method, online_method
+from fastfill.components.platform.layout import Layout, read_json, write_json
+from fastfill.flows.comparison_progress import comparison_progress
+from fastfill.flows.pipeline import pipeline_flow
+from fastfill.flows.prepare import prepare_flow
+from fastfill.tasks._policy import log
+from fastfill.tasks.tracking import close_run, log_results, open_named_run
 
 
 def comparison_outputs(params: Params) -> dict[str, Path]:

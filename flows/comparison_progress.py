@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from components.platform.config import Params
-from components.platform.layout import Layout
-from components.platform.progress import Progress, following, progress
-from tasks._policy import log
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout
+from fastfill.components.platform.progress import Progress, following, progress
+from fastfill.tasks._policy import log
 
 # a file's time comes from the kernel's coarse clock, up to a few milliseconds behind time.time()
 CLOCK_SLACK_SECONDS = 1.0

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params, needs_train
-from components.experiment.data import load_meta
-from components.platform.layout import Layout, write_json
-from flows._stage import registered_version, stage_run
-from tasks.compatible_training import embed_compatible, save_compatible, train_compatible
-from tasks.tracking import log_results, register_embedder
+from fastfill.components.platform.config import Params, needs_train
+from fastfill.components.experiment.data import load_meta
+from fastfill.components.platform.layout import Layout, write_json
+from fastfill.flows._stage import registered_version, stage_run
+from fastfill.tasks.compatible_training import embed_compatible, save_compatible, train_compatible
+from fastfill.tasks.tracking import log_results, register_embedder
 
 
 @flow(name="train-compatible", log_prints=True)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params, adapter_method
-from components.platform.layout import Layout, read_json
-from components.evaluation.reports import flatten_numbers
-from flows._stage import stage_run
-from tasks.method_curves import (
+from fastfill.components.platform.config import Params, adapter_method
+from fastfill.components.platform.layout import Layout, read_json
+from fastfill.components.evaluation.reports import flatten_numbers
+from fastfill.flows._stage import stage_run
+from fastfill.tasks.method_curves import (
     evaluate_adapter, evaluate_dual, evaluate_method, evaluate_online, evaluate_reference, write_reports,
 )
-from tasks.tracking import log_results
+from fastfill.tasks.tracking import log_results
 
 
 @flow(name="evaluate", log_prints=True)

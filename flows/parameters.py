@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.platform.config import ConfigError, Params, load_params, parse_params
+from fastfill.components.platform.config import ConfigError, Params, load_params, parse_params
 
 
 def apply_overrides(params: Params, overrides: dict[str, Any] | None, source: str = "the overrides") -> Params:

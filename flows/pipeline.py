@@ -9,16 +9,16 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.platform.config import Params, needs_train
-from components.platform.layout import write_json
-from components.evaluation.reports import flatten_numbers
-from components.evaluation.seed_report import seeds_markdown, summarize_seeds
-from flows.align import align_flow
-from flows.compatible import compatible_flow
-from flows.evaluate import evaluate_flow
-from flows.prepare import prepare_flow
-from flows.train import train_flow
-from tasks.tracking import close_run, log_results, open_pipeline_run
+from fastfill.components.platform.config import Params, needs_train
+from fastfill.components.platform.layout import write_json
+from fastfill.components.evaluation.reports import flatten_numbers
+from fastfill.components.evaluation.seed_report import seeds_markdown, summarize_seeds
+from fastfill.flows.align import align_flow
+from fastfill.flows.compatible import compatible_flow
+from fastfill.flows.evaluate import evaluate_flow
+from fastfill.flows.prepare import prepare_flow
+from fastfill.flows.train import train_flow
+from fastfill.tasks.tracking import close_run, log_results, open_pipeline_run
 
 
 @flow(name="fastfill-pipeline", log_prints=True)

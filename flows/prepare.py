@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.platform.config import Params
-from components.platform.layout import Layout
-from flows._stage import stage_run
-from tasks.splits import read_dataset, write_splits
-from tasks.tracking import log_results
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout
+from fastfill.flows._stage import stage_run
+from fastfill.tasks.splits import read_dataset, write_splits
+from fastfill.tasks.tracking import log_results
 
 
 @flow(name="prepare-data", log_prints=True)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.platform.config import Params
-from components.platform.layout import Layout, read_json, write_json
-from components.evaluation.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
-from flows.pipeline import pipeline_flow
-from flows.prepare import prepare_flow
-from tasks._policy import log
-from tasks.tracking import close_run, log_results, open_named_run
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout, read_json, write_json
+from fastfill.components.evaluation.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
+from fastfill.flows.pipeline import pipeline_flow
+from fastfill.flows.prepare import prepare_flow
+from fastfill.tasks._policy import log
+from fastfill.tasks.tracking import close_run, log_results, open_named_run
 
 
 def sized(params: Params, size: int | None, out: Path) -> Params:

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from prefect import flow
 
-from components.gallery.upgrade import planning, reversal
-from components.gallery.layouts.catalog import Gallery, GalleryError, check_registry
-from components.gallery.triggers.claims import claim
-from components.gallery.store.lock import acquire_lock
-from components.platform import registry
-from components.platform.config import Params
-from components.platform.registry import ModelRef
-from flows.parameters import resolve_params, run_parameters, store_of
-from tasks._policy import log
-from tasks.gallery_store import open_gallery
-from components.gallery.store.lock import LeaseLost, UpgradeLocked
+from fastfill.components.gallery.upgrade import planning, reversal
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, check_registry
+from fastfill.components.gallery.triggers.claims import claim
+from fastfill.components.gallery.store.lock import acquire_lock
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.registry import ModelRef
+from fastfill.flows.parameters import resolve_params, run_parameters, store_of
+from fastfill.tasks._policy import log
+from fastfill.tasks.gallery_store import open_gallery
+from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
 
 
 def take_undo_lock(store, holder: str, doing: str, params: Params):

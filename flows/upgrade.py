@@ -14,28 +14,28 @@ from typing import Any
 from prefect import flow
 from prefect.futures import as_completed
 
-from components.gallery.advice import advisor
+from fastfill.components.gallery.advice import advisor
 
-from components.gallery.upgrade import backfill, ending, planning, reversal, samples
+from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal, samples
 
-from components.gallery.inputs import judgments
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.upgrade.outcome import Advice, UpgradeResult, backfilled
-from components.gallery.upgrade.decider import ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView, UpgradeDecider, up_to_date
-from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit, failure_limit
-from components.gallery.store.lock import acquire_lock
-from components.gallery.upgrade.measure import meter_for
-from components.platform import registry
-from components.platform.config import Params
-from components.platform.progress import progress, resolve_mode
-from components.platform.registry import CHAMPION, ModelRef
-from components.platform.vocabulary import UPGRADE_FLOW
-from flows.parameters import resolve_params, run_parameters, store_of
-from flows.upgrade_planning import plan_upgrade
-from tasks._policy import log
-from tasks.embedding import load_model
-from tasks.gallery_store import backfill_chunk, evaluate_gate, finish_upgrade, open_gallery, reject_upgrade
-from tasks.upgrade_tracking import UpgradeProgress, follow_decision, log_gate, log_prediction
+from fastfill.components.gallery.inputs import judgments
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.upgrade.outcome import Advice, UpgradeResult, backfilled
+from fastfill.components.gallery.upgrade.decider import ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView, UpgradeDecider, up_to_date
+from fastfill.components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit, failure_limit
+from fastfill.components.gallery.store.lock import acquire_lock
+from fastfill.components.gallery.upgrade.measure import meter_for
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.progress import progress, resolve_mode
+from fastfill.components.platform.registry import CHAMPION, ModelRef
+from fastfill.components.platform.vocabulary import UPGRADE_FLOW
+from fastfill.flows.parameters import resolve_params, run_parameters, store_of
+from fastfill.flows.upgrade_planning import plan_upgrade
+from fastfill.tasks._policy import log
+from fastfill.tasks.embedding import load_model
+from fastfill.tasks.gallery_store import backfill_chunk, evaluate_gate, finish_upgrade, open_gallery, reject_upgrade
+from fastfill.tasks.upgrade_tracking import UpgradeProgress, follow_decision, log_gate, log_prediction
 
 
 def _upgrade_run_name() -> str:

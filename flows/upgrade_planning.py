@@ -8,22 +8,22 @@ from __future__ import annotations
 import numpy as np
 from prefect.futures import as_completed, wait
 
-from components.gallery.upgrade import backfill, planning, samples, usage
+from fastfill.components.gallery.upgrade import backfill, planning, samples, usage
 
-from components.gallery.inputs import judgments
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.upgrade.decider import Course
-from components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
-from components.gallery.store import StoreError
-from components.platform.config import Params
-from components.platform.layout import Layout
-from components.platform.progress import progress
-from components.platform.registry import ModelRef
-from tasks._policy import log
-from tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
-from tasks.gallery_store import transform_part, write_sources
-from tasks.upgrade_map import choose_upgrade_map, fit_reverse_transformation
-from tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
+from fastfill.components.gallery.inputs import judgments
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.upgrade.decider import Course
+from fastfill.components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
+from fastfill.components.gallery.store import StoreError
+from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout
+from fastfill.components.platform.progress import progress
+from fastfill.components.platform.registry import ModelRef
+from fastfill.tasks._policy import log
+from fastfill.tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
+from fastfill.tasks.gallery_store import transform_part, write_sources
+from fastfill.tasks.upgrade_map import choose_upgrade_map, fit_reverse_transformation
+from fastfill.tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
 
 
 def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, course: Course, new: ModelRef,

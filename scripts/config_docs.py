@@ -72,7 +72,7 @@ def _yaml_comments() -> dict[str, str]:
 
 def _section_model(annotation):
     """The Section class inside ``annotation`` (itself, dict[str, X] or X | None), else None."""
-    from components.platform.config import Section
+    from fastfill.components.platform.config import Section
 
     if isinstance(annotation, type) and issubclass(annotation, Section):
         return annotation
@@ -104,7 +104,7 @@ def _default(field) -> str:
 
 
 def render() -> str:
-    from components.platform.config import Params
+    from fastfill.components.platform.config import Params
 
     lines = [HEADER]
     comments = _yaml_comments()

@@ -44,9 +44,9 @@ def grid_points(settings: list[str]) -> list[dict]:
 def measure(model, old_model, split, *, distance: str, curve_points: int, seed: int) -> dict:
     import torch
 
-    from components.evaluation.assessment import MethodOutputs, method_curves
-    from components.experiment.compatibility import old_items_beside_new_features
-    from components.experiment.inference import embed
+    from fastfill.components.evaluation.assessment import MethodOutputs, method_curves
+    from fastfill.components.experiment.compatibility import old_items_beside_new_features
+    from fastfill.components.experiment.inference import embed
 
     features = embed(model, split.images)
     old = old_items_beside_new_features(torch.from_numpy(embed(old_model, split.images)), features.shape[1])
@@ -58,14 +58,14 @@ def measure(model, old_model, split, *, distance: str, curve_points: int, seed: 
 
 
 def main(argv=None) -> int:
-    from components.experiment.basis_transformation import fold_basis_transformation
-    from components.experiment.compatibility import fix_simplex_classifier
-    from components.experiment.data import Split, load_meta, load_split
-    from components.experiment.models import load_embedder
-    from components.experiment.training import train_embedder
-    from components.platform.config import CompatibleConfig, load_params
-    from components.platform.layout import Layout
-    from tasks.compatible_training import compatibility_term
+    from fastfill.components.experiment.basis_transformation import fold_basis_transformation
+    from fastfill.components.experiment.compatibility import fix_simplex_classifier
+    from fastfill.components.experiment.data import Split, load_meta, load_split
+    from fastfill.components.experiment.models import load_embedder
+    from fastfill.components.experiment.training import train_embedder
+    from fastfill.components.platform.config import CompatibleConfig, load_params
+    from fastfill.components.platform.layout import Layout
+    from fastfill.tasks.compatible_training import compatibility_term
     from tune_ract import held_out
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -33,12 +33,12 @@ SCORES = ("top1_auc", "map_auc", "top1_0", "map_0", "score", "seconds")
 def main(argv=None) -> int:
     import torch
 
-    from components.evaluation.assessment import MethodOutputs, method_curves
-    from components.experiment.data import load_split
-    from components.experiment.map_training import train_alignment
-    from components.experiment.models import load_embedder
-    from components.platform.config import AlignConfig, load_params
-    from components.platform.layout import Layout, load_array
+    from fastfill.components.evaluation.assessment import MethodOutputs, method_curves
+    from fastfill.components.experiment.data import load_split
+    from fastfill.components.experiment.map_training import train_alignment
+    from fastfill.components.experiment.models import load_embedder
+    from fastfill.components.platform.config import AlignConfig, load_params
+    from fastfill.components.platform.layout import Layout, load_array
     from tune_compatible import grid_points
     from tune_ract import held_out
 

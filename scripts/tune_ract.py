@@ -54,9 +54,9 @@ def _command(grid: list[dict], test: bool) -> str:
 def measure(model, old_model, split, *, distance: str, curve_points: int, seed: int) -> dict:
     import torch
 
-    from components.evaluation.assessment import MethodOutputs, method_curves
-    from components.experiment.inference import embed
-    from components.experiment.losses import match_dimension
+    from fastfill.components.evaluation.assessment import MethodOutputs, method_curves
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.experiment.losses import match_dimension
 
     features = embed(model, split.images)
     old = match_dimension(torch.from_numpy(embed(old_model, split.images)), features.shape[1])
@@ -71,12 +71,12 @@ def measure(model, old_model, split, *, distance: str, curve_points: int, seed: 
 
 
 def main(argv=None) -> int:
-    from components.experiment.compatibility import RACTCompatibility
-    from components.experiment.data import Split, load_meta, load_split
-    from components.experiment.models import load_embedder
-    from components.experiment.training import train_embedder
-    from components.platform.config import load_params
-    from components.platform.layout import Layout
+    from fastfill.components.experiment.compatibility import RACTCompatibility
+    from fastfill.components.experiment.data import Split, load_meta, load_split
+    from fastfill.components.experiment.models import load_embedder
+    from fastfill.components.experiment.training import train_embedder
+    from fastfill.components.platform.config import load_params
+    from fastfill.components.platform.layout import Layout
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))

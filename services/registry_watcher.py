@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import threading
 
-from components.platform.config import Params
-from flows.deployments import POLL_DEPLOYMENT, watch_once
+from fastfill.components.platform.config import Params
+from fastfill.flows.deployments import POLL_DEPLOYMENT, watch_once
 
 
 class RegistryWatcher:

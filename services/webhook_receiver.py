@@ -25,11 +25,11 @@ import time
 
 import uvicorn
 
-from components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
-from components.platform import registry
-from components.platform.config import Params
-from flows.deployments import DeploymentMissing, start_upgrade
-from tasks._policy import log
+from fastfill.components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import Params
+from fastfill.flows.deployments import DeploymentMissing, start_upgrade
+from fastfill.tasks._policy import log
 
 STOP_GRACE_SECONDS = 3.0  # what a request in flight still gets once the receiver is told to stop
 POLL_SECONDS = 0.1  # how often a waiting request looks whether the receiver is stopping

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.platform.config import Params
-from flows.deployments import UPGRADE_DEPLOYMENT, deployments
+from fastfill.components.platform.config import Params
+from fastfill.flows.deployments import UPGRADE_DEPLOYMENT, deployments
 
 # what trains models: on the GPU pool when there is one (a task's `gpu` tag routes nothing)
 GPU_DEPLOYMENTS = (UPGRADE_DEPLOYMENT, "comparison/weekly")

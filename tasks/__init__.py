@@ -1,5 +1,5 @@
 """Prefect task wrappers over components: retries, tags and caching are declared here."""
 
-from components.platform.runtime import apply_defaults
+from fastfill.components.platform.runtime import apply_defaults
 
 apply_defaults()

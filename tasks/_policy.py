@@ -5,9 +5,9 @@ for caching (DVC decides what re-runs, not Prefect's cache).
 """
 
 from prefect.cache_policies import NO_CACHE
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.store import DamagedObject
-from components.gallery.store.lock import UpgradeLocked
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.store import DamagedObject
+from fastfill.components.gallery.store.lock import UpgradeLocked
 
 def _worth_retrying(task, task_run, state) -> bool:
     """Retry a task that failed on I/O, not one whose upgrade lost its lock (another process

@@ -9,19 +9,19 @@ import numpy as np
 import torch
 from prefect import task
 
-from components.experiment.basis_transformation import fold_basis_transformation
-from components.experiment.compatibility import (
+from fastfill.components.experiment.basis_transformation import fold_basis_transformation
+from fastfill.components.experiment.compatibility import (
     BCTInfluence, BT2Compatibility, RACTCompatibility, StationaryCompatibility, fix_simplex_classifier,
     old_class_means, old_items_beside_new_features,
 )
-from components.platform.config import CompatibleConfig, TrainConfig
-from components.experiment.data import load_meta, load_split
-from components.platform.layout import Layout, load_array, save_array
-from components.experiment.models import load_embedder
-from components.experiment.inference import embed, pick_device
-from components.experiment.training import TrainingRun, train_embedder
-from tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
-from tasks.model_training import store_trained
+from fastfill.components.platform.config import CompatibleConfig, TrainConfig
+from fastfill.components.experiment.data import load_meta, load_split
+from fastfill.components.platform.layout import Layout, load_array, save_array
+from fastfill.components.experiment.models import load_embedder
+from fastfill.components.experiment.inference import embed, pick_device
+from fastfill.components.experiment.training import TrainingRun, train_embedder
+from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
+from fastfill.tasks.model_training import store_trained
 
 
 def compatibility_term(config: CompatibleConfig, old_model, split, reference_new=None):

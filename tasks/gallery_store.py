@@ -8,16 +8,16 @@ import functools
 import numpy as np
 from prefect import task
 
-from components.gallery.upgrade import backfill, ending, planning
+from fastfill.components.gallery.upgrade import backfill, ending, planning
 
-from components.gallery.layouts import catalog
-from components.gallery.layouts.catalog import Gallery
-from components.gallery.upgrade.planning import Plan
-from components.gallery.store import Store, configure_s3, open_store
-from components.model_store import registered
-from components.platform.registry import ModelRef
-from tasks._policy import IO_RETRIES, NO_CACHING, log
-from components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.layouts import catalog
+from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.upgrade.planning import Plan
+from fastfill.components.gallery.store import Store, configure_s3, open_store
+from fastfill.components.model_store import registered
+from fastfill.components.platform.registry import ModelRef
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 
 
 @functools.lru_cache(maxsize=16)
@@ -75,8 +75,8 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     """The promotion gate's numbers (components.gallery.gate.promotion): the judged queries against
     the whole gallery along the backfill's order when there are any, else the evaluation sample."""
-    from components.gallery.inputs.judgments import measure_judged_gate, stored_judged  # late: keeps the CLI's and the services' start-up light
-    from components.gallery.gate.promotion import measure_gate  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.inputs.judgments import measure_judged_gate, stored_judged  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.gate.promotion import measure_gate  # late: keeps the CLI's and the services' start-up light
 
     gallery = gallery_at(store_at(store_uri))
     store = gallery.store

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from prefect import task
 
-from components.platform.config import PrepareConfig
-from components.experiment.data import load_raw_dataset, make_splits, save_splits
-from tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.components.platform.config import PrepareConfig
+from fastfill.components.experiment.data import load_raw_dataset, make_splits, save_splits
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 
 
 @task(name="read-dataset", **IO_RETRIES, **NO_CACHING)

@@ -11,7 +11,7 @@ system.
 
 Prefect builds the server's command line itself (``SubprocessASGIServer``); the tether replaces
 the ``subprocess`` module that Prefect's server module sees with one whose ``Popen`` runs that
-command line through this module (``python -m tasks.temporary_server FD uvicorn-args...``).
+command line through this module (``python -m fastfill.tasks.temporary_server FD uvicorn-args...``).
 Every other name is the real module's. Where Prefect's server module changes shape, nothing is
 replaced and the server runs as before.
 
@@ -46,7 +46,7 @@ class _TetheredSubprocess:
             read_end, write_end = os.pipe()  # both non-inheritable: only pass_fds hands one over
             _HELD.append(write_end)
             try:
-                return subprocess.Popen([sys.executable, "-m", "tasks.temporary_server", str(read_end),
+                return subprocess.Popen([sys.executable, "-m", "fastfill.tasks.temporary_server", str(read_end),
                                          *args[3:]], pass_fds=(read_end,), **options)
             finally:
                 os.close(read_end)

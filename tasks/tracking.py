@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from components.platform import registry
-from components.model_store import registered
-from components.platform.config import MlflowConfig, Params
-from tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.components.platform import registry
+from fastfill.components.model_store import registered
+from fastfill.components.platform.config import MlflowConfig, Params
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 
 
 def _client(config: MlflowConfig):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from prefect import task
 
-from components.gallery.upgrade.lifecycle import done_prefix
-from components.gallery.upgrade.planning import Plan
-from components.platform import registry
-from tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.components.gallery.upgrade.lifecycle import done_prefix
+from fastfill.components.gallery.upgrade.planning import Plan
+from fastfill.components.platform import registry
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 
 
 @task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)

@@ -4,7 +4,7 @@ with ``-m`` as well as by folder, and keeps every test not marked ``gpu`` on the
 # The tests compute as the product does: every library's CPU kernels pinned (compute.cpu_kernels'
 # default) before any test loads numpy or torch, so that one process never mixes kernels loaded
 # before the pin with kernels loaded after it (an exact comparison of two embeddings would see it).
-from components.platform.runtime import DEFAULT_CPU_KERNELS, pin_cpu_kernels
+from fastfill.components.platform.runtime import DEFAULT_CPU_KERNELS, pin_cpu_kernels
 
 pin_cpu_kernels(DEFAULT_CPU_KERNELS)
 

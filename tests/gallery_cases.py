@@ -14,21 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from components.platform.config import TrainConfig
-from components.gallery.store import lock as locking
-from components.gallery.upgrade import backfill, ending, garbage, planning
-from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import IMAGE_CACHE
-from components.gallery.inputs.adopt import adopt
-from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, ingest
-from components.gallery.layouts.opening import gallery_at, layout_of
-from components.platform.registry import ModelRef
-from components.gallery.search.index import GallerySearch
-from components.gallery.store import (
+from fastfill.components.platform.config import TrainConfig
+from fastfill.components.gallery.store import lock as locking
+from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
+from fastfill.components.gallery.inputs.adopt import adopt
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, ingest
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.platform.registry import ModelRef
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import (
     AlreadyExists, ChecksumMismatch, LocalStore, ObjectMissing, open_store,
 )
-from components.experiment.models import AlignmentMap, Embedder
-from components.experiment.inference import apply_alignment, embed
+from fastfill.components.experiment.models import AlignmentMap, Embedder
+from fastfill.components.experiment.inference import apply_alignment, embed
 
 N, OLD_DIM, NEW_DIM = 53, 8, 12
 
@@ -232,7 +232,7 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
     """A damaged image part (parts: an object whose bytes do not match its checksum, then a
     missing one; the table: a truncated data file) fails the chunk that reads it, naming it,
     and writes no marker."""
-    from components.gallery.store import DamagedObject
+    from fastfill.components.gallery.store import DamagedObject
 
     _, new, h = models
     gallery = _gallery(store_uri, models, data, layout=layout)
@@ -261,7 +261,7 @@ def features_altered_in_the_table_are_refused_naming_the_item_and_file(store_uri
     """The table keeps no checksum of its own: a float changed inside a data file reads back as
     another number. The digest per row finds it, naming the position and the data file, on
     every read of those features (a part, scattered rows, all of them)."""
-    from components.gallery.store import DamagedObject
+    from fastfill.components.gallery.store import DamagedObject
 
     _, new, h = models
     gallery = _gallery(store_uri, models, data, layout=layout)
@@ -287,9 +287,9 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
     """A features part written whole (its checksum matching) with fewer rows than its part's
     items: every reader refuses it in one error naming the object, the map sample's reader of
     scattered rows included, and the tasks' retry policy does not read it again."""
-    from components.gallery.layouts.catalog import features_key, rows_at
-    from components.gallery.store import DamagedObject
-    from tasks._policy import _worth_retrying
+    from fastfill.components.gallery.layouts.catalog import features_key, rows_at
+    from fastfill.components.gallery.store import DamagedObject
+    from fastfill.tasks._policy import _worth_retrying
 
     gallery = _gallery(store_uri, models, data, layout=layout)
     key = features_key(OLD, 3)
@@ -309,7 +309,7 @@ def a_features_part_short_of_rows_is_refused_naming_it_and_not_retried(store_uri
 def a_transformed_part_short_of_rows_is_refused_naming_it(store_uri, models, data, layout=None):
     """An upgrade's transformed part (an object beside the gallery on both layouts) short of
     rows: the search, the backfill's mixed features and the advisor refuse it naming it."""
-    from components.gallery.store import DamagedObject
+    from fastfill.components.gallery.store import DamagedObject
 
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, models[2])

@@ -9,7 +9,7 @@ import numpy as np
 def tiny_curves() -> tuple[dict, dict]:
     """(reference points, curves[method][order]) of a 30-item gallery in 3 classes: the inputs of
     the report writers (metrics, plot data, summaries, the plot)."""
-    from components.evaluation import backfill_curve, retrieval_metrics
+    from fastfill.components.evaluation import backfill_curve, retrieval_metrics
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, 30)
@@ -28,7 +28,7 @@ SQUARE_CLASSES = 4
 def square_images(per_class: int = 24, seed: int = 0):
     """A Split of 8x8 images in SQUARE_CLASSES classes: class c is a bright 3x3 square at a
     class-specific place, plus noise (tiny trainings that must learn something)."""
-    from components.experiment.data import Split
+    from fastfill.components.experiment.data import Split
 
     rng = np.random.default_rng(seed)
     images, labels = [], []

@@ -1,9 +1,9 @@
 """Evaluation of an embedding-model upgrade: retrieval metrics along the backfill."""
 
 # the module dual_curve keeps its name in the package (its function of one merge is not re-exported)
-from components.evaluation.dual_curve import dual_curves
+from fastfill.components.evaluation.dual_curve import dual_curves
 
-from components.evaluation.retrieval import (
+from fastfill.components.evaluation.retrieval import (
     ALPHA_POINTS_DEFAULT,
     DISTANCES,
     BackfillCurve,

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.platform.vocabulary import ORDERS
-from components.evaluation import backfill_curve, retrieval_metrics
-from components.evaluation.ordering import (
+from fastfill.components.platform.vocabulary import ORDERS
+from fastfill.components.evaluation import backfill_curve, retrieval_metrics
+from fastfill.components.evaluation.ordering import (
     descending_order, distance_order, entropy_uncertainty, kendall_tau, least_confidence, margin_uncertainty,
     oracle_order, random_order, sigma_order,
 )

@@ -44,11 +44,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from components.evaluation.retrieval import (
+from fastfill.components.evaluation.retrieval import (
     ALPHA_POINTS_DEFAULT, BackfillCurve, BlockTotals, Prepared, as_features, block_distances, check_distance,
     check_labels, check_num_intermediate, check_order, curve_alphas, curve_from_totals, over_blocks,
 )
-from components.platform.vocabulary import MERGES, ONLINE_MERGE
+from fastfill.components.platform.vocabulary import MERGES, ONLINE_MERGE
 
 __all__ = ["CURVE_MERGES", "dual_curve", "dual_curves"]
 

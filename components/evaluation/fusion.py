@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from components.platform.vocabulary import DISTANCES, MERGES
+from fastfill.components.platform.vocabulary import DISTANCES, MERGES
 
 __all__ = ["NORMS", "distance_merge", "merge_lists", "normalise_distances", "rrf_merge", "score_merge"]
 

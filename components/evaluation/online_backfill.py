@@ -19,9 +19,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from components.evaluation.dual_curve import dual_curves
-from components.evaluation.retrieval import ALPHA_POINTS_DEFAULT, BackfillCurve
-from components.platform.vocabulary import ONLINE_MERGE
+from fastfill.components.evaluation.dual_curve import dual_curves
+from fastfill.components.evaluation.retrieval import ALPHA_POINTS_DEFAULT, BackfillCurve
+from fastfill.components.platform.vocabulary import ONLINE_MERGE
 
 __all__ = ["MONOTONICITY_KEYS", "monotonicity", "online_curve"]
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.evaluation.ordering import check_permutation
-from components.platform.vocabulary import DISTANCES
+from fastfill.components.evaluation.ordering import check_permutation
+from fastfill.components.platform.vocabulary import DISTANCES
 
 __all__ = [
     "ALPHA_POINTS_DEFAULT",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from components.evaluation.seed_report import spread
+from fastfill.components.evaluation.seed_report import spread
 
 ROWS = {"fct (random)": ("fct", "random"), "fastfill (sigma)": ("fastfill", "sigma"),
         "fastfill (random)": ("fastfill", "random")}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from components.platform.vocabulary import ADAPTERS
+from fastfill.components.platform.vocabulary import ADAPTERS
 
 if TYPE_CHECKING:
     import torch
@@ -131,6 +131,8 @@ def _residual_start(x: np.ndarray, y: np.ndarray, *, rank: int, hidden: int, see
     import torch
     from torch import nn
 
+    from fastfill.components.experiment.dense import Dense  # late: torch loads only where an MLP adapter is built
+
     rows = np.random.default_rng(seed).permutation(x.shape[0])
     held = max(min_held, x.shape[0] // 10)
     val, fit = rows[:held], rows[held:]
@@ -140,7 +142,7 @@ def _residual_start(x: np.ndarray, y: np.ndarray, *, rank: int, hidden: int, see
     mean, std = x[fit].mean(0), x[fit].std(0) + 1e-6
     inputs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
     torch.manual_seed(seed)
-    mlp = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, y.shape[1]))
+    mlp = nn.Sequential(Dense(x.shape[1], hidden), nn.GELU(), Dense(hidden, y.shape[1]))
     nn.init.zeros_(mlp[-1].weight)
     nn.init.zeros_(mlp[-1].bias)
     return fit, val, affine, mean, std, inputs, mlp
@@ -158,7 +160,7 @@ def fit_residual_mlp(new, old, *, rank: int = 32, hidden: int = 256, epochs: int
     x, y = _pairs(new, old)
     fit, val, affine, mean, std, inputs, mlp = _residual_start(x, y, rank=rank, hidden=hidden, seed=seed, min_held=1)
     residual = torch.as_tensor(y - affine(x).astype(np.float64), dtype=torch.float32)
-    from components.experiment.optimizers import ExactAdam  # late: torch loads when a command needs it
+    from fastfill.components.experiment.optimizers import ExactAdam  # late: torch loads when a command needs it
     optimizer = ExactAdam(mlp.parameters(), lr=lr, weight_decay=weight_decay, decoupled=True)
     fit_t, val_t = torch.as_tensor(fit), torch.as_tensor(val)
 
@@ -331,6 +333,8 @@ def adapter_from_arrays(arrays) -> AffineAdapter | ResidualMLPAdapter:
     import torch
     from torch import nn
 
+    from fastfill.components.experiment.dense import Dense  # late: torch loads only where an MLP adapter is built
+
     kind = str(np.asarray(arrays["kind"]))
     affine = AffineAdapter(np.asarray(arrays["weight"]), np.asarray(arrays["bias"]),
                            kind if kind in ("procrustes", "low_rank") else "low_rank")
@@ -339,7 +343,7 @@ def adapter_from_arrays(arrays) -> AffineAdapter | ResidualMLPAdapter:
     if kind not in ("residual_mlp", "metric_compatible"):
         raise AdapterError(f"stored adapter of unknown kind {kind!r}")
     first, last = np.asarray(arrays["mlp.0.weight"]), np.asarray(arrays["mlp.2.weight"])
-    mlp = nn.Sequential(nn.Linear(first.shape[1], first.shape[0]), nn.GELU(), nn.Linear(last.shape[1], last.shape[0]))
+    mlp = nn.Sequential(Dense(first.shape[1], first.shape[0]), nn.GELU(), Dense(last.shape[1], last.shape[0]))
     mlp.load_state_dict({name: torch.as_tensor(np.asarray(arrays[f"mlp.{name}"])) for name in mlp.state_dict()})
     mlp.eval()
     adapter = ResidualMLPAdapter(affine, mlp, np.asarray(arrays["mean"]), np.asarray(arrays["std"]), [])

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from components.experiment.basis_transformation import BasisTransformedEmbedding
-from components.experiment.losses import (
+from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
+from fastfill.components.experiment.losses import (
     bct_influence_per_sample, bt2_per_sample, hoc_per_sample, match_dimension, ract_per_sample, simplex_prototypes,
     synthesized_classifier,
 )
-from components.experiment.models import Embedder
-from components.experiment.inference import embed
+from fastfill.components.experiment.models import Embedder
+from fastfill.components.experiment.inference import embed
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.platform.config import PrepareConfig
+from fastfill.components.platform.config import PrepareConfig
 
 SPLITS = ("old_train", "new_train", "test")
 _FASHION_FILES = (
@@ -65,7 +65,7 @@ def _fashion_mnist(source: Path, cache: Path) -> RawDataset:
     checksums differ from the ones it expects) and would then try the network, so they are
     unpacked once into ``<cache>/FashionMNIST/raw/`` where ``download=False`` finds them.
     """
-    from components.experiment.vision import torchvision  # late: torch loads when a command needs it
+    from fastfill.components.experiment.vision import torchvision  # late: torch loads when a command needs it
 
     raw = cache / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def _fashion_mnist(source: Path, cache: Path) -> RawDataset:
 
 
 def _image_folder_split(root: Path, config: PrepareConfig, classes: list[str] | None) -> tuple[Split, list[str]]:
-    from components.experiment.vision import torchvision  # late: torch loads when a command needs it
+    from fastfill.components.experiment.vision import torchvision  # late: torch loads when a command needs it
 
     mode = "L" if config.channels == 1 else "RGB"
     size = (config.image_size, config.image_size)

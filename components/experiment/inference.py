@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps
-from components.platform.vocabulary import PRECISIONS
+from fastfill.components.experiment.models import AlignmentMap, Embedder, UnifiedMaps
+from fastfill.components.platform.vocabulary import PRECISIONS
 
 CHANNELS_LAST = torch.channels_last
 

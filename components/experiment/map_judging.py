@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from components.platform.config import AlignConfig
-from components.evaluation import backfill_curve, per_query_curve
-from components.evaluation.ordering import random_order, sigma_order
+from fastfill.components.platform.config import AlignConfig
+from fastfill.components.evaluation import backfill_curve, per_query_curve
+from fastfill.components.evaluation.ordering import random_order, sigma_order
 
 POLICIES = ("fail", "fallback", "warn")
 CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)

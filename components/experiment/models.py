@@ -9,9 +9,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
-from components.platform.config import AlignConfig, TrainConfig
-from components.platform.layout import save_torch
-from components.experiment.vision import torchvision
+from fastfill.components.experiment.dense import Dense
+from fastfill.components.platform.config import AlignConfig, TrainConfig
+from fastfill.components.platform.layout import save_torch
+from fastfill.components.experiment.vision import torchvision
 
 
 def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:
@@ -67,8 +68,8 @@ class Embedder(nn.Module):
         self.in_channels = channels
         self.architecture = {"backbone": config.backbone, "width": config.width, "embedding_dim": config.embedding_dim}
         self.backbone, feature_dim = BACKBONES[config.backbone](channels, config.width)
-        self.embedding = nn.Linear(feature_dim, config.embedding_dim)
-        self.classifier = nn.Linear(config.embedding_dim, len(classes), bias=False)
+        self.embedding = Dense(feature_dim, config.embedding_dim)
+        self.classifier = Dense(config.embedding_dim, len(classes), bias=False)
         self.register_buffer("classes", torch.tensor(classes, dtype=torch.long))
         self.register_buffer("pixel_mean", torch.tensor(pixel_mean))
         self.register_buffer("pixel_std", torch.tensor(pixel_std))
@@ -102,8 +103,8 @@ class RBTBlock(nn.Module):
             raise ValueError(f"an RBT block needs a dimension divisible by {paths}, got {dim}")
         width = dim // paths
         self.paths = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, width), nn.BatchNorm1d(width), nn.ReLU(inplace=True),
-                          nn.Linear(width, width), nn.BatchNorm1d(width))
+            nn.Sequential(Dense(dim, width), nn.BatchNorm1d(width), nn.ReLU(inplace=True),
+                          Dense(width, width), nn.BatchNorm1d(width))
             for _ in range(paths))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,7 @@ def rbt_stack(in_dim: int, out_dim: int, blocks: int) -> nn.Sequential:
     """RBT blocks on ``in_dim``, then a linear projection when ``out_dim`` differs."""
     layers: list[nn.Module] = [RBTBlock(in_dim) for _ in range(blocks)]
     if out_dim != in_dim:
-        layers.append(nn.Linear(in_dim, out_dim))
+        layers.append(Dense(in_dim, out_dim))
     return nn.Sequential(*layers)
 
 
@@ -135,18 +136,18 @@ class AlignmentMap(nn.Module):
         if architecture == "rbt":
             self.transform = rbt_stack(old_dim, new_dim, rbt_blocks)
         elif architecture == "affine":
-            self.transform = nn.Linear(old_dim, new_dim)
+            self.transform = Dense(old_dim, new_dim)
         elif architecture == "mlp":
             layers: list[nn.Module] = []
             width = old_dim
             for size in hidden:
-                layers += [nn.Linear(width, size), nn.BatchNorm1d(size), nn.ReLU(inplace=True)]
+                layers += [Dense(width, size), nn.BatchNorm1d(size), nn.ReLU(inplace=True)]
                 width = size
-            layers.append(nn.Linear(width, new_dim))
+            layers.append(Dense(width, new_dim))
             self.transform = nn.Sequential(*layers)
         else:
             raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp, rbt or affine")
-        self.uncertainty = nn.Linear(new_dim, 1) if uncertainty else None
+        self.uncertainty = Dense(new_dim, 1) if uncertainty else None
         self.old_dim, self.new_dim = old_dim, new_dim
         self.architecture = {"hidden": list(hidden), "uncertainty": uncertainty, "architecture": architecture,
                              "rbt_blocks": rbt_blocks}
@@ -179,8 +180,8 @@ class UnifiedMaps(nn.Module):
     def __init__(self, old_dim: int, new_dim: int, num_classes: int, blocks: int = 4):
         super().__init__()
         self.query = rbt_stack(new_dim, new_dim, blocks)
-        self.gallery = nn.Sequential(nn.Linear(old_dim, new_dim), *rbt_stack(new_dim, new_dim, blocks))
-        self.classifier = nn.Linear(new_dim, num_classes, bias=False)
+        self.gallery = nn.Sequential(Dense(old_dim, new_dim), *rbt_stack(new_dim, new_dim, blocks))
+        self.classifier = Dense(new_dim, num_classes, bias=False)
         self.old_dim, self.new_dim = old_dim, new_dim
         self.blocks = blocks
 

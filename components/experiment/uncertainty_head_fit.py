@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.experiment.inference import pick_device
-from components.experiment.losses import classification_per_sample, l2_per_sample, uncertainty_weighted
-from components.experiment.map_validation import validation_split
-from components.experiment.optimizers import ExactAdam
-from components.experiment.models import AlignmentMap
-from components.experiment.training import seed_everything
-from components.platform.config import AlignConfig
+from fastfill.components.experiment.inference import pick_device
+from fastfill.components.experiment.losses import classification_per_sample, l2_per_sample, uncertainty_weighted
+from fastfill.components.experiment.map_validation import validation_split
+from fastfill.components.experiment.optimizers import ExactAdam
+from fastfill.components.experiment.models import AlignmentMap
+from fastfill.components.experiment.training import seed_everything
+from fastfill.components.platform.config import AlignConfig
 
 
 @torch.no_grad()

@@ -3,11 +3,11 @@ the loader's code for other environments (``mlflow.pyfunc.load_model`` in a clea
 ``mlflow models serve``); the product itself builds the network from the description and never
 runs code found in a version.
 
-    MLmodel                   flavours python_function (loader_module components.model_store.pyfunc)
+    MLmodel                   flavours python_function (loader_module fastfill.components.model_store.pyfunc)
                               and fastfill (the description below); signature; input example;
                               the logged model's id and its run
     input_example.json, serving_input_example.json, requirements.txt, python_env.yaml, conda.yaml
-    code/components/...       the loader and the product's modules it imports (MLflow's code_paths),
+    code/fastfill/components/...  the loader and the product's modules it imports (MLflow's code_paths),
                               so a clean environment with requirements.txt loads the version
     data/fastfill/fastfill-model.json   the typed description (format fastfill-model/2)
     data/fastfill/weights.safetensors   a state dict, tensors only   (or)
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from components.model_store.embedders import ModelSourceError
-from components.model_store.preprocessing import Preprocessing
-from components.experiment.models import build
-from components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
-from components.model_store.sources import load_trusted_mlflow
-from components.platform.registry import RegistryError
+from fastfill.components.model_store.embedders import ModelSourceError
+from fastfill.components.model_store.preprocessing import Preprocessing
+from fastfill.components.experiment.models import build
+from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+from fastfill.components.model_store.sources import load_trusted_mlflow
+from fastfill.components.platform.registry import RegistryError
 
 MODEL_FILE = "fastfill-model.json"
 DATA_DIR = "fastfill"
@@ -46,8 +46,8 @@ WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
 LEGACY_WEIGHTS_FILE = "weights.pt"  # format 1 of earlier releases: torch.load(weights_only=True)
 FORMAT_1, FORMAT = "fastfill-model/1", "fastfill-model/2"
-LOADER_MODULE = "components.model_store.pyfunc"
-PACKAGE = LOADER_MODULE.split(".")[0]
+LOADER_MODULE = "fastfill.components.model_store.pyfunc"
+PACKAGE = "fastfill.components"  # the loader imports nothing of the product outside it
 SOURCES = ("fastfill", "torchvision", "onnx", "mlflow")
 
 
@@ -81,28 +81,30 @@ def _imported_modules(source: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] == PACKAGE}
+    return {name for name in found if name == PACKAGE or name.startswith(f"{PACKAGE}.")}
 
 
 def loader_code(target: Path) -> Path:
     """Copy the loader (``LOADER_MODULE``) and every module of the product it imports, directly or
-    not, with their packages' ``__init__.py``, into ``target/components`` (a version's ``code/``),
-    so the version loads where the product is not installed. Returns that folder."""
-    root = Path(__file__).resolve().parents[1]  # the components package
+    not, with their packages' ``__init__.py``, into ``target/fastfill/components`` (a version's
+    ``code/``), so the version loads where the product is not installed. Returns
+    ``target/fastfill``, the folder MLflow's ``code_paths`` copies."""
+    root = Path(__file__).resolve().parents[1]  # the folder of fastfill.components
+    depth = PACKAGE.count(".") + 1
     copied: set[Path] = set()
     pending = [LOADER_MODULE]
     while pending:
-        parts = pending.pop().split(".")[1:]
+        parts = pending.pop().split(".")[depth:]
         for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
             if path.is_file() and path not in copied:
                 copied.add(path)
                 pending.extend(_imported_modules(path.read_text(encoding="utf-8")))
                 pending.extend(".".join([PACKAGE, *parts[:level]]) for level in range(len(parts)))  # its packages
     for path in sorted(copied):
-        destination = target / PACKAGE / path.relative_to(root)
+        destination = target.joinpath(*PACKAGE.split("."), path.relative_to(root))
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, destination)
-    return target / PACKAGE
+    return target / PACKAGE.split(".")[0]
 
 
 def log_version(run_id: str, name: str, description: dict, files: dict[str, Path | bytes], example: np.ndarray,

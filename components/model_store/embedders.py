@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.model_store.preprocessing import Preprocessing
-from components.experiment.vision import torchvision
+from fastfill.components.model_store.preprocessing import Preprocessing
+from fastfill.components.experiment.vision import torchvision
 
 
 class ModelSourceError(ValueError):

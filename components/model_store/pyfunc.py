@@ -15,8 +15,8 @@ description, so nothing stored in the registry runs as code: ``mlflow.pyfunc.loa
 from __future__ import annotations
 
 import numpy as np
-from components.experiment.inference import apply_alignment, embed
-from components.model_store.artifact import load_folder
+from fastfill.components.experiment.inference import apply_alignment, embed
+from fastfill.components.model_store.artifact import load_folder
 
 
 class EmbedderModel:

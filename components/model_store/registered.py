@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
+from fastfill.components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
                                         WEIGHTS_FILE, load_folder, log_version, preprocessing_of, read_description)
-from components.platform import registry
-from components.platform.registry import RegistryError
+from fastfill.components.platform import registry
+from fastfill.components.platform.registry import RegistryError
 
 
 def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) -> str:
@@ -56,7 +56,7 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     description (``models.describe``) and its weights (a state_dict in safetensors)."""
     from safetensors.torch import save
 
-    from components.experiment.models import Embedder, describe  # late: torch loads when a command needs it
+    from fastfill.components.experiment.models import Embedder, describe  # late: torch loads when a command needs it
 
     module = module.cpu().eval()
     weights = save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()})

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.model_store.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
+from fastfill.components.model_store.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
                                          read_state_dict)
-from components.model_store.preprocessing import Preprocessing
-from components.platform import registry
+from fastfill.components.model_store.preprocessing import Preprocessing
+from fastfill.components.platform import registry
 
 PICKLED_FLAVOURS = ("pytorch", "python_function")
 

@@ -15,11 +15,11 @@ import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from components.platform.vocabulary import (
+from fastfill.components.platform.vocabulary import (
     ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ONLINE_REVERSES, ORDERS, PRECISIONS,
     TRAINING_PRECISIONS,
 )
-from components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
+from fastfill.components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
 
 DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.platform.config import PathsConfig
+from fastfill.components.platform.config import PathsConfig
 
 FEATURE_SPLITS = ("new_train", "test")
 

@@ -1,7 +1,7 @@
 """Progress of a long step (embedding, planning, a backfill): a bar on a terminal, log lines
 elsewhere.
 
-    from components.platform.progress import progress
+    from fastfill.components.platform.progress import progress
 
     with progress("embedding the map sample", total=len(images), unit="image", log=logger.info) as bar:
         features = embed(model, images, on_batch=bar.advance)

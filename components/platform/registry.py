@@ -25,8 +25,8 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
-from components.platform.config import MlflowConfig
-from components.platform.vocabulary import CHALLENGER, CHAMPION, ROLE_ALIASES  # noqa: F401 - part of the registry's interface
+from fastfill.components.platform.config import MlflowConfig
+from fastfill.components.platform.vocabulary import CHALLENGER, CHAMPION, ROLE_ALIASES  # noqa: F401 - part of the registry's interface
 
 
 @dataclass(frozen=True)

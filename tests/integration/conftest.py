@@ -8,7 +8,7 @@ import yaml
 from testkit.process_state import in_workdir, restored_environ
 from tests.environment import new_bucket
 from tests.integration.helpers import cli_environment, copy_repository
-from components.platform.config import parse_params
+from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import make_image_folder, tiny_params
 
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
@@ -78,7 +78,7 @@ def image_folder(tmp_path_factory) -> Path:
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.temporary_server import tether_temporary_server
+    from fastfill.tasks.temporary_server import tether_temporary_server
 
     tether_temporary_server()  # a test process killed hard takes its harness's server with it
     with prefect_test_harness(server_startup_timeout=120):
@@ -89,7 +89,7 @@ def prefect_harness():
 def tiny_pipeline(tmp_path_factory, image_folder, prefect_harness):
     """One tiny pipeline run (its own working directory and MLflow store) shared by the tests:
     returns (params, metrics, workdir)."""
-    from flows.pipeline import pipeline_flow
+    from fastfill.flows.pipeline import pipeline_flow
 
     workdir = tmp_path_factory.mktemp("pipeline")
     data = tiny_params(image_folder)

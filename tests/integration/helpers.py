@@ -47,8 +47,8 @@ def cli_environment(prefect_home: Path) -> dict:
 
 def registry_models(params):
     """(client, champion model, challenger model, champion version, challenger version)."""
-    from components.platform import registry
-    from components.model_store import registered
+    from fastfill.components.platform import registry
+    from fastfill.components.model_store import registered
 
     client, _ = registry.setup(params.mlflow)
     name = params.mlflow.registered_model
@@ -60,8 +60,8 @@ def registry_models(params):
 
 def split_images(params):
     """The prepared test split."""
-    from components.experiment.data import load_split
-    from components.platform.layout import Layout
+    from fastfill.components.experiment.data import load_split
+    from fastfill.components.platform.layout import Layout
 
     return load_split(Layout(params.paths).splits, "test")
 

@@ -27,7 +27,7 @@ def _answer(args: list[str], env: dict, cwd: Path, schema: str, code: int = 0) -
 def test_a_real_upgrade_answers_in_json(upgrade_env, cli_env, prefect_harness):
     from prefect.settings import get_current_settings
 
-    from flows.ingest import ingest_flow
+    from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     env = {**cli_env, "PREFECT_API_URL": get_current_settings().api.url}

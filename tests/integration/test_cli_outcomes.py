@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.gallery.store import open_store
+from fastfill.components.gallery.store import open_store
 from tests.integration.helpers import registry_models
 
 FASTFILL = str(Path(sys.executable).with_name("fastfill"))
@@ -115,7 +115,7 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
 
 
 def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_env):
-    from flows.ingest import ingest_flow
+    from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -141,7 +141,7 @@ def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_e
     assert _snapshot(store) == before
 
     # no challenger (the convention clears it once its version is promoted) and nothing in progress
-    from components.platform import registry
+    from fastfill.components.platform import registry
 
     client, _ = registry.setup(params.mlflow)
     client.delete_registered_model_alias("embedder", "challenger")
@@ -177,10 +177,10 @@ def _worse_version(params) -> str:
     rejects it."""
     import torch
 
-    from components.model_store import registered
-    from components.experiment.models import Embedder
-    from components.platform import registry
-    from components.platform.config import TrainConfig
+    from fastfill.components.model_store import registered
+    from fastfill.components.experiment.models import Embedder
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import TrainConfig
 
     _, _, new_model, _, _ = registry_models(params)
     torch.manual_seed(3)
@@ -223,8 +223,8 @@ def _events(name: str, flow_run_id, as_resource: bool = False) -> list[dict]:
 
 def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor_show_it(s3_endpoint, upgrade_env,
                                                                                          prefect_env):
-    from components.platform import registry
-    from flows.ingest import ingest_flow
+    from fastfill.components.platform import registry
+    from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     worse = _worse_version(params)
@@ -272,8 +272,8 @@ def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor
     from prefect import get_client
     from prefect.states import Cancelled
 
-    from components.gallery.store import open_store
-    from components.gallery.triggers.claims import claim, record_start, release
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.triggers.claims import claim, record_start, release
 
     claim(open_store(uri), "embedder", new_version, "registry-watcher", starting=True)
     record_start(open_store(uri), "embedder", new_version, "registry-watcher", str(run.id))

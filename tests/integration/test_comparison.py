@@ -43,9 +43,9 @@ def _flow_messages():
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory, image_folder, prefect_harness):
     """The comparison's (params, summary, workdir, the flow's log messages)."""
-    from components.platform.config import parse_params
-    from flows import compare
-    from flows.compare import compare_flow
+    from fastfill.components.platform.config import parse_params
+    from fastfill.flows import compare
+    from fastfill.flows.compare import compare_flow
 
     workdir = tmp_path_factory.mktemp("comparison")
     data = tiny_params(image_folder)
@@ -70,7 +70,7 @@ def comparison(tmp_path_factory, image_folder, prefect_harness):
 
 
 def _client(params):
-    from components.platform.registry import setup
+    from fastfill.components.platform.registry import setup
 
     client, experiment = setup(params.mlflow)
     return client, experiment
@@ -164,9 +164,9 @@ def test_the_flow_shows_how_many_of_every_seeds_stages_are_done(comparison):
 
 def test_a_failing_seed_is_named_with_its_log_once_the_others_are_done(tmp_path, image_folder, prefect_harness,
                                                                         monkeypatch):
-    from components.platform.config import parse_params
-    from flows import compare
-    from flows.compare import compare_flow
+    from fastfill.components.platform.config import parse_params
+    from fastfill.flows import compare
+    from fastfill.flows.compare import compare_flow
 
     monkeypatch.setattr(compare, "POLL_SECONDS", POLL_SECONDS)
     monkeypatch.setenv("FASTFILL_PROGRESS", "log")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.evaluation.reports import ROW_KEYS
+from fastfill.components.evaluation.reports import ROW_KEYS
 from testkit.tiny_demo import tiny_params
 from tests.integration.helpers import cli_environment, copy_repository
 

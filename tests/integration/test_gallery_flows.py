@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.gallery.store import lock as locking
-from components.gallery.upgrade import backfill, ending, planning
-from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.search.index import GallerySearch
-from components.gallery.store import StoreUnreachable, open_store
-from components.platform.registry import RegistryError
-from components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import lock as locking
+from fastfill.components.gallery.upgrade import backfill, ending, planning
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import StoreUnreachable, open_store
+from fastfill.components.platform.registry import RegistryError
+from fastfill.components.gallery.layouts.opening import gallery_at
 from tests.integration.helpers import in_layout, killed_when, registry_models, split_images
 
 
@@ -29,10 +29,10 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from components.evaluation import curve_at_counts
-    from components.experiment.inference import embed
-    from flows.ingest import ingest_flow
-    from flows.upgrade import progress_key, upgrade_flow
+    from fastfill.components.evaluation import curve_at_counts
+    from fastfill.components.experiment.inference import embed
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import progress_key, upgrade_flow
 
     params, tmp_path = upgrade_env
     params = in_layout(params, tmp_path, layout)
@@ -162,11 +162,11 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     import pyarrow as pa
     from PIL import Image
 
-    from components.experiment.inference import embed
-    from components.gallery.inputs.adopt import adopt
-    from components.platform.registry import ModelRef
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.platform.registry import ModelRef
     from tests.environment import new_bucket
-    from flows.upgrade import run_upgrade
+    from fastfill.flows.upgrade import run_upgrade
 
     address, worker_pids = dask_cluster
     params, _ = upgrade_env
@@ -202,8 +202,8 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
 
 
 def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harness, monkeypatch, s3_endpoint):
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -243,10 +243,10 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
 
 def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings_are_closed(upgrade_env,
                                                                                             prefect_harness):
-    from components.gallery.layouts.catalog import features_key
-    from components.platform import registry
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.gallery.layouts.catalog import features_key
+    from fastfill.components.platform import registry
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -304,8 +304,8 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
 def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
-    from flows.ingest import ingest_flow
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -336,7 +336,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert status["state"] == "paused" and status["upgrade"]["items_done"] == 44  # 60% of 72, exactly
 
     # search from the CLI: the new model's space, the mixed gallery
-    from components.experiment.inference import embed
+    from fastfill.components.experiment.inference import embed
 
     _, _, new_model, old_version, new_version = registry_models(params)
     np.save(tmp_path / "q.npy", embed(new_model, split_images(params).images[:2]))
@@ -363,8 +363,8 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 
 
 def test_a_sigkilled_backfill_resumes_with_the_same_command(layout, upgrade_env, cli_env, prefect_harness):
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     params = in_layout(params, tmp_path, layout)
@@ -430,9 +430,9 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     registry and the lock agree."""
     import random
 
-    from components.platform import registry
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.platform import registry
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
     from tests.environment import new_bucket
 
     params, tmp_path = upgrade_env
@@ -488,8 +488,8 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
 
 
 def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, _, old_version, new_version = registry_models(params)
@@ -529,12 +529,12 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
     import yaml
     from typer.testing import CliRunner
 
-    from cli import app
-    from components.experiment.inference import embed
-    from components.model_store.registered import load_model
-    from components.platform.config import parse_params
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.cli import app
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.model_store.registered import load_model
+    from fastfill.components.platform.config import parse_params
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     base, tmp_path = upgrade_env
     client, _, new_model, old_version, new_version = registry_models(base)
@@ -581,8 +581,8 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
 def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade_env, prefect_harness):
     """align.<method>.check: off (the comparison's setting) in an upgrade: the map is trained,
     registered and used as trained; the version and the run say the check was skipped, and why."""
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, _, old_version, new_version = registry_models(params)
@@ -612,15 +612,15 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     there when asked again, and goes on to 100% without the stop."""
     from typer.testing import CliRunner
 
-    from components.gallery.advice.advisor import recommend
-    from cli import app
-    from flows.ingest import ingest_flow
-    from cli.upgrade_commands import estimate_upgrade
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.gallery.advice.advisor import recommend
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.cli.upgrade_commands import estimate_upgrade
+    from fastfill.flows.upgrade import upgrade_flow
 
     import yaml
 
-    from components.platform.config import parse_params
+    from fastfill.components.platform.config import parse_params
 
     base, tmp_path = upgrade_env
 
@@ -703,7 +703,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert done["state"] in ("complete", "rejected") and done["items_done"] == n, done
     assert (done["state"] == "complete") == predicted["gate"]["passed"], (done, predicted["gate"])
     # the dry run predicted the gate's decision and its numbers as the gate then measured them
-    from components.gallery.upgrade import ending
+    from fastfill.components.gallery.upgrade import ending
 
     measured = ending.decision(store, done["upgrade"])
     gate = predicted["gate"]
@@ -730,9 +730,9 @@ def _photos(folder: Path, images: np.ndarray) -> list[str]:
 def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from components.experiment.inference import embed
-    from cli import app
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.experiment.inference import embed
+    from fastfill.cli import app
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     params = in_layout(params, tmp_path, layout)

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from components.gallery.store import StoreError, StoreUnreachable, open_store
+from fastfill.components.gallery.store import StoreError, StoreUnreachable, open_store
 from tests.environment import new_bucket
 from tests.gallery_cases import CASES, case_id, make_data, make_models
 
@@ -45,7 +45,7 @@ def test_objects_carry_s3_s_own_sha256_and_today_s_metadata_still_reads(s3_endpo
 
     import boto3
 
-    from components.gallery.store import ChecksumMismatch
+    from fastfill.components.gallery.store import ChecksumMismatch
 
     bucket = new_bucket(s3_endpoint)
     store = open_store(f"s3://{bucket}/g")

@@ -8,8 +8,8 @@ import boto3
 import numpy as np
 import yaml
 
-from components.gallery.layouts.catalog import Gallery
-from components.gallery.store import open_store
+from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.store import open_store
 from tests.environment import new_bucket
 from tests.integration.helpers import registry_models, split_images
 
@@ -18,7 +18,7 @@ def test_the_manifest_and_features_are_read_from_s3(upgrade_env, prefect_harness
     from PIL import Image
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     base, tmp_path = upgrade_env
     _client, old_model, *_ = registry_models(base)

@@ -100,7 +100,7 @@ def test_the_s3_endpoint_keeps_buckets_and_objects_across_a_stop_and_a_kill(stac
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.store import open_store
 
     stack("start", "s3")
     rng = np.random.default_rng(0)
@@ -192,9 +192,9 @@ def test_the_registry_still_loads_its_models_after_the_stack_restarts(stack):
     import torch
     from mlflow import MlflowClient
 
-    from components.model_store import registered
-    from components.experiment.models import Embedder
-    from components.platform.config import TrainConfig
+    from fastfill.components.model_store import registered
+    from fastfill.components.experiment.models import Embedder
+    from fastfill.components.platform.config import TrainConfig
 
     stack("start", "s3", "mlflow")
     model = Embedder(TrainConfig(backbone="cnn_small", width=4, embedding_dim=8), 1, [0, 1, 2]).eval()

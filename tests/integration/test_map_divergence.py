@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.platform.config import parse_params
+from fastfill.components.platform.config import parse_params
 from testkit.process_state import in_workdir
 from testkit.tiny_demo import tiny_params
 
@@ -22,7 +22,7 @@ def diverging(tiny_pipeline, image_folder, tmp_path, monkeypatch):
     artifacts and MLflow store; the trained fastfill map's weights are then set to NaN, as
     training left them before it stopped itself (its guard now restores finite ones, so the
     map check's own guard is only reached this way). Returns (params data, workdir, log lines)."""
-    import tasks.alignment
+    import fastfill.tasks.alignment
 
     _, _, pipeline_dir = tiny_pipeline
     shutil.copytree(pipeline_dir / "artifacts", tmp_path / "artifacts")
@@ -33,8 +33,8 @@ def diverging(tiny_pipeline, image_folder, tmp_path, monkeypatch):
     data["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     data["align"]["fastfill"]["lr"] = 1e3
     said = []
-    monkeypatch.setattr(tasks.alignment, "log", lambda message: said.append(message) or print(message))
-    train = tasks.alignment.train_alignment
+    monkeypatch.setattr(fastfill.tasks.alignment, "log", lambda message: said.append(message) or print(message))
+    train = fastfill.tasks.alignment.train_alignment
 
     def diverged(config, *args, **kwargs):
         h, history = train(config, *args, **kwargs)
@@ -44,7 +44,7 @@ def diverging(tiny_pipeline, image_folder, tmp_path, monkeypatch):
                     parameter.fill_(math.nan)
         return h, history
 
-    monkeypatch.setattr(tasks.alignment, "train_alignment", diverged)
+    monkeypatch.setattr(fastfill.tasks.alignment, "train_alignment", diverged)
     return data, tmp_path, said
 
 
@@ -58,7 +58,7 @@ def _version_tags(params, workdir, method):
 
 
 def test_the_align_stage_falls_back_to_the_l2_map_from_a_diverged_map(diverging):
-    from flows.align import align_flow
+    from fastfill.flows.align import align_flow
 
     data, workdir, said = diverging
     params = parse_params(data)
@@ -78,8 +78,8 @@ def test_the_align_stage_falls_back_to_the_l2_map_from_a_diverged_map(diverging)
 
 
 def test_with_the_check_off_a_diverged_map_is_evaluated_as_a_diverged_row(diverging):
-    from flows.align import align_flow
-    from flows.evaluate import evaluate_flow
+    from fastfill.flows.align import align_flow
+    from fastfill.flows.evaluate import evaluate_flow
 
     data, workdir, said = diverging
     data["align"]["fastfill"]["check"] = "off"

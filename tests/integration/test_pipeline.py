@@ -66,8 +66,8 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     # the champion loads by alias with its classifier head, and embeds like the stored features
     import torch
 
-    from components.platform import registry
-    from components.model_store import registered
+    from fastfill.components.platform import registry
+    from fastfill.components.model_store import registered
 
     registry.setup(params.mlflow)
     champion = registered.load_model("models:/embedder@champion")
@@ -82,7 +82,7 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
 def test_pipeline_runs_are_nested_and_tagged(finished_pipeline):
     from mlflow import MlflowClient
 
-    from components.platform import registry
+    from fastfill.components.platform import registry
 
     params, _, workdir = finished_pipeline
     client = MlflowClient(params.mlflow.tracking_uri, registry_uri=params.mlflow.tracking_uri)
@@ -139,7 +139,7 @@ def test_training_progress_is_a_prefect_artifact(finished_pipeline):
 def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     tmp_path = tiny_workdir
     result = CliRunner().invoke(app, ["seeds", "--seed", "3", "--seed", "4"])
@@ -157,7 +157,7 @@ def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_ha
 def test_a_stage_without_its_inputs_says_what_to_run(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     result = CliRunner().invoke(app, ["stage", "train", "--role", "old"])
     assert result.exit_code == 6  # bad input: the splits are missing

@@ -46,7 +46,7 @@ def _run_in_pty(args: list[str], env: dict, cwd: Path, timeout: float = 180) -> 
 def test_the_upgrade_shows_its_backfill_bar_in_a_pseudo_terminal(upgrade_env, cli_env, prefect_harness):
     from prefect.settings import get_current_settings
 
-    from flows.ingest import ingest_flow
+    from fastfill.flows.ingest import ingest_flow
     from tests.integration.helpers import registry_models
 
     params, tmp_path = upgrade_env

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from components.experiment.models import AlignmentMap, Embedder, UnifiedMaps, load_embedder, save_embedder
-from components.platform import registry
-from components.model_store import registered
-from components.platform.config import MlflowConfig, TrainConfig
-from components.platform.registry import RegistryError
+from fastfill.components.experiment.models import AlignmentMap, Embedder, UnifiedMaps, load_embedder, save_embedder
+from fastfill.components.platform import registry
+from fastfill.components.model_store import registered
+from fastfill.components.platform.config import MlflowConfig, TrainConfig
+from fastfill.components.platform.registry import RegistryError
 
 
 class _Payload:
@@ -218,7 +218,7 @@ def test_a_version_in_the_previous_release_s_format_still_loads(mlflow_store, tm
     root, no MLmodel."""
     from safetensors.torch import save_file
 
-    from components.experiment.models import describe
+    from fastfill.components.experiment.models import describe
 
     _, client, run_id = mlflow_store
     model = _embedder()
@@ -246,8 +246,8 @@ def test_a_pickled_mlflow_model_registers_where_its_writers_are_trusted(mlflow_s
     flavour model is referred to and embeds as the module does."""
     import mlflow.pytorch
 
-    from components.model_store import catalogue, sources
-    from components.model_store.preprocessing import Preprocessing
+    from fastfill.components.model_store import catalogue, sources
+    from fastfill.components.model_store.preprocessing import Preprocessing
 
     config, client, run_id = mlflow_store
     torch.manual_seed(3)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WRITE_AND_READ = """
 import sys
 import lance, pyarrow as pa
-from components.gallery.layouts.table import storage_options, table_uri
+from fastfill.components.gallery.layouts.table import storage_options, table_uri
 store = sys.argv[1]
 options = storage_options(store)
 assert not any("key" in name or "token" in name for name in options), options  # nothing copied

@@ -174,7 +174,7 @@ def _deliver_in_background(address, version: str) -> list:
 
 def test_webhook_serve_stops_on_sigint_and_on_sigterm_with_the_prefect_server_hung_or_gone(tiny_workdir, cli_env,
                                                                                           tmp_path):
-    from services.webhook_receiver import STOP_GRACE_SECONDS
+    from fastfill.services.webhook_receiver import STOP_GRACE_SECONDS
 
     stop_line = "stopped; the receiver no longer listens on"
     with _prefect_server(cli_env, tmp_path) as (env, prefect):

@@ -119,8 +119,8 @@ def _register(stack, model_or_path, alias: str | None, tags: dict | None = None)
     """Register an embedder version on the stack's MLflow server, as a platform team would."""
     import mlflow
 
-    from components.experiment.models import load_embedder
-    from components.model_store import registered
+    from fastfill.components.experiment.models import load_embedder
+    from fastfill.components.model_store import registered
 
     model = load_embedder(model_or_path) if isinstance(model_or_path, Path) else model_or_path
     uri = stack["MLFLOW_TRACKING_URI"]
@@ -174,8 +174,8 @@ def _wait(check, seconds: float, what: str, workdir: Path) -> None:
 
 
 def _gallery(stack):
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
 
     with restored_environ(*stack):
         os.environ.update(stack)
@@ -223,7 +223,7 @@ def test_the_gate_rejects_a_broken_model_found_by_the_watcher(stack, platform):
     """The webhook receiver is stopped: the registry watcher's poll starts this upgrade."""
     import torch
 
-    from components.experiment.models import load_embedder
+    from fastfill.components.experiment.models import load_embedder
 
     webhook = platform["processes"]["webhook"]
     os.killpg(webhook.pid, signal.SIGTERM)

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from components.gallery.upgrade import backfill, ending
+from fastfill.components.gallery.upgrade import backfill, ending
 
-from components.gallery.store import lock as locking
-from components.gallery.layouts.catalog import Gallery
-from components.gallery.store import StoreUnreachable, configure_s3, open_store
-from components.platform.config import S3Config
+from fastfill.components.gallery.store import lock as locking
+from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.store import StoreUnreachable, configure_s3, open_store
+from fastfill.components.platform.config import S3Config
 from tests.environment import new_bucket
 from tests.gallery_cases import NEW, _gallery, _plan, make_data, make_models
 from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
@@ -87,7 +87,7 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
         s3_endpoint, faulty, without_faults, tiny_workdir):
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     store_uri = f"s3://{new_bucket(s3_endpoint)}/galleries/main"
     proxy = faulty(S3Config(max_attempts=3, connect_timeout=1, read_timeout=2), rate=0)

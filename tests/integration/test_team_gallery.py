@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery.upgrade import planning
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import planning
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.store import open_store
 from tests.integration.helpers import registry_models, split_images
 
 
@@ -25,10 +25,10 @@ def _photos(folder, images) -> list[str]:
 def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from components.experiment.inference import embed
-    from components.platform.config import parse_params
-    from cli import app
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.platform.config import parse_params
+    from fastfill.cli import app
+    from fastfill.flows.upgrade import upgrade_flow
 
     base, tmp_path = upgrade_env
     client, old_model, new_model, old_version, new_version = registry_models(base)
@@ -85,7 +85,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
                                                                                           "warned")
     gallery = Gallery(store)
     sampled = planning.order_of(store, plan.id)[:48]
-    from components.gallery.upgrade.backfill import mixed_features
+    from fastfill.components.gallery.upgrade.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
     assert backfilled.sum() == 64 and backfilled[sampled].all()
@@ -105,10 +105,10 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     """The pipeline's map was checked on its split: on this gallery's pairs it is checked once;
     planned again (after an abort), the upgrade uses the map that check left without embedding a
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
-    from flows.ingest import ingest_flow
-    from flows.undo import abort_flow
-    from cli.upgrade_commands import estimate_upgrade
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.undo import abort_flow
+    from fastfill.cli.upgrade_commands import estimate_upgrade
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, *_ = registry_models(params)
@@ -125,7 +125,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     ingest_flow(on_gallery, uri)
     assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri)["advice"]["note"]
     # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
-    from components.platform.registry import ModelRef
+    from fastfill.components.platform.registry import ModelRef
 
     _, _, _, old_version, new_version = registry_models(params)
     uid = planning.upgrade_id(ModelRef("embedder", old_version), ModelRef("embedder", new_version))
@@ -166,10 +166,10 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     """No labels, a judgments file (query ids and their relevant ids): the gate measures the judged
     queries against the whole gallery along the backfill, and the judged items are embedded once."""
-    from components.gallery.inputs.adopt import adopt
-    from components.experiment.inference import embed
-    from components.platform.registry import ModelRef
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.platform.registry import ModelRef
+    from fastfill.flows.upgrade import upgrade_flow
     import pyarrow as pa
 
     params, tmp_path = upgrade_env
@@ -190,7 +190,7 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
         "gallery": params.gallery.model_copy(update={"upgrade": params.gallery.upgrade.model_copy(update={
             "judgments": str(tmp_path / "judged.csv")})})})
     # before it: which way reaches a top-1 first, on the judged queries (the gallery has no labels)
-    from cli.upgrade_commands import estimate_upgrade
+    from fastfill.cli.upgrade_commands import estimate_upgrade
 
     dry = estimate_upgrade(judged, uri, "", 0.5)["advice"]
     target = dry.get("target") or {}
@@ -221,9 +221,9 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     reason on the version and the run, and the upgrade completes."""
     import torch
 
-    from components.model_store import registered
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.model_store import registered
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, _, old_version, new_version = registry_models(params)
@@ -255,8 +255,8 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
 def test_a_bad_judgments_file_is_refused_in_one_line_before_any_work(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
-    from flows.ingest import ingest_flow
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")
@@ -273,9 +273,9 @@ def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_
     """50 items, fewer than the 195 pairs that train and check a FastFill map with the default
     validation_fraction: the dry run says so first, and the upgrade trains the l2-only map (which
     needs no check) on every item instead of refusing with a setting it cannot reach."""
-    from cli.upgrade_commands import estimate_upgrade
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.cli.upgrade_commands import estimate_upgrade
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, _ = upgrade_env
     client, *_ = registry_models(params)
@@ -307,10 +307,10 @@ def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_
     while planning, trains no FastFill map and runs no check."""
     from typer.testing import CliRunner
 
-    from cli import app
-    from cli.upgrade_commands import estimate_upgrade
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.cli import app
+    from fastfill.cli.upgrade_commands import estimate_upgrade
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, _ = upgrade_env
     client, *_ = registry_models(params)

@@ -22,10 +22,10 @@ import torch
 import yaml
 from torch import nn
 
-from components.experiment.inference import apply_alignment, embed
+from fastfill.components.experiment.inference import apply_alignment, embed
 from testkit.tiny_demo import tiny_params
-from components.model_store import registered
-from components.model_store.preprocessing import Preprocessing
+from fastfill.components.model_store import registered
+from fastfill.components.model_store.preprocessing import Preprocessing
 
 OLD_INPUT = Preprocessing(channels=3, height=20, width=20, mean=(0.5,), std=(0.5,))
 NEW_INPUT = Preprocessing(channels=3, height=32, width=32, resize="shorter_then_crop", resize_to=36,
@@ -39,7 +39,7 @@ def _old_network() -> nn.Module:
 
 
 def _new_network():
-    from components.experiment.vision import torchvision
+    from fastfill.components.experiment.vision import torchvision
 
     torch.manual_seed(2)
     return torchvision.models.resnet18(num_classes=6).eval()
@@ -70,7 +70,7 @@ def team(tmp_path, monkeypatch, image_folder):
 def _cli(team: Path, *args: str):
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     return CliRunner().invoke(app, [*args, "--params", str(team / "params.yaml")])
 
@@ -175,9 +175,9 @@ def test_mlflow_loads_what_the_product_registers(team):
     product's own numbers."""
     import mlflow
 
-    from components.experiment.models import AlignmentMap, Embedder
-    from components.platform import registry
-    from components.platform.config import TrainConfig, load_params
+    from fastfill.components.experiment.models import AlignmentMap, Embedder
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import TrainConfig, load_params
 
     old_uri, new_uri = _register_both(team)
     client, experiment = registry.setup(load_params(team / "params.yaml").mlflow)
@@ -204,7 +204,7 @@ def test_mlflow_loads_what_the_product_registers(team):
     np.testing.assert_array_equal(predicted["features"], transformed)
     np.testing.assert_array_equal(predicted["log_sigma2"], log_sigma2)
 
-    from components.experiment.models import UnifiedMaps
+    from fastfill.components.experiment.models import UnifiedMaps
 
     unified = UnifiedMaps(10, 16, 4, blocks=2).eval()
     unified_uri = "models:/maps/" + registered.register_alignment(client, run.info.run_id, unified,
@@ -219,12 +219,12 @@ import json, sys
 import numpy as np
 # the product out of reach: no editable-install finder, no repository on the path
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__ + getattr(f, "__name__", "")]
-sys.path[:] = [p for p in sys.path if p not in ("", sys.argv[1])]
+sys.path[:] = [p for p in sys.path if p not in ("", sys.argv[1]) and "__editable__" not in p]
 import mlflow.pyfunc
 model = mlflow.pyfunc.load_model(sys.argv[2])
 out = model.predict(np.load(sys.argv[3]))
 np.save(sys.argv[4], out)
-print(json.dumps({"loader": sys.modules["components"].__file__,
+print(json.dumps({"loader": sys.modules["fastfill.components"].__file__,
                   "example": np.asarray(model.metadata.load_input_example(model.metadata.artifact_path
                                                                           or sys.argv[5])).shape}))
 """
@@ -237,8 +237,8 @@ def test_a_version_carries_what_loads_it(team, tmp_path_factory):
     import mlflow
     import mlflow.artifacts
 
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     old_uri, new_uri = _register_both(team)
     registry.setup(load_params(team / "params.yaml").mlflow)
@@ -247,7 +247,7 @@ def test_a_version_carries_what_loads_it(team, tmp_path_factory):
         folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(elsewhere / uri[-1])))
         mlmodel = yaml.safe_load((folder / "MLmodel").read_text())
         assert mlmodel["run_id"] and mlmodel["model_id"], mlmodel
-        assert (folder / "code" / "components" / "model_store" / "pyfunc.py").is_file()
+        assert (folder / "code" / "fastfill" / "components" / "model_store" / "pyfunc.py").is_file()
         assert not list((folder / "code").rglob("*.pyc"))
         pins = (folder / "requirements.txt").read_text().split()
         assert {p.split("==")[0] for p in pins} >= {"mlflow", "torch", "torchvision", "numpy", "safetensors",
@@ -324,8 +324,8 @@ class _Payload:
 
 def _pickled_mlflow_model(team: Path, marker: Path) -> str:
     """A model in the team's registry whose pytorch flavour is a pickle carrying a payload."""
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     folder = team / "pickled-model"
     (folder / "data").mkdir(parents=True)
@@ -357,8 +357,8 @@ def test_a_pickled_mlflow_model_is_refused_and_its_code_never_runs(team):
 
 def test_an_onnx_model_from_an_mlflow_registry_is_copied_as_data(team):
     """A model already in the team's registry as an onnx flavour registers without running code."""
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     folder = team / "their-onnx"
     folder.mkdir()
@@ -397,7 +397,7 @@ def test_each_bad_file_ends_in_one_line_with_nothing_registered(team):
 
     (team / "garbage.onnx").write_bytes(b"\x08\x07 not a graph")
     torch.save(_new_network(), team / "whole-module.pt")  # a pickled module, not a state dict
-    from components.experiment.vision import torchvision
+    from fastfill.components.experiment.vision import torchvision
     torch.save(torchvision.models.resnet34(num_classes=6).state_dict(), team / "resnet34.pt")
     _nan_onnx(team / "nan.onnx")
     small = ["--size", "20", "--channels", "3"]
@@ -436,10 +436,10 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     """Old: an ONNX graph on 20x20 stretched RGB; new: a torchvision ResNet-18 on 32x32 crops with
     ImageNet scaling. A gallery of RGB JPEGs of mixed sizes, adopted without labels, ends with
     exactly the new model's features of each file as its preprocessing decodes it."""
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
-    from components.platform.config import load_params
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.platform.config import load_params
+    from fastfill.flows.upgrade import upgrade_flow
 
     old_uri, new_uri = _register_both(team)
     pictures = _photos(90, seed=5)
@@ -460,7 +460,7 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, as_new), rtol=1e-5, atol=1e-5)
     # the images a search sends are the new model's: the input shape moved with the model, and back on rollback
     assert gallery.manifest()["image_shape"] == list(NEW_INPUT.shape)
-    from flows.undo import rollback_flow
+    from fastfill.flows.undo import rollback_flow
 
     rollback_flow(load_params(team / "params.yaml"), str(team / "gallery"))
     assert gallery.manifest(refresh=True)["image_shape"] == list(OLD_INPUT.shape) and gallery.model.uri == old_uri
@@ -480,10 +480,10 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     with the team's ids."""
     import mlflow
 
-    from components.gallery.layouts.catalog import Gallery
-    from components.gallery.store import open_store
-    from components.platform.config import load_params
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.platform.config import load_params
+    from fastfill.flows.upgrade import upgrade_flow
 
     _export(_headless_network(), (3, 24, 24), team / "new.onnx")
     old = _cli(team, "model", "register", "--onnx", str(team / "old.onnx"), "--size", "20", "--channels", "3",

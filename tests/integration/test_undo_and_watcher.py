@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import yaml
 
-from components.gallery.upgrade import garbage, planning, reversal
-from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.search.index import GallerySearch
-from components.gallery.store import open_store
-from components.gallery.triggers.claims import claim, claimed
-from components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.upgrade import garbage, planning, reversal
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.triggers.claims import claim, claimed
+from fastfill.components.gallery.layouts.opening import gallery_at
 from tests.integration.helpers import in_layout, registry_models, split_images
 
 
@@ -55,7 +55,7 @@ def _assert_readable(run, expected: dict) -> None:
 def _finds_itself(gallery, model, params) -> None:
     """Each of the first items, embedded by ``model``, finds itself first: the gallery serves that
     model's features."""
-    from components.experiment.inference import embed
+    from fastfill.components.experiment.inference import embed
 
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == str(model_version(gallery)) and searcher.upgrade is None
@@ -70,12 +70,12 @@ def model_version(gallery) -> str:
 def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from components.gallery.store.lock import UpgradeLocked, acquire_lock
-    from cli import app
-    from flows.ingest import ingest_flow
-    from flows.deployments import upgrade_entry
-    from flows.undo import abort_flow
-    from flows.upgrade import run_upgrade_file
+    from fastfill.components.gallery.store.lock import UpgradeLocked, acquire_lock
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.deployments import upgrade_entry
+    from fastfill.flows.undo import abort_flow
+    from fastfill.flows.upgrade import run_upgrade_file
 
     params, tmp_path = upgrade_env
     params = in_layout(params, tmp_path, layout)
@@ -156,10 +156,10 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
 def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_features(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
-    from flows.ingest import ingest_flow
-    from flows.undo import rollback_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.undo import rollback_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     params = in_layout(params, tmp_path, layout)
@@ -231,11 +231,11 @@ def watched(tmp_path, monkeypatch, prefect_harness):
     """A registry (SQLite) with embedder versions 1-3, champion and challenger on 1; a gallery on
     version 1; params.yaml; and the upgrade and poll deployments on the harness's Prefect API (no
     process serves them: a started run stays scheduled, to be counted)."""
-    from components.gallery.layouts.catalog import ingest
-    from components.platform import registry
-    from components.platform.config import parse_params
-    from components.platform.registry import ModelRef
-    from flows.deployments import upgrade_entry, watch_flow
+    from fastfill.components.gallery.layouts.catalog import ingest
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import parse_params
+    from fastfill.components.platform.registry import ModelRef
+    from fastfill.flows.deployments import upgrade_entry, watch_flow
     from testkit.tiny_demo import tiny_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -289,7 +289,7 @@ def test_the_watcher_starts_no_flow_run_until_the_challenger_moves(watched):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-    from services.registry_watcher import RegistryWatcher
+    from fastfill.services.registry_watcher import RegistryWatcher
 
     params, params_path, uri, client, upgrade_id, poll_id = watched
     said: list[str] = []

@@ -6,13 +6,13 @@ import copy
 import numpy as np
 import pytest
 
-from components.platform.config import parse_params
-from components.gallery.upgrade import backfill, ending, garbage, planning
-from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.search.index import GallerySearch
-from components.gallery.store import open_store
-from components.platform.registry import ModelRef
+from fastfill.components.platform.config import parse_params
+from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import open_store
+from fastfill.components.platform.registry import ModelRef
 from tests.integration.helpers import registry_models, run_then, split_images
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
@@ -29,8 +29,8 @@ def _register(params, model, tags):
     """A further embedder version (no alias), as a platform team would register one."""
     import torch
 
-    from components.platform import registry
-    from components.model_store import registered
+    from fastfill.components.platform import registry
+    from fastfill.components.model_store import registered
 
     client, experiment = registry.setup(params.mlflow)
     run = client.create_run(experiment, run_name="register")
@@ -45,8 +45,8 @@ def _random_model(model, seed):
     """Same architecture, untrained: a model that knows nothing."""
     import torch
 
-    from components.platform.config import TrainConfig
-    from components.experiment.models import Embedder
+    from fastfill.components.platform.config import TrainConfig
+    from fastfill.components.experiment.models import Embedder
 
     torch.manual_seed(seed)
     config = TrainConfig(backbone="cnn", width=4, embedding_dim=16)
@@ -67,8 +67,8 @@ def _perturbed(model, seed, scale=0.05):
 
 
 def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_harness):
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     # tiny models on tiny data: loose gates, so this checks the mechanism (the unit tests check the rules)
@@ -93,9 +93,9 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
-    from components.experiment.inference import embed
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
+    from fastfill.components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
     # the default gates, measured on every item (a 24-item sample is too noisy to be sure which gate fails)
@@ -138,11 +138,11 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
     work through the composed maps, the new order covers every item, and it completes."""
-    from components.model_store import registered
-    from components.evaluation import pairwise_distances
-    from components.experiment.inference import embed
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.components.model_store import registered
+    from fastfill.components.evaluation import pairwise_distances
+    from fastfill.components.experiment.inference import embed
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     client, _, new_model, v1, v2 = registry_models(params)
@@ -195,8 +195,8 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
 def _ready_to_end(params, tmp_path, monkeypatch):
     """A gallery whose backfill is complete and whose ending has not started (the ending failed
     once at its very start), as a folder to copy for each scenario."""
-    import flows.upgrade as fu
-    from flows.ingest import ingest_flow
+    import fastfill.flows.upgrade as fu
+    from fastfill.flows.ingest import ingest_flow
 
     uri = str(tmp_path / "ready")
     ingest_flow(params, uri)
@@ -226,8 +226,8 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
                                                                           monkeypatch, passes):
     import shutil
 
-    import flows.upgrade as fu
-    from components.gallery.store.lock import LOCK
+    import fastfill.flows.upgrade as fu
+    from fastfill.components.gallery.store.lock import LOCK
 
     params, tmp_path = upgrade_env
     gain = -1.0 if passes else 1.0  # a gate every challenger passes, or one none can
@@ -282,8 +282,8 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     rejection records agree."""
     import shutil
 
-    import flows.upgrade as fu
-    from components.gallery.store.lock import LOCK, UpgradeLocked
+    import fastfill.flows.upgrade as fu
+    from fastfill.components.gallery.store.lock import LOCK, UpgradeLocked
 
     params, tmp_path = upgrade_env
     params = _with(params, promotion={"gate": True, "min_top1_auc_gain": -1.0, "max_nfr1": 1.0, "max_relative_nfr1": 10.0,
@@ -346,6 +346,6 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
 
 
 def registry_alias(client, name, alias):
-    from components.platform.registry import alias_version
+    from fastfill.components.platform.registry import alias_version
 
     return alias_version(client, name, alias)

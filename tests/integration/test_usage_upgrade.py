@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components.evaluation.ordering import check_permutation
-from components.gallery.upgrade import planning
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.store import open_store
-from components.gallery.upgrade.usage import load_usage_log
+from fastfill.components.evaluation.ordering import check_permutation
+from fastfill.components.gallery.upgrade import planning
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade.usage import load_usage_log
 from tests.environment import new_bucket
 from tests.integration.helpers import registry_models
 
@@ -22,9 +22,9 @@ from tests.integration.helpers import registry_models
 def test_an_upgrade_in_usage_sigma_order_from_a_query_log(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from cli import app
-    from flows.ingest import ingest_flow
-    from flows.upgrade import upgrade_flow
+    from fastfill.cli import app
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
     uri = str(tmp_path / "g")

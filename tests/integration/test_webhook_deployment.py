@@ -6,8 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from components.gallery.store import LocalStore
-from components.gallery.triggers.claims import claimed
+from fastfill.components.gallery.store import LocalStore
+from fastfill.components.gallery.triggers.claims import claimed
 from tests.unit.test_webhook_receiver import _alias_body, _post, _signed, receiver_process
 
 def _children(pid: int) -> list[int]:

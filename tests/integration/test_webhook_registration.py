@@ -5,8 +5,8 @@ by older releases are folded into one; delete by name or id, and an unknown one 
 import yaml
 from typer.testing import CliRunner
 
-from components.platform import registry
-from components.platform.config import parse_params
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
 
 
@@ -27,7 +27,7 @@ def _hooks(client):
 
 
 def test_register_is_idempotent_and_list_and_delete_work(tmp_path, monkeypatch):
-    from cli import app
+    from fastfill.cli import app
 
     params, client = _setup(tmp_path, monkeypatch)
     runner = CliRunner()

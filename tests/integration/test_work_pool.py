@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from components.gallery.layouts.opening import gallery_at
-from components.gallery.store import open_store
+from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import open_store
 from testkit.process_state import stop_group
 from tests.integration.helpers import assert_none_outlive, descendants, registry_models
 from tests.integration.test_service_stop import _Command, _prefect_server
@@ -44,7 +44,7 @@ def _serve_first(url: str, params, params_path: Path, store: str) -> None:
     so that deploying moves it to the pool."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deployments import deployments
+    from fastfill.flows.deployments import deployments
 
     with temporary_settings({PREFECT_API_URL: url}):
         deployments(params, str(params_path), store)[0].apply()
@@ -69,7 +69,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def test_a_registry_triggered_upgrade_runs_on_a_work_pool_worker(upgrade_env, cli_env, tmp_path):
-    from flows.ingest import ingest_flow
+    from fastfill.flows.ingest import ingest_flow
 
     params, workdir = upgrade_env
     params_path = workdir / "params.yaml"
@@ -97,7 +97,7 @@ def test_a_registry_triggered_upgrade_runs_on_a_work_pool_worker(upgrade_env, cl
         assert f"registry-watcher/poll -> work pool {POOL} (created" in first
         upgrade = _api(url, "/deployments/name/upgrade-gallery/upgrade")
         assert upgrade["work_pool_name"] == GPU_POOL and upgrade["path"] is None, upgrade
-        assert upgrade["entrypoint"] == "flows.deployments.upgrade_entry"
+        assert upgrade["entrypoint"] == "fastfill.flows.deployments.upgrade_entry"
         assert upgrade["job_variables"] == {"working_dir": str(workdir)}  # by default the file's folder
         assert _api(url, "/deployments/name/registry-watcher/poll")["work_pool_name"] == POOL
         pools = {pool["name"]: pool["type"] for pool in httpx.post(f"{url}/work_pools/filter", json={}).json()}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.gallery.upgrade import backfill
+from fastfill.components.gallery.upgrade import backfill
 from tests.gallery_cases import _gallery, _plan, make_data, make_models
 
 

@@ -5,8 +5,8 @@ are refused with a message."""
 import numpy as np
 import pytest
 
-from components.evaluation import retrieval_metrics
-from components.experiment.adapters import (
+from fastfill.components.evaluation import retrieval_metrics
+from fastfill.components.experiment.adapters import (
     ADAPTERS, AdapterError, fit_adapter, fit_low_rank, fit_procrustes, fit_residual_mlp,
 )
 

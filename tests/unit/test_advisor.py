@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from components.evaluation import curve_at_counts
-from components.evaluation.retrieval import pairwise_distances
-from components.gallery.advice.advisor import NearestLabel, advise, fractions, predict, ranks_of, recommend
+from fastfill.components.evaluation import curve_at_counts
+from fastfill.components.evaluation.retrieval import pairwise_distances
+from fastfill.components.gallery.advice.advisor import NearestLabel, advise, fractions, predict, ranks_of, recommend
 
 
 def _gallery(n=300, d=8, classes=5, seed=0):
@@ -87,8 +87,8 @@ def test_ranks_and_a_too_small_sample():
 def test_the_judged_prediction_is_the_labeled_one_when_judgments_say_the_same_label():
     """Judgments that call every other item of a query's class relevant, every item a query and
     the sample the whole gallery: the judged curve is the labeled curve, point by point."""
-    from components.gallery.advice.advisor import judged_anchor, predict, predict_judged
-    from components.gallery.inputs.judgments import Judgments
+    from fastfill.components.gallery.advice.advisor import judged_anchor, predict, predict_judged
+    from fastfill.components.gallery.inputs.judgments import Judgments
 
     rng = np.random.default_rng(3)
     n, d = 90, 6

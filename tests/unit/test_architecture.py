@@ -13,6 +13,11 @@ RANK = {"platform": 0, "evaluation": 1, "experiment": 2, "model_store": 3, "gall
 
 
 def _imports(path: Path) -> list[str]:
+    """The absolute imports of a file, the product's own named by their room (``fastfill.`` off)."""
+    return [name.removeprefix("fastfill.") for name in _raw_imports(path)]
+
+
+def _raw_imports(path: Path) -> list[str]:
     names = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -53,6 +58,19 @@ def test_no_room_imports_a_room_above_it(path):
     room = path.relative_to(ROOT).parts[0]
     found = sorted({n for n in _imports(path) if n.split(".")[0] in ABOVE[room]})
     assert not found, f"{path.relative_to(ROOT)} imports {found}, from a room above {room}/"
+
+
+ROOMS = ("components", "tasks", "flows", "services", "cli")
+
+
+@pytest.mark.parametrize("folder", [*ROOMS, "tests", "testkit", "benchmarks", "scripts", "comparison", "infra"])
+def test_the_product_is_imported_as_the_fastfill_package_only(folder):
+    """Every import of the product names it as ``fastfill.<room>``: a bare ``components...``
+    (found on the path from the repository's root) would load a second copy of a module beside
+    the installed package's, with its own classes and state."""
+    bare = [f"{path.relative_to(ROOT)}: {name}" for path in _modules(folder) for name in _raw_imports(path)
+            if name.split(".")[0] in ROOMS]
+    assert not bare, f"import these as fastfill.<...>: {bare}"
 
 
 def test_the_rooms_are_packages():
@@ -143,7 +161,7 @@ def test_our_own_modules_are_imported_at_the_top_or_say_why_not(path):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             for sub in ast.walk(node):
                 if (isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0
-                        and sub.module.split(".")[0] in PRODUCT[:5]
+                        and sub.module.removeprefix("fastfill.").split(".")[0] in PRODUCT[:5]
                         and not any("# late:" in line for line in lines[sub.lineno - 1:sub.end_lineno])):
                     hidden.append(f"line {sub.lineno}: from {sub.module} import ...")
     assert not hidden, f"{path.relative_to(ROOT)}: move to the top, or mark `# late: <why>`: {hidden}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from components.platform.config import load_params
+from fastfill.components.platform.config import load_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cli import app
+from fastfill.cli import app
 
 
 def _commands(group, path: tuple[str, ...] = ()):

@@ -19,12 +19,12 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from cli import app
-from cli.command_support import INPUT, REJECTED, SERVICE, USAGE
-from components.experiment.inference import embed
-from components.gallery.store import open_store
-from components.gallery.store.lock import LOCK
-from components.gallery.upgrade import backfill
+from fastfill.cli import app
+from fastfill.cli.command_support import INPUT, REJECTED, SERVICE, USAGE
+from fastfill.components.experiment.inference import embed
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.store.lock import LOCK
+from fastfill.components.gallery.upgrade import backfill
 from tests.gallery_cases import N, OLD, _gallery, _plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,8 +183,8 @@ RESULTS = {
 @pytest.fixture
 def upgrade_answers(monkeypatch):
     """`fastfill upgrade` with the flow's answer given (``answers[0]``), the services taken as up."""
-    import cli.command_support
-    import flows.upgrade
+    import fastfill.cli.command_support
+    import fastfill.flows.upgrade
 
     answers = []
 
@@ -192,8 +192,8 @@ def upgrade_answers(monkeypatch):
         print("a line the flow printed")  # not the answer: it must stay off stdout with --json
         return answers[0]
 
-    monkeypatch.setattr(cli.command_support, "require_services", lambda config: None)
-    monkeypatch.setattr(flows.upgrade, "run_upgrade_file", run_upgrade_file)
+    monkeypatch.setattr(fastfill.cli.command_support, "require_services", lambda config: None)
+    monkeypatch.setattr(fastfill.flows.upgrade, "run_upgrade_file", run_upgrade_file)
     return answers
 
 
@@ -227,8 +227,8 @@ def test_the_upgrade_answers_its_result_with_the_same_exit_code(upgrade_answers,
 
 
 def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
-    import cli.command_support
-    import cli.upgrade_commands
+    import fastfill.cli.command_support
+    import fastfill.cli.upgrade_commands
 
     plan = {"from": "models:/embedder/1", "to": "models:/embedder/2", "in_progress": None, "resumes": False,
             "store": str(tmp_path), "items": np.int64(72), "parts": 4, "chunks": 9, "chunk_size": 8,
@@ -240,8 +240,8 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
             "estimated_backfill_seconds": np.float32(0.5), "note": "n", "truth": "the gallery's labels",
             "map_pairs": "this host's new-train split", "small_gallery": None,
             "advice": {"note": "no prediction yet: the registry has no map"}}
-    monkeypatch.setattr(cli.command_support, "require_services", lambda config: None)
-    monkeypatch.setattr(cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)
+    monkeypatch.setattr(fastfill.cli.command_support, "require_services", lambda config: None)
+    monkeypatch.setattr(fastfill.cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)
     text = _invoke("upgrade", "--dry-run", "--store", str(tmp_path))
     assert text.exit_code == 0 and text.stdout.startswith("dry run: nothing written. models:/embedder/1 -> ")
     document = _document(_invoke("upgrade", "--dry-run", "--store", str(tmp_path), "--json"),
@@ -286,9 +286,9 @@ def test_doctor_and_status_answer_their_checks_with_the_same_exit_code(quiet_env
 
 
 def test_model_list_and_webhook_list(quiet_env, tmp_path):
-    from components.model_store.catalogue import TAG_DIM, TAG_HEAD, TAG_INPUT, TAG_SOURCE
-    from components.platform import registry
-    from components.platform.config import load_params
+    from fastfill.components.model_store.catalogue import TAG_DIM, TAG_HEAD, TAG_INPUT, TAG_SOURCE
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import load_params
 
     params = _params(tmp_path)
     client, _ = registry.setup(load_params(params).mlflow)
@@ -374,7 +374,7 @@ def test_in_a_process_stdout_holds_the_document_alone(mid_upgrade, tmp_path):
     script = textwrap.dedent("""
         import subprocess, sys
         import typer
-        from cli.json_output import JsonOption, answer, answers_json
+        from fastfill.cli.json_output import JsonOption, answer, answers_json
 
         app = typer.Typer()
 

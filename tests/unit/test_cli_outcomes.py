@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from components.experiment.data import DataError
-from components.experiment.map_check import MapCheckError
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.inputs.images import ImageStoreError
-from components.gallery.store.lock import LeaseLost, UpgradeLocked
-from components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
-from components.platform.config import ConfigError, MlflowConfig
-from components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server
-from cli.command_support import (
+from fastfill.components.experiment.data import DataError
+from fastfill.components.experiment.map_check import MapCheckError
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.inputs.images import ImageStoreError
+from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
+from fastfill.components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
+from fastfill.components.platform.config import ConfigError, MlflowConfig
+from fastfill.components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server
+from fastfill.cli.command_support import (
     FAILED, INPUT, SERVICE, USAGE, ServiceUnavailable, _KnownFailuresOffTheConsole, check_prefect_api, outcome,
 )
 
@@ -135,7 +135,7 @@ def test_a_status_imports_prefect_only_where_a_server_may_be_named(tmp_path, mon
     """`fastfill status` links the Prefect flow run only where PREFECT_API_URL names a server; it
     finds out without importing Prefect (about a second of CPU) when neither the environment nor
     a profiles file names one."""
-    from cli.doctor_commands import _prefect_may_be_named
+    from fastfill.cli.doctor_commands import _prefect_may_be_named
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.delenv("PREFECT_PROFILES_PATH", raising=False)

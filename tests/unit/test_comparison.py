@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluation.comparison import (
+from fastfill.components.evaluation.comparison import (
     check_expectations, comparison_markdown, describe_dual, describe_method, plot_comparison, ranking, summarize,
 )
-from components.platform.config import AlignConfig, CompatibleConfig
+from fastfill.components.platform.config import AlignConfig, CompatibleConfig
 
 ALPHA = [0.0, 0.5, 1.0]
 KEYS = ("top1", "top5", "map")
@@ -119,7 +119,7 @@ def test_methods_are_described_in_the_terms_of_the_methods_page():
 
 
 def test_every_method_of_a_20_curve_plot_has_its_own_colour_and_the_papers_methods_stand_out():
-    from components.evaluation.comparison import curve_styles
+    from fastfill.components.evaluation.comparison import curve_styles
 
     methods = ["fct", "fastfill", "bct", "ract", "disc", "l2_disc", "l2_uncertainty", "disc_uncertainty", "rbt",
                "unified", "ract_vanilla", "adapter_procrustes", "adapter_low_rank", "adapter_residual_mlp"]
@@ -142,8 +142,8 @@ def test_every_method_of_a_20_curve_plot_has_its_own_colour_and_the_papers_metho
 
 
 def test_the_shadow_index_rows_state_their_merge_and_their_cost():
-    from components.evaluation.comparison import DUAL_MERGES
-    from components.platform.vocabulary import MERGES
+    from fastfill.components.evaluation.comparison import DUAL_MERGES
+    from fastfill.components.platform.vocabulary import MERGES
 
     assert set(DUAL_MERGES) == set(MERGES)
     for merge in MERGES:
@@ -161,7 +161,7 @@ def test_the_shadow_index_rows_state_their_merge_and_their_cost():
 
 
 def test_each_row_has_its_0_30_area_and_its_cost_in_the_table():
-    from components.evaluation.comparison import COSTS, early_area, method_cost
+    from fastfill.components.evaluation.comparison import COSTS, early_area, method_cost
 
     # the mean of the points up to 30% backfilled, a point exactly at the bound included
     assert early_area([0.0, 0.1, 0.3, 0.4], [1.0, 0.0, 0.0, 9.0]) == pytest.approx(1 / 3)
@@ -189,8 +189,8 @@ def test_a_compatible_method_searched_by_its_own_distance_says_so():
 
 
 def test_the_comparison_at_a_size_has_its_own_splits_seeds_and_report(tmp_path):
-    from components.platform.config import load_params
-    from flows.compare import comparison_outputs
+    from fastfill.components.platform.config import load_params
+    from fastfill.flows.compare import comparison_outputs
 
     params = load_params("params.yaml")
     sized = params.comparison_at_size(1000)

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from testkit.tiny_demo import tiny_params
-from components.platform.config import parse_params
-from components.platform.layout import write_json
-from components.platform.progress import Progress, following
-from flows.comparison_progress import comparison_progress, finished_stages, seed_stages
+from fastfill.components.platform.config import parse_params
+from fastfill.components.platform.layout import write_json
+from fastfill.components.platform.progress import Progress, following
+from fastfill.flows.comparison_progress import comparison_progress, finished_stages, seed_stages
 
 STAGES = ["train-old", "train-new", "align-fct", "align-fastfill", "align-l2_disc", "align-rbt", "align-unified",
           "compatible-bct", "compatible-ract", "evaluate"]
@@ -79,7 +79,7 @@ def test_the_log_follows_every_seeds_outputs_written_by_other_processes(params):
         _finish(seed0["train-old"])
         _finish(seed0["train-new"])
         # a seed run side by side: its own process writes its files
-        code = "import sys; from components.platform.layout import write_json; from pathlib import Path; " \
+        code = "import sys; from fastfill.components.platform.layout import write_json; from pathlib import Path; " \
                "write_json(Path(sys.argv[1]), {'version': '1'})"
         subprocess.run([sys.executable, "-c", code, str(seed1["train-old"])], check=True)
         line = _wait_for(lambda: lines, r": 3/20 stages")

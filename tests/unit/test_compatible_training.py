@@ -4,12 +4,12 @@
 import pytest
 import torch
 
-from components.experiment.compatibility import BCTInfluence, RACTCompatibility, old_class_means
-from components.platform.config import AlignConfig, TrainConfig
-from components.experiment.data import Split
-from components.experiment.inference import embed
-from components.experiment.map_training import train_alignment, train_unified
-from components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.experiment.compatibility import BCTInfluence, RACTCompatibility, old_class_means
+from fastfill.components.platform.config import AlignConfig, TrainConfig
+from fastfill.components.experiment.data import Split
+from fastfill.components.experiment.inference import embed
+from fastfill.components.experiment.map_training import train_alignment, train_unified
+from fastfill.components.experiment.training import TrainingRun, train_embedder
 from tests.synthetic import SQUARE_CLASSES, square_images
 
 CLASSES = SQUARE_CLASSES

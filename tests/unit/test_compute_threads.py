@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from components.platform.config import ConfigError, load_params, parse_params
-from components.platform.runtime import use_threads
+from fastfill.components.platform.config import ConfigError, load_params, parse_params
+from fastfill.components.platform.runtime import use_threads
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.platform.config import ConfigError, load_params, parse_params
+from fastfill.components.platform.config import ConfigError, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,7 +163,7 @@ def test_a_unified_map_cannot_drive_a_stored_gallery_upgrade():
 def test_a_bad_upgrade_option_is_refused_naming_its_key(option, value, key):
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     result = CliRunner().invoke(app, ["upgrade", option, value, "--dry-run"])
     assert result.exit_code == 2 and "the command's options: invalid configuration" in result.output
@@ -183,7 +183,7 @@ def test_the_configuration_page_is_generated_from_the_definitions():
 
 
 def test_the_maps_are_registered_beside_the_embedder_by_default():
-    from components.platform.config import parse_params
+    from fastfill.components.platform.config import parse_params
 
     assert parse_params({"mlflow": {"registered_model": "icon-embedder"}}).mlflow.alignment_model == \
         "icon-embedder-alignment"
@@ -196,7 +196,7 @@ def test_a_host_without_a_params_file_takes_the_defaults(tmp_path, monkeypatch):
     """A team's upgrade host holds none of the pipeline's files: no params.yaml at the default path
     is the defaults, and so is an empty one; a file named explicitly must exist; a folder or a file
     that is not UTF-8 is one line that says what to do."""
-    from components.platform.config import ConfigError, load_params, parse_params
+    from fastfill.components.platform.config import ConfigError, load_params, parse_params
 
     monkeypatch.chdir(tmp_path)
     assert load_params() == parse_params({})

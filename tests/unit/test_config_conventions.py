@@ -11,9 +11,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli import app
-from components.platform import registry
-from components.platform.config import ConfigError, MlflowConfig, load_params, needs_train, parse_params
+from fastfill.cli import app
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import ConfigError, MlflowConfig, load_params, needs_train, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = {"gallery": {"store": "s3://team-bucket/gallery"}, "mlflow": {"tracking_uri": "http://mlflow.internal:5000"}}
@@ -77,7 +77,7 @@ def test_the_registry_follows_mlflow_registry_uri(tmp_path, monkeypatch):
 
 
 def test_the_schedules_take_the_configured_time_zone():
-    from flows.deployments import deployments
+    from fastfill.flows.deployments import deployments
 
     params = parse_params({**HOST, "triggers": {"timezone": "Europe/Paris", "comparison_cron": "0 3 * * 0"}})
     scheduled = {d.name: d for d in deployments(params) if d.schedules}

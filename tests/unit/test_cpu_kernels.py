@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from components.platform import runtime
-from components.platform.config import ConfigError, parse_params
+from fastfill.components.platform import runtime
+from fastfill.components.platform.config import ConfigError, parse_params
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED = runtime.kernel_environment("avx2")
@@ -48,7 +48,7 @@ import json, os, sys
 {before}
 import numpy, torch, faiss
 from numpy._core._multiarray_umath import __cpu_features__
-from components.platform import runtime
+from fastfill.components.platform import runtime
 level = os.environ.get("FASTFILL_CPU_KERNELS", "avx2")
 print(json.dumps({{"torch": torch.backends.cpu.get_cpu_capability(), "faiss": faiss.SIMDConfig.get_level_name(),
                   "numpy_avx512": bool(__cpu_features__.get("X86_V4")),
@@ -62,7 +62,7 @@ print(json.dumps({{"torch": torch.backends.cpu.get_cpu_capability(), "faiss": fa
 def test_a_pinned_process_runs_every_library_at_avx2():
     """The CLI pins before anything heavy loads: torch, faiss and numpy run AVX2 code even on an
     AVX-512 machine, and nothing is reported out of place."""
-    report = _child(REPORT.format(before="from components.platform.runtime import pin_cpu_kernels\n"
+    report = _child(REPORT.format(before="from fastfill.components.platform.runtime import pin_cpu_kernels\n"
                                          "pin_cpu_kernels('avx2')"), _clean_environment())
     assert report["torch"] == "AVX2"
     assert report["faiss"] == "AVX2"
@@ -77,7 +77,7 @@ def test_libraries_loaded_before_the_pin_are_reported():
     """torch picks its kernels at its first operation, faiss and numpy when they load: after
     those, the pin comes too late, and the stage's check says so."""
     report = _child(REPORT.format(before="import torch, faiss\ntorch.ones(8).sum()\n"
-                                         "from components.platform.runtime import pin_cpu_kernels\n"
+                                         "from fastfill.components.platform.runtime import pin_cpu_kernels\n"
                                          "pin_cpu_kernels('avx2')"), _clean_environment())
     assert report["torch"] == "AVX512"
     assert report["numpy_avx512"]  # numpy read NPY_DISABLE_CPU_FEATURES when it loaded, before the pin
@@ -86,14 +86,14 @@ def test_libraries_loaded_before_the_pin_are_reported():
 
 
 def test_the_environment_wins_over_the_configuration():
-    report = _child(REPORT.format(before="from components.platform.runtime import pin_cpu_kernels\n"
+    report = _child(REPORT.format(before="from fastfill.components.platform.runtime import pin_cpu_kernels\n"
                                          "pin_cpu_kernels('avx2')"),
                     _clean_environment(FASTFILL_CPU_KERNELS="native", ONEDNN_MAX_CPU_ISA="AVX2"))
     assert report["level"] == "native"
     assert report["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # set by hand: kept
     assert report["env"]["MKL_CBWR"] is None  # native sets nothing
     assert report["problems"] == []
-    hand = _child(REPORT.format(before="from components.platform.runtime import pin_cpu_kernels\n"
+    hand = _child(REPORT.format(before="from fastfill.components.platform.runtime import pin_cpu_kernels\n"
                                        "pin_cpu_kernels('avx2')"),
                   _clean_environment(MKL_CBWR="AVX2"))
     assert hand["env"]["MKL_CBWR"] == "AVX2"
@@ -101,7 +101,7 @@ def test_the_environment_wins_over_the_configuration():
 
 
 def test_one_function_gives_the_level_in_force(monkeypatch):
-    from components.platform.runtime import cpu_kernels_level
+    from fastfill.components.platform.runtime import cpu_kernels_level
 
     monkeypatch.delenv("FASTFILL_CPU_KERNELS", raising=False)
     assert cpu_kernels_level("native") == "native"

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from components.platform.config import PrepareConfig
-from components.experiment.data import (
+from fastfill.components.platform.config import PrepareConfig
+from fastfill.components.experiment.data import (
     DataError, RawDataset, Split, load_meta, load_raw_dataset, load_split, make_splits, save_splits,
 )
 from testkit.tiny_demo import make_image_folder

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
-from components.platform.config import PromotionConfig
-from components.platform.registry import ModelRef
+from fastfill.components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
+from fastfill.components.platform.config import PromotionConfig
+from fastfill.components.platform.registry import ModelRef
 
 V1, V2, V3 = (ModelRef("embedder", str(v), 8) for v in (1, 2, 3))
 UID12, UID13, UID23 = "embedder-v1-to-embedder-v2", "embedder-v1-to-embedder-v3", "embedder-v2-to-embedder-v3"
@@ -196,10 +196,10 @@ def test_a_paused_backfill_says_how_to_go_on():
 
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     """The real store's view against the table's: a planned, then aborted upgrade."""
-    from components.gallery.layouts.catalog import Gallery, ingest
-    from components.gallery.upgrade.planning import Plan, write_plan
-    from components.gallery.upgrade.reversal import abort
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.upgrade.planning import Plan, write_plan
+    from fastfill.components.gallery.upgrade.reversal import abort
+    from fastfill.components.gallery.store import open_store
     import numpy as np
 
     store = open_store(tmp_path / "g")

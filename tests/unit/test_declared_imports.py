@@ -62,9 +62,10 @@ def undeclared(root: Path, pyproject: dict, providers: dict[str, list[str]]) -> 
     """{file relative to root: what it imports that no declared distribution provides, as
     'module (distribution, ...)'}."""
     groups = declared(pyproject)
-    package_globs = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    package_dirs = {glob.rstrip("*") for glob in package_globs}
-    own = {path.name for path in root.iterdir() if path.is_dir()} | {path.stem for path in root.glob("*.py")}
+    package_dir = pyproject["tool"]["setuptools"]["package-dir"]  # {"fastfill.components": "components", ...}
+    package_dirs = set(package_dir.values())
+    own = {path.name for path in root.iterdir() if path.is_dir()} | {path.stem for path in root.glob("*.py")} | \
+        {name.split(".")[0] for name in package_dir}
     problems: dict[str, list[str]] = {}
     for path in python_files(root):
         relative = path.relative_to(root)
@@ -93,14 +94,14 @@ def test_every_imported_distribution_is_declared():
 def test_the_check_names_an_undeclared_import(tmp_path):
     (tmp_path / "components").mkdir()
     (tmp_path / "components" / "a.py").write_text("import os\nimport numpy\n\n\ndef f():\n    from tqdm import tqdm\n")
-    (tmp_path / "components" / "b.py").write_text("from . import a\nfrom components import a\nimport moto\n")
+    (tmp_path / "components" / "b.py").write_text("from . import a\nfrom fastfill.components import a\nimport moto\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_a.py").write_text("import moto.server\nimport helper\n")
     (tmp_path / "tests" / "helper.py").write_text("")
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / "x.py").write_text("import anything_at_all\n")
     pyproject = {"project": {"dependencies": ["numpy>=2"], "optional-dependencies": {"test": ["moto[server]==5.2.5"]}},
-                 "tool": {"setuptools": {"packages": {"find": {"include": ["components*"]}}}}}
+                 "tool": {"setuptools": {"package-dir": {"fastfill.components": "components"}}}}
     providers = {"numpy": ["numpy"], "tqdm": ["tqdm"], "moto": ["moto"]}
     assert undeclared(tmp_path, pyproject, providers) == {
         "components/a.py": ["tqdm (tqdm)"],

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from components.gallery.upgrade import backfill, ending
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.search.dual import DualSearch
-from components.experiment.inference import embed
+from fastfill.components.gallery.upgrade import backfill, ending
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.search.dual import DualSearch
+from fastfill.components.experiment.inference import embed
 from tests.gallery_cases import N, NEW, OLD
 
 
@@ -75,7 +75,7 @@ def test_score_merges_rank_each_list_by_its_own_normalised_scores(mid_upgrade):
 
 
 def test_search_merge_on_the_command_line(mid_upgrade, tmp_path):
-    from cli import app
+    from fastfill.cli import app
 
     gallery, _, (old, new, _), (images, _) = mid_upgrade
     np.save(tmp_path / "old.npy", embed(old, images[:3]))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.evaluation.reports import ROW_KEYS, method_colours, plot_curves, summary_rows, write_summary
-from components.platform.config import ConfigError, load_params, parse_params
+from fastfill.components.evaluation.reports import ROW_KEYS, method_colours, plot_curves, summary_rows, write_summary
+from fastfill.components.platform.config import ConfigError, load_params, parse_params
 from tests.synthetic import tiny_curves
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_a_comparison_name_equal_to_a_production_one_is_refused(key, value):
 def test_a_comparison_seeds_configuration_survives_being_validated_again():
     """Prefect validates a flow's parameters again: the seed's copy, whose mlflow names are the
     comparison's, must pass and keep them."""
-    from components.platform.config import Params
+    from fastfill.components.platform.config import Params
 
     seeded = load_params(ROOT / "params.yaml").for_comparison(0)
     again = Params.model_validate(seeded.model_dump(mode="json"))
@@ -171,8 +171,9 @@ _COMPUTING = ("components/experiment/", "components/evaluation/", "tasks/", "flo
               "components/platform/layout.py", "components/platform/runtime.py")
 
 
-@pytest.mark.parametrize("stage, module", [("prepare", "flows.prepare"), ("train@old", "flows.train"),
-                                           ("align@fastfill", "flows.align"), ("evaluate", "flows.evaluate")])
+@pytest.mark.parametrize("stage, module", [("prepare", "fastfill.flows.prepare"), ("train@old", "fastfill.flows.train"),
+                                           ("align@fastfill", "fastfill.flows.align"),
+                                           ("evaluate", "fastfill.flows.evaluate")])
 def test_every_stage_depends_on_what_it_imports(stage, module):
     """Each stage's deps list, file by file, every module it loads that computes its outputs (the
     experiment's and evaluation's components, its flow and tasks, the layout and the CPU pin)."""
@@ -190,7 +191,7 @@ def test_every_stage_depends_on_what_it_imports(stage, module):
         relative = str(path.relative_to(ROOT))
         if relative.startswith(_COMPUTING) and relative not in _NOT_COMPUTING:
             files.add(relative)
-    assert f"{module.replace('.', '/')}.py" in files
+    assert f"{module.removeprefix('fastfill.').replace('.', '/')}.py" in files
     deps = set(_declared_stages()[stage]["deps"])
     assert files <= deps, f"the {stage} stage imports {sorted(files - deps)}, which dvc.yaml does not list"
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from components.experiment.models import Embedder
-from components.model_store.embedders import ModuleEmbedder
-from components.model_store.preprocessing import Preprocessing
-from components.model_store.sources import from_onnx, from_torchvision
-from components.platform.config import TrainConfig
+from fastfill.components.experiment.models import Embedder
+from fastfill.components.model_store.embedders import ModuleEmbedder
+from fastfill.components.model_store.preprocessing import Preprocessing
+from fastfill.components.model_store.sources import from_onnx, from_torchvision
+from fastfill.components.platform.config import TrainConfig
 
 INPUT = Preprocessing(channels=3, height=24, width=24, mean=(0.5,), std=(0.25,))
 THREADS, ROUNDS, BATCH = 6, 4, 5
@@ -43,7 +43,7 @@ def _concurrent_equals_sequential(embed) -> None:
 def test_a_torchvision_model_read_at_its_head_embeds_the_same_from_many_threads(tmp_path):
     from safetensors.torch import save_file
 
-    from components.experiment.vision import torchvision
+    from fastfill.components.experiment.vision import torchvision
 
     torch.manual_seed(2)
     save_file(torchvision.models.resnet18(num_classes=6).state_dict(), str(tmp_path / "w.safetensors"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from components.evaluation.fusion import merge_lists, normalise_distances, rrf_merge, score_merge
+from fastfill.components.evaluation.fusion import merge_lists, normalise_distances, rrf_merge, score_merge
 
 # --------------------------------------------------------------------------------------------
 # Top-k merges (serving)
@@ -84,8 +84,8 @@ def test_malformed_lists_are_refused_with_what_is_wrong(call, message):
 # --------------------------------------------------------------------------------------------
 # The dual backfill curve against a literal reference
 
-from components.evaluation import backfill_curve, curve_alphas, pairwise_distances, retrieval_metrics  # noqa: E402
-from components.evaluation.dual_curve import dual_curve, dual_curves  # noqa: E402
+from fastfill.components.evaluation import backfill_curve, curve_alphas, pairwise_distances, retrieval_metrics  # noqa: E402
+from fastfill.components.evaluation.dual_curve import dual_curve, dual_curves  # noqa: E402
 
 MERGES = ("rrf", "score_minmax", "score_zscore")
 
@@ -227,13 +227,13 @@ def test_malformed_inputs_are_named(change, message):
 
 
 def test_the_evaluation_stage_measures_each_merge_in_each_order_with_its_headline(tmp_path):
-    """tasks.method_curves.dual_curves_of on a stage layout: the old model's raw test features,
+    """fastfill.tasks.method_curves.dual_curves_of on a stage layout: the old model's raw test features,
     the sigma order from the named map's stored log_sigma2, random from evaluate.seed."""
-    from components.evaluation.ordering import random_order, sigma_order
-    from components.evaluation.reports import build_metrics
-    from components.platform.config import EvaluateConfig, PathsConfig
-    from components.platform.layout import Layout
-    from tasks.method_curves import dual_curves_of
+    from fastfill.components.evaluation.ordering import random_order, sigma_order
+    from fastfill.components.evaluation.reports import build_metrics
+    from fastfill.components.platform.config import EvaluateConfig, PathsConfig
+    from fastfill.components.platform.layout import Layout
+    from fastfill.tasks.method_curves import dual_curves_of
 
     query_old, query_new, old, new, labels, _ = _case(n=30, seed=11)
     layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))

@@ -5,11 +5,11 @@ integration tier runs them on S3), bad input, gc, and the measurement."""
 import numpy as np
 import pytest
 
-from components.evaluation import curve_at_counts
-from components.gallery.upgrade import garbage
-from components.gallery.layouts.catalog import Gallery, GalleryError, ingest
-from components.gallery.upgrade.measure import BackfillMeter, restricted_order
-from components.gallery.store import (
+from fastfill.components.evaluation import curve_at_counts
+from fastfill.components.gallery.upgrade import garbage
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ingest
+from fastfill.components.gallery.upgrade.measure import BackfillMeter, restricted_order
+from fastfill.components.gallery.store import (
     open_store,
 )
 
@@ -90,8 +90,8 @@ def test_meter_equals_the_simulated_curve_at_the_same_counts():
 
 
 def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
-    from components.gallery.advice.estimate import dry_run
-    from components.platform.config import UpgradeConfig
+    from fastfill.components.gallery.advice.estimate import dry_run
+    from fastfill.components.platform.config import UpgradeConfig
 
     _, new, _ = models
     gallery = _gallery(str(tmp_path / "store"), models, data)
@@ -107,10 +107,10 @@ def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
 
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
 def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, models, kind):
-    from components.experiment.inference import embed
-    from components.gallery.upgrade import backfill, planning
-    from components.gallery.search.index import GallerySearch
-    from components.platform.config import IndexConfig
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.upgrade import backfill, planning
+    from fastfill.components.gallery.search.index import GallerySearch
+    from fastfill.components.platform.config import IndexConfig
     from tests.gallery_cases import NEW
 
     old, new, h = models
@@ -151,7 +151,7 @@ def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, m
 def test_precision_rules_name_the_setting_and_keep_the_cpu_in_float32():
     import torch
 
-    from components.experiment.inference import autocast_dtype
+    from fastfill.components.experiment.inference import autocast_dtype
 
     cpu = torch.device("cpu")
     assert autocast_dtype(cpu, "auto") is None and autocast_dtype(cpu, "fp32") is None
@@ -164,8 +164,8 @@ def test_precision_rules_name_the_setting_and_keep_the_cpu_in_float32():
 def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tmp_path, models, data):
     import torch
 
-    from components.gallery.search.index import GallerySearch
-    from components.platform.config import IndexConfig
+    from fastfill.components.gallery.search.index import GallerySearch
+    from fastfill.components.platform.config import IndexConfig
 
     gallery = _gallery(str(tmp_path / "store"), models, data)
     assert GallerySearch(gallery).searched_on == "cpu (faiss)"  # auto follows FASTFILL_DEVICE=cpu (conftest)
@@ -178,9 +178,9 @@ def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tm
 def test_a_store_outage_is_never_a_missing_measurement_or_a_failed_image(tmp_path, monkeypatch):
     import socket
 
-    from components.gallery.upgrade import planning
-    from components.gallery.inputs.images import ImageStoreError, read_images
-    from components.gallery.store import LocalStore, StoreUnreachable
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.gallery.inputs.images import ImageStoreError, read_images
+    from fastfill.components.gallery.store import LocalStore, StoreUnreachable
 
     class Down(LocalStore):  # the store answers nothing: what an outage looks like to a reader
         def _get(self, key):

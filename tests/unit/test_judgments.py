@@ -7,11 +7,11 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from components.evaluation import backfill_curve, retrieval_metrics
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.gate.judged_gate import agreement_at, measure_judged_gate
-from components.gallery.inputs.judgments import Judgments, load_judgments
-from components.gallery.gate.promotion import measure_gate
+from fastfill.components.evaluation import backfill_curve, retrieval_metrics
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.gate.judged_gate import agreement_at, measure_judged_gate
+from fastfill.components.gallery.inputs.judgments import Judgments, load_judgments
+from fastfill.components.gallery.gate.promotion import measure_gate
 
 IDS = np.array([10, 20, 30, 40, 50])
 ROWS = {"query": ["10", "10", "s3://b/q.png", "30", "10", "40", "50", "50"],
@@ -234,7 +234,7 @@ def test_agreement_is_full_when_the_mixed_gallery_is_the_final_one():
 
 
 def test_agreement_read_in_gallery_blocks_is_the_brute_force_one(monkeypatch):
-    from components.gallery.gate import judged_gate
+    from fastfill.components.gallery.gate import judged_gate
 
     rng = np.random.default_rng(5)
     final = rng.normal(size=(300, 6)).astype(np.float32)

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from components.experiment.basis_transformation import BasisTransformedEmbedding, fold_basis_transformation
-from components.experiment.compatibility import (
+from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding, fold_basis_transformation
+from fastfill.components.experiment.compatibility import (
     BT2Compatibility, StationaryCompatibility, fix_simplex_classifier, old_class_means, old_items_beside_new_features,
 )
-from components.experiment.data import Split
-from components.experiment.inference import embed
-from components.experiment.losses import bt2_per_sample, hoc_per_sample, simplex_prototypes
-from components.experiment.models import Embedder
-from components.experiment.training import TrainingRun, train_embedder
-from components.platform.config import CompatibleConfig, TrainConfig
+from fastfill.components.experiment.data import Split
+from fastfill.components.experiment.inference import embed
+from fastfill.components.experiment.losses import bt2_per_sample, hoc_per_sample, simplex_prototypes
+from fastfill.components.experiment.models import Embedder
+from fastfill.components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.platform.config import CompatibleConfig, TrainConfig
 from tests.synthetic import SQUARE_CLASSES, square_images
 
 CPU = torch.device("cpu")

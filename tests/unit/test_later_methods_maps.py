@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from components.evaluation import backfill_curve, retrieval_metrics
-from components.evaluation.dual_curve import dual_curve
-from components.evaluation.online_backfill import monotonicity, online_curve
-from components.experiment.adapters import fit_procrustes
-from components.experiment.losses import orthogonality_penalty
-from components.experiment.map_training import train_alignment
-from components.experiment.models import AlignmentMap, build, describe, load_alignment, save_alignment
-from components.platform.config import AlignConfig, ConfigError, parse_params
+from fastfill.components.evaluation import backfill_curve, retrieval_metrics
+from fastfill.components.evaluation.dual_curve import dual_curve
+from fastfill.components.evaluation.online_backfill import monotonicity, online_curve
+from fastfill.components.experiment.adapters import fit_procrustes
+from fastfill.components.experiment.dense import Dense
+from fastfill.components.experiment.losses import orthogonality_penalty
+from fastfill.components.experiment.map_training import train_alignment
+from fastfill.components.experiment.models import AlignmentMap, build, describe, load_alignment, save_alignment
+from fastfill.components.platform.config import AlignConfig, ConfigError, parse_params
 from testkit.tiny_demo import tiny_params
 
 CPU = torch.device("cpu")
@@ -46,7 +47,7 @@ def test_the_affine_map_is_configured_validated_and_rebuilt():
     assert AlignConfig(**AlignConfig().model_dump()) == AlignConfig()
     h = AlignmentMap.from_config(config, 3, 5)
     assert isinstance(h.transform, torch.nn.Linear) and h.affine_weight.shape == (5, 3)
-    assert type(build(describe(h)).transform) is torch.nn.Linear
+    assert type(build(describe(h)).transform) is Dense  # one linear layer, rebuilt as it was
     with pytest.raises(ValueError, match="only an affine map"):
         AlignmentMap.from_config(AlignConfig(hidden=[4]), 3, 5).affine_weight
 
@@ -139,7 +140,7 @@ def test_the_distance_merge_on_a_hand_made_example():
 
 def _literal_online_curve(reverse, new, old, labels, order, points):
     """Every query's merged list built item by item: (distance, 0 = new first, rank, positive)."""
-    from components.evaluation import pairwise_distances
+    from fastfill.components.evaluation import pairwise_distances
 
     n = len(labels)
     d_new, d_old = pairwise_distances(new, new, "l2"), pairwise_distances(reverse, old, "l2")
@@ -220,14 +221,14 @@ def test_monotonicity_of_a_curve():
 
 
 def test_the_evaluation_stage_measures_online_backfilling_in_each_order(tmp_path):
-    """tasks.method_curves.online_curves_of on a stage layout: the adapter fitted on new_train's
+    """fastfill.tasks.method_curves.online_curves_of on a stage layout: the adapter fitted on new_train's
     pairs reverse-maps the new test features; each dual order, with monotonicity in the metrics."""
-    from components.evaluation.ordering import random_order
-    from components.evaluation.reports import build_metrics
-    from components.experiment.adapters import fit_adapter
-    from components.platform.config import EvaluateConfig, PathsConfig
-    from components.platform.layout import Layout
-    from tasks.method_curves import online_curves_of
+    from fastfill.components.evaluation.ordering import random_order
+    from fastfill.components.evaluation.reports import build_metrics
+    from fastfill.components.experiment.adapters import fit_adapter
+    from fastfill.components.platform.config import EvaluateConfig, PathsConfig
+    from fastfill.components.platform.layout import Layout
+    from fastfill.tasks.method_curves import online_curves_of
 
     rng = np.random.default_rng(5)
     labels = rng.integers(0, 3, 30)
@@ -260,7 +261,7 @@ def test_the_metric_compatible_term_against_a_literal_computation():
     """Two anchors of classes 0 and 1 in 1-D: the candidates of anchor 0 are the other new item
     (distance 4) and the two old items through the reverse transformation (distances 0.25 and
     6.25); its positive is the old item of its own class."""
-    from components.experiment.adapters import metric_compatible_loss
+    from fastfill.components.experiment.adapters import metric_compatible_loss
 
     new = torch.tensor([[0.0], [2.0]])
     reverse = torch.tensor([[0.5], [2.0]])
@@ -281,7 +282,7 @@ def test_the_metric_compatible_reverse_transformation_makes_the_merge_rise():
     """An old space at another scale than the new one: a reverse transformation fitted by least
     squares lands on the old features, but its distances do not rank with the new ones, and the
     merge falls below its start; the metric-compatible one rises along the backfill."""
-    from components.experiment.adapters import fit_adapter, fit_metric_compatible
+    from fastfill.components.experiment.adapters import fit_adapter, fit_metric_compatible
 
     rng = np.random.default_rng(7)
     centres_old, centres_new = rng.normal(size=(4, 6)), rng.normal(size=(4, 8))

@@ -7,15 +7,15 @@ import numpy as np
 
 import pytest
 
-from components.gallery.upgrade import planning
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.upgrade.lifecycle import (
+from fastfill.components.gallery.upgrade import planning
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade.lifecycle import (
     Backfill, budget_items, check_map_fits, checked_on, choose_map, cut_for_limit, done_prefix, failed_on, needs_check,
     plan_fields, registered_map_order,
 )
-from components.gallery.upgrade.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
-from components.platform.config import UpgradeConfig
-from components.platform.registry import ModelRef
+from fastfill.components.gallery.upgrade.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
+from fastfill.components.platform.config import UpgradeConfig
+from fastfill.components.platform.registry import ModelRef
 
 OLD, NEW = ModelRef("embedder", "1", 4), ModelRef("embedder", "2", 6)
 

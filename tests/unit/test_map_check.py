@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from components.platform.config import AlignConfig, ConfigError, parse_params
-from components.experiment.losses import uncertainty_objective, uncertainty_weighted
-from components.experiment.map_check import (
+from fastfill.components.platform.config import AlignConfig, ConfigError, parse_params
+from fastfill.components.experiment.losses import uncertainty_objective, uncertainty_weighted
+from fastfill.components.experiment.map_check import (
     MapCheckError, SideOutputs, check_map, check_metrics, check_tags, fallback_config, fallback_map, held_out,
     is_reference, judge, judge_order, reference_config,
 )
-from components.experiment.map_validation import validation_split
-from components.experiment.inference import apply_alignment
-from components.experiment.map_training import feature_schedule, fit_uncertainty_head, train_alignment
+from fastfill.components.experiment.map_validation import validation_split
+from fastfill.components.experiment.inference import apply_alignment
+from fastfill.components.experiment.map_training import feature_schedule, fit_uncertainty_head, train_alignment
 from testkit.tiny_demo import tiny_params
 
 CPU = torch.device("cpu")
@@ -108,7 +108,7 @@ def test_a_deliberately_broken_trained_map_is_caught_and_replaced():
     np.testing.assert_allclose(transformed, apply_alignment(reference, old, device=CPU)[0], atol=1e-6)
     assert log_sigma2 is not None and np.isfinite(log_sigma2).all() and log_sigma2.std() > 0
     # described as the network it is, so its registered version loads back (the fallback map is registered)
-    from components.experiment.models import build, describe
+    from fastfill.components.experiment.models import build, describe
 
     rebuilt = build(describe(fitted))
     rebuilt.load_state_dict(fitted.state_dict())
@@ -141,7 +141,7 @@ def test_an_informative_sigma_order_is_kept_and_a_misleading_one_gives_way_to_ra
 
 
 def test_the_fallback_order_is_recorded_in_tags_metrics_and_the_summary():
-    from components.evaluation.reports import check_summary
+    from fastfill.components.evaluation.reports import check_summary
 
     good, broken, labels = _good_and_broken()
     record = judge("fastfill", _config(check="fallback"), broken, good, labels).to_dict()
@@ -261,7 +261,7 @@ def test_bad_settings_name_the_key(change, message):
 
 
 def test_per_query_scores_average_to_the_curve_numbers():
-    from components.experiment.map_check import curve_numbers, per_query_scores
+    from fastfill.components.experiment.map_check import curve_numbers, per_query_scores
 
     new, labels = _clustered(n=120, classes=6)
     rng = np.random.default_rng(4)
@@ -297,7 +297,7 @@ def test_weak_evidence_falls_back_and_strong_evidence_passes():
 
 def test_the_check_reports_the_backfill_curve_numbers():
     """judge ranks each side once, per query; the numbers it reports are curve_numbers'."""
-    from components.experiment.map_check import curve_numbers
+    from fastfill.components.experiment.map_check import curve_numbers
 
     good, broken, labels = _good_and_broken()
     result = judge("fastfill", _config(check="warn"), broken, good, labels)

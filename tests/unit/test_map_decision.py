@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from components.experiment.inference import apply_alignment
-from components.experiment.map_check import (
+from fastfill.components.experiment.inference import apply_alignment
+from fastfill.components.experiment.map_check import (
     MapCheckError, check_metrics, check_tags, decide_map, reference_config, skip_reason,
 )
-from components.experiment.map_training import train_alignment
-from components.platform.config import AlignConfig
+from fastfill.components.experiment.map_training import train_alignment
+from fastfill.components.platform.config import AlignConfig
 
 CPU = torch.device("cpu")
 

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from components.evaluation.comparison import comparison_markdown, plot_comparison, ranking, summarize
-from components.evaluation.reports import build_metrics
-from components.experiment.inference import apply_alignment
-from components.experiment.map_check import (
+from fastfill.components.evaluation.comparison import comparison_markdown, plot_comparison, ranking, summarize
+from fastfill.components.evaluation.reports import build_metrics
+from fastfill.components.experiment.inference import apply_alignment
+from fastfill.components.experiment.map_check import (
     MapCheckError, check_map, check_metrics, check_tags, fallback_map, held_out, reference_config,
 )
-from components.experiment.map_training import divergence, train_alignment
-from components.experiment.models import AlignmentMap
-from components.platform.config import AlignConfig
-from tasks.method_curves import diverged_curve
+from fastfill.components.experiment.map_training import divergence, train_alignment
+from fastfill.components.experiment.models import AlignmentMap
+from fastfill.components.platform.config import AlignConfig
+from fastfill.tasks.method_curves import diverged_curve
 from tests.synthetic import tiny_curves
 
 CPU = torch.device("cpu")

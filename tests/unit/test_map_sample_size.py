@@ -3,10 +3,10 @@ gallery.upgrade.map_sample (the setting the user chose), not the check's own set
 
 import pytest
 
-from components.experiment.map_validation import validation_split
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.upgrade.samples import check_map_sample, least_map_sample
-from components.platform.config import UpgradeConfig
+from fastfill.components.experiment.map_validation import validation_split
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade.samples import check_map_sample, least_map_sample
+from fastfill.components.platform.config import UpgradeConfig
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 0.05])
@@ -28,7 +28,7 @@ def test_a_too_small_sample_is_refused_naming_map_sample():
 
 
 def _params(**upgrade):
-    from components.platform.config import parse_params
+    from fastfill.components.platform.config import parse_params
 
     return parse_params({"gallery": {"upgrade": {"map_pairs": "gallery", "order": "sigma", **upgrade}}})
 
@@ -39,7 +39,7 @@ def _params(**upgrade):
 def test_a_map_sample_of_most_of_the_gallery_makes_the_upgrade_a_re_embed(items, sample, reembed):
     """At least three quarters of the gallery in the map sample: every item is embedded while
     planning, no FastFill map is trained or checked (a short l2-only one, no check), random order."""
-    from components.gallery.upgrade.samples import SMALL_GALLERY_STEPS, fit_to_gallery
+    from fastfill.components.gallery.upgrade.samples import SMALL_GALLERY_STEPS, fit_to_gallery
 
     params = _params(map_sample=sample, map_sample_min=0 if isinstance(sample, float) else 5000)
     fitted, why = fit_to_gallery(params, items)
@@ -54,7 +54,7 @@ def test_a_map_sample_of_most_of_the_gallery_makes_the_upgrade_a_re_embed(items,
 
 
 def test_the_splits_pairs_never_re_embed():
-    from components.gallery.upgrade.samples import fit_to_gallery
+    from fastfill.components.gallery.upgrade.samples import fit_to_gallery
 
     params = _params(map_pairs="splits")
     assert fit_to_gallery(params, 3000) == (params, None)

@@ -5,11 +5,11 @@ checkpoint."""
 import numpy as np
 import torch
 
-from components.evaluation.assessment import MethodOutputs, build_order, method_curves
-from components.platform.config import AlignConfig
-from components.evaluation import backfill_curve
-from components.experiment.models import UnifiedMaps, load_alignment, save_alignment
-from components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
+from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves
+from fastfill.components.platform.config import AlignConfig
+from fastfill.components.evaluation import backfill_curve
+from fastfill.components.experiment.models import UnifiedMaps, load_alignment, save_alignment
+from fastfill.components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
 
 
 def test_uncertainty_orders_put_the_least_certain_old_feature_first():
@@ -39,7 +39,7 @@ def test_orders_that_need_what_a_method_lacks_say_so():
 
 
 def test_a_fallback_map_without_a_helpful_head_is_measured_in_random_order():
-    from components.evaluation.ordering import random_order
+    from fastfill.components.evaluation.ordering import random_order
 
     outputs = MethodOutputs(gallery_old=np.zeros((50, 2)), sigma_is_random=True)
     np.testing.assert_array_equal(build_order("sigma", outputs, np.zeros((50, 2)), 3), random_order(50, 3))

@@ -2,14 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from components.platform.config import AlignConfig, TrainConfig
-from components.experiment.data import Split
-from components.experiment.models import (
+from fastfill.components.platform.config import AlignConfig, TrainConfig
+from fastfill.components.experiment.data import Split
+from fastfill.components.experiment.models import (
     AlignmentMap, Embedder, load_alignment, load_embedder, save_alignment, save_embedder,
 )
-from components.experiment.inference import apply_alignment, embed
-from components.experiment.map_training import train_alignment, true_alignment_loss
-from components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.experiment.inference import apply_alignment, embed
+from fastfill.components.experiment.map_training import train_alignment, true_alignment_loss
+from fastfill.components.experiment.training import TrainingRun, train_embedder
 from testkit.tiny_demo import class_image
 
 CPU = torch.device("cpu")
@@ -115,7 +115,7 @@ def test_sigma_tracks_the_true_loss():
     h, _ = train_alignment(config, old, new, labels, classifier, device=CPU, log=lambda m: None)
     transformed, log_sigma2 = apply_alignment(h, old, device=CPU)
     loss = true_alignment_loss(config, transformed, new, labels, classifier)
-    from components.evaluation.ordering import kendall_tau
+    from fastfill.components.evaluation.ordering import kendall_tau
 
     assert kendall_tau(log_sigma2, loss) > 0.2
 
@@ -139,7 +139,7 @@ def test_a_checkpoint_of_other_data_is_not_resumed(tmp_path):
 
 
 def test_training_precision_resolves_per_device(monkeypatch):
-    from components.experiment import training
+    from fastfill.components.experiment import training
 
     assert training.training_dtype(CPU, "fp32") is None
     assert training.training_dtype(CPU, "bf16") is torch.bfloat16

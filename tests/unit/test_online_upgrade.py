@@ -5,19 +5,19 @@ advisor, beside the lambda-orthogonal affine map; each against a literal referen
 import numpy as np
 import pytest
 
-from components.evaluation.fusion import distance_merge
-from components.evaluation.online_backfill import online_curve
-from components.experiment.adapters import (
+from fastfill.components.evaluation.fusion import distance_merge
+from fastfill.components.evaluation.online_backfill import online_curve
+from fastfill.components.experiment.adapters import (
     AffineAdapter, adapter_arrays, adapter_from_arrays, fit_metric_compatible, fit_procrustes,
 )
-from components.gallery.advice.advisor import ranks_of
-from components.gallery.advice.target_advice import online_top1, shadow_top1_judged, ways_to_target
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.search.dual import DualSearch
-from components.gallery.store import LocalStore
-from components.gallery.upgrade import backfill, planning
-from components.experiment.inference import apply_alignment, embed
-from components.platform.config import parse_params
+from fastfill.components.gallery.advice.advisor import ranks_of
+from fastfill.components.gallery.advice.target_advice import online_top1, shadow_top1_judged, ways_to_target
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.search.dual import DualSearch
+from fastfill.components.gallery.store import LocalStore
+from fastfill.components.gallery.upgrade import backfill, planning
+from fastfill.components.experiment.inference import apply_alignment, embed
+from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
 from tests.gallery_cases import N, NEW, NEW_DIM, OLD, OLD_DIM, _gallery, make_data, make_models
 
@@ -145,7 +145,7 @@ def test_the_online_top1_is_the_evaluations_online_curve_when_the_sample_is_the_
 
 
 def test_the_judged_online_top1_is_the_labelled_one_when_the_judgments_say_what_the_labels_say():
-    from components.gallery.inputs.judgments import Judgments
+    from fastfill.components.gallery.inputs.judgments import Judgments
 
     old, new, labels = _clustered(n=60)
     twins = fit_procrustes(new, old)(new)

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from components.experiment.optimizers import ExactAdam
+from fastfill.components.experiment.optimizers import ExactAdam
 
 
 def test_exact_adam_is_adam_and_adamw_with_a_correctly_rounded_root():
     """The product's optimiser takes torch's Adam and AdamW steps (same state names) to within a
     float32 rounding of the square root, and its root is numpy's exactly."""
-    from components.experiment.optimizers import exact_sqrt
+    from fastfill.components.experiment.optimizers import exact_sqrt
 
     values = torch.from_numpy(np.random.default_rng(0).random(10_000, dtype=np.float32) * 1e3)
     assert exact_sqrt(values).numpy().tobytes() == np.sqrt(values.numpy()).tobytes()

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from components.evaluation.ordering import (
+from fastfill.components.evaluation.ordering import (
     descending_order, distance_order, is_permutation, kendall_tau, oracle_order, random_order, sigma_order,
 )
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from components.gallery.inputs.images import decode, read_image
-from components.model_store.catalogue import preprocessing_from_options
-from components.model_store.preprocessing import Preprocessing
+from fastfill.components.gallery.inputs.images import decode, read_image
+from fastfill.components.model_store.catalogue import preprocessing_from_options
+from fastfill.components.model_store.preprocessing import Preprocessing
 
 IMAGENET = Preprocessing(channels=3, height=24, width=24, resize="shorter_then_crop", resize_to=28,
                          mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
@@ -29,7 +29,7 @@ def _photo(width: int, height: int, seed: int = 0) -> Image.Image:
 
 @pytest.mark.parametrize("size", [(40, 31), (31, 40), (28, 28), (101, 57)])
 def test_shorter_side_then_centre_crop_equals_torchvision(size):
-    from components.experiment.vision import torchvision
+    from fastfill.components.experiment.vision import torchvision
 
     T = torchvision.transforms
     picture = _photo(*size)
@@ -41,7 +41,7 @@ def test_shorter_side_then_centre_crop_equals_torchvision(size):
 
 
 def test_stretch_equals_torchvision_resize_to_both_sides():
-    from components.experiment.vision import torchvision
+    from fastfill.components.experiment.vision import torchvision
 
     T = torchvision.transforms
     picture = _photo(50, 20)

@@ -1,4 +1,4 @@
-"""components.platform.progress: log lines with rate and time left at most every N seconds and
+"""fastfill.components.platform.progress: log lines with rate and time left at most every N seconds and
 at the end; a tqdm bar on a stream; the mode from the argument, FASTFILL_PROGRESS or the
 terminal; thread safety; and the bar as a pseudo-terminal really shows it (also one nobody
 sized, 0 x 0, where tqdm alone draws nothing)."""
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.platform import progress as pg
+from fastfill.components.platform import progress as pg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_the_mode_comes_from_the_argument_then_fastfill_progress_then_the_termin
 
 
 def test_the_cli_maps_its_option_onto_the_mode(monkeypatch):
-    from cli.upgrade_progress import progress_mode, progress_wanted
+    from fastfill.cli.upgrade_progress import progress_mode, progress_wanted
 
     monkeypatch.delenv(pg.ENV_MODE, raising=False)
     assert (progress_mode(True), progress_mode(False), progress_mode(None)) == ("bar", "log", None)
@@ -170,9 +170,9 @@ def test_advancing_from_many_threads_counts_every_item(mode):
 def test_embed_reports_each_batch():
     import torch
 
-    from components.experiment.inference import embed
-    from components.experiment.models import Embedder
-    from components.platform.config import TrainConfig
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.experiment.models import Embedder
+    from fastfill.components.platform.config import TrainConfig
 
     torch.manual_seed(0)
     model = Embedder(TrainConfig(backbone="cnn", width=4, embedding_dim=8), 1, [0, 1], 0.5, 0.25)
@@ -203,7 +203,7 @@ def _read_pty(main: int, process: subprocess.Popen, timeout: float) -> str:
 
 SCRIPT = textwrap.dedent("""
     import time
-    from components.platform.progress import progress
+    from fastfill.components.platform.progress import progress
 
     with progress("embedding the map sample", total=60, unit="image") as bar:
         for _ in range(6):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.gallery.upgrade.pairs import TARGETS_NONE, TARGETS_PREDICTED, from_gallery
-from components.gallery.upgrade.pseudo_classes import class_count, cluster_classes
+from fastfill.components.gallery.upgrade.pairs import TARGETS_NONE, TARGETS_PREDICTED, from_gallery
+from fastfill.components.gallery.upgrade.pseudo_classes import class_count, cluster_classes
 
 
 def _blobs(per_class: int = 80, classes: int = 5, dim: int = 16, seed: int = 0):
@@ -78,8 +78,8 @@ def test_a_model_with_a_classifier_keeps_its_own():
 def test_with_pseudo_classes_off_a_map_trains_without_a_classifier():
     """pseudo_classes: 0 and a model without a classifier: no disc term, and the map's training
     (which never calls a head without it) is given a stand-in that says so if it ever is."""
-    from components.experiment.map_training import train_alignment
-    from components.platform.config import AlignConfig
+    from fastfill.components.experiment.map_training import train_alignment
+    from fastfill.components.platform.config import AlignConfig
 
     features, _ = _blobs(per_class=20)
     old = features[:, :8].copy()

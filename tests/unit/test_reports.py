@@ -1,6 +1,6 @@
 import json
 
-from components.evaluation.reports import build_metrics, plot_curves, write_plot_data
+from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data
 from tests.synthetic import tiny_curves
 
 
@@ -28,7 +28,7 @@ def test_plot_data_and_png(tmp_path):
 
 
 def test_flatten_numbers_keeps_numbers_under_dotted_keys():
-    from components.evaluation.reports import flatten_numbers
+    from fastfill.components.evaluation.reports import flatten_numbers
 
     nested = {"fastfill": {"top1_auc": 0.9, "order": "sigma", "by_order": {"random": {"map_auc": 0.8}}}, "n": 3}
     assert flatten_numbers(nested) == {"fastfill.top1_auc": 0.9, "fastfill.by_order.random.map_auc": 0.8, "n": 3}
@@ -39,9 +39,9 @@ def test_the_shadow_index_rows_take_their_headline_from_the_configuration(tmp_pa
     first, and every report writer gives them their lines."""
     import numpy as np
 
-    from components.evaluation import dual_curves
-    from components.evaluation.reports import summary_rows, write_summary
-    from components.platform.config import EvaluateConfig
+    from fastfill.components.evaluation import dual_curves
+    from fastfill.components.evaluation.reports import summary_rows, write_summary
+    from fastfill.components.platform.config import EvaluateConfig
 
     reference, curves = tiny_curves()
     rng = np.random.default_rng(1)

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from components.evaluation import (
+from fastfill.components.evaluation import (
     ALPHA_POINTS_DEFAULT,
     BackfillCurve,
     backfill_curve,

@@ -1,6 +1,6 @@
 import pytest
 
-from components.evaluation.seed_report import seeds_markdown, summarize_seeds
+from fastfill.components.evaluation.seed_report import seeds_markdown, summarize_seeds
 
 
 def _metrics(shift: float) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.evaluation import curve_alphas
+from fastfill.components.evaluation import curve_alphas
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from components.gallery.store import lock as locking
-from components.gallery.store import ChecksumMismatch, LocalStore, open_store, sha256
+from fastfill.components.gallery.store import lock as locking
+from fastfill.components.gallery.store import ChecksumMismatch, LocalStore, open_store, sha256
 
 
 # ---- one unit per object --------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_a_holder_whose_lock_was_taken_over_or_broken_stops(tmp_path):
 
 
 def test_the_lease_comes_from_configuration():
-    from components.platform.config import GalleryConfig, load_params
+    from fastfill.components.platform.config import GalleryConfig, load_params
 
     params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
     assert params.gallery.upgrade.lease_seconds == 60
@@ -222,8 +222,8 @@ def test_the_lease_comes_from_configuration():
 
 
 def test_the_s3_client_takes_its_retries_and_timeouts_from_configuration(monkeypatch):
-    from components.gallery import store as stores
-    from components.platform.config import S3Config
+    from fastfill.components.gallery import store as stores
+    from fastfill.components.platform.config import S3Config
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
@@ -246,7 +246,7 @@ def test_the_s3_client_takes_its_retries_and_timeouts_from_configuration(monkeyp
 
 
 def test_keys_may_not_name_the_store_s_own_files(tmp_path):
-    from components.gallery.store import StoreError
+    from fastfill.components.gallery.store import StoreError
 
     with pytest.raises(StoreError, match="invalid key"):
         open_store(tmp_path).put("a/.hidden", b"x")
@@ -264,6 +264,6 @@ def test_keys_may_not_name_the_store_s_own_files(tmp_path):
     ({}, None),
 ])
 def test_the_recorded_sha256_of_an_s3_object(response, expected):
-    from components.gallery.store.s3 import recorded_sha256
+    from fastfill.components.gallery.store.s3 import recorded_sha256
 
     assert recorded_sha256(response) == expected

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.evaluation.sweep_report import plot_sweep, summarize_sweep, sweep_markdown
+from fastfill.components.evaluation.sweep_report import plot_sweep, summarize_sweep, sweep_markdown
 
 
 def _metrics(fct: float, sigma: float, random: float, outcome: str = "passed", order: str | None = None) -> dict:

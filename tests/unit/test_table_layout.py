@@ -8,13 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from components.experiment.inference import embed
-from components.gallery.layouts.catalog import MANIFEST, GalleryError, ingest
-from components.gallery.layouts.convert import convert
-from components.gallery.layouts.opening import gallery_at, layout_of
-from components.gallery.layouts.table import TableGallery, TableWriter, column_name, digests, table_uri
-from components.gallery.store import open_store
-from components.gallery.upgrade import backfill, ending, garbage
+from fastfill.components.experiment.inference import embed
+from fastfill.components.gallery.layouts.catalog import MANIFEST, GalleryError, ingest
+from fastfill.components.gallery.layouts.convert import convert
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.layouts.table import TableGallery, TableWriter, column_name, digests, table_uri
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import backfill, ending, garbage
 from tests.gallery_cases import N, NEW, OLD, _gallery, _plan
 
 
@@ -148,7 +148,7 @@ def test_the_lines_of_docs_lance_md_read_the_table(tmp_path, models, data):
     import re
     from pathlib import Path
 
-    from components.gallery.search.index import GallerySearch
+    from fastfill.components.gallery.search.index import GallerySearch
 
     uri = str(tmp_path / "g")
     gallery, _ = _finished(uri, models, data)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from components.evaluation.dual_curve import dual_curve
-from components.gallery.advice.advisor import ranks_of
-from components.gallery.advice.target_advice import compare_ways, first_reaching, shadow_top1, ways_to_target
+from fastfill.components.evaluation.dual_curve import dual_curve
+from fastfill.components.gallery.advice.advisor import ranks_of
+from fastfill.components.gallery.advice.target_advice import compare_ways, first_reaching, shadow_top1, ways_to_target
 from tests.gallery_cases import N, _gallery, make_data, make_models
 
 
@@ -59,7 +59,7 @@ def test_the_way_that_reaches_the_target_with_the_least_backfill_wins():
 
 
 def test_every_allowed_way_on_a_stored_gallery(tmp_path):
-    from components.experiment.inference import apply_alignment, embed
+    from fastfill.components.experiment.inference import apply_alignment, embed
 
     models, data = make_models(), make_data()
     old, new, h = models
@@ -91,7 +91,7 @@ def test_every_allowed_way_on_a_stored_gallery(tmp_path):
 
 
 def _ways_inputs(gallery, models, data):
-    from components.experiment.inference import apply_alignment, embed
+    from fastfill.components.experiment.inference import apply_alignment, embed
 
     positions = np.arange(0, N, 2)
     stored = gallery.all_features(gallery.model)
@@ -104,15 +104,15 @@ def _ways_inputs(gallery, models, data):
 
 def _judged_by_label(labels, positions, source="by label"):
     """Judgments that call relevant every other gallery item of the query's label: the labels' truth."""
-    from components.gallery.inputs.judgments import Judgments
+    from fastfill.components.gallery.inputs.judgments import Judgments
 
     relevant = [np.flatnonzero((labels == labels[p]) & (np.arange(len(labels)) != p)) for p in positions]
     return Judgments(source, np.asarray(positions, dtype=np.int64), [None] * len(positions), relevant)
 
 
 def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_labels_do(tmp_path):
-    from components.gallery.layouts.catalog import Gallery, ingest
-    from components.gallery.store import open_store
+    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.store import open_store
     from tests.gallery_cases import OLD
 
     models, data = make_models(), make_data()
@@ -144,7 +144,7 @@ def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_lab
 
 
 def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
-    from components.gallery.advice.target_advice import shadow_top1_judged
+    from fastfill.components.gallery.advice.target_advice import shadow_top1_judged
 
     old, new, labels = _clustered(n=60)
     order = np.random.default_rng(2).permutation(60)
@@ -164,7 +164,7 @@ def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
 def test_the_option_is_checked_before_anything_runs():
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     runner = CliRunner()
     alone = runner.invoke(app, ["upgrade", "--target-top1", "85%"])

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from components.platform.config import parse_params
-from components.platform.registry import ModelRef
-from components.gallery.store import LocalStore
-from components.gallery.triggers.claims import claim, claimed, release, wants_upgrade
-from components.gallery.triggers.webhook_checks import WebhookRejected, alias_event, sign, verify
+from fastfill.components.platform.config import parse_params
+from fastfill.components.platform.registry import ModelRef
+from fastfill.components.gallery.store import LocalStore
+from fastfill.components.gallery.triggers.claims import claim, claimed, release, wants_upgrade
+from fastfill.components.gallery.triggers.webhook_checks import WebhookRejected, alias_event, sign, verify
 from testkit.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
@@ -101,7 +101,7 @@ def _post(address, headers, body):
 
 
 def test_the_receiver_starts_each_version_once_over_http(tmp_path):
-    from services.webhook_receiver import WebhookReceiver
+    from fastfill.services.webhook_receiver import WebhookReceiver
 
     params = parse_params(tiny_params(tmp_path))
     store = LocalStore(tmp_path / "gallery")
@@ -144,9 +144,9 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
     X, not on gallery.store; without it they read gallery.store from the params file."""
     from typer.main import get_command
 
-    from components.platform.config import load_params
-    from cli import app
-    from flows.deployments import deployments
+    from fastfill.components.platform.config import load_params
+    from fastfill.cli import app
+    from fastfill.flows.deployments import deployments
 
     params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
     by_name = {d.name: d for d in deployments(params, "/p/params.yaml", "s3://bucket/gallery")}
@@ -168,8 +168,8 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
 
 def test_the_comparison_is_served_only_when_its_schedule_is_set():
     """The comparison retrains every method (hours) on the host that serves: off by default."""
-    from components.platform.config import load_params
-    from flows.deployments import deployments
+    from fastfill.components.platform.config import load_params
+    from fastfill.flows.deployments import deployments
 
     params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
     assert params.triggers.comparison_cron is None
@@ -183,7 +183,7 @@ def test_serve_refuses_in_one_line_without_a_prefect_server(monkeypatch, tmp_pat
     once, exit 5, naming the setting and how to start one; nothing is served."""
     from typer.testing import CliRunner
 
-    from cli import app
+    from fastfill.cli import app
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.chdir(tmp_path)

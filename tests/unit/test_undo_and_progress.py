@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from components.gallery.upgrade import backfill, ending, garbage, planning, reversal
-from components.gallery.upgrade.status import gallery_status
-from components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning, reversal
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
 
@@ -160,8 +160,8 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
 
 
 def test_a_search_kept_open_follows_a_rollback_and_an_abort(tmp_path, models, data):
-    from components.experiment.inference import embed
-    from components.gallery.search.index import GallerySearch
+    from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.search.index import GallerySearch
 
     old_model, new, h = models
     images, _ = data
@@ -204,9 +204,9 @@ def test_a_long_map_training_says_it_is_alive(monkeypatch):
     epochs at least every PROGRESS_SECONDS."""
     import torch
 
-    from components.experiment import map_training
-    from components.experiment.map_training import train_alignment
-    from components.platform.config import AlignConfig
+    from fastfill.components.experiment import map_training
+    from fastfill.components.experiment.map_training import train_alignment
+    from fastfill.components.platform.config import AlignConfig
 
     rng = np.random.default_rng(0)
     old = rng.normal(size=(200, 6)).astype(np.float32)
@@ -236,7 +236,7 @@ def test_a_long_map_training_says_it_is_alive(monkeypatch):
 def test_the_progress_bar_is_on_by_default_on_a_terminal():
     import io
 
-    from cli.upgrade_progress import progress_wanted
+    from fastfill.cli.upgrade_progress import progress_wanted
 
     main, side = os.openpty()  # a real terminal device
     try:
@@ -252,8 +252,8 @@ def test_the_progress_bar_is_on_by_default_on_a_terminal():
 
 
 def test_overrides_by_dotted_key_are_checked_like_params_yaml(tmp_path):
-    from components.platform.config import ConfigError, parse_params
-    from flows.parameters import apply_overrides, resolve_params
+    from fastfill.components.platform.config import ConfigError, parse_params
+    from fastfill.flows.parameters import apply_overrides, resolve_params
     from testkit.tiny_demo import tiny_params
 
     params = parse_params(tiny_params(tmp_path))

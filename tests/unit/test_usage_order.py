@@ -8,14 +8,14 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from components.evaluation.ordering import check_permutation, expected_gain_order, sigma_order, usage_order
-from components.experiment.inference import apply_alignment
-from components.experiment.models import AlignmentMap
-from components.gallery.upgrade import planning
-from components.gallery.inputs.adopt import adopt, read_manifest
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.store import open_store
-from components.gallery.upgrade.usage import (
+from fastfill.components.evaluation.ordering import check_permutation, expected_gain_order, sigma_order, usage_order
+from fastfill.components.experiment.inference import apply_alignment
+from fastfill.components.experiment.models import AlignmentMap
+from fastfill.components.gallery.upgrade import planning
+from fastfill.components.gallery.inputs.adopt import adopt, read_manifest
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade.usage import (
     backfill_order, load_usage_log, map_order, order_after_map, stored_weights, usage_weights,
 )
 from tests.gallery_cases import N, NEW, OLD, OLD_DIM, NEW_DIM, _gallery, make_data, make_models

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.gallery.store import LocalStore
-from components.gallery.triggers.claims import claim
-from components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, sign
-from components.platform.config import parse_params
+from fastfill.components.gallery.store import LocalStore
+from fastfill.components.gallery.triggers.claims import claim
+from fastfill.components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, sign
+from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
@@ -76,7 +76,7 @@ def _post(address, headers: dict, body: bytes, **kwargs) -> tuple[int, dict, dic
 @pytest.fixture
 def serve(tmp_path):
     """Start receivers in threads: ``serve(triggers={...}, on_event=...)`` -> the receiver."""
-    from services.webhook_receiver import WebhookReceiver
+    from fastfill.services.webhook_receiver import WebhookReceiver
 
     running = []
 
@@ -339,7 +339,7 @@ def test_a_large_body_sent_anyway_does_not_grow_the_receiver(tmp_path):
 
 
 def test_deliveries_share_a_kept_alive_connection_and_the_default_host_is_loopback(tmp_path):
-    from services.webhook_receiver import WebhookReceiver
+    from fastfill.services.webhook_receiver import WebhookReceiver
 
     params = parse_params(tiny_params(tmp_path))
     assert params.triggers.webhook_host == "127.0.0.1"
@@ -365,7 +365,7 @@ def test_a_stop_with_a_delivery_in_flight_ends_within_the_grace_period(serve):
     """A start that hangs (a Prefect server that does not answer) does not hold the stop: the
     delivery gets 503 once the grace period is over, and its id is not remembered, so MLflow's
     retry goes through."""
-    from services.webhook_receiver import STOP_GRACE_SECONDS
+    from fastfill.services.webhook_receiver import STOP_GRACE_SECONDS
 
     called, release = threading.Event(), threading.Event()
 

@@ -4,9 +4,9 @@ worker imports from the installed package, and a working directory for process p
 
 from pathlib import Path
 
-from components.platform.config import load_params
-from flows.deployments import deployments
-from services.work_pools import Placement, placer, worker_folder
+from fastfill.components.platform.config import load_params
+from fastfill.flows.deployments import deployments
+from fastfill.services.work_pools import Placement, placer, worker_folder
 
 PARAMS = Path(__file__).resolve().parents[2] / "params.yaml"
 
@@ -28,8 +28,8 @@ def test_the_training_goes_to_the_gpu_pool_and_the_checks_to_the_other():
     # a process pool's runs start in the given folder; a Docker pool's in the image's
     assert found["registry-watcher/poll"].job_variables == {"env": {"A": "1"}, "working_dir": "/srv/fastfill"}
     assert found["upgrade-gallery/upgrade"].job_variables == {"env": {"FASTFILL_DEVICE": "cuda"}}
-    assert found["upgrade-gallery/upgrade"].entrypoint == "flows.deployments.upgrade_entry"
-    assert found["comparison/weekly"].entrypoint == "flows.deployments.comparison_entry"
+    assert found["upgrade-gallery/upgrade"].entrypoint == "fastfill.flows.deployments.upgrade_entry"
+    assert found["comparison/weekly"].entrypoint == "fastfill.flows.deployments.comparison_entry"
     assert found["upgrade-gallery/upgrade"].parameters == {"params_path": "/srv/fastfill/params.yaml"}
 
 

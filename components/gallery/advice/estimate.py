@@ -10,22 +10,22 @@ import time
 
 import numpy as np
 
-from components.experiment.map_training import train_alignment
-from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
-from components.experiment.inference import apply_alignment, embed, pick_device
-from components.gallery.advice import advisor
-from components.gallery.advice.target_advice import ways_to_target
-from components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
-from components.gallery.inputs.judgments import load_judgments
-from components.gallery.upgrade.decider import GalleryView, UpgradeDecider
-from components.gallery.upgrade.pairs import fit_reverse, from_gallery
-from components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
-from components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
-from components.gallery.upgrade import samples
-from components.gallery.upgrade.samples import evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map
-from components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
-from components.model_store.registered import load_model
-from components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
+from fastfill.components.experiment.map_training import train_alignment
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
+from fastfill.components.experiment.inference import apply_alignment, embed, pick_device
+from fastfill.components.gallery.advice import advisor
+from fastfill.components.gallery.advice.target_advice import ways_to_target
+from fastfill.components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
+from fastfill.components.gallery.inputs.judgments import load_judgments
+from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.pairs import fit_reverse, from_gallery
+from fastfill.components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
+from fastfill.components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
+from fastfill.components.gallery.upgrade import samples
+from fastfill.components.gallery.upgrade.samples import evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map
+from fastfill.components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
+from fastfill.components.model_store.registered import load_model
+from fastfill.components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
 
 # The dry run's prediction reads every part through the map up to three times (its order, its
 # anchor, the target's); the parts are kept in memory while they fit in this many bytes.
@@ -241,7 +241,7 @@ def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray
     backfilled), the map's transform of its old side and its stand-in places in the order
     (``components.gallery.gate.promotion``). With judged queries the gate measures the whole
     gallery's new features, so it is predicted only by the curve above; ungated, nothing."""
-    from components.gallery.gate.promotion import decide, measure_gate, relative_nfr  # late: keeps the CLI's start-up light
+    from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr  # late: keeps the CLI's start-up light
 
     if not params.promotion.gate:
         return {"note": "the upgrade is ungated (promotion.gate false or --no-gate)"}

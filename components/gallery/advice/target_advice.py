@@ -37,11 +37,11 @@ import math
 
 import numpy as np
 
-from components.gallery.advice.advisor import STEP, fractions
-from components.evaluation.retrieval import pairwise_distances
-from components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
-from components.gallery.upgrade.planning import stand_in_ranks
-from components.gallery.upgrade.usage import backfill_order
+from fastfill.components.gallery.advice.advisor import STEP, fractions
+from fastfill.components.evaluation.retrieval import pairwise_distances
+from fastfill.components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
+from fastfill.components.gallery.upgrade.planning import stand_in_ranks
+from fastfill.components.gallery.upgrade.usage import backfill_order
 
 
 def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarray, ranks: np.ndarray,

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from components.evaluation import curve_alphas, pairwise_distances
+from fastfill.components.evaluation import curve_alphas, pairwise_distances
 
 if TYPE_CHECKING:
-    from components.gallery.inputs.judgments import Judgments
+    from fastfill.components.gallery.inputs.judgments import Judgments
 
 
 # The distances of one gallery block to every query, per side: the block's width is chosen so

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from components.gallery.layouts.catalog import (
+from fastfill.components.gallery.layouts.catalog import (
     Gallery, GalleryError, check_empty, check_features, commit_manifest,
 )
-from components.gallery.layouts.item_ids import id_array
-from components.gallery.store import Store
-from components.platform.registry import ModelRef
+from fastfill.components.gallery.layouts.item_ids import id_array
+from fastfill.components.gallery.store import Store
+from fastfill.components.platform.registry import ModelRef
 
 REQUIRED, OPTIONAL = ("id", "uri"), ("label", "group", "weight")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.gallery.store import StoreError
-from components.model_store.preprocessing import Preprocessing
-from components.gallery.store import s3_client, s3_endpoint
+from fastfill.components.gallery.store import StoreError
+from fastfill.components.model_store.preprocessing import Preprocessing
+from fastfill.components.gallery.store import s3_client, s3_endpoint
 
 DEFAULT_WORKERS = 16
 

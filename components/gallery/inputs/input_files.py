@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from components.gallery.inputs.table_files import s3_bytes
+from fastfill.components.gallery.inputs.table_files import s3_bytes
 
 
 def is_s3(uri: str | Path) -> bool:

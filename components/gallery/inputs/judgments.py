@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.gate.judged_gate import measure_judged_gate
-from components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
-from components.gallery.inputs.table_files import TableFile, file_rows, first_few
-from components.gallery.store import ObjectMissing
-from components.gallery.upgrade.planning import upgrade_key
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.gate.judged_gate import measure_judged_gate
+from fastfill.components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
+from fastfill.components.gallery.inputs.table_files import TableFile, file_rows, first_few
+from fastfill.components.gallery.store import ObjectMissing
+from fastfill.components.gallery.upgrade.planning import upgrade_key
 
 __all__ = ["COLUMNS", "JUDGED", "Judgments", "load_judgments", "measure_judged_gate", "store_judged", "stored_judged"]
 

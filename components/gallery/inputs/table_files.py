@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
-from components.gallery.store import s3_client, s3_endpoint
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
+from fastfill.components.gallery.store import s3_client, s3_endpoint
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from components.gallery.layouts.catalog import MANIFEST, Gallery, GalleryError, check_empty
-from components.gallery.layouts.opening import gallery_at, layout_of
-from components.gallery.store import DamagedObject, Store, open_store
+from fastfill.components.gallery.layouts.catalog import MANIFEST, Gallery, GalleryError, check_empty
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.store import DamagedObject, Store, open_store
 
 
 def convert(gallery: Gallery, target_uri: str | None, layout: str) -> dict:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from components.gallery.layouts.catalog import LANCE, MANIFEST, PARTS, Gallery, GalleryError, check_manifest
-from components.gallery.layouts.table import TableGallery
-from components.gallery.store import ObjectMissing, Store
+from fastfill.components.gallery.layouts.catalog import LANCE, MANIFEST, PARTS, Gallery, GalleryError, check_manifest
+from fastfill.components.gallery.layouts.table import TableGallery
+from fastfill.components.gallery.store import ObjectMissing, Store
 
 LAYOUTS = {PARTS: Gallery, LANCE: TableGallery}
 

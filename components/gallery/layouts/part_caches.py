@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # the caches only call the gallery's readers
-    from components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import Gallery
 
 
 class ImageCache:

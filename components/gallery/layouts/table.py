@@ -40,9 +40,9 @@ from datetime import timedelta
 import numpy as np
 import pyarrow as pa
 
-from components.gallery.layouts.catalog import LANCE, Gallery, GalleryError, check_features
-from components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
-from components.platform.registry import ModelRef
+from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryError, check_features
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
+from fastfill.components.platform.registry import ModelRef
 
 TABLE = "gallery.lance"
 MODEL_KEY = "fastfill.model"

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components.gallery.store.base import (
+from fastfill.components.gallery.store.base import (
     AlreadyExists, ChecksumMismatch, Conflict, DamagedObject, ObjectMissing, Store, StoreError, StoreUnreachable,
     fence, json_bytes, parse_json, sha256, unfence,
 )
-from components.gallery.store.local import CHECKSUM_SUFFIX, LocalStore
-from components.gallery.store.s3 import S3Store, configure_s3, s3_client, s3_endpoint, s3_settings
+from fastfill.components.gallery.store.local import CHECKSUM_SUFFIX, LocalStore
+from fastfill.components.gallery.store.s3 import S3Store, configure_s3, s3_client, s3_endpoint, s3_settings
 
 __all__ = [
     "CHECKSUM_SUFFIX", "AlreadyExists", "ChecksumMismatch", "Conflict", "DamagedObject", "LocalStore", "ObjectMissing",

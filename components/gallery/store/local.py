@@ -9,7 +9,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from components.gallery.store.base import (
+from fastfill.components.gallery.store.base import (
     AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable, sha256,
 )
 

@@ -32,8 +32,8 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from components.gallery.layouts.catalog import now
-from components.gallery.store import (
+from fastfill.components.gallery.layouts.catalog import now
+from fastfill.components.gallery.store import (
     Conflict, ObjectMissing, Store, StoreError, fence, json_bytes, parse_json, unfence,
 )
 

@@ -17,10 +17,10 @@ import os
 import random
 import time
 
-from components.gallery.store.base import (
+from fastfill.components.gallery.store.base import (
     AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable,
 )
-from components.platform.config import S3Config
+from fastfill.components.platform.config import S3Config
 
 
 _S3_SETTINGS = None

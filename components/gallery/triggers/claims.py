@@ -7,9 +7,9 @@ upgrades, whichever path (or how many watchers, or webhook retries) saw it first
 
 from __future__ import annotations
 
-from components.gallery.layouts.catalog import now
-from components.gallery.store import AlreadyExists, ObjectMissing, Store
-from components.platform.registry import ModelRef
+from fastfill.components.gallery.layouts.catalog import now
+from fastfill.components.gallery.store import AlreadyExists, ObjectMissing, Store
+from fastfill.components.platform.registry import ModelRef
 
 
 def trigger_key(name: str, version: str) -> str:

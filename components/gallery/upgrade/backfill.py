@@ -12,14 +12,14 @@ import uuid
 
 import numpy as np
 
-from components.gallery.layouts.catalog import (
+from fastfill.components.gallery.layouts.catalog import (
     IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now, rows_at,
 )
-from components.gallery.upgrade.planning import (
+from fastfill.components.gallery.upgrade.planning import (
     Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
 )
-from components.gallery.store import ObjectMissing, Store, StoreError
-from components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import ObjectMissing, Store, StoreError
+from fastfill.components.gallery.layouts.opening import gallery_at
 
 
 class _PlanCache:
@@ -50,8 +50,8 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
     marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
     (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
-    from components.experiment.inference import embed  # late: keeps the CLI's and the services' start-up light
-    from components.gallery.inputs.images import readable  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.experiment.inference import embed  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.inputs.images import readable  # late: keeps the CLI's and the services' start-up light
 
     marker = marker_key(upgrade, chunk)
     try:
@@ -90,7 +90,7 @@ def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.n
     are left unset (zeros)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from components.gallery.inputs.images import ImageFailure, readable  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.inputs.images import ImageFailure, readable  # late: keeps the CLI's and the services' start-up light
 
     features = np.zeros((count, dim), dtype=np.float32)
     failures: list = []

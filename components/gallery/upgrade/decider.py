@@ -31,14 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
-from components.gallery.upgrade.planning import upgrade_id
-from components.platform.registry import CHALLENGER, CHAMPION, ModelRef
-from components.gallery.advice.advisor import at_stop
-from components.gallery.gate.promotion import decide, decision_tags, gate_message
-from components.gallery.upgrade.ending import interrupted_ending, rejection
-from components.gallery.upgrade.planning import load_plan
-from components.gallery.upgrade.reversal import aborted, undone
+from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
+from fastfill.components.gallery.upgrade.planning import upgrade_id
+from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef
+from fastfill.components.gallery.advice.advisor import at_stop
+from fastfill.components.gallery.gate.promotion import decide, decision_tags, gate_message
+from fastfill.components.gallery.upgrade.ending import interrupted_ending, rejection
+from fastfill.components.gallery.upgrade.planning import load_plan
+from fastfill.components.gallery.upgrade.reversal import aborted, undone
 
 # what a course does after its preliminaries
 ENDED, UP_TO_DATE, REFUSE, RESUME, PLAN = "ended", "up-to-date", "refuse", "resume", "plan"

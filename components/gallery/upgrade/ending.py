@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
-from components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
-from components.gallery.store import Store
+from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
+from fastfill.components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
+from fastfill.components.gallery.store import Store
 
 
 def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = None) -> dict:

@@ -3,9 +3,9 @@ of ended upgrades."""
 
 from __future__ import annotations
 
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.upgrade.planning import DECISION, ENDINGS, upgrade_key
-from components.gallery.upgrade.reversal import ABORTED, ROLLED_BACK
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.upgrade.planning import DECISION, ENDINGS, upgrade_key
+from fastfill.components.gallery.upgrade.reversal import ABORTED, ROLLED_BACK
 
 
 def collect_garbage(gallery: Gallery) -> dict:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from components.gallery.layouts.catalog import GalleryError
-from components.gallery.upgrade.planning import Plan
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade.planning import Plan
 
 
 def failure_limit(max_failed: float | int, num_items: int) -> int:

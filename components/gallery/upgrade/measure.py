@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from components.evaluation import curve_at_counts
-from components.gallery.upgrade.backfill import chunk_features, transformed_rows
-from components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
+from fastfill.components.evaluation import curve_at_counts
+from fastfill.components.gallery.upgrade.backfill import chunk_features, transformed_rows
+from fastfill.components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
 
 def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:

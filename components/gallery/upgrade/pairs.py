@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from components.experiment.adapters import fit_metric_compatible
-from components.gallery.upgrade.pseudo_classes import class_count, cluster, cluster_classes
+from fastfill.components.experiment.adapters import fit_metric_compatible
+from fastfill.components.gallery.upgrade.pseudo_classes import class_count, cluster, cluster_classes
 
 TARGETS_LABELS, TARGETS_PREDICTED, TARGETS_MIXED, TARGETS_NONE = (
     "labels", "the new model's predicted classes", "labels, and the new model's predicted classes where its "

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from components.experiment.adapters import adapter_arrays, adapter_from_arrays
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
-from components.gallery.store import ObjectMissing, Store
+from fastfill.components.experiment.adapters import adapter_arrays, adapter_from_arrays
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
+from fastfill.components.gallery.store import ObjectMissing, Store
 
 ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
 ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
@@ -239,7 +239,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
                    sequential: bool = False) -> int:
     """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
     features, see write_sources); returns the part's item count."""
-    from components.experiment.inference import apply_alignment  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.experiment.inference import apply_alignment  # late: keeps the CLI's and the services' start-up light
 
     old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
@@ -254,7 +254,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np
     """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
     (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
     (default: ``usage.usage_weights`` of the gallery's items table)."""
-    from components.gallery.upgrade import usage  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.upgrade import usage  # late: keeps the CLI's and the services' start-up light
 
     if kind == "random":
         return usage.backfill_order(kind, gallery.num_items, seed)
@@ -273,7 +273,7 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     upgrade: from here on queries use the new model against the mixed gallery. Needs the
     transformed parts written first."""
     store = gallery.store
-    from components.evaluation.ordering import check_permutation  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.evaluation.ordering import check_permutation  # late: keeps the CLI's and the services' start-up light
 
     try:
         order = check_permutation(order, plan.num_items)

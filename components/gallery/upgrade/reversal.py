@@ -17,11 +17,11 @@ again); a rollback whose registry step did not happen is completed by the next r
 
 from __future__ import annotations
 
-from components.gallery.upgrade.backfill import done_chunks
-from components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
-from components.gallery.upgrade.ending import decision, interrupted_ending, rejection
-from components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
-from components.gallery.store import Store
+from fastfill.components.gallery.upgrade.backfill import done_chunks
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_ending, rejection
+from fastfill.components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
+from fastfill.components.gallery.store import Store
 
 ABORTED, ROLLED_BACK = "aborted.json", "rolled-back.json"
 ROLLBACK = "rollback"  # the ``by`` of a manifest history entry written by a rollback

@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
-from components.gallery.inputs.images import read_images, readable
-from components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
-from components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
-from components.gallery.upgrade.planning import eval_sample
-from components.platform.registry import ModelRef, find_alignment
-from components.experiment.map_check import is_reference
-from components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
+from fastfill.components.gallery.inputs.images import read_images, readable
+from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
+from fastfill.components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
+from fastfill.components.gallery.upgrade.planning import eval_sample
+from fastfill.components.platform.registry import ModelRef, find_alignment
+from fastfill.components.experiment.map_check import is_reference
+from fastfill.components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 
 Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
 

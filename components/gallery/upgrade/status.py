@@ -3,14 +3,14 @@ with its progress, prediction and failed images, and any step a killed run left 
 
 from __future__ import annotations
 
-from components.gallery.advice.advisor import stored_advice
-from components.gallery.upgrade.backfill import done_chunks, failed_images
-from components.gallery.layouts.catalog import Gallery, ModelRef
-from components.gallery.upgrade.ending import decision, interrupted_ending
-from components.gallery.store.lock import LOCK, lease_expired
-from components.gallery.upgrade.planning import load_plan
-from components.gallery.upgrade.reversal import aborted, interrupted_rollback
-from components.gallery.store import ObjectMissing
+from fastfill.components.gallery.advice.advisor import stored_advice
+from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
+from fastfill.components.gallery.layouts.catalog import Gallery, ModelRef
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_ending
+from fastfill.components.gallery.store.lock import LOCK, lease_expired
+from fastfill.components.gallery.upgrade.planning import load_plan
+from fastfill.components.gallery.upgrade.reversal import aborted, interrupted_rollback
+from fastfill.components.gallery.store import ObjectMissing
 
 FAILED_SHOWN = 20  # failed images listed by status (finished.json keeps them all)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.gallery.layouts.catalog import Gallery, GalleryError
-from components.gallery.inputs.table_files import TableFile
-from components.platform.vocabulary import GALLERY_ORDERS
-from components.evaluation.ordering import check_weights, expected_gain_order, random_order, sigma_order, usage_order
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.inputs.table_files import TableFile
+from fastfill.components.platform.vocabulary import GALLERY_ORDERS
+from fastfill.components.evaluation.ordering import check_weights, expected_gain_order, random_order, sigma_order, usage_order
 
 WEIGHT = "weight"  # the items table's usage column
 LOG_COLUMNS = ("query", "hit")
