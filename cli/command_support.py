@@ -157,13 +157,9 @@ class ServiceUnavailable(RuntimeError):
 def load(path: Path):
     """params.yaml, validated; a bad file ends the command with every problem listed. The CPU
     kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
-    from fastfill.components.platform.runtime import DEFAULT_CPU_KERNELS, cpu_kernels_of, pin_cpu_kernels
+    from fastfill.components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
 
-    try:
-        level = cpu_kernels_of(path)
-    except ValueError:  # not UTF-8: load_params says so in one line
-        level = DEFAULT_CPU_KERNELS
-    pin_cpu_kernels(level)
+    pin_cpu_kernels(cpu_kernels_of(path))  # a file that is not UTF-8: load_params says so in one line
     from fastfill.components.platform.config import ConfigError, load_params
 
     try:

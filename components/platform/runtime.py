@@ -52,7 +52,8 @@ _KERNEL_ENVIRONMENT = {
         # torch's matrix products and vector maths (MKL). Only COMPATIBLE gives the same bytes on
         # Intel and AMD: under AVX2 (strict or not) an Intel CPU runs other small-matrix and exp
         # kernels than an AMD one, and on AMD MKL ignores every branch but COMPATIBLE
-        # (reports/cpu_kernels.md)
+        # (reports/cpu_kernels.md). The models' and maps' linear layers, where MKL's time went,
+        # run on oneDNN instead (components/experiment/dense.py), held by the line above
         "MKL_CBWR": "COMPATIBLE",
         "OPENBLAS_CORETYPE": "Haswell",               # numpy's and faiss's matrix products (OpenBLAS)
         "FAISS_SIMD_LEVEL": "AVX2",                   # faiss's distance kernels (upper case: faiss aborts on others)
@@ -79,7 +80,7 @@ def cpu_kernels_of(params_path) -> str:
         with open(params_path, encoding="utf-8") as file:
             data = yaml.safe_load(file)
         level = data["compute"]["cpu_kernels"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
         return DEFAULT_CPU_KERNELS
     return level if level in _KERNEL_ENVIRONMENT else DEFAULT_CPU_KERNELS
 

@@ -19,12 +19,12 @@ HAS_AVX2 = " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 
 # The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5), trained
 # with the product's optimiser (components/experiment/optimizers.ExactAdam, whose square root is
-# correctly rounded): a real AMD EPYC with AVX-512 and emulated Intel Haswell and AMD EPYC Rome
+# correctly rounded) and linear layers (components/experiment/dense.Dense, on oneDNN): a real AMD EPYC with AVX-512 and emulated Intel Haswell and AMD EPYC Rome
 # CPUs compute these same bytes (reports/cpu_kernels.md), and a fresh clone's pipeline reproduces
 # the committed outputs from them. A machine whose pinned bytes differ fails here, naming the part.
 PINNED_DIGESTS = {
-    "train cnn_small": "1160ed59311c9852", "embed cnn_small": "349928fd775d9059",
-    "train cnn": "12e5bd8c78517f74", "embed cnn": "d81f6e50de492d83", "train map": "fffc53d3d8dfae0e",
+    "train cnn_small": "727f17bb123487b3", "embed cnn_small": "fc307b5d67561bf4",
+    "train cnn": "52649949bb4c1b02", "embed cnn": "d9e7d439e3d70405", "train map": "ace5835dfa2cc9a7",
     "numpy matmul": "11401b298ac1c993", "numpy argsort": "5345ec897ad36ad2",
     "numpy exp/log/tanh": "ab45b3a7c85e7e55", "faiss search": "101ae423c87bea6e",
 }
@@ -132,6 +132,8 @@ def test_the_level_is_validated_and_read_before_the_libraries(tmp_path):
     path.write_text("compute: [broken\n")
     assert runtime.cpu_kernels_of(path) == "avx2"  # the validation that follows names the problem
     assert runtime.cpu_kernels_of(tmp_path / "missing.yaml") == "avx2"
+    path.write_bytes("compute:\n  cpu_kernels: native  # caf\u00e9\n".encode("latin-1"))
+    assert runtime.cpu_kernels_of(path) == "avx2"  # not UTF-8: the default, and the validation says so
     with pytest.raises(ValueError, match="cpu_kernels must be one of avx2, native"):
         runtime.kernel_environment("sse")
 
