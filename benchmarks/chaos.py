@@ -54,7 +54,7 @@ def _moto(port: int) -> subprocess.Popen:
 
 
 def _cli(workdir: Path, env: dict, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args, "--params", str(workdir / "params.yaml")],
+    return subprocess.run([sys.executable, "-m", "fastfill.cli", *args, "--params", str(workdir / "params.yaml")],
                           cwd=ROOT, env=env, capture_output=True, text=True, **kwargs)
 
 
@@ -139,7 +139,7 @@ def main() -> None:
             store = open_store(remote)  # this process reads through the proxy too
             kills, runs, tokens = [], 0, {}  # chunk -> the token of its marker when a kill found it done
             span = max(5.0, results["reference_seconds"])
-            command = [sys.executable, "-m", "cli", "upgrade", "--store", remote, "--no-progress",
+            command = [sys.executable, "-m", "fastfill.cli", "upgrade", "--store", remote, "--no-progress",
                        "--params", str(workdir / "params.yaml")]
             final = None
             while True:

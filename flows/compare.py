@@ -156,7 +156,7 @@ def run_seeds_side_by_side(params: Params, seeds: list[int], jobs: int) -> None:
             while pending and len(running) < jobs:
                 seed = pending.pop(0)
                 handle = seed_log(params, seed).open("w")
-                command = [sys.executable, "-m", "cli", "stage", "compare", "--seed", str(seed),
+                command = [sys.executable, "-m", "fastfill.cli", "stage", "compare", "--seed", str(seed),
                            "--params", str(config_file)]
                 process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=Path.cwd(),
                                            env=_seed_environment(threads, Path(scratch) / f"prefect-{seed}"))

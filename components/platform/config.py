@@ -168,11 +168,11 @@ class AlignConfig(Section):
         "always learns log sigma^2 from the (detached) loss in normalized and detached")
     uncertainty_warmup: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.0, description="fraction of the steps during which the map trains on the unweighted loss")
-    epochs: PositiveInt = Field(default=20, description='passes over the training pairs (raised to reach min_steps)')
+    epochs: PositiveInt = Field(default=14, description='passes over the training pairs (raised to reach min_steps)')
     min_steps: Annotated[int, Field(ge=0)] = Field(
         default=2000, description="at least this many optimiser steps: small data gets more epochs")
     warmup_epochs: Annotated[int, Field(ge=0)] = Field(
-        default=5, description='linear learning-rate warm-up, then cosine decay')
+        default=4, description='linear learning-rate warm-up, then cosine decay')
     batch_size: PositiveInt = Field(default=256, description='pairs per step')
     lr: PositiveFloat = Field(default=5e-4, description='peak learning rate (Adam)')
     weight_decay: Annotated[float, Field(ge=0)] = Field(default=0.0, description='L2 weight decay')

@@ -374,7 +374,7 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(layout, upgrade_env,
     ingest_flow(params, reference_uri)
     store = open_store(store_uri)
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
+    command = [sys.executable, "-m", "fastfill.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
     log = open(tmp_path / "killed.log", "wb")
     # its own process group: the kill takes the CLI and its children (Prefect's ephemeral server)
@@ -443,7 +443,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     name = params.mlflow.registered_model
     uid = planning.upgrade_id(registry.ModelRef(name, old_version), registry.ModelRef(name, new_version))
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
+    command = [sys.executable, "-m", "fastfill.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
     rng = random.Random(0)
 
@@ -556,7 +556,7 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
     version = plan.map_uri.rsplit("/", 1)[1]
     tags = client.get_model_version(params.mlflow.alignment_model, version).tags
     assert tags["method"] == "lambda_orth" and plan.order_kind == "random"
-    assert load_model(plan.map_uri).transform.__class__.__name__ == "Linear"  # W x + b
+    assert load_model(plan.map_uri).transform.__class__.__name__ == "Dense"  # W x + b (an nn.Linear on oneDNN)
     reverse = planning.load_reverse(store, plan.id)
     assert reverse.kind == "metric_compatible" and reverse.new_scale > 0
     assert client.get_run(plan.mlflow_run_id).data.tags["online"] == "metric_compatible"

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,12 @@ def _dry_run(variant: str, workdir: Path) -> subprocess.Popen:
     runs at once never build metadata in the same folder)."""
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, workdir / name)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in setuptools["packages"]:  # setuptools checks that each package's folder exists
+        room, _, rest = package.removeprefix("fastfill.").partition(".")
+        folder = workdir / setuptools["package-dir"][f"fastfill.{room}"] / rest.replace(".", "/")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").touch()
     command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                "--dry-run", "--ignore-installed", "--report", str(workdir / "report.json")]
     for lock in VARIANTS[variant]["locks"]:
