@@ -35,7 +35,7 @@ model = mlflow.pyfunc.load_model(sys.argv[1])
 out = model.predict(np.load(sys.argv[2]))
 out = out["features"] if isinstance(out, dict) else out
 np.save(sys.argv[3], np.asarray(out))
-print(json.dumps({"loader": sys.modules["components"].__file__}))
+print(json.dumps({"loader": sys.modules["fastfill.components"].__file__}))
 """
 
 
