@@ -318,7 +318,7 @@ def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor
     assert report["store"].startswith("FAIL") and "cannot connect to the S3 endpoint" in report["store"]
     assert report["webhook"].startswith("--") and "no webhook registered and no secret" in report["webhook"]
     assert all(report[name].startswith("ok") for name in ("tracking", "registry")), result.stdout
-    assert seconds < 30, seconds
+    assert seconds < 60, seconds  # a retry loop against the closed port would take minutes; a loaded 2-core machine took 38 s
 
 
 def test_doctor_and_status_without_a_registry_or_a_gallery(tiny_workdir, cli_env):

@@ -190,7 +190,7 @@ def test_webhook_serve_stops_on_sigint_and_on_sigterm_with_the_prefect_server_hu
         seconds = hung.stop(signal.SIGTERM)
         _wait_for(lambda: in_flight, 10, "the answer to the delivery in flight")
         hung.assert_stopped_cleanly(seconds, stop_line)
-        assert seconds < STOP_GRACE_SECONDS + 5, seconds
+        assert seconds < STOP_GRACE_SECONDS + 10, seconds  # the grace period and the process exit; 8.9 s seen on a loaded machine
         assert in_flight[0][0] == 503 and "stopping" in in_flight[0][2]["error"], in_flight
 
         # the Prefect server is gone: the delivery fails at once (500, retried by MLflow); SIGTERM
