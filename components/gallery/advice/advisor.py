@@ -167,11 +167,17 @@ def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_ne
     rows = np.flatnonzero(own >= 0)
     d_new[rows, own[rows]] = d_old[rows, own[rows]] = np.inf  # a query never retrieves itself
     points = fractions(step)
+    relevant_mask = np.zeros(d_new.shape, dtype=bool)
+    for q, rel in enumerate(relevant):
+        relevant_mask[q, rel] = True
+    halves = sample_halves(d_new.shape[1])
     hits = np.zeros((len(points), len(used)))
     ap = np.zeros((len(points), len(used)))
+    drawn = np.zeros(len(points))
     for p, f in enumerate(points):
         d = np.where(ranks[None, :] < math.floor(round(f * num_items, 9)), d_new, d_old)
-        hits[p] = [row.argmin() in set(rel.tolist()) for row, rel in zip(d, relevant)]
+        hits[p] = relevant_mask[np.arange(len(d)), d.argmin(axis=1)]
+        drawn[p] = _halves_variance(d, relevant_mask, halves)
         for q, (row, rel) in enumerate(zip(d, relevant)):
             rank_of = np.argsort(np.argsort(row, kind="stable"), kind="stable")
             found = np.sort(rank_of[rel]) + 1  # 1-based places of the relevant items
@@ -181,13 +187,8 @@ def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_ne
     top1 = hits.mean(axis=1)
     anchor = np.asarray(anchor_hits, dtype=np.float64)[used]
     scale = (1 - float(anchor.mean())) / max(1e-9, 1 - float(top1[0]))
-    relevant_mask = np.zeros(d_new.shape, dtype=bool)
-    for q, rel in enumerate(relevant):
-        relevant_mask[q, rel] = True
-    cuts = [math.floor(round(f * num_items, 9)) for f in points]
-    drawn = _drawn_variance(d_new, d_old, ranks, cuts, relevant_mask) * fpc
     queries_variance = hits.var(axis=1, ddof=1) / m * fpc + np.var(anchor - hits[0], ddof=1) / m * fpc
-    top1_se = np.sqrt(queries_variance + drawn)
+    top1_se = np.sqrt(queries_variance + drawn * fpc)
     return {"truth": "judgments", "fractions": points.tolist(), "sample": int(len(positions)), "queries": int(m),
             "queries_left_out": int(len(judged.relevant) - m), "items": int(num_items),
             "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(), "top1_se": top1_se.tolist(),
@@ -199,29 +200,33 @@ def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_ne
 SPLITS = 8  # the sample's halves that measure how much its own draw moves the prediction
 
 
-def _drawn_variance(d_new: np.ndarray, d_old: np.ndarray, ranks: np.ndarray, cuts: list[int],
-                    relevant: np.ndarray, splits: int = SPLITS) -> np.ndarray:
-    """The variance, at each point, that the evaluation sample's own draw adds to the judged top-1
-    (which items the sample holds decides each query's nearest one; the queries are the gate's
-    own, so their sampling is not this): the sample is split ``splits`` times into two random
-    halves (seeded), the judged queries search each half, and half the squared difference of the
-    two halves' top-1 is the variance of a half's top-1: an upper bound of a whole sample's, which
-    holds twice the items (half of it covered the miss at a rate short of the stated one,
-    docs/results.md). ``d_new``/``d_old``: query-by-sample distances to the new and the transformed
-    features; ``relevant``: query-by-sample judgments."""
-    rng = np.random.default_rng(len(ranks))
-    columns = np.arange(d_new.shape[1])
-    rows = np.arange(d_new.shape[0])
-    total = np.zeros(len(cuts))
+def sample_halves(items: int, splits: int = SPLITS) -> list[np.ndarray]:
+    """``splits`` seeded random halves of an evaluation sample of ``items`` (masks: the first half)."""
+    rng = np.random.default_rng(items)
+    halves = []
     for _ in range(splits):
-        first = np.zeros(len(columns), dtype=bool)
-        first[rng.choice(len(columns), size=len(columns) // 2, replace=False)] = True
-        for p, cut in enumerate(cuts):
-            d = np.where(ranks[None, :] < cut, d_new, d_old)
-            a = relevant[rows, np.where(first[None, :], d, np.inf).argmin(axis=1)].mean()
-            b = relevant[rows, np.where(first[None, :], np.inf, d).argmin(axis=1)].mean()
-            total[p] += (a - b) ** 2 / 2
-    return total / splits
+        first = np.zeros(items, dtype=bool)
+        first[rng.choice(items, size=items // 2, replace=False)] = True
+        halves.append(first)
+    return halves
+
+
+def _halves_variance(d: np.ndarray, relevant: np.ndarray, halves: list[np.ndarray]) -> float:
+    """The variance that the evaluation sample's own draw adds to the judged top-1 at one point
+    (which items the sample holds decides each query's nearest one; the queries are the gate's
+    own, so their sampling is not this): the judged queries search each of the two ``halves`` of
+    every split, and half the squared difference of the two halves' top-1 is the variance of a
+    half's top-1: an upper bound of a whole sample's, which holds twice the items (half of it
+    covered the miss at a rate short of the stated one, docs/results.md). ``d``: query-by-sample
+    distances at that point (new features where backfilled, transformed elsewhere);
+    ``relevant``: query-by-sample judgments."""
+    rows = np.arange(len(d))
+    total = 0.0
+    for first in halves:
+        a = relevant[rows, np.where(first[None, :], d, np.inf).argmin(axis=1)].mean()
+        b = relevant[rows, np.where(first[None, :], np.inf, d).argmin(axis=1)].mean()
+        total += (a - b) ** 2 / 2
+    return total / len(halves)
 
 
 def judged_anchor(queries: np.ndarray, judged, parts: Iterable[tuple[int, np.ndarray]], distance: str = "l2"
