@@ -92,6 +92,9 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
             log(f"the gate measures against {judged.describe()}")
         plan = (_resume(gallery, course) if course.action == RESUME else
                 plan_upgrade(params, client, experiment, gallery, course, new, new_model, judged))
+        if gallery.serves_queries:  # the index serves the upgrade's mixed gallery (a killed switch completed)
+            serving = gallery.sync_serving()
+            log(f"{gallery.index.where}: the view {gallery.index.view} serves {serving['model']}")
         advice = _advice(client, gallery, plan, config.stop_when_gain_below)
         budget = config.budget if budget is None else budget
         stop = decider.advised_stop(advice, budget)

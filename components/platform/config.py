@@ -496,17 +496,43 @@ class S3Config(Section):
         default=60, description="seconds the endpoint may stay silent during an answer before the attempt fails")
 
 
+class PgvectorConfig(Section):
+    """A gallery served from PostgreSQL with pgvector (gallery.layout pgvector; docs/serving.md):
+    the server, the team's table and columns, the view the team's service queries, and the ANN
+    index each model's column gets."""
+
+    uri: str = Field(default="", description="postgresql://user@host:port/database (a password is never "
+                     "stored: PGPASSWORD or ~/.pgpass); empty = the PG* environment variables; FASTFILL_PG_URI "
+                     "replaces it at run time")
+    table: str = Field(default="gallery", description="the gallery's table: the team's, for `gallery adopt "
+                       "--table`; a new one for ingest")
+    id_column: str = Field(default="id", description="the table's item id column (integers or text)")
+    image_column: str = Field(default="image", description="the column of each item's image URI")
+    view: str | None = Field(default=None, description="the view the team's service queries: id, embedding, "
+                             "model, source; null = <table>_serving")
+    ann: Literal["hnsw", "ivfflat", "none"] = Field(
+        default="hnsw", description="the ANN index built on each model's column before readers move to it")
+    hnsw_m: PositiveInt = Field(default=16, description="HNSW: links per node")
+    hnsw_ef_construction: PositiveInt = Field(default=64, description="HNSW: candidate list while building")
+    ef_search: PositiveInt = Field(default=100, description="HNSW: candidate list per search (`fastfill search`; "
+                                   "a team's service sets hnsw.ef_search itself)")
+    ivfflat_lists: PositiveInt | None = Field(default=None, description="IVFFlat: lists; null = sqrt(rows)")
+    ivfflat_probes: PositiveInt = Field(default=10, description="IVFFlat: lists searched per query")
+
+
 class GalleryConfig(Section):
     """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
 
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
-    layout: Literal["parts", "lance"] = Field(
+    layout: Literal["parts", "lance", "pgvector"] = Field(
         default="parts", description="the layout of a gallery that ingest or adopt makes: parts (.npy and "
-        "Parquet parts with a manifest) or lance (the Lance table <store>/gallery.lance that other tools read; "
-        "docs/lance.md); an existing gallery is read in the layout its manifest names (`fastfill gallery convert` "
-        "moves it)")
+        "Parquet parts with a manifest), lance (the Lance table <store>/gallery.lance that other tools read; "
+        "docs/lance.md) or pgvector (a PostgreSQL table the team's service queries, gallery.pgvector; "
+        "docs/serving.md); an existing gallery is read in the layout its manifest names (`fastfill gallery "
+        "convert` moves it)")
+    pgvector: PgvectorConfig = PgvectorConfig()
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
     s3: S3Config = S3Config()

@@ -36,7 +36,7 @@ from fastfill.components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
 FORMAT = 1
-PARTS, LANCE = "parts", "lance"  # the layouts (gallery.layout; the manifest's ``layout``)
+PARTS, LANCE, PGVECTOR = "parts", "lance", "pgvector"  # the layouts (gallery.layout; the manifest's ``layout``)
 
 
 class GalleryError(ValueError):
@@ -82,6 +82,7 @@ class Gallery:
     ``check_sources``), never the manifest or the upgrade's objects."""
 
     layout = PARTS
+    serves_queries = False  # True where a reader's index is the gallery (pgvector): `search` asks it
 
     def __init__(self, store: Store, manifest: dict | None = None):
         self.store = store
@@ -223,6 +224,17 @@ class Gallery:
                 deleted += 1
         return deleted
 
+    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray,
+                    embedded: np.ndarray) -> None:
+        """A layout that serves queries from an index writes a landed chunk's rows there (before
+        its marker); the parts layout serves only ``fastfill search``, which reads the chunk's
+        object."""
+
+    def sync_serving(self, manifest: dict | None = None) -> dict | None:
+        """A layout that serves queries from an index makes it serve what the manifest says;
+        nothing to do here."""
+        return None
+
     def check_sources(self, sequential: bool = False) -> None:
         """Refuse, before planning writes anything, a gallery whose parts are not all there or do
         not fit its manifest: every part's features (of the gallery's model; a sequential upgrade
@@ -259,10 +271,14 @@ class PartsWriter:
         self.store, self.model, self.part_size = store, model, part_size
 
     def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:
+        self.store.put_array(features_key(self.model, start // self.part_size), features)
+        self.write_items(start, items, images)
+
+    def write_items(self, start: int, items, images: np.ndarray | None = None) -> None:
+        """A part's items table (and an ingested gallery's images), without features."""
         part = start // self.part_size
         if images is not None:
             self.store.put_array(part_key("images", part), images)
-        self.store.put_array(features_key(self.model, part), features)
         self.store.put_parquet(part_key("items", part, "parquet"), items)
 
     def close(self) -> None:
@@ -372,7 +388,7 @@ def check_manifest(manifest: object, where: str) -> dict:
 
 def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size: int, image_shape, has_labels: bool,
                     has_groups: bool, by: str, images: dict | None = None, registry: str | None = None,
-                    layout: str = PARTS) -> dict:
+                    layout: str = PARTS, extra: dict | None = None) -> dict:
     """Write a new gallery's manifest, the last object of an ingest or an adopt: from here on
     the gallery exists."""
     manifest = {
@@ -381,7 +397,7 @@ def commit_manifest(store: Store, model: ModelRef, *, num_items: int, part_size:
         "has_labels": has_labels, "has_groups": has_groups, **({"images": images} if images else {}),
         **({"registry": registry} if registry else {}),  # the model registry its model versions belong to
         "model": model.to_dict(), "history": [{"model": model.to_dict(), "since": now(), "by": by}],
-        "upgrade": None,
+        "upgrade": None, **(extra or {}),  # a layout's own (pgvector: the index)
     }
     store.put_json(MANIFEST, manifest)
     return manifest
@@ -443,4 +459,10 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
     writer.close()
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=images.shape[1:],
                            has_labels=labels is not None, has_groups=groups is not None, by="ingest",
-                           registry=registry, layout=layout.layout)
+                           registry=registry, layout=layout.layout, extra=written_fields(writer))
+
+
+def written_fields(writer) -> dict:
+    """What a layout's writer adds to the new gallery's manifest (pgvector: its index)."""
+    fields = getattr(writer, "manifest_fields", None)
+    return fields() if fields is not None else {}

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from fastfill.components.gallery.layouts.catalog import LANCE, MANIFEST, PARTS, Gallery, GalleryError, check_manifest
+from fastfill.components.gallery.layouts.catalog import (
+    LANCE, MANIFEST, PARTS, PGVECTOR, Gallery, GalleryError, check_manifest,
+)
+from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settings
 from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
 
-LAYOUTS = {PARTS: Gallery, LANCE: TableGallery}
+LAYOUTS = {PARTS: Gallery, LANCE: TableGallery, PGVECTOR: PgGallery}
 
 
 def gallery_at(store: Store) -> Gallery:
@@ -26,8 +29,27 @@ def gallery_at(store: Store) -> Gallery:
     return LAYOUTS[layout](store, manifest)
 
 
-def layout_of(name: str) -> type[Gallery]:
-    """The class of the layout ``name`` (gallery.layout), for writing a new gallery."""
+def layout_of(name: str, gallery_config=None):
+    """What writes a new gallery in the layout ``name`` (gallery.layout): its class, or for
+    pgvector one bound to ``gallery_config``'s server and table (gallery.pgvector; the defaults
+    when None). Either has ``layout`` and ``writer(store, model, part_size)``."""
     if name not in LAYOUTS:
         raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")
+    if name == PGVECTOR:
+        return PgLayout(gallery_config)
     return LAYOUTS[name]
+
+
+class PgLayout:
+    """The pgvector layout bound to its index settings, for writing a new gallery."""
+
+    layout = PGVECTOR
+
+    def __init__(self, gallery_config=None):
+        from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
+
+        config = gallery_config or GalleryConfig()
+        self.settings = index_settings(config.pgvector, config.distance)
+
+    def writer(self, store: Store, model, part_size: int):
+        return PgGallery.writer(store, model, part_size, self.settings)

@@ -79,7 +79,9 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
         ids = item_column(gallery, failed_positions, "id")
         failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
                   for i, f in enumerate(failures)]
-    return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed), "skipped": False}
+    return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed,
+                          serve=lambda: gallery.serve_chunk(plan, chunk, positions, features, ok)),
+            "skipped": False}
 
 
 def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.ndarray, list]:
@@ -111,9 +113,12 @@ def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.n
 
 
 def write_chunk(store: Store, upgrade: str, chunk: int, start: int, stop: int, features: np.ndarray,
-                started: float, failed: list | None = None, **extra) -> dict:
-    """A chunk's new features, then its completion marker (the chunk counts as done from here)."""
+                started: float, failed: list | None = None, serve=None, **extra) -> dict:
+    """A chunk's new features, then (``serve``) its rows in the index a layout serves queries
+    from, then its completion marker (the chunk counts as done from here)."""
     digest = store.put_array(chunk_key(upgrade, chunk), features)
+    if serve is not None:
+        serve()
     record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
               "failed": failed or [], "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
               "finished": now(), "seconds": round(time.perf_counter() - started, 4), **extra}

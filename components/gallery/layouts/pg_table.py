@@ -1,0 +1,695 @@
+"""The gallery served from PostgreSQL with pgvector (``layout: pgvector``): the index the team's
+service queries is the gallery. One table holds one row per item (the team's id column, the
+image's URI, and one ``vector`` column per model, each with a ``<column>_source`` saying what
+made the row's vector); the team's service queries a view, ``<table>_serving`` by default::
+
+    SELECT id, embedding, model, source FROM gallery_serving ORDER BY embedding <-> $1 LIMIT 10
+
+``model`` is the model version whose space the view serves (the same on every row), ``source``
+is ``embedded`` (the model embedded the item's image) or ``mapped`` (the old model's features
+through the upgrade's alignment map, h(old)).
+
+During an upgrade (``components.gallery.upgrade``):
+
+- **the switch** (when the gallery is pointed at a planned upgrade): the new model's column is
+  added and filled with the mixed gallery as it is (h(old), and the new model's features of the
+  chunks done while planning), its ANN index is built, and then, in one transaction, the view is
+  redefined over it and ``<table>_fastfill_serving`` names the new model. Readers move at that
+  commit, from one space to the other, never seeing both in one answer;
+- **each chunk** updates its rows (new features, ``source = embedded``) in one transaction together
+  with its completion record (``<table>_fastfill_chunks``): once, whatever the retries;
+- **the finish** keeps the column the chunks filled (nothing is rewritten) and names the new model
+  in the manifest; **reject, abort and rollback** redefine the view over the model the manifest
+  serves (the old column is kept until ``fastfill gallery gc`` drops every other model's column).
+
+Everything that is not a vector stays in the gallery's store, as on the parts layout: the manifest
+(``gallery.json``, the authority on which model serves; its ``index`` names the server, table and
+columns), the items table (ids in position order, image URIs, labels), an ingested gallery's
+images, the upgrade lock and each upgrade's plan, chunks and records. So the upgrade flow is the
+same on every layout. The lock stays in the store because what it guards (the plan, the chunks'
+markers, the decision) is there, and because a lease in the store outlives a dropped connection
+the way an upgrade killed mid-chunk needs (it is taken over when its lease runs out).
+
+Connections: the manifest's ``postgresql://`` URI (never with a password: libpq reads it from
+``PGPASSWORD`` or ``~/.pgpass``), then the usual ``PG*`` variables; ``FASTFILL_PG_URI`` replaces the
+URI (a team whose server moved, or a service account of its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from fastfill.components.gallery.layouts.catalog import PGVECTOR, Gallery, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.item_ids import id_array, is_text
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
+from fastfill.components.platform.registry import ModelRef
+
+URI_ENV = "FASTFILL_PG_URI"
+EMBEDDED, MAPPED = "embedded", "mapped"
+OPERATORS = {"l2": ("<->", "vector_l2_ops"), "cosine": ("<=>", "vector_cosine_ops")}
+ROWS_PER_STATEMENT = 20000
+
+
+class IndexError_(StoreError):
+    """The index server cannot be reached or refused a statement (retried as a store error)."""
+
+
+def safe_uri(uri: str) -> str:
+    """``uri`` without its password (the manifest never keeps one)."""
+    if not uri:
+        return uri
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[1]}"))
+
+
+def _identifier(name: str, what: str) -> str:
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]{0,62}", name):
+        raise GalleryError(f"{what} {name!r} is not a plain PostgreSQL identifier (letters, digits and _, at most 63, "
+                           "not starting with a digit); name the table or column as it is in the database")
+    return name
+
+
+def column_name(model: ModelRef) -> str:
+    """The column of ``model``'s features in a table this product adds to: ``emb_<name>_v<version>``
+    (lowercase; a digest of the model's key where that would pass PostgreSQL's 63 characters)."""
+    base = re.sub(r"[^a-z0-9_]+", "_", f"emb_{model.name}_v{model.version}".lower())
+    if len(base) > 50:
+        base = f"{base[:40]}_{hashlib.sha1(model.key.encode()).hexdigest()[:8]}"
+    return base
+
+
+def connect(uri: str):
+    """A connection (autocommit) to ``uri`` (or ``FASTFILL_PG_URI``) with pgvector's types."""
+    import psycopg
+    from pgvector.psycopg import register_vector
+
+    target = os.environ.get(URI_ENV) or uri
+    try:
+        connection = psycopg.connect(target, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as error:
+        raise IndexError_(f"cannot connect to PostgreSQL at {safe_uri(target) or 'the PG* environment'}: "
+                          f"{' '.join(str(error).split())[:300]}") from None
+    try:
+        register_vector(connection)
+    except psycopg.ProgrammingError:  # the extension is not there yet
+        connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        register_vector(connection)
+    return connection
+
+
+def index_settings(config, distance: str) -> dict:
+    """The manifest's ``index`` of a new gallery from ``gallery.pgvector`` (``config``)."""
+    table = _identifier(config.table, "gallery.pgvector.table")
+    return {"kind": PGVECTOR, "uri": safe_uri(config.uri), "table": table,
+            "id_column": _identifier(config.id_column, "gallery.pgvector.id_column"),
+            "image_column": _identifier(config.image_column, "gallery.pgvector.image_column"),
+            "view": _identifier(config.view or f"{table}_serving", "gallery.pgvector.view"),
+            "distance": distance, "ann": config.ann, "hnsw_m": config.hnsw_m,
+            "hnsw_ef_construction": config.hnsw_ef_construction, "ef_search": config.ef_search,
+            "ivfflat_lists": config.ivfflat_lists, "ivfflat_probes": config.ivfflat_probes, "columns": {}}
+
+
+class Index:
+    """The server side of a pgvector gallery: its table, view and bookkeeping tables, by the
+    manifest's ``index``. One connection per object, opened when first needed."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.table = settings["table"]
+        self.id_column, self.image_column = settings["id_column"], settings["image_column"]
+        self.view = settings["view"]
+        self.serving_table, self.chunks_table = f"{self.table}_fastfill_serving", f"{self.table}_fastfill_chunks"
+        self.operator, self.opclass = OPERATORS[settings.get("distance", "l2")]
+        self._connection = None
+
+    @property
+    def where(self) -> str:
+        return f"PostgreSQL {safe_uri(os.environ.get(URI_ENV) or self.settings['uri']) or '(PG* environment)'} " \
+               f"table {self.table}"
+
+    def connection(self):
+        import psycopg
+
+        if self._connection is None or self._connection.closed:
+            self._connection = connect(self.settings["uri"])
+        elif self._connection.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            self._connection.rollback()
+        return self._connection
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    @contextmanager
+    def transaction(self):
+        import psycopg
+
+        connection = self.connection()
+        try:
+            with connection.transaction():
+                yield connection
+        except psycopg.OperationalError as error:
+            self.close()
+            raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+
+    def execute(self, statement, args=None):
+        import psycopg
+
+        try:
+            return self.connection().execute(statement, args)
+        except psycopg.OperationalError as error:
+            self.close()
+            raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+
+    # ---- what is there
+
+    def columns(self) -> dict[str, str]:
+        """The table's columns and their types (``vector(12)``, ``text``, ``bigint``)."""
+        rows = self.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+            "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped", (self.table,)).fetchall()
+        return dict(rows)
+
+    def exists(self) -> bool:
+        return self.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone()[0]
+
+    def id_type(self) -> str:
+        kind = self.columns().get(self.id_column)
+        if kind is None:
+            raise GalleryError(f"{self.where} has no id column {self.id_column!r}")
+        return kind
+
+    def count(self) -> int:
+        from psycopg import sql
+
+        return self.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(self.table))).fetchone()[0]
+
+    def bookkeeping(self) -> None:
+        """The tables the product keeps beside the gallery's: which model serves, and the chunks
+        whose rows are in (created when missing)."""
+        from psycopg import sql
+
+        self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (one boolean PRIMARY KEY DEFAULT true CHECK (one), "
+                             "model text NOT NULL, model_name text NOT NULL, model_version text NOT NULL, "
+                             "dim integer NOT NULL, column_name text NOT NULL, upgrade text, "
+                             "since timestamptz NOT NULL DEFAULT now())").format(sql.Identifier(self.serving_table)))
+        self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (upgrade text NOT NULL, chunk integer NOT NULL, "
+                             "items integer NOT NULL, at timestamptz NOT NULL DEFAULT now(), "
+                             "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
+
+    def serving(self) -> dict | None:
+        """The row that says which model's column the view serves, or None before any."""
+        from psycopg import sql
+        from psycopg.rows import dict_row
+
+        if not self.execute("SELECT to_regclass(%s) IS NOT NULL", (self.serving_table,)).fetchone()[0]:
+            return None
+        cursor = self.connection().cursor(row_factory=dict_row)
+        row = cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, column_name, upgrade, since "
+                                     "FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
+        return row
+
+    # ---- the vectors
+
+    def read(self, column: str, ids: np.ndarray, dim: int) -> np.ndarray:
+        """``column``'s vectors of the items ``ids``, in that order; a DamagedObject naming the
+        first id without a row or without a vector."""
+        from psycopg import sql
+
+        ids = np.asarray(ids)
+        out = np.empty((len(ids), dim), dtype=np.float32)
+        kind = "text[]" if is_text(ids) else "bigint[]"
+        for start in range(0, len(ids), ROWS_PER_STATEMENT):
+            block = ids[start:start + ROWS_PER_STATEMENT]
+            values = [str(v) for v in block] if is_text(ids) else [int(v) for v in block]
+            query = sql.SQL("SELECT q.n, t.{col} FROM unnest(%s::" + kind + ") WITH ORDINALITY AS q(id, n) "
+                            "LEFT JOIN {table} t ON t.{id} = q.id ORDER BY q.n").format(
+                col=sql.Identifier(column), table=sql.Identifier(self.table), id=sql.Identifier(self.id_column))
+            cursor = self.connection().cursor(binary=True)
+            try:
+                rows = cursor.execute(query, (values,)).fetchall()
+            except Exception as error:  # noqa: BLE001 - named, then raised as what it is
+                import psycopg
+
+                if isinstance(error, psycopg.OperationalError):
+                    self.close()
+                    raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+                raise
+            for n, vector in rows:
+                if vector is None:
+                    raise DamagedObject(f"{self.where} column {column}: item {block[n - 1]!r} has no row or no vector "
+                                        "(a row deleted or a vector set to NULL by another writer); restore it, or "
+                                        "re-adopt the table")
+                value = np.asarray(vector.to_numpy() if hasattr(vector, "to_numpy") else vector, dtype=np.float32)
+                if value.shape != (dim,):
+                    raise DamagedObject(f"{self.where} column {column}: item {block[n - 1]!r} has a vector of "
+                                        f"dimension {value.shape[0]}, not {dim}")
+                out[start + n - 1] = value
+        return out
+
+    def write(self, connection, column: str, ids: np.ndarray, vectors: np.ndarray, sources) -> None:
+        """Set ``column`` (and its source column) of the rows ``ids`` in the caller's
+        transaction: the rows are copied into a temporary table, then one UPDATE."""
+        from psycopg import sql
+
+        id_type = self.settings.get("id_type") or ("text" if is_text(ids) else "bigint")
+        dim = vectors.shape[1]
+        connection.execute(sql.SQL("CREATE TEMPORARY TABLE IF NOT EXISTS fastfill_rows (id {kind}, v vector({dim}), "
+                                   "s text) ON COMMIT DROP").format(kind=sql.SQL(id_type), dim=sql.Literal(dim)))
+        connection.execute("TRUNCATE fastfill_rows")
+        sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
+        cursor = connection.cursor()
+        with cursor.copy("COPY fastfill_rows (id, v, s) FROM STDIN WITH (FORMAT BINARY)") as copy:
+            copy.set_types([id_type, "vector", "text"])
+            for item, vector, source in zip(ids.tolist(), vectors, sources):
+                copy.write_row((item, vector, source))
+        updated = connection.execute(sql.SQL("UPDATE {table} t SET {col} = r.v, {src} = r.s FROM fastfill_rows r "
+                                             "WHERE t.{id} = r.id").format(
+            table=sql.Identifier(self.table), col=sql.Identifier(column), src=sql.Identifier(f"{column}_source"),
+            id=sql.Identifier(self.id_column))).rowcount
+        if updated != len(ids):
+            raise DamagedObject(f"{self.where}: {len(ids) - updated} of {len(ids)} items have no row (deleted by "
+                                "another writer?); nothing of this write was kept")
+
+    def add_column(self, column: str, dim: int) -> None:
+        from psycopg import sql
+
+        self.execute(sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} vector({d}), "
+                             "ADD COLUMN IF NOT EXISTS {s} text").format(
+            t=sql.Identifier(self.table), c=sql.Identifier(column), d=sql.Literal(int(dim)),
+            s=sql.Identifier(f"{column}_source")))
+
+    def drop_column(self, column: str) -> None:
+        from psycopg import sql
+
+        self.execute(sql.SQL("ALTER TABLE {t} DROP COLUMN IF EXISTS {c}, DROP COLUMN IF EXISTS {s}").format(
+            t=sql.Identifier(self.table), c=sql.Identifier(column), s=sql.Identifier(f"{column}_source")))
+
+    def ann_index(self, column: str) -> None:
+        """The ANN index of ``column`` (gallery.pgvector.ann, with pgvector's operator class for
+        the gallery's distance), built when missing."""
+        from psycopg import sql
+
+        kind = self.settings.get("ann", "hnsw")
+        if kind == "none":
+            return
+        name = f"{self.table}_{column}_{kind}"[:63]
+        if kind == "hnsw":
+            options = sql.SQL("WITH (m = {}, ef_construction = {})").format(
+                sql.Literal(int(self.settings.get("hnsw_m", 16))),
+                sql.Literal(int(self.settings.get("hnsw_ef_construction", 64))))
+        else:
+            lists = self.settings.get("ivfflat_lists") or max(1, int(self.count() ** 0.5))
+            options = sql.SQL("WITH (lists = {})").format(sql.Literal(int(lists)))
+        self.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) {options}").format(
+            name=sql.Identifier(name), t=sql.Identifier(self.table), kind=sql.SQL(kind), c=sql.Identifier(column),
+            ops=sql.SQL(self.opclass), options=options))
+
+    def serve(self, model: ModelRef, column: str, upgrade: str | None, has_source: bool = True) -> None:
+        """Readers move to ``model``'s ``column`` in one transaction: the view redefined over it
+        and the serving row rewritten together (a reader's statement sees one or the other)."""
+        from psycopg import sql
+
+        source = sql.SQL("coalesce({}, {})").format(sql.Identifier(f"{column}_source"), sql.Literal(EMBEDDED)) \
+            if has_source else sql.Literal(EMBEDDED)
+        with self.transaction() as connection:
+            connection.execute(sql.SQL("DROP VIEW IF EXISTS {}").format(sql.Identifier(self.view)))
+            connection.execute(sql.SQL(
+                "CREATE VIEW {view} AS SELECT {id} AS id, {image} AS image, {col} AS embedding, {model}::text AS model, "
+                "{source}::text AS source FROM {table}").format(
+                view=sql.Identifier(self.view), id=sql.Identifier(self.id_column),
+                image=sql.Identifier(self.image_column), col=sql.Identifier(column), model=sql.Literal(model.uri),
+                source=source, table=sql.Identifier(self.table)))
+            connection.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(self.serving_table)))
+            connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, column_name, upgrade) "
+                                       "VALUES (%s, %s, %s, %s, %s, %s)").format(sql.Identifier(self.serving_table)),
+                               (model.uri, model.name, str(model.version), int(model.dim or 0), column, upgrade))
+
+    def chunk_done(self, upgrade: str) -> set[int]:
+        from psycopg import sql
+
+        rows = self.execute(sql.SQL("SELECT chunk FROM {} WHERE upgrade = %s").format(
+            sql.Identifier(self.chunks_table)), (upgrade,)).fetchall()
+        return {int(r[0]) for r in rows}
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[list, np.ndarray, list, list]:
+        """The view's k nearest rows of each query, by pgvector's operator for the gallery's
+        distance: (ids, distances, the serving model of each answer, sources), one list per query."""
+        from psycopg import sql
+
+        ids, distances, models, sources = [], [], [], []
+        statement = sql.SQL("SELECT id, embedding {op} %s AS d, model, source FROM {view} ORDER BY embedding {op} %s "
+                            "LIMIT %s").format(op=sql.SQL(self.operator), view=sql.Identifier(self.view))
+        with self.transaction() as connection:  # one snapshot for every query of the batch
+            self._search_settings(connection)
+            for query in np.asarray(queries, dtype=np.float32):
+                rows = connection.execute(statement, (query, query, int(k))).fetchall()
+                ids.append([r[0] for r in rows])
+                distances.append([float(r[1]) for r in rows])
+                models.append({r[2] for r in rows})
+                sources.append([r[3] for r in rows])
+        return ids, np.asarray(distances, dtype=np.float64), models, sources
+
+    def _search_settings(self, connection) -> None:
+        if self.settings.get("ann") == "hnsw":
+            connection.execute(f"SET LOCAL hnsw.ef_search = {int(self.settings.get('ef_search', 40))}")
+        elif self.settings.get("ann") == "ivfflat":
+            connection.execute(f"SET LOCAL ivfflat.probes = {int(self.settings.get('ivfflat_probes', 10))}")
+
+
+class PgGallery(Gallery):
+    """A gallery whose vectors are rows of a PostgreSQL table that queries are served from (see
+    the module's docstring); the manifest, items and upgrade objects are in its store."""
+
+    layout = PGVECTOR
+    serves_queries = True
+
+    def __init__(self, store: Store, manifest: dict | None = None):
+        super().__init__(store, manifest)
+        self._index: Index | None = None
+
+    @property
+    def index(self) -> Index:
+        settings = self.manifest()["index"]
+        if self._index is None or self._index.settings != settings:
+            if self._index is not None:
+                self._index.close()
+            self._index = Index(settings)
+        return self._index
+
+    def _column_of(self, model: ModelRef) -> str:
+        return self.manifest()["index"].get("columns", {}).get(model.key) or column_name(model)
+
+    # ---- features
+
+    def _rows(self, model: ModelRef, ids: np.ndarray) -> np.ndarray:
+        column = self._column_of(model)
+        if column not in self.index.columns():
+            raise ObjectMissing(f"{self.index.where} holds no features of {model.uri} (no column {column})")
+        dim = model.dim or int(re.search(r"\((\d+)\)", self.index.columns()[column]).group(1))
+        return check_features(self.index.read(column, ids, dim), model.dim, f"{self.index.where} column {column}")
+
+    def features(self, model: ModelRef, part: int) -> np.ndarray:
+        return self._rows(model, id_array(self.items_part(part).column("id")))
+
+    def all_features(self, model: ModelRef) -> np.ndarray:
+        return self._rows(model, self.ids())
+
+    def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        return self._rows(model, self.ids()[positions]) if len(positions) else np.zeros((0, model.dim or 0), np.float32)
+
+    def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
+        """``model``'s column from ``parts``. The column an upgrade's chunks kept up to date (the
+        finish) is not written again: the parts are read to their end (they check that every
+        part is backfilled) and the rows are the chunks'."""
+        column = self._column_of(model)
+        serving = self.index.serving()
+        if serving is not None and serving["column_name"] == column and column in self.index.columns():
+            for _ in parts:
+                pass
+            return
+        self.index.add_column(column, int(model.dim))
+        ids = self.ids()
+        for part, features in parts:
+            start, stop = self.part_bounds(part)
+            with self.index.transaction() as connection:
+                self.index.write(connection, column, ids[start:stop], features, EMBEDDED)
+
+    def missing_features(self, model: ModelRef) -> list[str]:
+        column = self._column_of(model)
+        if column not in self.index.columns():
+            return [f"{self.index.where} column {column}"]
+        from psycopg import sql
+
+        empty = self.index.execute(sql.SQL("SELECT count(*) FROM {} WHERE {} IS NULL").format(
+            sql.Identifier(self.index.table), sql.Identifier(column))).fetchone()[0]
+        return [f"{self.index.where} column {column}: {empty} rows without a vector"] if empty else []
+
+    def collect_features(self) -> int:
+        """Drop the columns of every model but the serving one (the product's own columns: a
+        team's adopted column is dropped only once another model serves), and the chunk records
+        of upgrades that ended; returns how many columns."""
+        keep = self._column_of(self.model)
+        adopted = set(self.manifest()["index"].get("columns", {}).values())
+        columns = self.index.columns()
+        drop = [name for name, kind in columns.items()
+                if kind.startswith("vector") and name != keep and (name.startswith("emb_") or name in adopted)]
+        for name in drop:
+            self.index.drop_column(name)
+        return len(drop)
+
+    def check_sources(self, sequential: bool = False) -> None:
+        index = self.index
+        if not index.exists():
+            raise GalleryError(f"{index.where} does not exist, though {self.store.uri}'s manifest says layout pgvector; "
+                               "restore it, or re-adopt the table. Nothing was written.")
+        rows = index.count()
+        if rows != self.num_items:
+            raise GalleryError(f"{index.where} has {rows} rows, but the manifest says {self.num_items} items: rows were "
+                               "added or deleted since it was adopted; adopt it again into a new store. Nothing was "
+                               "written.")
+        if not sequential:
+            missing = self.missing_features(self.model)
+            if missing:
+                raise GalleryError(f"{missing[0]} (the gallery's model {self.model.uri}). Nothing was written.")
+        if not self.adopted:
+            present = set(self.store.list("images/"))
+            keys = [f"images/part-{p:05d}.npy" for p in range(self.num_parts)]
+            lost = [key for key in keys if key not in present]
+            if lost:
+                raise GalleryError(f"{self.store.uri}: {len(lost)} images parts are missing (first: {lost[0]}). "
+                                   "Nothing was written.")
+
+    # ---- serving
+
+    def write_manifest(self, manifest: dict) -> None:
+        """Readers of the index follow the manifest: what it says serves (the upgrade's mixed
+        gallery while one is under way, else its model) is switched to first, then the manifest
+        is written; a run killed between them is completed by the next one (the switch is
+        idempotent)."""
+        self._manifest = manifest
+        self.sync_serving(manifest)
+        super().write_manifest(manifest)
+
+    def sync_serving(self, manifest: dict | None = None) -> dict:
+        """Make the view serve what ``manifest`` (default: the stored one) says; returns the
+        serving row."""
+        from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts
+
+        manifest = manifest or self.manifest(refresh=True)
+        index = self.index
+        index.bookkeeping()
+        upgrade = manifest.get("upgrade")
+        plan = load_plan(self.store, upgrade) if upgrade else None
+        if plan is not None:
+            model, column = plan.new, self._column_of(plan.new)
+        else:
+            model, column = ModelRef.from_dict(manifest["model"]), self._column_of(ModelRef.from_dict(manifest["model"]))
+        serving = index.serving()
+        if serving is not None and serving["column_name"] == column and serving["model"] == model.uri \
+                and serving["upgrade"] == (plan.id if plan else None):
+            return serving
+        if plan is not None and (serving is None or serving["column_name"] != column):
+            self._prepare_switch(plan, column)
+        has_source = f"{column}_source" in index.columns()
+        index.serve(model, column, plan.id if plan else None, has_source)
+        return index.serving()
+
+    def _prepare_switch(self, plan, column: str) -> None:
+        """The new model's column filled with the mixed gallery as it is now (h(old); the new
+        features of the chunks already done, recorded as done) and its ANN index built, before
+        any reader moves to it."""
+        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts  # late: the upgrade package imports the layouts
+
+        index = self.index
+        index.add_column(column, int(plan.new.dim))
+        ids = self.ids()
+        for part, features, backfilled in iter_mixed_parts(self, plan):
+            start, stop = self.part_bounds(part)
+            with index.transaction() as connection:
+                index.write(connection, column, ids[start:stop], features,
+                            [EMBEDDED if b else MAPPED for b in backfilled])
+        done = done_chunks(self.store, plan.id)
+        if done:
+            from psycopg import sql
+
+            with index.transaction() as connection:
+                for chunk in done:
+                    start, stop = plan.chunk_bounds(chunk)
+                    connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT "
+                                               "DO NOTHING").format(sql.Identifier(index.chunks_table)),
+                                       (plan.id, chunk, stop - start))
+        index.ann_index(column)
+        index.execute("ANALYZE " + '"' + index.table + '"')
+
+    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
+        """A chunk's rows, in one transaction with its completion record: once (a chunk whose
+        record is there is not written again)."""
+        from psycopg import sql
+
+        index = self.index
+        column = self._column_of(plan.new)
+        with index.transaction() as connection:
+            inserted = connection.execute(
+                sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
+                    sql.Identifier(index.chunks_table)), (plan.id, int(chunk), len(positions))).rowcount
+            if inserted:
+                index.write(connection, column, self.ids()[np.asarray(positions, dtype=np.int64)], features,
+                            [EMBEDDED if e else MAPPED for e in embedded])
+
+    @staticmethod
+    def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> PgWriter:
+        if settings is None:
+            raise GalleryError("a pgvector gallery is written with its index settings (gallery.pgvector)")
+        return PgWriter(store, model, part_size, settings)
+
+
+class PgWriter:
+    """Writes a new pgvector gallery: the items (and an ingested gallery's images) as the parts
+    layout's objects in the store, the features as rows of a new table (created here; a table
+    that exists already is refused: adopt it instead); the view serves them after ``close``."""
+
+    def __init__(self, store: Store, model: ModelRef, part_size: int, settings: dict):
+        self.parts = PartsWriter(store, model, part_size)
+        self.model, self.settings = model, dict(settings)
+        self.index = Index(self.settings)
+        self.column = column_name(model)
+        self.settings["columns"] = {model.key: self.column}
+        self._created = False
+
+    def _create(self, ids: np.ndarray) -> None:
+        from psycopg import sql
+
+        index = self.index
+        if index.exists():
+            raise GalleryError(f"{index.where} exists already; adopt it where it is (`fastfill gallery adopt --table "
+                               f"{index.table}`), or name a new table in gallery.pgvector.table")
+        id_type = "text" if is_text(ids) else "bigint"
+        self.settings["id_type"] = self.index.settings["id_type"] = id_type
+        index.execute(sql.SQL("CREATE TABLE {t} ({id} {kind} PRIMARY KEY, {image} text, {c} vector({d}), {s} text, "
+                              "label bigint)").format(
+            t=sql.Identifier(index.table), id=sql.Identifier(index.id_column), kind=sql.SQL(id_type),
+            image=sql.Identifier(index.image_column), c=sql.Identifier(self.column), d=sql.Literal(int(self.model.dim)),
+            s=sql.Identifier(f"{self.column}_source")))
+        self._created = True
+
+    def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:
+        from psycopg import sql
+
+        ids = id_array(items.column("id"))
+        if not self._created:
+            self._create(ids)
+        self.parts.write_items(start, items, images)
+        index = self.index
+        labels = items.column("label").to_pylist() if "label" in items.column_names else [None] * len(ids)
+        with index.transaction() as connection:
+            with connection.cursor().copy(sql.SQL("COPY {t} ({id}, {image}, {c}, {s}, label) FROM STDIN WITH "
+                                                  "(FORMAT BINARY)").format(
+                    t=sql.Identifier(index.table), id=sql.Identifier(index.id_column),
+                    image=sql.Identifier(index.image_column), c=sql.Identifier(self.column),
+                    s=sql.Identifier(f"{self.column}_source"))) as copy:
+                copy.set_types([self.settings["id_type"], "text", "vector", "text", "int8"])
+                for item, image, vector, label in zip(ids.tolist(), items.column("image").to_pylist(), features, labels):
+                    copy.write_row((item, image, vector, EMBEDDED, label))
+
+    def close(self) -> None:
+        self.index.bookkeeping()
+        self.index.ann_index(self.column)
+        self.index.execute('ANALYZE "' + self.index.table + '"')
+        self.index.serve(self.model, self.column, None)
+        self.index.close()
+
+    def manifest_fields(self) -> dict:
+        return {"index": self.settings}
+
+
+def adopt_table(store: Store, settings: dict, model: ModelRef, image_shape, *, vector_column: str,
+                label_column: str | None = None, root: str | None = None, part_size: int = 1000,
+                registry: str | None = None, on_part=None) -> dict:
+    """A team's existing table adopted where it is: its ids (ordered by id: the items' positions)
+    and image URIs (and labels) read into the store's items table, the vectors left where they
+    are (``vector_column`` serves ``model``); the view and the bookkeeping tables created, the ANN
+    index built if the column has none; the manifest last."""
+    import pyarrow as pa
+    from psycopg import sql
+
+    from fastfill.components.gallery.layouts.catalog import check_empty, commit_manifest  # late: one module, two uses
+
+    check_empty(store, "adopt")
+    settings = dict(settings)
+    vector_column = _identifier(vector_column, "--vector-column")
+    index = Index(settings)
+    if not index.exists():
+        raise GalleryError(f"{index.where} does not exist; name the team's table in gallery.pgvector.table (or "
+                           "--table)")
+    columns = index.columns()
+    for name, what in ((index.id_column, "id"), (index.image_column, "image"), (vector_column, "vector"),
+                       *([(label_column, "label")] if label_column else [])):
+        if name not in columns:
+            raise GalleryError(f"{index.where} has no {what} column {name!r}; its columns: {', '.join(columns)}")
+    kind = columns[vector_column]
+    found = re.fullmatch(r"vector\((\d+)\)", kind)
+    if not found:
+        raise GalleryError(f"{index.where} column {vector_column} is {kind}, not a pgvector vector(d) column")
+    if model.dim and int(found.group(1)) != model.dim:
+        raise GalleryError(f"{index.where} column {vector_column} holds {found.group(1)}-d vectors, but {model.uri} "
+                           f"embeds into {model.dim}: adopt the column with the model that computed it")
+    id_type = columns[index.id_column]
+    if id_type not in ("bigint", "integer", "smallint", "text", "character varying") \
+            and not id_type.startswith("character varying"):
+        raise GalleryError(f"{index.where} id column {index.id_column} is {id_type}; ids must be integers or text")
+    settings["id_type"] = "text" if ("char" in id_type or id_type == "text") else id_type
+    table, idc = sql.Identifier(index.table), sql.Identifier(index.id_column)
+    n, distinct, empty = index.execute(sql.SQL("SELECT count(*), count(DISTINCT {id}), count(*) FILTER (WHERE {v} IS "
+                                               "NULL) FROM {t}").format(id=idc, v=sql.Identifier(vector_column),
+                                                                         t=table)).fetchone()
+    if n < 2:
+        raise GalleryError(f"{index.where} has {n} rows; a gallery needs at least 2")
+    if distinct != n:
+        raise GalleryError(f"{index.where}: {n - distinct} ids are repeated or NULL in {index.id_column}; ids must be "
+                           "unique")
+    if empty:
+        raise GalleryError(f"{index.where}: {empty} rows have no vector in {vector_column}; fill them (or delete "
+                           "the rows) before adopting")
+    label = sql.SQL(", {}").format(sql.Identifier(label_column)) if label_column else sql.SQL("")
+    cursor = index.connection().cursor(name="fastfill_adopt")  # server-side: the ids stream, part by part
+    writer = PartsWriter(store, model, part_size)
+    num_parts = -(-n // part_size)
+    with index.connection().transaction():
+        cursor.execute(sql.SQL("SELECT {id}, {image}{label} FROM {t} ORDER BY {id}").format(
+            id=idc, image=sql.Identifier(index.image_column), label=label, t=table))
+        for part in range(num_parts):
+            rows = cursor.fetchmany(part_size)
+            columns_ = {"id": pa.array([r[0] for r in rows]), "image": pa.array([r[1] for r in rows], pa.string()),
+                        "label": pa.array([r[2] for r in rows], pa.int64()) if label_column
+                        else pa.nulls(len(rows), pa.int64()),
+                        "group": pa.nulls(len(rows), pa.string())}
+            writer.write_items(part * part_size, pa.table(columns_))
+            if on_part is not None:
+                on_part(part + 1, num_parts)
+        cursor.close()
+    settings["columns"] = {model.key: vector_column}
+    index.settings = settings
+    index.bookkeeping()
+    index.ann_index(vector_column)
+    has_source = f"{vector_column}_source" in columns
+    index.serve(model, vector_column, None, has_source)
+    index.close()
+    return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
+                           has_labels=label_column is not None, has_groups=False, by="adopt",
+                           images={"source": "uri", "root": root}, registry=registry, layout=PGVECTOR,
+                           extra={"index": settings})
+
