@@ -186,7 +186,7 @@ def gallery_convert(store: StoreOption = None,
     from fastfill.tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
-    result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout))
+    result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout, config.gallery))
     if as_json:
         return answer(*json_output.convert_document(result))
     typer.echo(f"{result['store']}: {result['items']} items, features of {result['model']} (dimension {result['dim']}), "

@@ -83,7 +83,8 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     else:
         feature_array = check_features(feature_array, ref.dim, f"--features {features}")
     manifest = write_gallery(store_uri, image_array, feature_array, ref, label_array, group_array, id_array,
-                             params.gallery.part_size, registry.identity(params.mlflow), params.gallery.layout)
+                             params.gallery.part_size, registry.identity(params.mlflow), params.gallery.layout,
+                             params.gallery)
     log(f"gallery at {store.uri} ({manifest['layout']} layout): {manifest['num_items']} items in "
         f"{manifest['num_parts']} parts, model {ref.uri}")
     return manifest
@@ -159,7 +160,7 @@ def _adopt(params: Params, store, manifest: str, manifest_file: Path, model_uri:
 
     result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
                    part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow),
-                   layout=layout_of(params.gallery.layout))
+                   layout=layout_of(params.gallery.layout, params.gallery))
     log(f"gallery at {store.uri} ({result['layout']} layout): {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
         f"images read by URI{f' under {root}' if root else ''}")
     return result

@@ -44,13 +44,15 @@ def open_gallery(store_uri: str, s3=None, registry_identity: str | None = None) 
 
 @task(name="write-gallery", **NO_CACHING)
 def write_gallery(store_uri: str, images, features, model: ModelRef, labels, groups, ids, part_size: int,
-                  registry_uri: str | None = None, layout: str = catalog.PARTS) -> dict:
-    """A new gallery in the layout ``layout`` (gallery.layout)."""
+                  registry_uri: str | None = None, layout: str = catalog.PARTS, gallery_config=None) -> dict:
+    """A new gallery in the layout ``layout`` (gallery.layout; ``gallery_config``, the gallery
+    section, names the pgvector layout's server and table)."""
     def on_part(done: int, total: int) -> None:
         log(f"ingest: part {done}/{total} written")
 
     return catalog.ingest(store_at(store_uri), images, features, model, labels=labels, groups=groups, ids=ids,
-                          part_size=part_size, on_part=on_part, registry=registry_uri, layout=layout_of(layout))
+                          part_size=part_size, on_part=on_part, registry=registry_uri,
+                          layout=layout_of(layout, gallery_config))
 
 
 @task(name="write-sources", **IO_RETRIES, **NO_CACHING)

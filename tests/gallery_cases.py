@@ -25,7 +25,7 @@ from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.gallery.search.index import GallerySearch
 from fastfill.components.gallery.store import (
-    AlreadyExists, ChecksumMismatch, LocalStore, ObjectMissing, open_store,
+    AlreadyExists, ChecksumMismatch, DamagedObject, LocalStore, ObjectMissing, open_store,
 )
 from fastfill.components.experiment.models import AlignmentMap, Embedder
 from fastfill.components.experiment.inference import apply_alignment, embed
@@ -54,14 +54,24 @@ OLD = ModelRef("embedder", "1", OLD_DIM)
 NEW = ModelRef("embedder", "2", NEW_DIM)
 
 
-LAYOUTS = ("parts", "lance")
+LAYOUTS = ("parts", "lance", "pgvector")
+
+
+def writing(layout: str, store_uri: str):
+    """What writes a new gallery of ``layout`` (pgvector: in a table of the test's own on the tests'
+    PostgreSQL server)."""
+    if layout == "pgvector":
+        from tests.pg import pg_gallery_config
+
+        return layout_of(layout, pg_gallery_config(store_uri))
+    return layout_of(layout)
 
 
 def _gallery(store_uri, models, data, part_size=10, layout="parts") -> Gallery:
     old, _, _ = models
     images, labels = data
     ingest(open_store(store_uri), images, embed(old, images), OLD, labels=labels, ids=np.arange(N) + 1000,
-           groups=np.array([f"g{i % 3}" for i in range(N)]), part_size=part_size, layout=layout_of(layout))
+           groups=np.array([f"g{i % 3}" for i in range(N)]), part_size=part_size, layout=writing(layout, store_uri))
     gallery = gallery_at(open_store(store_uri))
     assert gallery.layout == layout
     return gallery
@@ -441,7 +451,7 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     table = pa.table({"id": np.arange(N) + 500, "uri": [f"img-{i:05d}.png" for i in range(N)], "label": labels})
     features = embed(old, images)
     adopt(open_store(store_uri), table, OLD, (1, 8, 8), root=root, features=iter([features[:20], features[20:]]),
-          part_size=10, layout=layout_of(layout))
+          part_size=10, layout=writing(layout, store_uri))
     gallery = gallery_at(open_store(store_uri))
     assert gallery.adopted and gallery.image_root == root and gallery.store.list("images/") == []
     np.testing.assert_array_equal(gallery.all_features(OLD), features)
@@ -473,6 +483,186 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     assert GallerySearch(gallery).sources(np.array([506, 500])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
 
 
+def _index_answers(gallery, queries, k=5, model=None):
+    """The index's own answers (ids) and the model each answer was computed in."""
+    ids, _, models, sources = gallery.index.search(queries, k, model)
+    return ids, models, sources
+
+
+def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data, layout=None):
+    """A reader thread queries the index throughout an upgrade with the model the index says
+    serves: no answer mixes spaces or models, it moves to the new model at the switch, and at
+    each landed chunk the index answers exactly as a search over the product's mixed gallery."""
+    import threading
+    import time
+
+    old, new, h = models
+    images, _ = data
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    queries = {OLD.uri: embed(old, images[:8]), NEW.uri: embed(new, images[:8])}
+    seen, moved, stop, errors = [], [], threading.Event(), []
+
+    def reader() -> None:
+        reading = gallery_at(open_store(store_uri))  # a reader of its own, with its own connection
+        try:
+            while not stop.is_set():
+                served = reading.index.serving()["model"]
+                ids, answer_models, sources = _index_answers(reading, queries[served][:2], k=6, model=served)
+                if not ids[0]:  # the view moved on since the serving row was read: read it again
+                    moved.append(served)
+                    continue
+                seen.append((served, [sorted(m) for m in answer_models], sources))
+                time.sleep(0.002)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+        finally:
+            reading.index.close()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        plan = _plan(gallery, h)
+        time.sleep(0.1)
+        order = planning.order_of(gallery.store, plan.id)
+        for chunk in range(plan.num_chunks):
+            backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+            mixed, backfilled = backfill.mixed_features(gallery, plan)
+            ids, answer_models, sources = _index_answers(gallery, queries[NEW.uri])
+            np.testing.assert_array_equal(np.array(ids), _brute_force(mixed, gallery.ids(), queries[NEW.uri], 5))
+            assert all(m == {NEW.uri} for m in answer_models)
+            position = {int(i): p for p, i in enumerate(gallery.ids())}
+            assert sources == [["embedded" if backfilled[position[int(i)]] else "mapped" for i in row] for row in ids]
+            np.testing.assert_array_equal(gallery.index.chunk_done(plan.id), set(range(chunk + 1)))
+            assert set(order[:plan.chunk_bounds(chunk)[1]]) == set(np.flatnonzero(backfilled))
+            time.sleep(0.02)
+        ending.finish(gallery, plan)
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors, errors
+    assert len(seen) > 10 and set(moved) <= {OLD.uri}
+    for served, answer_models, _ in seen:  # one space per answer: the one the reader asked for
+        assert all(m == [served] for m in answer_models), (served, answer_models)
+    switched = [i for i, (served, _, _) in enumerate(seen) if served == NEW.uri]
+    assert switched and seen[0][0] == OLD.uri and switched == list(range(switched[0], len(seen)))
+    assert any({s for row in sources for s in row} == {"mapped"} for served, _, sources in seen if served == NEW.uri)
+    assert gallery.index.serving()["upgrade"] is None and gallery.model == NEW
+
+
+def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=None):
+    """The view serves what the manifest says after every ending: a rejected or aborted upgrade's
+    readers are back on the old model's rows, a rollback's too (until gc drops the column)."""
+    from fastfill.components.gallery.upgrade import reversal
+
+    old, new, h = models
+    images, _ = data
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    plan = _plan(gallery, h)
+    backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+    assert gallery.index.serving()["model"] == NEW.uri
+    reversal.abort(gallery, plan.id)
+    assert gallery.index.serving() | {"since": None} == gallery.index.serving() | {
+        "model": OLD.uri, "column_name": "emb_embedder_v1", "upgrade": None, "since": None}
+    ids, models_, _ = _index_answers(gallery, embed(old, images[:3]))
+    np.testing.assert_array_equal(np.array(ids), _brute_force(embed(old, images), gallery.ids(), embed(old, images[:3]), 5))
+    assert all(m == {OLD.uri} for m in models_)
+
+    reversal.start_over(gallery, plan.id)
+    plan = _plan(gallery, h)  # planned again: the switch writes the whole column again
+    assert gallery.index.chunk_done(plan.id) == set()
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.reject(gallery, plan, {"reasons": ["a test"], "numbers": None})
+    assert gallery.index.serving()["model"] == OLD.uri
+
+    reversal.start_over(gallery, plan.id)
+    plan = _plan(gallery, h)
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.finish(gallery, plan)
+    assert gallery.index.serving()["model"] == NEW.uri
+    # a reader that embedded for the old space gets no rows (not an error, not another space's answer)
+    assert gallery.index.search(embed(old, images[:2]), 5, OLD.uri)[0] == [[], []]
+    reversal.rollback(gallery)
+    assert gallery.index.serving()["model"] == OLD.uri
+    assert all(m == {OLD.uri} for m in _index_answers(gallery, embed(old, images[:3]))[1])
+
+
+def a_row_deleted_or_emptied_in_the_table_is_named(store_uri, models, data, layout=None):
+    from psycopg import sql
+
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    index = gallery.index
+    index.execute(sql.SQL("UPDATE {} SET emb_embedder_v1 = NULL WHERE id = 1012").format(sql.Identifier(index.table)))
+    with pytest.raises(DamagedObject, match=r"column emb_embedder_v1: item 1012 has no row or no vector"):
+        gallery.features(OLD, 1)
+    gallery.features(OLD, 0)  # the other parts still read
+    with pytest.raises(GalleryError, match="1 rows without a vector"):
+        gallery.check_sources()
+    index.execute(sql.SQL("DELETE FROM {} WHERE id = 1030").format(sql.Identifier(index.table)))
+    with pytest.raises(GalleryError, match="has 52 rows, but the manifest says 53 items"):
+        gallery.check_sources()
+
+
+def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models, data, layout=None):
+    """A team's own table (text ids, URIs, its vector column, an index of its own or none) is
+    adopted without copying a vector: the store gets the items; the view serves the team's column,
+    and an upgrade adds the new model's column beside it."""
+    import pyarrow as pa
+    from psycopg import sql
+
+    from fastfill.components.gallery.layouts.pg_table import Index, adopt_table, index_settings
+    from tests.pg import pg_gallery_config
+
+    old, new, h = models
+    images, labels = data
+    root = _originals(store_uri)
+    for i in range(N):
+        _put_original(root, f"img-{i:05d}.png", _png(images[i]))
+    config = pg_gallery_config(store_uri, table="products_" + os.path.basename(store_uri.rstrip("/"))[-6:],
+                               id_column="sku", image_column="photo")
+    settings = index_settings(config.pgvector, "l2")
+    index = Index(settings)
+    table = sql.Identifier(index.table)
+    index.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(table))
+    index.execute(sql.SQL("CREATE TABLE {} (sku text PRIMARY KEY, photo text, vec vector(8), price numeric, "
+                          "class bigint)").format(table))
+    features = embed(old, images)
+    skus = [f"sku-{(i * 7) % N:03d}" for i in range(N)]  # not in the images' order
+    with index.transaction() as connection, connection.cursor().copy(sql.SQL(
+            "COPY {} (sku, photo, vec, price, class) FROM STDIN").format(table)) as copy:
+        for i in range(N):
+            copy.write_row((skus[i], f"img-{i:05d}.png", features[i], 9.5, int(labels[i])))
+    store = open_store(store_uri)
+    with pytest.raises(GalleryError, match="holds 8-d vectors, but models:/embedder/2 embeds into 12"):
+        adopt_table(store, settings, NEW, (1, 8, 8), vector_column="vec")
+    with pytest.raises(GalleryError, match="has no vector column 'embedding'"):
+        adopt_table(store, settings, OLD, (1, 8, 8), vector_column="embedding")
+    adopt_table(store, settings, OLD, (1, 8, 8), vector_column="vec", label_column="class", root=root, part_size=10)
+    gallery = gallery_at(open_store(store_uri))
+    assert gallery.layout == "pgvector" and gallery.adopted and gallery.store.list("features/") == []
+    assert list(gallery.ids()) == sorted(skus)
+    by_sku = {s: i for i, s in enumerate(skus)}
+    rows = [by_sku[s] for s in gallery.ids()]
+    np.testing.assert_array_equal(gallery.all_features(OLD), features[rows])
+    np.testing.assert_array_equal(gallery.labels(), labels[rows])
+    assert gallery.index.serving()["column_name"] == "vec"
+    assert _index_answers(gallery, features[:1], k=1)[0] == [[skus[0]]]
+
+    plan = _plan(gallery, h)
+    assert gallery.index.serving()["model"] == NEW.uri and "vec" in gallery.index.columns()
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+    ending.finish(gallery, plan)
+    np.testing.assert_allclose(gallery.all_features(NEW), embed(new, images)[rows], rtol=1e-5, atol=1e-6)
+    assert _index_answers(gallery, embed(new, images[:1]), k=1)[0] == [[skus[0]]]
+    index.execute(sql.SQL("SELECT price FROM {}").format(table))  # the team's other columns are left alone
+    assert garbage.collect_garbage(gallery)["features"] == 1 and "vec" not in gallery.index.columns()
+    assert "price" in gallery.index.columns()
+
+
 STORE_CASES = [  # the store alone
     store_roundtrip_listing_and_create_only,
     checksum_mismatch_is_an_error_naming_the_object,
@@ -486,9 +676,16 @@ GALLERY_CASES = [  # every layout
     search_updates_vectors_by_id_as_chunks_land,
     adopted_gallery_reads_images_by_uri_and_keeps_failed_items,
 ]
+INDEX_CASES = [  # the layouts whose index serves the team's queries
+    the_index_serves_one_space_at_a_time_as_chunks_land,
+    the_index_follows_reject_abort_and_rollback,
+    a_row_deleted_or_emptied_in_the_table_is_named,
+    a_teams_table_is_adopted_where_it_is_and_upgraded_in_place,
+]
 CASES = ([(case, None) for case in STORE_CASES] + [(case, layout) for case in GALLERY_CASES for layout in LAYOUTS]
          + [(a_features_part_short_of_rows_is_refused_naming_it_and_not_retried, "parts"),
-            (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")])
+            (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")]
+         + [(case, "pgvector") for case in INDEX_CASES])
 
 
 def case_id(pair) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import (
-    Gallery, GalleryError, check_empty, check_features, commit_manifest,
+    Gallery, GalleryError, check_empty, check_features, commit_manifest, written_fields,
 )
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.store import Store
@@ -210,4 +210,4 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
                            has_labels="label" in table.column_names, has_groups="group" in table.column_names,
                            by="adopt", images={"source": "uri", "root": root}, registry=registry,
-                           layout=layout.layout)
+                           layout=layout.layout, extra=written_fields(writer))

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import MANIFEST, Gallery, GalleryError, check_empty
-from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.layouts.catalog import MANIFEST, Gallery, GalleryError, check_empty, written_fields
+from fastfill.components.gallery.layouts.opening import LAYOUTS, gallery_at, layout_of
 from fastfill.components.gallery.store import DamagedObject, Store, open_store
 
 
-def convert(gallery: Gallery, target_uri: str | None, layout: str) -> dict:
+def convert(gallery: Gallery, target_uri: str | None, layout: str, gallery_config=None) -> dict:
     """``gallery`` into ``layout`` at ``target_uri`` (default: its own store, in place). Refused
     during an upgrade, into the layout it already has in place, and into a store that holds a
     gallery. The features are compared bit for bit and the ids equal before the manifest is
-    written; in place, the old layout's data stays until ``fastfill gallery gc``."""
-    kind = layout_of(layout)
+    written; in place, the old layout's data stays until ``fastfill gallery gc``. ``gallery_config``
+    (gallery): the pgvector layout's server and table."""
+    kind = layout_of(layout, gallery_config)
     manifest = gallery.manifest(refresh=True)
     if manifest.get("upgrade"):
         raise GalleryError(f"{gallery.store.uri}: upgrade {manifest['upgrade']} is in progress; finish it or abort it "
@@ -35,8 +36,8 @@ def convert(gallery: Gallery, target_uri: str | None, layout: str) -> dict:
         writer.write(start, gallery.items_part(part), gallery.features(model, part),
                      None if gallery.adopted else gallery.images(part))
     writer.close()
-    converted = {**manifest, "layout": layout}
-    written = kind(target, converted)
+    converted = {**{k: v for k, v in manifest.items() if k != "index"}, "layout": layout, **written_fields(writer)}
+    written = LAYOUTS[layout](target, converted)
     for part in range(gallery.num_parts):  # read back before the manifest makes it the gallery
         if not np.array_equal(written.features(model, part), gallery.features(model, part)):
             raise DamagedObject(f"{target.uri}: the features of part {part} read back differ from the source's; the "

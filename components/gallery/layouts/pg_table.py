@@ -249,12 +249,12 @@ class Index:
                 raise
             for n, vector in rows:
                 if vector is None:
-                    raise DamagedObject(f"{self.where} column {column}: item {block[n - 1]!r} has no row or no vector "
+                    raise DamagedObject(f"{self.where} column {column}: item {values[n - 1]!r} has no row or no vector "
                                         "(a row deleted or a vector set to NULL by another writer); restore it, or "
                                         "re-adopt the table")
                 value = np.asarray(vector.to_numpy() if hasattr(vector, "to_numpy") else vector, dtype=np.float32)
                 if value.shape != (dim,):
-                    raise DamagedObject(f"{self.where} column {column}: item {block[n - 1]!r} has a vector of "
+                    raise DamagedObject(f"{self.where} column {column}: item {values[n - 1]!r} has a vector of "
                                         f"dimension {value.shape[0]}, not {dim}")
                 out[start + n - 1] = value
         return out
@@ -344,23 +344,30 @@ class Index:
             sql.Identifier(self.chunks_table)), (upgrade,)).fetchall()
         return {int(r[0]) for r in rows}
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[list, np.ndarray, list, list]:
+    def search(self, queries: np.ndarray, k: int, model: str | None = None) -> tuple[list, list, list, list]:
         """The view's k nearest rows of each query, by pgvector's operator for the gallery's
-        distance: (ids, distances, the serving model of each answer, sources), one list per query."""
+        distance: (ids, distances, the serving model of each answer, sources), one list per query.
+        ``model``: the model URI the queries were embedded with; the view answers only while it
+        serves that model (``WHERE model = ...``, decided before any distance is computed), so a
+        query embedded for the space the view served a moment ago gets no rows, never another
+        space's answer: read the serving row again and re-embed (``docs/serving.md``)."""
         from psycopg import sql
 
         ids, distances, models, sources = [], [], [], []
-        statement = sql.SQL("SELECT id, embedding {op} %s AS d, model, source FROM {view} ORDER BY embedding {op} %s "
-                            "LIMIT %s").format(op=sql.SQL(self.operator), view=sql.Identifier(self.view))
+        statement = sql.SQL("SELECT id, embedding {op} %s AS d, model, source FROM {view} {where} "
+                            "ORDER BY embedding {op} %s LIMIT %s").format(
+            op=sql.SQL(self.operator), view=sql.Identifier(self.view),
+            where=sql.SQL("WHERE model = %s" if model else ""))
         with self.transaction() as connection:  # one snapshot for every query of the batch
             self._search_settings(connection)
             for query in np.asarray(queries, dtype=np.float32):
-                rows = connection.execute(statement, (query, query, int(k))).fetchall()
+                args = (query, model, query, int(k)) if model else (query, query, int(k))
+                rows = connection.execute(statement, args).fetchall()
                 ids.append([r[0] for r in rows])
                 distances.append([float(r[1]) for r in rows])
                 models.append({r[2] for r in rows})
                 sources.append([r[3] for r in rows])
-        return ids, np.asarray(distances, dtype=np.float64), models, sources
+        return ids, distances, models, sources
 
     def _search_settings(self, connection) -> None:
         if self.settings.get("ann") == "hnsw":
@@ -522,16 +529,17 @@ class PgGallery(Gallery):
             with index.transaction() as connection:
                 index.write(connection, column, ids[start:stop], features,
                             [EMBEDDED if b else MAPPED for b in backfilled])
-        done = done_chunks(self.store, plan.id)
-        if done:
-            from psycopg import sql
+        from psycopg import sql
 
-            with index.transaction() as connection:
-                for chunk in done:
-                    start, stop = plan.chunk_bounds(chunk)
-                    connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT "
-                                               "DO NOTHING").format(sql.Identifier(index.chunks_table)),
-                                       (plan.id, chunk, stop - start))
+        done = done_chunks(self.store, plan.id)
+        with index.transaction() as connection:  # an earlier try of the same upgrade (aborted) left its own
+            connection.execute(sql.SQL("DELETE FROM {} WHERE upgrade = %s").format(sql.Identifier(index.chunks_table)),
+                               (plan.id,))
+            for chunk in done:
+                start, stop = plan.chunk_bounds(chunk)
+                connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT "
+                                           "DO NOTHING").format(sql.Identifier(index.chunks_table)),
+                                   (plan.id, chunk, stop - start))
         index.ann_index(column)
         index.execute("ANALYZE " + '"' + index.table + '"')
 
