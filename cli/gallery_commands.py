@@ -96,10 +96,17 @@ def _parse_shape(text: str | None) -> tuple[int, int, int] | None:
 
 
 @gallery_app.command("adopt", short_help="Adopt a gallery where it is (images read by URI).")
-def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a path or s3://bucket/key): id, "
+def gallery_adopt(manifest: Annotated[str | None, typer.Option(help="CSV or Parquet (a path or s3://bucket/key): id, "
                                                         "uri (s3://bucket/key, a path, or a path under --root), "
                                                         "optional label, group and weight (how often queries hit "
-                                                        "the item: the usage orders' weight)")],
+                                                        "the item: the usage orders' weight)")] = None,
+                  table: Annotated[str | None, typer.Option(
+                      help="instead of --manifest: the team's PostgreSQL table (with pgvector), adopted where it is, "
+                           "no vector copied; server, id and image columns from gallery.pgvector")] = None,
+                  vector_column: Annotated[str, typer.Option(help="with --table: the column of the model's vectors")]
+                  = "embedding",
+                  label_column: Annotated[str | None, typer.Option(help="with --table: a column of integer labels "
+                                                                   "(optional)")] = None,
                   store: StoreOption = None,
                   root: Annotated[str | None, typer.Option(help="where relative URIs live: a folder or "
                                                            "s3://bucket/prefix")] = None,
@@ -112,11 +119,25 @@ def gallery_adopt(manifest: Annotated[str, typer.Option(help="CSV or Parquet (a 
                   image_shape: Annotated[str | None, typer.Option(help="C,H,W the model takes; default: from its "
                                                                   "registered signature")] = None,
                   params: ParamsOption = Path("params.yaml")) -> None:
-    """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI."""
+    """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI. With
+    --table, a team's PostgreSQL table: its vectors stay in it and its service queries the view."""
     config = load(params)
-    from fastfill.flows.ingest import adopt_flow
+    from fastfill.flows.ingest import adopt_flow, adopt_table_flow
 
+    if (manifest is None) == (table is None):
+        fail("give exactly one of --manifest (a file of ids and URIs) or --table (a PostgreSQL table)", USAGE)
     uri = store_uri(config, store)
+    if table is not None:
+        if features:
+            fail("--features goes with --manifest: a --table's vectors are its --vector-column", USAGE)
+        config = config.model_copy(update={"gallery": config.gallery.model_copy(update={
+            "layout": "pgvector", "pgvector": config.gallery.pgvector.model_copy(update={"table": table})})})
+        result = call(adopt_table_flow, config, uri, vector_column, model, label_column, root, _parse_shape(image_shape))
+        index = result["index"]
+        typer.echo(f"{uri}: {result['num_items']} items of table {index['table']} adopted where they are, model "
+                   f"{result['model']['uri']} in column {vector_column}; point the service's queries at the view "
+                   f"{index['view']} (docs/serving.md)")
+        return
     result = call(adopt_flow, config, uri, manifest, model, root, features or None, features_column,
                   _parse_shape(image_shape))
     typer.echo(f"{uri}: {result['num_items']} items adopted, model {result['model']['uri']}; images read by URI")
@@ -222,13 +243,13 @@ def search(store: StoreOption = None,
     uri = store_uri(config, store)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
-    from fastfill.components.gallery.search.index import GallerySearch
+    from fastfill.components.gallery.search.served import searcher_for
     from fastfill.flows.ingest import _load_array
 
     def run_search():
         from fastfill.tasks.gallery_store import open_gallery
 
-        searcher = GallerySearch(open_gallery(uri), config.gallery.distance, config.gallery.index)
+        searcher = searcher_for(open_gallery(uri), config.gallery.distance, config.gallery.index)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
         from fastfill.components.platform import registry

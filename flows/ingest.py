@@ -112,6 +112,37 @@ def adopt_flow(params: Params, store_uri: str, manifest: str, model_uri: str = "
                       root, features, features_column, image_shape)
 
 
+@flow(name="gallery-adopt-table", log_prints=True)
+def adopt_table_flow(params: Params, store_uri: str, vector_column: str, model_uri: str = "",
+                     label_column: str | None = None, root: str | None = None,
+                     image_shape: tuple[int, int, int] | None = None) -> dict:
+    """Adopt a team's PostgreSQL table where it is (gallery.pgvector names the server, table, id and
+    image columns): no vector is copied; ``vector_column`` holds ``model_uri``'s features
+    (default: the champion); the store gets the items, the view serves the column
+    (components.gallery.layouts.pg_table)."""
+    from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings  # late: psycopg is optional at start-up
+
+    store = store_at(store_uri)
+    store.check()
+    ref = _resolve(params, model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}")
+    shape = tuple(image_shape) if image_shape else registered.input_shape(ref.uri)
+    if not shape or len(shape) != 3:
+        raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
+    if ref.dim is None:
+        ref = ModelRef(ref.name, ref.version, load_model(ref).embedding_dim)
+    settings = index_settings(params.gallery.pgvector, params.gallery.distance, store.uri)
+
+    def on_part(done: int, total: int) -> None:
+        log(f"adopt: items part {done}/{total} written")
+
+    result = adopt_table(store, settings, ref, shape, vector_column=vector_column, label_column=label_column,
+                         root=root, part_size=params.gallery.part_size, registry=registry.identity(params.mlflow),
+                         on_part=on_part)
+    log(f"gallery at {store.uri} (pgvector layout): {result['num_items']} items of {settings['table']} adopted where "
+        f"they are, model {ref.uri} in column {vector_column}; the team's service queries the view {settings['view']}")
+    return result
+
+
 def _adopt(params: Params, store, manifest: str, manifest_file: Path, model_uri: str, root: str | None,
            features: list[Path], features_column: str, image_shape: tuple[int, int, int] | None) -> dict:
     table = read_manifest(manifest_file, shown=manifest)

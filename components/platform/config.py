@@ -504,8 +504,8 @@ class PgvectorConfig(Section):
     uri: str = Field(default="", description="postgresql://user@host:port/database (a password is never "
                      "stored: PGPASSWORD or ~/.pgpass); empty = the PG* environment variables; FASTFILL_PG_URI "
                      "replaces it at run time")
-    table: str = Field(default="gallery", description="the gallery's table: the team's, for `gallery adopt "
-                       "--table`; a new one for ingest")
+    table: str | None = Field(default=None, description="the gallery's table: the team's (`gallery adopt --table` "
+                              "sets it); null = a new gallery's own, gallery_<10 hex digits of its store's URI>")
     id_column: str = Field(default="id", description="the table's item id column (integers or text)")
     image_column: str = Field(default="image", description="the column of each item's image URI")
     view: str | None = Field(default=None, description="the view the team's service queries: id, embedding, "

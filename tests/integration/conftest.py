@@ -36,9 +36,10 @@ def s3_endpoint():
             server.stop()
 
 
-@pytest.fixture(params=["parts", "lance"])
+@pytest.fixture(params=["parts", "lance", "pgvector"])
 def layout(request) -> str:
-    """Each gallery layout (gallery.layout): the tests that take it run on both."""
+    """Each gallery layout (gallery.layout): the tests that take it run on every one (pgvector on
+    a real PostgreSQL that the test process starts, tests/pg.py)."""
     return request.param
 
 

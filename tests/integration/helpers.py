@@ -71,8 +71,15 @@ def in_layout(params, tmp_path: Path, layout: str):
     saying the same; returns the params."""
     settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
     settings["gallery"]["layout"] = layout
+    update = {"layout": layout}
+    if layout == "pgvector":  # a table of the test's own on the tests' PostgreSQL
+        from tests.pg import pg_gallery_config
+
+        pgvector = pg_gallery_config(str(tmp_path)).pgvector.model_copy(update={"table": None})  # one per store
+        settings["gallery"]["pgvector"] = {"uri": pgvector.uri}
+        update["pgvector"] = pgvector
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(settings))
-    return params.model_copy(update={"gallery": params.gallery.model_copy(update={"layout": layout})})
+    return params.model_copy(update={"gallery": params.gallery.model_copy(update=update)})
 
 
 def run_then(owner, name: str, then):

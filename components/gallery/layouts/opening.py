@@ -48,8 +48,8 @@ class PgLayout:
     def __init__(self, gallery_config=None):
         from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
 
-        config = gallery_config or GalleryConfig()
-        self.settings = index_settings(config.pgvector, config.distance)
+        self.config = gallery_config or GalleryConfig()
 
     def writer(self, store: Store, model, part_size: int):
-        return PgGallery.writer(store, model, part_size, self.settings)
+        settings = index_settings(self.config.pgvector, self.config.distance, store.uri)
+        return PgGallery.writer(store, model, part_size, settings)

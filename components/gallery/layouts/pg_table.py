@@ -108,9 +108,15 @@ def connect(uri: str):
     return connection
 
 
-def index_settings(config, distance: str) -> dict:
-    """The manifest's ``index`` of a new gallery from ``gallery.pgvector`` (``config``)."""
-    table = _identifier(config.table, "gallery.pgvector.table")
+def default_table(store_uri: str) -> str:
+    """The table of a new gallery whose settings name none: one per store."""
+    return "gallery_" + hashlib.sha1(str(store_uri).rstrip("/").encode()).hexdigest()[:10]
+
+
+def index_settings(config, distance: str, store_uri: str = "") -> dict:
+    """The manifest's ``index`` of a new gallery from ``gallery.pgvector`` (``config``) in the
+    store ``store_uri`` (it names the table when the settings do not)."""
+    table = _identifier(config.table or default_table(store_uri), "gallery.pgvector.table")
     return {"kind": PGVECTOR, "uri": safe_uri(config.uri), "table": table,
             "id_column": _identifier(config.id_column, "gallery.pgvector.id_column"),
             "image_column": _identifier(config.image_column, "gallery.pgvector.image_column"),

@@ -1,0 +1,215 @@
+"""The upgrade served from the team's index against the parts layout, side by side in one run:
+the same upgrade through the same product functions on a features-only gallery of ``--items``
+rows, the old model's ``--old-dim`` features to the new model's ``--new-dim``.
+
+    .venv/bin/python benchmarks/serving_index.py                    # 100,000 rows, 128-d -> 256-d
+    .venv/bin/python benchmarks/serving_index.py --items 1000000
+    .venv/bin/python benchmarks/serving_index.py --items 5000 --chunk 1000   # a quick look
+
+Each layout runs in a process of its own (peak RSS is the process's; PostgreSQL's own memory is
+reported apart, from its processes), through the product's functions: adopt, commit_plan (on
+pgvector the switch: the new model's column filled with h(old), its HNSW index built, the view
+moved), write_chunk with the layout's chunk commit (pgvector: the rows updated in one transaction
+with the chunk's record), finish; and searches, half way through the backfill and after the
+finish: ``--queries`` queries, k = 10, the latency per query and recall@10 against an exact search
+of the same mixed gallery (parts: `fastfill search`'s flat faiss index, exact; pgvector: the view,
+HNSW at gallery.pgvector's defaults). PostgreSQL is pgserver's (16.2, pgvector 0.6.2) on this
+machine, over a Unix socket. Writes reports/serving_index-<items>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LAYOUTS = ("parts", "pgvector")
+
+
+def _data(items: int, old_dim: int, new_dim: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((64, new_dim), dtype=np.float32)  # clustered, as real features are
+    labels = rng.integers(0, 64, items)
+    new = centres[labels] + 0.6 * rng.standard_normal((items, new_dim), dtype=np.float32)
+    mapped = new + 0.5 * rng.standard_normal((items, new_dim), dtype=np.float32)
+    return {"old": rng.standard_normal((items, old_dim), dtype=np.float32), "mapped": mapped, "new": new,
+            "sigma": rng.standard_normal(items, dtype=np.float32), "order": rng.permutation(items),
+            "queries": centres[rng.integers(0, 64, 1000)] + 0.6 * rng.standard_normal((1000, new_dim), dtype=np.float32)}
+
+
+def _exact(gallery: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    g2 = (gallery.astype(np.float64) ** 2).sum(1)
+    out = []
+    for start in range(0, len(queries), 100):
+        q = queries[start:start + 100].astype(np.float64)
+        d = g2[None] - 2 * q @ gallery.T.astype(np.float64)
+        out.append(np.argsort(d, axis=1, kind="stable")[:, :k])
+    return np.concatenate(out)
+
+
+def _search(layout: str, gallery, queries: np.ndarray, mixed: np.ndarray, k: int = 10) -> dict:
+    from fastfill.components.gallery.search.served import searcher_for
+
+    searcher = searcher_for(gallery, "l2")
+    searcher.search(queries[:5], k)  # warm
+    latencies, found = [], []
+    for query in queries:
+        start = time.perf_counter()
+        ids, _ = searcher.search(query[None], k)
+        latencies.append(time.perf_counter() - start)
+        found.append(np.asarray(ids[0], dtype=np.int64))
+    truth = _exact(mixed, queries, k)  # ids are positions here
+    recall = float(np.mean([len(set(f.tolist()) & set(t.tolist())) / k for f, t in zip(found, truth)]))
+    return {"latency_ms_median": 1000 * statistics.median(latencies),
+            "latency_ms_p95": 1000 * float(np.percentile(latencies, 95)), "recall_at_10": recall}
+
+
+def _server_rss() -> int:
+    import psutil
+
+    return sum(p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
+               if p.info["name"] and p.info["name"].startswith("postgres") and p.info["memory_info"])
+
+
+def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str) -> dict:
+    import pyarrow as pa
+
+    from fastfill.components.gallery.inputs.adopt import adopt
+    from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+    from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import ending
+    from fastfill.components.gallery.upgrade.backfill import write_chunk
+    from fastfill.components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
+    from fastfill.components.platform.config import GalleryConfig
+    from fastfill.components.platform.registry import ModelRef
+
+    data = _data(items, old_dim, new_dim)
+    qs = data["queries"][:queries]
+    old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
+    store = open_store(tempfile.mkdtemp(prefix=f"serving-{layout}-"))
+    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}"})
+    table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
+                      "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
+    times: dict = {}
+    start = time.perf_counter()
+    adopt(store, table, old, (1, 28, 28), features=iter([data["old"]]), part_size=10000,
+          layout=layout_of(layout, config))
+    times["adopt"] = time.perf_counter() - start
+
+    gallery = gallery_at(store)
+    plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
+    start = time.perf_counter()
+    for part in range(gallery.num_parts):
+        lo, hi = gallery.part_bounds(part)
+        store.put_array(transformed_key(plan.id, part), data["mapped"][lo:hi])
+        store.put_array(sigma_key(plan.id, part), data["sigma"][lo:hi])
+    times["plan_objects"] = time.perf_counter() - start
+    start = time.perf_counter()
+    commit_plan(gallery, plan, data["order"])  # pgvector: the switch (column, h(old), index, view)
+    times["switch"] = time.perf_counter() - start
+
+    writing = gallery_at(store)
+    mixed = data["mapped"].copy()
+    latencies = []
+    order = data["order"]
+    chunks = [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
+    half = len(chunks) // 2
+    result: dict = {}
+    for number, lo, hi in chunks:
+        positions = order[lo:hi]
+        features = data["new"][positions]
+        start = time.perf_counter()
+        write_chunk(store, plan.id, number, lo, hi, features, start,
+                    serve=lambda: writing.serve_chunk(plan, number, positions, features, np.ones(len(positions), bool)))
+        latencies.append(time.perf_counter() - start)
+        mixed[positions] = features
+        if number == half - 1:
+            result["search_half_way"] = _search(layout, gallery_at(store), qs, mixed)
+    times["chunk_commit_median"] = statistics.median(latencies)
+    times["chunk_commit_per_10k_rows"] = statistics.median(latencies) * 10000 / chunk
+    start = time.perf_counter()
+    ending.finish(gallery_at(store), plan)
+    times["finish"] = time.perf_counter() - start
+    result["search_after_finish"] = _search(layout, gallery_at(store), qs, data["new"])
+    served = gallery_at(store).all_features(new)
+    assert np.array_equal(served, data["new"]), f"the {layout} layout served other features"
+    result.update(times=times, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  postgres_rss_mb=_server_rss() / 2 ** 20 if layout == "pgvector" else None)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=100000)
+    parser.add_argument("--old-dim", type=int, default=128)
+    parser.add_argument("--new-dim", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=10000)
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--worker", choices=LAYOUTS)
+    parser.add_argument("--pg-uri", default="")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(run_layout(args.worker, args.items, args.old_dim, args.new_dim, args.chunk, args.queries,
+                                    args.pg_uri)))
+        return
+    import pgserver
+
+    folder = tempfile.mkdtemp(prefix="serving-pg-")
+    server = pgserver.get_server(folder, cleanup_mode="stop")
+    results = {}
+    try:
+        for layout in LAYOUTS:
+            command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
+                       str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
+                       str(args.queries), "--pg-uri", server.get_uri()]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
+            results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(layout, json.dumps(results[layout]), flush=True)
+    finally:
+        server.cleanup()
+    report(results, args)
+
+
+def report(results: dict, args) -> None:
+    parts, pg = results["parts"], results["pgvector"]
+    rows = [(step, parts["times"].get(step), pg["times"].get(step))
+            for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish")]
+    lines = [f"# The upgrade served from pgvector against the parts layout: {args.items:,} rows, "
+             f"{args.old_dim}-d -> {args.new_dim}-d, chunks of {args.chunk:,}", "",
+             f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk}` on {os.cpu_count()} cores; "
+             "PostgreSQL 16.2 + pgvector 0.6.2 (pgserver) on the same machine, Unix socket; HNSW m=16, "
+             "ef_construction=64, ef_search=100.", "",
+             "| step | parts (s) | pgvector (s) | pgvector / parts |", "|---|---|---|---|"]
+    for step, a, b in rows:
+        lines.append(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |" if a else f"| {step} | {a} | {b:.3f} | |")
+    lines += ["", "| search (k = 10) | parts: latency ms (median / p95), recall@10 | pgvector |", "|---|---|---|"]
+    for when in ("search_half_way", "search_after_finish"):
+        a, b = parts[when], pg[when]
+        lines.append(f"| {when.removeprefix('search_').replace('_', ' ')} | {a['latency_ms_median']:.2f} / "
+                     f"{a['latency_ms_p95']:.2f}, {a['recall_at_10']:.3f} | {b['latency_ms_median']:.2f} / "
+                     f"{b['latency_ms_p95']:.2f}, {b['recall_at_10']:.3f} |")
+    lines += ["", f"Peak RSS of the process: parts {parts['peak_rss_mb']:.0f} MB, pgvector {pg['peak_rss_mb']:.0f} MB; "
+              f"PostgreSQL's processes at the end: {pg['postgres_rss_mb']:.0f} MB.",
+              f"Switch on pgvector: {pg['times']['switch'] / args.items * 1e6:.1f} s per million rows (column written "
+              "with h(old), HNSW built, view moved)."]
+    out = ROOT / "reports" / f"serving_index-{args.items}"
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
