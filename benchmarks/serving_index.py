@@ -76,13 +76,22 @@ def _search(layout: str, gallery, queries: np.ndarray, mixed: np.ndarray, k: int
 
 
 def _server_rss() -> int:
-    import psutil
+    """The resident bytes of every postgres process on this machine (/proc)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        if text.startswith("Name:\tpostgres"):
+            for line in text.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
 
-    return sum(p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
-               if p.info["name"] and p.info["name"].startswith("postgres") and p.info["memory_info"])
 
-
-def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str) -> dict:
+def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str,
+               ann: str = "hnsw") -> dict:
     import pyarrow as pa
 
     from fastfill.components.gallery.inputs.adopt import adopt
@@ -98,7 +107,7 @@ def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, 
     qs = data["queries"][:queries]
     old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
     store = open_store(tempfile.mkdtemp(prefix=f"serving-{layout}-"))
-    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}"})
+    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann})
     table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
                       "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
     times: dict = {}
@@ -158,10 +167,11 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--worker", choices=LAYOUTS)
     parser.add_argument("--pg-uri", default="")
+    parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="hnsw", help="gallery.pgvector.ann")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_layout(args.worker, args.items, args.old_dim, args.new_dim, args.chunk, args.queries,
-                                    args.pg_uri)))
+                                    args.pg_uri, args.ann)))
         return
     import pgserver
 
@@ -172,7 +182,7 @@ def main() -> None:
         for layout in LAYOUTS:
             command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
                        str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
-                       str(args.queries), "--pg-uri", server.get_uri()]
+                       str(args.queries), "--pg-uri", server.get_uri(), "--ann", args.ann]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode:
                 raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
@@ -189,9 +199,10 @@ def report(results: dict, args) -> None:
             for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish")]
     lines = [f"# The upgrade served from pgvector against the parts layout: {args.items:,} rows, "
              f"{args.old_dim}-d -> {args.new_dim}-d, chunks of {args.chunk:,}", "",
-             f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk}` on {os.cpu_count()} cores; "
-             "PostgreSQL 16.2 + pgvector 0.6.2 (pgserver) on the same machine, Unix socket; HNSW m=16, "
-             "ef_construction=64, ef_search=100.", "",
+             f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --ann {args.ann}` on "
+             f"{os.cpu_count()} cores; PostgreSQL 16.2 + pgvector 0.6.2 (pgserver) on the same machine, Unix socket; "
+             + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
+                else "IVFFlat, lists = sqrt(rows), probes = 10."), "",
              "| step | parts (s) | pgvector (s) | pgvector / parts |", "|---|---|---|---|"]
     for step, a, b in rows:
         lines.append(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |" if a else f"| {step} | {a} | {b:.3f} | |")
@@ -204,8 +215,8 @@ def report(results: dict, args) -> None:
     lines += ["", f"Peak RSS of the process: parts {parts['peak_rss_mb']:.0f} MB, pgvector {pg['peak_rss_mb']:.0f} MB; "
               f"PostgreSQL's processes at the end: {pg['postgres_rss_mb']:.0f} MB.",
               f"Switch on pgvector: {pg['times']['switch'] / args.items * 1e6:.1f} s per million rows (column written "
-              "with h(old), HNSW built, view moved)."]
-    out = ROOT / "reports" / f"serving_index-{args.items}"
+              f"with h(old), the {args.ann} index built, view moved)."]
+    out = ROOT / "reports" / f"serving_index-{args.items}-{args.ann}"
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
