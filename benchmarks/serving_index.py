@@ -173,23 +173,19 @@ def main() -> None:
         print(json.dumps(run_layout(args.worker, args.items, args.old_dim, args.new_dim, args.chunk, args.queries,
                                     args.pg_uri, args.ann)))
         return
-    import pgserver
+    from testkit.local_postgres import start_postgres
 
-    folder = tempfile.mkdtemp(prefix="serving-pg-")
-    server = pgserver.get_server(folder, cleanup_mode="stop")
+    uri = start_postgres("serving-pg-")  # stopped when this process ends, killed or not
     results = {}
-    try:
-        for layout in LAYOUTS:
-            command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
-                       str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
-                       str(args.queries), "--pg-uri", server.get_uri(), "--ann", args.ann]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode:
-                raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
-            results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
-            print(layout, json.dumps(results[layout]), flush=True)
-    finally:
-        server.cleanup()
+    for layout in LAYOUTS:
+        command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
+                   str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
+                   str(args.queries), "--pg-uri", uri, "--ann", args.ann]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
+        results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(layout, json.dumps(results[layout]), flush=True)
     report(results, args)
 
 

@@ -564,7 +564,8 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
     assert gallery.index.serving()["model"] == NEW.uri
     reversal.abort(gallery, plan.id)
     assert gallery.index.serving() | {"since": None} == gallery.index.serving() | {
-        "model": OLD.uri, "column_name": "emb_embedder_v1", "upgrade": None, "since": None}
+        "model": OLD.uri, "vectors": f"{gallery.index.table}_emb_embedder_v1.embedding", "upgrade": None,
+        "since": None}
     ids, models_, _ = _index_answers(gallery, embed(old, images[:3]))
     np.testing.assert_array_equal(np.array(ids), _brute_force(embed(old, images), gallery.ids(), embed(old, images[:3]), 5))
     assert all(m == {OLD.uri} for m in models_)
@@ -595,8 +596,9 @@ def a_row_deleted_or_emptied_in_the_table_is_named(store_uri, models, data, layo
 
     gallery = _gallery(store_uri, models, data, layout=layout)
     index = gallery.index
-    index.execute(sql.SQL("UPDATE {} SET emb_embedder_v1 = NULL WHERE id = 1012").format(sql.Identifier(index.table)))
-    with pytest.raises(DamagedObject, match=r"column emb_embedder_v1: item 1012 has no row or no vector"):
+    vectors = sql.Identifier(f"{index.table}_emb_embedder_v1")
+    index.execute(sql.SQL("DELETE FROM {} WHERE id = 1012").format(vectors))
+    with pytest.raises(DamagedObject, match=r"vectors \w+_emb_embedder_v1.embedding: item 1012 has no row or no vector"):
         gallery.features(OLD, 1)
     gallery.features(OLD, 0)  # the other parts still read
     with pytest.raises(GalleryError, match="1 rows without a vector"):
@@ -648,11 +650,12 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     rows = [by_sku[s] for s in gallery.ids()]
     np.testing.assert_array_equal(gallery.all_features(OLD), features[rows])
     np.testing.assert_array_equal(gallery.labels(), labels[rows])
-    assert gallery.index.serving()["column_name"] == "vec"
+    assert gallery.index.serving()["vectors"] == f"{index.table}.vec"
     assert _index_answers(gallery, features[:1], k=1)[0] == [[skus[0]]]
 
     plan = _plan(gallery, h)
     assert gallery.index.serving()["model"] == NEW.uri and "vec" in gallery.index.columns()
+    assert gallery.index.serving()["vectors"] == f"{index.table}_emb_embedder_v2.embedding"
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
     ending.finish(gallery, plan)

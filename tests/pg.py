@@ -2,33 +2,17 @@
 folder of its own, once per test process; it stops when the process ends), and the gallery
 settings that put a test's gallery in a table of its own there."""
 
-import atexit
 import functools
 import hashlib
-import shutil
-import tempfile
-import warnings
 
 
 @functools.cache
 def pg_uri() -> str:
-    """The server's ``postgresql://`` URI (a Unix socket in its folder)."""
-    import pgserver
+    """The server's ``postgresql://`` URI (a Unix socket in its folder); it stops with this
+    process, killed or not (testkit/local_postgres.py)."""
+    from testkit.local_postgres import start_postgres
 
-    folder = tempfile.mkdtemp(prefix="fastfill-pg-")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR is not set
-        server = pgserver.get_server(folder, cleanup_mode="stop")
-    uri = server.get_uri()
-
-    def stop() -> None:
-        try:
-            server.cleanup()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    atexit.register(stop)
-    return uri
+    return start_postgres()
 
 
 def table_for(store_uri: str) -> str:

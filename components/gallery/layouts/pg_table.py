@@ -1,7 +1,10 @@
 """The gallery served from PostgreSQL with pgvector (``layout: pgvector``): the index the team's
-service queries is the gallery. One table holds one row per item (the team's id column, the
-image's URI, and one ``vector`` column per model, each with a ``<column>_source`` saying what
-made the row's vector); the team's service queries a view, ``<table>_serving`` by default::
+service queries is the gallery. The gallery's table holds one row per item (the team's id column,
+the image's URI; an adopted table its own vector column too); each model the product writes gets
+a table of its own beside it, ``<table>_emb_<name>_v<version>`` (id, embedding, source: what made
+the row's vector), so an upgrade's writes touch that table and its ANN index only, never the
+team's rows or the old model's index. The team's service queries a view, ``<table>_serving`` by
+default::
 
     SELECT id, embedding, model, source FROM gallery_serving ORDER BY embedding <-> $1 LIMIT 10
 
@@ -11,16 +14,17 @@ through the upgrade's alignment map, h(old)).
 
 During an upgrade (``components.gallery.upgrade``):
 
-- **the switch** (when the gallery is pointed at a planned upgrade): the new model's column is
-  added and filled with the mixed gallery as it is (h(old), and the new model's features of the
-  chunks done while planning), its ANN index is built, and then, in one transaction, the view is
-  redefined over it and ``<table>_fastfill_serving`` names the new model. Readers move at that
+- **the switch** (when the gallery is pointed at a planned upgrade): the new model's table is
+  written (one COPY) with the mixed gallery as it is (h(old), and the new model's features of the
+  chunks done while planning), its ANN index is built in bulk, and then, in one transaction, the
+  view is redefined over it and ``<table>_fastfill_serving`` names the new model. Readers move at that
   commit, from one space to the other, never seeing both in one answer;
 - **each chunk** updates its rows (new features, ``source = embedded``) in one transaction together
   with its completion record (``<table>_fastfill_chunks``): once, whatever the retries;
-- **the finish** keeps the column the chunks filled (nothing is rewritten) and names the new model
+- **the finish** keeps the table the chunks filled (nothing is rewritten) and names the new model
   in the manifest; **reject, abort and rollback** redefine the view over the model the manifest
-  serves (the old column is kept until ``fastfill gallery gc`` drops every other model's column).
+  serves (the old vectors are kept until ``fastfill gallery gc`` drops every other model's table,
+  and an adopted column once another model serves).
 
 Everything that is not a vector stays in the gallery's store, as on the parts layout: the manifest
 (``gallery.json``, the authority on which model serves; its ``index`` names the server, table and
@@ -80,13 +84,27 @@ def _identifier(name: str, what: str) -> str:
     return name
 
 
-def column_name(model: ModelRef) -> str:
-    """The column of ``model``'s features in a table this product adds to: ``emb_<name>_v<version>``
-    (lowercase; a digest of the model's key where that would pass PostgreSQL's 63 characters)."""
-    base = re.sub(r"[^a-z0-9_]+", "_", f"emb_{model.name}_v{model.version}".lower())
-    if len(base) > 50:
-        base = f"{base[:40]}_{hashlib.sha1(model.key.encode()).hexdigest()[:8]}"
-    return base
+def vectors_table(table: str, model: ModelRef) -> str:
+    """The table of ``model``'s vectors beside the gallery's ``table``: ``<table>_emb_<name>_v<version>``
+    (lowercase; a digest where that would pass PostgreSQL's 63 characters)."""
+    name = re.sub(r"[^a-z0-9_]+", "_", f"{table}_emb_{model.name}_v{model.version}".lower())
+    if len(name) > 63:
+        name = f"{name[:50]}_{hashlib.sha1(f'{table}/{model.key}'.encode()).hexdigest()[:12]}"
+    return name
+
+
+class Place:
+    """Where one model's vectors are: a table, its id, vector and (optional) source columns."""
+
+    def __init__(self, table: str, id_column: str, column: str, source: str | None):
+        self.table, self.id_column, self.column, self.source = table, id_column, column, source
+
+    @property
+    def name(self) -> str:
+        return f"{self.table}.{self.column}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Place) and self.name == other.name
 
 
 def connect(uri: str):
@@ -127,8 +145,9 @@ def index_settings(config, distance: str, store_uri: str = "") -> dict:
 
 
 class Index:
-    """The server side of a pgvector gallery: its table, view and bookkeeping tables, by the
-    manifest's ``index``. One connection per object, opened when first needed."""
+    """The server side of a pgvector gallery: its table, the models' vector tables, the view and
+    the bookkeeping tables, by the manifest's ``index``. One connection per object, opened when
+    first needed."""
 
     def __init__(self, settings: dict):
         self.settings = settings
@@ -181,26 +200,40 @@ class Index:
 
     # ---- what is there
 
-    def columns(self) -> dict[str, str]:
-        """The table's columns and their types (``vector(12)``, ``text``, ``bigint``)."""
+    def columns(self, table: str | None = None) -> dict[str, str]:
+        """A table's columns and their types (``vector(12)``, ``text``, ``bigint``); default the gallery's."""
         rows = self.execute(
             "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
-            "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped", (self.table,)).fetchall()
+            "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+            (f'"{table or self.table}"',)).fetchall()
         return dict(rows)
 
-    def exists(self) -> bool:
-        return self.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone()[0]
+    def exists(self, table: str | None = None) -> bool:
+        return self.execute("SELECT to_regclass(%s) IS NOT NULL", (f'"{table or self.table}"',)).fetchone()[0]
 
-    def id_type(self) -> str:
-        kind = self.columns().get(self.id_column)
-        if kind is None:
-            raise GalleryError(f"{self.where} has no id column {self.id_column!r}")
-        return kind
-
-    def count(self) -> int:
+    def count(self, table: str | None = None) -> int:
         from psycopg import sql
 
-        return self.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(self.table))).fetchone()[0]
+        return self.execute(sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(table or self.table))).fetchone()[0]
+
+    def place(self, model: ModelRef) -> Place:
+        """Where ``model``'s vectors are: the adopted column of the gallery's table, or its own table."""
+        adopted = self.settings.get("columns", {}).get(model.key)
+        if adopted:
+            source = self.settings.get("sources", {}).get(model.key)
+            return Place(self.table, self.id_column, adopted, source)
+        return Place(vectors_table(self.table, model), "id", "embedding", "source")
+
+    def vectors_tables(self) -> list[str]:
+        """The tables of models' vectors beside the gallery's (``<table>_emb_...``)."""
+        rows = self.execute("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                            "WHERE c.relkind = 'r' AND n.nspname = current_schema() AND starts_with(c.relname, %s)",
+                            (f"{self.table}_emb_",)).fetchall()
+        return sorted(r[0] for r in rows)
+
+    def has(self, place: Place) -> bool:
+        return place.column in self.columns(place.table)
 
     def bookkeeping(self) -> None:
         """The tables the product keeps beside the gallery's: which model serves, and the chunks
@@ -209,139 +242,165 @@ class Index:
 
         self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (one boolean PRIMARY KEY DEFAULT true CHECK (one), "
                              "model text NOT NULL, model_name text NOT NULL, model_version text NOT NULL, "
-                             "dim integer NOT NULL, column_name text NOT NULL, upgrade text, "
+                             "dim integer NOT NULL, vectors text NOT NULL, upgrade text, "
                              "since timestamptz NOT NULL DEFAULT now())").format(sql.Identifier(self.serving_table)))
         self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (upgrade text NOT NULL, chunk integer NOT NULL, "
                              "items integer NOT NULL, at timestamptz NOT NULL DEFAULT now(), "
                              "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
 
     def serving(self) -> dict | None:
-        """The row that says which model's column the view serves, or None before any."""
+        """The row that says which model's vectors the view serves (``vectors``: table.column),
+        or None before any."""
         from psycopg import sql
         from psycopg.rows import dict_row
 
-        if not self.execute("SELECT to_regclass(%s) IS NOT NULL", (self.serving_table,)).fetchone()[0]:
+        if not self.exists(self.serving_table):
             return None
         cursor = self.connection().cursor(row_factory=dict_row)
-        row = cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, column_name, upgrade, since "
-                                     "FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
-        return row
+        return cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, vectors, upgrade, since "
+                                      "FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
 
     # ---- the vectors
 
-    def read(self, column: str, ids: np.ndarray, dim: int) -> np.ndarray:
-        """``column``'s vectors of the items ``ids``, in that order; a DamagedObject naming the
+    def read(self, place: Place, ids: np.ndarray, dim: int) -> np.ndarray:
+        """The vectors at ``place`` of the items ``ids``, in that order; a DamagedObject naming the
         first id without a row or without a vector."""
+        import psycopg
         from psycopg import sql
 
         ids = np.asarray(ids)
         out = np.empty((len(ids), dim), dtype=np.float32)
         kind = "text[]" if is_text(ids) else "bigint[]"
+        query = sql.SQL("SELECT q.n, t.{col} FROM unnest(%s::" + kind + ") WITH ORDINALITY AS q(id, n) "
+                        "LEFT JOIN {table} t ON t.{id} = q.id ORDER BY q.n").format(
+            col=sql.Identifier(place.column), table=sql.Identifier(place.table), id=sql.Identifier(place.id_column))
         for start in range(0, len(ids), ROWS_PER_STATEMENT):
             block = ids[start:start + ROWS_PER_STATEMENT]
             values = [str(v) for v in block] if is_text(ids) else [int(v) for v in block]
-            query = sql.SQL("SELECT q.n, t.{col} FROM unnest(%s::" + kind + ") WITH ORDINALITY AS q(id, n) "
-                            "LEFT JOIN {table} t ON t.{id} = q.id ORDER BY q.n").format(
-                col=sql.Identifier(column), table=sql.Identifier(self.table), id=sql.Identifier(self.id_column))
-            cursor = self.connection().cursor(binary=True)
             try:
-                rows = cursor.execute(query, (values,)).fetchall()
-            except Exception as error:  # noqa: BLE001 - named, then raised as what it is
-                import psycopg
-
-                if isinstance(error, psycopg.OperationalError):
-                    self.close()
-                    raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
-                raise
+                rows = self.connection().cursor(binary=True).execute(query, (values,)).fetchall()
+            except psycopg.OperationalError as error:
+                self.close()
+                raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
             for n, vector in rows:
                 if vector is None:
-                    raise DamagedObject(f"{self.where} column {column}: item {values[n - 1]!r} has no row or no vector "
-                                        "(a row deleted or a vector set to NULL by another writer); restore it, or "
-                                        "re-adopt the table")
+                    raise DamagedObject(f"{self.where} vectors {place.name}: item {values[n - 1]!r} has no row or no "
+                                        "vector (a row deleted or a vector set to NULL by another writer); restore "
+                                        "it, or re-adopt the table")
                 value = np.asarray(vector.to_numpy() if hasattr(vector, "to_numpy") else vector, dtype=np.float32)
                 if value.shape != (dim,):
-                    raise DamagedObject(f"{self.where} column {column}: item {values[n - 1]!r} has a vector of "
+                    raise DamagedObject(f"{self.where} vectors {place.name}: item {values[n - 1]!r} has a vector of "
                                         f"dimension {value.shape[0]}, not {dim}")
                 out[start + n - 1] = value
         return out
 
-    def write(self, connection, column: str, ids: np.ndarray, vectors: np.ndarray, sources) -> None:
-        """Set ``column`` (and its source column) of the rows ``ids`` in the caller's
+    def _id_type(self, ids: np.ndarray) -> str:
+        return self.settings.get("id_type") or ("text" if is_text(ids) else "bigint")
+
+    def write(self, connection, place: Place, ids: np.ndarray, vectors: np.ndarray, sources) -> None:
+        """Set the vectors (and sources) at ``place`` of the rows ``ids`` in the caller's
         transaction: the rows are copied into a temporary table, then one UPDATE."""
         from psycopg import sql
 
-        id_type = self.settings.get("id_type") or ("text" if is_text(ids) else "bigint")
-        dim = vectors.shape[1]
+        id_type = self._id_type(ids)
         connection.execute(sql.SQL("CREATE TEMPORARY TABLE IF NOT EXISTS fastfill_rows (id {kind}, v vector({dim}), "
-                                   "s text) ON COMMIT DROP").format(kind=sql.SQL(id_type), dim=sql.Literal(dim)))
+                                   "s text) ON COMMIT DROP").format(kind=sql.SQL(id_type),
+                                                                    dim=sql.Literal(vectors.shape[1])))
         connection.execute("TRUNCATE fastfill_rows")
         sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
-        cursor = connection.cursor()
-        with cursor.copy("COPY fastfill_rows (id, v, s) FROM STDIN WITH (FORMAT BINARY)") as copy:
+        with connection.cursor().copy("COPY fastfill_rows (id, v, s) FROM STDIN WITH (FORMAT BINARY)") as copy:
             copy.set_types([id_type, "vector", "text"])
             for item, vector, source in zip(ids.tolist(), vectors, sources):
                 copy.write_row((item, vector, source))
-        updated = connection.execute(sql.SQL("UPDATE {table} t SET {col} = r.v, {src} = r.s FROM fastfill_rows r "
+        source = sql.SQL(", {} = r.s").format(sql.Identifier(place.source)) if place.source else sql.SQL("")
+        updated = connection.execute(sql.SQL("UPDATE {table} t SET {col} = r.v{source} FROM fastfill_rows r "
                                              "WHERE t.{id} = r.id").format(
-            table=sql.Identifier(self.table), col=sql.Identifier(column), src=sql.Identifier(f"{column}_source"),
-            id=sql.Identifier(self.id_column))).rowcount
+            table=sql.Identifier(place.table), col=sql.Identifier(place.column), source=source,
+            id=sql.Identifier(place.id_column))).rowcount
         if updated != len(ids):
-            raise DamagedObject(f"{self.where}: {len(ids) - updated} of {len(ids)} items have no row (deleted by "
-                                "another writer?); nothing of this write was kept")
+            raise DamagedObject(f"{self.where}: {len(ids) - updated} of {len(ids)} items have no row in "
+                                f"{place.table} (deleted by another writer?); nothing of this write was kept")
 
-    def add_column(self, column: str, dim: int) -> None:
+    def new_vectors(self, place: Place, dim: int, parts) -> None:
+        """``place``'s table made anew (dropped first: a switch or a write cut short, or an
+        aborted upgrade's) and filled from ``parts``, (ids, vectors, sources) in turn, by COPY:
+        no index yet, so no index is maintained row by row (``ann_index`` builds it in bulk)."""
         from psycopg import sql
 
-        self.execute(sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} vector({d}), "
-                             "ADD COLUMN IF NOT EXISTS {s} text").format(
-            t=sql.Identifier(self.table), c=sql.Identifier(column), d=sql.Literal(int(dim)),
-            s=sql.Identifier(f"{column}_source")))
+        table = sql.Identifier(place.table)
+        self.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
+        created = False
+        for ids, vectors, sources in parts:
+            if not created:
+                self.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
+                                     "source text NOT NULL)").format(table, kind=sql.SQL(self._id_type(ids)),
+                                                                     dim=sql.Literal(int(dim))))
+                created = True
+            sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
+            with self.transaction() as connection, connection.cursor().copy(sql.SQL(
+                    "COPY {} (id, embedding, source) FROM STDIN WITH (FORMAT BINARY)").format(table)) as copy:
+                copy.set_types([self._id_type(ids), "vector", "text"])
+                for item, vector, source in zip(ids.tolist(), vectors, sources):
+                    copy.write_row((item, vector, source))
 
-    def drop_column(self, column: str) -> None:
+    def drop(self, place: Place) -> None:
         from psycopg import sql
 
-        self.execute(sql.SQL("ALTER TABLE {t} DROP COLUMN IF EXISTS {c}, DROP COLUMN IF EXISTS {s}").format(
-            t=sql.Identifier(self.table), c=sql.Identifier(column), s=sql.Identifier(f"{column}_source")))
+        if place.table != self.table:
+            self.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(place.table)))
+        else:
+            self.execute(sql.SQL("ALTER TABLE {} DROP COLUMN IF EXISTS {}").format(
+                sql.Identifier(place.table), sql.Identifier(place.column)))
 
-    def ann_index(self, column: str) -> None:
-        """The ANN index of ``column`` (gallery.pgvector.ann, with pgvector's operator class for
-        the gallery's distance), built when missing."""
+    def ann_index(self, place: Place) -> None:
+        """The ANN index of ``place``'s vectors (gallery.pgvector.ann, with pgvector's operator
+        class for the gallery's distance), built when missing; then ANALYZE."""
         from psycopg import sql
 
         kind = self.settings.get("ann", "hnsw")
-        if kind == "none":
-            return
-        name = f"{self.table}_{column}_{kind}"[:63]
-        if kind == "hnsw":
-            options = sql.SQL("WITH (m = {}, ef_construction = {})").format(
-                sql.Literal(int(self.settings.get("hnsw_m", 16))),
-                sql.Literal(int(self.settings.get("hnsw_ef_construction", 64))))
-        else:
-            lists = self.settings.get("ivfflat_lists") or max(1, int(self.count() ** 0.5))
-            options = sql.SQL("WITH (lists = {})").format(sql.Literal(int(lists)))
-        self.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) {options}").format(
-            name=sql.Identifier(name), t=sql.Identifier(self.table), kind=sql.SQL(kind), c=sql.Identifier(column),
-            ops=sql.SQL(self.opclass), options=options))
+        if kind != "none" and not self.ann_indexed(place):
+            name = f"{place.table}_{place.column}_{kind}"
+            if len(name) > 63:
+                name = f"{name[:50]}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+            if kind == "hnsw":
+                options = sql.SQL("WITH (m = {}, ef_construction = {})").format(
+                    sql.Literal(int(self.settings.get("hnsw_m", 16))),
+                    sql.Literal(int(self.settings.get("hnsw_ef_construction", 64))))
+            else:
+                lists = self.settings.get("ivfflat_lists") or max(1, int(self.count(place.table) ** 0.5))
+                options = sql.SQL("WITH (lists = {})").format(sql.Literal(int(lists)))
+            self.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) {options}").format(
+                name=sql.Identifier(name), t=sql.Identifier(place.table), kind=sql.SQL(kind),
+                c=sql.Identifier(place.column), ops=sql.SQL(self.opclass), options=options))
+        self.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(place.table)))
 
-    def serve(self, model: ModelRef, column: str, upgrade: str | None, has_source: bool = True) -> None:
-        """Readers move to ``model``'s ``column`` in one transaction: the view redefined over it
-        and the serving row rewritten together (a reader's statement sees one or the other)."""
+    def ann_indexed(self, place: Place) -> bool:
+        """Whether ``place``'s vector column has an HNSW or IVFFlat index (the team's own too)."""
+        return bool(self.execute(
+            "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = to_regclass(%s) AND a.attname = %s AND am.amname IN ('hnsw', 'ivfflat')",
+            (f'"{place.table}"', place.column)).fetchone()[0])
+
+    def serve(self, model: ModelRef, place: Place, upgrade: str | None) -> None:
+        """Readers move to ``model``'s vectors at ``place`` in one transaction: the view
+        redefined over them and the serving row rewritten together (a reader's statement sees
+        one or the other)."""
         from psycopg import sql
 
-        source = sql.SQL("coalesce({}, {})").format(sql.Identifier(f"{column}_source"), sql.Literal(EMBEDDED)) \
-            if has_source else sql.Literal(EMBEDDED)
+        source = sql.SQL("coalesce({}, {})").format(sql.Identifier(place.source), sql.Literal(EMBEDDED)) \
+            if place.source else sql.Literal(EMBEDDED)
         with self.transaction() as connection:
             connection.execute(sql.SQL("DROP VIEW IF EXISTS {}").format(sql.Identifier(self.view)))
             connection.execute(sql.SQL(
-                "CREATE VIEW {view} AS SELECT {id} AS id, {image} AS image, {col} AS embedding, {model}::text AS model, "
+                "CREATE VIEW {view} AS SELECT {id} AS id, {col} AS embedding, {model}::text AS model, "
                 "{source}::text AS source FROM {table}").format(
-                view=sql.Identifier(self.view), id=sql.Identifier(self.id_column),
-                image=sql.Identifier(self.image_column), col=sql.Identifier(column), model=sql.Literal(model.uri),
-                source=source, table=sql.Identifier(self.table)))
+                view=sql.Identifier(self.view), id=sql.Identifier(place.id_column), col=sql.Identifier(place.column),
+                model=sql.Literal(model.uri), source=source, table=sql.Identifier(place.table)))
             connection.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(self.serving_table)))
-            connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, column_name, upgrade) "
+            connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, vectors, upgrade) "
                                        "VALUES (%s, %s, %s, %s, %s, %s)").format(sql.Identifier(self.serving_table)),
-                               (model.uri, model.name, str(model.version), int(model.dim or 0), column, upgrade))
+                               (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade))
 
     def chunk_done(self, upgrade: str) -> set[int]:
         from psycopg import sql
@@ -383,7 +442,7 @@ class Index:
 
 
 class PgGallery(Gallery):
-    """A gallery whose vectors are rows of a PostgreSQL table that queries are served from (see
+    """A gallery whose vectors are rows of PostgreSQL tables that queries are served from (see
     the module's docstring); the manifest, items and upgrade objects are in its store."""
 
     layout = PGVECTOR
@@ -402,17 +461,16 @@ class PgGallery(Gallery):
             self._index = Index(settings)
         return self._index
 
-    def _column_of(self, model: ModelRef) -> str:
-        return self.manifest()["index"].get("columns", {}).get(model.key) or column_name(model)
-
     # ---- features
 
     def _rows(self, model: ModelRef, ids: np.ndarray) -> np.ndarray:
-        column = self._column_of(model)
-        if column not in self.index.columns():
-            raise ObjectMissing(f"{self.index.where} holds no features of {model.uri} (no column {column})")
-        dim = model.dim or int(re.search(r"\((\d+)\)", self.index.columns()[column]).group(1))
-        return check_features(self.index.read(column, ids, dim), model.dim, f"{self.index.where} column {column}")
+        index = self.index
+        place = index.place(model)
+        columns = index.columns(place.table)
+        if place.column not in columns:
+            raise ObjectMissing(f"{index.where} holds no features of {model.uri} (no {place.name})")
+        dim = model.dim or int(re.search(r"\((\d+)\)", columns[place.column]).group(1))
+        return check_features(index.read(place, ids, dim), model.dim, f"{index.where} vectors {place.name}")
 
     def features(self, model: ModelRef, part: int) -> np.ndarray:
         return self._rows(model, id_array(self.items_part(part).column("id")))
@@ -425,43 +483,51 @@ class PgGallery(Gallery):
         return self._rows(model, self.ids()[positions]) if len(positions) else np.zeros((0, model.dim or 0), np.float32)
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
-        """``model``'s column from ``parts``. The column an upgrade's chunks kept up to date (the
-        finish) is not written again: the parts are read to their end (they check that every
+        """``model``'s vectors from ``parts``. Those an upgrade's chunks kept up to date (the
+        finish) are not written again: the parts are read to their end (they check that every
         part is backfilled) and the rows are the chunks'."""
-        column = self._column_of(model)
-        serving = self.index.serving()
-        if serving is not None and serving["column_name"] == column and column in self.index.columns():
+        index = self.index
+        place = index.place(model)
+        serving = index.serving()
+        if serving is not None and serving["vectors"] == place.name and index.has(place):
             for _ in parts:
                 pass
             return
-        self.index.add_column(column, int(model.dim))
         ids = self.ids()
-        for part, features in parts:
-            start, stop = self.part_bounds(part)
-            with self.index.transaction() as connection:
-                self.index.write(connection, column, ids[start:stop], features, EMBEDDED)
+
+        def rows():
+            for part, features in parts:
+                start, stop = self.part_bounds(part)
+                yield ids[start:stop], features, EMBEDDED
+
+        index.new_vectors(place, int(model.dim), rows())
+        index.ann_index(place)
 
     def missing_features(self, model: ModelRef) -> list[str]:
-        column = self._column_of(model)
-        if column not in self.index.columns():
-            return [f"{self.index.where} column {column}"]
+        index = self.index
+        place = index.place(model)
+        if not index.has(place):
+            return [f"{index.where} vectors {place.name}"]
         from psycopg import sql
 
-        empty = self.index.execute(sql.SQL("SELECT count(*) FROM {} WHERE {} IS NULL").format(
-            sql.Identifier(self.index.table), sql.Identifier(column))).fetchone()[0]
-        return [f"{self.index.where} column {column}: {empty} rows without a vector"] if empty else []
+        rows, empty = index.execute(sql.SQL("SELECT count(*), count(*) FILTER (WHERE {} IS NULL) FROM {}").format(
+            sql.Identifier(place.column), sql.Identifier(place.table))).fetchone()
+        if empty or rows != self.num_items:
+            return [f"{index.where} vectors {place.name}: {empty + self.num_items - rows} rows without a vector"]
+        return []
 
     def collect_features(self) -> int:
-        """Drop the columns of every model but the serving one (the product's own columns: a
-        team's adopted column is dropped only once another model serves), and the chunk records
-        of upgrades that ended; returns how many columns."""
-        keep = self._column_of(self.model)
-        adopted = set(self.manifest()["index"].get("columns", {}).values())
-        columns = self.index.columns()
-        drop = [name for name, kind in columns.items()
-                if kind.startswith("vector") and name != keep and (name.startswith("emb_") or name in adopted)]
-        for name in drop:
-            self.index.drop_column(name)
+        """Drop the vectors of every model but the serving one: the other models' tables, and a
+        team's adopted column once another model serves; returns how many."""
+        index = self.index
+        keep = index.place(self.model)
+        drop = [Place(table, "id", "embedding", "source") for table in index.vectors_tables() if table != keep.table]
+        columns = index.columns()
+        drop += [Place(index.table, index.id_column, column, None)
+                 for column in self.manifest()["index"].get("columns", {}).values()
+                 if column in columns and Place(index.table, index.id_column, column, None) != keep]
+        for place in drop:
+            index.drop(place)
         return len(drop)
 
     def check_sources(self, sequential: bool = False) -> None:
@@ -507,36 +573,34 @@ class PgGallery(Gallery):
         index.bookkeeping()
         upgrade = manifest.get("upgrade")
         plan = load_plan(self.store, upgrade) if upgrade else None
-        if plan is not None:
-            model, column = plan.new, self._column_of(plan.new)
-        else:
-            model, column = ModelRef.from_dict(manifest["model"]), self._column_of(ModelRef.from_dict(manifest["model"]))
+        model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
+        place = index.place(model)
         serving = index.serving()
-        if serving is not None and serving["column_name"] == column and serving["model"] == model.uri \
+        if serving is not None and serving["vectors"] == place.name and serving["model"] == model.uri \
                 and serving["upgrade"] == (plan.id if plan else None):
             return serving
-        if plan is not None and (serving is None or serving["column_name"] != column):
-            self._prepare_switch(plan, column)
-        has_source = f"{column}_source" in index.columns()
-        index.serve(model, column, plan.id if plan else None, has_source)
+        if plan is not None and (serving is None or serving["vectors"] != place.name):
+            self._prepare_switch(plan, place)
+        index.serve(model, place, plan.id if plan else None)
         return index.serving()
 
-    def _prepare_switch(self, plan, column: str) -> None:
-        """The new model's column filled with the mixed gallery as it is now (h(old); the new
+    def _prepare_switch(self, plan, place: Place) -> None:
+        """The new model's table written with the mixed gallery as it is now (h(old); the new
         features of the chunks already done, recorded as done) and its ANN index built, before
         any reader moves to it."""
+        from psycopg import sql
+
         from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts  # late: the upgrade package imports the layouts
 
         index = self.index
-        index.add_column(column, int(plan.new.dim))
         ids = self.ids()
-        for part, features, backfilled in iter_mixed_parts(self, plan):
-            start, stop = self.part_bounds(part)
-            with index.transaction() as connection:
-                index.write(connection, column, ids[start:stop], features,
-                            [EMBEDDED if b else MAPPED for b in backfilled])
-        from psycopg import sql
 
+        def rows():
+            for part, features, backfilled in iter_mixed_parts(self, plan):
+                start, stop = self.part_bounds(part)
+                yield ids[start:stop], features, [EMBEDDED if b else MAPPED for b in backfilled]
+
+        index.new_vectors(place, int(plan.new.dim), rows())
         done = done_chunks(self.store, plan.id)
         with index.transaction() as connection:  # an earlier try of the same upgrade (aborted) left its own
             connection.execute(sql.SQL("DELETE FROM {} WHERE upgrade = %s").format(sql.Identifier(index.chunks_table)),
@@ -546,8 +610,7 @@ class PgGallery(Gallery):
                 connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT "
                                            "DO NOTHING").format(sql.Identifier(index.chunks_table)),
                                    (plan.id, chunk, stop - start))
-        index.ann_index(column)
-        index.execute("ANALYZE " + '"' + index.table + '"')
+        index.ann_index(place)
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
         """A chunk's rows, in one transaction with its completion record: once (a chunk whose
@@ -555,14 +618,13 @@ class PgGallery(Gallery):
         from psycopg import sql
 
         index = self.index
-        column = self._column_of(plan.new)
         with index.transaction() as connection:
             inserted = connection.execute(
                 sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
                     sql.Identifier(index.chunks_table)), (plan.id, int(chunk), len(positions))).rowcount
             if inserted:
-                index.write(connection, column, self.ids()[np.asarray(positions, dtype=np.int64)], features,
-                            [EMBEDDED if e else MAPPED for e in embedded])
+                index.write(connection, index.place(plan.new), self.ids()[np.asarray(positions, dtype=np.int64)],
+                            features, [EMBEDDED if e else MAPPED for e in embedded])
 
     @staticmethod
     def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> PgWriter:
@@ -573,15 +635,16 @@ class PgGallery(Gallery):
 
 class PgWriter:
     """Writes a new pgvector gallery: the items (and an ingested gallery's images) as the parts
-    layout's objects in the store, the features as rows of a new table (created here; a table
-    that exists already is refused: adopt it instead); the view serves them after ``close``."""
+    layout's objects in the store; in PostgreSQL the gallery's table (id, image, label: created
+    here; a table that exists already is refused: adopt it instead) and the model's vectors
+    table; the view serves them after ``close``."""
 
     def __init__(self, store: Store, model: ModelRef, part_size: int, settings: dict):
         self.parts = PartsWriter(store, model, part_size)
         self.model, self.settings = model, dict(settings)
+        self.settings["columns"] = {}
         self.index = Index(self.settings)
-        self.column = column_name(model)
-        self.settings["columns"] = {model.key: self.column}
+        self.place = self.index.place(model)
         self._created = False
 
     def _create(self, ids: np.ndarray) -> None:
@@ -591,13 +654,15 @@ class PgWriter:
         if index.exists():
             raise GalleryError(f"{index.where} exists already; adopt it where it is (`fastfill gallery adopt --table "
                                f"{index.table}`), or name a new table in gallery.pgvector.table")
-        id_type = "text" if is_text(ids) else "bigint"
-        self.settings["id_type"] = self.index.settings["id_type"] = id_type
-        index.execute(sql.SQL("CREATE TABLE {t} ({id} {kind} PRIMARY KEY, {image} text, {c} vector({d}), {s} text, "
-                              "label bigint)").format(
-            t=sql.Identifier(index.table), id=sql.Identifier(index.id_column), kind=sql.SQL(id_type),
-            image=sql.Identifier(index.image_column), c=sql.Identifier(self.column), d=sql.Literal(int(self.model.dim)),
-            s=sql.Identifier(f"{self.column}_source")))
+        self.settings["id_type"] = "text" if is_text(ids) else "bigint"
+        index.execute(sql.SQL("CREATE TABLE {t} ({id} {kind} PRIMARY KEY, {image} text, label bigint)").format(
+            t=sql.Identifier(index.table), id=sql.Identifier(index.id_column), kind=sql.SQL(self.settings["id_type"]),
+            image=sql.Identifier(index.image_column)))
+        index.drop(self.place)  # a write cut short left it
+        index.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
+                              "source text NOT NULL)").format(sql.Identifier(self.place.table),
+                                                              kind=sql.SQL(self.settings["id_type"]),
+                                                              dim=sql.Literal(int(self.model.dim))))
         self._created = True
 
     def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:
@@ -609,21 +674,24 @@ class PgWriter:
         self.parts.write_items(start, items, images)
         index = self.index
         labels = items.column("label").to_pylist() if "label" in items.column_names else [None] * len(ids)
+        id_type = self.settings["id_type"]
         with index.transaction() as connection:
-            with connection.cursor().copy(sql.SQL("COPY {t} ({id}, {image}, {c}, {s}, label) FROM STDIN WITH "
-                                                  "(FORMAT BINARY)").format(
+            with connection.cursor().copy(sql.SQL("COPY {t} ({id}, {image}, label) FROM STDIN WITH (FORMAT BINARY)").format(
                     t=sql.Identifier(index.table), id=sql.Identifier(index.id_column),
-                    image=sql.Identifier(index.image_column), c=sql.Identifier(self.column),
-                    s=sql.Identifier(f"{self.column}_source"))) as copy:
-                copy.set_types([self.settings["id_type"], "text", "vector", "text", "int8"])
-                for item, image, vector, label in zip(ids.tolist(), items.column("image").to_pylist(), features, labels):
-                    copy.write_row((item, image, vector, EMBEDDED, label))
+                    image=sql.Identifier(index.image_column))) as copy:
+                copy.set_types([id_type, "text", "int8"])
+                for item, image, label in zip(ids.tolist(), items.column("image").to_pylist(), labels):
+                    copy.write_row((item, image, label))
+            with connection.cursor().copy(sql.SQL("COPY {} (id, embedding, source) FROM STDIN WITH (FORMAT BINARY)").format(
+                    sql.Identifier(self.place.table))) as copy:
+                copy.set_types([id_type, "vector", "text"])
+                for item, vector in zip(ids.tolist(), features):
+                    copy.write_row((item, vector, EMBEDDED))
 
     def close(self) -> None:
         self.index.bookkeeping()
-        self.index.ann_index(self.column)
-        self.index.execute('ANALYZE "' + self.index.table + '"')
-        self.index.serve(self.model, self.column, None)
+        self.index.ann_index(self.place)
+        self.index.serve(self.model, self.place, None)
         self.index.close()
 
     def manifest_fields(self) -> dict:
@@ -696,11 +764,13 @@ def adopt_table(store: Store, settings: dict, model: ModelRef, image_shape, *, v
                 on_part(part + 1, num_parts)
         cursor.close()
     settings["columns"] = {model.key: vector_column}
+    if f"{vector_column}_source" in columns:
+        settings["sources"] = {model.key: f"{vector_column}_source"}
     index.settings = settings
     index.bookkeeping()
-    index.ann_index(vector_column)
-    has_source = f"{vector_column}_source" in columns
-    index.serve(model, vector_column, None, has_source)
+    place = index.place(model)
+    index.ann_index(place)  # when the column has none (the team's own, of any name, is kept)
+    index.serve(model, place, None)
     index.close()
     return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
                            has_labels=label_column is not None, has_groups=False, by="adopt",
