@@ -1,4 +1,4 @@
-"""A real PostgreSQL 16 with pgvector for the tests (``pgserver``: started from Python, in a
+"""A real PostgreSQL 16 with pgvector (and Milvus Lite files) for the tests (``pgserver``: started from Python, in a
 folder of its own, once per test process; it stops when the process ends), and the gallery
 settings that put a test's gallery in a table of its own there."""
 
@@ -25,3 +25,28 @@ def pg_gallery_config(store_uri: str, **pgvector):
     from fastfill.components.platform.config import GalleryConfig
 
     return GalleryConfig(layout="pgvector", pgvector={"uri": pg_uri(), "table": table_for(store_uri), **pgvector})
+
+
+def milvus_gallery_config(store_uri: str):
+    """gallery settings of a Milvus gallery: a Milvus Lite file of the test's own (beside a local
+    store; for an S3 store in a temporary folder removed at exit), its alias named after the store."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    from fastfill.components.platform.config import GalleryConfig
+
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("milvus_lite") is None:  # the gpu install: Milvus Lite requires faiss-cpu
+        pytest.skip("Milvus Lite is not installed (it comes with the cpu extra); a Milvus server is not started here")
+    name = table_for(store_uri)
+    if str(store_uri).startswith("s3://"):
+        folder = tempfile.mkdtemp(prefix="fastfill-milvus-")
+        atexit.register(shutil.rmtree, folder, True)
+    else:
+        folder = os.path.dirname(str(store_uri).rstrip("/"))
+    return GalleryConfig(layout="milvus", milvus={"uri": os.path.join(folder, f"milvus-{name}.db"), "alias": name})

@@ -520,19 +520,34 @@ class PgvectorConfig(Section):
     ivfflat_probes: PositiveInt = Field(default=10, description="IVFFlat: lists searched per query")
 
 
+class MilvusConfig(Section):
+    """A gallery served from Milvus (gallery.layout milvus; docs/serving.md): the server, and the
+    alias the team's service searches (one collection per model version behind it)."""
+
+    uri: str = Field(default="milvus.db", description="http://host:19530 (a token in MILVUS_TOKEN), or a local "
+                     "Milvus Lite file (.db; one process at a time may open it)")
+    alias: str | None = Field(default=None, description="the alias the team's service searches; null = a new "
+                              "gallery's own, gallery_<10 hex digits of its store's URI>")
+    ann: Literal["hnsw", "flat"] = Field(default="hnsw", description="each collection's index")
+    hnsw_m: PositiveInt = Field(default=16, description="HNSW: links per node")
+    hnsw_ef_construction: PositiveInt = Field(default=64, description="HNSW: candidate list while building")
+    ef_search: PositiveInt = Field(default=100, description="HNSW: candidate list per search (`fastfill search`)")
+
+
 class GalleryConfig(Section):
     """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
 
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
-    layout: Literal["parts", "lance", "pgvector"] = Field(
+    layout: Literal["parts", "lance", "pgvector", "milvus"] = Field(
         default="parts", description="the layout of a gallery that ingest or adopt makes: parts (.npy and "
         "Parquet parts with a manifest), lance (the Lance table <store>/gallery.lance that other tools read; "
-        "docs/lance.md) or pgvector (a PostgreSQL table the team's service queries, gallery.pgvector; "
-        "docs/serving.md); an existing gallery is read in the layout its manifest names (`fastfill gallery "
+        "docs/lance.md), pgvector (a PostgreSQL table the team's service queries, gallery.pgvector) or milvus "
+        "(collections behind an alias, gallery.milvus; both docs/serving.md); an existing gallery is read in the layout its manifest names (`fastfill gallery "
         "convert` moves it)")
     pgvector: PgvectorConfig = PgvectorConfig()
+    milvus: MilvusConfig = MilvusConfig()
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
     s3: S3Config = S3Config()

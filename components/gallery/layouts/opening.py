@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from fastfill.components.gallery.layouts.catalog import (
-    LANCE, MANIFEST, PARTS, PGVECTOR, Gallery, GalleryError, check_manifest,
+    LANCE, MANIFEST, MILVUS, PARTS, PGVECTOR, Gallery, GalleryError, check_manifest,
 )
+from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery, milvus_settings
 from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settings
 from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
 
-LAYOUTS = {PARTS: Gallery, LANCE: TableGallery, PGVECTOR: PgGallery}
+LAYOUTS = {PARTS: Gallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
 
 
 def gallery_at(store: Store) -> Gallery:
@@ -37,6 +38,8 @@ def layout_of(name: str, gallery_config=None):
         raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")
     if name == PGVECTOR:
         return PgLayout(gallery_config)
+    if name == MILVUS:
+        return MilvusLayout(gallery_config)
     return LAYOUTS[name]
 
 
@@ -53,3 +56,18 @@ class PgLayout:
     def writer(self, store: Store, model, part_size: int):
         settings = index_settings(self.config.pgvector, self.config.distance, store.uri)
         return PgGallery.writer(store, model, part_size, settings)
+
+
+class MilvusLayout:
+    """The Milvus layout bound to its settings, for writing a new gallery."""
+
+    layout = MILVUS
+
+    def __init__(self, gallery_config=None):
+        from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
+
+        self.config = gallery_config or GalleryConfig()
+
+    def writer(self, store: Store, model, part_size: int):
+        settings = milvus_settings(self.config.milvus, self.config.distance, store.uri)
+        return MilvusGallery.writer(store, model, part_size, settings)

@@ -402,6 +402,18 @@ class Index:
                                        "VALUES (%s, %s, %s, %s, %s, %s)").format(sql.Identifier(self.serving_table)),
                                (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade))
 
+    def product_distances(self, distances: list) -> np.ndarray:
+        """pgvector's distances as the product gives them: squared L2, or 1 - cosine."""
+        distances = np.asarray(distances, dtype=np.float64)
+        return distances ** 2 if self.operator == "<->" else distances
+
+    def embedded_count(self) -> int:
+        """Rows of the view whose vector the serving model embedded (the rest: h(old))."""
+        from psycopg import sql
+
+        return int(self.execute(sql.SQL("SELECT count(*) FROM {} WHERE source = %s").format(
+            sql.Identifier(self.view)), (EMBEDDED,)).fetchone()[0])
+
     def chunk_done(self, upgrade: str) -> set[int]:
         from psycopg import sql
 

@@ -25,7 +25,7 @@ class IndexSearch:
         if distance is not None and distance != self.distance:
             raise GalleryError(f"gallery.distance is {distance}, but the index at {gallery.index.where} was built for "
                                f"{self.distance}; search it with {self.distance}")
-        self.searched_on = f"{gallery.index.where} (view {gallery.index.view})"
+        self.searched_on = f"{gallery.index.where} ({gallery.index.view})"
         self._sources: dict = {}
         self.refresh()
 
@@ -33,11 +33,12 @@ class IndexSearch:
         """Read again which model the index serves (the switch, a finish, a rollback)."""
         serving = self.gallery.index.serving()
         if serving is None:
-            raise GalleryError(f"{self.gallery.index.where} serves no model yet (no {self.gallery.index.serving_table} "
-                               "row); run `fastfill gallery adopt` again")
+            raise GalleryError(f"{self.gallery.index.where} serves no model yet; run `fastfill gallery adopt` (or "
+                               "ingest) again")
         self.serving = serving
         self.query_model = ModelRef(serving["model_name"], serving["model_version"], int(serving["dim"]) or None)
-        plan = load_plan(self.gallery.store, serving["upgrade"]) if serving["upgrade"] else self._last_plan()
+        upgrade = serving["upgrade"] or self.gallery.manifest(refresh=True).get("upgrade")
+        plan = load_plan(self.gallery.store, upgrade) if upgrade else self._last_plan()
         self._mapped = f"{plan.old.uri} mapped by {plan.map_uri}" if plan is not None else None
         return 0
 
@@ -49,11 +50,7 @@ class IndexSearch:
     @property
     def backfilled(self) -> int:
         """Items whose vector the serving model embedded (the rest: h(old))."""
-        from psycopg import sql
-
-        index = self.gallery.index
-        return int(index.execute(sql.SQL("SELECT count(*) FROM {} WHERE source = %s").format(
-            sql.Identifier(index.view)), ("embedded",)).fetchone()[0])
+        return self.gallery.index.embedded_count()
 
     def search(self, features: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         """(ids, distances), each (queries, k); distances are squared L2, or 1 - cosine, as
@@ -71,8 +68,7 @@ class IndexSearch:
         text = is_text(self.gallery.ids())
         array = np.array(ids, dtype=object if text else np.int64)
         self._sources = {item: source for row_ids, row in zip(ids, sources) for item, source in zip(row_ids, row)}
-        distances = np.asarray(distances, dtype=np.float64)
-        return array, (distances ** 2 if self.distance == "l2" else distances)
+        return array, self.gallery.index.product_distances(distances)
 
     def sources(self, ids: np.ndarray) -> list:
         """Where each hit's vector comes from: the serving model's URI (it embedded the image) or

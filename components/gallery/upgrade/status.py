@@ -32,6 +32,8 @@ def gallery_status(gallery: Gallery, *, failures: bool = True) -> dict:
         result["next"] = "the lock's lease has expired: the next `fastfill upgrade` takes it over and resumes"
     held = result["lock"] is not None and not result["lock"].get("expired")
     upgrade = manifest.get("upgrade")
+    if gallery.serves_queries:
+        result["index"] = served_index(gallery, upgrade)
     if upgrade:
         plan = load_plan(gallery.store, upgrade)
         done = done_chunks(gallery.store, upgrade)
@@ -88,3 +90,16 @@ def gallery_status(gallery: Gallery, *, failures: bool = True) -> dict:
         result["state"] = "rollback interrupted"
         result["next"] = "run `fastfill gallery rollback` again: it moves champion back and tags the version"
     return result
+
+
+def served_index(gallery: Gallery, upgrade: str | None) -> dict:
+    """What the team's index serves (a layout that serves queries): where, the view, its model,
+    and whether it is what the manifest says (a switch a killed run left is completed by the
+    next `fastfill upgrade`)."""
+    index = gallery.index
+    serving = index.serving() or {}
+    plan = load_plan(gallery.store, upgrade) if upgrade else None
+    expected = plan.new.uri if plan is not None else gallery.model.uri
+    return {"where": index.where, "view": index.view, "serving": serving.get("model"),
+            "vectors": serving.get("vectors"), "since": str(serving["since"]) if serving.get("since") else None,
+            "as_manifest_says": serving.get("model") == expected}
