@@ -36,10 +36,10 @@ def s3_endpoint():
             server.stop()
 
 
-@pytest.fixture(params=["parts", "lance", "pgvector"])
+@pytest.fixture(params=["parts", "lance", "pgvector", "milvus"])
 def layout(request) -> str:
     """Each gallery layout (gallery.layout): the tests that take it run on every one (pgvector on
-    a real PostgreSQL that the test process starts, tests/pg.py)."""
+    a real PostgreSQL that the test process starts, milvus on a Milvus Lite file: tests/pg.py)."""
     return request.param
 
 

@@ -78,6 +78,12 @@ def in_layout(params, tmp_path: Path, layout: str):
         pgvector = pg_gallery_config(str(tmp_path)).pgvector.model_copy(update={"table": None})  # one per store
         settings["gallery"]["pgvector"] = {"uri": pgvector.uri}
         update["pgvector"] = pgvector
+    if layout == "milvus":  # a Milvus Lite file of the test's own
+        from tests.pg import milvus_gallery_config
+
+        milvus = milvus_gallery_config(str(tmp_path / "gallery")).milvus.model_copy(update={"alias": None})
+        settings["gallery"]["milvus"] = {"uri": milvus.uri}
+        update["milvus"] = milvus
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(settings))
     return params.model_copy(update={"gallery": params.gallery.model_copy(update=update)})
 
