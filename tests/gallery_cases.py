@@ -614,6 +614,18 @@ def a_row_deleted_or_emptied_in_the_table_is_named(store_uri, models, data, layo
         gallery.check_sources()
 
 
+def a_row_deleted_from_the_collection_is_named(store_uri, models, data, layout=None):
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    index = gallery.index
+    collection = index.collection(OLD)
+    index.client().delete(collection, ids=[1012])
+    with pytest.raises(DamagedObject, match=rf"collection {collection}: item 1012 has no row"):
+        gallery.features(OLD, 1)
+    gallery.features(OLD, 0)  # the other parts still read
+    with pytest.raises(GalleryError, match="1 rows missing"):
+        gallery.check_sources()
+
+
 def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models, data, layout=None):
     """A team's own table (text ids, URIs, its vector column, an index of its own or none) is
     adopted without copying a vector: the store gets the items; the view serves the team's column,
@@ -697,7 +709,8 @@ CASES = ([(case, None) for case in STORE_CASES] + [(case, layout) for case in GA
          + [(a_features_part_short_of_rows_is_refused_naming_it_and_not_retried, "parts"),
             (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")]
          + [(case, layout) for case in INDEX_CASES for layout in ("pgvector", "milvus")]
-         + [(case, "pgvector") for case in PGVECTOR_CASES])
+         + [(case, "pgvector") for case in PGVECTOR_CASES]
+         + [(a_row_deleted_from_the_collection_is_named, "milvus")])
 
 
 def case_id(pair) -> str:
