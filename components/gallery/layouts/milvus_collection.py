@@ -37,6 +37,7 @@ import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import MILVUS, Gallery, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
+from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from fastfill.components.platform.registry import ModelRef
 
@@ -218,16 +219,12 @@ class Collections:
         return ids, distances, models, sources
 
 
-class MilvusGallery(Gallery):
+class MilvusGallery(ServedGallery):
     """A gallery whose vectors are Milvus collections behind the alias queries are served from;
     the manifest, items and upgrade objects are in its store."""
 
     layout = MILVUS
-    serves_queries = True
 
-    def __init__(self, store: Store, manifest: dict | None = None):
-        super().__init__(store, manifest)
-        self._index: Collections | None = None
 
     @property
     def index(self) -> Collections:
@@ -242,16 +239,6 @@ class MilvusGallery(Gallery):
             raise ObjectMissing(f"{self.index.where} holds no features of {model.uri} (no collection {name})")
         dim = model.dim or int(self.index.serving()["dim"])
         return check_features(self.index.read(name, ids, dim), model.dim, f"{self.index.where} collection {name}")
-
-    def features(self, model: ModelRef, part: int) -> np.ndarray:
-        return self._rows(model, id_array(self.items_part(part).column("id")))
-
-    def all_features(self, model: ModelRef) -> np.ndarray:
-        return self._rows(model, self.ids())
-
-    def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        return self._rows(model, self.ids()[positions]) if len(positions) else np.zeros((0, model.dim or 0), np.float32)
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
         index = self.index
@@ -289,13 +276,6 @@ class MilvusGallery(Gallery):
             missing = self.missing_features(self.model)
             if missing:
                 raise GalleryError(f"{missing[0]} (the gallery's model {self.model.uri}). Nothing was written.")
-
-    def write_manifest(self, manifest: dict) -> None:
-        """The alias follows the manifest: switched first, then the manifest written (as on the
-        pgvector layout)."""
-        self._manifest = manifest
-        self.sync_serving(manifest)
-        super().write_manifest(manifest)
 
     def sync_serving(self, manifest: dict | None = None) -> dict:
         from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts

@@ -52,6 +52,7 @@ import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import PGVECTOR, Gallery, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
+from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from fastfill.components.platform.registry import ModelRef
 
@@ -453,16 +454,12 @@ class Index:
             connection.execute(f"SET LOCAL ivfflat.probes = {int(self.settings.get('ivfflat_probes', 10))}")
 
 
-class PgGallery(Gallery):
+class PgGallery(ServedGallery):
     """A gallery whose vectors are rows of PostgreSQL tables that queries are served from (see
     the module's docstring); the manifest, items and upgrade objects are in its store."""
 
     layout = PGVECTOR
-    serves_queries = True
 
-    def __init__(self, store: Store, manifest: dict | None = None):
-        super().__init__(store, manifest)
-        self._index: Index | None = None
 
     @property
     def index(self) -> Index:
@@ -483,16 +480,6 @@ class PgGallery(Gallery):
             raise ObjectMissing(f"{index.where} holds no features of {model.uri} (no {place.name})")
         dim = model.dim or int(re.search(r"\((\d+)\)", columns[place.column]).group(1))
         return check_features(index.read(place, ids, dim), model.dim, f"{index.where} vectors {place.name}")
-
-    def features(self, model: ModelRef, part: int) -> np.ndarray:
-        return self._rows(model, id_array(self.items_part(part).column("id")))
-
-    def all_features(self, model: ModelRef) -> np.ndarray:
-        return self._rows(model, self.ids())
-
-    def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        return self._rows(model, self.ids()[positions]) if len(positions) else np.zeros((0, model.dim or 0), np.float32)
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
         """``model``'s vectors from ``parts``. Those an upgrade's chunks kept up to date (the
@@ -565,15 +552,6 @@ class PgGallery(Gallery):
                                    "Nothing was written.")
 
     # ---- serving
-
-    def write_manifest(self, manifest: dict) -> None:
-        """Readers of the index follow the manifest: what it says serves (the upgrade's mixed
-        gallery while one is under way, else its model) is switched to first, then the manifest
-        is written; a run killed between them is completed by the next one (the switch is
-        idempotent)."""
-        self._manifest = manifest
-        self.sync_serving(manifest)
-        super().write_manifest(manifest)
 
     def sync_serving(self, manifest: dict | None = None) -> dict:
         """Make the view serve what ``manifest`` (default: the stored one) says; returns the
