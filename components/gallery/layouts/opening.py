@@ -30,44 +30,32 @@ def gallery_at(store: Store) -> Gallery:
     return LAYOUTS[layout](store, manifest)
 
 
+# the index layouts' settings: the gallery section's part that names them, and what makes the
+# manifest's ``index`` of a new gallery from it
+BOUND = {PGVECTOR: ("pgvector", index_settings), MILVUS: ("milvus", milvus_settings)}
+
+
 def layout_of(name: str, gallery_config=None):
-    """What writes a new gallery in the layout ``name`` (gallery.layout): its class, or for
-    pgvector one bound to ``gallery_config``'s server and table (gallery.pgvector; the defaults
-    when None). Either has ``layout`` and ``writer(store, model, part_size)``."""
+    """What writes a new gallery in the layout ``name`` (gallery.layout): its class, or for an
+    index layout (pgvector, milvus) one bound to ``gallery_config``'s server (gallery.pgvector,
+    gallery.milvus; the defaults when None). Either has ``layout`` and
+    ``writer(store, model, part_size)``."""
     if name not in LAYOUTS:
         raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")
-    if name == PGVECTOR:
-        return PgLayout(gallery_config)
-    if name == MILVUS:
-        return MilvusLayout(gallery_config)
+    if name in BOUND:
+        return BoundLayout(name, gallery_config)
     return LAYOUTS[name]
 
 
-class PgLayout:
-    """The pgvector layout bound to its index settings, for writing a new gallery."""
+class BoundLayout:
+    """An index layout bound to its settings, for writing a new gallery."""
 
-    layout = PGVECTOR
-
-    def __init__(self, gallery_config=None):
+    def __init__(self, name: str, gallery_config=None):
         from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
 
-        self.config = gallery_config or GalleryConfig()
+        self.layout, self.config = name, gallery_config or GalleryConfig()
 
     def writer(self, store: Store, model, part_size: int):
-        settings = index_settings(self.config.pgvector, self.config.distance, store.uri)
-        return PgGallery.writer(store, model, part_size, settings)
-
-
-class MilvusLayout:
-    """The Milvus layout bound to its settings, for writing a new gallery."""
-
-    layout = MILVUS
-
-    def __init__(self, gallery_config=None):
-        from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
-
-        self.config = gallery_config or GalleryConfig()
-
-    def writer(self, store: Store, model, part_size: int):
-        settings = milvus_settings(self.config.milvus, self.config.distance, store.uri)
-        return MilvusGallery.writer(store, model, part_size, settings)
+        section, settings_of = BOUND[self.layout]
+        settings = settings_of(getattr(self.config, section), self.config.distance, store.uri)
+        return LAYOUTS[self.layout].writer(store, model, part_size, settings)
