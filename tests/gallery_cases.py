@@ -5,6 +5,7 @@ to (None: the store alone)."""
 
 import functools
 import io
+import json
 import os
 import socket
 import subprocess
@@ -537,7 +538,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
             assert all(m == {NEW.uri} for m in answer_models)
             position = {int(i): p for p, i in enumerate(gallery.ids())}
             assert sources == [["embedded" if backfilled[position[int(i)]] else "mapped" for i in row] for row in ids]
-            if layout == "pgvector":  # the chunk records commit with the rows (Milvus: the store's markers)
+            if layout in ("pgvector", "lance"):  # the chunk records commit with the rows (Milvus: the store's markers)
                 assert gallery.index.chunk_done(plan.id) == set(range(chunk + 1))
             assert set(order[:plan.chunk_bounds(chunk)[1]]) == set(np.flatnonzero(backfilled))
             time.sleep(0.02)
@@ -577,7 +578,7 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
 
     reversal.start_over(gallery, plan.id)
     plan = _plan(gallery, h)  # planned again: the switch writes the new model's vectors again
-    if layout == "pgvector":
+    if layout in ("pgvector", "lance"):
         assert gallery.index.chunk_done(plan.id) == set()
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
@@ -684,6 +685,63 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     assert "price" in gallery.index.columns()
 
 
+def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(store_uri, models, data, layout=None):
+    """A LanceDB reader of ``serving`` in the store sees the old space, then from the switch the
+    new one, its answers those of an exact search of the product's mixed gallery; each chunk is
+    one commit that appends exactly its rows (nothing of gallery.lance, no other row) and a chunk
+    served again writes nothing."""
+    import lancedb
+
+    from fastfill.components.gallery.layouts.lance_serving import SERVING_TABLE
+    from fastfill.components.gallery.layouts.table import storage_options
+
+    old, new, h = models
+    images, _ = data
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    index = gallery.index
+    base = index.uri.rsplit("/", 1)[0]
+    db = lancedb.connect(base, storage_options=storage_options(store_uri))
+
+    def reader_answers(queries, k=5):
+        table = db.open_table(SERVING_TABLE)
+        model = json.loads(table.schema.metadata[b"fastfill.model"])
+        hits = [table.search(q).distance_type("l2").limit(k).to_arrow() for q in queries]
+        return model, [h.column("id").to_pylist() for h in hits], [set(h.column("model").to_pylist()) for h in hits]
+
+    model, ids, answer_models = reader_answers(embed(old, images[:3]))
+    assert model["version"] == "1" and all(m == {OLD.uri} for m in answer_models)
+    np.testing.assert_array_equal(np.array(ids), _brute_force(embed(old, images), gallery.ids(), embed(old, images[:3]), 5))
+    before = db.open_table(SERVING_TABLE)  # a reader that keeps its version keeps its space
+
+    plan = _plan(gallery, h)
+    queries = embed(new, images[:4])
+    table_version = gallery.dataset(refresh=True).version
+    for chunk in range(plan.num_chunks):
+        fragments = {f.fragment_id for f in index.dataset().get_fragments()}
+        version = index.dataset().version
+        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        after = index.dataset()
+        assert after.version == version + 1  # one commit
+        added = [f for f in after.get_fragments() if f.fragment_id not in fragments]
+        start, stop = plan.chunk_bounds(chunk)
+        assert len(added) == 1 and added[0].count_rows() == stop - start
+        mixed, _ = backfill.mixed_features(gallery, plan)
+        model, ids, answer_models = reader_answers(queries)
+        assert model["version"] == "2" and all(m == {NEW.uri} for m in answer_models)
+        np.testing.assert_array_equal(np.array(ids), _brute_force(mixed, gallery.ids(), queries, 5))
+    positions = planning.order_of(gallery.store, plan.id)[:plan.chunk_bounds(0)[1]]
+    version = index.dataset().version
+    gallery.serve_chunk(plan, 0, positions, np.zeros((len(positions), NEW.dim), np.float32), np.ones(len(positions), bool))
+    assert index.dataset().version == version  # once: the chunk's rows are there
+    assert gallery.dataset(refresh=True).version == table_version  # gallery.lance untouched by the backfill
+    assert json.loads(before.schema.metadata[b"fastfill.model"])["version"] == "1"
+    assert len(before.search(embed(old, images[:1])[0]).limit(3).to_arrow()) == 3
+    ending.finish(gallery, plan)
+    assert index.serving()["upgrade"] is None and len(index.dataset().get_fragments()) == 1  # compacted
+    model, ids, _ = reader_answers(queries)
+    np.testing.assert_array_equal(np.array(ids), _brute_force(gallery.all_features(NEW), gallery.ids(), queries, 5))
+
+
 STORE_CASES = [  # the store alone
     store_roundtrip_listing_and_create_only,
     checksum_mismatch_is_an_error_naming_the_object,
@@ -708,8 +766,9 @@ PGVECTOR_CASES = [
 CASES = ([(case, None) for case in STORE_CASES] + [(case, layout) for case in GALLERY_CASES for layout in LAYOUTS]
          + [(a_features_part_short_of_rows_is_refused_naming_it_and_not_retried, "parts"),
             (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")]
-         + [(case, layout) for case in INDEX_CASES for layout in ("pgvector", "milvus")]
+         + [(case, layout) for case in INDEX_CASES for layout in ("lance", "pgvector", "milvus")]
          + [(case, "pgvector") for case in PGVECTOR_CASES]
+         + [(the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows, "lance")]
          + [(a_row_deleted_from_the_collection_is_named, "milvus")])
 
 

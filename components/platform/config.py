@@ -25,6 +25,7 @@ DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 # lambda of the affine map's lambda-orthogonality penalty when align.<m>.orthogonality is null
 ORTHOGONALITY_DEFAULT = 1.0
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -536,6 +537,19 @@ class MilvusConfig(Section):
     ef_search: PositiveInt = Field(default=100, description="HNSW: candidate list per search (`fastfill search`)")
 
 
+class LanceConfig(Section):
+    """A Lance gallery's serving table (gallery.layout lance; docs/serving.md): <store>/serving.lance,
+    the table LanceDB readers search, and its ANN index."""
+
+    ann: Literal["ivf_flat", "ivf_hnsw_sq", "none"] = Field(
+        default="ivf_flat", description="the serving table's ANN index (none: every search scans)")
+    ann_min_rows: NonNegativeInt = Field(default=10000, description="no ANN index under this many rows: a scan "
+                                         "is as fast")
+    partitions: PositiveInt | None = Field(default=None, description="IVF partitions; null = about the square "
+                                           "root of the rows")
+    nprobes: PositiveInt = Field(default=20, description="IVF partitions searched per query (`fastfill search`)")
+
+
 class GalleryConfig(Section):
     """The stored gallery: `fastfill gallery ...`, `fastfill upgrade`, `fastfill search`."""
 
@@ -548,6 +562,7 @@ class GalleryConfig(Section):
         "docs/lance.md), pgvector (a PostgreSQL table the team's service queries, gallery.pgvector) or milvus "
         "(collections behind an alias, gallery.milvus; both docs/serving.md); an existing gallery is read in the layout its manifest names (`fastfill gallery "
         "convert` moves it)")
+    lance: LanceConfig = LanceConfig()
     pgvector: PgvectorConfig = PgvectorConfig()
     milvus: MilvusConfig = MilvusConfig()
     index: IndexConfig = IndexConfig()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastfill.components.gallery.layouts.catalog import (
     LANCE, MANIFEST, MILVUS, PARTS, PGVECTOR, Gallery, GalleryError, check_manifest,
 )
+from fastfill.components.gallery.layouts.lance_serving import lance_settings
 from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery, milvus_settings
 from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settings
 from fastfill.components.gallery.layouts.table import TableGallery
@@ -32,13 +33,13 @@ def gallery_at(store: Store) -> Gallery:
 
 # the index layouts' settings: the gallery section's part that names them, and what makes the
 # manifest's ``index`` of a new gallery from it
-BOUND = {PGVECTOR: ("pgvector", index_settings), MILVUS: ("milvus", milvus_settings)}
+BOUND = {LANCE: ("lance", lance_settings), PGVECTOR: ("pgvector", index_settings), MILVUS: ("milvus", milvus_settings)}
 
 
 def layout_of(name: str, gallery_config=None):
     """What writes a new gallery in the layout ``name`` (gallery.layout): its class, or for an
-    index layout (pgvector, milvus) one bound to ``gallery_config``'s server (gallery.pgvector,
-    gallery.milvus; the defaults when None). Either has ``layout`` and
+    index layout (lance, pgvector, milvus) one bound to ``gallery_config``'s settings (gallery.lance,
+    gallery.pgvector, gallery.milvus; the defaults when None). Either has ``layout`` and
     ``writer(store, model, part_size)``."""
     if name not in LAYOUTS:
         raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")

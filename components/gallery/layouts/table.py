@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryError, check_features
+from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
 from fastfill.components.platform.registry import ModelRef
 
@@ -148,11 +149,29 @@ class TableGallery(Gallery):
     """The gallery of one store kept as a Lance table (see the module's docstring)."""
 
     layout = LANCE
+    serves_queries = True  # <store>/serving.lance, the table LanceDB readers search (lance_serving.py)
 
     def __init__(self, store: Store, manifest: dict | None = None):
         super().__init__(store, manifest)
         self.table_uri = table_uri(store.uri)
         self._dataset = None
+        self._index: ServingTable | None = None
+        self._ids: np.ndarray | None = None
+
+    @property
+    def index(self) -> ServingTable:
+        """The serving table, with the manifest's settings (a gallery made before it: the defaults)."""
+        settings = self.manifest().get("index") or {}
+        if self._index is None or self._index.settings != {**self._index.settings, **settings}:
+            self._index = ServingTable(self.store.uri, settings)
+        return self._index
+
+    def ids(self) -> np.ndarray:
+        """The items' ids in position order, read once per gallery object (a gallery's items never
+        change after it is made; each chunk's rows in the serving table carry theirs)."""
+        if self._ids is None:
+            self._ids = super().ids()
+        return self._ids
 
     # ---- the dataset
 
@@ -178,8 +197,12 @@ class TableGallery(Gallery):
         return super().manifest(refresh)
 
     def write_manifest(self, manifest: dict) -> None:
-        """The manifest, then the table's ``fastfill.serving`` (for other tools) when the serving
-        model changed: a finish or a rollback."""
+        """The serving table made to serve what ``manifest`` says (the switch, a finish, a
+        rollback: ``sync_serving``), then the manifest, then the table's ``fastfill.serving`` (for
+        other tools) when the serving model changed. A run killed between them is completed by
+        the next one: the switch is idempotent."""
+        self._manifest = manifest
+        self.sync_serving(manifest)
         super().write_manifest(manifest)
         serving = ModelRef.from_dict(manifest["model"])
         dataset = self.dataset(refresh=True)
@@ -348,6 +371,7 @@ class TableGallery(Gallery):
         if drop:
             dataset.drop_columns([n for name in drop for n in (name, f"{name}_digest")])
         self.dataset(refresh=True).cleanup_old_versions(older_than=timedelta(0), error_if_tagged_old_versions=False)
+        self.index.cleanup()
         self._dataset = None
         leftovers = [key for prefix in ("features/", "items/", "images/") for key in self.store.list(prefix)]
         for key in leftovers:
@@ -368,9 +392,74 @@ class TableGallery(Gallery):
         if not self.adopted and "pixels" not in dataset.schema.names:
             raise GalleryError(f"{self.table_uri} keeps no pixels, and the gallery was ingested. Nothing was written.")
 
+    # ---- serving
+
+    def sync_serving(self, manifest: dict | None = None) -> dict:
+        """Make the serving table hold what ``manifest`` (default: the stored one) says serves:
+        an upgrade's mixed gallery from its switch on, else the gallery's model's features;
+        returns what it serves. Nothing is written when it already does."""
+        from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts
+
+        manifest = manifest or self.manifest(refresh=True)
+        upgrade = manifest.get("upgrade")
+        plan = load_plan(self.store, upgrade) if upgrade else None
+        model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
+        index = self.index
+        serving = index.serving()
+        if serving is not None and serving["model"] == model.uri:
+            if serving["upgrade"] == (plan.id if plan else None):
+                return serving
+            if plan is None and serving["upgrade"] is not None:  # a finish: the rows are the new model's already
+                index.retag(model, None)
+                return index.serving()
+        if plan is not None:
+            self._write_mixed(plan)
+        else:
+            self._write_model(model)
+        return index.serving()
+
+    def _write_model(self, model: ModelRef) -> None:
+        ids = self.ids()
+
+        def parts():
+            for part in range(self.num_parts):
+                start, stop = self.part_bounds(part)
+                yield np.arange(start, stop), self.features(model, part), [EMBEDDED] * (stop - start), \
+                    np.full(stop - start, -1)
+
+        self.index.write(model, None, ids, parts())
+
+    def _write_mixed(self, plan) -> None:
+        """The switch: the new model's space as it is now (h(old); the new features of the chunks
+        already done, each row with its chunk), written in one commit before the ANN index."""
+        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.planning import order_of  # late: as above
+
+        chunk_of = np.full(self.num_items, -1, dtype=np.int32)
+        done = done_chunks(self.store, plan.id)
+        if done:
+            order = order_of(self.store, plan.id)
+            for chunk in done:
+                start, stop = plan.chunk_bounds(chunk)
+                chunk_of[order[start:stop]] = chunk
+
+        def parts():
+            for part, features, backfilled in iter_mixed_parts(self, plan):
+                start, stop = self.part_bounds(part)
+                yield np.arange(start, stop), features, [EMBEDDED if b else MAPPED for b in backfilled], \
+                    chunk_of[start:stop]
+
+        self.index.write(plan.new, plan.id, self.ids(), parts())
+
+    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
+        """A chunk's rows upserted into the serving table in one commit, once."""
+        positions = np.asarray(positions, dtype=np.int64)
+        self.index.serve_chunk(plan.id, chunk, positions, self.ids()[positions], features,
+                               [EMBEDDED if e else MAPPED for e in embedded])
+
     @staticmethod
-    def writer(store: Store, model: ModelRef, part_size: int) -> TableWriter:
-        return TableWriter(store, model)
+    def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> TableWriter:
+        return TableWriter(store, model, settings)
 
 
 class TableWriter:
@@ -378,7 +467,8 @@ class TableWriter:
     pixels or URIs and ``model``'s features, appended in position order. A table left by a
     killed write (no manifest names it) is replaced by the next one."""
 
-    def __init__(self, store: Store, model: ModelRef):
+    def __init__(self, store: Store, model: ModelRef, settings: dict | None = None):
+        self.store, self.settings = store, settings
         self.uri = table_uri(store.uri)
         self.options = storage_options(store.uri)
         self.model = model
@@ -436,3 +526,28 @@ class TableWriter:
         self._flush()
         if not self.written:
             raise GalleryError("a gallery needs items; none were written")
+        self._serve()
+
+    def _serve(self) -> None:
+        """The serving table, the model's features with the items' ids, read back from the table
+        just written (its readers search it from the start)."""
+        import lance
+
+        dataset = lance.dataset(self.uri, storage_options=self.options)
+        name = column_name(self.model)
+        dim = dataset.schema.field(name).type.list_size
+        model = ModelRef(self.model.name, self.model.version, dim)
+
+        def parts():
+            for batch in dataset.to_batches(columns=["position", "id", name], batch_size=ROWS_PER_WRITE):
+                positions = batch.column("position").to_numpy()
+                vectors = batch.column(name).flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+                yield positions, vectors, [EMBEDDED] * len(positions), np.full(len(positions), -1)
+
+        ids = dataset.to_table(columns=["id"]).column("id")
+        ids = np.array(ids.to_pylist(), dtype=object) if pa.types.is_string(ids.type) or pa.types.is_large_string(
+            ids.type) else ids.to_numpy()
+        ServingTable(self.store.uri, self.settings).write(model, None, ids, parts())
+
+    def manifest_fields(self) -> dict:
+        return {"index": {**ServingTable(self.store.uri, self.settings).settings}}

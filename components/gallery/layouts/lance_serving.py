@@ -1,0 +1,268 @@
+"""The table a Lance gallery's readers search (``layout: lance``): ``<store>/serving.lance``, one
+Lance dataset that LanceDB opens as the table ``serving`` of the store (``lancedb.connect(store)``).
+
+Each version of it holds one model's space, whole::
+
+    position   int64       the item's number in the gallery
+    id                     the team's item id
+    embedding  float32[d]  the vector a reader's query is compared with
+    model      string      the model whose space the row is in (models:/name/version)
+    source     string      embedded (that model embedded the image) or mapped (h(old), not yet backfilled)
+    chunk      int32       the upgrade's chunk that wrote the row, -1 for the rows written at the switch
+
+and its schema metadata says which model (``fastfill.model``: uri, name, version, dim), which
+upgrade is under way (``fastfill.upgrade``) and since when (``fastfill.since``). A Lance version
+is a snapshot: a reader that opened version v keeps reading v until it checks out the latest, so
+its metadata and its rows are always of the same version, one space.
+
+- **The switch** overwrites the table with the new model's space (h(old) for every item, the new
+  features of chunks already done) in one commit, then builds the ANN index on it (a second
+  commit: between the two a reader's search is an exact scan, same answers).
+- **A chunk** upserts its rows (``merge_insert`` on ``position``) in one commit: Lance marks the
+  old rows deleted (a deletion file per fragment touched) and appends the chunk's rows as one new
+  fragment; the rows carry ``chunk``, so a chunk whose rows are there is never written twice.
+  Nothing else is written: not the pixels (they are in ``gallery.lance``), not the other rows.
+  The appended fragments are not in the ANN index: a search scans them exactly.
+- **The finish** records that no upgrade is under way, then compacts the fragments and rebuilds
+  the index (same rows, same space). Abort, reject and rollback write the serving model's space
+  again from ``gallery.lance``; ``gallery gc`` deletes the old versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pyarrow as pa
+
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.item_ids import is_text
+from fastfill.components.platform.registry import ModelRef
+
+SERVING_TABLE = "serving"
+MODEL_KEY = "fastfill.model"
+UPGRADE_KEY = "fastfill.upgrade"
+SINCE_KEY = "fastfill.since"
+EMBEDDED, MAPPED = "embedded", "mapped"
+METRICS = {"l2": "l2", "cosine": "cosine"}
+INDEX_TYPES = {"ivf_flat": "IVF_FLAT", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
+
+
+def serving_uri(store_uri: str) -> str:
+    """``<store>/serving.lance``: the table a reader opens as ``serving`` of ``lancedb.connect(store)``."""
+    text = str(store_uri).removeprefix("file://").rstrip("/")
+    if text.startswith("s3://"):
+        return f"{text}/{SERVING_TABLE}.lance"
+    return os.path.join(os.path.abspath(text), f"{SERVING_TABLE}.lance")
+
+
+def lance_settings(config, distance: str, store_uri: str = "") -> dict:
+    """The manifest's ``index`` of a new Lance gallery from ``gallery.lance`` (``config``)."""
+    return {"kind": "lance", "distance": distance, "ann": config.ann, "ann_min_rows": config.ann_min_rows,
+            "partitions": config.partitions, "nprobes": config.nprobes}
+
+
+DEFAULTS = {"kind": "lance", "distance": "l2", "ann": "ivf_flat", "ann_min_rows": 10000, "partitions": None,
+            "nprobes": 20}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _vectors(features: np.ndarray) -> pa.FixedSizeListArray:
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    return pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1), pa.float32()), features.shape[1])
+
+
+class ServingTable:
+    """``<store>/serving.lance`` (see the module's docstring)."""
+
+    def __init__(self, store_uri: str, settings: dict | None = None):
+        from fastfill.components.gallery.layouts.table import storage_options  # late: table.py imports this module
+
+        self.settings = {**DEFAULTS, **(settings or {})}
+        self.uri = serving_uri(store_uri)
+        self.options = storage_options(store_uri)
+        self.where = self.uri
+        self.view = SERVING_TABLE  # the LanceDB table's name in the store
+        self.metric = METRICS[self.settings.get("distance", "l2")]
+
+    def dataset(self):
+        """The newest version, or None before the first switch."""
+        import lance
+
+        try:
+            return lance.dataset(self.uri, storage_options=self.options)
+        except (ValueError, OSError) as error:
+            if "not found" in str(error).lower() or "does not exist" in str(error).lower():
+                return None
+            raise GalleryError(f"{self.uri}: cannot open the serving table: {' '.join(str(error).split())[:300]}") \
+                from None
+
+    @staticmethod
+    def _serving_of(dataset) -> dict | None:
+        meta = dataset.schema.metadata or {}
+        if MODEL_KEY.encode() not in meta:
+            return None
+        model = ModelRef.from_dict(json.loads(meta[MODEL_KEY.encode()]))
+        upgrade = meta.get(UPGRADE_KEY.encode(), b"").decode() or None
+        return {"model": model.uri, "model_name": model.name, "model_version": str(model.version),
+                "dim": int(model.dim or 0), "vectors": f"{dataset.uri}:embedding", "upgrade": upgrade,
+                "since": meta.get(SINCE_KEY.encode(), b"").decode() or None, "version": dataset.version}
+
+    def serving(self) -> dict | None:
+        """Which model's space the newest version holds, its upgrade, since when (None before any)."""
+        dataset = self.dataset()
+        return None if dataset is None else self._serving_of(dataset)
+
+    def close(self) -> None:
+        """Nothing held open (a Lance dataset is files)."""
+
+    # ---- writing
+
+    def write(self, model: ModelRef, upgrade: str | None, ids: np.ndarray, parts) -> None:
+        """The table overwritten with ``model``'s space, in one commit: ``parts`` yields
+        (positions, features, sources, chunks) in position order; then the ANN index."""
+        import lance
+
+        text = is_text(ids)
+        meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "", SINCE_KEY: _now()}
+        schema = pa.schema([pa.field("position", pa.int64()), pa.field("id", pa.string() if text else pa.int64()),
+                            pa.field("embedding", pa.list_(pa.float32(), int(model.dim))),
+                            pa.field("model", pa.string()), pa.field("source", pa.string()),
+                            pa.field("chunk", pa.int32())], metadata=meta)
+
+        def batches():
+            for positions, features, sources, chunks in parts:
+                positions = np.asarray(positions, dtype=np.int64)
+                if features.shape[1] != int(model.dim):
+                    raise GalleryError(f"{self.uri}: {features.shape[1]}-d vectors for {model.uri}, which embeds into "
+                                       f"{model.dim}")
+                yield self._batch(schema, positions, ids[positions], features, model, sources, chunks)
+
+        mode = "create" if self.dataset() is None else "overwrite"
+        lance.write_dataset(pa.RecordBatchReader.from_batches(schema, batches()), self.uri, schema=schema,
+                            mode=mode, storage_options=self.options, max_rows_per_file=1 << 22)
+        self.ann_index()
+
+    @staticmethod
+    def _batch(schema, positions, ids, features, model: ModelRef, sources, chunks) -> pa.RecordBatch:
+        n = len(positions)
+        return pa.record_batch([pa.array(positions, pa.int64()), pa.array(ids.tolist() if ids.dtype == object else ids,
+                                                                            schema.field("id").type),
+                                _vectors(features), pa.array([model.uri] * n, pa.string()),
+                                pa.array(list(sources), pa.string()), pa.array(np.asarray(chunks, np.int32))],
+                               schema=schema)
+
+    def ann_index(self) -> None:
+        """The configured ANN index on ``embedding`` (IVF_FLAT or IVF_HNSW_SQ, for the gallery's
+        distance), when the table has ``ann_min_rows`` rows or more: under it an exact scan is
+        as fast. ``partitions`` null: about the square root of the rows."""
+        ann = self.settings.get("ann", "ivf_flat")
+        dataset = self.dataset()
+        rows = dataset.count_rows()
+        if ann == "none" or rows < int(self.settings.get("ann_min_rows") or 0) or rows < 256:
+            return
+        partitions = int(self.settings.get("partitions") or max(1, round(rows ** 0.5)))
+        dataset.create_index("embedding", index_type=INDEX_TYPES[ann], metric=self.metric,
+                             num_partitions=min(partitions, rows // 4), replace=True)
+
+    def retag(self, model: ModelRef, upgrade: str | None) -> None:
+        """The metadata says ``upgrade`` (a finish: none) in one commit; the rows stay; then the
+        chunks' fragments are compacted and the index rebuilt (same rows, same space)."""
+        dataset = self.dataset()
+        meta = {k.decode(): v.decode() for k, v in (dataset.schema.metadata or {}).items()}
+        meta.update({MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or ""})
+        dataset.update_schema_metadata(meta)
+        dataset = self.dataset()
+        if upgrade is None and len(dataset.get_fragments()) > 1:
+            for index in dataset.list_indices():  # Lance compacts indexed and unindexed fragments apart
+                dataset.drop_index(index["name"])
+            self.dataset().optimize.compact_files(materialize_deletions=True)
+            self.ann_index()
+
+    def chunk_done(self, upgrade: str) -> set[int]:
+        """The chunks of ``upgrade`` whose rows are in the table."""
+        dataset = self.dataset()
+        serving = None if dataset is None else self._serving_of(dataset)
+        if serving is None or serving["upgrade"] != upgrade:
+            return set()
+        chunks = dataset.to_table(columns=["chunk"], filter="chunk >= 0").column("chunk").to_numpy()
+        return {int(c) for c in np.unique(chunks)}
+
+    def serve_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, ids: np.ndarray, features: np.ndarray,
+                    sources) -> None:
+        """A chunk's rows upserted in one commit, once: a chunk whose rows are there (``chunk``) is
+        not written again; the table must be serving ``upgrade``."""
+        dataset = self.dataset()
+        serving = None if dataset is None else self._serving_of(dataset)
+        if serving is None or serving["upgrade"] != upgrade:
+            raise GalleryError(f"{self.uri} does not serve upgrade {upgrade} (it serves "
+                               f"{serving and serving['model']}, upgrade {serving and serving['upgrade']}); run "
+                               "`fastfill upgrade` again: it switches the table first")
+        if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
+            return
+        positions = np.asarray(positions, dtype=np.int64)
+        model = ModelRef.from_dict(json.loads(dataset.schema.metadata[MODEL_KEY.encode()]))
+        schema = dataset.schema
+        batch = self._batch(schema, positions, ids, features, model, sources, np.full(len(positions), chunk))
+        dataset.merge_insert("position").when_matched_update_all().execute(pa.Table.from_batches([batch], schema))
+
+    def cleanup(self) -> None:
+        """Delete the table's old versions (after gc, a reader pinned to one reopens the newest)."""
+        dataset = self.dataset()
+        if dataset is not None:
+            dataset.cleanup_old_versions(older_than=timedelta(0), error_if_tagged_old_versions=False)
+
+    # ---- reading
+
+    def rows_of(self, model: ModelRef) -> np.ndarray | None:
+        """The newest version's vectors in position order when it holds ``model``'s space."""
+        dataset = self.dataset()
+        serving = None if dataset is None else self._serving_of(dataset)
+        if serving is None or serving["model"] != model.uri:
+            return None
+        data = dataset.to_table(columns=["position", "embedding"])
+        order = np.argsort(data.column("position").to_numpy(), kind="stable")
+        vectors = data.column("embedding").combine_chunks().flatten().to_numpy().reshape(len(order), -1)
+        return vectors[order]
+
+    def embedded_count(self) -> int:
+        """Rows whose vector the serving model embedded (the rest: h(old))."""
+        dataset = self.dataset()
+        return 0 if dataset is None else dataset.count_rows(filter=f"source = '{EMBEDDED}'")
+
+    def product_distances(self, distances: list) -> np.ndarray:
+        """Lance's distances are the product's already: squared L2, or 1 - cosine."""
+        return np.asarray(distances, dtype=np.float64)
+
+    def search(self, queries: np.ndarray, k: int, model: str | None = None) -> tuple[list, list, list, list]:
+        """The k nearest rows of each query in the newest version: (ids, distances, the model of
+        each answer's rows, sources), one list per query. ``model``: the model URI the queries
+        were embedded with; a version that holds another model's space answers no rows (read
+        ``serving()`` again and re-embed), never another space's answer."""
+        queries = np.asarray(queries, dtype=np.float32)
+        dataset = self.dataset()
+        serving = None if dataset is None else self._serving_of(dataset)
+        if serving is None or (model is not None and serving["model"] != model):
+            return [[] for _ in queries], [[] for _ in queries], [set() for _ in queries], [[] for _ in queries]
+        nearest = {"column": "embedding", "q": queries if len(queries) > 1 else queries[0], "k": int(k),
+                   "metric": self.metric, "nprobes": int(self.settings.get("nprobes") or 20)}
+        data = dataset.to_table(nearest=nearest, columns=["id", "model", "source", "_distance"]
+                                + (["query_index"] if len(queries) > 1 else []))
+        which = data.column("query_index").to_numpy() if len(queries) > 1 else np.zeros(data.num_rows, np.int64)
+        distance = data.column("_distance").to_numpy()
+        ids, models, sources = data.column("id").to_pylist(), data.column("model").to_pylist(), \
+            data.column("source").to_pylist()
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for q in range(len(queries)):
+            rows = np.flatnonzero(which == q)
+            rows = rows[np.argsort(distance[rows], kind="stable")]
+            out[0].append([ids[r] for r in rows])
+            out[1].append([float(distance[r]) for r in rows])
+            out[2].append({models[r] for r in rows})
+            out[3].append([sources[r] for r in rows])
+        return out
