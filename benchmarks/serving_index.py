@@ -1,20 +1,23 @@
-"""The upgrade served from the team's index against the parts layout, side by side in one run:
-the same upgrade through the same product functions on a features-only gallery of ``--items``
-rows, the old model's ``--old-dim`` features to the new model's ``--new-dim``.
+"""The upgrade served from the team's index on every layout, side by side in one run: the same
+upgrade through the same product functions on a features-only gallery of ``--items`` rows, the
+old model's ``--old-dim`` features to the new model's ``--new-dim``.
 
     .venv/bin/python benchmarks/serving_index.py                    # 100,000 rows, 128-d -> 256-d
     .venv/bin/python benchmarks/serving_index.py --items 1000000
     .venv/bin/python benchmarks/serving_index.py --items 5000 --chunk 1000   # a quick look
 
 Each layout runs in a process of its own (peak RSS is the process's; PostgreSQL's own memory is
-reported apart, from its processes), through the product's functions: adopt, commit_plan (on
-pgvector the switch: the new model's column filled with h(old), its HNSW index built, the view
-moved), write_chunk with the layout's chunk commit (pgvector: the rows updated in one transaction
-with the chunk's record), finish; and searches, half way through the backfill and after the
-finish: ``--queries`` queries, k = 10, the latency per query and recall@10 against an exact search
-of the same mixed gallery (parts: `fastfill search`'s flat faiss index, exact; pgvector: the view,
-HNSW at gallery.pgvector's defaults). PostgreSQL is pgserver's (16.2, pgvector 0.6.2) on this
-machine, over a Unix socket. Writes reports/serving_index-<items>.{json,md}.
+reported apart, from its processes), through the product's functions: adopt, commit_plan (the
+switch: the new model's vectors written with h(old), the ANN index built, readers moved: the Lance
+serving table overwritten, the pgvector view, the Milvus alias), write_chunk with the layout's
+chunk commit (Lance: one merge_insert commit; pgvector: the rows updated in one transaction with
+the chunk's record; Milvus: an upsert), finish; and searches, half way through the backfill and
+after the finish: ``--queries`` queries, k = 10, the latency per query and recall@10 against an
+exact search of the same mixed gallery (parts: `fastfill search`'s flat faiss index, exact; the
+others: the index itself, at the layout's defaults). The bytes each chunk writes: the store's
+folder's growth (parts, Lance, the Milvus Lite file kept in it) and PostgreSQL's WAL. PostgreSQL is
+pgserver's (16.2, pgvector 0.6.2) on this machine, over a Unix socket; Milvus is Milvus Lite.
+Writes reports/serving_index-<items>.{json,md}.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-LAYOUTS = ("parts", "pgvector")
+LAYOUTS = ("parts", "lance", "pgvector", "milvus")
 
 
 def _data(items: int, old_dim: int, new_dim: int, seed: int = 0) -> dict:
@@ -90,8 +93,19 @@ def _server_rss() -> int:
     return total
 
 
+def _folder_bytes(root: str) -> int:
+    return sum(entry.stat().st_size for entry in Path(root).rglob("*") if entry.is_file())
+
+
+def _wal(pg_uri: str) -> int:
+    import psycopg
+
+    with psycopg.connect(pg_uri) as connection:
+        return int(connection.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
+
+
 def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str,
-               ann: str = "hnsw") -> dict:
+               ann: str = "ivfflat") -> dict:
     import pyarrow as pa
 
     from fastfill.components.gallery.inputs.adopt import adopt
@@ -106,8 +120,11 @@ def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, 
     data = _data(items, old_dim, new_dim)
     qs = data["queries"][:queries]
     old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
-    store = open_store(tempfile.mkdtemp(prefix=f"serving-{layout}-"))
-    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann})
+    root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
+    store = open_store(root)
+    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann},
+                           milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"})
+    written = (lambda: _wal(pg_uri)) if layout == "pgvector" else (lambda: _folder_bytes(root))
     table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
                       "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
     times: dict = {}
@@ -130,7 +147,7 @@ def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, 
 
     writing = gallery_at(store)
     mixed = data["mapped"].copy()
-    latencies = []
+    latencies, sizes = [], []
     order = data["order"]
     chunks = [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
     half = len(chunks) // 2
@@ -138,15 +155,19 @@ def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, 
     for number, lo, hi in chunks:
         positions = order[lo:hi]
         features = data["new"][positions]
+        before = written()
         start = time.perf_counter()
         write_chunk(store, plan.id, number, lo, hi, features, start,
                     serve=lambda: writing.serve_chunk(plan, number, positions, features, np.ones(len(positions), bool)))
         latencies.append(time.perf_counter() - start)
+        sizes.append(written() - before)
         mixed[positions] = features
         if number == half - 1:
             result["search_half_way"] = _search(layout, gallery_at(store), qs, mixed)
     times["chunk_commit_median"] = statistics.median(latencies)
     times["chunk_commit_per_10k_rows"] = statistics.median(latencies) * 10000 / chunk
+    result["chunk_bytes_median"] = statistics.median(sizes)
+    result["chunk_payload_bytes"] = chunk * new_dim * 4  # the new features alone
     start = time.perf_counter()
     ending.finish(gallery_at(store), plan)
     times["finish"] = time.perf_counter() - start
@@ -166,8 +187,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=10000)
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--worker", choices=LAYOUTS)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which, comma-separated (parts first)")
     parser.add_argument("--pg-uri", default="")
-    parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="hnsw", help="gallery.pgvector.ann")
+    parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="ivfflat", help="gallery.pgvector.ann")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_layout(args.worker, args.items, args.old_dim, args.new_dim, args.chunk, args.queries,
@@ -177,7 +199,7 @@ def main() -> None:
 
     uri = start_postgres("serving-pg-")  # stopped when this process ends, killed or not
     results = {}
-    for layout in LAYOUTS:
+    for layout in args.layouts.split(","):
         command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
                    str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
                    str(args.queries), "--pg-uri", uri, "--ann", args.ann]
@@ -190,29 +212,41 @@ def main() -> None:
 
 
 def report(results: dict, args) -> None:
-    parts, pg = results["parts"], results["pgvector"]
-    rows = [(step, parts["times"].get(step), pg["times"].get(step))
-            for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish")]
-    lines = [f"# The upgrade served from pgvector against the parts layout: {args.items:,} rows, "
-             f"{args.old_dim}-d -> {args.new_dim}-d, chunks of {args.chunk:,}", "",
+    layouts = list(results)
+    parts = results["parts"]
+    lines = [f"# The upgrade served from each layout's index: {args.items:,} rows, {args.old_dim}-d -> "
+             f"{args.new_dim}-d, chunks of {args.chunk:,}", "",
              f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --ann {args.ann}` on "
-             f"{os.cpu_count()} cores; PostgreSQL 16.2 + pgvector 0.6.2 (pgserver) on the same machine, Unix socket; "
-             + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
-                else "IVFFlat, lists = sqrt(rows), probes = 10."), "",
-             "| step | parts (s) | pgvector (s) | pgvector / parts |", "|---|---|---|---|"]
-    for step, a, b in rows:
-        lines.append(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |" if a else f"| {step} | {a} | {b:.3f} | |")
-    lines += ["", "| search (k = 10) | parts: latency ms (median / p95), recall@10 | pgvector |", "|---|---|---|"]
+             f"{os.cpu_count()} cores, each layout in a process of its own, one after the other. Lance: the serving "
+             "table, IVF_FLAT (partitions = sqrt(rows), nprobes 20). pgvector: PostgreSQL 16.2 + pgvector 0.6.2 "
+             "(pgserver), Unix socket; " + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
+                                            else "IVFFlat, lists = sqrt(rows), probes = 10.")
+             + " Milvus: Milvus Lite, HNSW m=16, ef_construction=64, ef=100.", "",
+             "| step (s) | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
+    for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish"):
+        cells = []
+        for layout in layouts:
+            value = results[layout]["times"].get(step)
+            ratio = f" ({value / parts['times'][step]:.1f}x)" if layout != "parts" and parts["times"].get(step) else ""
+            cells.append(f"{value:.3f}{ratio}")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines.append("| bytes written per chunk (median), x the new features' | " + " | ".join(
+        f"{results[layout]['chunk_bytes_median'] / 2 ** 20:.1f} MB ({results[layout]['chunk_bytes_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
+        for layout in layouts) + " |")
+    lines += ["", "| search (k = 10): latency ms median / p95, recall@10 | " + " | ".join(layouts) + " |",
+              "|---|" + "---|" * len(layouts)]
     for when in ("search_half_way", "search_after_finish"):
-        a, b = parts[when], pg[when]
-        lines.append(f"| {when.removeprefix('search_').replace('_', ' ')} | {a['latency_ms_median']:.2f} / "
-                     f"{a['latency_ms_p95']:.2f}, {a['recall_at_10']:.3f} | {b['latency_ms_median']:.2f} / "
-                     f"{b['latency_ms_p95']:.2f}, {b['recall_at_10']:.3f} |")
-    lines += ["", f"Peak RSS of the process: parts {parts['peak_rss_mb']:.0f} MB, pgvector {pg['peak_rss_mb']:.0f} MB; "
-              f"PostgreSQL's processes at the end: {pg['postgres_rss_mb']:.0f} MB.",
-              f"Switch on pgvector: {pg['times']['switch'] / args.items * 1e6:.1f} s per million rows (column written "
-              f"with h(old), the {args.ann} index built, view moved)."]
-    out = ROOT / "reports" / f"serving_index-{args.items}-{args.ann}"
+        lines.append(f"| {when.removeprefix('search_').replace('_', ' ')} | " + " | ".join(
+            f"{results[layout][when]['latency_ms_median']:.2f} / {results[layout][when]['latency_ms_p95']:.2f}, "
+            f"{results[layout][when]['recall_at_10']:.3f}" for layout in layouts) + " |")
+    lines += ["", "Peak RSS of the process: " + ", ".join(f"{layout} {results[layout]['peak_rss_mb']:.0f} MB"
+                                                          for layout in layouts) + "."]
+    if "pgvector" in results:
+        lines.append(f"PostgreSQL's processes at the end: {results['pgvector']['postgres_rss_mb']:.0f} MB.")
+    lines.append("The switch per million rows (the new model's vectors written with h(old), the index built, "
+                 "readers moved): " + ", ".join(f"{layout} {results[layout]['times']['switch'] / args.items * 1e6:.1f} s"
+                                                for layout in layouts) + ".")
+    out = ROOT / "reports" / f"serving_index-{args.items}"
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

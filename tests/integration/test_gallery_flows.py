@@ -27,8 +27,8 @@ from tests.integration.helpers import in_layout, killed_when, registry_models, s
 
 def _index_against_exact(gallery, queries, labels, mixed) -> float:
     """Leave-one-out top-1 accuracy of every item as a query, measured from the index's own answers
-    (the pgvector view or the Milvus alias), checked against an exact search of the product's ``mixed`` gallery: the same
-    within the ANN's error (95% of top-1 hits equal, accuracy within 2 points). Returns it."""
+    (the Lance serving table, the pgvector view or the Milvus alias), checked against an exact
+    search of the product's ``mixed`` gallery: the same within the ANN's error (95% of top-1 hits equal, accuracy within 2 points). Returns it."""
     from fastfill.components.gallery.search.served import IndexSearch
 
     searcher = IndexSearch(gallery)
@@ -84,12 +84,12 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     distances = ((queries[:, None] - mixed[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(ids, gallery.ids()[np.argsort(distances, axis=1, kind="stable")[:, :3]])
 
-    if layout in ("pgvector", "milvus"):  # the team's index answers as the product's mixed gallery does
+    if gallery.serves_queries:  # the team's index answers as the product's mixed gallery does
         half_way = _index_against_exact(gallery, embed(new_model, split.images), split.labels, mixed)
 
     done = upgrade_flow(params, store_uri)  # the same command resumes and completes
     assert done["state"] == "complete" and done["items_done"] == n
-    if layout in ("pgvector", "milvus"):
+    if gallery.serves_queries:
         finished = _index_against_exact(gallery, embed(new_model, split.images), split.labels,
                                         gallery.all_features(plan.new))
         print(f"top-1 from the index's own answers: {half_way:.3f} at {paused['items_done']}/{n}, {finished:.3f} "
