@@ -121,7 +121,7 @@ def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, f
 
     from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.inputs.adopt import adopt
-    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
     from fastfill.components.platform.registry import ModelRef
     from fastfill.components.gallery.store import open_store
     from fastfill.components.experiment.inference import embed
@@ -134,7 +134,7 @@ def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, f
         table = pa.table({"id": np.arange(len(images)), "uri": [f"{i}.png" for i in range(len(images))]})
         adopt(store, table, old_ref, images.shape[1:], root=files_root, features=iter([embed(old, images)]),
               part_size=1000)
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     uid = planning.upgrade_id(old_ref, new_ref)
     for part in range(gallery.num_parts):
         planning.transform_part(gallery, uid, h, part)

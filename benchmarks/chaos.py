@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from fastfill.components.gallery.upgrade import backfill, ending, planning
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store.lock import LOCK
     from fastfill.components.gallery.store import open_store
     from fastfill.components.platform import registry
@@ -172,7 +172,7 @@ def main() -> None:
             results["faults_injected"], results["requests"] = proxy.injected, proxy.requests
             assert final[0] == 0, final[1][-3000:]
 
-            gallery, reference_gallery = Gallery(store), Gallery(open_store(local))
+            gallery, reference_gallery = PartsGallery(store), PartsGallery(open_store(local))
             new = reference_gallery.model
             uid = planning.upgrade_id(registry.ModelRef(name, old_version), new)
             plan = planning.load_plan(store, uid)

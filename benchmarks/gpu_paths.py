@@ -137,7 +137,7 @@ def backfill(model, images, cuda) -> dict:
 
     from fastfill.components.experiment.models import AlignmentMap
     from fastfill.components.gallery.upgrade import backfill, planning
-    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
     from fastfill.components.gallery.store import open_store
     from fastfill.components.platform.registry import ModelRef
 
@@ -150,7 +150,7 @@ def backfill(model, images, cuda) -> dict:
         for name, device in ((CPU_NAME, torch.device("cpu")), ("cuda auto", cuda)):
             store = open_store(str(Path(tmp) / name))
             ingest(store, images, features, old, part_size=10000)
-            gallery = Gallery(store)
+            gallery = PartsGallery(store)
             uid = planning.upgrade_id(old, new)
             for part in range(gallery.num_parts):
                 planning.transform_part(gallery, uid, h, part)

@@ -70,13 +70,13 @@ def plan(folder: Path, chunk_size: int) -> dict:
 
     from fastfill.components.experiment.models import AlignmentMap
     from fastfill.components.gallery.upgrade import planning
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
 
     old, new = _refs()
     torch.manual_seed(0)
     h = AlignmentMap(DIM, DIM, [256], uncertainty=True).eval()
-    gallery = Gallery(open_store(folder))
+    gallery = PartsGallery(open_store(folder))
     gallery.manifest()
     baseline = _rss_mb()
     started = time.perf_counter()
@@ -93,11 +93,11 @@ def finish(folder: Path) -> dict:
     import json as _json
 
     from fastfill.components.gallery.upgrade import planning
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
     from fastfill.components.gallery.upgrade.ending import finish
 
-    gallery = Gallery(open_store(folder))
+    gallery = PartsGallery(open_store(folder))
     record = planning.load_plan(gallery.store, gallery.manifest()["upgrade"])
     rng = np.random.default_rng(1)
     for chunk in range(record.num_chunks):  # what the backfill leaves: each chunk's features, then its marker

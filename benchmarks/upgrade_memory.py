@@ -64,7 +64,7 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from fastfill.components.experiment.models import AlignmentMap, Embedder
     from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
     from fastfill.components.gallery.upgrade.ending import finish
     from fastfill.components.gallery.upgrade.garbage import collect_garbage
@@ -89,7 +89,7 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     store_uri = str(folder / "store")
     adopt(open_store(store_uri), read_manifest(folder / "items.parquet"), old, (1, 28, 28),
           root=str(folder / "images"), features=npy_rows([folder / "features.npy"]), part_size=10000)
-    gallery = Gallery(open_store(store_uri))
+    gallery = PartsGallery(open_store(store_uri))
     times["adopt"] = time.perf_counter() - started
 
     started = time.perf_counter()

@@ -105,7 +105,7 @@ def _registry_line(client, config) -> tuple[bool, str]:
 
 
 def _store_line(config, uri: str) -> tuple[str | bool, str]:
-    from fastfill.components.gallery.layouts.catalog import Gallery, check_registry
+    from fastfill.components.gallery.layouts.catalog import MANIFEST, check_registry
     from fastfill.components.gallery.layouts.opening import gallery_at
     from fastfill.components.gallery.store import open_store
     from fastfill.components.gallery.upgrade.status import gallery_status
@@ -113,7 +113,7 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
 
     store = open_store(uri)
     store.check()
-    if not Gallery(store).exists():
+    if not store.exists(MANIFEST):
         return NOT_SET_UP, (f"{store.uri} is reachable and holds no gallery yet: make one with `fastfill gallery "
                             "ingest` (or `fastfill gallery adopt`), or pass --store")
     gallery = gallery_at(store)  # in the layout its manifest names
@@ -387,7 +387,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
     Prefect flow run; with no gallery yet, the registry and how to make one. Exit 5 when a
     service could not be reached (what it could read is shown)."""
     config = load(params)
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import MANIFEST
     from fastfill.components.gallery.layouts.opening import gallery_at
     from fastfill.components.gallery.upgrade.planning import load_plan
     from fastfill.components.gallery.upgrade.status import gallery_status
@@ -404,22 +404,21 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
     def answered(healthy: bool, state: dict | None = None, decided: dict | None = None,
                  run_id: str | None = None) -> None:
         if as_json:
-            answer("fastfill.status/1", {"ok": healthy, "store": gallery.store.uri, "gallery": state,
+            answer("fastfill.status/1", {"ok": healthy, "store": where.uri, "gallery": state,
                                          "decision": json_output.decision_fields(decided), "mlflow_run_id": run_id,
                                          "lines": lines})
 
     def read():
         opened = open_store(uri)
         opened.check()
-        gallery = Gallery(opened)
-        if not gallery.exists():
-            return gallery, None, None
+        if not opened.exists(MANIFEST):
+            return opened, None, None
         gallery = gallery_at(opened)  # in the layout its manifest names
-        return gallery, gallery_status(gallery, failures=False), _last_decision(opened)
+        return opened, gallery_status(gallery, failures=False), _last_decision(opened)
 
-    gallery, state, decided = call(read)
+    where, state, decided = call(read)
     if state is None:  # no gallery yet: what the registry holds, and how to make one
-        show("gallery", f"no gallery at {gallery.store.uri} yet: make one with `fastfill gallery ingest` (images into "
+        show("gallery", f"no gallery at {where.uri} yet: make one with `fastfill gallery ingest` (images into "
                         "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
         try:
             client, _ = _mlflow_client(config)
@@ -457,17 +456,17 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
                      f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
     run_id = (info or {}).get("mlflow_run_id")
     if run_id is None and decided is not None:
-        plan = load_plan(gallery.store, decided["upgrade"])
+        plan = load_plan(where, decided["upgrade"])
         run_id = plan.mlflow_run_id if plan else None
     healthy = True
     try:
-        for name, text in _mlflow_lines(config, run_id, decided, gallery.store, state):
+        for name, text in _mlflow_lines(config, run_id, decided, where, state):
             show(name, text)
     except Exception as error:  # noqa: BLE001 - reported as one line
         healthy = False
         show("mlflow", f"unavailable: {_problem(error)}")
     try:
-        link = _prefect_line(gallery.store)
+        link = _prefect_line(where)
         if link is not None:
             show("prefect", link)
     except Exception as error:  # noqa: BLE001 - reported as one line

@@ -17,7 +17,7 @@ import pytest
 from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, planning
 from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.search.index import GallerySearch
 from fastfill.components.gallery.store import StoreUnreachable, open_store
 from fastfill.components.platform.registry import RegistryError
@@ -224,7 +224,7 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     # the evaluation sample's chunks were written while planning, here, from the features it embedded
     assert {m["pid"] for m in markers if m.get("prefilled")} == {os.getpid()}
     assert sum(m["count"] for m in markers if m.get("prefilled")) == plan.prefilled == 24
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, split.images), rtol=1e-5,
                                atol=1e-5)
 
@@ -281,7 +281,7 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
     registry_models(params)
     ingest_flow(params, uri)
     store = open_store(uri)
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     before = {key: store.get(key) for key in store.list("")}
     client, experiment = registry.setup(params.mlflow)
 
@@ -345,7 +345,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert result.exit_code == 6  # bad input: the gallery is locked
     assert "is being upgraded: upgrade another-upgrade by process" in result.output
     assert "fastfill upgrade unlock" in result.output
-    assert gallery_status(Gallery(open_store(uri)))["upgrade"] is None  # refused before planning
+    assert gallery_status(PartsGallery(open_store(uri)))["upgrade"] is None  # refused before planning
     result = runner.invoke(app, ["upgrade", "unlock", *args])
     assert result.exit_code == 0 and "removed the lock of upgrade another-upgrade" in result.output
     store = open_store(uri)
@@ -502,7 +502,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     assert len(markers) == plan.num_chunks and sum(m["count"] for m in markers) == plan.num_items
     order = planning.order_of(store, uid)
     assert sorted(np.concatenate([order[m["start"]:m["stop"]] for m in markers])) == list(range(plan.num_items))
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     assert ending.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
@@ -511,11 +511,11 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     reference_uri = str(tmp_path / "reference")
     client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
     ingest_flow(params, reference_uri)
-    assert Gallery(open_store(reference_uri)).model.version == old_version
+    assert PartsGallery(open_store(reference_uri)).model.version == old_version
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
     assert upgrade_flow(changed, reference_uri, plan.new.uri)["state"] == "complete"
-    np.testing.assert_array_equal(gallery.all_features(plan.new), Gallery(open_store(reference_uri)).all_features(plan.new))
+    np.testing.assert_array_equal(gallery.all_features(plan.new), PartsGallery(open_store(reference_uri)).all_features(plan.new))
 
 
 def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade_env, prefect_harness):

@@ -8,7 +8,7 @@ import boto3
 import numpy as np
 import yaml
 
-from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.layouts.catalog import PartsGallery
 from fastfill.components.gallery.store import open_store
 from tests.environment import new_bucket
 from tests.integration.helpers import registry_models, split_images
@@ -51,7 +51,7 @@ def test_the_manifest_and_features_are_read_from_s3(upgrade_env, prefect_harness
     adopted = runner.invoke(app, ["gallery", "adopt", "--manifest", f"s3://{bucket}/team/manifest.csv",
                                   "--features", f"s3://{bucket}/team/features/part-0.npy", *common])
     assert adopted.exit_code == 0, adopted.output
-    gallery = Gallery(open_store(store))
+    gallery = PartsGallery(open_store(store))
     assert gallery.num_items == len(images)
     np.testing.assert_array_equal(gallery.all_features(gallery.model), features)
     assert gallery.ids().tolist() == [f"sku-{i}" for i in range(len(images))]

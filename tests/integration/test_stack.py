@@ -174,13 +174,13 @@ def _wait(check, seconds: float, what: str, workdir: Path) -> None:
 
 
 def _gallery(stack):
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
 
     with restored_environ(*stack):
         os.environ.update(stack)
         store = open_store(STORE)
-        return Gallery(store), store.get_json("gallery.json")
+        return PartsGallery(store), store.get_json("gallery.json")
 
 
 def _champion(stack) -> str:

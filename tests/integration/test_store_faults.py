@@ -14,7 +14,7 @@ import pytest
 from fastfill.components.gallery.upgrade import backfill, ending
 
 from fastfill.components.gallery.store import lock as locking
-from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.layouts.catalog import PartsGallery
 from fastfill.components.gallery.store import StoreUnreachable, configure_s3, open_store
 from fastfill.components.platform.config import S3Config
 from tests.environment import new_bucket
@@ -55,7 +55,7 @@ def _upgrade_work(store_uri: str):
         ending.finish(gallery, plan)
     finally:
         lock.release()
-    return Gallery(open_store(store_uri)), plan, records
+    return PartsGallery(open_store(store_uri)), plan, records
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     assert [r["skipped"] for r in again] == [True] * 3 + [False] * (plan.num_chunks - 3)
     assert [again[c]["token"] for c in first] == [first[c]["token"] for c in first]  # not redone
     ending.finish(gallery, plan)
-    np.testing.assert_array_equal(Gallery(open_store(store_uri)).all_features(NEW), without_faults[0])
+    np.testing.assert_array_equal(PartsGallery(open_store(store_uri)).all_features(NEW), without_faults[0])
 
 
 def _lock_writes(method: str):

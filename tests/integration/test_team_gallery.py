@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from fastfill.components.gallery.upgrade import planning
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import PartsGallery
 from fastfill.components.gallery.store import open_store
 from tests.integration.helpers import registry_models, split_images
 
@@ -83,7 +83,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     assert trained.tags["disc_targets"] == "the new model's predicted classes"
     assert trained.tags["check.source"] == f"gallery {uri}" and trained.tags["check"] in ("passed", "fallback",
                                                                                           "warned")
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     sampled = planning.order_of(store, plan.id)[:48]
     from fastfill.components.gallery.upgrade.backfill import mixed_features
 
@@ -248,7 +248,7 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     plan = planning.load_plan(open_store(uri), result["upgrade"])
     assert plan.map_uri != f"models:/{name}/{version}"
     assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
-    gallery = Gallery(open_store(uri))
+    gallery = PartsGallery(open_store(uri))
     assert np.isfinite(gallery.all_features(gallery.model)).all()
 
 

@@ -436,7 +436,7 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     """Old: an ONNX graph on 20x20 stretched RGB; new: a torchvision ResNet-18 on 32x32 crops with
     ImageNet scaling. A gallery of RGB JPEGs of mixed sizes, adopted without labels, ends with
     exactly the new model's features of each file as its preprocessing decodes it."""
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
     from fastfill.components.platform.config import load_params
     from fastfill.flows.upgrade import upgrade_flow
@@ -446,7 +446,7 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     photos = _adopted(team, pictures, [(7000 + i, f"sku-{i:03d}.jpg") for i in range(len(pictures))],
                       {"chunk_size": 16, "eval_queries": 20, "map_sample": 40})
 
-    gallery = Gallery(open_store(str(team / "gallery")))
+    gallery = PartsGallery(open_store(str(team / "gallery")))
     old_model, new_model = registered.load_model(old_uri), registered.load_model(new_uri)
     files = [(photos / f"sku-{i:03d}.jpg").read_bytes() for i in range(len(pictures))]
     as_old = np.stack([OLD_INPUT.decode(f) for f in files])
@@ -480,7 +480,7 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     with the team's ids."""
     import mlflow
 
-    from fastfill.components.gallery.layouts.catalog import Gallery
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
     from fastfill.components.platform.config import load_params
     from fastfill.flows.upgrade import upgrade_flow
@@ -500,7 +500,7 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     params = load_params(team / "params.yaml")
     done = upgrade_flow(params, str(team / "gallery"), gate=False)
     assert done["state"] == "complete" and done["items_done"] == 100, done
-    gallery = Gallery(open_store(str(team / "gallery")))
+    gallery = PartsGallery(open_store(str(team / "gallery")))
     assert gallery.model.uri == json.loads(new.stdout)["uri"] and gallery.model.dim == 16
     client = mlflow.MlflowClient(params.mlflow.tracking_uri)
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")

@@ -9,7 +9,7 @@ import pytest
 from fastfill.components.platform.config import parse_params
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
 from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.search.index import GallerySearch
 from fastfill.components.gallery.store import open_store
 from fastfill.components.platform.registry import ModelRef
@@ -89,7 +89,7 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
     assert run.data.tags["promotion"] == "passed"
     assert run.data.metrics["gate.top1_auc_gain"] == pytest.approx(numbers["top1_auc_gain"])
     assert len(client.get_metric_history(run.info.run_id, "gate.top1")) == params.promotion.curve_points + 2
-    assert Gallery(open_store(uri)).model.version == new_version
+    assert PartsGallery(open_store(uri)).model.version == new_version
 
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
@@ -119,7 +119,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     assert client.get_run(result["mlflow_run_id"]).data.tags["promotion"] == "rejected"
 
     # the gallery serves the champion's features: no upgrade, old model, features untouched
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == old_version
     assert {key: store.get(key) for key in store.list("features/")} == before
     searcher = GallerySearch(gallery)
@@ -152,7 +152,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     first = upgrade_flow(params, uri, f"models:/embedder/{v2}", budget=0.5)
     assert first["state"] == "paused" and 0.4 < first["fraction"] < 0.7
     store = open_store(uri)
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     plan1 = planning.load_plan(store, first["upgrade"])
     mixed1, backfilled1 = backfill.mixed_features(gallery, plan1)
     assert 0 < backfilled1.sum() < len(backfilled1)
@@ -184,7 +184,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert client.get_metric_history(plan2.mlflow_run_id, "top1")
 
     done = upgrade_flow(params, uri, f"models:/embedder/{v3}")
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     assert done["state"] == "complete" and gallery.model.version == v3
     features = gallery.all_features(gallery.model)
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
@@ -249,7 +249,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
             _failing_after(patch, owner, function, step)
             with pytest.raises(RuntimeError, match=f"injected after {step}"):
                 fu.upgrade_flow(params, uri)
-        gallery = Gallery(open_store(uri))
+        gallery = PartsGallery(open_store(uri))
         assert gallery_status(gallery)["state"] == "ending interrupted", step
 
         result = fu.upgrade_flow(params, uri)  # the same command again
@@ -336,7 +336,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     assert client.get_model_version(name, new_version).tags["promotion"] == "passed"
     assert registry_alias(client, name, "challenger") is None  # cleared by the promotion
     store = open_store(uri)
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     assert gallery.model.version == new_version and gallery.manifest()["upgrade"] is None
     assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
     assert not store.exists(LOCK) and gallery_status(gallery)["state"] == "idle"

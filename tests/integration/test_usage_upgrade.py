@@ -12,7 +12,7 @@ import pytest
 
 from fastfill.components.evaluation.ordering import check_permutation
 from fastfill.components.gallery.upgrade import planning
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.upgrade.usage import load_usage_log
 from tests.environment import new_bucket
@@ -30,7 +30,7 @@ def test_an_upgrade_in_usage_sigma_order_from_a_query_log(upgrade_env, prefect_h
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
     store = open_store(uri)
-    ids = Gallery(store).ids()
+    ids = PartsGallery(store).ids()
     runner = CliRunner()
     common = ["--store", uri, "--params", str(tmp_path / "params.yaml"), "--no-progress", "--no-gate"]
 

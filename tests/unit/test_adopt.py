@@ -10,7 +10,7 @@ from PIL import Image
 
 from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.inputs.images import read_images, resolve
 from fastfill.components.gallery.upgrade.lifecycle import Backfill, failure_limit
 from fastfill.components.gallery.store import open_store
@@ -86,21 +86,21 @@ def test_adopt_takes_features_across_shards_and_checks_their_count(tmp_path):
     np.save(tmp_path / "b.npy", features[3:])
     adopt(open_store(tmp_path / "g"), table, OLD, (1, 4, 4), root=str(tmp_path),
           features=npy_rows([tmp_path / "a.npy", tmp_path / "b.npy"]), part_size=2)
-    gallery = Gallery(open_store(tmp_path / "g"))
+    gallery = PartsGallery(open_store(tmp_path / "g"))
     assert gallery.num_parts == 4 and gallery.adopted and gallery.labels() is None
     np.testing.assert_array_equal(gallery.all_features(OLD), features)
     np.testing.assert_array_equal(gallery.ids(), np.arange(7))
 
     pq.write_table(pa.table({"features": [list(map(float, row)) for row in features]}), tmp_path / "f.parquet")
     adopt(open_store(tmp_path / "p"), table, OLD, (1, 4, 4), features=parquet_rows(tmp_path / "f.parquet", "features"))
-    np.testing.assert_allclose(Gallery(open_store(tmp_path / "p")).all_features(OLD), features)
+    np.testing.assert_allclose(PartsGallery(open_store(tmp_path / "p")).all_features(OLD), features)
 
     with pytest.raises(GalleryError, match="fewer feature rows"):
         adopt(open_store(tmp_path / "short"), table, OLD, (1, 4, 4), features=npy_rows([tmp_path / "a.npy"]))
     with pytest.raises(GalleryError, match="more feature rows"):
         adopt(open_store(tmp_path / "long"), table, OLD, (1, 4, 4),
               features=npy_rows([tmp_path / "a.npy", tmp_path / "b.npy", tmp_path / "a.npy"]))
-    assert not Gallery(open_store(tmp_path / "long")).exists()  # nothing half-made: no manifest
+    assert not PartsGallery(open_store(tmp_path / "long")).exists()  # nothing half-made: no manifest
     with pytest.raises(GalleryError, match="no column 'emb'"):
         list(parquet_rows(tmp_path / "f.parquet", "emb"))
     with pytest.raises(GalleryError, match="dimension 4, but the model's is 5"):

@@ -196,7 +196,7 @@ def test_a_paused_backfill_says_how_to_go_on():
 
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     """The real store's view against the table's: a planned, then aborted upgrade."""
-    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
     from fastfill.components.gallery.upgrade.planning import Plan, write_plan
     from fastfill.components.gallery.upgrade.reversal import abort
     from fastfill.components.gallery.store import open_store
@@ -206,7 +206,7 @@ def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     rng = np.random.default_rng(0)
     ingest(store, rng.integers(0, 255, (6, 1, 4, 4), dtype=np.uint8), rng.normal(size=(6, 8)).astype(np.float32), V1,
            labels=np.arange(6) % 2, part_size=3)
-    gallery = Gallery(store)
+    gallery = PartsGallery(store)
     plan = Plan(UID12, V1, V2, "models:/map/1", "random", 3, 6, 0, "l2", "run")
     write_plan(store, plan)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": UID12})

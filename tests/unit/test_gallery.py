@@ -7,7 +7,7 @@ import pytest
 
 from fastfill.components.evaluation import curve_at_counts
 from fastfill.components.gallery.upgrade import garbage
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ingest
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery, ingest
 from fastfill.components.gallery.upgrade.measure import BackfillMeter, restricted_order
 from fastfill.components.gallery.store import (
     open_store,
@@ -54,7 +54,7 @@ def test_ingest_refuses_bad_input_and_writes_nothing(tmp_path, data, case, messa
 
 def test_a_missing_gallery_says_how_to_make_one(tmp_path):
     with pytest.raises(GalleryError, match="no gallery at .*run `fastfill gallery ingest"):
-        Gallery(open_store(tmp_path / "empty")).manifest()
+        PartsGallery(open_store(tmp_path / "empty")).manifest()
 
 
 def test_collect_garbage_refuses_during_an_upgrade(tmp_path, models, data):
@@ -117,7 +117,7 @@ def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, m
     rng = np.random.default_rng(3)
     images = rng.integers(0, 256, size=(1200, 1, 8, 8), dtype=np.uint8)
     ingest(open_store(tmp_path / "g"), images, embed(old, images), OLD, part_size=100)
-    gallery = Gallery(open_store(tmp_path / "g"))
+    gallery = PartsGallery(open_store(tmp_path / "g"))
     exact_config = IndexConfig(kind=kind, nlist=8, nprobe=8, pq_m=4, train_size=500)  # every list searched
     flat, approximate = GallerySearch(gallery), GallerySearch(gallery, index=exact_config)
     assert approximate.index.ntotal == 1200 and approximate.index.nlist == 8

@@ -111,7 +111,7 @@ def _judged_by_label(labels, positions, source="by label"):
 
 
 def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_labels_do(tmp_path):
-    from fastfill.components.gallery.layouts.catalog import Gallery, ingest
+    from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
     from fastfill.components.gallery.store import open_store
     from tests.gallery_cases import OLD
 
@@ -123,7 +123,7 @@ def test_judged_queries_that_say_what_the_labels_say_compare_the_ways_as_the_lab
     # a team's gallery: the same items without labels, its judged queries the truth
     ingest(open_store(str(tmp_path / "team")), data[0], labeled.all_features(labeled.model), OLD,
            ids=np.arange(N) + 1000, part_size=10)
-    team = Gallery(open_store(str(tmp_path / "team")))
+    team = PartsGallery(open_store(str(tmp_path / "team")))
     assert team.labels() is None
     by_judgments = ways_to_target(0.5, team, **inputs, judged=judged)
     assert by_labels["truth"] == "labels" and by_judgments["truth"] == "judgments"

@@ -13,7 +13,7 @@ from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.models import AlignmentMap
 from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.inputs.adopt import adopt, read_manifest
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, PartsGallery
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.upgrade.usage import (
     backfill_order, load_usage_log, map_order, order_after_map, stored_weights, usage_weights,
@@ -119,7 +119,7 @@ def test_adopt_keeps_a_weight_column_and_refuses_bad_weights(tmp_path):
     (tmp_path / "m.csv").write_text("id,uri,weight\n1,a.png,2.5\n2,b.png,0\n3,c.png,7\n")
     table = read_manifest(tmp_path / "m.csv")
     adopt(open_store(tmp_path / "g"), table, OLD, (1, 8, 8), features=iter([np.ones((3, OLD_DIM))]), part_size=2)
-    gallery = Gallery(open_store(tmp_path / "g"))
+    gallery = PartsGallery(open_store(tmp_path / "g"))
     assert stored_weights(gallery).tolist() == [2.5, 0.0, 7.0]
     assert usage_weights(gallery, None).weights.tolist() == [2.5, 0.0, 7.0]
     (tmp_path / "bad.csv").write_text("id,uri,weight\n1,a.png,2\n2,b.png,-1\n")

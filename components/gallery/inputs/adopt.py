@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import (
-    Gallery, GalleryError, check_empty, check_features, commit_manifest, written_fields,
+    Gallery, GalleryError, PartsGallery, check_empty, check_features, commit_manifest, written_fields,
 )
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.store import Store
@@ -179,7 +179,7 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
         raise GalleryError(f"image shape must be (channels, height, width), got {tuple(image_shape)}")
     n = table.num_rows
     num_parts = -(-n // part_size)
-    layout = layout or Gallery
+    layout = layout or PartsGallery
     writer = layout.writer(store, model, part_size)
     buffer: list[np.ndarray] = []
     for part in range(num_parts):

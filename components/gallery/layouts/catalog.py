@@ -24,6 +24,7 @@ opens either from the manifest; the upgrade, search, gate and advice read only t
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.layouts.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
-from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 from fastfill.components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
@@ -74,15 +75,16 @@ def check_features(features: np.ndarray, dim: int | None, what: str) -> np.ndarr
     return features
 
 
-class Gallery:
-    """A gallery in a store: its manifest, items, images and features. This class is the
-    interface of every layout and the parts layout's implementation of it; a layout overrides
-    the readers and writers of items, images and features (``items_part``, ``images``,
-    ``features``, ``features_at``, ``write_features``, ``missing_features``, ``collect_features``,
-    ``check_sources``), never the manifest or the upgrade's objects."""
+class Gallery(ABC):
+    """A gallery in a store, the interface every layout implements: its manifest and the
+    upgrade's per-part objects (in the store on every layout: this class), and the layout's own
+    readers and writers of items, images and features (abstract here). The layouts are siblings:
+    ``PartsGallery`` (below), ``TableGallery`` (Lance), ``PgGallery`` and ``MilvusGallery``; none
+    inherits another's, and those that keep items and images as store objects share
+    ``StoredItems``."""
 
-    layout = PARTS
-    serves_queries = False  # True where a reader's index is the gallery (pgvector): `search` asks it
+    layout: str
+    serves_queries = False  # True where a reader's index is the gallery (lance, pgvector, milvus): `search` asks it
 
     def __init__(self, store: Store, manifest: dict | None = None):
         self.store = store
@@ -138,15 +140,13 @@ class Gallery:
 
     # ---- items
 
+    @abstractmethod
     def items(self):
         """The items table (pyarrow): id, image, label, group (and weight); in position order."""
-        import pyarrow as pa
 
-        return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))
-                                 for p in range(self.num_parts)])
-
+    @abstractmethod
     def items_part(self, part: int):
-        return self.store.get_parquet(part_key("items", part, "parquet"))
+        """The items table's rows of ``part``."""
 
     def column(self, name: str) -> np.ndarray:
         """One numeric column of the items table for every item, read part by part (the other
@@ -165,17 +165,13 @@ class Gallery:
 
     # ---- arrays
 
+    @abstractmethod
     def images(self, part: int) -> np.ndarray:
-        images = self.store.get_array(part_key("images", part))
-        expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
-        if images.shape != tuple(expected) or images.dtype != np.uint8:
-            raise DamagedObject(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
-                                f"{tuple(expected)}, found {images.dtype} {images.shape}")
-        return images
+        """An ingested gallery's images of ``part``, uint8 (n, C, H, W)."""
 
+    @abstractmethod
     def features(self, model: ModelRef, part: int) -> np.ndarray:
-        key = features_key(model, part)
-        return check_features(self.part_rows(key, part), model.dim, self.store.describe(key))
+        """``model``'s features of the items of ``part``, checked (float32, finite, its dim)."""
 
     def part_rows(self, key: str, part: int) -> np.ndarray:
         """The per-part array at ``key`` (one row per item of ``part``), checked against the
@@ -192,31 +188,98 @@ class Gallery:
     def all_features(self, model: ModelRef) -> np.ndarray:
         return np.concatenate([self.features(model, p) for p in range(self.num_parts)])
 
+    @abstractmethod
     def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
-        """``model``'s features of the items at ``positions`` (any order), reading only their parts."""
-        return rows_at(self, positions, lambda part: features_key(model, part))
+        """``model``'s features of the items at ``positions`` (any order), reading only what holds them."""
 
     # ---- writing (a new gallery; the finish of an upgrade) and removing features (gc)
 
     @staticmethod
-    def writer(store: Store, model: ModelRef, part_size: int) -> PartsWriter:
-        """What writes a new gallery of this layout, part by part (ingest, adopt, convert)."""
-        return PartsWriter(store, model, part_size)
+    @abstractmethod
+    def writer(store: Store, model: ModelRef, part_size: int):
+        """What writes a new gallery of this layout, part by part (ingest, adopt, convert): an
+        object with ``write(start, items, features, images=None)`` and ``close()``."""
 
+    @abstractmethod
     def write_features(self, model: ModelRef, parts) -> None:
         """``model``'s features of every part, from ``parts`` ((part, features) in part order);
         they serve once the manifest names ``model``."""
+
+    @abstractmethod
+    def missing_features(self, model: ModelRef) -> list[str]:
+        """Where ``model``'s features of the gallery's parts are missing (empty: all there)."""
+
+    @abstractmethod
+    def collect_features(self) -> int:
+        """Delete the features of every model but the gallery's own; returns how many were."""
+
+    @abstractmethod
+    def check_sources(self, sequential: bool = False) -> None:
+        """Refuse, before planning writes anything, a gallery whose sources are not all there or
+        do not fit its manifest (a GalleryError ending "Nothing was written.")."""
+
+    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray,
+                    embedded: np.ndarray) -> None:
+        """A layout that serves queries from an index writes a landed chunk's rows there (before
+        its marker); a layout that serves only ``fastfill search`` has nothing to write: it reads
+        the chunk's object."""
+
+    def sync_serving(self, manifest: dict | None = None) -> dict | None:
+        """A layout that serves queries from an index makes it serve what the manifest says;
+        nothing to do on one that does not."""
+        return None
+
+
+class StoredItems:
+    """Items tables and an ingested gallery's images kept as objects in the store, one per part
+    (``items/part-NNNNN.parquet``, ``images/part-NNNNN.npy``): the parts, pgvector and Milvus
+    layouts keep them so."""
+
+    def items(self):
+        import pyarrow as pa
+
+        return pa.concat_tables([self.store.get_parquet(part_key("items", p, "parquet"))
+                                 for p in range(self.num_parts)])
+
+    def items_part(self, part: int):
+        return self.store.get_parquet(part_key("items", part, "parquet"))
+
+    def images(self, part: int) -> np.ndarray:
+        images = self.store.get_array(part_key("images", part))
+        expected = (self.part_bounds(part)[1] - self.part_bounds(part)[0], *self.manifest()["image_shape"])
+        if images.shape != tuple(expected) or images.dtype != np.uint8:
+            raise DamagedObject(f"{self.store.describe(part_key('images', part))}: expected uint8 images of shape "
+                                f"{tuple(expected)}, found {images.dtype} {images.shape}")
+        return images
+
+
+class PartsGallery(StoredItems, Gallery):
+    """The parts layout: every model's features as ``.npy`` parts beside the items and images
+    (``features/<model>/part-NNNNN.npy``), each object with its SHA-256; only ``fastfill`` reads it."""
+
+    layout = PARTS
+
+    def features(self, model: ModelRef, part: int) -> np.ndarray:
+        key = features_key(model, part)
+        return check_features(self.part_rows(key, part), model.dim, self.store.describe(key))
+
+    def features_at(self, model: ModelRef, positions: np.ndarray) -> np.ndarray:
+        return rows_at(self, positions, lambda part: features_key(model, part))
+
+    @staticmethod
+    def writer(store: Store, model: ModelRef, part_size: int) -> PartsWriter:
+        return PartsWriter(store, model, part_size)
+
+    def write_features(self, model: ModelRef, parts) -> None:
         for part, features in parts:
             self.store.put_array(features_key(model, part), features)
 
     def missing_features(self, model: ModelRef) -> list[str]:
-        """Where ``model``'s features of the gallery's parts are missing (empty: all there)."""
         wanted = [features_key(model, part) for part in range(self.num_parts)]
         present = set(self.store.list(f"features/{model.key}/"))
         return [self.store.describe(key) for key in wanted if key not in present]
 
     def collect_features(self) -> int:
-        """Delete the features of every model but the gallery's own; returns how many objects."""
         current, deleted = self.model.key, 0
         for key in self.store.list("features/"):
             if key.split("/")[1] != current:
@@ -224,23 +287,10 @@ class Gallery:
                 deleted += 1
         return deleted
 
-    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray,
-                    embedded: np.ndarray) -> None:
-        """A layout that serves queries from an index writes a landed chunk's rows there (before
-        its marker); the parts layout serves only ``fastfill search``, which reads the chunk's
-        object."""
-
-    def sync_serving(self, manifest: dict | None = None) -> dict | None:
-        """A layout that serves queries from an index makes it serve what the manifest says;
-        nothing to do here."""
-        return None
-
     def check_sources(self, sequential: bool = False) -> None:
-        """Refuse, before planning writes anything, a gallery whose parts are not all there or do
-        not fit its manifest: every part's features (of the gallery's model; a sequential upgrade
-        reads its source parts instead), items and, for an ingested gallery, images, by one listing
-        per kind; and each items part's row count. Content (a NaN, a torn part) is checked as each
-        part is read."""
+        """Every part's features (of the gallery's model; a sequential upgrade reads its source
+        parts instead), items and, for an ingested gallery, images, by one listing per kind; and
+        each items part's row count. Content (a NaN, a torn part) is checked as each part is read."""
         store, model = self.store, self.model
         wanted = {"items": [part_key("items", p, "parquet") for p in range(self.num_parts)]}
         if not sequential:
@@ -432,7 +482,7 @@ def ingest(store: Store, images: np.ndarray, features: np.ndarray, model: ModelR
     import pyarrow as pa
 
     check_empty(store, "ingest")
-    layout = layout or Gallery
+    layout = layout or PartsGallery
     images, ids = check_ingest(images, labels, groups, ids)
     n = len(images)
     features = check_features(features, model.dim, "gallery features")

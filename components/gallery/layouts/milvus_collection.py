@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import MILVUS, Gallery, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.catalog import MILVUS, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fastfill.components.gallery.layouts.catalog import (
-    LANCE, MANIFEST, MILVUS, PARTS, PGVECTOR, Gallery, GalleryError, check_manifest,
+    LANCE, MANIFEST, MILVUS, PARTS, PGVECTOR, Gallery, GalleryError, PartsGallery, check_manifest,
 )
 from fastfill.components.gallery.layouts.lance_serving import lance_settings
 from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery, milvus_settings
@@ -12,7 +12,7 @@ from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settin
 from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
 
-LAYOUTS = {PARTS: Gallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
+LAYOUTS = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
 
 
 def gallery_at(store: Store) -> Gallery:

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import PGVECTOR, Gallery, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError

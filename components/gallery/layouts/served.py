@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.layouts.catalog import Gallery, StoredItems
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.store import Store
 from fastfill.components.platform.registry import ModelRef
 
 
-class ServedGallery(Gallery):
-    """A gallery whose vectors live in the index queries are served from; the manifest, items and
-    upgrade objects are in its store."""
+class ServedGallery(StoredItems, Gallery):
+    """A gallery whose vectors live in the index queries are served from; the manifest, items,
+    images and upgrade objects are in its store (``StoredItems``)."""
 
     serves_queries = True
 
