@@ -86,6 +86,9 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
             raise GalleryError(course.reason)
         new_model = load_model(wanted)
         new = ModelRef(wanted.name, wanted.version, new_model.embedding_dim)
+        refusal = decider.layout_refusal(gallery, new, config.task_runner)
+        if refusal is not None:
+            raise GalleryError(refusal)
         judged = None
         if course.truth == TRUTH_JUDGMENTS:  # read and checked against the gallery now, before any work
             judged = judgments.load_judgments(config.judgments, gallery.ids())

@@ -7,6 +7,7 @@ import functools
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -742,6 +743,29 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
     np.testing.assert_array_equal(np.array(ids), _brute_force(gallery.all_features(NEW), gallery.ids(), queries, 5))
 
 
+def the_layout_names_what_it_cannot_serve_before_any_work(store_uri, models, data, layout=None):
+    """What a layout cannot serve is refused by the decider with the layout's reason: pgvector's
+    index dimensions, Milvus's vector size and a Milvus Lite file under Dask workers."""
+    from fastfill.components.gallery.upgrade.decider import UpgradeDecider
+
+    gallery = _gallery(store_uri, models, data, layout=layout)
+    wide, wider, widest = (ModelRef("embedder", "2", dim) for dim in (2001, 16001, 40000))
+    refusal = UpgradeDecider.layout_refusal
+    assert refusal(gallery, NEW, "threads") is None
+    if layout in ("parts", "lance"):
+        assert refusal(gallery, widest, "dask") is None
+    elif layout == "pgvector":
+        assert refusal(gallery, ModelRef("embedder", "2", 2000), "threads") is None
+        assert re.search(r"\(pgvector layout\) cannot serve models:/embedder/2: .* 2,001 dimensions; pgvector's "
+                         r"ivfflat index takes at most 2,000.*Nothing was written\.$", refusal(gallery, wide, "dask"))
+        assert "vector type holds at most 16,000" in refusal(gallery, wider, "threads")
+    else:
+        assert refusal(gallery, wider, "threads") is None
+        assert "a Milvus float vector holds at most 32,768" in refusal(gallery, widest, "threads")
+        assert re.search(r"task_runner is dask, but .* Milvus Lite file .*\.db", refusal(gallery, NEW, "dask"))
+    assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.store.list("upgrades/") == []
+
+
 STORE_CASES = [  # the store alone
     store_roundtrip_listing_and_create_only,
     checksum_mismatch_is_an_error_naming_the_object,
@@ -754,6 +778,7 @@ GALLERY_CASES = [  # every layout
     a_transformed_part_short_of_rows_is_refused_naming_it,
     search_updates_vectors_by_id_as_chunks_land,
     adopted_gallery_reads_images_by_uri_and_keeps_failed_items,
+    the_layout_names_what_it_cannot_serve_before_any_work,
 ]
 INDEX_CASES = [  # the layouts whose index serves the team's queries
     the_index_serves_one_space_at_a_time_as_chunks_land,

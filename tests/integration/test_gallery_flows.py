@@ -269,6 +269,30 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
     assert not (tmp_path / "g2").exists() or not any((tmp_path / "g2").iterdir())
 
 
+def test_what_the_layout_cannot_serve_is_refused_before_any_work(upgrade_env, prefect_harness):
+    """A Milvus Lite gallery asked to backfill with Dask workers (processes of their own, which
+    cannot open the file): the upgrade refuses with the layout's reason, and the store and the
+    collection are as they were."""
+    pytest.importorskip("milvus_lite", reason="Milvus Lite comes with the cpu extra")
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, "milvus")
+    registry_models(params)
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    store = open_store(uri)
+    before = {key: store.get(key) for key in store.list("")}
+    dask = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"task_runner": "dask"})})})
+    with pytest.raises(GalleryError, match=r"\(milvus layout\) cannot serve models:/embedder/\d+: "
+                                           r"gallery.upgrade.task_runner is dask, but .*Milvus Lite.*Nothing was written"):
+        upgrade_flow(dask, uri)
+    assert {key: store.get(key) for key in store.list("")} == before
+    assert gallery_at(store).index.serving()["model"] == gallery_at(store).model.uri
+
+
 def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings_are_closed(upgrade_env,
                                                                                             prefect_harness):
     from fastfill.components.gallery.layouts.catalog import features_key

@@ -229,6 +229,11 @@ class Gallery(ABC):
         nothing to do on one that does not."""
         return None
 
+    def cannot_serve(self, model: ModelRef, task_runner: str = "threads") -> str | None:
+        """Why this gallery, in its layout, cannot be upgraded to ``model`` (its dim known) with the
+        backfill's ``task_runner``; None when it can. Asked before any work (the decider)."""
+        return None
+
 
 class StoredItems:
     """Items tables and an ingested gallery's images kept as objects in the store, one per part

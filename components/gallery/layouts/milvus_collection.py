@@ -44,6 +44,7 @@ from fastfill.components.platform.registry import ModelRef
 TOKEN_ENV = "MILVUS_TOKEN"
 EMBEDDED, MAPPED = "embedded", "mapped"
 METRICS = {"l2": "L2", "cosine": "COSINE"}
+MAX_DIM = 32768  # Milvus's largest float vector
 ROWS_PER_CALL = 5000
 
 
@@ -276,6 +277,19 @@ class MilvusGallery(ServedGallery):
             missing = self.missing_features(self.model)
             if missing:
                 raise GalleryError(f"{missing[0]} (the gallery's model {self.model.uri}). Nothing was written.")
+
+    def cannot_serve(self, model: ModelRef, task_runner: str = "threads") -> str | None:
+        """Milvus holds vectors of up to 32,768 dimensions; a Milvus Lite file is one process's,
+        so a backfill by Dask workers (processes of their own) cannot write it."""
+        if int(model.dim or 0) > MAX_DIM:
+            return (f"{model.uri} embeds into {int(model.dim):,} dimensions; a Milvus float vector holds at most "
+                    f"{MAX_DIM:,}. Keep this gallery in another layout (`fastfill gallery convert --layout lance`)")
+        uri = self.manifest()["index"].get("uri", "")
+        if task_runner == "dask" and not uri.startswith(("http://", "https://", "tcp://", "unix:")):
+            return (f"gallery.upgrade.task_runner is dask, but this gallery's Milvus is the Milvus Lite file {uri}, "
+                    "which one process at a time may open; the Dask workers could not write their chunks. Use "
+                    "task_runner threads, or a Milvus server (gallery.milvus.uri http://host:19530)")
+        return None
 
     def sync_serving(self, manifest: dict | None = None) -> dict:
         from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts

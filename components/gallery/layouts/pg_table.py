@@ -58,6 +58,7 @@ from fastfill.components.platform.registry import ModelRef
 
 URI_ENV = "FASTFILL_PG_URI"
 EMBEDDED, MAPPED = "embedded", "mapped"
+MAX_DIM, MAX_INDEXED_DIM = 16000, 2000  # pgvector 0.6: the vector type; an HNSW or IVFFlat index
 OPERATORS = {"l2": ("<->", "vector_l2_ops"), "cosine": ("<=>", "vector_cosine_ops")}
 ROWS_PER_STATEMENT = 20000
 
@@ -552,6 +553,20 @@ class PgGallery(ServedGallery):
                                    "Nothing was written.")
 
     # ---- serving
+
+    def cannot_serve(self, model: ModelRef, task_runner: str = "threads") -> str | None:
+        """pgvector 0.6 stores vectors of up to 16,000 dimensions and indexes (HNSW, IVFFlat) up to
+        2,000."""
+        dim, ann = int(model.dim or 0), self.manifest()["index"].get("ann", "ivfflat")
+        if dim > MAX_DIM:
+            return (f"{model.uri} embeds into {dim:,} dimensions; pgvector's vector type holds at most {MAX_DIM:,}. "
+                    "Keep this gallery in another layout (`fastfill gallery convert --layout lance`)")
+        if ann != "none" and dim > MAX_INDEXED_DIM:
+            return (f"{model.uri} embeds into {dim:,} dimensions; pgvector's {ann} index takes at most "
+                    f"{MAX_INDEXED_DIM:,}, and this gallery's index ({self.index.where}) was made with ann {ann}. "
+                    "Choose a model of at most 2,000 dimensions, or keep the gallery in another layout "
+                    "(`fastfill gallery convert --layout lance`)")
+        return None
 
     def sync_serving(self, manifest: dict | None = None) -> dict:
         """Make the view serve what ``manifest`` (default: the stored one) says; returns the

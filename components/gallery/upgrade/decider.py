@@ -203,6 +203,16 @@ class UpgradeDecider:
             course.action = PLAN
         return course
 
+    # ---- what the layout can serve
+
+    @staticmethod
+    def layout_refusal(gallery, new: ModelRef, task_runner: str) -> str | None:
+        """Why the gallery's layout cannot take ``new`` (its dim known, the model loaded) with
+        this backfill's task runner, decided before any work; None when it can."""
+        reason = gallery.cannot_serve(new, task_runner)
+        return None if reason is None else (f"{gallery.store.uri} ({gallery.layout} layout) cannot serve {new.uri}: "
+                                            f"{reason}. Nothing was written.")
+
     # ---- the backfill's stop
 
     def advised_stop(self, advice: dict | None, budget) -> dict | None:
