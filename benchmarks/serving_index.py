@@ -94,7 +94,14 @@ def _server_rss() -> int:
 
 
 def _folder_bytes(root: str) -> int:
-    return sum(entry.stat().st_size for entry in Path(root).rglob("*") if entry.is_file())
+    """The bytes of the files under ``root``, each file once (the local store links a verified
+    copy of each object beside it: one inode, counted once)."""
+    seen = {}
+    for entry in Path(root).rglob("*"):
+        if entry.is_file():
+            stat = entry.stat()
+            seen[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return sum(seen.values())
 
 
 def _wal(pg_uri: str) -> int:

@@ -5,17 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 
 from fastfill.components.platform.config import Params
-from fastfill.components.experiment.data import SPLITS
 from fastfill.components.platform.layout import Layout, read_json
 from fastfill.components.platform.runtime import cpu_kernels_level, kernels_in_effect, use_threads
 from fastfill.tasks.tracking import close_run, open_pipeline_run, open_stage_run, reopen_run
-
-
-def split_files(layout: Layout) -> list[Path]:
-    return sorted(p for name in SPLITS for p in layout.splits.glob(f"{name}_*.npy"))
 
 
 def registered_version(layout: Layout, output: str) -> str:

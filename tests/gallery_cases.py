@@ -112,7 +112,10 @@ def store_roundtrip_listing_and_create_only(store_uri, models, data, layout=None
         store.get("b/none")
     store.delete("b/raw.bin")
     assert not store.exists("b/raw.bin")
-    assert store.delete_prefix("a/") == 2 and store.list("a/") == []
+    assert len(store.list("a/")) == 2
+    for key in store.list("a/"):
+        store.delete(key)
+    assert store.list("a/") == []
 
 
 def _tamper(store_uri: str, key: str, data: bytes) -> None:
@@ -632,7 +635,6 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     """A team's own table (text ids, URIs, its vector column, an index of its own or none) is
     adopted without copying a vector: the store gets the items; the view serves the team's column,
     and an upgrade adds the new model's column beside it."""
-    import pyarrow as pa
     from psycopg import sql
 
     from fastfill.components.gallery.layouts.pg_table import Index, adopt_table, index_settings

@@ -8,7 +8,7 @@ import pytest
 from fastfill.components.evaluation import curve_at_counts
 from fastfill.components.gallery.upgrade import garbage
 from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery, ingest
-from fastfill.components.gallery.upgrade.measure import BackfillMeter, restricted_order
+from fastfill.components.gallery.upgrade.measure import BackfillMeter
 from fastfill.components.gallery.store import (
     open_store,
 )
@@ -78,7 +78,9 @@ def test_meter_equals_the_simulated_curve_at_the_same_counts():
         stop = min(start + chunk, n)
         meter.land(start, stop, new[order[start:stop]])
         measured[stop] = meter.measure(stop)
-    local = restricted_order(order, positions)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    local = np.argsort(rank[positions], kind="stable")  # the sample's order within the full order
     counts = [int(np.isin(order[:p], positions).sum()) for p in measured]
     curve = curve_at_counts(new[positions], new[positions], transformed[positions], labels[positions], local, counts)
     for i, p in enumerate(measured):

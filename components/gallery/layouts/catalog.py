@@ -373,16 +373,6 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
     return out, []
 
 
-def gather_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IMAGE_CACHE) -> np.ndarray:
-    """The images of items at ``positions``; a GalleryError if any cannot be read."""
-    images, failures = fetch_images(gallery, positions, cache)
-    if failures:
-        first = failures[0]
-        raise GalleryError(f"{len(failures)} of {len(positions)} images could not be read (first: {first.uri}: "
-                           f"{first.reason})")
-    return images
-
-
 def rows_at(gallery: Gallery, positions: np.ndarray, key_of_part) -> np.ndarray:
     """Rows at ``positions`` of a per-part array (``key_of_part(part)`` is its key), reading only
     the parts they fall in, one at a time: memory grows with the rows asked for, not the gallery."""

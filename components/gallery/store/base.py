@@ -204,12 +204,6 @@ class Store(ABC):
         except (pa.ArrowInvalid, OSError) as error:
             raise StoreError(f"{self.describe(key)} is not a readable parquet table: {error}") from None
 
-    def delete_prefix(self, prefix: str) -> int:
-        keys = self.list(prefix)
-        for key in keys:
-            self.delete(key)
-        return len(keys)
-
 
 def json_bytes(value: object) -> bytes:
     return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()

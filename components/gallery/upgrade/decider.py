@@ -45,8 +45,8 @@ ENDED, UP_TO_DATE, REFUSE, RESUME, PLAN = "ended", "up-to-date", "refuse", "resu
 
 
 class StoreView(Protocol):
-    """What the decider reads from the gallery's store (``components.gallery.store_view`` reads
-    it from a real store; the unit tests give a table)."""
+    """What the decider reads from the gallery's store (``GalleryView``, below, reads it from a
+    real store; the unit tests give a table)."""
 
     model: ModelRef  # the model whose features the gallery serves
     current: str | None  # the manifest's upgrade in progress
@@ -293,10 +293,9 @@ class GalleryView:
         self.model = ModelRef.from_dict(manifest["model"])
         self.current = manifest.get("upgrade")
         self.num_items = gallery.num_items
-        self.has_labels = gallery.labels() is not None
+        self.has_labels = bool(manifest.get("has_labels"))  # the manifest says; no label is read
 
     def planned_new(self, upgrade: str) -> ModelRef | None:
-
         plan = load_plan(self.gallery.store, upgrade)
         return plan.new if plan is not None else None
 

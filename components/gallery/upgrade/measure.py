@@ -16,13 +16,6 @@ from fastfill.components.gallery.upgrade.backfill import chunk_features, transfo
 from fastfill.components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
 
-def restricted_order(order: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """The order of the sample's items (as indices into ``positions``) within the full order."""
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    return np.argsort(rank[positions], kind="stable")
-
-
 class BackfillMeter:
     def __init__(self, positions: np.ndarray, labels: np.ndarray, queries: np.ndarray, transformed: np.ndarray,
                  order: np.ndarray, distance: str = "l2", ranks: np.ndarray | None = None):
