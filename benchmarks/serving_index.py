@@ -113,6 +113,18 @@ def _wal(pg_uri: str) -> int:
 
 def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str,
                ann: str = "ivfflat") -> dict:
+    """One layout's run in a store of its own under the temporary folder, removed at the end."""
+    import shutil
+
+    root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
+    try:
+        return _run_layout(root, layout, items, old_dim, new_dim, chunk, queries, pg_uri, ann)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int,
+                pg_uri: str, ann: str) -> dict:
     import pyarrow as pa
 
     from fastfill.components.gallery.inputs.adopt import adopt
@@ -127,7 +139,6 @@ def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, 
     data = _data(items, old_dim, new_dim)
     qs = data["queries"][:queries]
     old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
-    root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
     store = open_store(root)
     config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann},
                            milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"})
