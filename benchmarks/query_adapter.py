@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-import numpy as np  # noqa: E402
 
 from fastfill.components.platform.config import load_params  # noqa: E402
 

@@ -16,7 +16,6 @@ map_auc is printed and written down; nothing in params.yaml is edited.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time

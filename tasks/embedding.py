@@ -7,7 +7,7 @@ import numpy as np
 from prefect import task
 
 from fastfill.components.model_store import registered
-from fastfill.components.gallery.layouts.catalog import Gallery, check_features, rows_at
+from fastfill.components.gallery.layouts.catalog import check_features, rows_at
 from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE
 from fastfill.components.gallery.upgrade.pairs import TARGETS_LABELS, MapPairs, from_gallery
 from fastfill.components.gallery.upgrade.planning import source_key

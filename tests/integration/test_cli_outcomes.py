@@ -281,7 +281,7 @@ def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor
         prefect.set_flow_run_state(run.id, Cancelled(message="Deployment concurrency slot lost"), force=True)
     result, _ = _run(["status", *args], prefect_env, tmp_path)
     trigger = next(line for line in result.stdout.splitlines() if line.startswith("trigger"))
-    assert f"claimed by registry-watcher on " in trigger and f"its flow run {run.id} ended cancelled" in trigger, trigger
+    assert "claimed by registry-watcher on " in trigger and f"its flow run {run.id} ended cancelled" in trigger, trigger
     assert "the next registry check starts it again" in trigger
     release(open_store(uri), "embedder", new_version)
 
