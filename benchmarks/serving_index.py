@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,20 +112,10 @@ def _wal(pg_uri: str) -> int:
         return int(connection.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
 
 
-def run_layout(layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int, pg_uri: str,
-               ann: str = "ivfflat") -> dict:
-    """One layout's run in a store of its own under the temporary folder, removed at the end."""
-    import shutil
-
-    root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
-    try:
-        return _run_layout(root, layout, items, old_dim, new_dim, chunk, queries, pg_uri, ann)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int,
-                pg_uri: str, ann: str) -> dict:
+def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int,
+               pg_uri: str, ann: str) -> dict:
+    """One layout's run in a store of its own at ``root`` (the parent removes it once this process
+    has ended: Milvus Lite writes its file as the process exits)."""
     import pyarrow as pa
 
     from fastfill.components.gallery.inputs.adopt import adopt
@@ -205,23 +196,28 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=10000)
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--worker", choices=LAYOUTS)
+    parser.add_argument("--root", help="(a worker's) its store's folder")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which, comma-separated (parts first)")
     parser.add_argument("--pg-uri", default="")
     parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="ivfflat", help="gallery.pgvector.ann")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(run_layout(args.worker, args.items, args.old_dim, args.new_dim, args.chunk, args.queries,
-                                    args.pg_uri, args.ann)))
+        print(json.dumps(run_layout(args.root, args.worker, args.items, args.old_dim, args.new_dim, args.chunk,
+                                    args.queries, args.pg_uri, args.ann)))
         return
     from testkit.local_postgres import start_postgres
 
     uri = start_postgres("serving-pg-")  # stopped when this process ends, killed or not
     results = {}
     for layout in args.layouts.split(","):
-        command = [sys.executable, __file__, "--worker", layout, "--items", str(args.items), "--old-dim",
+        root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
+        command = [sys.executable, __file__, "--worker", layout, "--root", root, "--items", str(args.items), "--old-dim",
                    str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
                    str(args.queries), "--pg-uri", uri, "--ann", args.ann]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
         if done.returncode:
             raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
         results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -234,7 +230,8 @@ def report(results: dict, args) -> None:
     parts = results["parts"]
     lines = [f"# The upgrade served from each layout's index: {args.items:,} rows, {args.old_dim}-d -> "
              f"{args.new_dim}-d, chunks of {args.chunk:,}", "",
-             f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --ann {args.ann}` on "
+             f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --queries {args.queries} "
+             f"--layouts {args.layouts} --ann {args.ann}` on "
              f"{os.cpu_count()} cores, each layout in a process of its own, one after the other. Lance: the serving "
              "table, IVF_FLAT (partitions = sqrt(rows), nprobes 20). pgvector: PostgreSQL 16.2 + pgvector 0.6.2 "
              "(pgserver), Unix socket; " + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
