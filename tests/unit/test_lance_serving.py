@@ -2,9 +2,13 @@
 upgrades on galleries too small to index): built at the switch, a chunk's rows searched exactly
 beside it, rebuilt over one compacted fragment at the finish."""
 
+import os
+
 import numpy as np
+import pytest
 
 from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
+from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.platform.registry import ModelRef
 
 N, DIM = 3000, 16
@@ -47,3 +51,17 @@ def test_the_index_is_built_at_the_switch_and_a_chunk_is_searched_beside_it(tmp_
     assert table.dataset().has_index
     again, _, _, _ = table.search(queries, 1, MODEL.uri)
     assert again == got
+
+
+def test_a_damaged_serving_table_is_named_in_one_line(tmp_path):
+    rng = np.random.default_rng(4)
+    table = ServingTable(str(tmp_path), {"ann": "none"})
+    vectors = rng.normal(size=(500, DIM)).astype(np.float32)
+    table.write(MODEL, None, np.arange(500), [(np.arange(500), vectors, [EMBEDDED] * 500, np.full(500, -1))])
+    data = tmp_path / "serving.lance" / "data"
+    (victim,) = list(data.iterdir())
+    with open(victim, "r+b") as handle:
+        handle.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(DamagedObject, match=r"serving.lance: the serving table cannot be read \(.*\); restore it") as raised:
+        table.search(vectors[:2], 3, MODEL.uri)
+    assert "\n" not in str(raised.value)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pyarrow as pa
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.platform.registry import ModelRef
 
@@ -121,6 +123,16 @@ class ServingTable:
     def close(self) -> None:
         """Nothing held open (a Lance dataset is files)."""
 
+    @contextmanager
+    def reading(self):
+        """A read of the table whose file Lance cannot read is named (DamagedObject, one line)."""
+        try:
+            yield
+        except (OSError, ValueError) as error:  # pyarrow.ArrowInvalid is a ValueError
+            raise DamagedObject(f"{self.uri}: the serving table cannot be read ({' '.join(str(error).split())[:300]}); "
+                                "restore it from a copy, or delete it: the next switch (`fastfill upgrade` of a new "
+                                "version) writes it again from gallery.lance") from None
+
     # ---- writing
 
     def write(self, model: ModelRef, upgrade: str | None, ids: np.ndarray, parts) -> None:
@@ -190,7 +202,8 @@ class ServingTable:
         serving = None if dataset is None else self._serving_of(dataset)
         if serving is None or serving["upgrade"] != upgrade:
             return set()
-        chunks = dataset.to_table(columns=["chunk"], filter="chunk >= 0").column("chunk").to_numpy()
+        with self.reading():
+            chunks = dataset.to_table(columns=["chunk"], filter="chunk >= 0").column("chunk").to_numpy()
         return {int(c) for c in np.unique(chunks)}
 
     def serve_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, ids: np.ndarray, features: np.ndarray,
@@ -203,8 +216,9 @@ class ServingTable:
             raise GalleryError(f"{self.uri} does not serve upgrade {upgrade} (it serves "
                                f"{serving and serving['model']}, upgrade {serving and serving['upgrade']}); run "
                                "`fastfill upgrade` again: it switches the table first")
-        if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
-            return
+        with self.reading():
+            if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
+                return
         positions = np.asarray(positions, dtype=np.int64)
         model = ModelRef.from_dict(json.loads(dataset.schema.metadata[MODEL_KEY.encode()]))
         schema = dataset.schema
@@ -219,21 +233,13 @@ class ServingTable:
 
     # ---- reading
 
-    def rows_of(self, model: ModelRef) -> np.ndarray | None:
-        """The newest version's vectors in position order when it holds ``model``'s space."""
-        dataset = self.dataset()
-        serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or serving["model"] != model.uri:
-            return None
-        data = dataset.to_table(columns=["position", "embedding"])
-        order = np.argsort(data.column("position").to_numpy(), kind="stable")
-        vectors = data.column("embedding").combine_chunks().flatten().to_numpy().reshape(len(order), -1)
-        return vectors[order]
-
     def embedded_count(self) -> int:
         """Rows whose vector the serving model embedded (the rest: h(old))."""
         dataset = self.dataset()
-        return 0 if dataset is None else dataset.count_rows(filter=f"source = '{EMBEDDED}'")
+        if dataset is None:
+            return 0
+        with self.reading():
+            return dataset.count_rows(filter=f"source = '{EMBEDDED}'")
 
     def product_distances(self, distances: list) -> np.ndarray:
         """Lance's distances are the product's already: squared L2, or 1 - cosine."""
@@ -251,8 +257,9 @@ class ServingTable:
             return [[] for _ in queries], [[] for _ in queries], [set() for _ in queries], [[] for _ in queries]
         nearest = {"column": "embedding", "q": queries if len(queries) > 1 else queries[0], "k": int(k),
                    "metric": self.metric, "nprobes": int(self.settings.get("nprobes") or 20)}
-        data = dataset.to_table(nearest=nearest, columns=["id", "model", "source", "_distance"]
-                                + (["query_index"] if len(queries) > 1 else []))
+        with self.reading():
+            data = dataset.to_table(nearest=nearest, columns=["id", "model", "source", "_distance"]
+                                    + (["query_index"] if len(queries) > 1 else []))
         which = data.column("query_index").to_numpy() if len(queries) > 1 else np.zeros(data.num_rows, np.int64)
         distance = data.column("_distance").to_numpy()
         ids, models, sources = data.column("id").to_pylist(), data.column("model").to_pylist(), \
