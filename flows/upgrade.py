@@ -71,12 +71,13 @@ def upgrade_flow(params: Params | None = None, store_uri: str | None = None, to_
     client, experiment = registry.setup(params.mlflow)  # the run's one registry client
     decider = UpgradeDecider(gallery.store.uri, name, params.promotion.gate if gate is None else gate,
                              config.judgments, config.stop_when_gain_below)
-    wanted = decider.target(registry.asked_version(client, name, to_uri), GalleryView(gallery))
+    view = GalleryView(gallery)
+    wanted = decider.target(registry.asked_version(client, name, to_uri), view)
     if wanted is None:
-        return _said(decider.no_target(GalleryView(gallery), registry.alias_version(client, name, CHAMPION)))
+        return _said(decider.no_target(view, registry.alias_version(client, name, CHAMPION)))
     with acquire_lock(gallery.store, planning.upgrade_id(gallery.model, wanted), break_lock=break_lock, log=log,
                       lease_seconds=config.lease_seconds):  # released last, after every ending
-        course = decider.course(GalleryView(gallery), wanted)
+        course = decider.course(GalleryView(gallery), wanted)  # again under the lock: another run may have moved it
         ended = _complete_first(client, gallery, course)
         if course.action == ENDED:
             return _outcome(ended, gallery.store.uri, wanted.uri)

@@ -353,6 +353,30 @@ def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings
         {k: v for k, v in before.items() if k != "gallery.json"}
 
 
+def test_a_second_upgrade_at_once_is_refused_on_every_layout(layout, upgrade_env, prefect_harness):
+    """While another upgrade holds the gallery's lock (in the store, on every layout), an upgrade
+    is refused before it plans, writes or moves the index; once the lock is gone it runs."""
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    params = in_layout(params, tmp_path, layout)
+    registry_models(params)
+    uri = str(tmp_path / "gallery")
+    ingest_flow(params, uri)
+    store = open_store(uri)
+    held = locking.acquire_lock(store, "another-upgrade", log=lambda m: None)
+    before = {key: store.get(key) for key in store.list("")}
+    serving = gallery_at(store).index.serving()["model"] if gallery_at(store).serves_queries else None
+    with pytest.raises(locking.UpgradeLocked, match="is being upgraded: upgrade another-upgrade by process"):
+        upgrade_flow(params, uri, budget=0.3)
+    assert {key: store.get(key) for key in store.list("")} == before
+    if serving is not None:
+        assert gallery_at(store).index.serving()["model"] == serving
+    held.release()
+    assert upgrade_flow(params, uri, budget=0.3)["state"] == "paused"
+
+
 def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
