@@ -521,6 +521,9 @@ class PgvectorConfig(Section):
                                    "a team's service sets hnsw.ef_search itself)")
     ivfflat_lists: PositiveInt | None = Field(default=None, description="IVFFlat: lists; null = sqrt(rows)")
     ivfflat_probes: PositiveInt = Field(default=10, description="IVFFlat: lists searched per query")
+    index_memory: Annotated[str, Field(pattern=r"^[1-9][0-9]*\s*(kB|MB|GB)$")] = Field(
+        default="1GB", description="maintenance_work_mem while an ANN index is built (IVFFlat on 1,000,000 "
+        "256-d rows needs 221 MB, more than PostgreSQL's 64 MB default)")
 
 
 class MilvusConfig(Section):

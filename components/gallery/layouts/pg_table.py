@@ -143,7 +143,8 @@ def index_settings(config, distance: str, store_uri: str = "") -> dict:
             "view": _identifier(config.view or f"{table}_serving", "gallery.pgvector.view"),
             "distance": distance, "ann": config.ann, "hnsw_m": config.hnsw_m,
             "hnsw_ef_construction": config.hnsw_ef_construction, "ef_search": config.ef_search,
-            "ivfflat_lists": config.ivfflat_lists, "ivfflat_probes": config.ivfflat_probes, "columns": {}}
+            "ivfflat_lists": config.ivfflat_lists, "ivfflat_probes": config.ivfflat_probes,
+            "index_memory": config.index_memory, "columns": {}}
 
 
 class Index:
@@ -371,9 +372,19 @@ class Index:
             else:
                 lists = self.settings.get("ivfflat_lists") or max(1, int(self.count(place.table) ** 0.5))
                 options = sql.SQL("WITH (lists = {})").format(sql.Literal(int(lists)))
-            self.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) {options}").format(
-                name=sql.Identifier(name), t=sql.Identifier(place.table), kind=sql.SQL(kind),
-                c=sql.Identifier(place.column), ops=sql.SQL(self.opclass), options=options))
+            memory = self.settings.get("index_memory") or "1GB"
+            try:
+                with self.transaction() as connection:  # the build's memory, for this statement only
+                    connection.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(memory)))
+                    connection.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) "
+                                               "{options}").format(
+                        name=sql.Identifier(name), t=sql.Identifier(place.table), kind=sql.SQL(kind),
+                        c=sql.Identifier(place.column), ops=sql.SQL(self.opclass), options=options))
+            except IndexError_ as error:
+                if "maintenance_work_mem" in str(error):
+                    raise IndexError_(f"{error}; raise gallery.pgvector.index_memory (now {memory}) to what it "
+                                      "says is required, or lower gallery.pgvector.ivfflat_lists") from None
+                raise
         self.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(place.table)))
 
     def ann_indexed(self, place: Place) -> bool:
