@@ -232,11 +232,14 @@ def report(results: dict, args) -> None:
              f"{args.new_dim}-d, chunks of {args.chunk:,}", "",
              f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --queries {args.queries} "
              f"--layouts {args.layouts} --ann {args.ann}` on "
-             f"{os.cpu_count()} cores, each layout in a process of its own, one after the other. Lance: the serving "
-             "table, IVF_FLAT (partitions = sqrt(rows), nprobes 20). pgvector: PostgreSQL 16.2 + pgvector 0.6.2 "
-             "(pgserver), Unix socket; " + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
-                                            else "IVFFlat, lists = sqrt(rows), probes = 10.")
-             + " Milvus: Milvus Lite, HNSW m=16, ef_construction=64, ef=100.", "",
+             f"{os.cpu_count()} cores, each layout in a process of its own, one after the other. "
+             + " ".join(text for layout, text in (
+                 ("lance", "Lance: the serving table, IVF_FLAT (partitions = sqrt(rows), nprobes 20)."),
+                 ("pgvector", "pgvector: PostgreSQL 16.2 + pgvector 0.6.2 (pgserver), Unix socket; "
+                  + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
+                     else "IVFFlat, lists = sqrt(rows), probes = 10.")),
+                 ("milvus", "Milvus: Milvus Lite, HNSW m=16, ef_construction=64, ef=100."))
+                 if layout in layouts), "",
              "| step (s) | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
     for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish"):
         cells = []
