@@ -72,6 +72,11 @@ def test_convert_moves_a_gallery_into_the_table_in_place_and_gc_removes_the_part
     np.testing.assert_array_equal(again.all_features(OLD), features)
     with pytest.raises(GalleryError, match="already holds a gallery"):
         convert(moved, str(tmp_path / "parts-again"), "parts")
+    convert(moved, None, "parts")  # back in place: the tables stay until gc
+    assert moved.store.list("gallery.lance/") and moved.store.list("serving.lance/")
+    assert garbage.collect_garbage(gallery_at(open_store(uri)))["features"] == 2
+    assert moved.store.list("gallery.lance/") == moved.store.list("serving.lance/") == []
+    np.testing.assert_array_equal(gallery_at(open_store(uri)).all_features(OLD), features)
 
 
 def test_convert_is_refused_during_an_upgrade(tmp_path, models, data):

@@ -3,7 +3,9 @@ of ended upgrades."""
 
 from __future__ import annotations
 
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryError
+from fastfill.components.gallery.layouts.lance_serving import SERVING_TABLE
+from fastfill.components.gallery.layouts.table import TABLE
 from fastfill.components.gallery.upgrade.planning import DECISION, ENDINGS, upgrade_key
 from fastfill.components.gallery.upgrade.reversal import ABORTED, ROLLED_BACK
 
@@ -17,6 +19,12 @@ def collect_garbage(gallery: Gallery) -> dict:
         raise GalleryError(f"upgrade {manifest['upgrade']} is in progress; finish it (or drop it with `fastfill "
                            "upgrade abort`) before collecting garbage (its queries still use the old features)")
     deleted = {"features": gallery.collect_features(), "upgrade_objects": 0}
+    if gallery.layout != LANCE:  # a convert out of the lance layout left its tables (one each counted)
+        for prefix in (f"{TABLE}/", f"{SERVING_TABLE}.lance/"):
+            keys = gallery.store.list(prefix)
+            for key in keys:
+                gallery.store.delete(key)
+            deleted["features"] += bool(keys)
     ended = (*ENDINGS, ABORTED)
     for key in gallery.store.list("upgrades/"):
         parts = key.split("/")
