@@ -31,7 +31,6 @@ its metadata and its rows are always of the same version, one space.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
@@ -50,14 +49,6 @@ SINCE_KEY = "fastfill.since"
 EMBEDDED, MAPPED = "embedded", "mapped"
 METRICS = {"l2": "l2", "cosine": "cosine"}
 INDEX_TYPES = {"ivf_flat": "IVF_FLAT", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
-
-
-def serving_uri(store_uri: str) -> str:
-    """``<store>/serving.lance``: the table a reader opens as ``serving`` of ``lancedb.connect(store)``."""
-    text = str(store_uri).removeprefix("file://").rstrip("/")
-    if text.startswith("s3://"):
-        return f"{text}/{SERVING_TABLE}.lance"
-    return os.path.join(os.path.abspath(text), f"{SERVING_TABLE}.lance")
 
 
 def lance_settings(config, distance: str, store_uri: str = "") -> dict:
@@ -83,10 +74,10 @@ class ServingTable:
     """``<store>/serving.lance`` (see the module's docstring)."""
 
     def __init__(self, store_uri: str, settings: dict | None = None):
-        from fastfill.components.gallery.layouts.table import storage_options  # late: table.py imports this module
+        from fastfill.components.gallery.layouts.table import storage_options, table_uri  # late: table.py imports this module
 
         self.settings = {**DEFAULTS, **(settings or {})}
-        self.uri = serving_uri(store_uri)
+        self.uri = table_uri(store_uri, f"{SERVING_TABLE}.lance")  # what lancedb.connect(store) opens as `serving`
         self.options = storage_options(store_uri)
         self.where = self.uri
         self.view = SERVING_TABLE  # the LanceDB table's name in the store

@@ -226,7 +226,6 @@ class MilvusGallery(ServedGallery):
 
     layout = MILVUS
 
-
     @property
     def index(self) -> Collections:
         settings = self.manifest()["index"]

@@ -472,7 +472,6 @@ class PgGallery(ServedGallery):
 
     layout = PGVECTOR
 
-
     @property
     def index(self) -> Index:
         settings = self.manifest()["index"]

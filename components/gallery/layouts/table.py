@@ -41,6 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryError, check_features
+from fastfill.components.gallery.layouts.item_ids import id_array
+from fastfill.components.gallery.layouts.lance_serving import DEFAULTS as SERVING_DEFAULTS
 from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
 from fastfill.components.platform.registry import ModelRef
@@ -54,12 +56,13 @@ ITEM_COLUMNS = ("id", "image", "label", "group", "weight")
 ROWS_PER_WRITE = 65536
 
 
-def table_uri(store_uri: str) -> str:
-    """Where the table of the store ``store_uri`` lives: ``<store>/gallery.lance``."""
+def table_uri(store_uri: str, name: str = TABLE) -> str:
+    """Where the Lance table ``name`` of the store ``store_uri`` lives: ``<store>/gallery.lance``
+    by default."""
     text = str(store_uri).removeprefix("file://").rstrip("/")
     if text.startswith("s3://"):
-        return f"{text}/{TABLE}"
-    return os.path.join(os.path.abspath(text), TABLE)
+        return f"{text}/{name}"
+    return os.path.join(os.path.abspath(text), name)
 
 
 def storage_options(store_uri: str) -> dict | None:
@@ -156,14 +159,15 @@ class TableGallery(Gallery):
         self.table_uri = table_uri(store.uri)
         self._dataset = None
         self._index: ServingTable | None = None
+        self._index_settings: dict | None = None  # the manifest's, that self._index was made with
         self._ids: np.ndarray | None = None
 
     @property
     def index(self) -> ServingTable:
         """The serving table, with the manifest's settings (a gallery made before it: the defaults)."""
         settings = self.manifest().get("index") or {}
-        if self._index is None or self._index.settings != {**self._index.settings, **settings}:
-            self._index = ServingTable(self.store.uri, settings)
+        if self._index is None or self._index_settings != settings:
+            self._index, self._index_settings = ServingTable(self.store.uri, settings), settings
         return self._index
 
     def ids(self) -> np.ndarray:
@@ -544,10 +548,8 @@ class TableWriter:
                 vectors = batch.column(name).flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
                 yield positions, vectors, [EMBEDDED] * len(positions), np.full(len(positions), -1)
 
-        ids = dataset.to_table(columns=["id"]).column("id")
-        ids = np.array(ids.to_pylist(), dtype=object) if pa.types.is_string(ids.type) or pa.types.is_large_string(
-            ids.type) else ids.to_numpy()
+        ids = id_array(dataset.to_table(columns=["id"]).column("id"))
         ServingTable(self.store.uri, self.settings).write(model, None, ids, parts())
 
     def manifest_fields(self) -> dict:
-        return {"index": {**ServingTable(self.store.uri, self.settings).settings}}
+        return {"index": {**SERVING_DEFAULTS, **(self.settings or {})}}
