@@ -166,7 +166,7 @@ def main() -> None:
     from fastfill.components.platform.config import parse_params
     from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
     from fastfill.components.experiment.inference import embed
-    from fastfill.flows.upgrade import _backfill
+    from fastfill.flows.upgrade import backfill_plan
 
     images, source = _images(args.items)
     params, old, new, h = _models()
@@ -208,7 +208,7 @@ def main() -> None:
 
     @flow(name="benchmark-backfill")
     def run_backfill(run_params, gallery, uri, plan, model):
-        return _backfill(run_params, gallery, uri, plan, model, None)
+        return backfill_plan(run_params, gallery, plan, model)
 
     def bare() -> float:
         start = time.perf_counter()
@@ -230,7 +230,7 @@ def main() -> None:
         start = time.perf_counter()
         result = runner(run_params, gallery, uri, plan, new)
         seconds = time.perf_counter() - start
-        assert result["complete"], result
+        assert result.complete, result
         if args.store == "local":
             shutil.rmtree(uri, ignore_errors=True)
         return len(images) / seconds

@@ -70,7 +70,7 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from fastfill.components.gallery.upgrade.garbage import collect_garbage
     from fastfill.components.platform.config import load_params, parse_params
     from fastfill.components.platform.registry import ModelRef
-    from fastfill.flows.upgrade import _backfill
+    from fastfill.flows.upgrade import backfill_plan
 
     params = load_params(ROOT / "params.yaml")
     torch.manual_seed(0)
@@ -104,11 +104,11 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
 
     @flow(name="benchmark-upgrade")
     def backfill():
-        return _backfill(run_params, gallery, store_uri, plan, new_model, None)
+        return backfill_plan(run_params, gallery, plan, new_model)
 
     started = time.perf_counter()
     result = backfill.with_options(task_runner=ThreadPoolTaskRunner(max_workers=concurrency + 1))()
-    assert result["complete"] and result["failed_images"] == 0, result
+    assert result.complete and result.failed_images == 0, result
     times["backfill"] = time.perf_counter() - started
 
     started = time.perf_counter()

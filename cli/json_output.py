@@ -25,6 +25,8 @@ from typing import Annotated
 
 import typer
 
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+
 JsonOption = Annotated[bool, typer.Option("--json", help="answer with one JSON document on stdout (docs/json.md)")]
 
 ERROR_SCHEMA = "fastfill.error/1"
@@ -144,18 +146,13 @@ def number(text) -> int | None:
 
 # upgrade: the run, its dry run; status, unlock, abort
 
-UPGRADE_FIELDS = ("state", "message", "model", "upgrade", "chunks_done", "chunks", "items_done", "items", "fraction",
-                  "complete", "failed_images", "stopped", "mlflow_run_id", "advice", "promotion", "resumed_ending",
-                  "decided")
-
-
-def upgrade_document(store: str, result: dict, seconds: float) -> tuple[str, dict]:
+def upgrade_document(store: str, result: UpgradeResult, seconds: float) -> tuple[str, dict]:
     """`fastfill upgrade`: the run's result (components/gallery/upgrade/outcome.py
     ``UpgradeResult``), every field present (null where this run has none)."""
-    fields = {"store": store, **{key: result.get(key) for key in UPGRADE_FIELDS}, "seconds": round(seconds, 3)}
-    if fields["state"] == "up-to-date" and not fields["message"]:  # what the text line says
-        fields["message"] = f"the gallery is already built with {fields['model']}; nothing to upgrade"
-    return "fastfill.upgrade/1", fields
+    fields = {"store": store, **result.as_dict(), "seconds": round(seconds, 3)}
+    if result.state == "up-to-date" and not result.message:  # what the text line says
+        fields["message"] = f"the gallery is already built with {result.model}; nothing to upgrade"
+    return "fastfill.upgrade/2", fields
 
 
 def dry_run_document(plan: dict) -> tuple[str, dict]:

@@ -16,6 +16,14 @@ from fastfill.cli.command_support import (
 from fastfill.cli.gallery_commands import run_undo, show_status
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
+from fastfill.components.gallery.advice.advisor import describe
+from fastfill.components.gallery.store.lock import break_lock
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.reversal import abortable
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import ConfigError
+from fastfill.components.platform.progress import forced_mode
+from fastfill.flows.parameters import apply_overrides
 
 upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
                                "or see its state (fastfill upgrade status).")
@@ -48,9 +56,6 @@ def upgrade_overrides(given: dict) -> dict:
 def _with_upgrade(config, overrides: dict):
     """params with the command's gallery.upgrade options applied, checked as params.yaml is
     (one line per bad value, naming its key and the option that set it)."""
-    from fastfill.components.platform.config import ConfigError
-    from fastfill.flows.parameters import apply_overrides
-
     try:
         return apply_overrides(config, overrides, "the command's options")
     except ConfigError as error:
@@ -135,8 +140,6 @@ def _describe_dry_run(plan: dict) -> str:
     ]
     advice = plan.get("advice") or {}
     if "top1" in advice:
-        from fastfill.components.gallery.advice.advisor import describe
-
         lines += ["  " + line for line in describe(advice)]
     elif advice.get("note"):
         lines.append(f"  budget advisor: {advice['note']}")
@@ -205,8 +208,6 @@ def upgrade(ctx: typer.Context,
     # the flow run reads params.yaml itself, with the options as overrides: small, readable parameters
     overrides = upgrade_overrides(ctx.params)
     config = _with_upgrade(load(params), overrides)
-    from fastfill.components.platform.progress import forced_mode
-
     target = _parse_target(target_top1)
     if target is not None and not dry_run:
         fail("--target-top1 goes with --dry-run: it compares the ways to a target before anything is written", USAGE)
@@ -229,36 +230,38 @@ def upgrade(ctx: typer.Context,
         bar.finish(result)
     if as_json:  # the same outcome and exit code, as one document
         answer(*json_output.upgrade_document(uri, result, time.perf_counter() - start))
-        if result["state"] == "rejected":
-            raise typer.Exit(REJECTED)
-        return
-    if result["state"] == "up-to-date":
-        typer.echo(f"up-to-date: {result['message']}" if result.get("message") else
-                   f"up-to-date: the gallery is already built with {result['model']}; nothing to upgrade")
-        return
-    typer.echo(f"{result['state']}: {result['items_done']} of {result['items']} "
-               f"items backfilled ({100 * result['fraction']:.1f}%) in {time.perf_counter() - start:.0f} s; "
-               f"MLflow run {result['mlflow_run_id']}")
-    advised = (result.get("advice") or {}).get("recommendation")
+    else:
+        typer.echo(_describe_result(result, time.perf_counter() - start))
+    if result.state == "rejected":
+        raise typer.Exit(REJECTED)
+
+
+def _describe_result(result: UpgradeResult, seconds: float) -> str:
+    """The run's outcome in lines: the state and counts, the advisor's stop, the gate's decision."""
+    if result.state == "up-to-date":
+        return (f"up-to-date: {result.message}" if result.message else
+                f"up-to-date: the gallery is already built with {result.model}; nothing to upgrade")
+    lines = [f"{result.state}: {result.items_done} of {result.items} items backfilled "
+             f"({100 * result.fraction:.1f}%) in {seconds:.0f} s; MLflow run {result.mlflow_run_id}"]
+    advised = result.advice.recommendation if result.advice else None
     if advised:
         metric = "top-1" if advised.get("metric", "top1") == "top1" else "agreement"
         value = advised["top1" if metric == "top-1" else "agreement"]
         full = advised["top1_full" if metric == "top-1" else "agreement_full"]
-        typer.echo(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per 5% is "
-                   f"{100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}%, {100 * full:.2f}% at 100%)"
-                   + ("; stopped there: the same command stays there, a --budget goes on"
-                      if result.get("stopped") == "recommended" else ""))
-    if "promotion" in result:
-        numbers, decision = result["promotion"]["numbers"], result["promotion"]
+        lines.append(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per "
+                     f"5% is {100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}%, "
+                     f"{100 * full:.2f}% at 100%)"
+                     + ("; stopped there: the same command stays there, a --budget goes on"
+                        if result.stopped == "recommended" else ""))
+    if result.promotion is not None:
+        numbers, decision = result.promotion.numbers or {}, result.promotion
         reached = numbers["fraction_to_gain"]
-        typer.echo(f"promotion gate: {'passed, champion moved' if decision['passed'] else 'REJECTED'}: champion top-1 "
-                   f"{100 * numbers['champion_top1']:.2f}%, challenger mean top-1 along the backfill "
-                   f"{100 * numbers['top1_auc']:.2f}%, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
-                   f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
-        for reason in decision["reasons"]:
-            typer.echo(f"  - {reason}")
-    if result["state"] == "rejected":
-        raise typer.Exit(REJECTED)
+        lines.append(f"promotion gate: {'passed, champion moved' if decision.passed else 'REJECTED'}: champion top-1 "
+                     f"{100 * numbers['champion_top1']:.2f}%, challenger mean top-1 along the backfill "
+                     f"{100 * numbers['top1_auc']:.2f}%, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                     f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
+        lines += [f"  - {reason}" for reason in decision.reasons]
+    return "\n".join(lines)
 
 
 @upgrade_app.command("status", short_help="The upgrade's state and progress (JSON).")
@@ -275,8 +278,6 @@ def upgrade_unlock(store: StoreOption = None, as_json: JsonOption = False,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Break a stale upgrade lock (its process is gone); the next 'fastfill upgrade' resumes."""
     config = load(params)
-    from fastfill.components.gallery.store.lock import break_lock
-
     from fastfill.tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
@@ -295,8 +296,6 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    from fastfill.components.gallery.upgrade.reversal import abortable
-
     uri, record = run_undo("abort_flow", store, params, abortable)
     if as_json:
         return answer(*json_output.undo_document("upgrade.abort", uri, record))
@@ -310,7 +309,6 @@ def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: floa
     """What ``fastfill upgrade --dry-run`` reports (``components.gallery.advice.estimate.dry_run_upgrade``),
     writing nothing."""
     from fastfill.components.gallery.advice.estimate import dry_run_upgrade
-    from fastfill.components.platform import registry
     from fastfill.tasks.gallery_store import open_gallery
 
     gallery = open_gallery(store_uri, params.gallery.s3)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import sys
 
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.platform.progress import progress, resolve_mode
+from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import open_store
 
 
 def progress_wanted(progress: bool | None, stream=None) -> bool:
     """``--progress`` / ``--no-progress``; neither: FASTFILL_PROGRESS when it says ``bar`` (on),
     ``log`` or ``off`` (off), else on when stderr (``stream``) is a terminal."""
-    from fastfill.components.platform.progress import resolve_mode
-
     stream = sys.stderr if stream is None else stream
     return resolve_mode(None, stream) == "bar" if progress is None else progress
 
@@ -56,32 +59,26 @@ class ProgressBar:
             self._thread.join(timeout=5)
 
     def _show(self, label: str, total: int, done: int) -> None:
-        from fastfill.components.platform.progress import progress
-
         with self._lock:
             if self.bar is None:
                 # counted from what was done when it was first seen: a resumed backfill's rate is this run's
                 self.bar = progress(label, total=total, unit="item", mode="bar", stream=self.stream, initial=done)
             self.bar.update_to(done)
 
-    def finish(self, result: dict) -> None:
+    def finish(self, result: UpgradeResult) -> None:
         """The flow's result: the bar ends at its count of backfilled items (no bar for an
         upgrade with nothing to do)."""
         self._halt()
-        if not self.enabled or result.get("state") == "up-to-date" or not {"items", "items_done"} <= result.keys():
+        if not self.enabled or result.state == "up-to-date":
             return
-        label = f"backfill {result.get('upgrade') or ''}".rstrip()
+        label = f"backfill {result.upgrade or ''}".rstrip()
         if self.bar is None:
-            self._show(label, result["items"], 0)
-        self._show(label, result["items"], result["items_done"])
+            self._show(label, result.items, 0)
+        self._show(label, result.items, result.items_done)
 
     def _run(self) -> None:
-        from fastfill.components.gallery.upgrade.status import gallery_status
-
         try:
-            from fastfill.tasks.gallery_store import open_gallery
-
-            gallery = open_gallery(self.uri)
+            gallery = gallery_at(open_store(self.uri))
             while not self._stop.wait(self.interval):
                 state = gallery_status(gallery, failures=False)
                 info = state.get("upgrade")

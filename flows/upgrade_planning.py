@@ -10,7 +10,6 @@ from prefect.futures import as_completed, wait
 
 from fastfill.components.gallery.upgrade import backfill, planning, samples, usage
 
-from fastfill.components.gallery.inputs import judgments
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
 from fastfill.components.gallery.upgrade.decider import Course
 from fastfill.components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
@@ -21,7 +20,7 @@ from fastfill.components.platform.progress import progress
 from fastfill.components.platform.registry import ModelRef
 from fastfill.tasks._policy import log
 from fastfill.tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
-from fastfill.tasks.gallery_store import transform_part, write_sources
+from fastfill.tasks.gallery_store import commit_plan, discard_unplanned, transform_part, write_reverse, write_sources
 from fastfill.tasks.upgrade_map import choose_upgrade_map, fit_reverse_transformation
 from fastfill.tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
 
@@ -36,7 +35,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     (``judgments.load_judgments``, read once by the flow), or None without them. The usage
     orders' weights (``gallery.upgrade.usage_log``, else the items table's column) are read
     here, before anything is written."""
-    config, uid = params.gallery.upgrade, course.uid
+    config, uid = params.gallery.upgrade, course.upgrade
     base = planning.load_plan(gallery.store, course.base) if course.base else None
     gallery.check_sources(sequential=base is not None)  # before anything is written
     weights = None
@@ -44,7 +43,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
         found = usage.usage_weights(gallery, config.usage_log)
         log(found.describe())
         weights = found.weights
-    leftover = planning.discard_unplanned(gallery, uid)  # a killed planning's objects (its prefilled chunks too)
+    leftover = discard_unplanned(gallery.store.uri, uid)  # a killed planning's objects (its prefilled chunks too)
     if leftover:
         log(f"removed {leftover} object(s) that a planning of {uid} killed before its plan was written had left")
     run_id = open_upgrade_run(client, experiment, plan_fields(config, uid, course.old.uri, new.uri, course.base),
@@ -52,7 +51,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     try:
         return _make_plan(params, client, gallery, uid, course.old, new, new_model, base, run_id, judged, weights)
     except (GalleryError, StoreError) as error:
-        discarded = planning.discard_unplanned(gallery, uid)
+        discarded = discard_unplanned(gallery.store.uri, uid)
         close_upgrade_run(client, run_id, "FAILED", f"planning refused: {error}")
         log(f"planning refused; {discarded} object(s) it had written under upgrades/{uid}/ were removed, so the store "
             "is as it was")
@@ -61,6 +60,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
 
 def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new: ModelRef, new_model,
                base: planning.Plan | None, run_id: str, judged, weights=None) -> planning.Plan:
+    """The map, the gallery through it, the order, the samples embedded now, then the plan written."""
     config, store_uri = params.gallery.upgrade, gallery.store.uri
     if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
         write_sources(store_uri, uid, base)
@@ -74,7 +74,34 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
     if config.online:
         pairs = _online_reverse(params, client, gallery, uid, old, new_model, base is not None, run_id, pairs)
-    futures = [transform_part.submit(store_uri, uid, alignment_map, p, base is not None)
+    _transform_parts(gallery, uid, alignment_map, base is not None)
+    order = planning.make_order(gallery, uid, order_kind, config.seed, weights)
+    embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
+    judged, positions, queries = _embed_samples(config, gallery, new_model, judged, embedded)
+    # the items embedded while planning are backfilled from the start: the first chunks of the order
+    prefilled = np.fromiter(sorted(embedded), dtype=np.int64, count=len(embedded))
+    ranks = (planning.stand_in_ranks(order, prefilled, positions, config.seed)
+             if len(prefilled) and queries is not None else None)
+    if len(prefilled):
+        order = planning.front_loaded(order, prefilled)
+    plan = planning.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
+                         len(positions) if queries is not None else 0, params.gallery.distance, run_id,
+                         base=base.id if base else None,
+                         bounds=planning.chunk_grid(gallery.num_items, config.chunk_size, [len(prefilled)]),
+                         prefilled=len(prefilled))
+    chunks = commit_plan(store_uri, plan, order, embedded, judged, positions, queries, ranks)
+    if chunks:
+        log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "
+            f"first: chunks 0-{chunks - 1} written")
+    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
+        + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
+        + f"; queries now use {new.uri} against the mixed gallery")
+    return plan
+
+
+def _transform_parts(gallery: Gallery, uid: str, alignment_map, sequential: bool) -> None:
+    """The gallery's features through the map, a ``transform-part`` task per part, shown as they land."""
+    futures = [transform_part.submit(gallery.store.uri, uid, alignment_map, p, sequential)
                for p in range(gallery.num_parts)]
     try:
         with progress("planning: the gallery's features through the map", total=gallery.num_items, log=log) as bar:
@@ -83,9 +110,12 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
     except BaseException:
         wait(futures)  # every part's task has ended before the caller removes what planning wrote
         raise
-    order = planning.make_order(gallery, uid, order_kind, config.seed, weights)
-    embedded = dict(zip(pairs.positions.tolist(), pairs.new)) if pairs is not None and pairs.positions is not None else {}
 
+
+def _embed_samples(config, gallery: Gallery, new_model, judged, embedded: dict):
+    """The samples embedded while planning: the judged queries (both models' features) and the
+    evaluation sample; ``embedded`` (position -> new features) gains the sample's items. Returns
+    (judged with features, or None; the sample's positions; its new features, or None)."""
     def embed(images, label=None):
         return embed_images(new_model, images, config.batch_size, config.precision, label=label)
 
@@ -101,28 +131,7 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
                                         champion_preprocessing=getattr(champion, "preprocessing", None))
     positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log, preprocessing)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
-    # the items embedded while planning are backfilled from the start: the first chunks of the order
-    prefilled = np.fromiter(sorted(embedded), dtype=np.int64, count=len(embedded))
-    ranks = (planning.stand_in_ranks(order, prefilled, positions, config.seed)
-             if len(prefilled) and queries is not None else None)
-    if len(prefilled):
-        order = planning.front_loaded(order, prefilled)
-    plan = planning.Plan(uid, old, new, map_uri, order_kind, config.chunk_size, gallery.num_items,
-                         len(positions) if queries is not None else 0, params.gallery.distance, run_id,
-                         base=base.id if base else None,
-                         bounds=planning.chunk_grid(gallery.num_items, config.chunk_size, [len(prefilled)]),
-                         prefilled=len(prefilled))
-    if len(prefilled):
-        chunks = backfill.write_prefilled(gallery.store, plan, order, embedded)
-        log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "
-            f"first: chunks 0-{chunks - 1} written")
-    if judged is not None:
-        judgments.store_judged(gallery.store, uid, *judged)
-    planning.commit_plan(gallery, plan, order, positions, queries, ranks)
-    log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
-        + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
-        + f"; queries now use {new.uri} against the mixed gallery")
-    return plan
+    return judged, positions, queries
 
 
 def _online_reverse(params: Params, client, gallery: Gallery, uid: str, old: ModelRef, new_model, sequential: bool,
@@ -140,7 +149,7 @@ def _online_reverse(params: Params, client, gallery: Gallery, uid: str, old: Mod
                            "gallery, or set online: false")
     config = params.gallery.upgrade
     reverse = fit_reverse_transformation(pairs, config.pseudo_classes, config.seed)
-    planning.write_reverse(gallery.store, uid, reverse)
+    write_reverse(gallery.store.uri, uid, reverse)
     tag_run(client, run_id, {"online": "metric_compatible", "online.new_gain": f"{reverse.new_scale ** 2:.6g}"})
     return pairs
 

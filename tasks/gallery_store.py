@@ -8,7 +8,9 @@ import functools
 import numpy as np
 from prefect import task
 
-from fastfill.components.gallery.upgrade import backfill, ending, planning
+from fastfill.components.gallery.advice import advisor
+from fastfill.components.gallery.inputs import judgments
+from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal
 
 from fastfill.components.gallery.layouts import catalog
 from fastfill.components.gallery.layouts.catalog import Gallery
@@ -60,6 +62,30 @@ def write_sources(store_uri: str, upgrade_id: str, base: Plan) -> int:
     return backfill.write_sources(gallery_at(store_at(store_uri)), upgrade_id, base)
 
 
+@task(name="discard-unplanned", **IO_RETRIES, **NO_CACHING)
+def discard_unplanned(store_uri: str, upgrade_id: str) -> int:
+    """What a refused or killed planning of ``upgrade_id`` wrote, deleted (never once its plan exists)."""
+    return planning.discard_unplanned(gallery_at(store_at(store_uri)), upgrade_id)
+
+
+@task(name="write-reverse", **IO_RETRIES, **NO_CACHING)
+def write_reverse(store_uri: str, upgrade_id: str, reverse) -> None:
+    planning.write_reverse(store_at(store_uri), upgrade_id, reverse)
+
+
+@task(name="commit-plan", **IO_RETRIES, **NO_CACHING)
+def commit_plan(store_uri: str, plan: Plan, order, embedded: dict, judged, positions, queries, ranks) -> int:
+    """Planning's last writes, each one idempotent: the chunks of the items embedded while planning
+    (written as done), the judged queries' features, then the order, the evaluation sample and
+    plan.json, and the gallery pointed at the upgrade. Returns the prefilled chunks written."""
+    gallery = gallery_at(store_at(store_uri))
+    chunks = backfill.write_prefilled(gallery.store, plan, order, embedded) if plan.prefilled else 0
+    if judged is not None:
+        judgments.store_judged(gallery.store, plan.id, *judged)
+    planning.commit_plan(gallery, plan, order, positions, queries, ranks)
+    return chunks
+
+
 @task(name="transform-part", **IO_RETRIES, **NO_CACHING)
 def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, sequential: bool = False) -> int:
     return planning.transform_part(gallery_at(store_at(store_uri)), upgrade_id, alignment_map, part, sequential=sequential)
@@ -97,6 +123,53 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
     return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
                         distance=plan.distance, curve_points=curve_points)
+
+
+@task(name="complete-abort", **IO_RETRIES, **NO_CACHING)
+def complete_abort(store_uri: str, upgrade_id: str) -> None:
+    reversal.abort(gallery_at(store_at(store_uri)), upgrade_id)
+
+
+@task(name="start-over", **IO_RETRIES, **NO_CACHING)
+def start_over(store_uri: str, upgrade_id: str) -> None:
+    reversal.start_over(gallery_at(store_at(store_uri)), upgrade_id)
+
+
+@task(name="point-manifest", **IO_RETRIES, **NO_CACHING)
+def point_manifest(store_uri: str, upgrade_id: str) -> None:
+    """The manifest names ``upgrade_id`` as the upgrade in progress (a crash came between its plan
+    and that switch)."""
+    gallery = gallery_at(store_at(store_uri))
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": upgrade_id})
+
+
+@task(name="write-plan", **IO_RETRIES, **NO_CACHING)
+def write_plan(store_uri: str, plan: Plan) -> None:
+    planning.write_plan(store_at(store_uri), plan)
+
+
+@task(name="sync-serving", **IO_RETRIES, **NO_CACHING)
+def sync_serving(store_uri: str) -> str:
+    """The serving index brought to the upgrade's mixed gallery (a killed switch completed)."""
+    gallery = gallery_at(store_at(store_uri))
+    serving = gallery.sync_serving()
+    return f"{gallery.index.where}: the view {gallery.index.view} serves {serving['model']}"
+
+
+@task(name="advise-upgrade", **IO_RETRIES, **NO_CACHING)
+def advise_upgrade(store_uri: str, plan: Plan, gain_below: float | None) -> dict | None:
+    """The budget advisor's prediction of the planned upgrade, stored beside its plan."""
+    return advisor.advise_upgrade(gallery_at(store_at(store_uri)), plan, gain_below)
+
+
+@task(name="write-decision", **IO_RETRIES, **NO_CACHING)
+def write_decision(store_uri: str, plan: Plan, champion: ModelRef, fields: dict) -> dict:
+    return ending.write_decision(store_at(store_uri), plan, champion=champion, **fields)
+
+
+@task(name="mark-registry-recorded", **IO_RETRIES, **NO_CACHING)
+def mark_registry_recorded(store_uri: str, upgrade_id: str) -> None:
+    ending.mark_registry_recorded(store_at(store_uri), upgrade_id)
 
 
 @task(name="finish-upgrade", **IO_RETRIES, **NO_CACHING)

@@ -47,14 +47,14 @@ def pair_tags(pairs: MapPairs) -> dict:
     return {"pairs": pairs.source, "pairs.count": str(len(pairs)), "disc_targets": pairs.targets_from}
 
 
-def register_map(client, alignment_model: str, h, method: str, old: ModelRef, new: ModelRef, run_id: str,
-                 extra: dict | None = None) -> str:
-    """Register ``h`` as a version of the alignment model joining ``old`` and ``new``, tagged
-    with its method, the upgrade's run and ``extra``; returns its models:/ URI."""
+def register_map(client, alignment_model: str, alignment_map, method: str, old: ModelRef, new: ModelRef,
+                 run_id: str, extra: dict | None = None) -> str:
+    """Register ``alignment_map`` as a version of the alignment model joining ``old`` and ``new``,
+    tagged with its method, the upgrade's run and ``extra``; returns its models:/ URI."""
     tags = {"method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
             "registered_model": old.name, **(extra or {})}
-    version = registered.register_alignment(client, run_id, h, np.zeros((2, h.old_dim), dtype=np.float32),
-                                            alignment_model, tags)
+    example = np.zeros((2, alignment_map.old_dim), dtype=np.float32)
+    version = registered.register_alignment(client, run_id, alignment_map, example, alignment_model, tags)
     return f"models:/{alignment_model}/{version}"
 
 
@@ -66,9 +66,10 @@ def train_upgrade_map(client, settings: MapSettings, pairs: MapPairs, new_model,
     method, config = settings.method, settings.for_pairs(pairs)
     log(f"training a {method} map {old.key} -> {new.key} on {len(pairs)} pairs ({pairs.source}); disc term "
         f"targets: {pairs.targets_from}")
-    h, history = train_alignment(config, *pairs.training, pairs.classifier(new_model), device=pick_device(), log=log,
-                                 method=method)
-    return h.eval(), register_map(client, settings.alignment_model, h, method, old, new, run_id, pair_tags(pairs))
+    alignment_map, history = train_alignment(config, *pairs.training, pairs.classifier(new_model),
+                                             device=pick_device(), log=log, method=method)
+    return alignment_map.eval(), register_map(client, settings.alignment_model, alignment_map, method, old, new,
+                                              run_id, pair_tags(pairs))
 
 
 @task(name="fit-reverse-transformation", tags=GPU_TAGS, **NO_CACHING)

@@ -40,7 +40,7 @@ def test_a_real_upgrade_answers_in_json(upgrade_env, cli_env, prefect_harness):
     assert plan["written"] is False and plan["to"] == f"models:/embedder/{new_version}" and plan["items"] == 72
     assert plan["chunks"] == 9 and plan["estimated_backfill_seconds"] > 0
 
-    paused = _answer(["upgrade", *args, "--budget", "25%", "--progress"], env, tmp_path, "fastfill.upgrade/1")
+    paused = _answer(["upgrade", *args, "--budget", "25%", "--progress"], env, tmp_path, "fastfill.upgrade/2")
     assert paused["state"] == "paused" and paused["stopped"] == "budget" and paused["items"] == 72
     assert paused["items_done"] == 24 and paused["chunks_done"] == 3 and paused["promotion"] is None
     assert paused["upgrade"] == f"embedder-v{old_version}-to-embedder-v{new_version}" and paused["mlflow_run_id"]
@@ -56,7 +56,7 @@ def test_a_real_upgrade_answers_in_json(upgrade_env, cli_env, prefect_harness):
 
     worse = _worse_version(params)
     rejected = _answer(["upgrade", *args, "--to", f"models:/embedder/{worse}", "--gate", "--no-progress"], env,
-                       tmp_path, "fastfill.upgrade/1", code=3)  # the exit code of a rejection, as without --json
+                       tmp_path, "fastfill.upgrade/2", code=3)  # the exit code of a rejection, as without --json
     assert rejected["state"] == "rejected" and rejected["promotion"]["passed"] is False
     assert rejected["promotion"]["reasons"] and isinstance(rejected["promotion"]["numbers"]["top1_auc"], float)
     assert rejected["complete"] is True and rejected["items_done"] == 72

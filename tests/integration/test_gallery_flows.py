@@ -65,20 +65,20 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     assert manifest["num_items"] == n and manifest["model"]["version"] == old_version
 
     paused = upgrade_flow(params, store_uri, budget=0.4)
-    assert paused["state"] == "paused"
-    assert paused["items_done"] == int(np.ceil(0.4 * n))  # exact: the chunk the budget falls in was cut
+    assert paused.state == "paused"
+    assert paused.items_done == int(np.ceil(0.4 * n))  # exact: the chunk the budget falls in was cut
     gallery = gallery_at(open_store(store_uri))
     assert gallery.layout == layout
     state = gallery_status(gallery)
     assert state["state"] == "paused" and state["lock"] is None
-    assert state["upgrade"]["items_done"] == paused["items_done"]
+    assert state["upgrade"]["items_done"] == paused.items_done
 
     # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
     searcher = GallerySearch(gallery)
-    assert searcher.query_model.version == new_version and searcher.backfilled == paused["items_done"]
+    assert searcher.query_model.version == new_version and searcher.backfilled == paused.items_done
     plan = planning.load_plan(gallery.store, state["upgrade"]["id"])
     mixed, backfilled = backfill.mixed_features(gallery, plan)
-    assert backfilled.sum() == paused["items_done"]
+    assert backfilled.sum() == paused.items_done
     queries = embed(new_model, split.images[:5])
     ids, _ = searcher.search(queries, k=3)
     distances = ((queries[:, None] - mixed[None]) ** 2).sum(-1)
@@ -88,7 +88,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
         half_way = _index_against_exact(gallery, embed(new_model, split.images), split.labels, mixed)
 
     done = upgrade_flow(params, store_uri)  # the same command resumes and completes
-    assert done["state"] == "complete" and done["items_done"] == n
+    assert done.state == "complete" and done.items_done == n
     if gallery.serves_queries:
         finished = _index_against_exact(gallery, embed(new_model, split.images), split.labels,
                                         gallery.all_features(plan.new))
@@ -142,7 +142,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     assert len(found) == 2  # one per flow run: the budgeted one, then the resumed one
     latest = max(found, key=lambda artifact: artifact.created)
     assert latest.type == "progress" and float(latest.data) == 100.0
-    assert float(min(found, key=lambda artifact: artifact.created).data) == pytest.approx(100 * paused["fraction"])
+    assert float(min(found, key=lambda artifact: artifact.created).data) == pytest.approx(100 * paused.fraction)
 
 
 @pytest.fixture
@@ -215,9 +215,9 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     on_dask = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"task_runner": "dask", "dask_address": address})})})
     result = run_upgrade(on_dask, uri, gate=False)
-    assert result["state"] == "complete" and result["failed_images"] == 0
+    assert result.state == "complete" and result.failed_images == 0
     store = open_store(uri)
-    plan = planning.load_plan(store, result["upgrade"])
+    plan = planning.load_plan(store, result.upgrade)
     markers = [store.get_json(planning.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
     pids = {m["pid"] for m in markers if not m.get("prefilled")}
     assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
@@ -247,7 +247,7 @@ def test_bad_requests_are_refused_and_change_nothing(upgrade_env, prefect_harnes
         upgrade_flow(params, uri, "models:/embedder@nope")
     with pytest.raises(RegistryError, match="unknown model"):
         upgrade_flow(params, uri, "models:/embedder/999")
-    assert upgrade_flow(params, uri, f"models:/embedder/{old_version}")["state"] == "up-to-date"
+    assert upgrade_flow(params, uri, f"models:/embedder/{old_version}").state == "up-to-date"
     with pytest.raises(GalleryError, match="already holds a gallery"):
         ingest_flow(params, uri)
     assert snapshot() == before
@@ -379,7 +379,7 @@ def test_a_second_upgrade_at_once_is_refused_on_every_layout(layout, upgrade_env
         upgrade_flow(params, uri, budget=0.3)
     assert objects() == before and index() == serving  # nothing planned, the index not moved
     held.release()
-    assert upgrade_flow(params, uri, budget=0.3)["state"] == "paused"
+    assert upgrade_flow(params, uri, budget=0.3).state == "paused"
 
 
 def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
@@ -567,7 +567,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     assert PartsGallery(open_store(reference_uri)).model.version == old_version
     changed = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"chunk_size": 4, "max_concurrency": 1})})})
-    assert upgrade_flow(changed, reference_uri, plan.new.uri)["state"] == "complete"
+    assert upgrade_flow(changed, reference_uri, plan.new.uri).state == "complete"
     np.testing.assert_array_equal(gallery.all_features(plan.new), PartsGallery(open_store(reference_uri)).all_features(plan.new))
 
 
@@ -581,8 +581,8 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
-    assert result["state"] == "complete"
-    plan = planning.load_plan(open_store(uri), result["upgrade"])
+    assert result.state == "complete"
+    plan = planning.load_plan(open_store(uri), result.upgrade)
     versions = sorted(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"),
                       key=lambda v: int(v.version))
     trained, tags = versions[0], versions[0].tags
@@ -634,9 +634,9 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
     paused = upgrade_flow(params, uri, budget=0.5)
-    assert paused["state"] == "paused", paused
+    assert paused.state == "paused", paused
     store = open_store(uri)
-    plan = planning.load_plan(store, paused["upgrade"])
+    plan = planning.load_plan(store, paused.upgrade)
     version = plan.map_uri.rsplit("/", 1)[1]
     tags = client.get_model_version(params.mlflow.alignment_model, version).tags
     assert tags["method"] == "lambda_orth" and plan.order_kind == "random"
@@ -677,8 +677,8 @@ def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade
     uri = str(tmp_path / "g")
     ingest_flow(unchecked, uri)
     result = upgrade_flow(unchecked, uri)
-    assert result["state"] == "complete"
-    plan = planning.load_plan(open_store(uri), result["upgrade"])
+    assert result.state == "complete"
+    plan = planning.load_plan(open_store(uri), result.upgrade)
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert len(versions) == 1  # no l2-only fallback map was trained or registered
     tags = versions[0].tags
@@ -760,15 +760,15 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     params = configured(stop_when_gain_below=gain, chunk_size=64)  # one chunk larger than the stop's count
 
     paused = upgrade_flow(params, uri)
-    assert paused["state"] == "paused" and paused["stopped"] == "recommended", paused
-    prefilled = planning.load_plan(store, paused["upgrade"]).prefilled  # the evaluation sample, embedded while planning
-    assert paused["items_done"] == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
-    assert paused["advice"]["recommendation"]["fraction"] == stop["fraction"]
+    assert paused.state == "paused" and paused.stopped == "recommended", paused
+    prefilled = planning.load_plan(store, paused.upgrade).prefilled  # the evaluation sample, embedded while planning
+    assert paused.items_done == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
+    assert paused.advice.recommendation["fraction"] == stop["fraction"]
     stored = store.get_json(f"upgrades/{paused['upgrade']}/advice.json")
     np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve
     np.testing.assert_allclose(stored["map"], predicted["map"], atol=1e-6)
     again = upgrade_flow(params, uri)  # the same command stays at the recommended stop
-    assert again["state"] == "paused" and again["items_done"] == paused["items_done"]
+    assert again.state == "paused" and again.items_done == paused.items_done
 
     runner = CliRunner()
     args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
@@ -784,12 +784,12 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert refused.exit_code == 2 and "--stop-when-gain-below" in refused.output, refused.output
 
     done = upgrade_flow(configured(), uri)
-    assert done["state"] in ("complete", "rejected") and done["items_done"] == n, done
-    assert (done["state"] == "complete") == predicted["gate"]["passed"], (done, predicted["gate"])
+    assert done.state in ("complete", "rejected") and done.items_done == n, done
+    assert (done.state == "complete") == predicted["gate"]["passed"], (done, predicted["gate"])
     # the dry run predicted the gate's decision and its numbers as the gate then measured them
     from fastfill.components.gallery.upgrade import ending
 
-    measured = ending.decision(store, done["upgrade"])
+    measured = ending.decision(store, done.upgrade)
     gate = predicted["gate"]
     assert gate["passed"] == measured["passed"] and gate["reasons"] == measured["reasons"], (gate, measured)
     for key in ("champion_top1", "top1_auc", "nfr1_mean", "nfr1_end", "fraction_to_gain"):
@@ -844,7 +844,7 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
     tolerant = params.model_copy(update={"gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 0.05})})})  # 3 of 72
     done = upgrade_flow(tolerant, store_uri, gate=False)
-    assert done["state"] == "complete" and done["failed_images"] == 1
+    assert done.state == "complete" and done.failed_images == 1
     record = gallery.store.get_json(f"upgrades/{done['upgrade']}/finished.json")
     assert [(f["id"], f["reason"]) for f in record["failed_images"]["items"]] == [
         (1007, f"missing: no such file {tmp_path / 'photos' / names[7]}")]

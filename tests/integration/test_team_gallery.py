@@ -67,8 +67,8 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     # ungated: the map trains on 48 of the gallery's own items, checked on held-out items of the same sample;
     # their new features are the first backfilled chunks, and the budget ends the backfill exactly
     paused = upgrade_flow(team, uri, budget=64, gate=False)
-    assert paused["state"] == "paused" and paused["items_done"] == 64  # a chunk of 64 cut at 64
-    plan = planning.load_plan(store, paused["upgrade"])
+    assert paused.state == "paused" and paused.items_done == 64  # a chunk of 64 cut at 64
+    plan = planning.load_plan(store, paused.upgrade)
     # the map sample and the (unlabeled) evaluation sample, embedded while planning
     assert 48 <= plan.prefilled < 64 and plan.eval_queries == 24
     assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, plan.prefilled), (plan.prefilled, 64),
@@ -92,7 +92,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     np.testing.assert_allclose(mixed[sampled], embed(new_model, split.images[sampled]), rtol=1e-5, atol=1e-5)
 
     done = upgrade_flow(team, uri, gate=False)
-    assert done["state"] == "complete" and done["items_done"] == n
+    assert done.state == "complete" and done.items_done == n
     gallery.manifest(refresh=True)
     assert gallery.model.version == new_version
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(new_model, split.images), rtol=1e-5,
@@ -133,7 +133,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     store.put_array(planning.chunk_key(uid, 7), np.zeros((3, 16), dtype=np.float32))
     store.put_json(planning.marker_key(uid, 7), {"chunk": 7, "start": 0, "stop": 3, "count": 3})
     first = upgrade_flow(on_gallery, uri, budget=60)
-    plan = planning.load_plan(store, first["upgrade"])
+    plan = planning.load_plan(store, first.upgrade)
     marker = planning.marker_key(uid, 7)
     assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
@@ -150,7 +150,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     predicted = estimate_upgrade(on_gallery, uri)["advice"]
     assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
-    replanned = planning.load_plan(store, again["upgrade"])
+    replanned = planning.load_plan(store, again.upgrade)
     tags = client.get_run(replanned.mlflow_run_id).data.tags
     assert replanned.map_uri == plan.map_uri and tags["map_version"] == used
     assert tags["check"].startswith("not repeated") and "check.source" not in tags
@@ -159,7 +159,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 
     abort_flow(on_gallery, uri)
     rechecked = upgrade_flow(configured(recheck=True), uri, budget=60)
-    tags = client.get_run(planning.load_plan(store, rechecked["upgrade"]).mlflow_run_id).data.tags
+    tags = client.get_run(planning.load_plan(store, rechecked.upgrade).mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}"
 
 
@@ -202,11 +202,11 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     assert own["top1_full"] == pytest.approx(dry["top1"][-1], abs=1e-9)
     assert target["line"].endswith(f"(on {dry['queries']} judged queries against {dry['sample']} sampled items)")
     result = upgrade_flow(judged, uri)
-    assert result["state"] in ("complete", "rejected"), result
-    numbers = result["promotion"]["numbers"]
+    assert result.state in ("complete", "rejected"), result
+    numbers = result.promotion.numbers
     assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
     assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
-    plan = planning.load_plan(open_store(uri), result["upgrade"])
+    plan = planning.load_plan(open_store(uri), result.upgrade)
     front = set(planning.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
     # the advisor predicted the curve with the gate's protocol: the judged queries against the sample
@@ -242,10 +242,10 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     uri = str(tmp_path / "g")
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
-    assert result["state"] == "complete", result
+    assert result.state == "complete", result
     tags = client.get_model_version(name, version).tags
     assert tags["check"] == "fallback" and "non-finite" in tags["check_reason"]
-    plan = planning.load_plan(open_store(uri), result["upgrade"])
+    plan = planning.load_plan(open_store(uri), result.upgrade)
     assert plan.map_uri != f"models:/{name}/{version}"
     assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
     gallery = PartsGallery(open_store(uri))
@@ -294,10 +294,10 @@ def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_
     assert dry["small_gallery"].startswith("the gallery has 50 items, fewer than the 195 that train and check a "
                                            "fastfill map"), dry
     done = upgrade_flow(small, uri, gate=False)
-    assert done["state"] == "complete" and done["items_done"] == 50, done
+    assert done.state == "complete" and done.items_done == 50, done
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert [v.tags["method"] for v in versions] == ["fct"]
-    plan = planning.load_plan(open_store(uri), done["upgrade"])
+    plan = planning.load_plan(open_store(uri), done.upgrade)
     assert plan.order_kind == "random"
 
 
@@ -334,9 +334,9 @@ def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_
     assert said.output.splitlines()[1].startswith("  re-embed: the map sample would hold"), said.output
 
     done = upgrade_flow(team, uri, gate=False)
-    assert done["state"] == "complete" and done["items_done"] == n, done
+    assert done.state == "complete" and done.items_done == n, done
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert [v.tags["method"] for v in versions] == ["fct"]  # no FastFill map
     assert all(not v.tags.get("check", "").startswith(("passed", "fallback", "failed")) for v in versions)
-    plan = planning.load_plan(open_store(uri), done["upgrade"])
+    plan = planning.load_plan(open_store(uri), done.upgrade)
     assert plan.order_kind == "random" and plan.prefilled == n  # every item embedded while planning

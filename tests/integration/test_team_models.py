@@ -453,7 +453,7 @@ def test_an_upgrade_between_two_team_models_of_different_sizes_completes(team, p
     np.testing.assert_allclose(gallery.all_features(gallery.model), embed(old_model, as_old), rtol=1e-5, atol=1e-5)
 
     done = upgrade_flow(load_params(team / "params.yaml"), str(team / "gallery"), gate=False)
-    assert done["state"] == "complete" and done["items_done"] == len(pictures), done
+    assert done.state == "complete" and done.items_done == len(pictures), done
     gallery.manifest(refresh=True)
     assert gallery.model.uri == new_uri and gallery.model.dim == 512
     as_new = np.stack([NEW_INPUT.decode(f) for f in files])
@@ -499,7 +499,7 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
 
     params = load_params(team / "params.yaml")
     done = upgrade_flow(params, str(team / "gallery"), gate=False)
-    assert done["state"] == "complete" and done["items_done"] == 100, done
+    assert done.state == "complete" and done.items_done == 100, done
     gallery = PartsGallery(open_store(str(team / "gallery")))
     assert gallery.model.uri == json.loads(new.stdout)["uri"] and gallery.model.dim == 16
     client = mlflow.MlflowClient(params.mlflow.tracking_uri)

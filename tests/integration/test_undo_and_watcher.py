@@ -141,7 +141,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     # asked for again: planned from scratch (a new plan and MLflow run), then completed
     to = f"models:/embedder/{new_version}"
     done = run_upgrade_file(params, params_path, uri, to, overrides={"gallery.upgrade.chunk_size": 10})
-    assert done["state"] == "complete" and done["items_done"] == plan.num_items
+    assert done.state == "complete" and done.items_done == plan.num_items
     again = planning.load_plan(store, plan.id)
     assert again.mlflow_run_id != plan.mlflow_run_id and again.chunk_size == 10 and again.created >= plan.created
     assert reversal.aborted(store, plan.id) is None and model_version(gallery) == new_version
@@ -177,7 +177,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
 
     state = upgrade_flow(params, uri, return_state=True)
     first = state.result()
-    assert first["state"] == "complete" and model_version(gallery) == new_version
+    assert first.state == "complete" and model_version(gallery) == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     # the map trained inside the upgrade talked, through the flow's logger, every epoch
     lines = _logs(state.state_details.flow_run_id)
@@ -203,8 +203,8 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     assert str(client.get_model_version_by_alias(name, "champion").version) == old_version
     tags = client.get_model_version(name, new_version).tags
     assert tags["promotion"] == "rolled-back" and tags["promotion.rolled_back_to"] == old_version
-    assert client.get_run(first["mlflow_run_id"]).data.tags["promotion"] == "rolled-back"
-    assert store.get_json(planning.upgrade_key(first["upgrade"], reversal.ROLLED_BACK))["registry_recorded"]
+    assert client.get_run(first.mlflow_run_id).data.tags["promotion"] == "rolled-back"
+    assert store.get_json(planning.upgrade_key(first.upgrade, reversal.ROLLED_BACK))["registry_recorded"]
     assert claimed(store, name, new_version) is not None  # neither the watcher nor the webhook starts it again
     assert _flow_run("gallery-rollback").name == f"roll back {uri}"
     with pytest.raises(GalleryError, match="already a rollback"):
@@ -212,7 +212,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
 
     # the same version again, by hand: planned from scratch, complete; then gc; then no rollback
     again = upgrade_flow(params, uri, f"models:/{name}/{new_version}")
-    assert again["state"] == "complete" and again["mlflow_run_id"] != first["mlflow_run_id"]
+    assert again.state == "complete" and again.mlflow_run_id != first.mlflow_run_id
     assert model_version(gallery) == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     garbage.collect_garbage(gallery)

@@ -78,14 +78,14 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
     uri = str(tmp_path / "gallery")
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
-    numbers = result["promotion"]["numbers"]
-    assert result["state"] == "complete" and result["promotion"]["passed"], result["promotion"]
+    numbers = result.promotion.numbers
+    assert result.state == "complete" and result.promotion.passed, result.promotion
     name = params.mlflow.registered_model
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     tags = client.get_model_version(name, new_version).tags
     assert tags["promotion"] == "passed" and tags["promotion.champion_version"] == old_version
     assert float(tags["promotion.top1_auc"]) == pytest.approx(numbers["top1_auc"], abs=1e-6)
-    run = client.get_run(result["mlflow_run_id"])
+    run = client.get_run(result.mlflow_run_id)
     assert run.data.tags["promotion"] == "passed"
     assert run.data.metrics["gate.top1_auc_gain"] == pytest.approx(numbers["top1_auc_gain"])
     assert len(client.get_metric_history(run.info.run_id, "gate.top1")) == params.promotion.curve_points + 2
@@ -109,14 +109,14 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     before = {key: store.get(key) for key in store.list("features/")}
 
     result = upgrade_flow(params, uri, f"models:/embedder/{worse}")
-    assert result["state"] == "rejected" and not result["promotion"]["passed"]
-    reasons = result["promotion"]["reasons"]
+    assert result.state == "rejected" and not result.promotion.passed
+    reasons = result.promotion.reasons
     assert any("below the minimum" in r for r in reasons), reasons
     name = params.mlflow.registered_model
     assert str(client.get_model_version_by_alias(name, "champion").version) == old_version
     tags = client.get_model_version(name, worse).tags
     assert tags["promotion"] == "rejected" and "below the minimum" in tags["promotion.reason"]
-    assert client.get_run(result["mlflow_run_id"]).data.tags["promotion"] == "rejected"
+    assert client.get_run(result.mlflow_run_id).data.tags["promotion"] == "rejected"
 
     # the gallery serves the champion's features: no upgrade, old model, features untouched
     gallery = PartsGallery(store)
@@ -132,7 +132,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     with pytest.raises(GalleryError, match="rejected by the promotion gate"):
         upgrade_flow(params, uri, f"models:/embedder/{worse}")
     deleted = garbage.collect_garbage(gallery)
-    assert deleted["upgrade_objects"] > 0 and store.exists(planning.upgrade_key(result["upgrade"], "rejected.json"))
+    assert deleted["upgrade_objects"] > 0 and store.exists(planning.upgrade_key(result.upgrade, "rejected.json"))
 
 
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
@@ -150,16 +150,16 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     uri = str(tmp_path / "gallery")
     ingest_flow(params, uri)
     first = upgrade_flow(params, uri, f"models:/embedder/{v2}", budget=0.5)
-    assert first["state"] == "paused" and 0.4 < first["fraction"] < 0.7
+    assert first.state == "paused" and 0.4 < first.fraction < 0.7
     store = open_store(uri)
     gallery = PartsGallery(store)
-    plan1 = planning.load_plan(store, first["upgrade"])
+    plan1 = planning.load_plan(store, first.upgrade)
     mixed1, backfilled1 = backfill.mixed_features(gallery, plan1)
     assert 0 < backfilled1.sum() < len(backfilled1)
 
     second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
-    assert second["state"] == "paused"
-    plan2 = planning.load_plan(store, second["upgrade"])
+    assert second.state == "paused"
+    plan2 = planning.load_plan(store, second.upgrade)
     assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
     assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
     assert store.get_json(planning.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
@@ -176,7 +176,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     v3_model_loaded = registered.load_model(f"models:/embedder/{v3}")
     queries = embed(v3_model_loaded, split_images(params).images[:6])
     mixed2, backfilled2 = backfill.mixed_features(gallery, plan2)
-    assert backfilled2.sum() == second["items_done"]
+    assert backfilled2.sum() == second.items_done
     ids, _ = searcher.search(queries, k=3)
     expected = np.argsort(pairwise_distances(queries, mixed2), axis=1, kind="stable")[:, :3]
     np.testing.assert_array_equal(np.sort(ids, axis=1), np.sort(gallery.ids()[expected], axis=1))
@@ -185,7 +185,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
 
     done = upgrade_flow(params, uri, f"models:/embedder/{v3}")
     gallery = PartsGallery(store)
-    assert done["state"] == "complete" and gallery.model.version == v3
+    assert done.state == "complete" and gallery.model.version == v3
     features = gallery.all_features(gallery.model)
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
     garbage.collect_garbage(gallery)
@@ -254,7 +254,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
 
         result = fu.upgrade_flow(params, uri)  # the same command again
 
-        assert result["state"] == ("complete" if passes else "rejected"), step
+        assert result.state == ("complete" if passes else "rejected"), step
         expected = new_version if passes else old_version
         assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == expected, step
         assert str(client.get_model_version_by_alias(name, "champion").version) == expected, step
@@ -264,7 +264,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
         assert not gallery.store.exists(LOCK) and gallery_status(gallery)["state"] == "idle", step
         assert gallery.store.exists(planning.upgrade_key(uid, "rejected.json")) == (not passes), step
         if passes:  # once more: nothing to upgrade, and a success
-            assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"
+            assert fu.upgrade_flow(params, uri).state == "up-to-date"
         else:
             with pytest.raises(GalleryError, match="rejected by the promotion gate"):
                 fu.upgrade_flow(params, uri)
@@ -325,7 +325,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
         monkeypatch.undo()
         start_the_second()  # after-finish: the first has returned; for the others a no-op
 
-    assert first["state"] == "complete"
+    assert first.state == "complete"
     if offset in ("read-before-lock", "after-finish"):
         assert second["result"]["state"] == "up-to-date", second
         if offset == "after-finish":  # the promotion cleared `challenger`: nothing names a model to upgrade to
@@ -342,7 +342,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     assert not store.exists(LOCK) and gallery_status(gallery)["state"] == "idle"
     uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
     assert ending.decision(store, uid)["registry_recorded"] and ending.decision(store, uid)["passed"]
-    assert fu.upgrade_flow(params, uri)["state"] == "up-to-date"  # and once more, later: still nothing to do
+    assert fu.upgrade_flow(params, uri).state == "up-to-date"  # and once more, later: still nothing to do
 
 
 def registry_alias(client, name, alias):

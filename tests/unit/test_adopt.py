@@ -118,7 +118,7 @@ def test_failed_images_past_the_limit_stop_new_chunks():
     state.landed(1, 2, [{"id": 9, "uri": "9.png", "reason": "undecodable: x", "position": 3}])
     assert isinstance(state.failure, GalleryError) and state.to_start() == []
     assert "2 images could not be read" in str(state.failure) and "item 4 at s3://b/4.png" in str(state.failure)
-    assert state.summary()["failed_images"] == 2
+    assert state.summary().failed_images == 2
 
 
 @pytest.mark.parametrize("text, ids", [

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from fastfill.components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
 from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.platform.registry import ModelRef
 
@@ -40,7 +41,7 @@ class View:
     def rejected(self, upgrade):
         return self.rejections.get(upgrade)
 
-    def interrupted_ending(self):
+    def interrupted_decision(self):
         return self.ending
 
 
@@ -69,10 +70,10 @@ COURSES = [
      (PLAN, UID13, V1, None, {"complete_abort": UID12}, "completing the abort first")),
     ("an interrupted ending of the version asked for is completed and returned",
      View(model=V2, ending=ending_of(UID12, V2)), V2, {},
-     (ENDED, UID12, None, None, {"complete_ending": ending_of(UID12, V2)}, "recording its decision in the registry")),
+     (ENDED, UID12, None, None, {"complete_decision": ending_of(UID12, V2)}, "recording its decision in the registry")),
     ("an interrupted ending of another version is completed, then the upgrade goes on",
      View(model=V2, ending=ending_of(UID12, V2)), V3, {},
-     (PLAN, UID23, V2, None, {"complete_ending": ending_of(UID12, V2)}, "recording its decision in the registry")),
+     (PLAN, UID23, V2, None, {"complete_decision": ending_of(UID12, V2)}, "recording its decision in the registry")),
     ("an interrupted rejection of the version asked for is completed and returned",
      View(ending=ending_of(UID12, V2, passed=False), rejections={UID12: REJECTED}), V2, {},
      (ENDED, UID12, None, None, {}, "went back")),
@@ -104,7 +105,7 @@ def decider(gate: bool = True, judgments: str | None = None, gain_below: float |
 def test_the_course_of_an_upgrade(case, view, wanted, options, expected):
     action, uid, old, base, holds, phrase = expected
     course = decider(**options).course(view, wanted)
-    assert (course.action, course.uid, course.old, course.base) == (action, uid, old, base)
+    assert (course.action, course.upgrade, course.old, course.base) == (action, uid, old, base)
     for key, value in holds.items():
         assert getattr(course, key) == value, key
     said = " ".join(course.say) + " " + (course.reason or "")
@@ -134,8 +135,8 @@ def test_the_target(case, view, asked, expected):
 ])
 def test_nothing_to_upgrade_says_why(champion, serving, said):
     result = decider().no_target(View(model=serving), champion)
-    assert result["state"] == UP_TO_DATE and result["complete"] and result["items_done"] == 100
-    assert said in result["message"] and "--to models:/embedder/VERSION" in result["message"]
+    assert result.state == UP_TO_DATE and result.complete and result.items_done == 100
+    assert said in result.message and "--to models:/embedder/VERSION" in result.message
 
 
 @pytest.mark.parametrize("gate, recorded, measure, switch", [
@@ -165,9 +166,6 @@ def test_the_decision(numbers, passed, tag):
     assert decided["passed"] is passed and decided["tags"]["promotion"] == tag
     assert bool(decided["reasons"]) == (not passed)
     assert bool(said) == (numbers is not None)
-    result = UpgradeDecider.ended({**decided, "decided": "t"})
-    assert result["state"] == ("complete" if passed else "rejected")
-    assert ("promotion" in result) == (numbers is not None)
 
 
 ADVICE = {"fractions": [0.0, 0.5, 1.0], "top1": [0.5, 0.7, 0.71], "map": [0.3, 0.4, 0.41],
@@ -187,11 +185,11 @@ def test_the_advised_stop(gain_below, advice, budget, stops_at):
 
 
 def test_a_paused_backfill_says_how_to_go_on():
-    result = {"items_done": 40, "items": 100}
+    result = UpgradeResult(state="paused", items_done=40, items=100, fraction=0.4, complete=False)
     paused, line = decider().paused(result, None)
-    assert paused["state"] == "paused" and paused["stopped"] == "budget" and "run the same command" in line
+    assert paused.state == "paused" and paused.stopped == "budget" and "run the same command" in line
     paused, line = decider().paused(result, {"fraction": 0.4, "gain_below": 1.0})
-    assert paused["stopped"] == "recommended" and "the recommended stop for a gain below 1 top-1 points" in line
+    assert paused.stopped == "recommended" and "the recommended stop for a gain below 1 top-1 points" in line
 
 
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
@@ -213,7 +211,7 @@ def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     view = GalleryView(gallery)
     assert (view.model, view.current, view.num_items, view.has_labels) == (V1, UID12, 6, True)
     assert view.planned_new(UID12) == V2 and view.planned_new(UID13) is None
-    assert not view.aborted(UID12) and view.undone(UID12) is None and view.interrupted_ending() is None
+    assert not view.aborted(UID12) and view.undone(UID12) is None and view.interrupted_decision() is None
     assert decider().course(view, V2).action == RESUME
     abort(gallery, UID12)
     view = GalleryView(gallery)

@@ -80,12 +80,12 @@ def test_backfill_keeps_concurrency_budget_and_stops_after_a_failure():
     state.failed(2, RuntimeError("disk full"))
     state.landed(3, 1)
     assert state.to_start() == [] and isinstance(state.failure, RuntimeError)
-    assert state.summary()["chunks_done"] == 3 and state.summary()["items_done"] == 7
+    assert state.summary().chunks_done == 3 and state.summary().items_done == 7
 
     budgeted = Backfill(plan, set(), limit=4, max_concurrency=4)
     assert budgeted.to_start() == [0]  # a second chunk would pass the budget of 4: never rounded up
     budgeted.landed(0, 3)
-    assert budgeted.to_start() == [] and budgeted.summary()["fraction"] == pytest.approx(0.3)
+    assert budgeted.to_start() == [] and budgeted.summary().fraction == pytest.approx(0.3)
 
 
 def test_a_stop_inside_a_chunk_cuts_that_chunk_so_the_backfill_ends_exactly_there():

@@ -111,7 +111,7 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
                              config.stop_when_gain_below)
     new = decider.target(asked_version(client, name, to_uri), view)
     if new is None:
-        return {"from": gallery.model.uri, "to": None, **decider.no_target(view, alias_version(client, name, CHAMPION))}
+        return {"from": gallery.model.uri, "to": None, **decider.no_target(view, alias_version(client, name, CHAMPION)).as_dict()}
     truth = truth_of(view.has_labels, config.judgments)
     truth_line = {TRUTH_NONE: "none: the gallery has no labels and no judged queries are configured; "
                   + ("the upgrade would be refused before planning (promotion.gate true)" if params.promotion.gate

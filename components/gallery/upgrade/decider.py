@@ -28,17 +28,19 @@ The states an upgrade goes through, and where each edge is decided::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
-from fastfill.components.gallery.upgrade.planning import upgrade_id
-from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef
-from fastfill.components.gallery.advice.advisor import at_stop
+from fastfill.components.gallery.advice.advisor import at_stop, stored_advice
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.gate.promotion import decide, decision_tags, gate_message
-from fastfill.components.gallery.upgrade.ending import interrupted_ending, rejection
-from fastfill.components.gallery.upgrade.planning import load_plan
+from fastfill.components.gallery.upgrade import backfill
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
+from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.planning import Plan, load_plan, upgrade_id
 from fastfill.components.gallery.upgrade.reversal import aborted, undone
+from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef
 
 # what a course does after its preliminaries
 ENDED, UP_TO_DATE, REFUSE, RESUME, PLAN = "ended", "up-to-date", "refuse", "resume", "plan"
@@ -65,7 +67,7 @@ class StoreView(Protocol):
     def rejected(self, upgrade: str) -> dict | None:
         """The promotion gate's rejection record of ``upgrade``, or None."""
 
-    def interrupted_ending(self) -> dict | None:
+    def interrupted_decision(self) -> dict | None:
         """The decision of an upgrade whose gallery switched (or went back) but whose registry
         step did not happen, or None."""
 
@@ -73,15 +75,15 @@ class StoreView(Protocol):
 @dataclass
 class Course:
     """What an upgrade does under its lock, in this order: ``complete_abort`` (an upgrade id),
-    ``complete_ending`` (a decision record), ``start_over`` (the upgrade's earlier objects are
+    ``complete_decision`` (a decision record), ``start_over`` (the upgrade's earlier objects are
     removed), then ``action``. ``say``: the lines to log."""
 
     action: str
-    uid: str | None = None
+    upgrade: str | None = None  # the upgrade's id
     old: ModelRef | None = None  # the features the map starts from
     base: str | None = None  # a sequential upgrade's unfinished upgrade
     complete_abort: str | None = None
-    complete_ending: dict | None = None
+    complete_decision: dict | None = None
     start_over: bool = False
     point_manifest: bool = False  # resuming: the manifest names another upgrade and must name this one
     truth: str | None = None
@@ -121,12 +123,12 @@ class UpgradeDecider:
         in progress), so that the same command resumes or completes it; None: nothing to do."""
         if asked is not None:
             return asked
-        ending = view.interrupted_ending()
+        ending = view.interrupted_decision()
         if ending is not None:
             return ModelRef.from_dict(ending["new"])
         return view.planned_new(view.current) if view.current else None
 
-    def no_target(self, view: StoreView, champion: str | None) -> dict:
+    def no_target(self, view: StoreView, champion: str | None) -> UpgradeResult:
         """The result when no version is asked for and nothing is in progress: a success that
         says so (``message``)."""
         name, serving = self.registered_model, view.model
@@ -135,7 +137,7 @@ class UpgradeDecider:
         held = f"champion is version {champion}" if champion else f"no `{CHAMPION}` either"
         message = (f"{name} has no `{CHALLENGER}` ({held}, {where}); nothing to upgrade. Set the alias "
                    f"`{CHALLENGER}` on a new version, or pass --to models:/{name}/VERSION")
-        return {**up_to_date(serving, view.num_items), "message": message}
+        return up_to_date(serving, view.num_items).with_message(message)
 
     # ---- under the lock: what happens next
 
@@ -149,14 +151,14 @@ class UpgradeDecider:
             complete_abort, current = current, None
             say.append(f"upgrade {complete_abort} was aborted, but the abort stopped before the gallery went back to "
                        "its own model's features; completing the abort first")
-        ending = view.interrupted_ending()
+        ending = view.interrupted_decision()
         if ending is not None:
             say.append(f"upgrade {ending['upgrade']} was interrupted at its end, after the gallery "
                        f"{'switched' if ending['passed'] else 'went back'}: recording its decision in the registry now")
             if ModelRef.from_dict(ending["new"]).same_version(wanted):
-                return Course(ENDED, uid=ending["upgrade"], complete_abort=complete_abort, complete_ending=ending,
+                return Course(ENDED, upgrade=ending["upgrade"], complete_abort=complete_abort, complete_decision=ending,
                               say=say)
-        course = Course(REFUSE, complete_abort=complete_abort, complete_ending=ending, say=say)
+        course = Course(REFUSE, complete_abort=complete_abort, complete_decision=ending, say=say)
         if view.model.same_version(wanted):
             if current:
                 moving = view.planned_new(current)
@@ -171,23 +173,23 @@ class UpgradeDecider:
             course.base, old = current, moving
             say.append(f"{self.store_uri} is in the middle of upgrade {current} to {moving.uri}: {wanted.uri} starts a "
                        "sequential upgrade from the gallery as it stands")
-        course.old, course.uid = old, upgrade_id(old, wanted)
-        undone = view.undone(course.uid)
+        course.old, course.upgrade = old, upgrade_id(old, wanted)
+        undone = view.undone(course.upgrade)
         if undone is not None:  # the user ended it: its old plan and chunks count for nothing
             course.start_over = True
             when, by = undone.get("aborted") or undone.get("rolled_back"), undone.get("by") or {}
-            say.append(f"upgrade {course.uid} was {undone['ended']} on {when} by {by.get('user')}@{by.get('host')}; "
+            say.append(f"upgrade {course.upgrade} was {undone['ended']} on {when} by {by.get('user')}@{by.get('host')}; "
                        "planning it again from scratch (its earlier objects were removed)")
         else:
-            rejected = view.rejected(course.uid)
+            rejected = view.rejected(course.upgrade)
             if rejected is not None and self.gate:
-                course.reason = (f"upgrade {course.uid} was rejected by the promotion gate on {rejected['rejected']} "
+                course.reason = (f"upgrade {course.upgrade} was rejected by the promotion gate on {rejected['rejected']} "
                                  f"({'; '.join(rejected.get('reasons', []))}); register a better version, or run it "
                                  "ungated (--no-gate) to plan it again without the gate")
                 return course
             if rejected is not None:  # the user turned the gate off for it: planned again, ungated
                 course.start_over = True
-                say.append(f"upgrade {course.uid} was rejected by the promotion gate on {rejected['rejected']}; the "
+                say.append(f"upgrade {course.upgrade} was rejected by the promotion gate on {rejected['rejected']}; the "
                            "gate is off for this run, so it is planned again from scratch and runs ungated")
         course.truth = truth_of(view.has_labels, self.judgments)
         if course.truth == TRUTH_NONE and self.gate:  # decided before any embedding
@@ -196,9 +198,9 @@ class UpgradeDecider:
         if course.truth == TRUTH_NONE:
             say.append(f"{self.store_uri} has no labels and no judged queries: the upgrade runs ungated "
                        "(promotion.gate false), and no retrieval is measured along the backfill")
-        if not course.start_over and view.planned_new(course.uid) is not None:
-            course.action, course.point_manifest = RESUME, current != course.uid
-            say.append(f"resuming upgrade {course.uid}")
+        if not course.start_over and view.planned_new(course.upgrade) is not None:
+            course.action, course.point_manifest = RESUME, current != course.upgrade
+            say.append(f"resuming upgrade {course.upgrade}")
         else:
             course.action = PLAN
         return course
@@ -224,16 +226,16 @@ class UpgradeDecider:
         stop = at_stop(advice, self.gain_below)
         return stop if stop["fraction"] < 1 else None
 
-    def paused(self, result: dict, stop: dict | None) -> tuple[dict, str]:
+    def paused(self, result: UpgradeResult, stop: dict | None) -> tuple[UpgradeResult, str]:
         """The result and the line of a backfill that stopped before its last chunk."""
-        done, items = result["items_done"], result["items"]
+        done, items = result.items_done, result.items
         if stop:
             metric = "top-1" if stop.get("metric", "top1") == "top1" else "agreement"
-            return ({**result, "state": "paused", "stopped": "recommended"},
+            return (replace(result, state="paused", stopped="recommended"),
                     f"stopped at {done}/{items} items: the recommended stop for a gain below {stop['gain_below']:g} "
                     f"{metric} points per 5% ({100 * stop['fraction']:.0f}%); queries are served by the mixed gallery. "
                     "To go on, run again with a --budget, or without stop_when_gain_below")
-        return ({**result, "state": "paused", "stopped": "budget"},
+        return (replace(result, state="paused", stopped="budget"),
                 f"stopped at {done}/{items} items (budget); run the same command to go on")
 
     # ---- the end sequence: decision, switch, registry, lock
@@ -263,36 +265,32 @@ class UpgradeDecider:
                 [gate_message(numbers, passed, reasons, new.uri, champion.uri)])
 
     @staticmethod
-    def ended(decided: dict) -> dict:
-        """The result of an upgrade whose end is done (or completed now)."""
-        result = {"state": "complete" if decided["passed"] else "rejected"}
-        if decided["numbers"] is not None:
-            result["promotion"] = {"passed": decided["passed"], "reasons": decided["reasons"],
-                                   "numbers": decided["numbers"]}
-        return result
-
-    @staticmethod
-    def ended_line(result: dict, uid: str, new: ModelRef, champion: ModelRef) -> str:
-        return (f"upgrade {uid} complete: the gallery's model is now {new.uri}" if result["state"] == "complete" else
-                f"upgrade {uid} rejected: the gallery serves {champion.uri}'s features again")
+    def ended_line(result: UpgradeResult, upgrade: str, new: ModelRef, champion: ModelRef) -> str:
+        return (f"upgrade {upgrade} complete: the gallery's model is now {new.uri}" if result.state == "complete" else
+                f"upgrade {upgrade} rejected: the gallery serves {champion.uri}'s features again")
 
 
-def up_to_date(model: ModelRef, num_items: int) -> dict:
+def up_to_date(model: ModelRef, num_items: int) -> UpgradeResult:
     """The result of an upgrade with nothing to do."""
-    return {"state": UP_TO_DATE, "model": model.uri, "items": num_items, "items_done": num_items, "fraction": 1.0,
-            "complete": True, "mlflow_run_id": None}
+    return UpgradeResult(state=UP_TO_DATE, model=model.uri, items=num_items, items_done=num_items, fraction=1.0,
+                         complete=True)
 
 
 class GalleryView:
-    """The ``StoreView`` of a real gallery: its manifest read once (refreshed), the upgrades'
-    records read from the store when the decider asks."""
+    """The ``StoreView`` of a real gallery, and what an ``UpgradeRun`` reads from it: its manifest
+    read once (``refresh`` reads it again, under the lock), the upgrades' records read from the
+    store when asked."""
 
     def __init__(self, gallery):
-        manifest = gallery.manifest(refresh=True)
         self.gallery = gallery
+        self.num_items = gallery.num_items
+        self.serves_queries = gallery.serves_queries
+        self.refresh()
+
+    def refresh(self) -> None:
+        manifest = self.gallery.manifest(refresh=True)
         self.model = ModelRef.from_dict(manifest["model"])
         self.current = manifest.get("upgrade")
-        self.num_items = gallery.num_items
         self.has_labels = bool(manifest.get("has_labels"))  # the manifest says; no label is read
 
     def planned_new(self, upgrade: str) -> ModelRef | None:
@@ -300,17 +298,37 @@ class GalleryView:
         return plan.new if plan is not None else None
 
     def aborted(self, upgrade: str) -> bool:
-
         return aborted(self.gallery.store, upgrade) is not None
 
     def undone(self, upgrade: str) -> dict | None:
-
         return undone(self.gallery.store, upgrade)
 
     def rejected(self, upgrade: str) -> dict | None:
-
         return rejection(self.gallery.store, upgrade)
 
-    def interrupted_ending(self) -> dict | None:
+    def interrupted_decision(self) -> dict | None:
+        return interrupted_decision(self.gallery)
 
-        return interrupted_ending(self.gallery)
+    # ---- what a run reads besides
+
+    def plan(self, upgrade: str) -> Plan:
+        plan = load_plan(self.gallery.store, upgrade)
+        if plan is None:
+            raise GalleryError(f"upgrade {upgrade} has no plan.json in {self.gallery.store.uri}")
+        return plan
+
+    def done_chunks(self, upgrade: str) -> set[int]:
+        return set(backfill.done_chunks(self.gallery.store, upgrade))
+
+    def failed_images(self, upgrade: str) -> list[dict]:
+        """Items whose image could not be read, recorded by earlier runs (adopted galleries' images)."""
+        return backfill.failed_images(self.gallery.store, upgrade) if self.gallery.adopted else []
+
+    def decision(self, upgrade: str) -> dict | None:
+        return decision(self.gallery.store, upgrade)
+
+    def stored_advice(self, upgrade: str) -> dict | None:
+        return stored_advice(self.gallery.store, upgrade)
+
+    def layout_refusal(self, new: ModelRef, task_runner: str) -> str | None:
+        return UpgradeDecider.layout_refusal(self.gallery, new, task_runner)

@@ -98,7 +98,7 @@ def mark_registry_recorded(store: Store, upgrade: str) -> dict:
     return record
 
 
-def interrupted_ending(gallery: Gallery) -> dict | None:
+def interrupted_decision(gallery: Gallery) -> dict | None:
     """The decision of an upgrade whose end was interrupted after the gallery switched or went
     back (step 2) but before the registry followed (step 3), or None. Found through the
     manifest's history (a finish) or the newest rejection without its registry step."""

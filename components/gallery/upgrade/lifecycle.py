@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade.outcome import BackfillSummary
 from fastfill.components.gallery.upgrade.planning import Plan
 
 
@@ -229,8 +230,7 @@ class Backfill:
     def complete(self) -> bool:
         return len(self.done) == self.plan.num_chunks
 
-    def summary(self) -> dict:
-        return {"upgrade": self.plan.id, "chunks_done": len(self.done), "chunks": self.plan.num_chunks,
-                "items_done": self.items_done, "items": self.plan.num_items,
-                "fraction": self.items_done / self.plan.num_items, "complete": self.complete,
-                "failed_images": len(self.failed_images)}
+    def summary(self) -> BackfillSummary:
+        return BackfillSummary(self.plan.id, len(self.done), self.plan.num_chunks, self.items_done,
+                               self.plan.num_items, self.items_done / self.plan.num_items, self.complete,
+                               len(self.failed_images))

@@ -1,15 +1,19 @@
-"""What one run of an upgrade returns (``flows.upgrade.upgrade_flow``), as one typed value: the
-CLI prints it, the deployment's flow run carries it as its state's data, tests read it. Which
-keys are present depends on ``state``; each is written once, where the run decides it."""
+"""What one run of an upgrade returns (``UpgradeRun.run``, the flow ``upgrade_flow``), as typed
+records: the CLI prints their fields, ``--json`` writes them (``as_dict``), the deployment's flow
+run carries them as its state's data, tests read them. Which fields are set depends on
+``state``; each is written once, where the run decides it."""
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, Required, TypedDict
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 State = Literal["complete", "rejected", "paused", "up-to-date", "no target"]
+Stopped = Literal["budget", "recommended"]
 
 
-class Promotion(TypedDict):
+@dataclass(frozen=True)
+class Promotion:
     """The promotion gate's decision: passed or not, why, and its numbers (None ungated)."""
 
     passed: bool
@@ -17,27 +21,23 @@ class Promotion(TypedDict):
     numbers: dict | None
 
 
-class Advice(TypedDict, total=False):
-    """The budget advisor's predicted curve and the stop it recommends (see advisor.describe)."""
+@dataclass(frozen=True)
+class Advice:
+    """The budget advisor's predicted curve (``top1`` and ``map`` with labels or judged queries,
+    ``agreement`` without) and the stop it recommends (see advisor.describe)."""
 
     recommendation: dict | None
     fractions: list[float]
-    top1: list[float]
-    map: list[float]
-    agreement: list[float]
+    top1: list[float] | None = None
+    map: list[float] | None = None
+    agreement: list[float] | None = None
 
 
-class UpgradeResult(TypedDict, total=False):
-    """``state``: complete (the gallery serves the new model), rejected (the gate said no; the
-    champion's features serve), paused (a budget or the advised stop; the same command goes on),
-    up-to-date, or no target. The backfill's counts come with every run that planned or resumed;
-    ``promotion`` with a measured gate; ``advice`` where the advisor predicted the curve;
-    ``resumed_ending`` and ``decided`` when this run completed the end a killed run had decided."""
+@dataclass(frozen=True)
+class BackfillSummary:
+    """How far one run's backfill got (``lifecycle.Backfill.summary``)."""
 
-    state: Required[State]
-    message: str  # what the run said, for up-to-date, no target and paused
-    model: str  # the gallery's model (up-to-date, no target)
-    upgrade: str  # the upgrade's id
+    upgrade: str
     chunks_done: int
     chunks: int
     items_done: int
@@ -45,17 +45,53 @@ class UpgradeResult(TypedDict, total=False):
     fraction: float  # items_done / items
     complete: bool  # every chunk landed
     failed_images: int  # items whose image could not be read (they keep h(old))
-    stopped: Literal["budget", "recommended"]  # why a paused run stopped
-    mlflow_run_id: str | None  # the upgrade's MLflow run
-    advice: Advice
-    promotion: Promotion
-    resumed_ending: bool
-    decided: dict  # the decision.json this run completed
-    champion: NotRequired[dict]  # internal: the champion the end measured against, popped before returning
 
 
-def backfilled(summary: dict, mlflow_run_id: str | None, advice: Advice | None) -> UpgradeResult:
-    """The result of a run's backfill (``lifecycle.Backfill.summary``), before its end; the state
-    is decided after (paused, or the end's)."""
-    return {"state": "complete" if summary["complete"] else "paused", **summary, "mlflow_run_id": mlflow_run_id,
-            **({"advice": advice} if advice else {})}
+@dataclass(frozen=True)
+class UpgradeResult:
+    """``state``: complete (the gallery serves the new model), rejected (the gate said no; the
+    champion's features serve), paused (a budget or the advised stop; the same command goes on),
+    up-to-date, or no target. The backfill's counts come with every run that planned or resumed;
+    ``promotion`` with a measured gate; ``advice`` where the advisor predicted the curve;
+    ``resumed_ending`` and ``decision`` when this run completed the end a killed run had decided."""
+
+    state: State
+    items: int
+    items_done: int
+    fraction: float
+    complete: bool
+    mlflow_run_id: str | None = None  # the upgrade's MLflow run
+    message: str | None = None  # what the run said, for up-to-date, no target and paused
+    model: str | None = None  # the gallery's model (up-to-date, no target)
+    upgrade: str | None = None  # the upgrade's id
+    chunks_done: int | None = None
+    chunks: int | None = None
+    failed_images: int | None = None
+    stopped: Stopped | None = None  # why a paused run stopped
+    advice: Advice | None = None
+    promotion: Promotion | None = None
+    resumed_ending: bool = False
+    decision: dict | None = None  # the decision record (decision.json) this run completed
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why the gate rejected: this run's gate, or the decision it completed."""
+        if self.promotion is not None and self.promotion.reasons:
+            return list(self.promotion.reasons)
+        return list((self.decision or {}).get("reasons") or [])
+
+    def with_message(self, message: str) -> UpgradeResult:
+        return replace(self, message=message)
+
+    def as_dict(self) -> dict:
+        """The fields as plain JSON-ready values."""
+        return asdict(self)
+
+
+def backfilled(summary: BackfillSummary, mlflow_run_id: str | None, advice: Advice | None) -> UpgradeResult:
+    """The result of a run's backfill, before its end; the state is decided after (paused, or
+    the end's)."""
+    return UpgradeResult(state="complete" if summary.complete else "paused", items=summary.items,
+                         items_done=summary.items_done, fraction=summary.fraction, complete=summary.complete,
+                         mlflow_run_id=mlflow_run_id, upgrade=summary.upgrade, chunks_done=summary.chunks_done,
+                         chunks=summary.chunks, failed_images=summary.failed_images, advice=advice)

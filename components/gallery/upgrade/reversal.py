@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from fastfill.components.gallery.upgrade.backfill import done_chunks
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
-from fastfill.components.gallery.upgrade.ending import decision, interrupted_ending, rejection
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
 from fastfill.components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
 from fastfill.components.gallery.store import Store
 
@@ -97,7 +97,7 @@ def abortable(gallery: Gallery) -> str:
                 "longer unfinished and cannot be aborted; run `fastfill upgrade` to complete its end"
                 + (", then `fastfill gallery rollback` to undo it" if decided["passed"] else ""))
         return upgrade
-    ending = interrupted_ending(gallery)
+    ending = interrupted_decision(gallery)
     if ending is not None:
         raise GalleryError(
             f"upgrade {ending['upgrade']} of {store.uri} has ended ({'passed' if ending['passed'] else 'rejected'} on "
@@ -197,7 +197,7 @@ def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
     if manifest.get("upgrade"):
         raise GalleryError(f"upgrade {manifest['upgrade']} of {store.uri} is in progress; drop it with `fastfill "
                            "upgrade abort` (or let it finish) before rolling back")
-    ending = interrupted_ending(gallery)
+    ending = interrupted_decision(gallery)
     if ending is not None:
         raise GalleryError(f"the end of upgrade {ending['upgrade']} of {store.uri} was interrupted before the registry "
                            "followed; run `fastfill upgrade` to complete it, then roll back")

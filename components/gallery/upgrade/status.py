@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastfill.components.gallery.advice.advisor import stored_advice
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
 from fastfill.components.gallery.layouts.catalog import Gallery, ModelRef
-from fastfill.components.gallery.upgrade.ending import decision, interrupted_ending
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision
 from fastfill.components.gallery.store.lock import LOCK, lease_expired
 from fastfill.components.gallery.upgrade.planning import load_plan
 from fastfill.components.gallery.upgrade.reversal import aborted, interrupted_rollback
@@ -75,7 +75,7 @@ def gallery_status(gallery: Gallery, *, failures: bool = True) -> dict:
                 result["state"] = "ending interrupted"
                 result["next"] = "run the same `fastfill upgrade` again: it completes the recorded decision"
         return result
-    ending = interrupted_ending(gallery)
+    ending = interrupted_decision(gallery)
     if ending is not None:  # killed after the switch, before the registry followed
         result["state"] = "running" if held else "ending interrupted"
         result["upgrade"] = {"id": ending["upgrade"], "to": ModelRef.from_dict(ending["new"]).uri,
