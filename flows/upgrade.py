@@ -21,7 +21,7 @@ from fastfill.components.gallery.store.lock import acquire_lock
 from fastfill.components.gallery.upgrade import backfill, samples
 from fastfill.components.gallery.upgrade.decider import Course, GalleryView, UpgradeDecider
 from fastfill.components.gallery.upgrade.measure import meter_for
-from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import GateDecision, UpgradeResult
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.gallery.upgrade.run import RunSettings, UpgradePorts, UpgradeRun
 from fastfill.components.platform import registry
@@ -123,8 +123,8 @@ class _StoreWrites:
     def sync_serving(self) -> str:
         return store_tasks.sync_serving(self.uri)
 
-    def write_decision(self, plan: Plan, champion: ModelRef, fields: dict) -> dict:
-        return store_tasks.write_decision(self.uri, plan, champion, fields)
+    def write_decision(self, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
+        return store_tasks.write_decision(self.uri, plan, champion, decided)
 
     def finish(self, plan: Plan) -> None:
         store_tasks.finish_upgrade(self.uri, plan)

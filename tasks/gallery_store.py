@@ -14,6 +14,7 @@ from fastfill.components.gallery.upgrade import backfill, ending, planning, reve
 
 from fastfill.components.gallery.layouts import catalog
 from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.upgrade.outcome import GateDecision
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.gallery.store import Store, configure_s3, open_store
 from fastfill.components.model_store import registered
@@ -163,8 +164,9 @@ def advise_upgrade(store_uri: str, plan: Plan, gain_below: float | None) -> dict
 
 
 @task(name="write-decision", **IO_RETRIES, **NO_CACHING)
-def write_decision(store_uri: str, plan: Plan, champion: ModelRef, fields: dict) -> dict:
-    return ending.write_decision(store_at(store_uri), plan, champion=champion, **fields)
+def write_decision(store_uri: str, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
+    return ending.write_decision(store_at(store_uri), plan, champion=champion, passed=decided.passed,
+                                 reasons=decided.reasons, numbers=decided.numbers, tags=decided.tags)
 
 
 @task(name="mark-registry-recorded", **IO_RETRIES, **NO_CACHING)

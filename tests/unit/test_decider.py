@@ -163,8 +163,8 @@ NUMBERS = {"champion_top1": 0.5, "top1_auc": 0.6, "top1_auc_gain": 0.1, "nfr1_me
 ])
 def test_the_decision(numbers, passed, tag):
     decided, said = decider().decide(numbers, PromotionConfig(), UID12, V2, V1)
-    assert decided["passed"] is passed and decided["tags"]["promotion"] == tag
-    assert bool(decided["reasons"]) == (not passed)
+    assert decided.passed is passed and decided.tags["promotion"] == tag
+    assert bool(decided.reasons) == (not passed)
     assert bool(said) == (numbers is not None)
 
 

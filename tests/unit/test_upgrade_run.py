@@ -7,7 +7,7 @@ the same run started again must carry the upgrade to the same end, measuring the
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import pytest
 
@@ -173,11 +173,11 @@ class Ports:
         self._call("sync_serving")
         return "the index serves the mixed gallery"
 
-    def write_decision(self, plan, champion, fields):
+    def write_decision(self, plan, champion, decided):
         self._call("write_decision")
         return self.store.decisions.setdefault(plan.id, {
-            "upgrade": plan.id, "decided": "t", **fields, "champion": champion.to_dict(), "new": plan.new.to_dict(),
-            "registry_recorded": None})
+            "upgrade": plan.id, "decided": "t", **asdict(decided), "champion": champion.to_dict(),
+            "new": plan.new.to_dict(), "registry_recorded": None})
 
     def finish(self, plan):
         self._call("finish")

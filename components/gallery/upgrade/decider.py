@@ -37,7 +37,7 @@ from fastfill.components.gallery.gate.promotion import decide, decision_tags, ga
 from fastfill.components.gallery.upgrade import backfill
 from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
 from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
-from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import GateDecision, UpgradeResult
 from fastfill.components.gallery.upgrade.planning import Plan, load_plan, upgrade_id
 from fastfill.components.gallery.upgrade.reversal import aborted, undone
 from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef
@@ -252,16 +252,14 @@ class UpgradeDecider:
                            "before the last run stopped"])
 
     def decide(self, numbers: dict | None, promotion, upgrade: str, new: ModelRef, champion: ModelRef,
-               ) -> tuple[dict, list[str]]:
+               ) -> tuple[GateDecision, list[str]]:
         """The decision to record: the gate's on ``numbers`` (``promotion``: its thresholds), or
-        passed ungated when ``numbers`` is None. Returns (the decision's fields, lines to say)."""
+        passed ungated when ``numbers`` is None. Returns (the decision, lines to say)."""
 
         if numbers is None:
-            return ({"passed": True, "reasons": [], "numbers": None,
-                     "tags": {"promotion": "ungated", "promotion.upgrade": upgrade}}, [])
+            return GateDecision(True, [], None, {"promotion": "ungated", "promotion.upgrade": upgrade}), []
         passed, reasons = decide(numbers, promotion)
-        return ({"passed": passed, "reasons": reasons, "numbers": numbers,
-                 "tags": decision_tags(passed, reasons, numbers, champion.version, upgrade)},
+        return (GateDecision(passed, reasons, numbers, decision_tags(passed, reasons, numbers, champion.version, upgrade)),
                 [gate_message(numbers, passed, reasons, new.uri, champion.uri)])
 
     @staticmethod

@@ -22,6 +22,18 @@ class Promotion:
 
 
 @dataclass(frozen=True)
+class GateDecision:
+    """What the end decides before it switches anything (``UpgradeDecider.decide``): passed or
+    not, why, the gate's numbers (None ungated), and the tags the registry records. Written as
+    the upgrade's decision record (``ending.write_decision``, decision.json)."""
+
+    passed: bool
+    reasons: list[str]
+    numbers: dict | None
+    tags: dict
+
+
+@dataclass(frozen=True)
 class Advice:
     """The budget advisor's predicted curve (``top1`` and ``map`` with labels or judged queries,
     ``agreement`` without) and the stop it recommends (see advisor.describe)."""

@@ -30,7 +30,8 @@ from fastfill.components.gallery.upgrade.decider import (ENDED, REFUSE, RESUME, 
                                                          UpgradeDecider, up_to_date)
 from fastfill.components.gallery.upgrade.lifecycle import (TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit,
                                                            failure_limit)
-from fastfill.components.gallery.upgrade.outcome import Advice, BackfillSummary, Promotion, UpgradeResult, backfilled
+from fastfill.components.gallery.upgrade.outcome import (Advice, BackfillSummary, GateDecision, Promotion, UpgradeResult,
+                                                         backfilled)
 from fastfill.components.gallery.upgrade.planning import Plan, upgrade_id
 from fastfill.components.platform.registry import ModelRef
 
@@ -56,8 +57,8 @@ class StoreWrites(Protocol):
     def sync_serving(self) -> str:
         """The serving index brought to the upgrade's mixed gallery; the line to say."""
 
-    def write_decision(self, plan: Plan, champion: ModelRef, fields: dict) -> dict:
-        """The decision record written; returns it."""
+    def write_decision(self, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
+        """The decision record (decision.json) written once; returns it as stored."""
 
     def finish(self, plan: Plan) -> None:
         """The gallery switched to the new model's features."""
@@ -322,10 +323,10 @@ class UpgradeRun:
             self.log(line)
         if decision is None:
             numbers = self.ports.measure_gate(plan) if steps.measure else None
-            fields, said = self.decider.decide(numbers, self.settings.promotion, plan.id, plan.new, self.view.model)
+            decided, said = self.decider.decide(numbers, self.settings.promotion, plan.id, plan.new, self.view.model)
             for line in said:
                 self.log(line)
-            decision = self.ports.writes.write_decision(plan, self.view.model, fields)
+            decision = self.ports.writes.write_decision(plan, self.view.model, decided)
             if numbers is not None and plan.mlflow_run_id:
                 self.ports.records.gate(plan, numbers)
         if decision["passed"]:
