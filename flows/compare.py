@@ -33,7 +33,9 @@ from fastfill.components.evaluation.comparison import (
     COSTS, comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, method_cost,
     plot_comparison, summarize,
 )
-from fastfill.components.platform.config import Params, adapter_method, dual_method, online_method
+from fastfill.components.platform.config import (
+    AlignConfig, CompatibleConfig, Params, adapter_method, dual_method, online_method,
+)
 from fastfill.components.platform.layout import Layout, read_json, write_json
 from fastfill.flows.comparison_progress import comparison_progress
 from fastfill.flows.pipeline import pipeline_flow
@@ -69,10 +71,11 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
         try:
             metrics[str(seed)], curves[str(seed)] = read_json(layout.metrics), read_json(layout.curves)
         except FileNotFoundError as error:
-            raise FileNotFoundError(f"seed {seed} of the comparison has no results ({error}); "
-                                    f"run `fastfill compare --seed {seed}` or `dvc --cd comparison repro compare@{seed}`") from None
+            raise FileNotFoundError(f"seed {seed} of the comparison has no results ({error}); run "
+                                    f"`fastfill compare --seed {seed}` or `dvc --cd comparison repro compare@{seed}`"
+                                    ) from None
     one = params.for_comparison(seeds[0])
-    configs = {**one.align, **one.compatible}
+    configs: dict[str, AlignConfig | CompatibleConfig] = {**one.align, **one.compatible}
     descriptions = {m: describe_method(c) for m, c in configs.items()}
     descriptions.update({adapter_method(kind): describe_adapter(kind, one.evaluate.adapter_rank)
                          for kind in one.evaluate.adapters})
@@ -150,6 +153,8 @@ def run_seeds_side_by_side(params: Params, seeds: list[int], jobs: int) -> None:
     with tempfile.TemporaryDirectory(prefix="fastfill-compare-") as scratch:
         config_file = Path(scratch) / "params.yaml"
         config_file.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+        running: dict
+        said: dict
         pending, running, failed, said = list(seeds), {}, [], {}
         started = time.monotonic()
         while pending or running:

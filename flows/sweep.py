@@ -40,7 +40,8 @@ def sweep_flow(params: Params, sizes: list[int | None], seeds: list[int], out: P
                resume: bool = False, report_only: bool = False) -> dict:
     """``resume``: a (size, seed) whose metrics.json exists is read, not re-run. ``report_only``:
     nothing is run; the report covers the (size, seed) runs that exist (each size lists its seeds)."""
-    results, pairs = {}, {}
+    results: dict = {}
+    pairs: dict = {}
     for size in sizes:
         base = sized(params, size, out)
         label = size_label(size)

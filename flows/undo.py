@@ -137,7 +137,7 @@ def _record_rollback_in_registry(client, store, record: dict, rolled: ModelRef, 
             "promotion.rolled_back_upgrade": record["upgrade"]}
     plan = planning.load_plan(store, record["upgrade"])
     if rolled.name != previous.name:  # another registered model: only the tags
-        registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan and plan.mlflow_run_id, tags)
+        registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan.mlflow_run_id if plan else None, tags)
         return False
     moved = registry.record_rollback(client, rolled.name, rolled.version, previous.version,
                                      plan.mlflow_run_id if plan else None, tags)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastfill.components.platform.config import Params
 from fastfill.flows.deployments import UPGRADE_DEPLOYMENT, deployments
@@ -55,7 +56,7 @@ class Deployed:
     paused: bool = False  # paused before, and still
 
 
-def ensure_pool(client, name: str) -> tuple[object, bool]:
+def ensure_pool(client, name: str) -> tuple[Any, bool]:
     """The work pool ``name``, created as a process pool (Prefect's default job template) when the
     server has none of that name: (the pool, whether it was created now)."""
     from prefect.client.schemas.actions import WorkPoolCreate

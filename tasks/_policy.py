@@ -4,7 +4,11 @@ Tasks pass paths and small values; the big arrays stay on disk, so no task input
 for caching (DVC decides what re-runs, not Prefect's cache).
 """
 
-from prefect.cache_policies import NO_CACHE
+from collections.abc import Callable
+from typing import TypedDict, cast
+from uuid import UUID
+
+from prefect.cache_policies import NO_CACHE, CachePolicy
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.gallery.store.lock import UpgradeLocked
@@ -22,8 +26,19 @@ def _worth_retrying(task, task_run, state) -> bool:
     return True
 
 
-IO_RETRIES = {"retries": 3, "retry_delay_seconds": [1, 5, 15], "retry_condition_fn": _worth_retrying}
-NO_CACHING = {"cache_policy": NO_CACHE}
+class _Retries(TypedDict):
+    """@task's retry arguments (a TypedDict, so that ``**IO_RETRIES`` is checked against them)."""
+    retries: int
+    retry_delay_seconds: list[float]
+    retry_condition_fn: Callable[..., bool]
+
+
+class _Caching(TypedDict):
+    cache_policy: CachePolicy
+
+
+IO_RETRIES: _Retries = {"retries": 3, "retry_delay_seconds": [1, 5, 15], "retry_condition_fn": _worth_retrying}
+NO_CACHING: _Caching = {"cache_policy": NO_CACHE}
 # Training tasks carry the tag `gpu`. A tag routes nothing: Prefect uses it for a tag concurrency
 # limit only (`prefect concurrency-limit create gpu 1`: at most one such task runs at a time, on
 # whatever machine runs its flow). Which machine runs them is the deployment's work pool:
@@ -50,7 +65,8 @@ def epoch_progress(key: str, description: str):
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     key = re.sub(r"[^a-z0-9-]+", "-", key.lower())  # Prefect's rule for artifact keys
-    artifact = create_progress_artifact(0.0, key=key, description=description)
+    # called in a sync context: the id itself, not a coroutine
+    artifact = cast(UUID, create_progress_artifact(0.0, key=key, description=description))
 
     def update(done: int, total: int) -> None:
         update_progress_artifact(artifact, 100.0 * done / total)

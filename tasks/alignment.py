@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prefect import task
@@ -13,7 +14,9 @@ from fastfill.components.platform.config import AlignConfig
 from fastfill.components.experiment.data import load_split
 from fastfill.components.platform.layout import Layout, load_array, save_array, write_json
 from fastfill.components.experiment.map_check import decide_map, is_reference, reference_config, skip_reason
-from fastfill.components.experiment.models import load_alignment, load_embedder, save_alignment
+from fastfill.components.experiment.models import (
+    AlignmentMap, UnifiedMaps, load_alignment, load_embedder, save_alignment,
+)
 from fastfill.components.experiment.inference import apply_alignment, apply_unified, pick_device
 from fastfill.components.experiment.map_training import train_alignment, train_unified, true_alignment_loss
 from fastfill.components.experiment.training import discard_checkpoint, run_key
@@ -48,7 +51,7 @@ def _reference_path(config: AlignConfig, old: np.ndarray, new: np.ndarray, rows:
 
 
 @task(name="train-alignment", tags=GPU_TAGS, **NO_CACHING)
-def train_map(config: AlignConfig, method: str, layout: Layout):
+def train_map(config: AlignConfig, method: str, layout: Layout) -> tuple[AlignmentMap | UnifiedMaps, list[dict]]:
     old, new, rows, new_model = _training_pairs(layout)
     options = dict(device=pick_device(), checkpoint=layout.checkpoint(f"align-{method}"), log=log,
                    on_epoch=epoch_progress(f"align-{method}", f"training the {method} alignment map"), method=method)
@@ -77,7 +80,8 @@ def _cached_reference(method: str, path: Path):
 
 
 @task(name="check-alignment", tags=GPU_TAGS, **NO_CACHING)
-def check_trained_map(h, config: AlignConfig, method: str, layout: Layout, distance: str = "l2"):
+def check_trained_map(h, config: AlignConfig, method: str, layout: Layout,
+                      distance: str = "l2") -> tuple[Any, AlignConfig, dict | None]:
     """The map check (components.experiment.map_check.decide_map) on the held-out pairs: returns
     the map to use, its configuration and the check's record (None when the map is l2-only, its
     own reference, or nothing is held out). Raises MapCheckError under ``check: fail``."""
@@ -139,7 +143,3 @@ def save_map(h, config: AlignConfig, history: list[dict], method: str, layout: L
     write_json(directory / "history.json", history)
     discard_checkpoint(layout.checkpoint(f"align-{method}"))
     return directory / "map.pt"
-
-
-def load_map(method: str, layout: Layout):
-    return load_alignment(layout.align_dir(method) / "map.pt")

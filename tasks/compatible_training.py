@@ -65,7 +65,7 @@ def train_own_old_model(train_config: TrainConfig, method: str, layout: Layout):
 
 @task(name="train-compatible", tags=GPU_TAGS, **NO_CACHING)
 def train_compatible(config: CompatibleConfig, train_config: TrainConfig, method: str, layout: Layout,
-                     old_train_config: TrainConfig | None = None):
+                     old_train_config: TrainConfig | None = None) -> tuple[torch.nn.Module, list[dict]]:
     """The compatible new model, against the pipeline's old model, or (stationary
     representations) against its own, trained first with ``old_train_config`` (train.old)."""
     meta = load_meta(layout.splits)

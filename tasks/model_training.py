@@ -10,14 +10,14 @@ from prefect import task
 from fastfill.components.platform.config import TrainConfig
 from fastfill.components.experiment.data import load_meta, load_split
 from fastfill.components.platform.layout import FEATURE_SPLITS, Layout, save_array, write_json
-from fastfill.components.experiment.models import save_embedder
+from fastfill.components.experiment.models import Embedder, save_embedder
 from fastfill.components.experiment.inference import embed, pick_device
 from fastfill.components.experiment.training import TrainingRun, discard_checkpoint, train_embedder
 from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 
 @task(name="train-embedder", tags=GPU_TAGS, **NO_CACHING)
-def train_model(config: TrainConfig, role: str, layout: Layout):
+def train_model(config: TrainConfig, role: str, layout: Layout) -> tuple[Embedder, list[dict]]:
     meta = load_meta(layout.splits)
     split = load_split(layout.splits, "old_train" if role == "old" else "new_train")
     classes = meta["old_classes"] if role == "old" else meta.get("new_classes", list(range(meta["num_classes"])))

@@ -95,7 +95,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             run(module)
             _tether(module)
 
-        spec.loader.exec_module = exec_module  # this spec's own loader object
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader object
         return spec
 
 

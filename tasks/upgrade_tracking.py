@@ -5,6 +5,9 @@ run's one registry client (``registry.setup``, called once by the flow)."""
 
 from __future__ import annotations
 
+from typing import cast
+from uuid import UUID
+
 from prefect import task
 
 from fastfill.components.gallery.upgrade.lifecycle import done_prefix
@@ -82,8 +85,9 @@ class UpgradeProgress:
         self.client.update_run(self.run_id, status="RUNNING")
         history = self.client.get_metric_history(self.run_id, "top1")
         self.measured = {int(m.step) for m in history}
-        self.artifact = create_progress_artifact(0.0, key=artifact_key,
-                                                 description=f"backfill of {plan.id} in {store_uri}")
+        # called in a sync context: the id itself, not a coroutine
+        self.artifact = cast(UUID, create_progress_artifact(0.0, key=artifact_key,
+                                                            description=f"backfill of {plan.id} in {store_uri}"))
 
     def chunk_done(self, done: set[int], items_done: int) -> None:
         from prefect.artifacts import update_progress_artifact

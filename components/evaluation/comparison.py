@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
+from typing import Any
 
 from fastfill.components.platform.config import AlignConfig, CompatibleConfig
 from fastfill.components.evaluation.seed_report import spread
@@ -152,7 +153,7 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
         if set(per_seed_metrics[seed]) != set(first):
             raise ValueError(f"seed {seed} has rows {sorted(per_seed_metrics[seed])}, seed {seeds[0]} has "
                              f"{sorted(first)}: re-run the seeds with the same configuration")
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name in REFERENCES:
         if name in first:
             rows[name.replace("_", "/")] = {
@@ -191,7 +192,7 @@ def summarize(per_seed_metrics: Mapping[str, Mapping], per_seed_curves: Mapping[
     references = {name.replace("_", "/"): {k: statistics.fmean(per_seed_curves[s]["reference"][name][k] for s in seeds)
                                            for k in ("top1", "map")}
                   for name in REFERENCES if name in first}
-    summary = {"seeds": seeds, "rows": rows, "mean_curves": curves, "reference_points": references}
+    summary: dict[str, Any] = {"seeds": seeds, "rows": rows, "mean_curves": curves, "reference_points": references}
     summary["expectations"] = check_expectations(summary, headline)
     return summary
 
@@ -321,6 +322,7 @@ def curve_styles(labels: list[str], headline: Mapping[str, bool]) -> dict[str, d
     for label in labels:
         method = label.split(" (")[0]
         leading = method in LEADING_COLOURS
+        linestyle: str | tuple[int, tuple[int, ...]]
         if headline[label]:
             linestyle = "-"
         else:

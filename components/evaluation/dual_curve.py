@@ -41,6 +41,7 @@ the positives, which gives top-1, top-5 and AP.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import numpy as np
 
@@ -60,10 +61,25 @@ CURVE_MERGES = (*MERGES, ONLINE_MERGE)
 _CHUNK_ROWS = 8
 
 
+@overload
 def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
                 labels: np.ndarray, order: np.ndarray | None = None, *, merges: Sequence[str] = MERGES,
                 distance: str = "l2", num_intermediate: int = ALPHA_POINTS_DEFAULT, block_size: int = 256,
-                workers: int = 2, per_query: bool = False) -> dict[str, BackfillCurve]:
+                workers: int = 2, per_query: Literal[False] = False) -> dict[str, BackfillCurve]: ...
+
+
+@overload
+def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
+                labels: np.ndarray, order: np.ndarray | None = None, *, merges: Sequence[str] = MERGES,
+                distance: str = "l2", num_intermediate: int = ALPHA_POINTS_DEFAULT, block_size: int = 256,
+                workers: int = 2, per_query: Literal[True]) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
+
+
+def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
+                labels: np.ndarray, order: np.ndarray | None = None, *, merges: Sequence[str] = MERGES,
+                distance: str = "l2", num_intermediate: int = ALPHA_POINTS_DEFAULT, block_size: int = 256,
+                workers: int = 2, per_query: bool = False
+                ) -> dict[str, BackfillCurve] | dict[str, tuple[np.ndarray, np.ndarray]]:
     """The shadow-index playbook's backfill curve for each merge of ``merges`` (one pass).
     With ``per_query``, each merge's ``(top1, ap)`` instead, as ``per_query_curve`` gives them:
     both ``(B + 2, n)``, each query's top-1 hit (bool) and AP at every point.
@@ -157,15 +173,15 @@ class _Setup:
         rows at a time (their keys, counts and pairs then stay in cache)."""
         new = block_distances(Prepared.of(query_new, self.distance), self.gallery_new, self.distance)
         old = block_distances(Prepared.of(query_old, self.distance), self.gallery_old, self.distance)
-        totals = None
+        totals: dict[str, BlockTotals] = {}
         for first in range(start, stop, _CHUNK_ROWS):
             last = min(first + _CHUNK_ROWS, stop)
             chunk = self.chunk(new[first - start:last - start], old[first - start:last - start], first, last)
-            totals = chunk if totals is None else {m: totals[m] + chunk[m] for m in self.merges}
+            totals = {m: totals[m] + chunk[m] for m in self.merges} if totals else chunk
         return totals
 
     def chunk(self, new_distances, old_distances, start: int, stop: int) -> dict[str, BlockTotals]:
-        b, n, cuts, points = stop - start, self.n, self.cuts, self.points
+        n, cuts, points = self.n, self.cuts, self.points
         self_column = self.self_column[start:stop]
         positive = self.labels[start:stop, None] == self.column_labels[None, :]
         new = _Side(new_distances, positive, self_column, self, is_new=True)
@@ -303,6 +319,7 @@ class _Scoring:
         key = np.concatenate([(group_new << self.shift) | position_new, (group_old << self.shift) | position_old])
         position = np.sort(key, kind="stable") & ((1 << self.shift) - 1)
         b, points = self.b, self.points
+        best: np.ndarray  # flat, then (b, P)
         ap, best = np.zeros(b * points), np.zeros(b * points, dtype=np.int64)
         if len(position):
             ap[self.has] = np.add.reduceat(self.weight / position, self.first)

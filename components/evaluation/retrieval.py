@@ -264,6 +264,7 @@ def per_query_curve(
     n = query.shape[0]
     cuts = [(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)]
     totals = evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, cuts, 1024, 2, per_query=True)
+    assert totals.query_top1 is not None and totals.query_ap is not None  # kept by per_query
     return totals.query_top1, totals.query_ap
 
 
@@ -392,6 +393,7 @@ def block_distances(q: Prepared, g: Prepared, distance: str) -> np.ndarray:
     d = q.x @ g.x.T
     # In-place updates: the (rows, n) matrix is the largest array alive, so no temporaries.
     if distance == "l2":
+        assert q.sq is not None and g.sq is not None  # Prepared.of keeps the squared norms for l2
         d *= -2.0
         d += q.sq[:, None]
         d += g.sq[None, :]
@@ -467,7 +469,7 @@ def evaluate_blocks(query, gallery_new, gallery_old, labels, order, distance, cu
             self_column[start:stop], num_positives[start:stop], cuts, per_query,
         )
 
-    return over_blocks(run, n, block_size, workers)
+    return over_blocks(run, n, int(block_size), int(workers))
 
 
 def over_blocks(run, n: int, block_size: int, workers: int):

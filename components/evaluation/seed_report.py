@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 
 SEED_KEYS = ("top1_0", "top1_100", "top1_auc", "top5_auc", "map_auc", "nfr1_mean")
 ORDER_KEYS = ("top1_auc", "top5_auc", "map_auc")
 
 
-def spread(values_by_seed: dict) -> dict:
+def spread(values_by_seed: Mapping) -> dict:
     """Mean, sample standard deviation (0 for one seed) and the values keyed by str(seed)."""
     values = list(values_by_seed.values())
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,

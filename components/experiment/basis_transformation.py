@@ -17,6 +17,8 @@ model is an ordinary Embedder of dimension ``d_new + extra`` (saved, registered 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
@@ -36,8 +38,9 @@ class BasisTransformedEmbedding(nn.Module):
             raise ValueError(f"BT^2's compatible part (the old dimension, {old_dim}) must be larger than the extra "
                              f"dimensions ({extra}) and fit in the feature ({new_dim + extra})")
         self.linear = embedding
-        self.new_basis = orthogonal(nn.Linear(new_dim, new_dim, bias=False))
-        self.old_basis = orthogonal(nn.Linear(old_dim, old_dim, bias=False))
+        # orthogonal() returns the Linear it parametrises (typed as any Module)
+        self.new_basis = cast(nn.Linear, orthogonal(nn.Linear(new_dim, new_dim, bias=False)))
+        self.old_basis = cast(nn.Linear, orthogonal(nn.Linear(old_dim, old_dim, bias=False)))
         self.new_dim, self.old_dim, self.extra = new_dim, old_dim, extra
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
 from fastfill.components.experiment.losses import (
@@ -140,8 +141,11 @@ class BT2Compatibility:
     def prepare(self, model: Embedder) -> None:
         """Puts the basis transformation after the model's embedding layer (``d_new + extra``
         outputs, ``d_new`` the reference new model's dimension)."""
-        model.embedding = BasisTransformedEmbedding(model.embedding, self.new_dim, self.old_dim)
-        self.head = model.embedding
+        if not isinstance(model.embedding, nn.Linear):
+            raise ValueError("this model's embedding layer has a basis transformation already")
+        head = BasisTransformedEmbedding(model.embedding, self.new_dim, self.old_dim)
+        model.embedding = head
+        self.head = head
 
     def to(self, device: torch.device) -> BT2Compatibility:
         self.influence = self.influence.to(device)

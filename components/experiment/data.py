@@ -102,9 +102,8 @@ def _image_folder_split(root: Path, config: PrepareConfig, classes: list[str] | 
     def loader(path: str) -> np.ndarray:
         from PIL import Image
 
-        with Image.open(path) as img:
-            img = img.convert(mode).resize(size)
-            array = np.asarray(img, dtype=np.uint8)
+        with Image.open(path) as opened:
+            array = np.asarray(opened.convert(mode).resize(size), dtype=np.uint8)
         return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
     try:

@@ -5,7 +5,8 @@ upgrade and search need at serving time, without the training loops."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,15 +57,16 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     so the next batch's host-to-device copy overlaps this batch's forward pass, and the model
     runs under autocast (``precision``, see ``autocast_dtype``); features are always returned
     in float32."""
-    preprocessing = getattr(model, "preprocessing", None)
+    preprocessing: Any = getattr(model, "preprocessing", None)  # a registered model's (model_store)
     reshape = preprocessing is not None and tuple(images.shape[1:]) != preprocessing.shape
     if hasattr(model, "embed_uint8"):  # a graph runtime (ONNX): uint8 batches straight to it, no torch
-        out = np.empty((len(images), model.embedding_dim), dtype=np.float32)
+        graph: Any = model
+        out = np.empty((len(images), graph.embedding_dim), dtype=np.float32)
         for start in range(0, len(images), batch_size):
-            batch = images[start: start + batch_size]
-            out[start: start + len(batch)] = model.embed_uint8(preprocessing.adapt(batch) if reshape else batch)
+            rows = images[start: start + batch_size]
+            out[start: start + len(rows)] = graph.embed_uint8(preprocessing.adapt(rows) if reshape else rows)
             if on_batch is not None:
-                on_batch(len(batch))
+                on_batch(len(rows))
         return out
     device = device or pick_device()
     model = model.to(device).eval()
@@ -79,8 +81,8 @@ def embed(model: Embedder, images: np.ndarray, *, batch_size: int = 1024, device
     layout = CHANNELS_LAST if getattr(model, "channels_last", True) else torch.contiguous_format
 
     def load(start: int) -> torch.Tensor:
-        batch = images[start: start + batch_size]
-        batch = torch.from_numpy(np.ascontiguousarray(preprocessing.adapt(batch) if reshape else batch))
+        rows = images[start: start + batch_size]
+        batch = torch.from_numpy(np.ascontiguousarray(preprocessing.adapt(rows) if reshape else rows))
         if copies is None:
             return batch
         batch = batch.pin_memory()

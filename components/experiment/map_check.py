@@ -20,8 +20,11 @@ maps are scored and judged is ``map_judging``'s; its names are importable from h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
+
+import numpy as np
 
 from fastfill.components.platform.config import AlignConfig
 from fastfill.components.experiment.map_validation import held_out
@@ -113,7 +116,11 @@ def fallback_config(config: AlignConfig) -> AlignConfig:
     return AlignConfig.model_validate(data)
 
 
-def fallback_map(method: str, config: AlignConfig, reference, pairs: tuple, held, classifier, *,
+# a map's training pairs: old features, new features, class rows
+Pairs = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def fallback_map(method: str, config: AlignConfig, reference, pairs: Pairs, held, classifier, *,
                  distance: str = "l2", device=None) -> tuple:
     """What a map that failed its check under ``fallback`` is replaced by: the l2-only
     ``reference``; when the method orders by sigma, with an uncertainty head fitted on it on the
@@ -167,8 +174,8 @@ def _quiet(_: str) -> None:
     pass
 
 
-def decide_map(method: str, config: AlignConfig, candidate, training: tuple, reference: Callable[[], object],
-               classifier, *, checking: tuple | None = None, order: str | None = None, distance: str = "l2",
+def decide_map(method: str, config: AlignConfig, candidate, training: Pairs, reference: Callable[[], object],
+               classifier, *, checking: Pairs | None = None, order: str | None = None, distance: str = "l2",
                device=None, log: Callable[[str], None] = _quiet, pairs_from: str | None = None,
                check_l2_only: bool = False, keep_reference: Callable[[object], None] | None = None,
                checkpoint=None) -> MapDecision:
@@ -203,7 +210,7 @@ def decide_map(method: str, config: AlignConfig, candidate, training: tuple, ref
     result = check_map(method, config, candidate, ready, held, distance=distance)
     log(f"map check ({config.check})" + (f" on {pairs_from}" if pairs_from else "") + f": {result.message}")
     record = result.to_dict()
-    decided = dict(record=record, reference=ready, reference_trained=trained)
+    decided: dict[str, Any] = dict(record=record, reference=ready, reference_trained=trained)
     if result.action != "fallback":
         return MapDecision("candidate", candidate, config, order, **decided)
     used, used_config, judged = ready, reference_config(config), None

@@ -35,7 +35,11 @@ class SideOutputs:
 
 def _order(side: SideOutputs, order_name: str, seed: int) -> np.ndarray:
 
-    return sigma_order(side.log_sigma2) if order_name == "sigma" else random_order(len(side.new_side), seed)
+    if order_name != "sigma":
+        return random_order(len(side.new_side), seed)
+    if side.log_sigma2 is None:
+        raise ValueError("the sigma order needs the map's log sigma^2, and this map has no uncertainty head")
+    return sigma_order(side.log_sigma2)
 
 
 def curve_numbers(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2") -> dict:
@@ -215,9 +219,10 @@ def judge(method: str, config: AlignConfig, candidate: SideOutputs, reference: S
     if not short:
         return MapCheck(method, config.check, True, "kept", numbers, baseline, tolerance, f"passed: {summary}",
                         confidence)
-    advice = ("with few held-out pairs, a larger align.{m}.validation_fraction or a lower "
-              "align.{m}.check_confidence; try a larger align.{m}.min_steps, align.{m}.uncertainty_weighting: normalized, more training "
-              "pairs, or align.{m}.check: fallback to use the l2 map").format(m=method)
+    advice = (f"with few held-out pairs, a larger align.{method}.validation_fraction or a lower "
+              f"align.{method}.check_confidence; try a larger align.{method}.min_steps, "
+              f"align.{method}.uncertainty_weighting: normalized, more training "
+              f"pairs, or align.{method}.check: fallback to use the l2 map")
     worse = " and ".join(short)
     if config.check == "fail":
         raise MapCheckError(f"map check failed: {method} is not shown to match the l2-only map in {worse} "

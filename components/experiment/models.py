@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
+from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
 from fastfill.components.experiment.dense import Dense
 from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.platform.layout import save_torch
@@ -62,13 +63,20 @@ class Embedder(nn.Module):
     the logits over the model's own classes (global class ids in ``classes``).
     """
 
+    # buffers (register_buffer), declared for the type checker
+    classes: torch.Tensor
+    pixel_mean: torch.Tensor
+    pixel_std: torch.Tensor
+
     def __init__(self, config: TrainConfig, channels: int, classes: list[int],
                  pixel_mean: float = 0.5, pixel_std: float = 0.25):
         super().__init__()
         self.in_channels = channels
-        self.architecture = {"backbone": config.backbone, "width": config.width, "embedding_dim": config.embedding_dim}
+        self.architecture: dict[str, Any] = {"backbone": config.backbone, "width": config.width,
+                                             "embedding_dim": config.embedding_dim}
         self.backbone, feature_dim = BACKBONES[config.backbone](channels, config.width)
-        self.embedding = Dense(feature_dim, config.embedding_dim)
+        # Dense, or BT^2's basis transformation around it (compatibility.BT2Compatibility.prepare)
+        self.embedding: Dense | BasisTransformedEmbedding = Dense(feature_dim, config.embedding_dim)
         self.classifier = Dense(config.embedding_dim, len(classes), bias=False)
         self.register_buffer("classes", torch.tensor(classes, dtype=torch.long))
         self.register_buffer("pixel_mean", torch.tensor(pixel_mean))
@@ -133,6 +141,7 @@ class AlignmentMap(nn.Module):
     def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool,
                  architecture: str = "mlp", rbt_blocks: int = 2):
         super().__init__()
+        self.transform: nn.Module
         if architecture == "rbt":
             self.transform = rbt_stack(old_dim, new_dim, rbt_blocks)
         elif architecture == "affine":
@@ -149,8 +158,8 @@ class AlignmentMap(nn.Module):
             raise ValueError(f"unknown alignment architecture {architecture!r}; use mlp, rbt or affine")
         self.uncertainty = Dense(new_dim, 1) if uncertainty else None
         self.old_dim, self.new_dim = old_dim, new_dim
-        self.architecture = {"hidden": list(hidden), "uncertainty": uncertainty, "architecture": architecture,
-                             "rbt_blocks": rbt_blocks}
+        self.architecture: dict[str, Any] = {"hidden": list(hidden), "uncertainty": uncertainty,
+                                             "architecture": architecture, "rbt_blocks": rbt_blocks}
 
     @classmethod
     def from_config(cls, config: AlignConfig, old_dim: int, new_dim: int) -> AlignmentMap:
@@ -222,6 +231,7 @@ def save_alignment(h: AlignmentMap | UnifiedMaps, config: AlignConfig, path) -> 
 def load_alignment(path) -> AlignmentMap | UnifiedMaps:
     state = torch.load(path, map_location="cpu", weights_only=True)
     config = AlignConfig(**state["config"])
+    h: AlignmentMap | UnifiedMaps
     if config.architecture == "unified":
         h = UnifiedMaps(state["old_dim"], state["new_dim"], state["num_classes"], config.rbt_blocks)
     else:
@@ -268,6 +278,7 @@ SPEC = TypeAdapter(ModelSpec)
 
 def describe(module: nn.Module) -> dict:
     """The typed description that ``build`` turns back into an untrained ``module``."""
+    spec: BaseModel
     if isinstance(module, Embedder):
         spec = EmbedderSpec(**module.architecture, channels=module.in_channels, classes=module.classes.tolist())
     elif isinstance(module, AlignmentMap):

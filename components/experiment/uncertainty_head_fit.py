@@ -54,6 +54,7 @@ def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.
         transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
     per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
                                                     class_rows[train_index], new_classifier)).to(device)
+    assert fitted.uncertainty is not None  # made with uncertainty=True above
     optimizer = ExactAdam(fitted.uncertainty.parameters(), lr=1e-2)
     batch = min(1024, len(transformed))
     for _ in range(steps):

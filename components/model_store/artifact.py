@@ -29,6 +29,7 @@ import pickle
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -74,7 +75,7 @@ def _imported_modules(source: str) -> set[str]:
     """The product's modules ``source`` imports (module level and inside functions alike)."""
     import ast
 
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -209,6 +210,16 @@ def load_folder(folder, uri: str):
     return module.eval()
 
 
+T = TypeVar("T")
+
+
+def _recorded(value: T | None, what: str) -> T:
+    """A part of the description that this model's source needs."""
+    if value is None:
+        raise ModelSourceError(f"the description records no {what}")
+    return value
+
+
 def _build(described: dict, weights: Path | None, uri: str):
     import torch
     from pydantic import ValidationError
@@ -221,22 +232,24 @@ def _build(described: dict, weights: Path | None, uri: str):
 
         try:
             module = build(described["spec"])
-            state = load_file(weights, device="cpu") if weights.suffix == ".safetensors" else \
-                torch.load(weights, map_location="cpu", weights_only=True)
+            path = _recorded(weights, "weights file")
+            state = load_file(path, device="cpu") if path.suffix == ".safetensors" else \
+                torch.load(path, map_location="cpu", weights_only=True)
             module.load_state_dict(state)
         except (ValidationError, pickle.UnpicklingError, SafetensorError, RuntimeError, KeyError, TypeError) as error:
             raise ModelSourceError(f"{type(error).__name__}: {error}") from error
         return module
     if source == "torchvision":
 
-        module = TorchvisionEmbedder(described["architecture"], load_file(weights, device="cpu"), preprocessing,
-                                     described.get("layer"))
+        module = TorchvisionEmbedder(described["architecture"], load_file(_recorded(weights, "weights file"), device="cpu"),
+                                     _recorded(preprocessing, "preprocessing"), described.get("layer"))
     elif source == "onnx":
 
-        module = OnnxEmbedder(weights.read_bytes(), preprocessing, described.get("output"))
+        module = OnnxEmbedder(_recorded(weights, "weights file").read_bytes(), _recorded(preprocessing, "preprocessing"),
+                              described.get("output"))
     elif source == "mlflow":
 
-        module = load_trusted_mlflow(described["reference"], preprocessing, described.get("layer"))
+        module = load_trusted_mlflow(described["reference"], _recorded(preprocessing, "preprocessing"), described.get("layer"))
     else:
         raise ModelSourceError(f"unknown source {source!r}; this release reads {', '.join(SOURCES)}")
     module.embedding_dim = int(described["embedding_dim"])

@@ -313,7 +313,7 @@ class OnnxEmbedder(ForeignEmbedder):
         if self.pixels_session is not None:
             out = self.pixels_session.run([self.output_name], {PIXELS_INPUT: np.ascontiguousarray(images)})[0]
             return self._vectors(out)
-        batch = np.asarray(images, dtype=self._dtype)  # one copy: uint8 -> float, C-contiguous
+        batch: np.ndarray = np.asarray(images, dtype=self._dtype)  # one copy: uint8 -> float, C-contiguous
         batch *= self._scale
         batch += self._shift
         return self._run(batch)

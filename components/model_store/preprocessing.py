@@ -68,7 +68,7 @@ class Preprocessing(BaseModel):
         """A stretch to (C, H, W) with no scaling of its own: the images of a model whose forward
         normalises by itself (this project's own models) or of a gallery's stored pixels."""
         channels, height, width = (int(x) for x in shape)
-        return cls(channels=channels, height=height, width=width)
+        return cls.model_validate({"channels": channels, "height": height, "width": width})
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     weights = save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
     spec = describe(module)
     embedder = isinstance(module, Embedder)
-    description = {"kind": "embedder" if embedder else "alignment", "source": "fastfill", "spec": spec,
+    description: dict[str, Any] = {"kind": "embedder" if embedder else "alignment", "source": "fastfill", "spec": spec,
                    "input_shape": list(example.shape[1:])}
     if embedder:
         shape = tuple(int(x) for x in example.shape[1:])

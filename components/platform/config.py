@@ -8,16 +8,17 @@ name the key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fastfill.components.platform.vocabulary import (
-    ADAPTERS, COMPATIBLE_ORDERS, DISTANCES, GALLERY_ORDERS, MAP_ORDERS, MERGES, ONLINE_REVERSES, ORDERS, PRECISIONS,
-    TRAINING_PRECISIONS,
+    ADAPTERS, COMPATIBLE_ORDERS, MAP_ORDERS, MERGES, AdapterKind, Distance, GalleryOrder, Merge, OnlineReverse, Order,
+    Precision, TrainingPrecision,
 )
 from fastfill.components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
 
@@ -51,7 +52,8 @@ class ComputeConfig(Section):
     threads: PositiveInt | None = Field(
         default=2, description="torch's intra-op threads of the pipeline's stages (training, maps, evaluation); "
         "null = torch's default (the machine's cores). OMP_NUM_THREADS, when set in the environment, wins")
-    cpu_kernels: Literal[CPU_KERNELS] = Field(
+    # runtime.py's names are a tuple, which Python accepts in a Literal and mypy does not
+    cpu_kernels: Literal[CPU_KERNELS] = Field(  # type: ignore[valid-type]
         default=DEFAULT_CPU_KERNELS, description="the instruction set every library's CPU kernels are held to (oneDNN, "
         "MKL, OpenBLAS, ATen, faiss, numpy): avx2 = the same bytes on every x86-64 CPU with AVX2 (Intel since 2013, "
         "AMD since 2017), whatever more it has; native = each library takes the machine's best (faster where the CPU "
@@ -63,7 +65,8 @@ class PrepareConfig(Section):
     # Fashion-MNIST: the folder holding the IDX .gz files of the Debian package.
     # imagefolder: a folder with one sub-folder per class, or with train/ and test/ inside.
     source: Path = Field(
-        default=Path(FASHION_MNIST_DEB), description="fashion-mnist: the folder of the Debian package's IDX .gz files; imagefolder: a folder of class sub-folders, or with train/ and test/ inside")
+        default=Path(FASHION_MNIST_DEB), description="fashion-mnist: the folder of the Debian package's IDX .gz "
+        "files; imagefolder: a folder of class sub-folders, or with train/ and test/ inside")
     old_classes: list[int] | None = Field(
         default=None, description="classes the old model trains on; null = the first half"
     )
@@ -95,7 +98,6 @@ class PrepareConfig(Section):
         return self
 
 
-TrainingPrecision = Literal[TRAINING_PRECISIONS]
 
 
 def _precision_field():
@@ -223,7 +225,6 @@ class AlignConfig(Section):
 
 # BT^2's options when left null: the authors' CIFAR-100 configuration (docs/methods.md, "BT^2")
 BT2_DEFAULTS = {"extra_dims": 32, "match_old": 5.0, "match_new": 1.0}
-Distance = Literal[DISTANCES]
 
 
 class CompatibleConfig(Section):
@@ -283,10 +284,6 @@ class CompatibleConfig(Section):
         return self
 
 
-Order = Literal[ORDERS]
-AdapterKind = Literal[ADAPTERS]
-OnlineReverse = Literal[ONLINE_REVERSES]
-Merge = Literal[MERGES]
 
 
 def adapter_method(kind: str) -> str:
@@ -304,16 +301,33 @@ def online_method(kind: str) -> str:
     return f"online_{kind}"
 
 
+# default factories typed with their fields' Literals (a lambda's list would be a list[str])
+def _default_orders() -> dict[str, list[Order]]:
+    return {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]}
+
+
+def _default_headline_order() -> dict[str, Order]:
+    return {"fct": "random", "fastfill": "sigma"}
+
+
+def _default_dual_orders() -> list[Literal["random", "sigma"]]:
+    return ["random", "sigma"]
+
+
+def _default_online() -> list[OnlineReverse]:
+    return ["metric_compatible", "residual_mlp"]
+
+
 class EvaluateConfig(Section):
     distance: Distance = Field(default="l2", description='l2, or cosine on L2-normalised features')
     curve_points: Annotated[int, Field(ge=0)] = Field(
         default=20, description="B: intermediate points; the curve has B + 2 points"
     )
     orders: dict[str, list[Order]] = Field(
-        default_factory=lambda: {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]},
+        default_factory=_default_orders,
         description="backfill orders evaluated per method (random, sigma, oracle, distance, entropy, ...)")
     headline_order: dict[str, Order] = Field(
-        default_factory=lambda: {"fct": "random", "fastfill": "sigma"},
+        default_factory=_default_headline_order,
         description="the order whose numbers stand for the method in metrics.json",
     )
     seed: int = Field(default=0, description='of the random orders')
@@ -330,7 +344,7 @@ class EvaluateConfig(Section):
         "comparison sets compare.dual). All merges are measured in one pass per order: rrf costs about one "
         "map curve, each score merge about as much again")
     dual_orders: list[Literal["random", "sigma"]] = Field(
-        default_factory=lambda: ["random", "sigma"], description="the backfill orders of every dual_<merge> "
+        default_factory=_default_dual_orders, description="the backfill orders of every dual_<merge> "
         "method, the first its headline; sigma is the order of dual_sigma_from's map")
     dual_sigma_from: str = Field(default="fastfill", description="the map (under align) whose stored sigma "
                                  "gives the dual methods' sigma order (the map orders the backfill, it serves "
@@ -403,7 +417,7 @@ class UpgradeConfig(Section):
         "queries into the old space, distances comparable with the new space's) on the map's pairs while planning, "
         "and keep it in the store: `fastfill search --merge online` then answers with the new model alone, its "
         "query on the re-embedded items and its reverse transform on the rest, merged by distance")
-    order: Literal[GALLERY_ORDERS] = Field(
+    order: GalleryOrder = Field(
         default="sigma", description="backfill order: sigma = least certain first (FastFill); random; usage = the "
         "items queries hit most first; usage_sigma = usage weight x predicted error (sigma^2) first, the items "
         "never hit after them in sigma order. The usage orders need weights: usage_log, or a weight column")
@@ -421,7 +435,7 @@ class UpgradeConfig(Section):
         "point of the predicted curve gains this many top-1 points per 5% of the gallery (e.g. 0.1); null: go to "
         "100%. Needs the evaluation sample (eval_queries > 0)")
     batch_size: PositiveInt = Field(default=512, description='images embedded per forward pass')
-    precision: Literal[PRECISIONS] = Field(
+    precision: Precision = Field(
         default="auto", description="embedding on CUDA: auto = bfloat16 autocast (float16 where bfloat16 is not "
         "supported), fp32 = off; the CPU always computes in float32 under auto")
     max_items_per_second: PositiveFloat | None = Field(
@@ -563,8 +577,8 @@ class GalleryConfig(Section):
         default="parts", description="the layout of a gallery that ingest or adopt makes: parts (.npy and "
         "Parquet parts with a manifest), lance (the Lance table <store>/gallery.lance that other tools read; "
         "docs/lance.md), pgvector (a PostgreSQL table the team's service queries, gallery.pgvector) or milvus "
-        "(collections behind an alias, gallery.milvus; both docs/serving.md); an existing gallery is read in the layout its manifest names (`fastfill gallery "
-        "convert` moves it)")
+        "(collections behind an alias, gallery.milvus; both docs/serving.md); an existing gallery is read in the "
+        "layout its manifest names (`fastfill gallery convert` moves it)")
     lance: LanceConfig = LanceConfig()
     pgvector: PgvectorConfig = PgvectorConfig()
     milvus: MilvusConfig = MilvusConfig()
@@ -662,7 +676,7 @@ class CompareConfig(Section):
         description="the shadow-index playbook's merges among the rows (evaluate.dual of each seed), each in "
         "evaluate.dual_orders")
     online: list[OnlineReverse] = Field(
-        default_factory=lambda: ["metric_compatible", "residual_mlp"],
+        default_factory=_default_online,
         description="online backfilling's reverse transformations among the rows (evaluate.online of each seed), "
         "each in evaluate.dual_orders; its metrics say whether the curve is monotone")
     precision: TrainingPrecision | None = Field(
@@ -673,7 +687,7 @@ class CompareConfig(Section):
         "CPU, two or three small trainings side by side use the cores better than one (`fastfill compare --jobs`)")
 
 
-def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, AlignConfig],
+def _check_orders(where: str, orders: Mapping[str, Sequence[str]], align: dict[str, AlignConfig],
                   compatible: dict[str, CompatibleConfig]) -> None:
     """Each method named exists, and each of its orders can be computed for it."""
     for method, names in orders.items():
@@ -692,6 +706,8 @@ def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, Ali
             if name not in allowed:
                 raise ValueError(f"{where}.{method}: order {name!r} does not apply to {kind}; "
                                  f"use one of {list(allowed)}")
+            if config is None:  # a compatible model's orders: none of the map's below
+                continue
             if name == "sigma" and not config.uncertainty:
                 raise ValueError(f"{where}.{method} asks for the sigma order, but that map is trained with "
                                  "uncertainty: false, so it has no uncertainty head")
@@ -703,7 +719,7 @@ def _check_orders(where: str, orders: dict[str, list[str]], align: dict[str, Ali
 # The align section of a configuration that has none (a host that only upgrades a gallery): the
 # pipeline's two maps of params.yaml, FCT and FastFill (the upgrade trains fastfill where the
 # registry has no map; evaluate's default orders name both).
-HOST_MAPS = {"fct": {"hidden": [256, 256, 1024, 1024]},
+HOST_MAPS: dict[str, dict[str, Any]] = {"fct": {"hidden": [256, 256, 1024, 1024]},
              "fastfill": {"disc": True, "uncertainty": True, "l2_reduction": "sum", "uncertainty_weighting": "joint",
                           "hidden": [256, 256, 1024, 1024], "check": "fallback"}}
 

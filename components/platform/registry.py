@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dataclasses import dataclass
 
@@ -81,7 +82,7 @@ def shown_uri(uri: str) -> str:
         return uri
     parts = urlsplit(uri)
     if parts.username or parts.password:
-        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+        parts = parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else ""))
     return urlunsplit(parts)
 
 
@@ -90,7 +91,7 @@ def identity(config: MlflowConfig) -> str:
     return shown_uri(registry_uri(config))
 
 
-def setup(config: MlflowConfig) -> tuple[object, str]:
+def setup(config: MlflowConfig) -> tuple[Any, str]:
     """Point MLflow at the configured store and return (client, experiment id)."""
     import mlflow
     from mlflow import MlflowClient

@@ -72,9 +72,9 @@ class Judgments:
             if len(inside):
                 relevant.append(inside)
                 used.append(i)
-        used = np.asarray(used, dtype=np.int64)
-        own = np.array([slot[p] if 0 <= p < len(slot) else -1 for p in self.query_positions[used]], dtype=np.int64)
-        return used, relevant, own
+        rows = np.asarray(used, dtype=np.int64)
+        own = np.array([slot[p] if 0 <= p < len(slot) else -1 for p in self.query_positions[rows]], dtype=np.int64)
+        return rows, relevant, own
 
     @property
     def image_queries(self) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class ColumnCache:
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
-        self._columns: OrderedDict[tuple[str, int, str], object] = OrderedDict()
+        self._columns: OrderedDict[tuple[str, int, str], Any] = OrderedDict()  # pyarrow arrays
         self._lock = threading.Lock()
 
     def get(self, gallery: Gallery, part: int, name: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -58,11 +59,12 @@ class GallerySearch:
         self.fresh = np.zeros(len(self.ids), dtype=bool)  # during an upgrade: items on the new model
         self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
         if self.plan is not None:
-            self.query_model = self.plan.new
-            self.order = order_of(self.gallery.store, self.plan.id)
+            plan = self.plan
+            self.query_model = plan.new
+            self.order = order_of(self.gallery.store, plan.id)
 
             def part_features(part: int) -> np.ndarray:
-                return self.gallery.part_rows(transformed_key(self.plan.id, part), part)
+                return self.gallery.part_rows(transformed_key(plan.id, part), part)
         else:
             self.upgrade = None
             self.query_model = self.gallery.model
@@ -112,7 +114,7 @@ class GallerySearch:
         with self._lock:
             manifest = self.gallery.manifest(refresh=True)
             if manifest.get("upgrade") != self.upgrade:
-                if self.upgrade is not None and manifest.get("upgrade") is None \
+                if self.upgrade is not None and self.plan is not None and manifest.get("upgrade") is None \
                         and ModelRef.from_dict(manifest["model"]) == self.plan.new:
                     applied = self._apply_new_chunks()
                     self.upgrade, self.plan, self.query_model = None, None, ModelRef.from_dict(manifest["model"])
@@ -164,6 +166,7 @@ class GallerySearch:
         positions = np.full(len(flat), -1, dtype=np.int64)
         if found.any():
             positions[found] = positions_of(self.ids, [flat[i] for i in np.flatnonzero(found)])
+        mapped: str | None
         if self.plan is not None:
             new, mapped = self.plan.new.uri, f"{self.plan.old.uri} mapped by {self.plan.map_uri}"
         else:
@@ -210,10 +213,11 @@ def new_index(config, dim: int, distance: str, num_items: int, training_sample: 
     if config.kind == "ivfpq" and dim % config.pq_m:
         raise GalleryError(f"gallery.index.pq_m {config.pq_m} must divide the features' dimension {dim}")
     spec = f"IVF{config.nlist},Flat" if config.kind == "ivf" else f"IVF{config.nlist},PQ{config.pq_m}"
-    index = faiss.index_factory(dim, spec, metric)
+    index: Any = faiss.index_factory(dim, spec, metric)  # an IndexIVF (faiss's types know only Index)
     index.train(training_sample())
     index.nprobe = config.nprobe
-    index.set_direct_map_type(faiss.DirectMap.Hashtable)  # remove_ids and reconstruct by id
+    # remove_ids and reconstruct by id (faiss's types lack DirectMap)
+    index.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
     return index
 
 
@@ -257,7 +261,11 @@ class GpuCopy:
         self.backend, self.distance, self.stale = backend, distance, True
         self.device = torch.device("cuda")
         self.name = "cuda (faiss)" if backend == "faiss" else "cuda (torch, exact)"
-        self._copy = self._vectors = self._ids = self._norms = None
+        # faiss's GPU index, or torch's tensors (both libraries load late)
+        self._copy: Any = None
+        self._vectors: Any = None
+        self._ids: Any = None
+        self._norms: Any = None
         if backend == "faiss":
             import faiss
 

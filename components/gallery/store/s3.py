@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 from fastfill.components.gallery.store.base import (
     AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable,
@@ -142,12 +143,12 @@ class S3Store(Store):
         self._call("reaching", None, self._probe.head_bucket, attempts=self._probe_attempts, Bucket=self.bucket)
 
     def _put(self, key: str, data: bytes, digest: str, *, create_only: bool) -> None:
-        extra = {"IfNoneMatch": "*"} if create_only else {}
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         self._call("writing", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data,
                    **_checksums(digest), **extra)
 
     def _swap(self, key: str, data: bytes, digest: str, expected: str | None) -> str:
-        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
         try:
             response = self._call("writing", key, self.client.put_object,
                                   conflict=AlreadyExists if expected is None else Conflict, Bucket=self.bucket,
