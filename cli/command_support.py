@@ -14,6 +14,18 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from fastfill import cli
+from fastfill.cli.json_output import failed
+from fastfill.components.experiment.data import DataError
+from fastfill.components.gallery.inputs.images import ImageStoreError
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.store import StoreError, StoreUnreachable, configure_s3
+from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
+from fastfill.components.platform.config import ConfigError, Params, load_params
+from fastfill.components.platform.layout import ArrayFileError
+from fastfill.components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server, tracking_uri
+from fastfill.components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
+
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", envvar="FASTFILL_PARAMS",
                                              help="the configuration file; default: FASTFILL_PARAMS, else ./params.yaml")]
 StoreOption = Annotated[str | None, typer.Option("--store", envvar="FASTFILL_STORE",
@@ -47,8 +59,6 @@ def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
     """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
     codes above). With --json, stdout also gets ``{"error": ..., "exit_code": code}``
     (cli/json_output.py)."""
-    from fastfill.cli.json_output import failed
-
     typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
     failed(str(error), code)
     exit_within(ANSWERED_EXIT_SECONDS, code)
@@ -64,16 +74,13 @@ STOP_SECONDS = 5.0
 INTERRUPTED = {2: 130, 15: 143}  # SIGINT, SIGTERM -> the shell's exit status for them
 
 
-owns_process = False  # set by the `fastfill` executable (cli.run): the command may end its process
-
-
 def exit_within(seconds: float, code: int = 0) -> None:
     """If the interpreter's own exit has not ended the process ``seconds`` from now, end it then
     with ``code``, output flushed (a daemon timer: it never keeps the process alive). Only in the
-    `fastfill` executable's own process (``owns_process``)."""
+    `fastfill` executable's own process (``cli.owns_process``)."""
     import threading
 
-    if not owns_process:
+    if not cli.owns_process:
         return
 
     def force() -> None:
@@ -106,7 +113,7 @@ def stop_promptly_on_signals() -> None:
     import threading
 
     global _watching
-    if _watching or signals_owned or not owns_process or threading.current_thread() is not threading.main_thread():
+    if _watching or signals_owned or not cli.owns_process or threading.current_thread() is not threading.main_thread():
         return
     receiver, sender = socket.socketpair()
     sender.setblocking(False)
@@ -136,6 +143,19 @@ def stop_promptly_on_signals() -> None:
     threading.Thread(target=watch, name="fastfill-signal-watch", daemon=True).start()
 
 
+def params_file(path: Path) -> str:
+    """The configuration file as an absolute path: what the deployments' flow runs read."""
+    return str(Path(path).resolve())
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM or SIGINT ends a long-running service as Ctrl-C does (``signals_as_ctrl_c``), and
+    the service prints its own stop line: not the work commands' watch, which would add its own."""
+    global signals_owned
+    signals_owned = True
+    signals_as_ctrl_c()
+
+
 def signals_as_ctrl_c() -> None:
     """SIGTERM (a service manager's stop, `docker stop`, `kill`) ends the command as Ctrl-C does,
     through its shutdown and the exit handlers, so a temporary Prefect server it started is
@@ -156,18 +176,13 @@ class ServiceUnavailable(RuntimeError):
 
 def load(path: Path):
     """params.yaml, validated; a bad file ends the command with every problem listed. The CPU
-    kernels are pinned first (compute.cpu_kernels), before numpy or torch loads."""
-    from fastfill.components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
-
+    kernels are pinned (compute.cpu_kernels; the `fastfill` command pinned them from the same
+    file before loading the command's module, cli/__init__.py)."""
     pin_cpu_kernels(cpu_kernels_of(path))  # a file that is not UTF-8: load_params says so in one line
-    from fastfill.components.platform.config import ConfigError, load_params
-
     try:
         params = load_params(path)
     except ConfigError as error:
         fail(error, USAGE)
-    from fastfill.components.gallery.store import configure_s3
-
     configure_s3(params.gallery.s3)  # every command's S3 clients retry as gallery.s3 says
     for key, value in MLFLOW_HTTP_LIMITS.items():  # read by MLflow at each request
         os.environ.setdefault(key, value)
@@ -177,15 +192,6 @@ def load(path: Path):
 def outcome(error: BaseException) -> tuple[int, str] | None:
     """(exit code, message) of a known failure, or None for anything else (a bug: it keeps its
     traceback). The message is the error's own: it names the problem and what to do."""
-    from fastfill.components.experiment.data import DataError
-    from fastfill.components.gallery.layouts.catalog import GalleryError
-    from fastfill.components.gallery.inputs.images import ImageStoreError
-    from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
-    from fastfill.components.gallery.store import StoreError, StoreUnreachable
-    from fastfill.components.platform.config import ConfigError
-    from fastfill.components.platform.layout import ArrayFileError
-    from fastfill.components.platform.registry import RegistryError, TrackingUnreachable
-
     # a lost lease comes from a store that could not be reached in time, or from a takeover
     if isinstance(error, (StoreUnreachable, ImageStoreError, LeaseLost, TrackingUnreachable, ServiceUnavailable)):
         return SERVICE, str(error)
@@ -289,8 +295,6 @@ def require_services(config) -> None:
     process and pair of services."""
     from prefect.settings import get_current_settings
 
-    from fastfill.components.platform.registry import check_tracking_server, tracking_uri
-
     services = (tracking_uri(config.mlflow), get_current_settings().api.url)
     if services in _answered:
         return
@@ -337,8 +341,6 @@ def call(flow, *args, **kwargs):
     """Run a flow (or any function of the store). With the configuration among its arguments, the
     services it needs are checked first. A known failure ends the command with its kind's exit
     code and its message on one line; anything else keeps its traceback."""
-    from fastfill.components.platform.config import Params
-
     try:
         config = next((arg for arg in args if isinstance(arg, Params)), None)
         stop_promptly_on_signals()

@@ -14,8 +14,17 @@ from fastfill.cli.command_support import (
     SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, call, check_prefect_api, load, outcome, store_uri,
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json
-from fastfill.components.platform.vocabulary import UPGRADE_FLOW
-
+from fastfill.cli.webhook_commands import WEBHOOK_EVENTS, registered_webhooks, webhook_events
+from fastfill.components.gallery.layouts.catalog import MANIFEST, check_registry
+from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.triggers.claims import ENDED_UNSTARTED, claimed, unfinished
+from fastfill.components.gallery.upgrade.ending import decision
+from fastfill.components.gallery.upgrade.planning import DECISION, load_plan
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.platform import registry
+from fastfill.components.platform.registry import CHALLENGER, CHAMPION, alias_version
+from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT, UPGRADE_FLOW
 
 OK, FAIL, NOT_SET_UP = "ok", "FAIL", "--"  # "--": an optional part that is not set up (not a failure)
 
@@ -62,8 +71,6 @@ def _mlflow_client(config):
     http(s) URI) or the local store was found; raises for either problem."""
     from mlflow import MlflowClient
 
-    from fastfill.components.platform import registry
-
     uri = registry.tracking_uri(config.mlflow)
     missing = _local_store_missing(uri)
     if missing is not None:
@@ -75,8 +82,6 @@ def _mlflow_client(config):
 
 def _registry_line(client, config) -> tuple[bool, str]:
     from mlflow.exceptions import MlflowException
-
-    from fastfill.components.platform.registry import CHALLENGER, CHAMPION
 
     name = config.mlflow.registered_model
     try:
@@ -105,12 +110,6 @@ def _registry_line(client, config) -> tuple[bool, str]:
 
 
 def _store_line(config, uri: str) -> tuple[str | bool, str]:
-    from fastfill.components.gallery.layouts.catalog import MANIFEST, check_registry
-    from fastfill.components.gallery.layouts.opening import gallery_at
-    from fastfill.components.gallery.store import open_store
-    from fastfill.components.gallery.upgrade.status import gallery_status
-    from fastfill.components.platform import registry
-
     store = open_store(uri)
     store.check()
     if not store.exists(MANIFEST):
@@ -129,8 +128,6 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
 def _webhook_line(config, client) -> tuple[str | bool, str]:
     """Webhooks are optional: none registered and no secret is "not set up"; a registered
     webhook without the secret here is a failure (its deliveries cannot be verified)."""
-    from fastfill.cli.service_commands import WEBHOOK_EVENTS, registered_webhooks, webhook_events
-
     variable = config.triggers.webhook_secret_env
     secret = bool(os.environ.get(variable))
     try:
@@ -155,8 +152,6 @@ def _prefect_health_line() -> tuple[str | bool, str]:
     """Prefect is optional: without PREFECT_API_URL flows run on a temporary local server. With
     it, the server must answer, and the deployments `fastfill serve` creates should exist."""
     from prefect.settings import get_current_settings
-
-    from fastfill.flows.deployments import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT
 
     if not get_current_settings().api.url:
         return NOT_SET_UP, ("PREFECT_API_URL is not set: flows run on a temporary local server; set it to a Prefect "
@@ -224,9 +219,6 @@ def doctor(store: StoreOption = None, as_json: JsonOption = False, params: Param
 
 def _last_decision(store) -> dict | None:
     """The newest promotion decision recorded in the gallery (``upgrades/<id>/decision.json``)."""
-    from fastfill.components.gallery.upgrade.ending import decision
-    from fastfill.components.gallery.upgrade.planning import DECISION
-
     upgrades = sorted({key.split("/")[1] for key in store.list("upgrades/") if key.endswith("/" + DECISION)})
     decisions = [d for d in (decision(store, u) for u in upgrades) if d is not None]
     return max(decisions, key=lambda d: d["decided"], default=None)
@@ -244,9 +236,6 @@ def _challenger_line(client, config, store, state: dict) -> str | None:
     state where PREFECT_API_URL names a server: no temporary server is started for a status), or
     a version aborted or rolled back here. None when there is no challenger, or the gallery is on
     it or upgrading to it."""
-    from fastfill.components.gallery.triggers.claims import ENDED_UNSTARTED, claimed, unfinished
-    from fastfill.components.platform.registry import CHALLENGER, alias_version
-
     name = config.mlflow.registered_model
     version = alias_version(client, name, CHALLENGER)
     uri = f"models:/{name}/{version}"
@@ -279,7 +268,7 @@ def _flow_run_state(flow_run_id: str | None) -> str | None:
     starts a temporary server); None too when that server does not answer or know the run."""
     if not flow_run_id or _named_prefect_settings() is None:
         return None
-    from fastfill.flows.deployments import flow_run_state  # late: Prefect's client, only where a server is named
+    from fastfill.flows.deployments import flow_run_state
 
     try:
         return flow_run_state(flow_run_id)
@@ -292,8 +281,6 @@ def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
     """The challenger's state for this gallery, the run's link and the decision's record in the
     registry; raises when the tracking store cannot be used."""
     from mlflow.exceptions import MlflowException
-
-    from fastfill.components.platform import registry
 
     client, _ = _mlflow_client(config)
     lines = []
@@ -387,11 +374,6 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
     Prefect flow run; with no gallery yet, the registry and how to make one. Exit 5 when a
     service could not be reached (what it could read is shown)."""
     config = load(params)
-    from fastfill.components.gallery.layouts.catalog import MANIFEST
-    from fastfill.components.gallery.layouts.opening import gallery_at
-    from fastfill.components.gallery.upgrade.planning import load_plan
-    from fastfill.components.gallery.upgrade.status import gallery_status
-    from fastfill.components.gallery.store import open_store
 
     uri = store_uri(config, store)
     lines: dict[str, str] = {}  # what each line says, for --json

@@ -1,9 +1,8 @@
 """Commands of the experiment: the pipeline, seeds, the data-size sweep, the comparison, one
-stage at a time (what DVC calls), and the evaluation of your own features."""
+stage at a time (what DVC calls). The evaluation of your own features: cli/feature_commands.py."""
 
 from __future__ import annotations
 
-import json
 import time
 from enum import Enum
 from pathlib import Path
@@ -13,8 +12,15 @@ import typer
 
 from fastfill.cli import app
 from fastfill.cli.command_support import CLAIM, USAGE, ParamsOption, call, fail, load, record_in_dvc
-from fastfill.cli.json_output import JsonOption, answer, answers_json
-from fastfill.components.platform.vocabulary import DISTANCES
+from fastfill.components.evaluation.comparison import ranking
+from fastfill.components.evaluation.seed_report import seeds_markdown
+from fastfill.flows.align import align_flow
+from fastfill.flows.compare import compare_flow, compare_seed_flow, comparison_outputs, comparison_report_flow
+from fastfill.flows.evaluate import evaluate_flow
+from fastfill.flows.pipeline import pipeline_flow, seeds_flow
+from fastfill.flows.prepare import prepare_flow
+from fastfill.flows.sweep import sweep_flow, sweep_outputs
+from fastfill.flows.train import train_flow
 
 stage_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Run one pipeline stage (what each DVC stage calls).")
 app.add_typer(stage_app, name="stage", short_help="Run one pipeline stage (what DVC calls).")
@@ -37,7 +43,6 @@ def run(params: ParamsOption = Path("params.yaml"),
         dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock afterwards")] = True) -> None:
     """Run the whole pipeline: data splits, old and new models, alignment maps, evaluation."""
     config = load(params)
-    from fastfill.flows.pipeline import pipeline_flow
 
     start = time.perf_counter()
     metrics = call(pipeline_flow, config)
@@ -54,8 +59,6 @@ def seeds(params: ParamsOption = Path("params.yaml"),
           out: Annotated[Path, typer.Option(help="per-seed outputs go to OUT/seed-<s>/")] = Path("runs")) -> None:
     """Run the pipeline once per seed and write reports/seeds.json (per-seed numbers, mean, std)."""
     config = load(params)
-    from fastfill.components.evaluation.seed_report import seeds_markdown
-    from fastfill.flows.pipeline import seeds_flow
 
     chosen = seed or list(config.experiment.seeds)
     start = time.perf_counter()
@@ -76,7 +79,6 @@ def sweep(params: ParamsOption = Path("params.yaml"),
     """FastFill against FCT by data size: the pipeline at each train_per_class and seed, then
     reports/sweep.{md,json,png}."""
     config = load(params)
-    from fastfill.flows.sweep import sweep_flow, sweep_outputs
 
     sizes = []
     for text in size or ["100", "300", "1000", "all"]:
@@ -110,8 +112,6 @@ def compare(params: ParamsOption = Path("params.yaml"),
     config = load(params)
     if size is not None:
         config, dvc_commit = config.comparison_at_size(size), False
-    from fastfill.components.evaluation.comparison import ranking
-    from fastfill.flows.compare import compare_flow, comparison_outputs
 
     chosen = seed or list(config.compare.seeds)
     start = time.perf_counter()
@@ -140,7 +140,6 @@ class Role(str, Enum):
 def stage_prepare(params: ParamsOption = Path("params.yaml")) -> None:
     """Write the deterministic splits (old-train, new-train, test)."""
     config = load(params)
-    from fastfill.flows.prepare import prepare_flow
 
     call(prepare_flow, config)
 
@@ -150,7 +149,6 @@ def stage_train(role: Annotated[Role, typer.Option(help="which model")],
                 params: ParamsOption = Path("params.yaml")) -> None:
     """Train one embedding model, store its features of the splits, register it."""
     config = load(params)
-    from fastfill.flows.train import train_flow
 
     call(train_flow, config, role.value)
 
@@ -162,7 +160,6 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
     config = load(params)
     if method not in config.align:
         fail(f"unknown method {method!r}; params.yaml defines {sorted(config.align)}", USAGE)
-    from fastfill.flows.align import align_flow
 
     call(align_flow, config, method)
 
@@ -171,7 +168,6 @@ def stage_align(method: Annotated[str, typer.Option(help="a method under align: 
 def stage_evaluate(params: ParamsOption = Path("params.yaml")) -> None:
     """Backfill curves of every method and order; reports/metrics.json, plot data, PNG."""
     config = load(params)
-    from fastfill.flows.evaluate import evaluate_flow
 
     _print_summary(call(evaluate_flow, config))
 
@@ -181,7 +177,6 @@ def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")
                   params: ParamsOption = Path("params.yaml")) -> None:
     """Every method of the comparison for one seed, under compare.out/seed-<s>/."""
     config = load(params)
-    from fastfill.flows.compare import compare_seed_flow
 
     _print_summary(call(compare_seed_flow, config, seed))
 
@@ -190,46 +185,7 @@ def stage_compare(seed: Annotated[int, typer.Option(help="one of compare.seeds")
 def stage_comparison(params: ParamsOption = Path("params.yaml")) -> None:
     """reports/comparison.{md,json,png} from the seeds' results."""
     config = load(params)
-    from fastfill.flows.compare import comparison_report_flow
 
     call(comparison_report_flow, config)
     typer.echo((config.paths.reports / "comparison.md").read_text())
 
-
-Distance = Enum("Distance", {name: name for name in DISTANCES}, type=str)  # the choices of --distance
-
-
-@app.command(short_help="The backfill curve of your own features (JSON).")
-@answers_json
-def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
-             distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance.l2,
-             out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,
-             points: Annotated[int, typer.Option(help="intermediate curve points B (the curve has B+2)")] = 20,
-             old_query: Annotated[Path | None, typer.Option(
-                 "--old-query", help="the old model's features of the queries (.npy, n x d_old): adds the shadow "
-                 "index's curves (dual: rrf, score_minmax, score_zscore) on the old model's own gallery features, "
-                 "gallery_old_raw.npy if the folder has it, else gallery_old.npy")] = None,
-             as_json: JsonOption = False) -> None:
-    """Evaluate your own features: the backfill curve and its summaries, as JSON; with
-    --old-query, also the shadow index's curves under "dual" (docs/methods.md)."""
-    from fastfill.components.evaluation.byof import EvaluationInputError, evaluate_feature_folder
-
-    try:
-        result = evaluate_feature_folder(features, distance=distance.value, num_intermediate=points, old_query=old_query)
-    except EvaluationInputError as error:
-        fail(error, USAGE)
-    text = json.dumps(result, indent=2)
-    if as_json:  # the document on stdout; --out still writes the plain result
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
-        return answer("fastfill.evaluate/1", {**result, "written": str(out) if out is not None else None})
-    if out is None:
-        typer.echo(text)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        lines = [f"top1_auc {100 * result['top1_auc']:.2f}%, map_auc {100 * result['map_auc']:.2f}%"]
-        lines += [f"dual {merge}: top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%"
-                  for merge, curve in result.get("dual", {}).items()]
-        typer.echo("; ".join(lines) + f"; written to {out}")

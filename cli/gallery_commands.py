@@ -15,6 +15,19 @@ from fastfill.cli.command_support import (
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.components.platform.vocabulary import SEARCH_MERGES
+from fastfill.components.gallery.layouts.convert import convert
+from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.search.dual import DualSearch
+from fastfill.components.gallery.search.served import searcher_for
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade.garbage import collect_garbage
+from fastfill.components.gallery.upgrade.reversal import rollback_target
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.model_store import registered
+from fastfill.components.platform import registry
+from fastfill.flows import undo
+from fastfill.flows.ingest import _load_array, adopt_flow, adopt_table_flow, ingest_flow
+from fastfill.tasks.gallery_store import open_gallery
 
 Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # the choices of search --merge
 
@@ -27,8 +40,6 @@ def show_status(store: str | None, params: Path, schema: str | None = None) -> N
     ``schema`` names (gallery.info, upgrade.status)."""
     config = load(params)
     uri = store_uri(config, store)
-    from fastfill.components.gallery.upgrade.status import gallery_status
-    from fastfill.tasks.gallery_store import open_gallery
 
     state = call(lambda: gallery_status(open_gallery(uri)))
     if schema is not None:
@@ -44,8 +55,6 @@ def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[s
     server (the flow asks again under the lock)."""
     config = load(params)
     uri = store_uri(config, store)
-    from fastfill.components.gallery.layouts.opening import gallery_at
-    from fastfill.components.gallery.store import open_store
 
     try:
         target(gallery_at(open_store(uri)))
@@ -55,7 +64,6 @@ def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[s
             raise
         fail(known[1], known[0])
     need_services(config)
-    from fastfill.flows import undo  # late: Prefect and torch load only when there is something to undo
 
     return uri, call(getattr(undo, flow_name), store_uri=uri, params_path=str(params.resolve()))
 
@@ -73,7 +81,6 @@ def gallery_ingest(store: StoreOption = None,
                    params: ParamsOption = Path("params.yaml")) -> None:
     """Put images (and labels, groups) into the store with the champion model's features."""
     config = load(params)
-    from fastfill.flows.ingest import ingest_flow
 
     uri = store_uri(config, store)
     need_services(config)
@@ -122,7 +129,6 @@ def gallery_adopt(manifest: Annotated[str | None, typer.Option(help="CSV or Parq
     """Adopt a gallery where it is: the images are not copied, a backfill reads them by URI. With
     --table, a team's PostgreSQL table: its vectors stay in it and its service queries the view."""
     config = load(params)
-    from fastfill.flows.ingest import adopt_flow, adopt_table_flow
 
     if (manifest is None) == (table is None):
         fail("give exactly one of --manifest (a file of ids and URIs) or --table (a PostgreSQL table)", USAGE)
@@ -162,8 +168,6 @@ def gallery_gc(store: StoreOption = None, as_json: JsonOption = False,
     """Delete features of models the gallery no longer uses, and finished upgrades' working data."""
     config = load(params)
     uri = store_uri(config, store)
-    from fastfill.components.gallery.upgrade.garbage import collect_garbage
-    from fastfill.tasks.gallery_store import open_gallery
 
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
     if as_json:
@@ -180,7 +184,6 @@ def gallery_rollback(store: StoreOption = None, as_json: JsonOption = False,
     # The gallery serves the previous model's features again, champion moves back to that
     # version (when it still names the rolled-back one), and the rolled-back version is tagged
     # promotion=rolled-back. Refused during an upgrade and once gc collected the old features.
-    from fastfill.components.gallery.upgrade.reversal import rollback_target
 
     uri, result = run_undo("rollback_flow", store, params, rollback_target)
     if as_json:
@@ -203,8 +206,6 @@ def gallery_convert(store: StoreOption = None,
     into another layout, read it back and compare it with the source, then switch the manifest.
     Refused during an upgrade. In the same store the old layout's data stays until gallery gc."""
     config = load(params)
-    from fastfill.components.gallery.layouts.convert import convert
-    from fastfill.tasks.gallery_store import open_gallery
 
     uri = store_uri(config, store)
     result = call(lambda: convert(open_gallery(uri, config.gallery.s3), to, layout, config.gallery))
@@ -243,17 +244,11 @@ def search(store: StoreOption = None,
     uri = store_uri(config, store)
     if merge is not None:
         return _merged_search(config, uri, merge.value, features, old_features, images, k)
-    from fastfill.components.gallery.search.served import searcher_for
-    from fastfill.flows.ingest import _load_array
 
     def run_search():
-        from fastfill.tasks.gallery_store import open_gallery
-
         searcher = searcher_for(open_gallery(uri), config.gallery.distance, config.gallery.index)
         if features is not None:
             return searcher, searcher.search(_load_array(features, "--features"), k)
-        from fastfill.components.platform import registry
-        from fastfill.components.model_store import registered
 
         require_services(config)  # the model comes from the registry
         registry.setup(config.mlflow)
@@ -278,12 +273,7 @@ def _answer_search(schema: str, found: dict) -> None:
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
                    images: Path | None, k: int) -> None:
     """`search --merge`: the shadow index's answer (components/gallery/search/dual.py)."""
-    from fastfill.components.gallery.search.dual import DualSearch
-    from fastfill.flows.ingest import _load_array
-
     def run_search():
-        from fastfill.tasks.gallery_store import open_gallery
-
         searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k)
         if merge == "online" and features is not None:
             return searcher, searcher.search_online(_load_array(features, "--features"), k)
@@ -294,8 +284,6 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
             new = _load_array(features, "--features")
             old = _load_array(old_features, "--old-features") if old_features is not None else new
             return searcher, searcher.search(old, new if searcher.mid_upgrade else None, k)
-        from fastfill.components.platform import registry
-        from fastfill.components.model_store import registered
 
         require_services(config)  # the models come from the registry
         registry.setup(config.mlflow)

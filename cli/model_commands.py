@@ -15,6 +15,9 @@ import typer
 from fastfill.cli import app, json_output
 from fastfill.cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
 from fastfill.cli.json_output import JsonOption, answer, answers_json
+from fastfill.components.model_store import catalogue
+from fastfill.components.platform import registry
+from fastfill.components.platform.registry import RegistryError
 
 model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="The registry's embedding models: register a team's own, list, show.")
@@ -66,10 +69,6 @@ def model_register(
     The version is an MLflow model holding the weights or graph and the preprocessing, never
     pickled code, with the loader and its requirements: mlflow.pyfunc.load_model and mlflow
     models serve run it, also where this product is not installed."""
-    from fastfill.components.model_store import catalogue, sources
-    from fastfill.components.model_store.embedders import ModelSourceError
-    from fastfill.components.platform import registry
-
     given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
              if value is not None]
     if len(given) != 1:
@@ -85,6 +84,8 @@ def model_register(
         fail("--output is for --onnx or --mlflow; a torchvision network's embedding is a layer: --layer NAME", USAGE)
     config = load(params)
     _quiet_mlflow()
+    from fastfill.components.model_store import sources
+
     try:
         preprocessing = catalogue.preprocessing_from_options(
             preset, channels, size, resize.value if resize else None, resize_to, mean, std,
@@ -101,7 +102,7 @@ def model_register(
         else:
             source = call(sources.from_mlflow, mlflow_uri, preprocessing, layer=layer, output=output, dim=dim)
             origin = mlflow_uri
-    except ModelSourceError as error:
+    except sources.ModelSourceError as error:
         fail(f"{error}; nothing was registered", INPUT)
     target = name or config.mlflow.registered_model
     version = call(catalogue.register, client, experiment, source, target, alias.value if alias else None,
@@ -126,8 +127,6 @@ def model_register(
 def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.registered_model")] = None,
                as_json: JsonOption = False,
                params: ParamsOption = Path("params.yaml")) -> None:
-    from fastfill.components.platform import registry
-
     config = load(params)
     _quiet_mlflow()
     client, _ = call(registry.setup, config.mlflow)
@@ -147,9 +146,6 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
 def _summaries(client, name: str):
     from mlflow.exceptions import MlflowException
 
-    from fastfill.components.model_store import catalogue
-    from fastfill.components.platform.registry import RegistryError
-
     try:
         client.get_registered_model(name)
     except MlflowException as error:
@@ -167,9 +163,6 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
                params: ParamsOption = Path("params.yaml")) -> None:
     """Print one version as JSON: name, version, aliases, its description (source, embedding
     size, preprocessing, head) and the MLflow signature."""
-    from fastfill.components.model_store import registered
-    from fastfill.components.platform import registry
-
     config = load(params)
     _quiet_mlflow()
     client, _ = call(registry.setup, config.mlflow)
@@ -177,6 +170,8 @@ def model_show(version: Annotated[str, typer.Argument(help="a version number, an
     uri = version if version.startswith("models:/") else (
         f"models:/{target}/{version}" if version.isdigit() else f"models:/{target}@{version}")
     ref = call(registry.resolve_model, client, uri)
+    from fastfill.components.model_store import registered
+
     described = call(registered.description, ref.uri)
     if described is None:
         fail(f"{ref.uri} was not written by this product (no description); register it with "

@@ -39,9 +39,7 @@ from fastfill.flows.parameters import run_parameters, store_of
 from fastfill.tasks._policy import log
 from fastfill.tasks.gallery_store import store_at
 from fastfill.components.gallery.layouts.opening import gallery_at
-
-UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
-POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher
+from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT
 
 
 class DeploymentMissing(RuntimeError):
@@ -91,7 +89,7 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
     run of flows/upgrade.py (either layout) on the task runner they name, with the same small
     parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
-    from fastfill.flows.upgrade import named_state, run_upgrade_file  # late: keeps the CLI's and the services' start-up light
+    from fastfill.flows.upgrade import named_state, run_upgrade_file
 
     params = load_params(params_path)
     result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
@@ -101,7 +99,7 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
 @flow(name="comparison", log_prints=True)
 def comparison_entry(params_path: str = "params.yaml") -> dict:
     """What the scheduled comparison runs: every method over compare.seeds."""
-    from fastfill.flows.compare import compare_flow  # late: keeps the CLI's and the services' start-up light
+    from fastfill.flows.compare import compare_flow
 
     summary = compare_flow(load_params(params_path))
     return {"seeds": summary["seeds"], "expectations": summary["expectations"]}

@@ -25,6 +25,7 @@ from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_ro
 from fastfill.components.gallery.inputs.images import read_images
 from fastfill.components.gallery.inputs.input_files import input_path, is_s3, s3_folder
 from fastfill.components.platform.layout import Layout, load_array
+from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings
 
 
 def _resolve(params: Params, uri: str) -> ModelRef:
@@ -120,8 +121,6 @@ def adopt_table_flow(params: Params, store_uri: str, vector_column: str, model_u
     image columns): no vector is copied; ``vector_column`` holds ``model_uri``'s features
     (default: the champion); the store gets the items, the view serves the column
     (components.gallery.layouts.pg_table)."""
-    from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings  # late: psycopg is optional at start-up
-
     store = store_at(store_uri)
     store.check()
     ref = _resolve(params, model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}")

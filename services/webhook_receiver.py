@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -261,11 +260,3 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def webhook_secret(params: Params) -> str:
-    secret = os.environ.get(params.triggers.webhook_secret_env, "")
-    if not secret:
-        raise ValueError(f"set {params.triggers.webhook_secret_env} to the webhook's secret (the same one given to "
-                         "`fastfill webhook register`); without it no delivery can be verified")
-    return secret

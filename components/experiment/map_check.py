@@ -32,6 +32,10 @@ from fastfill.components.experiment.map_judging import (
     CHECK_POINTS, POLICIES, MapCheck, MapCheckError, SideOutputs, curve_numbers, judge, judge_order,
     non_finite_outputs, non_finite_rows, per_query_scores,
 )
+from fastfill.components.evaluation.reports import check_outcome
+from fastfill.components.experiment.inference import apply_alignment, apply_unified
+from fastfill.components.experiment.map_training import fit_uncertainty_head, train_alignment
+from fastfill.components.experiment.models import UnifiedMaps
 
 __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
            "check_metrics", "check_tags", "curve_numbers", "decide_map", "fallback_config", "fallback_map",
@@ -60,8 +64,6 @@ def check_tags(record: dict) -> dict[str, str]:
     """The check as tags (on the map's registered version and its run): ``check`` is
     ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed);
     ``check_reason`` its message (for a map that diverged, beginning "non-finite outputs")."""
-    from fastfill.components.evaluation.reports import check_outcome  # late: torch loads when a command needs it
-
     tags = {"check": check_outcome(record), "check_policy": record["policy"], "check_reason": record["message"][:4900]}
     if record.get("non_finite"):
         tags["check_non_finite"] = ", ".join(record["non_finite"])
@@ -91,9 +93,6 @@ def check_metrics(record: dict) -> dict[str, float]:
 def outputs_on(h, pairs) -> SideOutputs:
     """A map's sides on held-out pairs: h(old) with log sigma^2, or a unified map's T_g(old)
     and T_q(new)."""
-    from fastfill.components.experiment.models import UnifiedMaps  # late: torch loads when a command needs it
-    from fastfill.components.experiment.inference import apply_alignment, apply_unified  # late: torch loads when a command needs it
-
     if isinstance(h, UnifiedMaps):
         gallery_old, query = apply_unified(h, pairs.old, pairs.new)
         return SideOutputs(gallery_old, query)
@@ -127,8 +126,6 @@ def fallback_map(method: str, config: AlignConfig, reference, pairs: Pairs, held
     training ``pairs`` (old, new, class rows), kept only if ``judge_order`` shows its sigma order
     to be at least as good as random on the ``held`` out pairs. Returns (map, its configuration,
     the order decision or None when the method has no sigma order)."""
-    from fastfill.components.experiment.map_training import fit_uncertainty_head  # late: torch loads when a command needs it
-
     used = fallback_config(config)
     if not used.uncertainty:
         return reference, used, None
@@ -199,8 +196,6 @@ def decide_map(method: str, config: AlignConfig, candidate, training: Pairs, ref
     ready = reference()
     trained = ready is None
     if trained:
-        from fastfill.components.experiment.map_training import train_alignment  # late: torch loads when a command needs it
-
         log(f"map check: training the l2-only reference on the same {len(training[0])} pairs"
             + (f" ({pairs_from})" if pairs_from else "") + f" (FCT with {method}'s schedule)")
         ready, _ = train_alignment(reference_config(config), *training, classifier, device=device,

@@ -15,7 +15,7 @@ TAG_SOURCE, TAG_DIM, TAG_INPUT, TAG_HEAD = ("fastfill.source", "fastfill.embeddi
 
 def version_tags(description: dict) -> dict[str, str]:
     """The tags that summarise an embedder's description on its version."""
-    from fastfill.components.model_store.artifact import preprocessing_of  # late: torch loads when a command needs it
+    from fastfill.components.model_store.artifact import preprocessing_of
 
     preprocessing = preprocessing_of(description)
     tags = {TAG_SOURCE: description.get("source", "fastfill"), TAG_DIM: str(description.get("embedding_dim", "")),
@@ -28,7 +28,7 @@ def version_tags(description: dict) -> dict[str, str]:
 def register(client, experiment_id: str, source, name: str, alias: str | None, *, origin: str) -> str:
     """``source`` (``components.model_store.sources.Source``, already probed) as a new version of
     ``name`` from a run of its own named after ``origin`` (the file or URI it came from)."""
-    from fastfill.components.model_store import registered  # late: torch loads when a command needs it
+    from fastfill.components.model_store import registered
 
     run = client.create_run(experiment_id, run_name=f"register {name}", tags={"fastfill.stage": "model-register"})
     try:
@@ -62,7 +62,7 @@ class VersionSummary:
 
 def summaries(client, name: str) -> list[VersionSummary]:
     """Every version of ``name``, newest first."""
-    from fastfill.components.model_store import registered  # late: torch loads when a command needs it
+    from fastfill.components.model_store import registered
 
     versions = client.search_model_versions(f"name = '{name}'")
     aliases: dict[str, list[str]] = {}

@@ -21,6 +21,7 @@ from fastfill.components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_
                                         WEIGHTS_FILE, load_folder, log_version, preprocessing_of, read_description)
 from fastfill.components.platform import registry
 from fastfill.components.platform.registry import RegistryError
+from fastfill.components.experiment.models import Embedder, describe
 
 
 def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) -> str:
@@ -56,8 +57,6 @@ def _register(client, run_id: str, module, example: np.ndarray, name: str, artif
     """A module of this project's own architectures as a version of ``name``: its typed
     description (``models.describe``) and its weights (a state_dict in safetensors)."""
     from safetensors.torch import save
-
-    from fastfill.components.experiment.models import Embedder, describe  # late: torch loads when a command needs it
 
     module = module.cpu().eval()
     weights = save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()})

@@ -59,3 +59,7 @@ ROLE_ALIASES = {"old": CHAMPION, "new": CHALLENGER}
 # The gallery upgrade's flow (flows/upgrade.py): its runs, found by this name, end in "Rejected"
 # on a rejection.
 UPGRADE_FLOW = "gallery-upgrade"
+
+# The deployments `fastfill serve` creates (flows/deployments.py), by "flow/deployment" name.
+UPGRADE_DEPLOYMENT = "upgrade-gallery/upgrade"
+POLL_DEPLOYMENT = "registry-watcher/poll"  # no schedule: pausing it pauses the RegistryWatcher

@@ -37,6 +37,14 @@ STEP = 0.05  # the advisor's curve: every 5% of the gallery
 ADVICE = "advice.json"
 
 
+def _retrieval():
+    """The evaluation's ranking code (components/evaluation/retrieval.py), loaded on first use: it
+    loads scipy, which `fastfill status` and the services' start-up do without."""
+    from fastfill.components.evaluation import retrieval
+
+    return retrieval
+
+
 def fractions(step: float = STEP) -> np.ndarray:
     points = int(round(1 / step))
     return np.arange(points + 1) / points
@@ -62,8 +70,7 @@ class NearestLabel:
         self.seen = 0
 
     def add(self, start: int, features: np.ndarray, block: int = 4096) -> None:
-        from fastfill.components.evaluation.retrieval import pairwise_distances  # late: keeps the CLI's and the services' start-up light
-
+        pairwise_distances = _retrieval().pairwise_distances
         for offset in range(0, len(features), block):
             rows = np.asarray(features[offset:offset + block], dtype=np.float32)
             first = start + offset
@@ -90,7 +97,7 @@ def predict(queries: np.ndarray, transformed: np.ndarray, labels: np.ndarray, ra
     ``anchor_hits``: whether each S query's nearest item in the whole transformed gallery has
     its label (``NearestLabel``); None leaves top-1 as S measures it (S is the whole gallery)."""
     # the ranking code of the evaluation, per query (its public curves give only the means)
-    from fastfill.components.evaluation.retrieval import evaluate_blocks  # late: keeps the CLI's and the services' start-up light
+    evaluate_blocks = _retrieval().evaluate_blocks
 
     m = len(queries)
     if m < 2:
@@ -156,7 +163,7 @@ def predict_judged(queries: np.ndarray, judged, positions: np.ndarray, sample_ne
     gallery by ``anchor_hits`` (each query's nearest item in the whole transformed gallery,
     relevant or not), mAP is S's. Queries with no relevant item in S are left out; None when
     fewer than 2 are left (judgments too sparse for a sample: the gate still measures them)."""
-    from fastfill.components.evaluation.retrieval import pairwise_distances  # late: keeps the CLI's and the services' start-up light
+    pairwise_distances = _retrieval().pairwise_distances
 
     used, relevant, own = judged.in_sample(positions)
     if len(used) < 2:
@@ -233,7 +240,7 @@ def judged_anchor(queries: np.ndarray, judged, parts: Iterable[tuple[int, np.nda
                   ) -> np.ndarray:
     """Whether each judged query's nearest item in the whole transformed gallery (given as
     ``(first item, rows)`` parts; itself excluded) is relevant to it."""
-    from fastfill.components.evaluation.retrieval import pairwise_distances  # late: keeps the CLI's and the services' start-up light
+    pairwise_distances = _retrieval().pairwise_distances
 
     queries = np.asarray(queries, dtype=np.float32)
     best = np.full(len(queries), np.inf)
@@ -260,7 +267,7 @@ def predict_agreement(queries: np.ndarray, transformed: np.ndarray, ranks: np.nd
     new features are known). The sample is its own gallery, as for top-1 and mAP: its items
     count as backfilled once the backfill passes their ``ranks``. It says how far the mixed
     gallery already answers as the finished one will, not whether either answer is right."""
-    from fastfill.components.gallery.gate.judged_gate import agreement_at  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.gate.judged_gate import agreement_at
 
     queries = np.asarray(queries, dtype=np.float32)
     transformed = np.asarray(transformed, dtype=np.float32)
@@ -406,7 +413,7 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     (transformed parts, order, evaluation sample, judged queries), written to
     upgrades/<id>/advice.json. None when the upgrade has no evaluation sample (eval_queries 0):
     nothing to predict from."""
-    from fastfill.components.gallery.inputs.judgments import stored_judged  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.inputs.judgments import stored_judged
 
     if plan.eval_queries < 2:
         return None

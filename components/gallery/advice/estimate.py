@@ -26,6 +26,7 @@ from fastfill.components.gallery.upgrade.samples import evaluation_positions, ju
 from fastfill.components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
 from fastfill.components.model_store.registered import load_model
 from fastfill.components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
+from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr
 
 # The dry run's prediction reads every part through the map up to three times (its order, its
 # anchor, the target's); the parts are kept in memory while they fit in this many bytes.
@@ -241,8 +242,6 @@ def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray
     backfilled), the map's transform of its old side and its stand-in places in the order
     (``components.gallery.gate.promotion``). With judged queries the gate measures the whole
     gallery's new features, so it is predicted only by the curve above; ungated, nothing."""
-    from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr  # late: keeps the CLI's start-up light
-
     if not params.promotion.gate:
         return {"note": "the upgrade is ungated (promotion.gate false or --no-gate)"}
     if judged or labels is None:

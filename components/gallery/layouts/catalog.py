@@ -34,6 +34,7 @@ from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.layouts.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 from fastfill.components.platform.registry import ModelRef
+from fastfill.components.gallery.inputs.images import read_images
 
 MANIFEST = "gallery.json"
 FORMAT = 1
@@ -359,8 +360,6 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
     shape = tuple(gallery.manifest()["image_shape"])
     positions = np.asarray(positions, dtype=np.int64)
     if gallery.adopted:
-        from fastfill.components.gallery.inputs.images import read_images  # late: keeps the CLI's and the services' start-up light
-
         return read_images(item_column(gallery, positions, "image"), preprocessing or shape, root=gallery.image_root,
                            workers=workers)
     out = np.empty((len(positions), *shape), dtype=np.uint8)

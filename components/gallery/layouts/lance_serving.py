@@ -74,7 +74,7 @@ class ServingTable:
     """``<store>/serving.lance`` (see the module's docstring)."""
 
     def __init__(self, store_uri: str, settings: dict | None = None):
-        from fastfill.components.gallery.layouts.table import storage_options, table_uri  # late: table.py imports this module
+        from fastfill.components.gallery.layouts.table import storage_options, table_uri
 
         self.settings = {**DEFAULTS, **(settings or {})}
         self.uri = table_uri(store_uri, f"{SERVING_TABLE}.lance")  # what lancedb.connect(store) opens as `serving`

@@ -291,7 +291,7 @@ class MilvusGallery(ServedGallery):
         return None
 
     def sync_serving(self, manifest: dict | None = None) -> dict:
-        from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.planning import load_plan
 
         manifest = manifest or self.manifest(refresh=True)
         index = self.index
@@ -308,7 +308,7 @@ class MilvusGallery(ServedGallery):
         return index.serving()
 
     def _prepare_switch(self, plan, name: str) -> None:
-        from fastfill.components.gallery.upgrade.backfill import iter_mixed_parts  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.backfill import iter_mixed_parts
 
         index = self.index
         ids = self.ids()

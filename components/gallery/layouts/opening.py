@@ -11,6 +11,7 @@ from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery,
 from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settings
 from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
+from fastfill.components.platform.config import GalleryConfig
 
 LAYOUTS = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
 
@@ -52,8 +53,6 @@ class BoundLayout:
     """An index layout bound to its settings, for writing a new gallery."""
 
     def __init__(self, name: str, gallery_config=None):
-        from fastfill.components.platform.config import GalleryConfig  # late: the config module is heavy (pydantic)
-
         self.layout, self.config = name, gallery_config or GalleryConfig()
 
     def writer(self, store: Store, model, part_size: int):

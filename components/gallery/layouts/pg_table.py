@@ -50,7 +50,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.catalog import (
+    PGVECTOR, GalleryError, PartsWriter, check_empty, check_features, commit_manifest,
+)
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
@@ -581,7 +583,7 @@ class PgGallery(ServedGallery):
     def sync_serving(self, manifest: dict | None = None) -> dict:
         """Make the view serve what ``manifest`` (default: the stored one) says; returns the
         serving row."""
-        from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.planning import load_plan
 
         manifest = manifest or self.manifest(refresh=True)
         index = self.index
@@ -605,7 +607,7 @@ class PgGallery(ServedGallery):
         any reader moves to it."""
         from psycopg import sql
 
-        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts
 
         index = self.index
         ids = self.ids()
@@ -722,8 +724,6 @@ def adopt_table(store: Store, settings: dict, model: ModelRef, image_shape, *, v
     index built if the column has none; the manifest last."""
     import pyarrow as pa
     from psycopg import sql
-
-    from fastfill.components.gallery.layouts.catalog import check_empty, commit_manifest  # late: one module, two uses
 
     check_empty(store, "adopt")
     settings = dict(settings)

@@ -402,7 +402,7 @@ class TableGallery(Gallery):
         """Make the serving table hold what ``manifest`` (default: the stored one) says serves:
         an upgrade's mixed gallery from its switch on, else the gallery's model's features;
         returns what it serves. Nothing is written when it already does."""
-        from fastfill.components.gallery.upgrade.planning import load_plan  # late: the upgrade package imports the layouts
+        from fastfill.components.gallery.upgrade.planning import load_plan
 
         manifest = manifest or self.manifest(refresh=True)
         upgrade = manifest.get("upgrade")
@@ -436,8 +436,8 @@ class TableGallery(Gallery):
     def _write_mixed(self, plan) -> None:
         """The switch: the new model's space as it is now (h(old); the new features of the chunks
         already done, each row with its chunk), written in one commit before the ANN index."""
-        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts  # late: the upgrade package imports the layouts
-        from fastfill.components.gallery.upgrade.planning import order_of  # late: as above
+        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts
+        from fastfill.components.gallery.upgrade.planning import order_of
 
         chunk_of = np.full(self.num_items, -1, dtype=np.int32)
         done = done_chunks(self.store, plan.id)

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import re
 import threading
 import time
@@ -24,6 +25,15 @@ SIGNATURE_HEADER = "X-MLflow-Signature"
 TIMESTAMP_HEADER = "X-MLflow-Timestamp"
 DELIVERY_HEADER = "X-MLflow-Delivery-Id"
 MAX_DELIVERY_ID = 200  # MLflow sends a UUID (36 characters); the id is kept in memory
+
+
+def webhook_secret(params) -> str:
+    """The webhooks' shared secret: the variable triggers.webhook_secret_env names (Params)."""
+    secret = os.environ.get(params.triggers.webhook_secret_env, "")
+    if not secret:
+        raise ValueError(f"set {params.triggers.webhook_secret_env} to the webhook's secret (the same one given to "
+                         "`fastfill webhook register`); without it no delivery can be verified")
+    return secret
 
 
 class WebhookRejected(ValueError):
