@@ -110,7 +110,8 @@ def markdown(results: list[dict], gain_below: float) -> str:
         lines.append(
             f"| {r['label']} | {r['order']} | {r['sample']} of {r['items']} | {_mean(rows, 'top1_max_gap'):.2f} "
             f"(worst {max(x['top1_max_gap'] for x in rows):.2f}) | {100 * _mean(rows, 'top1_within_1'):.0f}% | "
-            f"{_mean(rows, 'top1_floor_gap'):.2f} / {_mean(rows, 'top1_method_gap'):.2f} | {_mean(rows, 'map_max_gap'):.2f} (worst {max(x['map_max_gap'] for x in rows):.2f}) | "
+            f"{_mean(rows, 'top1_floor_gap'):.2f} / {_mean(rows, 'top1_method_gap'):.2f} | "
+            f"{_mean(rows, 'map_max_gap'):.2f} (worst {max(x['map_max_gap'] for x in rows):.2f}) | "
             f"{100 * _mean(rows, 'map_within_1'):.0f}% | {100 * _mean(rows, 'top1_in_band'):.0f}% | {stops} "
             f"({100 * rows[0]['stop_from_measured_curve']:.0f}%) | {_mean(rows, 'items_saved'):.0f} | "
             f"{_mean(rows, 'given_up_predicted'):.2f} / {_mean(rows, 'given_up_measured'):.2f} |")

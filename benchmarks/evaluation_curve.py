@@ -61,7 +61,8 @@ def main() -> None:
     start = time.perf_counter()
     curve = backfill_curve(new, new, old, labels, order)
     product = time.perf_counter() - start
-    print(f"backfill_curve, n={args.n}: {product:.2f} s for 22 points (top1_auc {curve.top1_auc:.4f}, map_auc {curve.map_auc:.4f})")
+    print(f"backfill_curve, n={args.n}: {product:.2f} s for 22 points (top1_auc {curve.top1_auc:.4f}, "
+          f"map_auc {curve.map_auc:.4f})")
 
     m = args.literal_n
     sub_order = order[order < m]

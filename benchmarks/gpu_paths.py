@@ -21,6 +21,7 @@ Without ``--fashion`` the images are random (parts 2 to 4 time the same work; pa
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import sys
@@ -98,8 +99,8 @@ def throughput(model, images, cuda, batch_sizes=(512, 2048), cpu_items: int = 20
         for name, device, precision in ((CPU_NAME, torch.device("cpu"), "fp32"), ("cuda fp32", cuda, "fp32"),
                                         ("cuda auto", cuda, "auto")):
             some = images[:cpu_items] if device.type == "cpu" else images
-            seconds, _ = timed(lambda: embed(model, some, batch_size=batch, device=device, precision=precision),
-                               repeats=1 if device.type == "cpu" else 3)
+            seconds, _ = timed(functools.partial(embed, model, some, batch_size=batch, device=device,
+                                                 precision=precision), repeats=1 if device.type == "cpu" else 3)
             row[name] = round(len(some) / seconds)
         row["ratio cuda fp32 / cpu"] = round(row["cuda fp32"] / row[CPU_NAME], 1)
         row["ratio cuda auto / cpu"] = round(row["cuda auto"] / row[CPU_NAME], 1)

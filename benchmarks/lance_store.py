@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     text = markdown(results, args)
     args.reports.mkdir(parents=True, exist_ok=True)
-    name = ("lance_store" if args.items == 100_000 else f"lance_store-{args.items}") + ("-pixels" if args.pixels else "-png" if args.png else "")
+    name = ("lance_store" if args.items == 100_000 else f"lance_store-{args.items}") + \
+        ("-pixels" if args.pixels else "-png" if args.png else "")
     (args.reports / f"{name}.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                                      if k not in ("backend", "uri", "reports")},
                                                             "results": results}, indent=2, default=str) + "\n")

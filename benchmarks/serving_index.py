@@ -23,6 +23,7 @@ Writes reports/serving_index-<items>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -167,7 +168,8 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
         before = written()
         start = time.perf_counter()
         write_chunk(store, plan.id, number, lo, hi, features, start,
-                    serve=lambda: writing.serve_chunk(plan, number, positions, features, np.ones(len(positions), bool)))
+                    serve=functools.partial(writing.serve_chunk, plan, number, positions, features,
+                                            np.ones(len(positions), bool)))
         latencies.append(time.perf_counter() - start)
         sizes.append(written() - before)
         mixed[positions] = features
@@ -249,7 +251,8 @@ def report(results: dict, args) -> None:
             cells.append(f"{value:.3f}{ratio}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     lines.append("| bytes written per chunk (median), x the new features' | " + " | ".join(
-        f"{results[layout]['chunk_bytes_median'] / 2 ** 20:.1f} MB ({results[layout]['chunk_bytes_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
+        f"{results[layout]['chunk_bytes_median'] / 2 ** 20:.1f} MB "
+        f"({results[layout]['chunk_bytes_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
         for layout in layouts) + " |")
     lines += ["", "| search (k = 10): latency ms median / p95, recall@10 | " + " | ".join(layouts) + " |",
               "|---|" + "---|" * len(layouts)]

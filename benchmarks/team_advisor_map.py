@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in sets:
         feats = (pipeline_features(spec, args.gallery, args.seed) if spec else
                  team_features(name, args.train_items, args.gallery, args.epochs, args.seed, args.cache))
-        upgrade = cached_upgrade(feats, args.map_sample, args.seed,
-                                 args.cache / f"{name}-map-{args.map_sample}-{args.seed}.pkl" if args.cache and not spec else None)
+        cache = args.cache / f"{name}-map-{args.map_sample}-{args.seed}.pkl" if args.cache and not spec else None
+        upgrade = cached_upgrade(feats, args.map_sample, args.seed, cache)
         print(f"{name}: map sample {upgrade['map_sample']}, check: {upgrade['check']}; used {upgrade['used']}", flush=True)
         for label, worth in upgrade["maps"].items():
             print(f"  {label}: top1_auc {worth['top1_auc']} map_auc {worth['map_auc']}", flush=True)

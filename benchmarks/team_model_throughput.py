@@ -20,6 +20,7 @@ Run: ``.venv/bin/python benchmarks/team_model_throughput.py`` (``--quick``: the 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import time
 
@@ -77,7 +78,7 @@ def _rows(args, onnx_arch: str, torch_arch: str, size: int, images: int) -> list
     rows = []
     for name, bare, model in ((f"onnx {onnx_arch} {size}px", bare_onnx, onnx),
                               (f"torchvision {torch_arch} {size}px", bare_torch, tv)):
-        product = lambda: embed(model, pixels, batch_size=args.batch, device=torch.device("cpu"))  # noqa: E731
+        product = functools.partial(embed, model, pixels, batch_size=args.batch, device=torch.device("cpu"))
         streamed, sequential = _backfill_steps(model, files, args.batch)
         runs = {"bare": bare, "product": product, "streamed": streamed, "sequential": sequential}
         for run in runs.values():

@@ -49,7 +49,8 @@ def markdown(report: dict) -> str:
         else:
             keys = sorted((backend["mlflow"].get("run") or {}).get("metrics", {}))
             lines.append("- predicted vs measured: nothing to compare, the upgrade's MLflow run has no "
-                         "predicted_<m> with a measured <m>; its metrics: " + (", ".join(keys) if keys else "none (no run found)"))
+                         "predicted_<m> with a measured <m>; its metrics: "
+                         + (", ".join(keys) if keys else "none (no run found)"))
         metrics = (backend["mlflow"].get("run") or {}).get("metrics", {})
         for key in sorted(k for k in metrics if k.startswith("predicted_")):
             points = sorted(metrics[key])

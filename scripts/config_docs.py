@@ -129,7 +129,7 @@ def render() -> str:
             lines.append("| key | type | default | what it does |\n|---|---|---|---|")
             lines.extend(rows)
             lines.append("")
-        for sub_prefix, nested, field in subsections:
+        for sub_prefix, nested, _field in subsections:
             walk(nested, sub_prefix, depth + 1 if rows else depth)
 
     walk(Params, "", 2)

@@ -231,7 +231,8 @@ def evaluate_online(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
 
 
 @task(name="write-reports", **IO_RETRIES, **NO_CACHING)
-def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, kendall: Mapping, layout: Layout) -> dict[str, Path]:
+def write_reports(config: EvaluateConfig, reference: Mapping, curves: Mapping, kendall: Mapping,
+                  layout: Layout) -> dict[str, Path]:
     checks = {method: read_json(layout.align_dir(method) / "check.json") for method in curves
               if (layout.align_dir(method) / "check.json").is_file()}
     metrics = build_metrics(reference, curves, config.headlines, kendall, checks)

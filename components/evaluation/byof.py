@@ -49,7 +49,8 @@ def evaluate_feature_folder(folder: Path, *, distance: str = "l2", num_intermedi
     ``dual``: the shadow index's curve for each merge, on the same order and points."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise EvaluationInputError(f"{folder} is not a folder; pass --features DIR with {', '.join(f + '.npy' for f in REQUIRED)}")
+        raise EvaluationInputError(f"{folder} is not a folder; pass --features DIR with "
+                                   f"{', '.join(f + '.npy' for f in REQUIRED)}")
     missing = [f"{name}.npy" for name in REQUIRED if not (folder / f"{name}.npy").is_file()]
     if missing:
         raise EvaluationInputError(f"{folder} lacks {', '.join(missing)}")

@@ -40,7 +40,8 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator, TextIO
+from typing import TextIO
+from collections.abc import Callable, Iterator
 
 MODES = ("auto", "bar", "log", "off")
 ENV_MODE = "FASTFILL_PROGRESS"
@@ -221,7 +222,7 @@ class Progress:
             elif self.mode == "log":
                 self._log(self.line(final=True, failed=failed))
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:

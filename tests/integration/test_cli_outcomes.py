@@ -63,7 +63,8 @@ def test_a_bad_option_is_a_usage_error_naming_the_option(tiny_workdir, cli_env):
     assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
     assert "validation error for" not in result.stderr  # pydantic's own wording, which named no option
     assert "gallery.upgrade.max_concurrency: Input should be greater than 0 (got 0); set by --concurrency" in result.stderr
-    assert "gallery.upgrade.order: Input should be 'sigma', 'random', 'usage' or 'usage_sigma' (got 'bogus'); set by --order" in result.stderr
+    assert ("gallery.upgrade.order: Input should be 'sigma', 'random', 'usage' or 'usage_sigma' (got 'bogus'); "
+            "set by --order") in result.stderr
     result, _ = _run(["upgrade", "--budget", "2x"], cli_env, tiny_workdir)
     _error_line(result, 2, "--budget '2x'")
     result, _ = _run(["upgrade", "--chunk-size", "many"], cli_env, tiny_workdir)  # refused by the parser itself

@@ -176,9 +176,10 @@ def test_exactly_one_of_two_contenders_takes_over_an_expired_lease_on_s3(s3_endp
         store.put_json(locking.LOCK, {"upgrade": "old", "host": "elsewhere", "pid": 1, "since": "t",
                                       "token": "dead", "lease_seconds": 60, "expires": time.time() - 1})
         barrier, outcomes, tried = threading.Barrier(2), [None, None], [False, False]
+        clients = lingering if round_ % 2 == 0 else contenders
 
-        def contend(slot: int) -> None:
-            mine = (lingering if round_ % 2 == 0 else contenders)[slot]
+        def contend(slot: int, clients=clients, barrier=barrier, outcomes=outcomes, tried=tried) -> None:
+            mine = clients[slot]
             barrier.wait()
             try:
                 outcomes[slot] = locking.acquire_lock(mine, f"u{slot}", renew=False,

@@ -70,7 +70,7 @@ def test_the_recommended_stop_is_where_no_later_point_is_worth_its_cost():
     # the last step alone gains 0.55, but from 40% the 12 steps to 100% gain 1.05: < 0.1 per step
     assert late["fraction"] == pytest.approx(0.40)
     assert late["items"] == 800 and late["items_saved"] == 1200
-    assert late["top1_given_up"] == pytest.approx((curve["top1"][-1] - curve["top1"][8]))
+    assert late["top1_given_up"] == pytest.approx(curve["top1"][-1] - curve["top1"][8])
     assert recommend(curve, 2.0)["fraction"] == 0.0  # nothing gains 2 points per 5%
     assert recommend(curve, 0.01)["fraction"] == 1.0  # every step gains more than that
     with pytest.raises(ValueError, match="must be positive"):

@@ -41,7 +41,7 @@ def test_help_reads_whole_at_80_columns(path, command):
             assert flag in text, f"{flag} missing from the help of {' '.join(path)}:\n{text}"
     if hasattr(command, "commands"):  # every subcommand listed, with a summary that fits
         for name in command.list_commands(None):
-            line = next((l for l in text.splitlines() if l.strip().startswith(name + " ")), None)
+            line = next((row for row in text.splitlines() if row.strip().startswith(name + " ")), None)
             assert line is not None and len(line.split(None, 1)) == 2, f"{name} has no summary in:\n{text}"
 
 

@@ -137,7 +137,8 @@ def test_every_method_of_a_20_curve_plot_has_its_own_colour_and_the_papers_metho
         method = label.split(" (")[0]
         assert styles[label]["color"] == colours[method]  # a method's orders share its colour
         assert (styles[label]["linestyle"] == "-") == headline[label]
-    assert styles["fastfill (sigma)"]["linewidth"] > styles["disc (random)"]["linewidth"] > styles["fastfill (random)"]["linewidth"]
+    widths = {label: style["linewidth"] for label, style in styles.items()}
+    assert widths["fastfill (sigma)"] > widths["disc (random)"] > widths["fastfill (random)"]
     assert styles["fastfill (random)"]["linestyle"] != styles["fastfill (oracle)"]["linestyle"]
 
 

@@ -13,7 +13,7 @@ from fastfill.components.experiment.losses import (
 from fastfill.components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
 
 N = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
-O = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+O = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # noqa: E741 - old features, as N the new
 
 
 def test_ract_by_hand():

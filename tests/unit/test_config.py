@@ -93,7 +93,8 @@ def test_the_comparison_covers_every_method_of_the_papers():
     seeded = params.for_comparison(2)
     assert set(seeded.align) == {"fct", "fastfill", "disc", "l2_disc", "l2_uncertainty", "disc_uncertainty",
                                  "rbt", "unified", "lambda_orth"}
-    assert seeded.align["lambda_orth"].architecture == "affine" and seeded.evaluate.online == ["metric_compatible", "residual_mlp"]
+    assert seeded.align["lambda_orth"].architecture == "affine"
+    assert seeded.evaluate.online == ["metric_compatible", "residual_mlp"]
     assert {name: c.loss for name, c in seeded.compatible.items()} == {"bct": "bct", "ract": "ract",
                                                                       "ract_vanilla": "ract",
                                                                       "stationary": "stationary", "bt2": "bt2"}

@@ -19,9 +19,10 @@ HAS_AVX2 = " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 
 # The probe's digests under the avx2 level (benchmarks/cpu_kernels.py --probe --steps 5), trained
 # with the product's optimiser (components/experiment/optimizers.ExactAdam, whose square root is
-# correctly rounded) and linear layers (components/experiment/dense.Dense, on oneDNN): a real AMD EPYC with AVX-512 and emulated Intel Haswell and AMD EPYC Rome
-# CPUs compute these same bytes (reports/cpu_kernels.md), and a fresh clone's pipeline reproduces
-# the committed outputs from them. A machine whose pinned bytes differ fails here, naming the part.
+# correctly rounded) and linear layers (components/experiment/dense.Dense, on oneDNN): a real AMD
+# EPYC with AVX-512 and emulated Intel Haswell and AMD EPYC Rome CPUs compute these same bytes
+# (reports/cpu_kernels.md), and a fresh clone's pipeline reproduces the committed outputs from them.
+# A machine whose pinned bytes differ fails here, naming the part.
 PINNED_DIGESTS = {
     "train cnn_small": "727f17bb123487b3", "embed cnn_small": "fc307b5d67561bf4",
     "train cnn": "52649949bb4c1b02", "embed cnn": "d9e7d439e3d70405", "train map": "ace5835dfa2cc9a7",

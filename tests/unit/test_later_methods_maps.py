@@ -49,7 +49,7 @@ def test_the_affine_map_is_configured_validated_and_rebuilt():
     assert isinstance(h.transform, torch.nn.Linear) and h.affine_weight.shape == (5, 3)
     assert type(build(describe(h)).transform) is Dense  # one linear layer, rebuilt as it was
     with pytest.raises(ValueError, match="only an affine map"):
-        AlignmentMap.from_config(AlignConfig(hidden=[4]), 3, 5).affine_weight
+        AlignmentMap.from_config(AlignConfig(hidden=[4]), 3, 5).affine_weight  # noqa: B018 - the access raises
 
 
 def test_the_comparison_row_and_its_orders_are_valid():
@@ -150,7 +150,7 @@ def _literal_online_curve(reverse, new, old, labels, order, points):
         for q in range(n):
             entries = []
             for source, items, dist in ((0, order[:m], d_new), (1, order[m:], d_old)):
-                ranked = sorted(((float(dist[q, j]), labels[j] == labels[q]) for j in items if j != q))
+                ranked = sorted((float(dist[q, j]), labels[j] == labels[q]) for j in items if j != q)
                 entries += [(d, source, r, positive) for r, (d, positive) in enumerate(ranked)]
             hits = [positive for *_, positive in sorted(entries)]
             hits_at.append(hits[0])

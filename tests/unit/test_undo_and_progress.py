@@ -42,7 +42,8 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     # gc collects its working data and keeps its plan and the record of the abort
     deleted = garbage.collect_garbage(gallery)
     assert deleted["upgrade_objects"] > 0 and deleted["features"] == 0
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED), planning.plan_key(plan.id)]
+    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED),
+                                                         planning.plan_key(plan.id)]
 
     # asked for again: nothing of the aborted attempt is left to resume
     undone = reversal.start_over(gallery, plan.id)
