@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow  # minutes on 2 cores; `-m 'not slow'` skips them
 ROOT = Path(__file__).resolve().parents[2]
 FASTFILL = str(Path(sys.executable).with_name("fastfill"))
 STORE = "s3://gallery/e2e"
+# the registry watcher's interval (triggers.poll_seconds): a check is one registry read, no flow run
+POLL_SECONDS = 3
 
 
 def _free_port() -> int:
@@ -74,7 +76,8 @@ def platform(stack, tiny_pipeline, tmp_path_factory):
     data["promotion"] = {"gate": True, "min_top1_auc_gain": -0.4, "max_nfr1": 0.6, "max_relative_nfr1": 10.0,
                          "max_fraction_to_gain": 1.0}
     webhook_port = _free_port()
-    data["triggers"] = {"poll_seconds": 10, "webhook_port": webhook_port, "nightly_cron": None, "comparison_cron": None}
+    data["triggers"] = {"poll_seconds": POLL_SECONDS, "webhook_port": webhook_port, "nightly_cron": None,
+                        "comparison_cron": None}
     params_path = workdir / "params.yaml"
     params_path.write_text(yaml.safe_dump(data))
     env = {**os.environ, **stack, "PREFECT_HOME": str(workdir / "prefect-home")}
@@ -215,7 +218,7 @@ def test_a_registered_challenger_is_upgraded_and_promoted_by_the_webhook(stack, 
     assert gallery.store.get_json(f"triggers/embedder-v{v2}.json")["source"] == "webhook"
     assert f"started upgrade-gallery/upgrade for embedder version {v2}" in (platform["workdir"] / "webhook.log").read_text()
     _set_paused(stack, "poll", False)
-    time.sleep(25)  # the watcher polls again: it sees the gallery on v2 and starts nothing
+    time.sleep(3 * POLL_SECONDS + 1)  # the watcher polls again, thrice: it sees the gallery on v2 and starts nothing
     assert len(_upgrade_runs(stack)) == 1
 
 
@@ -245,5 +248,5 @@ def test_the_gate_rejects_a_broken_model_found_by_the_watcher(stack, platform):
     gallery, manifest = _gallery(stack)
     assert manifest["model"]["version"] == champion and manifest["upgrade"] is None
     assert gallery.store.get_json(f"triggers/embedder-v{v3}.json")["source"] == "registry-watcher"
-    time.sleep(25)  # two more polls: the rejected version is not started again
+    time.sleep(3 * POLL_SECONDS + 1)  # three more polls: the rejected version is not started again
     assert len(_upgrade_runs(stack)) == before + 1
