@@ -119,9 +119,9 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
     manifest = gallery.manifest(refresh=True)
     check_registry(manifest, store.uri, registry.identity(config.mlflow))
     state = gallery_status(gallery, failures=False)
-    text = f"{store.uri}: {state['items']:,} items, model {state['model']}, {state['state']}"
-    if state.get("upgrade"):
-        text += f" ({state['upgrade']['id']})"
+    text = f"{store.uri}: {state.items:,} items, model {state.model}, {state.state}"
+    if state.upgrade is not None:
+        text += f" ({state.upgrade.id})"
     return True, text
 
 
@@ -396,7 +396,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
         if not opened.exists(MANIFEST):
             return opened, None, None
         gallery = gallery_at(opened)  # in the layout its manifest names
-        return opened, gallery_status(gallery, failures=False), _last_decision(opened)
+        return opened, gallery_status(gallery, failures=False).as_dict(), _last_decision(opened)  # as its JSON shows it
 
     where, state, decided = call(read)
     if state is None:  # no gallery yet: what the registry holds, and how to make one

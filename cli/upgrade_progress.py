@@ -81,8 +81,8 @@ class ProgressBar:
             gallery = gallery_at(open_store(self.uri))
             while not self._stop.wait(self.interval):
                 state = gallery_status(gallery, failures=False)
-                info = state.get("upgrade")
-                if info and info.get("chunks") and not self._stop.is_set():
-                    self._show(f"backfill {info['id']}", state["items"], info["items_done"])
+                info = state.upgrade
+                if info is not None and info.chunks and not self._stop.is_set():
+                    self._show(f"backfill {info.id}", state.items, info.items_done)
         except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports the store's errors
             return

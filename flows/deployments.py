@@ -32,7 +32,7 @@ from fastfill.components.gallery.triggers.claims import (
     ENDED_UNSTARTED, attempt, claim, claimed, record_start, release, unfinished, wants_upgrade,
 )
 from fastfill.components.gallery.upgrade.planning import load_plan
-from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.upgrade.status import UpgradeInProgress, gallery_status
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params, load_params
 from fastfill.flows.parameters import run_parameters, store_of
@@ -85,7 +85,7 @@ def _entry_run_name() -> str:
 
 @flow(name="upgrade-gallery", flow_run_name=_entry_run_name, log_prints=True, persist_result=True)  # as upgrade_flow
 def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to: str = "",
-                  gate: bool | None = None, budget: float | None = None) -> dict:
+                  gate: bool | None = None, budget: float | None = None):
     """What the upgrade deployment runs: the gallery upgrade with params.yaml's settings, as a
     run of flows/upgrade.py (either layout) on the task runner they name, with the same small
     parameters. Its own run ends as the upgrade's did: Completed, or "Paused" or "Rejected"."""
@@ -179,11 +179,11 @@ def gallery_course(params: Params, store_uri: str) -> tuple:
     return gallery.model, planned.new if planned else None
 
 
-def paused_upgrade(params: Params, store_uri: str) -> dict | None:
-    """The gallery's paused upgrade as {"id", "to"}, which a run may resume, or None, for either
-    layout."""
+def paused_upgrade(params: Params, store_uri: str) -> UpgradeInProgress | None:
+    """The gallery's paused upgrade (its ``id`` and ``to``), which a run may resume, or None, on
+    any layout."""
     state = gallery_status(gallery_at(store_at(store_uri)))
-    return state["upgrade"] if state["state"] == "paused" else None
+    return state.upgrade if state.state == "paused" else None
 
 
 def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = False,
@@ -197,8 +197,8 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
     if resume:
         paused = paused_upgrade(params, store_uri)
         if paused is not None:
-            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": paused["to"]})
-            say(f"resuming the paused upgrade {paused['id']}: flow run {run.id}")
+            run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": paused.to})
+            say(f"resuming the paused upgrade {paused.id}: flow run {run.id}")
             return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
     return {"started": False, "reason": why_not}
 

@@ -185,15 +185,15 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     with pytest.raises(GalleryError, match="not complete: 5 chunks left"):
         ending.finish(gallery, plan)
     state = gallery_status(gallery)
-    assert state["state"] == "paused" and state["upgrade"]["chunks_done"] == 3
-    assert state["upgrade"]["items_done"] == 21
+    assert state.state == "paused" and state.upgrade.chunks_done == 3
+    assert state.upgrade.items_done == 21
 
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
-    assert gallery_status(gallery)["state"] == "idle"
+    assert gallery_status(gallery).state == "idle"
     # old features stay until collected explicitly (6 parts' objects, or the table's one column)
     assert gallery.missing_features(OLD) == []
     deleted = garbage.collect_garbage(gallery)
@@ -481,8 +481,8 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     others = np.setdiff1d(np.arange(N), [5, 6])
     np.testing.assert_allclose(mixed[others], embed(new, images)[others], rtol=1e-5, atol=1e-6)
     state = gallery_status(gallery)
-    assert state["upgrade"]["failed_images"]["count"] == 2
-    assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {505, 506}
+    assert state.upgrade.failed_images["count"] == 2
+    assert {f["id"] for f in state.upgrade.failed_images["items"]} == {505, 506}
     searcher = GallerySearch(gallery)
     assert searcher.sources(np.array([505, 507])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
     record = ending.finish(gallery, plan)
@@ -546,7 +546,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
                 assert gallery.index.chunk_done(plan.id) == set(range(chunk + 1))
             assert set(order[:plan.chunk_bounds(chunk)[1]]) == set(np.flatnonzero(backfilled))
             time.sleep(0.02)
-        state = gallery_status(gallery)["index"]
+        state = gallery_status(gallery).index
         assert state["serving"] == NEW.uri and state["as_manifest_says"] and state["view"] == gallery.index.view
         ending.finish(gallery, plan)
         time.sleep(0.1)

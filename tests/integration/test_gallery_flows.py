@@ -70,13 +70,13 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     gallery = gallery_at(open_store(store_uri))
     assert gallery.layout == layout
     state = gallery_status(gallery)
-    assert state["state"] == "paused" and state["lock"] is None
-    assert state["upgrade"]["items_done"] == paused.items_done
+    assert state.state == "paused" and state.lock is None
+    assert state.upgrade.items_done == paused.items_done
 
     # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == new_version and searcher.backfilled == paused.items_done
-    plan = planning.load_plan(gallery.store, state["upgrade"]["id"])
+    plan = planning.load_plan(gallery.store, state.upgrade.id)
     mixed, backfilled = backfill.mixed_features(gallery, plan)
     assert backfilled.sum() == paused.items_done
     queries = embed(new_model, split.images[:5])
@@ -92,7 +92,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     if gallery.serves_queries:
         finished = _index_against_exact(gallery, embed(new_model, split.images), split.labels,
                                         gallery.all_features(plan.new))
-        print(f"top-1 from the index's own answers: {half_way:.3f} at {paused['items_done']}/{n}, {finished:.3f} "
+        print(f"top-1 from the index's own answers: {half_way:.3f} at {paused.items_done}/{n}, {finished:.3f} "
               "after the finish")
     assert gallery.manifest(refresh=True)["model"]["version"] == new_version
     assert searcher.refresh() > 0 and searcher.rebuilds == 0  # updated in place, never rebuilt
@@ -131,7 +131,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     np.testing.assert_allclose(advice["sample_top1"], exact.top1, atol=1e-9)
     np.testing.assert_allclose(advice["map"], exact.map, atol=1e-9)
     predicted = {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, "predicted_top1")}
-    assert sorted(predicted) == sorted(set(cuts)) and state["upgrade"]["predicted"]["top1"]["100%"] == \
+    assert sorted(predicted) == sorted(set(cuts)) and state.upgrade.predicted["top1"]["100%"] == \
         pytest.approx(100 * advice["top1"][-1], abs=0.01)
     fraction = client.get_metric_history(plan.mlflow_run_id, "backfill_fraction")
     assert max(m.value for m in fraction) == 1.0
@@ -398,7 +398,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
     assert result.exit_code == 6  # bad input: the gallery is locked
     assert "is being upgraded: upgrade another-upgrade by process" in result.output
     assert "fastfill upgrade unlock" in result.output
-    assert gallery_status(PartsGallery(open_store(uri)))["upgrade"] is None  # refused before planning
+    assert gallery_status(PartsGallery(open_store(uri))).upgrade is None  # refused before planning
     result = runner.invoke(app, ["upgrade", "unlock", *args])
     assert result.exit_code == 0 and "removed the lock of upgrade another-upgrade" in result.output
     store = open_store(uri)
@@ -559,7 +559,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
     assert ending.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
-    assert gallery_status(gallery)["state"] == "idle"
+    assert gallery_status(gallery).state == "idle"
 
     reference_uri = str(tmp_path / "reference")
     client.set_registered_model_alias(name, "champion", old_version)  # the reference starts where the chaos did
@@ -764,7 +764,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     prefilled = planning.load_plan(store, paused.upgrade).prefilled  # the evaluation sample, embedded while planning
     assert paused.items_done == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
     assert paused.advice.recommendation["fraction"] == stop["fraction"]
-    stored = store.get_json(f"upgrades/{paused['upgrade']}/advice.json")
+    stored = store.get_json(f"upgrades/{paused.upgrade}/advice.json")
     np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve
     np.testing.assert_allclose(stored["map"], predicted["map"], atol=1e-6)
     again = upgrade_flow(params, uri)  # the same command stays at the recommended stop
@@ -871,5 +871,5 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
     with pytest.raises(GalleryError, match=r"images could not be read or decoded, more than the 2"):
         upgrade_flow(strict, strict_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
     state = gallery_status(gallery_at(open_store(strict_uri)))
-    assert state["state"] == "paused" and state["upgrade"]["failed_images"]["count"] == 3
-    assert {f["id"] for f in state["upgrade"]["failed_images"]["items"]} == {1003, 1011, 1019}
+    assert state.state == "paused" and state.upgrade.failed_images["count"] == 3
+    assert {f["id"] for f in state.upgrade.failed_images["items"]} == {1003, 1011, 1019}

@@ -123,7 +123,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     # the champion's features are served again, by a fresh search and in `upgrade status`
     assert gallery.manifest(refresh=True)["upgrade"] is None and model_version(gallery) == old_version
     _finds_itself(gallery, old_model, params)
-    assert gallery_status(gallery)["state"] == "idle"
+    assert gallery_status(gallery).state == "idle"
     record = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
     assert (record["items_done"], record["chunks"], record["stage"]) == (paused["items_done"], plan.num_chunks,
                                                                           "backfilling")

@@ -127,7 +127,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     split = split_images(params)
     ids, _ = searcher.search(embed(old_model, split.images[:4]), k=1)
     assert list(ids[:, 0]) == [0, 1, 2, 3]  # each item finds itself among the champion's features
-    assert gallery_status(gallery)["state"] == "idle"
+    assert gallery_status(gallery).state == "idle"
 
     with pytest.raises(GalleryError, match="rejected by the promotion gate"):
         upgrade_flow(params, uri, f"models:/embedder/{worse}")
@@ -250,7 +250,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
             with pytest.raises(RuntimeError, match=f"injected after {step}"):
                 fu.upgrade_flow(params, uri)
         gallery = PartsGallery(open_store(uri))
-        assert gallery_status(gallery)["state"] == "ending interrupted", step
+        assert gallery_status(gallery).state == "ending interrupted", step
 
         result = fu.upgrade_flow(params, uri)  # the same command again
 
@@ -261,7 +261,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
         assert client.get_model_version(name, new_version).tags["promotion"] == ("passed" if passes else "rejected")
         uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
         assert ending.decision(gallery.store, uid)["registry_recorded"], step
-        assert not gallery.store.exists(LOCK) and gallery_status(gallery)["state"] == "idle", step
+        assert not gallery.store.exists(LOCK) and gallery_status(gallery).state == "idle", step
         assert gallery.store.exists(planning.upgrade_key(uid, "rejected.json")) == (not passes), step
         if passes:  # once more: nothing to upgrade, and a success
             assert fu.upgrade_flow(params, uri).state == "up-to-date"
@@ -339,7 +339,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     gallery = PartsGallery(store)
     assert gallery.model.version == new_version and gallery.manifest()["upgrade"] is None
     assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
-    assert not store.exists(LOCK) and gallery_status(gallery)["state"] == "idle"
+    assert not store.exists(LOCK) and gallery_status(gallery).state == "idle"
     uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
     assert ending.decision(store, uid)["registry_recorded"] and ending.decision(store, uid)["passed"]
     assert fu.upgrade_flow(params, uri).state == "up-to-date"  # and once more, later: still nothing to do

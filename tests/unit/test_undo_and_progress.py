@@ -35,7 +35,7 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     assert saved == record and record["by"]["user"] == "ops" and record["stage"] == "backfilling"
     assert (record["chunks_done"], record["chunks"], record["items_done"]) == (3, 8, 21)
     assert record["from"] == OLD.uri and record["to"] == NEW.uri
-    assert gallery_status(gallery)["state"] == "idle"
+    assert gallery_status(gallery).state == "idle"
     with pytest.raises(GalleryError, match="no upgrade of .* is in progress .*nothing to abort"):
         reversal.abortable(gallery)
 
@@ -82,7 +82,7 @@ def test_an_abort_cut_short_is_seen_and_completed(tmp_path, models, data):
     record = reversal.abort(gallery, plan.id)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})  # as if killed before the switch
     state = gallery_status(gallery)
-    assert state["state"] == "abort interrupted" and "fastfill upgrade abort" in state["next"]
+    assert state.state == "abort interrupted" and "fastfill upgrade abort" in state.next
     assert reversal.abort(gallery, plan.id) == record  # completed, the first record kept
     assert gallery.manifest(refresh=True)["upgrade"] is None
     # the same cut-short abort, then the upgrade asked for again: the gallery goes back before planning
@@ -139,9 +139,9 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
     np.testing.assert_array_equal(gallery.all_features(OLD), old_features)
     assert store.get_json(planning.upgrade_key(plan.id, reversal.ROLLED_BACK)) == record and record["registry_recorded"] is None
     assert reversal.interrupted_rollback(gallery) == record
-    assert gallery_status(gallery)["state"] == "rollback interrupted"
+    assert gallery_status(gallery).state == "rollback interrupted"
     reversal.mark_rollback_recorded(store, plan.id)
-    assert reversal.interrupted_rollback(gallery) is None and gallery_status(gallery)["state"] == "idle"
+    assert reversal.interrupted_rollback(gallery) is None and gallery_status(gallery).state == "idle"
     with pytest.raises(GalleryError, match="already a rollback"):
         reversal.rollback_target(gallery)
     with pytest.raises(GalleryError, match="nothing to abort"):

@@ -3,6 +3,8 @@ with its progress, prediction and failed images, and any step a killed run left 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastfill.components.gallery.advice.advisor import stored_advice
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
 from fastfill.components.gallery.layouts.catalog import Gallery, ModelRef
@@ -15,81 +17,158 @@ from fastfill.components.gallery.store import ObjectMissing
 FAILED_SHOWN = 20  # failed images listed by status (finished.json keeps them all)
 
 
-def gallery_status(gallery: Gallery, *, failures: bool = True) -> dict:
+@dataclass
+class UpgradeInProgress:
+    """The upgrade a gallery is in the middle of: how far its backfill is (None where it has no
+    plan), the advisor's prediction, the images a backfill could not read, a decision a killed
+    run left; ``registry_recorded`` False for an ending whose registry step is missing."""
+
+    id: str
+    to: str | None
+    source: str | None = None  # the model it upgrades from ("from" in the JSON)
+    order: str | None = None
+    chunks_done: int | None = None
+    chunks: int | None = None
+    items_done: int | None = None
+    fraction: float | None = None
+    mlflow_run_id: str | None = None
+    predicted: dict | None = None
+    failed_images: dict | None = None
+    decision: dict | None = None
+    registry_recorded: bool | None = None
+
+    def as_dict(self) -> dict:
+        if self.registry_recorded is False:  # an ending: what its record says, nothing of a backfill
+            return {"id": self.id, "to": self.to, "decision": self.decision, "registry_recorded": False}
+        fields = {"id": self.id, "from": self.source, "to": self.to, "order": self.order,
+                  "chunks_done": self.chunks_done, "chunks": self.chunks, "items_done": self.items_done,
+                  "fraction": self.fraction, "mlflow_run_id": self.mlflow_run_id}
+        for key in ("predicted", "failed_images", "decision"):
+            if getattr(self, key) is not None:
+                fields[key] = getattr(self, key)
+        return fields
+
+
+@dataclass
+class GalleryStatus:
+    """The gallery's state (`fastfill upgrade status`, `gallery info`, doctor): its model, the
+    lock, the upgrade in progress, what to run next after an interrupted run, and the index it
+    serves from (a layout that serves queries)."""
+
+    store: str
+    items: int
+    model: str
+    state: str = "idle"  # idle, running, paused, abort interrupted, ending interrupted, rollback interrupted
+    lock: dict | None = None
+    upgrade: UpgradeInProgress | None = None
+    next: str | None = None
+    index: dict | None = None
+
+    @property
+    def lock_live(self) -> bool:
+        return self.lock is not None and not self.lock.get("expired")
+
+    def as_dict(self) -> dict:
+        """The JSON document's fields (docs/json.md, fastfill.upgrade.status/1)."""
+        fields = {"store": self.store, "items": self.items, "model": self.model, "state": self.state,
+                  "upgrade": self.upgrade.as_dict() if self.upgrade else None, "lock": self.lock}
+        if self.next is not None:
+            fields["next"] = self.next
+        if self.index is not None:
+            fields["index"] = self.index
+        return fields
+
+
+def gallery_status(gallery: Gallery, *, failures: bool = True) -> GalleryStatus:
     """The gallery's model, lock and upgrade in progress; ``failures``: with the adopted images a
     backfill could not read (one read per done chunk)."""
     manifest = gallery.manifest(refresh=True)
-    result = {"store": gallery.store.uri, "items": manifest["num_items"], "model": manifest["model"]["uri"],
-              "state": "idle", "upgrade": None}
-    try:
-        result["lock"] = gallery.store.get_json(LOCK)
-        result["lock"].pop("token", None)
-    except ObjectMissing:
-        result["lock"] = None
-    if result["lock"] is not None and lease_expired(result["lock"]):
+    status = GalleryStatus(gallery.store.uri, manifest["num_items"], manifest["model"]["uri"], lock=_lock(gallery))
+    if status.lock is not None and status.lock.get("expired"):
         # its holder stopped renewing (killed, or cut off from the store): nobody is working
-        result["lock"]["expired"] = True
-        result["next"] = "the lock's lease has expired: the next `fastfill upgrade` takes it over and resumes"
-    held = result["lock"] is not None and not result["lock"].get("expired")
+        status.next = "the lock's lease has expired: the next `fastfill upgrade` takes it over and resumes"
     upgrade = manifest.get("upgrade")
     if gallery.serves_queries:
-        result["index"] = served_index(gallery, upgrade)
+        status.index = served_index(gallery, upgrade)
     if upgrade:
-        plan = load_plan(gallery.store, upgrade)
-        done = done_chunks(gallery.store, upgrade)
-        items = plan.items_in(done) if plan else 0
-        result.update(state="running" if held else "paused", upgrade={
-            "id": upgrade, "from": plan.old.uri if plan else None, "to": plan.new.uri if plan else None,
-            "order": plan.order_kind if plan else None,
-            "chunks_done": len(done), "chunks": plan.num_chunks if plan else None,
-            "items_done": items, "fraction": items / manifest["num_items"],
-            "mlflow_run_id": plan.mlflow_run_id if plan else None})
-        advice = stored_advice(gallery.store, upgrade)
-        if advice is not None and advice.get("metric") == "agreement":  # the label-free prediction (points)
-            every = range(0, len(advice["fractions"]), 2)
-            result["upgrade"]["predicted"] = {
-                "sample": advice["sample"], "metric": f"agreement with the finished upgrade's top-{advice['k']}",
-                "agreement": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["agreement"][i], 2)
-                              for i in every},
-                "recommendation": advice.get("recommendation")}
-        elif advice is not None:  # the budget advisor's prediction, every 10% (points)
-            every = range(0, len(advice["fractions"]), 2)
-            result["upgrade"]["predicted"] = {
-                "sample": advice["sample"],
-                "top1": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["top1"][i], 2) for i in every},
-                "map": {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice["map"][i], 2) for i in every},
-                "top1_standard_error": round(100 * max(advice["top1_se"]), 2),
-                "recommendation": advice.get("recommendation")}
-        if failures and gallery.adopted:
-            failed = failed_images(gallery.store, upgrade)
-            result["upgrade"]["failed_images"] = {"count": len(failed), "items": failed[:FAILED_SHOWN]}
-        if aborted(gallery.store, upgrade) is not None:  # an abort cut short before the gallery went back
-            result["state"] = "abort interrupted"
-            result["next"] = ("run `fastfill upgrade abort` again to complete it, or `fastfill upgrade` to plan this "
-                              "upgrade again from scratch")
-            return result
-        decided = decision(gallery.store, upgrade)
-        if decided is not None:  # killed between the decision and the switch
-            result["upgrade"]["decision"] = {"passed": decided["passed"], "decided": decided["decided"]}
-            if not held:
-                result["state"] = "ending interrupted"
-                result["next"] = "run the same `fastfill upgrade` again: it completes the recorded decision"
-        return result
+        _in_progress(gallery, status, upgrade, manifest["num_items"], failures)
+    else:
+        _interrupted_ending(gallery, status)
+    return status
+
+
+def _lock(gallery: Gallery) -> dict | None:
+    """The lock's holder (without its token), marked ``expired`` when its lease ran out; None unlocked."""
+    try:
+        lock = gallery.store.get_json(LOCK)
+    except ObjectMissing:
+        return None
+    lock.pop("token", None)
+    if lease_expired(lock):
+        lock["expired"] = True
+    return lock
+
+
+def _in_progress(gallery: Gallery, status: GalleryStatus, upgrade: str, num_items: int, failures: bool) -> None:
+    """The upgrade the manifest names: its progress, prediction and failed images, and an abort or a
+    decision a killed run left."""
+    plan = load_plan(gallery.store, upgrade)
+    done = done_chunks(gallery.store, upgrade)
+    items = plan.items_in(done) if plan else 0
+    status.state = "running" if status.lock_live else "paused"
+    status.upgrade = UpgradeInProgress(
+        upgrade, plan.new.uri if plan else None, source=plan.old.uri if plan else None,
+        order=plan.order_kind if plan else None, chunks_done=len(done), chunks=plan.num_chunks if plan else None,
+        items_done=items, fraction=items / num_items, mlflow_run_id=plan.mlflow_run_id if plan else None,
+        predicted=_predicted(stored_advice(gallery.store, upgrade)))
+    if failures and gallery.adopted:
+        failed = failed_images(gallery.store, upgrade)
+        status.upgrade.failed_images = {"count": len(failed), "items": failed[:FAILED_SHOWN]}
+    if aborted(gallery.store, upgrade) is not None:  # an abort cut short before the gallery went back
+        status.state = "abort interrupted"
+        status.next = ("run `fastfill upgrade abort` again to complete it, or `fastfill upgrade` to plan this "
+                       "upgrade again from scratch")
+        return
+    decided = decision(gallery.store, upgrade)
+    if decided is not None:  # killed between the decision and the switch
+        status.upgrade.decision = {"passed": decided["passed"], "decided": decided["decided"]}
+        if not status.lock_live:
+            status.state = "ending interrupted"
+            status.next = "run the same `fastfill upgrade` again: it completes the recorded decision"
+
+
+def _predicted(advice: dict | None) -> dict | None:
+    """The budget advisor's prediction every 10%, in points (the label-free one as agreement)."""
+    if advice is None:
+        return None
+    every = range(0, len(advice["fractions"]), 2)
+
+    def points(curve: str) -> dict:
+        return {f"{100 * advice['fractions'][i]:.0f}%": round(100 * advice[curve][i], 2) for i in every}
+
+    if advice.get("metric") == "agreement":
+        return {"sample": advice["sample"], "metric": f"agreement with the finished upgrade's top-{advice['k']}",
+                "agreement": points("agreement"), "recommendation": advice.get("recommendation")}
+    return {"sample": advice["sample"], "top1": points("top1"), "map": points("map"),
+            "top1_standard_error": round(100 * max(advice["top1_se"]), 2),
+            "recommendation": advice.get("recommendation")}
+
+
+def _interrupted_ending(gallery: Gallery, status: GalleryStatus) -> None:
+    """No upgrade in progress: an ending whose registry step is missing, or a rollback's."""
     ending = interrupted_decision(gallery)
     if ending is not None:  # killed after the switch, before the registry followed
-        result["state"] = "running" if held else "ending interrupted"
-        result["upgrade"] = {"id": ending["upgrade"], "to": ModelRef.from_dict(ending["new"]).uri,
-                             "decision": {"passed": ending["passed"], "decided": ending["decided"]},
-                             "registry_recorded": False}
-        if not held:
-            result["next"] = ("run `fastfill upgrade` again: it records the decision in the registry (tags"
-                              + (", champion" if ending["passed"] else "") + ") and ends")
-        return result
-    undone = interrupted_rollback(gallery)
-    if undone is not None and not held:  # the gallery went back; the registry did not follow yet
-        result["state"] = "rollback interrupted"
-        result["next"] = "run `fastfill gallery rollback` again: it moves champion back and tags the version"
-    return result
+        status.state = "running" if status.lock_live else "ending interrupted"
+        status.upgrade = UpgradeInProgress(ending["upgrade"], ModelRef.from_dict(ending["new"]).uri,
+                                           decision={"passed": ending["passed"], "decided": ending["decided"]},
+                                           registry_recorded=False)
+        if not status.lock_live:
+            status.next = ("run `fastfill upgrade` again: it records the decision in the registry (tags"
+                           + (", champion" if ending["passed"] else "") + ") and ends")
+        return
+    if interrupted_rollback(gallery) is not None and not status.lock_live:  # the registry did not follow yet
+        status.state = "rollback interrupted"
+        status.next = "run `fastfill gallery rollback` again: it moves champion back and tags the version"
 
 
 def served_index(gallery: Gallery, upgrade: str | None) -> dict:
