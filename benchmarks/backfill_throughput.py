@@ -61,8 +61,8 @@ def _images(n: int) -> tuple[np.ndarray, str]:
 def _models():
     import torch
 
-    from fastfill.components.platform.config import load_params
     from fastfill.components.experiment.models import AlignmentMap, Embedder
+    from fastfill.components.platform.config import load_params
 
     params = load_params("params.yaml")
     torch.manual_seed(0)
@@ -119,12 +119,12 @@ def _write_files(images: np.ndarray, root: str) -> float:
 def _fresh_gallery(uri: str, images, old, h, chunk_size: int, mlflow_uri: str, files_root: str | None = None):
     import pyarrow as pa
 
-    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.experiment.inference import embed
     from fastfill.components.gallery.inputs.adopt import adopt
     from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
-    from fastfill.components.platform.registry import ModelRef
     from fastfill.components.gallery.store import open_store
-    from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.upgrade import planning
+    from fastfill.components.platform.registry import ModelRef
 
     store = open_store(uri)
     old_ref, new_ref = ModelRef("bench", "1", old.embedding_dim), ModelRef("bench", "2", 128)
@@ -163,9 +163,9 @@ def main() -> None:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from fastfill.components.platform.config import parse_params
-    from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
     from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
+    from fastfill.components.platform.config import parse_params
     from fastfill.flows.upgrade import backfill_plan
 
     images, source = _images(args.items)

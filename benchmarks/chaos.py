@@ -68,10 +68,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 
-    from fastfill.components.gallery.upgrade import backfill, ending, planning
     from fastfill.components.gallery.layouts.catalog import PartsGallery
-    from fastfill.components.gallery.store.lock import LOCK
     from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.store.lock import LOCK
+    from fastfill.components.gallery.upgrade import backfill, ending, planning
     from fastfill.components.platform import registry
     from fastfill.components.platform.config import parse_params
     from fastfill.flows.pipeline import pipeline_flow

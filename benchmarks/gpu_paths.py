@@ -62,9 +62,9 @@ def quality(images, labels, cuda) -> dict:
     import torch
 
     from fastfill.components.evaluation.retrieval import retrieval_metrics
+    from fastfill.components.experiment.data import Split
     from fastfill.components.experiment.inference import embed
     from fastfill.components.experiment.training import TrainingRun, train_embedder
-    from fastfill.components.experiment.data import Split
     from fastfill.components.platform.config import TrainConfig
 
     train, test = slice(0, 8000), slice(8000, 10000)
@@ -137,9 +137,9 @@ def backfill(model, images, cuda) -> dict:
     import torch
 
     from fastfill.components.experiment.models import AlignmentMap
-    from fastfill.components.gallery.upgrade import backfill, planning
     from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
     from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import backfill, planning
     from fastfill.components.platform.registry import ModelRef
 
     old, new = ModelRef("embedder", "1", 64), ModelRef("embedder", "2", model.embedding_dim)

@@ -25,14 +25,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastfill.components.platform.config import AlignConfig, load_params  # noqa: E402
 from fastfill.components.experiment.data import load_raw_dataset, make_splits  # noqa: E402
+from fastfill.components.experiment.inference import apply_alignment, embed
 from fastfill.components.experiment.map_check import SideOutputs, curve_numbers, reference_config  # noqa: E402
+from fastfill.components.experiment.map_training import split_pairs, train_alignment  # noqa: E402
 from fastfill.components.experiment.map_validation import ValidationPairs  # noqa: E402
 from fastfill.components.experiment.models import load_embedder, save_embedder  # noqa: E402
-from fastfill.components.experiment.inference import apply_alignment, embed
-from fastfill.components.experiment.map_training import split_pairs, train_alignment  # noqa: E402
 from fastfill.components.experiment.training import TrainingRun, train_embedder  # noqa: E402
+from fastfill.components.platform.config import AlignConfig, load_params  # noqa: E402
 
 VARIANTS = {
     "joint, 20 epochs (before)": {"uncertainty_weighting": "joint", "min_steps": 0},

@@ -69,9 +69,9 @@ def plan(folder: Path, chunk_size: int) -> dict:
     import torch
 
     from fastfill.components.experiment.models import AlignmentMap
-    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import planning
 
     old, new = _refs()
     torch.manual_seed(0)
@@ -92,9 +92,9 @@ def plan(folder: Path, chunk_size: int) -> dict:
 def finish(folder: Path) -> dict:
     import json as _json
 
-    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.upgrade.ending import finish
 
     gallery = PartsGallery(open_store(folder))

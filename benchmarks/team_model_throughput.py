@@ -119,8 +119,8 @@ def _jpeg_files(count: int, size: int) -> list[str]:
 def _backfill_steps(model, files: list[str], batch: int):
     """(read ahead, read first): the backfill's read + decode + embed of ``files``."""
     from fastfill.components.experiment.inference import embed
-    from fastfill.components.gallery.upgrade.backfill import embed_streamed
     from fastfill.components.gallery.inputs.images import read_images
+    from fastfill.components.gallery.upgrade.backfill import embed_streamed
 
     prep = model.preprocessing
     cpu = torch.device("cpu")

@@ -80,13 +80,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.team_own_models import write_report  # noqa: E402
 from benchmarks.team_upgrade_backend import run_backend  # noqa: E402
 from benchmarks.team_upgrade_commands import CALLER_ENV_DROPPED, ROOT, clean_env, error_lines  # noqa: E402
 from benchmarks.team_upgrade_inputs import (  # noqa: E402
-    BUCKET, backend_params, gallery_images, read_versions, register_copies, start_s3, train_tiny_models,
-    upload_images, write_gallery, write_judgments,
+    BUCKET,
+    backend_params,
+    gallery_images,
+    read_versions,
+    register_copies,
+    start_s3,
+    train_tiny_models,
+    upload_images,
+    write_gallery,
+    write_judgments,
 )
-from benchmarks.team_own_models import write_report  # noqa: E402
 from benchmarks.team_upgrade_report import markdown  # noqa: E402
 from benchmarks.team_upgrade_strace import ALSO_WATCHED, MUST_NOT_READ, STRACE_FILTER, check_traces  # noqa: E402
 

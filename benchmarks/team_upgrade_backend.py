@@ -9,7 +9,12 @@ import re
 from pathlib import Path
 
 from benchmarks.team_upgrade_commands import (
-    FASTFILL, error_lines, parse_dry_run, parse_json_output, parse_upgrade, run_command,
+    FASTFILL,
+    error_lines,
+    parse_dry_run,
+    parse_json_output,
+    parse_upgrade,
+    run_command,
 )
 
 _ADOPTED = re.compile(r"^(\S+): (\d+) items adopted, model (\S+);")

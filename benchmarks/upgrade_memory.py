@@ -35,7 +35,6 @@ def prepare(folder: Path, size: int) -> dict:
     """The image files, a manifest and the current features, in ``folder``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from backfill_throughput import _augment, _images, _write_files
 
     started = time.perf_counter()
@@ -62,10 +61,10 @@ def upgrade(folder: Path, chunk_size: int, concurrency: int) -> dict:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from fastfill.components.experiment.models import AlignmentMap, Embedder
-    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
     from fastfill.components.gallery.layouts.catalog import PartsGallery
     from fastfill.components.gallery.store import open_store
+    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.upgrade.ending import finish
     from fastfill.components.gallery.upgrade.garbage import collect_garbage
     from fastfill.components.platform.config import load_params, parse_params

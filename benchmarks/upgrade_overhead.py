@@ -48,10 +48,10 @@ def main() -> None:
 
     from fastfill.components.experiment.data import load_split
     from fastfill.components.experiment.inference import embed
+    from fastfill.components.model_store import registered
     from fastfill.components.platform import registry
     from fastfill.components.platform.config import load_params
     from fastfill.components.platform.layout import Layout
-    from fastfill.components.model_store import registered
     from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.undo import abort_flow
     from fastfill.flows.upgrade import upgrade_flow

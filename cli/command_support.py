@@ -23,7 +23,12 @@ from fastfill.components.gallery.store import StoreError, StoreUnreachable, conf
 from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
 from fastfill.components.platform.config import ConfigError, Params, load_params
 from fastfill.components.platform.layout import ArrayFileError
-from fastfill.components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server, tracking_uri
+from fastfill.components.platform.registry import (
+    RegistryError,
+    TrackingUnreachable,
+    check_tracking_server,
+    tracking_uri,
+)
 from fastfill.components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
 
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", envvar="FASTFILL_PARAMS",

@@ -12,8 +12,19 @@ import typer
 
 from fastfill.cli import app
 from fastfill.cli.command_support import (
-    SERVICE, USAGE, ParamsOption, ServiceUnavailable, StoreOption, call, check_prefect_api, fail, load,
-    exit_within, params_file, stop_on_sigterm, store_uri,
+    SERVICE,
+    USAGE,
+    ParamsOption,
+    ServiceUnavailable,
+    StoreOption,
+    call,
+    check_prefect_api,
+    exit_within,
+    fail,
+    load,
+    params_file,
+    stop_on_sigterm,
+    store_uri,
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.flows.deployments import deployments, watch_once

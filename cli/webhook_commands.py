@@ -10,7 +10,16 @@ import typer
 
 from fastfill.cli import app
 from fastfill.cli.command_support import (
-    INPUT, USAGE, ParamsOption, StoreOption, call, fail, load, params_file, stop_on_sigterm, store_uri,
+    INPUT,
+    USAGE,
+    ParamsOption,
+    StoreOption,
+    call,
+    fail,
+    load,
+    params_file,
+    stop_on_sigterm,
+    store_uri,
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json, webhook_fields
 from fastfill.components.gallery.triggers.webhook_checks import webhook_secret

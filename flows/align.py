@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
+from fastfill.components.experiment.map_check import check_metrics, check_tags
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.layout import Layout, write_json
-from fastfill.components.experiment.map_check import check_metrics, check_tags
 from fastfill.flows._stage import registered_version, stage_run
 from fastfill.tasks.alignment import check_trained_map, save_map, train_map, transform_gallery
 from fastfill.tasks.tracking import log_results, register_alignment

@@ -26,15 +26,26 @@ import time
 from pathlib import Path
 
 import yaml
-
 from prefect import flow
 
 from fastfill.components.evaluation.comparison import (
-    COSTS, comparison_markdown, describe_adapter, describe_dual, describe_method, describe_online, method_cost,
-    plot_comparison, summarize,
+    COSTS,
+    comparison_markdown,
+    describe_adapter,
+    describe_dual,
+    describe_method,
+    describe_online,
+    method_cost,
+    plot_comparison,
+    summarize,
 )
 from fastfill.components.platform.config import (
-    AlignConfig, CompatibleConfig, Params, adapter_method, dual_method, online_method,
+    AlignConfig,
+    CompatibleConfig,
+    Params,
+    adapter_method,
+    dual_method,
+    online_method,
 )
 from fastfill.components.platform.layout import Layout, read_json, write_json
 from fastfill.flows.comparison_progress import comparison_progress

@@ -13,9 +13,9 @@ fair guess; within one, the models train slower than the maps).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator
 
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.layout import Layout

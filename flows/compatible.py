@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from fastfill.components.platform.config import Params, needs_train
 from fastfill.components.experiment.data import load_meta
+from fastfill.components.platform.config import Params, needs_train
 from fastfill.components.platform.layout import Layout, write_json
 from fastfill.flows._stage import registered_version, stage_run
 from fastfill.tasks.compatible_training import embed_compatible, save_compatible, train_compatible

@@ -28,18 +28,25 @@ from __future__ import annotations
 from prefect import flow
 from prefect.schedules import Cron
 
+from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.triggers.claims import (
-    ENDED_UNSTARTED, attempt, claim, claimed, record_start, release, unfinished, wants_upgrade,
+    ENDED_UNSTARTED,
+    attempt,
+    claim,
+    claimed,
+    record_start,
+    release,
+    unfinished,
+    wants_upgrade,
 )
 from fastfill.components.gallery.upgrade.planning import load_plan
 from fastfill.components.gallery.upgrade.status import UpgradeInProgress, gallery_status
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params, load_params
+from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT
 from fastfill.flows.parameters import run_parameters, store_of
 from fastfill.tasks._policy import log
 from fastfill.tasks.gallery_store import store_at
-from fastfill.components.gallery.layouts.opening import gallery_at
-from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT
 
 
 class DeploymentMissing(RuntimeError):

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from prefect import flow
 
+from fastfill.components.evaluation.reports import flatten_numbers
 from fastfill.components.platform.config import Params, adapter_method
 from fastfill.components.platform.layout import Layout, read_json
-from fastfill.components.evaluation.reports import flatten_numbers
 from fastfill.flows._stage import stage_run
 from fastfill.tasks.method_curves import (
-    evaluate_adapter, evaluate_dual, evaluate_method, evaluate_online, evaluate_reference, write_reports,
+    evaluate_adapter,
+    evaluate_dual,
+    evaluate_method,
+    evaluate_online,
+    evaluate_reference,
+    write_reports,
 )
 from fastfill.tasks.tracking import log_results
 

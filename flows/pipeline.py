@@ -9,10 +9,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from fastfill.components.platform.config import Params, needs_train
-from fastfill.components.platform.layout import write_json
 from fastfill.components.evaluation.reports import flatten_numbers
 from fastfill.components.evaluation.seed_report import seeds_markdown, summarize_seeds
+from fastfill.components.platform.config import Params, needs_train
+from fastfill.components.platform.layout import write_json
 from fastfill.flows.align import align_flow
 from fastfill.flows.compatible import compatible_flow
 from fastfill.flows.evaluate import evaluate_flow

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from prefect import flow
 
+from fastfill.components.evaluation.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.layout import Layout, read_json, write_json
-from fastfill.components.evaluation.sweep_report import plot_sweep, size_label, summarize_sweep, sweep_markdown
 from fastfill.flows.pipeline import pipeline_flow
 from fastfill.flows.prepare import prepare_flow
 from fastfill.tasks._policy import log

@@ -6,12 +6,12 @@ from typing import Literal
 
 from prefect import flow
 
-from fastfill.components.platform.config import Params, needs_train
 from fastfill.components.experiment.data import load_meta
+from fastfill.components.platform.config import Params, needs_train
 from fastfill.components.platform.layout import Layout, write_json
 from fastfill.flows._stage import stage_run
-from fastfill.tasks.tracking import log_results, register_embedder
 from fastfill.tasks.model_training import embed_splits, save_model, train_model
+from fastfill.tasks.tracking import log_results, register_embedder
 
 
 @flow(name="train-model", log_prints=True)

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 from prefect import flow
 
-from fastfill.components.gallery.upgrade import planning, reversal
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, check_registry
+from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked, acquire_lock
 from fastfill.components.gallery.triggers.claims import claim
-from fastfill.components.gallery.store.lock import acquire_lock
+from fastfill.components.gallery.upgrade import planning, reversal
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.registry import ModelRef
 from fastfill.flows.parameters import resolve_params, run_parameters, store_of
 from fastfill.tasks._policy import log
 from fastfill.tasks.gallery_store import open_gallery
-from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
 
 
 def take_undo_lock(store, holder: str, doing: str, params: Params):

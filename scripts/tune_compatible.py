@@ -58,6 +58,8 @@ def measure(model, old_model, split, *, distance: str, curve_points: int, seed: 
 
 
 def main(argv=None) -> int:
+    from tune_ract import held_out
+
     from fastfill.components.experiment.basis_transformation import fold_basis_transformation
     from fastfill.components.experiment.compatibility import fix_simplex_classifier
     from fastfill.components.experiment.data import Split, load_meta, load_split
@@ -66,7 +68,6 @@ def main(argv=None) -> int:
     from fastfill.components.platform.config import CompatibleConfig, load_params
     from fastfill.components.platform.layout import Layout
     from fastfill.tasks.compatible_training import compatibility_term
-    from tune_ract import held_out
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))

@@ -31,6 +31,8 @@ SCORES = ("top1_auc", "map_auc", "top1_0", "map_0", "score", "seconds")
 
 def main(argv=None) -> int:
     import torch
+    from tune_compatible import grid_points
+    from tune_ract import held_out
 
     from fastfill.components.evaluation.assessment import MethodOutputs, method_curves
     from fastfill.components.experiment.data import load_split
@@ -38,8 +40,6 @@ def main(argv=None) -> int:
     from fastfill.components.experiment.models import load_embedder
     from fastfill.components.platform.config import AlignConfig, load_params
     from fastfill.components.platform.layout import Layout, load_array
-    from tune_compatible import grid_points
-    from tune_ract import held_out
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))

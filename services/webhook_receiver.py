@@ -24,7 +24,14 @@ import time
 
 import uvicorn
 
-from fastfill.components.gallery.triggers.webhook_checks import DeliveryLog, RateLimiter, WebhookRejected, alias_event, body_length, verify
+from fastfill.components.gallery.triggers.webhook_checks import (
+    DeliveryLog,
+    RateLimiter,
+    WebhookRejected,
+    alias_event,
+    body_length,
+    verify,
+)
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params
 from fastfill.flows.deployments import DeploymentMissing, start_upgrade

@@ -9,9 +9,11 @@ from typing import TypedDict, cast
 from uuid import UUID
 
 from prefect.cache_policies import NO_CACHE, CachePolicy
+
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.gallery.store.lock import UpgradeLocked
+
 
 def _worth_retrying(task, task_run, state) -> bool:
     """Retry a task that failed on I/O, not one whose upgrade lost its lock (another process

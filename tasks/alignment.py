@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prefect import task
 
-import hashlib
-
-from fastfill.components.platform.config import AlignConfig
 from fastfill.components.experiment.data import load_split
-from fastfill.components.platform.layout import Layout, load_array, save_array, write_json
-from fastfill.components.experiment.map_check import decide_map, is_reference, reference_config, skip_reason
-from fastfill.components.experiment.models import (
-    AlignmentMap, UnifiedMaps, load_alignment, load_embedder, save_alignment,
-)
 from fastfill.components.experiment.inference import apply_alignment, apply_unified, pick_device
+from fastfill.components.experiment.map_check import decide_map, is_reference, reference_config, skip_reason
 from fastfill.components.experiment.map_training import train_alignment, train_unified, true_alignment_loss
+from fastfill.components.experiment.models import (
+    AlignmentMap,
+    UnifiedMaps,
+    load_alignment,
+    load_embedder,
+    save_alignment,
+)
 from fastfill.components.experiment.training import discard_checkpoint, run_key
+from fastfill.components.platform.config import AlignConfig
+from fastfill.components.platform.layout import Layout, load_array, save_array, write_json
 from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 

@@ -11,15 +11,20 @@ from prefect import task
 
 from fastfill.components.experiment.basis_transformation import fold_basis_transformation
 from fastfill.components.experiment.compatibility import (
-    BCTInfluence, BT2Compatibility, RACTCompatibility, StationaryCompatibility, fix_simplex_classifier,
-    old_class_means, old_items_beside_new_features,
+    BCTInfluence,
+    BT2Compatibility,
+    RACTCompatibility,
+    StationaryCompatibility,
+    fix_simplex_classifier,
+    old_class_means,
+    old_items_beside_new_features,
 )
-from fastfill.components.platform.config import CompatibleConfig, TrainConfig
 from fastfill.components.experiment.data import load_meta, load_split
-from fastfill.components.platform.layout import Layout, load_array, save_array
-from fastfill.components.experiment.models import load_embedder
 from fastfill.components.experiment.inference import embed, pick_device
+from fastfill.components.experiment.models import load_embedder
 from fastfill.components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.platform.config import CompatibleConfig, TrainConfig
+from fastfill.components.platform.layout import Layout, load_array, save_array
 from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 from fastfill.tasks.model_training import store_trained
 

@@ -6,19 +6,19 @@ from __future__ import annotations
 import numpy as np
 from prefect import task
 
-from fastfill.components.model_store import registered
+from fastfill.components.experiment.data import DataError, load_split
+from fastfill.components.experiment.inference import embed
 from fastfill.components.gallery.layouts.catalog import check_features, rows_at
+from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE
 from fastfill.components.gallery.upgrade.pairs import TARGETS_LABELS, MapPairs, from_gallery
 from fastfill.components.gallery.upgrade.planning import source_key
 from fastfill.components.gallery.upgrade.samples import readable_images
+from fastfill.components.model_store import registered
 from fastfill.components.platform.progress import progress
 from fastfill.components.platform.registry import ModelRef
 from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, log
 from fastfill.tasks.gallery_store import store_at
-from fastfill.components.gallery.layouts.opening import gallery_at
-from fastfill.components.experiment.data import DataError, load_split
-from fastfill.components.experiment.inference import embed
 
 
 @task(name="load-model", **IO_RETRIES, **NO_CACHING)

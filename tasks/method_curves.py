@@ -11,17 +11,17 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves, reference_points
-from fastfill.components.platform.config import EvaluateConfig, dual_method, online_method
-from fastfill.components.experiment.data import load_split
-from fastfill.components.platform.layout import Layout, load_array, read_json, write_json
-from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
-from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 from fastfill.components.evaluation import curve_alphas, dual_curves
-from fastfill.components.evaluation.ordering import random_order
+from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves, reference_points
 from fastfill.components.evaluation.online_backfill import monotonicity, online_curve
+from fastfill.components.evaluation.ordering import random_order
+from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
 from fastfill.components.experiment.adapters import fit_adapter
+from fastfill.components.experiment.data import load_split
 from fastfill.components.experiment.map_check import non_finite_rows
+from fastfill.components.platform.config import EvaluateConfig, dual_method, online_method
+from fastfill.components.platform.layout import Layout, load_array, read_json, write_json
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 
 
 @task(name="evaluate-reference", **NO_CACHING)

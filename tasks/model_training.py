@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from fastfill.components.platform.config import TrainConfig
 from fastfill.components.experiment.data import load_meta, load_split
-from fastfill.components.platform.layout import FEATURE_SPLITS, Layout, save_array, write_json
-from fastfill.components.experiment.models import Embedder, save_embedder
 from fastfill.components.experiment.inference import embed, pick_device
+from fastfill.components.experiment.models import Embedder, save_embedder
 from fastfill.components.experiment.training import TrainingRun, discard_checkpoint, train_embedder
+from fastfill.components.platform.config import TrainConfig
+from fastfill.components.platform.layout import FEATURE_SPLITS, Layout, save_array, write_json
 from fastfill.tasks._policy import GPU_TAGS, IO_RETRIES, NO_CACHING, epoch_progress, log
 
 

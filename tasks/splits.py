@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prefect import task
 
-from fastfill.components.platform.config import PrepareConfig
 from fastfill.components.experiment.data import load_raw_dataset, make_splits, save_splits
+from fastfill.components.platform.config import PrepareConfig
 from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 
 

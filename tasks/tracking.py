@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from fastfill.components.platform import registry
 from fastfill.components.model_store import registered
+from fastfill.components.platform import registry
 from fastfill.components.platform.config import MlflowConfig, Params
 from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
 

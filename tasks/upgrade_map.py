@@ -9,20 +9,25 @@ from dataclasses import dataclass
 import numpy as np
 from prefect import task
 
-from fastfill.components.model_store import registered
-from fastfill.components.gallery.upgrade.lifecycle import CHECK_SOURCE_TAG, SPLITS_SOURCE, checked_on
-from fastfill.components.gallery.upgrade.pairs import MapPairs, fit_reverse
-from fastfill.components.platform import registry
-from fastfill.components.platform.config import AlignConfig
-from fastfill.components.platform.registry import ModelRef
-from fastfill.tasks._policy import GPU_TAGS, NO_CACHING, log
 from fastfill.components.experiment.inference import pick_device
 from fastfill.components.experiment.map_check import check_metrics, check_tags, decide_map
 from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import samples, usage
-from fastfill.components.gallery.upgrade.lifecycle import needs_check, registered_map_order
+from fastfill.components.gallery.upgrade.lifecycle import (
+    CHECK_SOURCE_TAG,
+    SPLITS_SOURCE,
+    checked_on,
+    needs_check,
+    registered_map_order,
+)
+from fastfill.components.gallery.upgrade.pairs import MapPairs, fit_reverse
+from fastfill.components.model_store import registered
+from fastfill.components.platform import registry
+from fastfill.components.platform.config import AlignConfig
 from fastfill.components.platform.layout import Layout
+from fastfill.components.platform.registry import ModelRef
+from fastfill.tasks._policy import GPU_TAGS, NO_CACHING, log
 from fastfill.tasks.upgrade_tracking import tag_run
 
 

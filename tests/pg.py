@@ -31,15 +31,14 @@ def milvus_gallery_config(store_uri: str):
     """gallery settings of a Milvus gallery: a Milvus Lite file of the test's own (beside a local
     store; for an S3 store in a temporary folder removed at exit), its alias named after the store."""
     import atexit
+    import importlib.util
     import os
     import shutil
     import tempfile
 
-    from fastfill.components.platform.config import GalleryConfig
-
-    import importlib.util
-
     import pytest
+
+    from fastfill.components.platform.config import GalleryConfig
 
     if importlib.util.find_spec("milvus_lite") is None:  # the gpu install: Milvus Lite requires faiss-cpu
         pytest.skip("Milvus Lite is not installed (it comes with the cpu extra); a Milvus server is not started here")

@@ -11,12 +11,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfill.components.platform.vocabulary import ORDERS
 from fastfill.components.evaluation import backfill_curve, retrieval_metrics
 from fastfill.components.evaluation.ordering import (
-    descending_order, distance_order, entropy_uncertainty, kendall_tau, least_confidence, margin_uncertainty,
-    oracle_order, random_order, sigma_order,
+    descending_order,
+    distance_order,
+    entropy_uncertainty,
+    kendall_tau,
+    least_confidence,
+    margin_uncertainty,
+    oracle_order,
+    random_order,
+    sigma_order,
 )
+from fastfill.components.platform.vocabulary import ORDERS
 
 UNCERTAINTY = {"least_confidence": least_confidence, "margin": margin_uncertainty, "entropy": entropy_uncertainty}
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from fastfill.components.evaluation import backfill_curve, dual_curves
-from fastfill.components.platform.vocabulary import MERGES
 from fastfill.components.platform.layout import load_array
+from fastfill.components.platform.vocabulary import MERGES
 
 REQUIRED = ("query", "gallery_new", "gallery_old", "labels")
 RAW_OLD = "gallery_old_raw"

@@ -14,8 +14,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from fastfill.components.platform.config import AlignConfig, CompatibleConfig
 from fastfill.components.evaluation.seed_report import spread
+from fastfill.components.platform.config import AlignConfig, CompatibleConfig
 
 ROW_KEYS = ("top1_auc", "top5_auc", "map_auc", "top1_0", "top1_100", "top5_0", "top5_100", "map_0", "map_100",
             "nfr1_mean", "top1_trapz", "map_trapz")

@@ -46,8 +46,19 @@ from typing import Literal, overload
 import numpy as np
 
 from fastfill.components.evaluation.retrieval import (
-    ALPHA_POINTS_DEFAULT, BackfillCurve, BlockTotals, Prepared, as_features, block_distances, check_distance,
-    check_labels, check_num_intermediate, check_order, curve_alphas, curve_from_totals, over_blocks,
+    ALPHA_POINTS_DEFAULT,
+    BackfillCurve,
+    BlockTotals,
+    Prepared,
+    as_features,
+    block_distances,
+    check_distance,
+    check_labels,
+    check_num_intermediate,
+    check_order,
+    curve_alphas,
+    curve_from_totals,
+    over_blocks,
 )
 from fastfill.components.platform.vocabulary import MERGES, ONLINE_MERGE
 

@@ -13,12 +13,17 @@ import torch
 from torch import nn
 
 from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
+from fastfill.components.experiment.inference import embed
 from fastfill.components.experiment.losses import (
-    bct_influence_per_sample, bt2_per_sample, hoc_per_sample, match_dimension, ract_per_sample, simplex_prototypes,
+    bct_influence_per_sample,
+    bt2_per_sample,
+    hoc_per_sample,
+    match_dimension,
+    ract_per_sample,
+    simplex_prototypes,
     synthesized_classifier,
 )
 from fastfill.components.experiment.models import Embedder
-from fastfill.components.experiment.inference import embed
 
 
 @torch.no_grad()

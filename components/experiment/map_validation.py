@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfill.components.platform.config import ConfigError
 from fastfill.components.evaluation import retrieval_metrics
+from fastfill.components.platform.config import ConfigError
 
 MIN_VALIDATION_PAIRS = 20
 MIN_TRAINING_PAIRS = 2

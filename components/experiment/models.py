@@ -11,9 +11,9 @@ from torch import nn
 
 from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
 from fastfill.components.experiment.dense import Dense
+from fastfill.components.experiment.vision import torchvision
 from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.platform.layout import save_torch
-from fastfill.components.experiment.vision import torchvision
 
 
 def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:

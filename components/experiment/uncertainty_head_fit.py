@@ -14,8 +14,8 @@ from torch import nn
 from fastfill.components.experiment.inference import pick_device
 from fastfill.components.experiment.losses import classification_per_sample, l2_per_sample, uncertainty_weighted
 from fastfill.components.experiment.map_validation import validation_split
-from fastfill.components.experiment.optimizers import ExactAdam
 from fastfill.components.experiment.models import AlignmentMap
+from fastfill.components.experiment.optimizers import ExactAdam
 from fastfill.components.experiment.training import seed_everything
 from fastfill.components.platform.config import AlignConfig
 

@@ -33,10 +33,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from fastfill.components.model_store.embedders import ModelSourceError
-from fastfill.components.model_store.preprocessing import Preprocessing
 from fastfill.components.experiment.models import build
-from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+from fastfill.components.model_store.embedders import ModelSourceError, OnnxEmbedder, TorchvisionEmbedder
+from fastfill.components.model_store.preprocessing import Preprocessing
 from fastfill.components.model_store.sources import load_trusted_mlflow
 from fastfill.components.platform.registry import RegistryError
 

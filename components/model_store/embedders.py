@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastfill.components.model_store.preprocessing import Preprocessing
 from fastfill.components.experiment.vision import torchvision
+from fastfill.components.model_store.preprocessing import Preprocessing
 
 
 class ModelSourceError(ValueError):

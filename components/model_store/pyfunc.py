@@ -15,6 +15,7 @@ description, so nothing stored in the registry runs as code: ``mlflow.pyfunc.loa
 from __future__ import annotations
 
 import numpy as np
+
 from fastfill.components.experiment.inference import apply_alignment, embed
 from fastfill.components.model_store.artifact import load_folder
 

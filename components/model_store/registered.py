@@ -17,11 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from fastfill.components.model_store.artifact import (DATA_PATH, LEGACY_WEIGHTS_FILE, MODEL_FILE,  # noqa: F401
-                                        WEIGHTS_FILE, load_folder, log_version, preprocessing_of, read_description)
+from fastfill.components.experiment.models import Embedder, describe
+from fastfill.components.model_store.artifact import (  # noqa: F401
+    DATA_PATH,
+    LEGACY_WEIGHTS_FILE,
+    MODEL_FILE,
+    WEIGHTS_FILE,
+    load_folder,
+    log_version,
+    preprocessing_of,
+    read_description,
+)
 from fastfill.components.platform import registry
 from fastfill.components.platform.registry import RegistryError
-from fastfill.components.experiment.models import Embedder, describe
 
 
 def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) -> str:

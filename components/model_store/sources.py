@@ -19,8 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastfill.components.model_store.embedders import (ModelSourceError, ModuleEmbedder, OnnxEmbedder, TorchvisionEmbedder,
-                                         read_state_dict)
+from fastfill.components.model_store.embedders import (
+    ModelSourceError,
+    ModuleEmbedder,
+    OnnxEmbedder,
+    TorchvisionEmbedder,
+    read_state_dict,
+)
 from fastfill.components.model_store.preprocessing import Preprocessing
 from fastfill.components.platform import registry
 

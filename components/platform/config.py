@@ -13,14 +13,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fastfill.components.platform.vocabulary import (
-    ADAPTERS, COMPATIBLE_ORDERS, MAP_ORDERS, MERGES, AdapterKind, Distance, GalleryOrder, Merge, OnlineReverse, Order,
-    Precision, TrainingPrecision,
-)
 from fastfill.components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
+from fastfill.components.platform.vocabulary import (
+    ADAPTERS,
+    COMPATIBLE_ORDERS,
+    MAP_ORDERS,
+    MERGES,
+    AdapterKind,
+    Distance,
+    GalleryOrder,
+    Merge,
+    OnlineReverse,
+    Order,
+    Precision,
+    TrainingPrecision,
+)
 
 DEFAULT_PARAMS = Path("params.yaml")
 FASHION_MNIST_DEB = "/usr/share/datasets/fashion-mnist"

@@ -39,9 +39,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
-from collections.abc import Callable, Iterator
 
 MODES = ("auto", "bar", "log", "off")
 ENV_MODE = "FASTFILL_PROGRESS"

@@ -21,10 +21,9 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from dataclasses import dataclass
 
 from fastfill.components.platform.config import MlflowConfig
 from fastfill.components.platform.vocabulary import CHALLENGER, CHAMPION, ROLE_ALIASES  # noqa: F401 - part of the registry's interface

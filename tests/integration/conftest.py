@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fastfill.components.platform.config import parse_params
 from testkit.process_state import in_workdir, restored_environ
+from testkit.tiny_demo import make_image_folder, tiny_params
 from tests.environment import new_bucket
 from tests.integration.helpers import cli_environment, copy_repository
-from fastfill.components.platform.config import parse_params
-from testkit.tiny_demo import make_image_folder, tiny_params
 
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
             "AWS_ENDPOINT_URL", "AWS_PROFILE")

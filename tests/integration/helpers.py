@@ -47,8 +47,8 @@ def cli_environment(prefect_home: Path) -> dict:
 
 def registry_models(params):
     """(client, champion model, challenger model, champion version, challenger version)."""
-    from fastfill.components.platform import registry
     from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
 
     client, _ = registry.setup(params.mlflow)
     name = params.mlflow.registered_model

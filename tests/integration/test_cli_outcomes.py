@@ -178,8 +178,8 @@ def _worse_version(params) -> str:
     rejects it."""
     import torch
 
-    from fastfill.components.model_store import registered
     from fastfill.components.experiment.models import Embedder
+    from fastfill.components.model_store import registered
     from fastfill.components.platform import registry
     from fastfill.components.platform.config import TrainConfig
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
+from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import StoreUnreachable, open_store
 from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, planning
 from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
-from fastfill.components.gallery.search.index import GallerySearch
-from fastfill.components.gallery.store import StoreUnreachable, open_store
 from fastfill.components.platform.registry import RegistryError
-from fastfill.components.gallery.layouts.opening import gallery_at
 from tests.integration.helpers import in_layout, killed_when, registry_models, split_images
 
 
@@ -193,8 +193,8 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     from fastfill.components.experiment.inference import embed
     from fastfill.components.gallery.inputs.adopt import adopt
     from fastfill.components.platform.registry import ModelRef
-    from tests.environment import new_bucket
     from fastfill.flows.upgrade import run_upgrade
+    from tests.environment import new_bucket
 
     address, worker_pids = dask_cluster
     params, _ = upgrade_env
@@ -694,17 +694,15 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     """A sample of the gallery (not all of it): the dry run predicts the curve from the registry's
     map, the upgrade predicts the same one when it plans, stops at the recommended fraction, stays
     there when asked again, and goes on to 100% without the stop."""
+    import yaml
     from typer.testing import CliRunner
 
-    from fastfill.components.gallery.advice.advisor import recommend
     from fastfill.cli import app
-    from fastfill.flows.ingest import ingest_flow
     from fastfill.cli.upgrade_commands import estimate_upgrade
-    from fastfill.flows.upgrade import upgrade_flow
-
-    import yaml
-
+    from fastfill.components.gallery.advice.advisor import recommend
     from fastfill.components.platform.config import parse_params
+    from fastfill.flows.ingest import ingest_flow
+    from fastfill.flows.upgrade import upgrade_flow
 
     base, tmp_path = upgrade_env
 
@@ -814,8 +812,8 @@ def _photos(folder: Path, images: np.ndarray) -> list[str]:
 def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from fastfill.components.experiment.inference import embed
     from fastfill.cli import app
+    from fastfill.components.experiment.inference import embed
     from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env

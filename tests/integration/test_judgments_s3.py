@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.inputs.judgments import load_judgments
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from tests.environment import new_bucket
 
 

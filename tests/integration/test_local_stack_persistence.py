@@ -192,8 +192,8 @@ def test_the_registry_still_loads_its_models_after_the_stack_restarts(stack):
     import torch
     from mlflow import MlflowClient
 
-    from fastfill.components.model_store import registered
     from fastfill.components.experiment.models import Embedder
+    from fastfill.components.model_store import registered
     from fastfill.components.platform.config import TrainConfig
 
     stack("start", "s3", "mlflow")

@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 
-
 ROWS = ("old_old", "new_new", "fct", "fastfill")
 POINT_KEYS = {f"{m}_{p}" for m in ("top1", "top5", "map") for p in ("0", "100", "auc")}
 
@@ -66,8 +65,8 @@ def test_pipeline_writes_reports_and_registers_models(finished_pipeline):
     # the champion loads by alias with its classifier head, and embeds like the stored features
     import torch
 
-    from fastfill.components.platform import registry
     from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
 
     registry.setup(params.mlflow)
     champion = registered.load_model("models:/embedder@champion")
@@ -119,8 +118,12 @@ def test_training_progress_is_a_prefect_artifact(finished_pipeline):
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter,
-                                                FlowRunFilterParentFlowRunId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
 
     _, _, workdir = finished_pipeline
     pipeline_run = UUID((workdir / "pipeline_flow_run").read_text())

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastfill.components.experiment.models import AlignmentMap, Embedder, UnifiedMaps, load_embedder, save_embedder
-from fastfill.components.platform import registry
 from fastfill.components.model_store import registered
+from fastfill.components.platform import registry
 from fastfill.components.platform.config import MlflowConfig, TrainConfig
 from fastfill.components.platform.registry import RegistryError
 

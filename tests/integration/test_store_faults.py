@@ -11,15 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from fastfill.components.gallery.upgrade import backfill, ending
-
-from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.layouts.catalog import PartsGallery
 from fastfill.components.gallery.store import StoreUnreachable, configure_s3, open_store
+from fastfill.components.gallery.store import lock as locking
+from fastfill.components.gallery.upgrade import backfill, ending
 from fastfill.components.platform.config import S3Config
+from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
 from tests.environment import new_bucket
 from tests.gallery_cases import NEW, _gallery, _plan, make_data, make_models
-from testkit.s3_fault_proxy import CONNECTION_FAULTS, STATUS_FAULTS, FaultProxy
 
 # the proxy answers "late" after 1.5 s: with a 1 s read timeout that is a timed-out attempt, retried
 PATIENT = S3Config(retry_mode="standard", max_attempts=10, connect_timeout=2, read_timeout=1)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import yaml
 
-from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.layouts.catalog import PartsGallery
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import planning
 from tests.integration.helpers import registry_models, split_images
 
 
@@ -25,9 +25,9 @@ def _photos(folder, images) -> list[str]:
 def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
+    from fastfill.cli import app
     from fastfill.components.experiment.inference import embed
     from fastfill.components.platform.config import parse_params
-    from fastfill.cli import app
     from fastfill.flows.upgrade import upgrade_flow
 
     base, tmp_path = upgrade_env
@@ -105,9 +105,9 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     """The pipeline's map was checked on its split: on this gallery's pairs it is checked once;
     planned again (after an abort), the upgrade uses the map that check left without embedding a
     map sample, the dry run predicts from that very version, and --recheck checks it again."""
+    from fastfill.cli.upgrade_commands import estimate_upgrade
     from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.undo import abort_flow
-    from fastfill.cli.upgrade_commands import estimate_upgrade
     from fastfill.flows.upgrade import upgrade_flow
 
     params, tmp_path = upgrade_env
@@ -166,11 +166,12 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     """No labels, a judgments file (query ids and their relevant ids): the gate measures the judged
     queries against the whole gallery along the backfill, and the judged items are embedded once."""
-    from fastfill.components.gallery.inputs.adopt import adopt
+    import pyarrow as pa
+
     from fastfill.components.experiment.inference import embed
+    from fastfill.components.gallery.inputs.adopt import adopt
     from fastfill.components.platform.registry import ModelRef
     from fastfill.flows.upgrade import upgrade_flow
-    import pyarrow as pa
 
     params, tmp_path = upgrade_env
     _, old_model, _, old_version, _ = registry_models(params)

@@ -23,9 +23,9 @@ import yaml
 from torch import nn
 
 from fastfill.components.experiment.inference import apply_alignment, embed
-from testkit.tiny_demo import tiny_params
 from fastfill.components.model_store import registered
 from fastfill.components.model_store.preprocessing import Preprocessing
+from testkit.tiny_demo import tiny_params
 
 OLD_INPUT = Preprocessing(channels=3, height=20, width=20, mean=(0.5,), std=(0.5,))
 NEW_INPUT = Preprocessing(channels=3, height=32, width=32, resize="shorter_then_crop", resize_to=36,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import yaml
 
-from fastfill.components.gallery.upgrade import garbage, planning, reversal
-from fastfill.components.gallery.upgrade.status import gallery_status
 from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.search.index import GallerySearch
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.triggers.claims import claim, claimed
-from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.upgrade import garbage, planning, reversal
+from fastfill.components.gallery.upgrade.status import gallery_status
 from tests.integration.helpers import in_layout, registry_models, split_images
 
 
@@ -70,10 +70,10 @@ def model_version(gallery) -> str:
 def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
-    from fastfill.components.gallery.store.lock import UpgradeLocked, acquire_lock
     from fastfill.cli import app
-    from fastfill.flows.ingest import ingest_flow
+    from fastfill.components.gallery.store.lock import UpgradeLocked, acquire_lock
     from fastfill.flows.deployments import upgrade_entry
+    from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.undo import abort_flow
     from fastfill.flows.upgrade import run_upgrade_file
 

@@ -6,12 +6,12 @@ import copy
 import numpy as np
 import pytest
 
-from fastfill.components.platform.config import parse_params
-from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
-from fastfill.components.gallery.upgrade.status import gallery_status
 from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.search.index import GallerySearch
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.platform.config import parse_params
 from fastfill.components.platform.registry import ModelRef
 from tests.integration.helpers import registry_models, run_then, split_images
 
@@ -29,8 +29,8 @@ def _register(params, model, tags):
     """A further embedder version (no alias), as a platform team would register one."""
     import torch
 
-    from fastfill.components.platform import registry
     from fastfill.components.model_store import registered
+    from fastfill.components.platform import registry
 
     client, experiment = registry.setup(params.mlflow)
     run = client.create_run(experiment, run_name="register")
@@ -45,8 +45,8 @@ def _random_model(model, seed):
     """Same architecture, untrained: a model that knows nothing."""
     import torch
 
-    from fastfill.components.platform.config import TrainConfig
     from fastfill.components.experiment.models import Embedder
+    from fastfill.components.platform.config import TrainConfig
 
     torch.manual_seed(seed)
     config = TrainConfig(backbone="cnn", width=4, embedding_dim=16)
@@ -93,9 +93,9 @@ def test_the_gate_promotes_a_better_model_and_records_why(upgrade_env, prefect_h
 
 
 def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgrade_env, prefect_harness):
+    from fastfill.components.experiment.inference import embed
     from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.upgrade import upgrade_flow
-    from fastfill.components.experiment.inference import embed
 
     params, tmp_path = upgrade_env
     # the default gates, measured on every item (a 24-item sample is too noisy to be sure which gate fails)
@@ -138,9 +138,9 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     """v1 -> v2 stopped half-way, then v3: the gallery holds features of three versions, queries
     work through the composed maps, the new order covers every item, and it completes."""
-    from fastfill.components.model_store import registered
     from fastfill.components.evaluation import pairwise_distances
     from fastfill.components.experiment.inference import embed
+    from fastfill.components.model_store import registered
     from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.upgrade import upgrade_flow
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from fastfill.components.evaluation.ordering import check_permutation
-from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.upgrade.usage import load_usage_log
 from tests.environment import new_bucket
 from tests.integration.helpers import registry_models

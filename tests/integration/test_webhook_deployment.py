@@ -10,6 +10,7 @@ from fastfill.components.gallery.store import LocalStore
 from fastfill.components.gallery.triggers.claims import claimed
 from tests.unit.test_webhook_receiver import _alias_body, _post, _signed, receiver_process
 
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     found = []

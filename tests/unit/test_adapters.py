@@ -7,7 +7,12 @@ import pytest
 
 from fastfill.components.evaluation import retrieval_metrics
 from fastfill.components.experiment.adapters import (
-    ADAPTERS, AdapterError, fit_adapter, fit_low_rank, fit_procrustes, fit_residual_mlp,
+    ADAPTERS,
+    AdapterError,
+    fit_adapter,
+    fit_low_rank,
+    fit_procrustes,
+    fit_residual_mlp,
 )
 
 

@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
-from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.inputs.images import read_images, resolve
-from fastfill.components.gallery.upgrade.lifecycle import Backfill, failure_limit
+from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import planning
+from fastfill.components.gallery.upgrade.lifecycle import Backfill, failure_limit
 from fastfill.components.platform.registry import ModelRef
 
 OLD = ModelRef("embedder", "1", 4)

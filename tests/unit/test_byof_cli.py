@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fastfill.components.evaluation import backfill_curve, dual_curves
 from fastfill.cli import app
+from fastfill.components.evaluation import backfill_curve, dual_curves
 
 runner = CliRunner()
 

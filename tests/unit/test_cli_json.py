@@ -26,7 +26,7 @@ from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.store.lock import LOCK
 from fastfill.components.gallery.upgrade import backfill
 from fastfill.components.gallery.upgrade.outcome import Advice, Promotion, UpgradeResult
-from tests.gallery_cases import N, OLD, _gallery, _plan
+from tests.gallery_cases import OLD, N, _gallery, _plan
 
 ROOT = Path(__file__).resolve().parents[2]
 FASTFILL = str(Path(sys.executable).with_name("fastfill"))

@@ -8,17 +8,24 @@ import time
 
 import pytest
 
+from fastfill.cli.command_support import (
+    FAILED,
+    INPUT,
+    SERVICE,
+    USAGE,
+    ServiceUnavailable,
+    _KnownFailuresOffTheConsole,
+    check_prefect_api,
+    outcome,
+)
 from fastfill.components.experiment.data import DataError
 from fastfill.components.experiment.map_check import MapCheckError
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.inputs.images import ImageStoreError
-from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.store import ChecksumMismatch, ObjectMissing, StoreError, StoreUnreachable
+from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked
 from fastfill.components.platform.config import ConfigError, MlflowConfig
 from fastfill.components.platform.registry import RegistryError, TrackingUnreachable, check_tracking_server
-from fastfill.cli.command_support import (
-    FAILED, INPUT, SERVICE, USAGE, ServiceUnavailable, _KnownFailuresOffTheConsole, check_prefect_api, outcome,
-)
 
 
 @pytest.mark.parametrize("error, code", [

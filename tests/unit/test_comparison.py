@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from fastfill.components.evaluation.comparison import (
-    check_expectations, comparison_markdown, describe_dual, describe_method, plot_comparison, ranking, summarize,
+    check_expectations,
+    comparison_markdown,
+    describe_dual,
+    describe_method,
+    plot_comparison,
+    ranking,
+    summarize,
 )
 from fastfill.components.platform.config import AlignConfig, CompatibleConfig
 

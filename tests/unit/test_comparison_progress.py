@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from testkit.tiny_demo import tiny_params
 from fastfill.components.platform.config import parse_params
 from fastfill.components.platform.layout import write_json
 from fastfill.components.platform.progress import Progress, following
 from fastfill.flows.comparison_progress import comparison_progress, finished_stages, seed_stages
+from testkit.tiny_demo import tiny_params
 
 STAGES = ["train-old", "train-new", "align-fct", "align-fastfill", "align-l2_disc", "align-rbt", "align-unified",
           "compatible-bct", "compatible-ract", "evaluate"]

@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from fastfill.components.experiment.losses import (
-    bct_influence_per_sample, match_dimension, ract_per_sample, synthesized_classifier, unified_loss,
-)
 from fastfill.components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
+from fastfill.components.experiment.losses import (
+    bct_influence_per_sample,
+    match_dimension,
+    ract_per_sample,
+    synthesized_classifier,
+    unified_loss,
+)
 
 N = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
 O = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # noqa: E741 - old features, as N the new

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from fastfill.components.experiment.compatibility import BCTInfluence, RACTCompatibility, old_class_means
-from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.experiment.data import Split
 from fastfill.components.experiment.inference import embed
 from fastfill.components.experiment.map_training import train_alignment, train_unified
 from fastfill.components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.platform.config import AlignConfig, TrainConfig
 from tests.synthetic import SQUARE_CLASSES, square_images
 
 CLASSES = SQUARE_CLASSES

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fastfill.components.experiment.inference import apply_alignment, autocast_dtype, embed
-from fastfill.components.experiment.models import AlignmentMap, Embedder
 from fastfill.components.experiment.map_training import train_alignment
-from fastfill.components.gallery.upgrade import backfill
+from fastfill.components.experiment.models import AlignmentMap, Embedder
 from fastfill.components.gallery.search.index import GallerySearch, GpuCopy
+from fastfill.components.gallery.upgrade import backfill
 from fastfill.components.platform.config import AlignConfig, IndexConfig, TrainConfig
 from tests.gallery_cases import N, _gallery, _plan, make_data, make_models
 

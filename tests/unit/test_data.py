@@ -1,10 +1,17 @@
 import numpy as np
 import pytest
 
-from fastfill.components.platform.config import PrepareConfig
 from fastfill.components.experiment.data import (
-    DataError, RawDataset, Split, load_meta, load_raw_dataset, load_split, make_splits, save_splits,
+    DataError,
+    RawDataset,
+    Split,
+    load_meta,
+    load_raw_dataset,
+    load_split,
+    make_splits,
+    save_splits,
 )
+from fastfill.components.platform.config import PrepareConfig
 from testkit.tiny_demo import make_image_folder
 
 

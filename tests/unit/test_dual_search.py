@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fastfill.components.gallery.upgrade import backfill, ending
+from fastfill.components.experiment.inference import embed
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.search.dual import DualSearch
-from fastfill.components.experiment.inference import embed
-from tests.gallery_cases import N, NEW, OLD
+from fastfill.components.gallery.upgrade import backfill, ending
+from tests.gallery_cases import NEW, OLD, N
 
 
 def _ranked(features, ids, queries):

@@ -6,14 +6,11 @@ import numpy as np
 import pytest
 
 from fastfill.components.evaluation import curve_at_counts
-from fastfill.components.gallery.upgrade import garbage
 from fastfill.components.gallery.layouts.catalog import GalleryError, PartsGallery, ingest
+from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import garbage
 from fastfill.components.gallery.upgrade.measure import BackfillMeter
-from fastfill.components.gallery.store import (
-    open_store,
-)
-
-from tests.gallery_cases import CASES, N, OLD, OLD_DIM, _gallery, case_id, _plan
+from tests.gallery_cases import CASES, OLD, OLD_DIM, N, _gallery, _plan, case_id
 
 
 @pytest.mark.parametrize("pair", CASES, ids=case_id)
@@ -110,8 +107,8 @@ def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
 def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, models, kind):
     from fastfill.components.experiment.inference import embed
-    from fastfill.components.gallery.upgrade import backfill, planning
     from fastfill.components.gallery.search.index import GallerySearch
+    from fastfill.components.gallery.upgrade import backfill, planning
     from fastfill.components.platform.config import IndexConfig
     from tests.gallery_cases import NEW
 
@@ -180,9 +177,9 @@ def test_search_on_the_cpu_by_default_and_a_gpu_that_is_not_there_is_an_error(tm
 def test_a_store_outage_is_never_a_missing_measurement_or_a_failed_image(tmp_path, monkeypatch):
     import socket
 
-    from fastfill.components.gallery.upgrade import planning
     from fastfill.components.gallery.inputs.images import ImageStoreError, read_images
     from fastfill.components.gallery.store import LocalStore, StoreUnreachable
+    from fastfill.components.gallery.upgrade import planning
 
     class Down(LocalStore):  # the store answers nothing: what an outage looks like to a reader
         def _get(self, key):

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from fastfill.components.evaluation import backfill_curve, retrieval_metrics
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.gate.judged_gate import agreement_at, measure_judged_gate
-from fastfill.components.gallery.inputs.judgments import Judgments, load_judgments
 from fastfill.components.gallery.gate.promotion import measure_gate
+from fastfill.components.gallery.inputs.judgments import Judgments, load_judgments
+from fastfill.components.gallery.layouts.catalog import GalleryError
 
 IDS = np.array([10, 20, 30, 40, 50])
 ROWS = {"query": ["10", "10", "s3://b/q.png", "30", "10", "40", "50", "50"],

@@ -10,7 +10,11 @@ import torch
 
 from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding, fold_basis_transformation
 from fastfill.components.experiment.compatibility import (
-    BT2Compatibility, StationaryCompatibility, fix_simplex_classifier, old_class_means, old_items_beside_new_features,
+    BT2Compatibility,
+    StationaryCompatibility,
+    fix_simplex_classifier,
+    old_class_means,
+    old_items_beside_new_features,
 )
 from fastfill.components.experiment.data import Split
 from fastfill.components.experiment.inference import embed

@@ -4,14 +4,22 @@ whether the map fits, and the chunk scheduler's bookkeeping."""
 from types import SimpleNamespace
 
 import numpy as np
-
 import pytest
 
-from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.upgrade.lifecycle import (
-    Backfill, budget_items, check_map_fits, checked_on, choose_map, cut_for_limit, done_prefix, failed_on, needs_check,
-    plan_fields, registered_map_order,
+    Backfill,
+    budget_items,
+    check_map_fits,
+    checked_on,
+    choose_map,
+    cut_for_limit,
+    done_prefix,
+    failed_on,
+    needs_check,
+    plan_fields,
+    registered_map_order,
 )
 from fastfill.components.gallery.upgrade.planning import Plan, chunk_grid, front_loaded, stand_in_ranks
 from fastfill.components.platform.config import UpgradeConfig

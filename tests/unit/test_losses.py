@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from fastfill.components.experiment.losses import alignment_loss, classification_per_sample, l2_per_sample, uncertainty_weighted
+from fastfill.components.experiment.losses import (
+    alignment_loss,
+    classification_per_sample,
+    l2_per_sample,
+    uncertainty_weighted,
+)
 
 TARGET = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
 PREDICTION = torch.tensor([[0.0, 0.0], [3.0, 4.0]])

@@ -11,7 +11,12 @@ import torch
 
 from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.map_check import (
-    MapCheckError, check_metrics, check_tags, decide_map, reference_config, skip_reason,
+    MapCheckError,
+    check_metrics,
+    check_tags,
+    decide_map,
+    reference_config,
+    skip_reason,
 )
 from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.platform.config import AlignConfig

@@ -11,7 +11,13 @@ from fastfill.components.evaluation.comparison import comparison_markdown, plot_
 from fastfill.components.evaluation.reports import build_metrics
 from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.map_check import (
-    MapCheckError, check_map, check_metrics, check_tags, fallback_map, held_out, reference_config,
+    MapCheckError,
+    check_map,
+    check_metrics,
+    check_tags,
+    fallback_map,
+    held_out,
+    reference_config,
 )
 from fastfill.components.experiment.map_training import divergence, train_alignment
 from fastfill.components.experiment.models import AlignmentMap

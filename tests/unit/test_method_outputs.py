@@ -5,11 +5,11 @@ checkpoint."""
 import numpy as np
 import torch
 
-from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves
-from fastfill.components.platform.config import AlignConfig
 from fastfill.components.evaluation import backfill_curve
-from fastfill.components.experiment.models import UnifiedMaps, load_alignment, save_alignment
+from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves
 from fastfill.components.evaluation.ordering import entropy_uncertainty, least_confidence, margin_uncertainty
+from fastfill.components.experiment.models import UnifiedMaps, load_alignment, save_alignment
+from fastfill.components.platform.config import AlignConfig
 
 
 def test_uncertainty_orders_put_the_least_certain_old_feature_first():

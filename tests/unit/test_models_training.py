@@ -2,14 +2,19 @@ import numpy as np
 import pytest
 import torch
 
-from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.experiment.data import Split
-from fastfill.components.experiment.models import (
-    AlignmentMap, Embedder, load_alignment, load_embedder, save_alignment, save_embedder,
-)
 from fastfill.components.experiment.inference import apply_alignment, embed
 from fastfill.components.experiment.map_training import train_alignment, true_alignment_loss
+from fastfill.components.experiment.models import (
+    AlignmentMap,
+    Embedder,
+    load_alignment,
+    load_embedder,
+    save_alignment,
+    save_embedder,
+)
 from fastfill.components.experiment.training import TrainingRun, train_embedder
+from fastfill.components.platform.config import AlignConfig, TrainConfig
 from testkit.tiny_demo import class_image
 
 CPU = torch.device("cpu")

@@ -8,19 +8,22 @@ import pytest
 from fastfill.components.evaluation.fusion import distance_merge
 from fastfill.components.evaluation.online_backfill import online_curve
 from fastfill.components.experiment.adapters import (
-    AffineAdapter, adapter_arrays, adapter_from_arrays, fit_metric_compatible, fit_procrustes,
+    AffineAdapter,
+    adapter_arrays,
+    adapter_from_arrays,
+    fit_metric_compatible,
+    fit_procrustes,
 )
+from fastfill.components.experiment.inference import apply_alignment, embed
 from fastfill.components.gallery.advice.advisor import ranks_of
 from fastfill.components.gallery.advice.target_advice import online_top1, shadow_top1_judged, ways_to_target
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.search.dual import DualSearch
 from fastfill.components.gallery.store import LocalStore
 from fastfill.components.gallery.upgrade import backfill, planning
-from fastfill.components.experiment.inference import apply_alignment, embed
 from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
-from tests.gallery_cases import N, NEW, NEW_DIM, OLD, OLD_DIM, _gallery, make_data, make_models
-
+from tests.gallery_cases import NEW, NEW_DIM, OLD, OLD_DIM, N, _gallery, make_data, make_models
 
 # ---- the merge by distance
 

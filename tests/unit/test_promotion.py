@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.gallery.gate.promotion import decide, decision_tags, gate_message, measure_gate, top1_correct
+from fastfill.components.platform.config import PromotionConfig
 
 
 def _clusters(n_per: int = 5, classes: int = 3, noise: float = 0.1, seed: int = 0):

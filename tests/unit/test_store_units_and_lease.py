@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.store import ChecksumMismatch, LocalStore, open_store, sha256
-
+from fastfill.components.gallery.store import lock as locking
 
 # ---- one unit per object --------------------------------------------------------------------------
 

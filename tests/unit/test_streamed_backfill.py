@@ -5,8 +5,8 @@ import threading
 
 import numpy as np
 
-from fastfill.components.gallery.upgrade.backfill import embed_streamed
 from fastfill.components.gallery.inputs.images import ImageFailure
+from fastfill.components.gallery.upgrade.backfill import embed_streamed
 
 
 def _fetcher(images, broken, log):

@@ -15,7 +15,7 @@ from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 from fastfill.components.gallery.layouts.table import TableGallery, TableWriter, column_name, digests, table_uri
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.upgrade import backfill, ending, garbage
-from tests.gallery_cases import N, NEW, OLD, _gallery, _plan
+from tests.gallery_cases import NEW, OLD, N, _gallery, _plan
 
 
 def _finished(uri, models, data, layout="lance"):

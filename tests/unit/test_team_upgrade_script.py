@@ -8,7 +8,6 @@ from benchmarks.team_upgrade_commands import error_lines, parse_dry_run, parse_u
 from benchmarks.team_upgrade_inputs import judged_pairs
 from benchmarks.team_upgrade_strace import strace_hits, strace_paths, under
 
-
 DRY_RUN = """dry run: nothing written. models:/embedder/1 -> models:/embedder/2 on /tmp/g
   items 2,000 in 2 parts; 2 chunks of 1,000; images read by URI
   estimated backfill: 3 s

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fastfill.components.platform.config import parse_params
-from fastfill.components.platform.registry import ModelRef
 from fastfill.components.gallery.store import LocalStore
 from fastfill.components.gallery.triggers.claims import claim, claimed, release, wants_upgrade
 from fastfill.components.gallery.triggers.webhook_checks import WebhookRejected, alias_event, sign, verify
+from fastfill.components.platform.config import parse_params
+from fastfill.components.platform.registry import ModelRef
 from testkit.tiny_demo import tiny_params
 
 SECRET = "s3cret-for-tests"
@@ -144,8 +144,8 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
     X, not on gallery.store; without it they read gallery.store from the params file."""
     from typer.main import get_command
 
-    from fastfill.components.platform.config import load_params
     from fastfill.cli import app
+    from fastfill.components.platform.config import load_params
     from fastfill.flows.deployments import deployments
 
     params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")

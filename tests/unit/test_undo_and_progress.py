@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning, reversal
 from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
 

@@ -11,14 +11,19 @@ import pytest
 from fastfill.components.evaluation.ordering import check_permutation, expected_gain_order, sigma_order, usage_order
 from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.models import AlignmentMap
-from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.inputs.adopt import adopt, read_manifest
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, PartsGallery
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.upgrade.usage import (
-    backfill_order, load_usage_log, map_order, order_after_map, stored_weights, usage_weights,
+    backfill_order,
+    load_usage_log,
+    map_order,
+    order_after_map,
+    stored_weights,
+    usage_weights,
 )
-from tests.gallery_cases import N, NEW, OLD, OLD_DIM, NEW_DIM, _gallery, make_data, make_models
+from tests.gallery_cases import NEW, NEW_DIM, OLD, OLD_DIM, N, _gallery, make_data, make_models
 
 IDS = np.array([10, 20, 30, 40, 50, 60])
 # query q1 hit 20 and 30; q2 hit 20 (twice in the log: counted once) and 50; q3 hit 20

@@ -29,9 +29,16 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+
 from fastfill.components.gallery.store import ObjectMissing
 from fastfill.components.gallery.upgrade.backfill import transformed_rows
-from fastfill.components.gallery.upgrade.planning import eval_ranks, order_of, stored_eval_sample, transformed_key, upgrade_key
+from fastfill.components.gallery.upgrade.planning import (
+    eval_ranks,
+    order_of,
+    stored_eval_sample,
+    transformed_key,
+    upgrade_key,
+)
 
 STEP = 0.05  # the advisor's curve: every 5% of the gallery
 ADVICE = "advice.json"

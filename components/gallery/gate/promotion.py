@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.evaluation import curve_alphas, pairwise_distances
+from fastfill.components.platform.config import PromotionConfig
 
 
 def top1_correct(queries: np.ndarray, gallery: np.ndarray, labels: np.ndarray, distance: str) -> np.ndarray:

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfill.components.gallery.store import StoreError
+from fastfill.components.gallery.store import StoreError, s3_client, s3_endpoint
 from fastfill.components.model_store.preprocessing import Preprocessing
-from fastfill.components.gallery.store import s3_client, s3_endpoint
 
 DEFAULT_WORKERS = 16
 

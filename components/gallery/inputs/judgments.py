@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.gate.judged_gate import measure_judged_gate
-from fastfill.components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
 from fastfill.components.gallery.inputs.table_files import TableFile, file_rows, first_few
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.item_ids import id_array, id_of, is_text, positions_of
 from fastfill.components.gallery.store import ObjectMissing
 from fastfill.components.gallery.upgrade.planning import upgrade_key
 

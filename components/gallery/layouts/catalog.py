@@ -30,11 +30,11 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from fastfill.components.gallery.inputs.images import read_images
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.layouts.part_caches import COLUMN_CACHE, IMAGE_CACHE, ColumnCache, ImageCache
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 from fastfill.components.platform.registry import ModelRef
-from fastfill.components.gallery.inputs.images import read_images
 
 MANIFEST = "gallery.json"
 FORMAT = 1

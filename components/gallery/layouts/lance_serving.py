@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
-from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.gallery.layouts.item_ids import is_text
+from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.platform.registry import ModelRef
 
 SERVING_TABLE = "serving"

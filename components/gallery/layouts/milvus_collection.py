@@ -194,8 +194,8 @@ class Collections:
 
     def product_distances(self, distances: list) -> np.ndarray:
         """Milvus's distances as the product gives them: squared L2 (Milvus's L2), or 1 - cosine."""
-        distances = np.asarray(distances, dtype=np.float64)
-        return distances if self.metric == "L2" else 1.0 - distances
+        values = np.asarray(distances, dtype=np.float64)
+        return values if self.metric == "L2" else 1.0 - values
 
     def embedded_count(self) -> int:
         rows = self.client().query(self.alias, filter=f'source == "{EMBEDDED}"', output_fields=["count(*)"])

@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 from fastfill.components.gallery.layouts.catalog import (
-    LANCE, MANIFEST, MILVUS, PARTS, PGVECTOR, Gallery, GalleryError, PartsGallery, check_manifest,
+    LANCE,
+    MANIFEST,
+    MILVUS,
+    PARTS,
+    PGVECTOR,
+    Gallery,
+    GalleryError,
+    PartsGallery,
+    check_manifest,
 )
 from fastfill.components.gallery.layouts.lance_serving import lance_settings
 from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery, milvus_settings

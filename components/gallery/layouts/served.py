@@ -4,6 +4,8 @@ the index serves what it says (``sync_serving``, each layout's)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import Gallery, StoredItems
@@ -20,7 +22,7 @@ class ServedGallery(StoredItems, Gallery):
 
     def __init__(self, store: Store, manifest: dict | None = None):
         super().__init__(store, manifest)
-        self._index = None
+        self._index: Any = None  # the layout's own: pgvector's Index, Milvus's Collections
         self._ids: np.ndarray | None = None
 
     def ids(self) -> np.ndarray:

@@ -36,6 +36,7 @@ import os
 import re
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -157,7 +158,7 @@ class TableGallery(Gallery):
     def __init__(self, store: Store, manifest: dict | None = None):
         super().__init__(store, manifest)
         self.table_uri = table_uri(store.uri)
-        self._dataset = None
+        self._dataset: Any = None  # lance's dataset, opened when first read
         self._index: ServingTable | None = None
         self._index_settings: dict | None = None  # the manifest's, that self._index was made with
         self._ids: np.ndarray | None = None

@@ -24,15 +24,15 @@ import threading
 
 import numpy as np
 
-from fastfill.components.gallery.upgrade.backfill import landed_since
+from fastfill.components.evaluation.fusion import distance_merge, merge_lists
+from fastfill.components.experiment.inference import embed
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, check_features
 from fastfill.components.gallery.layouts.item_ids import ids_at
+from fastfill.components.gallery.search.index import query_images
+from fastfill.components.gallery.upgrade.backfill import landed_since
 from fastfill.components.gallery.upgrade.planning import load_plan, load_reverse, order_of
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.vocabulary import DISTANCES, SEARCH_MERGES
-from fastfill.components.evaluation.fusion import distance_merge, merge_lists
-from fastfill.components.experiment.inference import embed
-from fastfill.components.gallery.search.index import query_images
 
 
 class DualSearch:

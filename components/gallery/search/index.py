@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from fastfill.components.experiment.inference import embed, pick_device
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, check_features
 from fastfill.components.gallery.layouts.item_ids import ids_at, is_text, positions_of
-from fastfill.components.platform.registry import ModelRef
-from fastfill.components.platform.vocabulary import DISTANCES
+from fastfill.components.gallery.store import ObjectMissing
 from fastfill.components.gallery.upgrade.backfill import landed_since
 from fastfill.components.gallery.upgrade.planning import FINISHED, load_plan, order_of, transformed_key, upgrade_key
-from fastfill.components.gallery.store import ObjectMissing
-from fastfill.components.experiment.inference import embed, pick_device
 from fastfill.components.platform.config import IndexConfig
+from fastfill.components.platform.registry import ModelRef
+from fastfill.components.platform.vocabulary import DISTANCES
 
 
 def check_queries(features, dim: int | None, model_uri: str, k: int, num_items: int) -> tuple[np.ndarray, int]:

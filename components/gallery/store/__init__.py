@@ -31,8 +31,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastfill.components.gallery.store.base import (
-    AlreadyExists, ChecksumMismatch, Conflict, DamagedObject, ObjectMissing, Store, StoreError, StoreUnreachable,
-    fence, json_bytes, parse_json, sha256, unfence,
+    AlreadyExists,
+    ChecksumMismatch,
+    Conflict,
+    DamagedObject,
+    ObjectMissing,
+    Store,
+    StoreError,
+    StoreUnreachable,
+    fence,
+    json_bytes,
+    parse_json,
+    sha256,
+    unfence,
 )
 from fastfill.components.gallery.store.local import CHECKSUM_SUFFIX, LocalStore
 from fastfill.components.gallery.store.s3 import S3Store, configure_s3, s3_client, s3_endpoint, s3_settings

@@ -10,7 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastfill.components.gallery.store.base import (
-    AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable, sha256,
+    AlreadyExists,
+    Conflict,
+    ObjectMissing,
+    Store,
+    StoreError,
+    StoreUnreachable,
+    sha256,
 )
 
 CHECKSUM_SUFFIX = ".sha256"  # the checksum file of the older local layout

@@ -34,7 +34,14 @@ from datetime import UTC, datetime
 
 from fastfill.components.gallery.layouts.catalog import now
 from fastfill.components.gallery.store import (
-    Conflict, ObjectMissing, Store, StoreError, fence, json_bytes, parse_json, unfence,
+    Conflict,
+    ObjectMissing,
+    Store,
+    StoreError,
+    fence,
+    json_bytes,
+    parse_json,
+    unfence,
 )
 
 LOCK = "upgrades/lock.json"

@@ -19,10 +19,14 @@ import time
 from typing import Any
 
 from fastfill.components.gallery.store.base import (
-    AlreadyExists, Conflict, ObjectMissing, Store, StoreError, StoreUnreachable,
+    AlreadyExists,
+    Conflict,
+    ObjectMissing,
+    Store,
+    StoreError,
+    StoreUnreachable,
 )
 from fastfill.components.platform.config import S3Config
-
 
 _S3_SETTINGS = None
 
