@@ -11,7 +11,15 @@ import typer
 
 from fastfill.cli import app, json_output
 from fastfill.cli.command_support import (
-    SERVICE, SERVICE_TIMEOUT, ParamsOption, StoreOption, call, check_prefect_api, load, outcome, store_uri,
+    SERVICE,
+    SERVICE_TIMEOUT,
+    ParamsOption,
+    StoreOption,
+    call,
+    check_prefect_api,
+    load,
+    outcome,
+    store_uri,
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.cli.webhook_commands import WEBHOOK_EVENTS, registered_webhooks, webhook_events

@@ -11,10 +11,18 @@ import typer
 
 from fastfill.cli import app, json_output
 from fastfill.cli.command_support import (
-    USAGE, ParamsOption, StoreOption, call, fail, load, need_services, outcome, require_services, store_uri,
+    USAGE,
+    ParamsOption,
+    StoreOption,
+    call,
+    fail,
+    load,
+    need_services,
+    outcome,
+    require_services,
+    store_uri,
 )
 from fastfill.cli.json_output import JsonOption, answer, answers_json
-from fastfill.components.platform.vocabulary import SEARCH_MERGES
 from fastfill.components.gallery.layouts.convert import convert
 from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.search.dual import DualSearch
@@ -25,6 +33,7 @@ from fastfill.components.gallery.upgrade.reversal import rollback_target
 from fastfill.components.gallery.upgrade.status import gallery_status
 from fastfill.components.model_store import registered
 from fastfill.components.platform import registry
+from fastfill.components.platform.vocabulary import SEARCH_MERGES
 from fastfill.flows import undo
 from fastfill.flows.ingest import _load_array, adopt_flow, adopt_table_flow, ingest_flow
 from fastfill.tasks.gallery_store import open_gallery

@@ -16,21 +16,25 @@ import numpy as np
 import pytest
 import torch
 
-from fastfill.components.platform.config import TrainConfig
+from fastfill.components.experiment.inference import apply_alignment, embed
+from fastfill.components.experiment.models import AlignmentMap, Embedder
+from fastfill.components.gallery.inputs.adopt import adopt
+from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE, Gallery, GalleryError, fetch_images, ingest
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.search.index import GallerySearch
+from fastfill.components.gallery.store import (
+    AlreadyExists,
+    ChecksumMismatch,
+    DamagedObject,
+    LocalStore,
+    ObjectMissing,
+    open_store,
+)
 from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
 from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.gallery.layouts.catalog import IMAGE_CACHE
-from fastfill.components.gallery.inputs.adopt import adopt
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, ingest
-from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.platform.config import TrainConfig
 from fastfill.components.platform.registry import ModelRef
-from fastfill.components.gallery.search.index import GallerySearch
-from fastfill.components.gallery.store import (
-    AlreadyExists, ChecksumMismatch, DamagedObject, LocalStore, ObjectMissing, open_store,
-)
-from fastfill.components.experiment.models import AlignmentMap, Embedder
-from fastfill.components.experiment.inference import apply_alignment, embed
 
 N, OLD_DIM, NEW_DIM = 53, 8, 12
 

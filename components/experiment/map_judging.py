@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastfill.components.platform.config import AlignConfig
 from fastfill.components.evaluation import backfill_curve, per_query_curve
 from fastfill.components.evaluation.ordering import random_order, sigma_order
+from fastfill.components.platform.config import AlignConfig
 
 POLICIES = ("fail", "fallback", "warn")
 CHECK_POINTS = 10  # intermediate points of the simulated curve (12 in all)

@@ -17,17 +17,29 @@ from torch import nn
 
 from fastfill.components.experiment.inference import pick_device
 from fastfill.components.experiment.losses import (
-    alignment_loss, classification_per_sample, l2_per_sample, orthogonality_penalty, unified_loss,
+    alignment_loss,
+    classification_per_sample,
+    l2_per_sample,
+    orthogonality_penalty,
+    unified_loss,
 )
-from fastfill.components.experiment.optimizers import ExactAdam
+from fastfill.components.experiment.map_validation import held_out, retrieval_at_zero, validation_split
 from fastfill.components.experiment.models import AlignmentMap, UnifiedMaps
+from fastfill.components.experiment.optimizers import ExactAdam
 from fastfill.components.experiment.training import (
-    announced_dtype, forward_precision,
-    EpochProgress, Log, Progress, resume_checkpoint, run_key, save_checkpoint, seed_everything, warmup_cosine,
+    EpochProgress,
+    Log,
+    Progress,
+    announced_dtype,
+    forward_precision,
+    resume_checkpoint,
+    run_key,
+    save_checkpoint,
+    seed_everything,
+    warmup_cosine,
 )
 from fastfill.components.experiment.uncertainty_head_fit import fit_uncertainty_head, true_alignment_loss
 from fastfill.components.platform.config import AlignConfig
-from fastfill.components.experiment.map_validation import held_out, retrieval_at_zero, validation_split
 
 __all__ = ["PROGRESS_SECONDS", "Validate", "divergence", "feature_schedule", "fit_uncertainty_head", "split_pairs",
            "train_alignment", "train_unified", "true_alignment_loss", "unified_validation_record", "validation_record"]

@@ -24,15 +24,15 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from fastfill.components.platform.config import TrainConfig
 from fastfill.components.experiment.data import Split
+from fastfill.components.experiment.inference import CHANNELS_LAST, pick_device
+from fastfill.components.experiment.losses import classification_per_sample
+from fastfill.components.experiment.models import Embedder
+from fastfill.components.experiment.optimizers import ExactAdam
+from fastfill.components.platform.config import TrainConfig
 from fastfill.components.platform.layout import save_torch
 from fastfill.components.platform.progress import progress
 from fastfill.components.platform.runtime import onednn_below_bf16
-from fastfill.components.experiment.losses import classification_per_sample
-from fastfill.components.experiment.inference import CHANNELS_LAST, pick_device
-from fastfill.components.experiment.optimizers import ExactAdam
-from fastfill.components.experiment.models import Embedder
 
 Log = Callable[[str], None]
 Progress = Callable[[int, int], None]  # (epochs done, epochs in all)

@@ -5,15 +5,25 @@ import numpy as np
 import pytest
 import torch
 
-from fastfill.components.platform.config import AlignConfig, ConfigError, parse_params
+from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.losses import uncertainty_objective, uncertainty_weighted
 from fastfill.components.experiment.map_check import (
-    MapCheckError, SideOutputs, check_map, check_metrics, check_tags, fallback_config, fallback_map, held_out,
-    is_reference, judge, judge_order, reference_config,
+    MapCheckError,
+    SideOutputs,
+    check_map,
+    check_metrics,
+    check_tags,
+    fallback_config,
+    fallback_map,
+    held_out,
+    is_reference,
+    judge,
+    judge_order,
+    reference_config,
 )
-from fastfill.components.experiment.map_validation import validation_split
-from fastfill.components.experiment.inference import apply_alignment
 from fastfill.components.experiment.map_training import feature_schedule, fit_uncertainty_head, train_alignment
+from fastfill.components.experiment.map_validation import validation_split
+from fastfill.components.platform.config import AlignConfig, ConfigError, parse_params
 from testkit.tiny_demo import tiny_params
 
 CPU = torch.device("cpu")

@@ -10,23 +10,43 @@ import time
 
 import numpy as np
 
-from fastfill.components.experiment.map_training import train_alignment
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
 from fastfill.components.experiment.inference import apply_alignment, embed, pick_device
+from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.gallery.advice import advisor
 from fastfill.components.gallery.advice.target_advice import ways_to_target
+from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr
 from fastfill.components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
 from fastfill.components.gallery.inputs.judgments import load_judgments
-from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
-from fastfill.components.gallery.upgrade.pairs import fit_reverse, from_gallery
-from fastfill.components.gallery.upgrade.lifecycle import TRUTH_JUDGMENTS, TRUTH_NONE, needs_check, no_truth_refusal, registered_map_order, truth_of
-from fastfill.components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
 from fastfill.components.gallery.upgrade import samples
-from fastfill.components.gallery.upgrade.samples import evaluation_positions, judged_queries, pairs_description, pairs_source, readable_images, registry_map
-from fastfill.components.gallery.upgrade.usage import USAGE_ORDERS, backfill_order, map_order, order_after_map, usage_weights
+from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.lifecycle import (
+    TRUTH_JUDGMENTS,
+    TRUTH_NONE,
+    needs_check,
+    no_truth_refusal,
+    registered_map_order,
+    truth_of,
+)
+from fastfill.components.gallery.upgrade.pairs import fit_reverse, from_gallery
+from fastfill.components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
+from fastfill.components.gallery.upgrade.samples import (
+    evaluation_positions,
+    judged_queries,
+    pairs_description,
+    pairs_source,
+    readable_images,
+    registry_map,
+)
+from fastfill.components.gallery.upgrade.usage import (
+    USAGE_ORDERS,
+    backfill_order,
+    map_order,
+    order_after_map,
+    usage_weights,
+)
 from fastfill.components.model_store.registered import load_model
 from fastfill.components.platform.registry import CHAMPION, ModelRef, alias_version, asked_version
-from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr
 
 # The dry run's prediction reads every part through the map up to three times (its order, its
 # anchor, the target's); the parts are kept in memory while they fit in this many bytes.

@@ -37,9 +37,16 @@ import math
 
 import numpy as np
 
-from fastfill.components.gallery.advice.advisor import STEP, fractions
 from fastfill.components.evaluation.retrieval import pairwise_distances
-from fastfill.components.gallery.advice.advisor import NearestLabel, judged_anchor, predict, predict_judged, ranks_of
+from fastfill.components.gallery.advice.advisor import (
+    STEP,
+    NearestLabel,
+    fractions,
+    judged_anchor,
+    predict,
+    predict_judged,
+    ranks_of,
+)
 from fastfill.components.gallery.upgrade.planning import stand_in_ranks
 from fastfill.components.gallery.upgrade.usage import backfill_order
 

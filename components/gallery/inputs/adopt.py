@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import (
-    Gallery, GalleryError, PartsGallery, check_empty, check_features, commit_manifest, written_fields,
+    Gallery,
+    GalleryError,
+    PartsGallery,
+    check_empty,
+    check_features,
+    commit_manifest,
+    written_fields,
 )
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.store import Store
