@@ -1,8 +1,8 @@
 """The `fastfill` command, by command group: experiment (the pipeline and its reports), gallery
 (the stored gallery), model (embedding models in the registry, a team's own included), upgrade
 (its upgrade and undoing it), services (upgrades that run themselves: deployments, the registry
-watcher, webhooks), doctor (the services' health and the gallery's state at a glance). The commands read params.yaml and call the flows in flows/ and the
-long-running processes in services/.
+watcher, webhooks), doctor (the services' health and the gallery's state at a glance). The
+commands read params.yaml and call the flows in flows/ and the long-running processes in services/.
 
 Each command's module imports what its commands need at its top (the flows, torch, Prefect...),
 so it is loaded only when one of its commands runs or shows its help (``COMMANDS``): `fastfill

@@ -50,7 +50,8 @@ def run(params: ParamsOption = Path("params.yaml"),
     typer.echo(f"\npipeline finished in {time.perf_counter() - start:.0f} s; "
                f"reports in {config.paths.reports}/ (metrics.json, backfill.png)")
     if dvc_commit:
-        record_in_dvc(params, ["--with-deps", "evaluate"], "dvc.lock updated: `dvc status` is clean, `dvc repro` has nothing to redo")
+        record_in_dvc(params, ["--with-deps", "evaluate"],
+                      "dvc.lock updated: `dvc status` is clean, `dvc repro` has nothing to redo")
 
 
 @app.command(short_help="Run the pipeline once per seed; reports/seeds.json.")
@@ -99,7 +100,8 @@ def sweep(params: ParamsOption = Path("params.yaml"),
 @app.command(short_help="Every method over seeds; reports/comparison.*.")
 def compare(params: ParamsOption = Path("params.yaml"),
             seed: Annotated[list[int] | None, typer.Option("--seed", help="repeat for several; default: compare.seeds")] = None,
-            dvc_commit: Annotated[bool, typer.Option(help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True,
+            dvc_commit: Annotated[bool, typer.Option(
+                help="record the outputs in dvc.lock and comparison/dvc.lock afterwards")] = True,
             jobs: Annotated[int | None, typer.Option(min=1, help="seeds trained side by side, each in its own process "
                                                      "(logs in compare.out/seed-<s>.log); default: compare.jobs")] = None,
             size: Annotated[int | None, typer.Option(min=1, help="training images per class (prepare.train_per_class); "

@@ -21,8 +21,9 @@ Distance = Enum("Distance", {name: name for name in DISTANCES}, type=str)  # typ
 
 @app.command()
 @answers_json
-def evaluate(features: Annotated[Path, typer.Option(help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
-             distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance("l2"),
+def evaluate(features: Annotated[Path, typer.Option(
+                 help="folder with query.npy, gallery_new.npy, gallery_old.npy, labels.npy [, order.npy]")],
+             distance: Annotated[Distance, typer.Option(help="l2, or cosine on L2-normalised vectors")] = Distance["l2"],
              out: Annotated[Path | None, typer.Option(help="JSON file to write; default: print it")] = None,
              points: Annotated[int, typer.Option(help="intermediate curve points B (the curve has B+2)")] = 20,
              old_query: Annotated[Path | None, typer.Option(

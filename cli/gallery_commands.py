@@ -40,7 +40,8 @@ from fastfill.tasks.gallery_store import open_gallery
 
 Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # the choices of search --merge
 
-gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The stored gallery: ingest, adopt, convert, info, gc, rollback.")
+gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="The stored gallery: ingest, adopt, convert, info, gc, rollback.")
 app.add_typer(gallery_app, name="gallery")
 
 

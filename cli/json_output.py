@@ -78,7 +78,7 @@ def plain(value):
         return value.isoformat()
     if hasattr(value, "tolist"):  # numpy arrays and scalars
         return plain(value.tolist())
-    if hasattr(value, "value") and isinstance(getattr(value, "value"), str):  # enums
+    if hasattr(value, "value") and isinstance(value.value, str):  # enums
         return value.value
     return str(value)
 

@@ -26,7 +26,8 @@ from fastfill.components.gallery.triggers.webhook_checks import webhook_secret
 from fastfill.components.platform import registry
 from fastfill.components.platform.registry import RegistryError
 
-webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="MLflow registry webhooks: receive them; register, list and delete them.")
+webhook_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="MLflow registry webhooks: receive them; register, list and delete them.")
 app.add_typer(webhook_app, name="webhook", short_help="MLflow webhooks: serve, register, list, delete.")
 
 

@@ -191,6 +191,7 @@ def _adopt(params: Params, store, manifest: str, manifest_file: Path, model_uri:
     result = adopt(store, table, ref, shape, root=root, features=rows, embed_part=embed_part,
                    part_size=params.gallery.part_size, on_part=on_part, registry=registry.identity(params.mlflow),
                    layout=layout_of(params.gallery.layout, params.gallery))
-    log(f"gallery at {store.uri} ({result['layout']} layout): {result['num_items']} items in {result['num_parts']} parts, model {ref.uri}, "
+    log(f"gallery at {store.uri} ({result['layout']} layout): {result['num_items']} items in {result['num_parts']} "
+        f"parts, model {ref.uri}, "
         f"images read by URI{f' under {root}' if root else ''}")
     return result

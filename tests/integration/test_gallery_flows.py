@@ -28,7 +28,8 @@ from tests.integration.helpers import in_layout, killed_when, registry_models, s
 def _index_against_exact(gallery, queries, labels, mixed) -> float:
     """Leave-one-out top-1 accuracy of every item as a query, measured from the index's own answers
     (the Lance serving table, the pgvector view or the Milvus alias), checked against an exact
-    search of the product's ``mixed`` gallery: the same within the ANN's error (95% of top-1 hits equal, accuracy within 2 points). Returns it."""
+    search of the product's ``mixed`` gallery: the same within the ANN's error (95% of top-1 hits
+    equal, accuracy within 2 points). Returns it."""
     from fastfill.components.gallery.search.served import IndexSearch
 
     searcher = IndexSearch(gallery)
@@ -534,7 +535,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     def planning_started():
         return bool(store.list(f"upgrades/{uid}/"))
 
-    def backfilling(at_least=rng.randint(1, 4)):
+    def backfilling(at_least=rng.randint(1, 4)):  # noqa: B008 - drawn once, when the test starts
         return len(backfill.done_chunks(store, uid)) >= at_least
 
     def ending_started():
@@ -860,7 +861,8 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
     strict_uri = str(tmp_path / "strict")
     result = runner.invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"),
                                  "--features", str(tmp_path / "f0.npy"), "--features", str(tmp_path / "f1.npy"),
-                                 "--model", f"models:/embedder/{old_version}", "--store", strict_uri, "--params", str(tmp_path / "params.yaml")])
+                                 "--model", f"models:/embedder/{old_version}", "--store", strict_uri,
+                                 "--params", str(tmp_path / "params.yaml")])
     assert result.exit_code == 0, result.output
     for i in (3, 11, 19):
         (tmp_path / "photos" / names[i]).unlink()

@@ -136,7 +136,8 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert result.exit_code != 0 and "is in progress" in result.output and "nothing to abort" in result.output
 
     assert garbage.collect_garbage(gallery)["upgrade_objects"] > 0  # its working data is garbage
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED), planning.plan_key(plan.id)]
+    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED),
+                                                         planning.plan_key(plan.id)]
 
     # asked for again: planned from scratch (a new plan and MLflow run), then completed
     to = f"models:/embedder/{new_version}"

@@ -164,7 +164,8 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
     assert store.get_json(planning.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
     # three versions stored: v1's features, v2's backfilled chunks, v3's backfilled chunks
-    assert store.list(f"features/embedder-v{v1}/") and backfill.done_chunks(store, plan1.id) and backfill.done_chunks(store, plan2.id)
+    assert store.list(f"features/embedder-v{v1}/")
+    assert backfill.done_chunks(store, plan1.id) and backfill.done_chunks(store, plan2.id)
     # the sequential upgrade starts from v2's mixed gallery, and its order covers every item
     sources = np.concatenate([store.get_array(planning.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
     np.testing.assert_array_equal(sources, mixed1)

@@ -224,7 +224,8 @@ def test_the_upgrade_answers_its_result_with_the_same_exit_code(upgrade_answers,
         assert document["stopped"] == "recommended" and document["advice"]["recommendation"]["fraction"] == 0.3
         assert document["promotion"] is None
     else:
-        assert text.stdout.splitlines()[-1] == "up-to-date: the gallery is already built with models:/embedder/1; nothing to upgrade"
+        assert text.stdout.splitlines()[-1] == ("up-to-date: the gallery is already built with models:/embedder/1; "
+                                                "nothing to upgrade")
         assert document["message"] == "the gallery is already built with models:/embedder/1; nothing to upgrade"
         assert document["upgrade"] is None and document["items_done"] == 72
 

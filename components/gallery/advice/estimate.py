@@ -84,7 +84,8 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
                                     preprocessing=getattr(new_model, "preprocessing", None))
     read_seconds = time.perf_counter() - started
     ok = readable(len(positions), failures)
-    embed(new_model, images[ok][:2], batch_size=config.batch_size, precision=config.precision)  # warm-up: first-call costs are not per item
+    # warm-up: first-call costs are not per item
+    embed(new_model, images[ok][:2], batch_size=config.batch_size, precision=config.precision)
     started = time.perf_counter()
     embed(new_model, images[ok], batch_size=config.batch_size, precision=config.precision)
     embed_seconds = time.perf_counter() - started
@@ -206,9 +207,10 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         def embed_champion(images, label=None):
             return embed(champion, images, batch_size=config.batch_size, precision=config.precision)
 
+        # (judgments, new-model and champion features of the queries)
         judged = judged_queries(gallery, config, load_judgments(config.judgments, gallery.ids()), embed_new,
                                 embed_champion, {}, preprocessing=preprocessing,
-                                champion_preprocessing=getattr(champion, "preprocessing", None))  # (judgments, new-model and champion features of the queries)
+                                champion_preprocessing=getattr(champion, "preprocessing", None))
     prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])

@@ -100,7 +100,8 @@ def shadow_top1_judged(query_old: np.ndarray, query_new: np.ndarray, judged, pos
     S (``positions``; its old and new features), a hit being an item the judgments call
     relevant; the queries with no relevant item in S are left out (None when fewer than 2 are
     left); ``anchor_old_hits``: whether each judged query's nearest item in the whole old
-    gallery is relevant (``advisor.judged_anchor`` over the stored features). With ``gain``, online backfilling's prediction instead:
+    gallery is relevant (``advisor.judged_anchor`` over the stored features). With ``gain``, online
+    backfilling's prediction instead:
     ``query_old`` are the queries' reverse transforms, and the two sides merge by distance, the
     new side's times ``gain``."""
 
@@ -149,7 +150,8 @@ def _shadow_prediction(d_old: np.ndarray, d_new: np.ndarray, is_hit, ranks: np.n
     scale = 1.0 if anchor_old_hits is None else \
         (1 - float(np.mean(anchor_old_hits))) / max(1e-9, 1 - float(top1[0]))
     fpc = max(0.0, 1.0 - sample / max(num_items, sample))
-    return {"way": "online backfilling" if by_distance else "shadow index (rrf)", "fractions": points.tolist(), "sample": sample, "items": int(num_items),
+    return {"way": "online backfilling" if by_distance else "shadow index (rrf)", "fractions": points.tolist(),
+            "sample": sample, "items": int(num_items),
             "top1": np.clip(1 - (1 - top1) * scale, 0, 1).tolist(),
             "top1_se": np.sqrt(hits.var(axis=1, ddof=1) / len(d_old) * fpc).tolist(),
             "sample_top1": top1.tolist(), "error_scale": scale}

@@ -5,8 +5,8 @@ and the manifest (last, so a crashed adopt leaves no gallery).
 The manifest file (CSV or Parquet) has one row per item: ``id`` (unique integer), ``uri``
 (``s3://bucket/key``, an absolute path, or a path relative to the root), and optionally
 ``label`` (integer), ``group`` and ``weight`` (a number >= 0: how much queries ask for the item,
-what the usage backfill orders rank by; see components.gallery.upgrade.usage). The features come in the same row order, as ``.npy``
-shards (concatenated in the order given) or a list column of a Parquet file; without them,
+what the usage backfill orders rank by; see components.gallery.upgrade.usage). The features come in
+the same row order, as ``.npy`` shards (concatenated in the order given) or a list column of a Parquet file; without them,
 the model embeds the images (then adopting is an ingest that copies no image).
 """
 

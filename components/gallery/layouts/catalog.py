@@ -219,7 +219,7 @@ class Gallery(ABC):
         """Refuse, before planning writes anything, a gallery whose sources are not all there or
         do not fit its manifest (a GalleryError ending "Nothing was written.")."""
 
-    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray,
+    def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray,  # noqa: B027 - a no-op by default
                     embedded: np.ndarray) -> None:
         """A layout that serves queries from an index writes a landed chunk's rows there (before
         its marker); a layout that serves only ``fastfill search`` has nothing to write: it reads
@@ -354,8 +354,8 @@ def fetch_images(gallery: Gallery, positions: np.ndarray, cache: ImageCache = IM
                  workers: int = 16, preprocessing=None) -> tuple[np.ndarray, list]:
     """The images of items at ``positions`` (any order) and the failures
     (``images.ImageFailure``, ``row`` indexing ``positions``): packed parts, those not in
-    ``cache`` read ``workers`` at a time (as stored: ``inference.embed`` brings them to the model's shape), or an adopted gallery's
-    images read by URI, ``workers`` at a time, decoded by ``preprocessing`` (the model's that
+    ``cache`` read ``workers`` at a time (as stored: ``inference.embed`` brings them to the model's
+    shape), or an adopted gallery's images read by URI, ``workers`` at a time, decoded by ``preprocessing`` (the model's that
     embeds them; default a plain stretch to the gallery's image shape)."""
     shape = tuple(gallery.manifest()["image_shape"])
     positions = np.asarray(positions, dtype=np.int64)

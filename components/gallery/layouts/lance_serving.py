@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
@@ -62,7 +62,7 @@ DEFAULTS = {"kind": "lance", "distance": "l2", "ann": "ivf_flat", "ann_min_rows"
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _vectors(features: np.ndarray) -> pa.FixedSizeListArray:
