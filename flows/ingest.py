@@ -10,22 +10,22 @@ from pathlib import Path
 import numpy as np
 from prefect import flow
 
+from fastfill.components.experiment.data import load_split
+from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
+from fastfill.components.gallery.inputs.images import read_images
+from fastfill.components.gallery.inputs.input_files import input_path, is_s3, s3_folder
 from fastfill.components.gallery.layouts.catalog import GalleryError, check_empty, check_features
 from fastfill.components.gallery.layouts.opening import layout_of
-from fastfill.components.platform import registry
+from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings
 from fastfill.components.model_store import registered
+from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params
+from fastfill.components.platform.layout import Layout, load_array
 from fastfill.components.platform.registry import ModelRef
 from fastfill.flows.parameters import resolve_params, run_parameters, store_of
 from fastfill.tasks._policy import log
 from fastfill.tasks.embedding import embed_images, load_model
 from fastfill.tasks.gallery_store import store_at, write_gallery
-from fastfill.components.experiment.data import load_split
-from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
-from fastfill.components.gallery.inputs.images import read_images
-from fastfill.components.gallery.inputs.input_files import input_path, is_s3, s3_folder
-from fastfill.components.platform.layout import Layout, load_array
-from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings
 
 
 def _resolve(params: Params, uri: str) -> ModelRef:

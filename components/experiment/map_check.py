@@ -26,16 +26,25 @@ from typing import Any
 
 import numpy as np
 
-from fastfill.components.platform.config import AlignConfig
-from fastfill.components.experiment.map_validation import held_out
-from fastfill.components.experiment.map_judging import (
-    CHECK_POINTS, POLICIES, MapCheck, MapCheckError, SideOutputs, curve_numbers, judge, judge_order,
-    non_finite_outputs, non_finite_rows, per_query_scores,
-)
 from fastfill.components.evaluation.reports import check_outcome
 from fastfill.components.experiment.inference import apply_alignment, apply_unified
+from fastfill.components.experiment.map_judging import (
+    CHECK_POINTS,
+    POLICIES,
+    MapCheck,
+    MapCheckError,
+    SideOutputs,
+    curve_numbers,
+    judge,
+    judge_order,
+    non_finite_outputs,
+    non_finite_rows,
+    per_query_scores,
+)
 from fastfill.components.experiment.map_training import fit_uncertainty_head, train_alignment
+from fastfill.components.experiment.map_validation import held_out
 from fastfill.components.experiment.models import UnifiedMaps
+from fastfill.components.platform.config import AlignConfig
 
 __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
            "check_metrics", "check_tags", "curve_numbers", "decide_map", "fallback_config", "fallback_map",

@@ -2,7 +2,13 @@ import numpy as np
 import pytest
 
 from fastfill.components.evaluation.ordering import (
-    descending_order, distance_order, is_permutation, kendall_tau, oracle_order, random_order, sigma_order,
+    descending_order,
+    distance_order,
+    is_permutation,
+    kendall_tau,
+    oracle_order,
+    random_order,
+    sigma_order,
 )
 
 

@@ -51,7 +51,12 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import (
-    PGVECTOR, GalleryError, PartsWriter, check_empty, check_features, commit_manifest,
+    PGVECTOR,
+    GalleryError,
+    PartsWriter,
+    check_empty,
+    check_features,
+    commit_manifest,
 )
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.served import ServedGallery
