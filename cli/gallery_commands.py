@@ -38,7 +38,8 @@ from fastfill.flows import undo
 from fastfill.flows.ingest import _load_array, adopt_flow, adopt_table_flow, ingest_flow
 from fastfill.tasks.gallery_store import open_gallery
 
-Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # the choices of search --merge
+# the choices of search --merge (mypy reads an Enum's members from a literal only)
+Merge = Enum("Merge", {name: name for name in SEARCH_MERGES}, type=str)  # type: ignore[misc]
 
 gallery_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                           help="The stored gallery: ingest, adopt, convert, info, gc, rollback.")

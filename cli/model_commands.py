@@ -31,7 +31,7 @@ def _quiet_mlflow() -> None:
 
 Alias = Enum("Alias", {"champion": "champion", "challenger": "challenger"}, type=str)
 Resize = Enum("Resize", {"stretch": "stretch", "shorter-then-crop": "shorter-then-crop"}, type=str)
-Interpolation = Enum("Interpolation", {n: n for n in ("bilinear", "bicubic", "nearest")}, type=str)
+Interpolation = Enum("Interpolation", {"bilinear": "bilinear", "bicubic": "bicubic", "nearest": "nearest"}, type=str)
 
 
 @model_app.command("register", short_help="A model you already serve as a new registry version.")

@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,11 +190,13 @@ def _train_on_features(
             if not math.isfinite(sums["loss"]):
                 break  # no step on a non-finite loss: the epoch ends here, and the training with it
             optimizer.zero_grad(set_to_none=True)
-            parts["loss"].backward()
+            loss = parts["loss"]
+            assert loss is not None  # the total: only the terms a map has not can be None
+            loss.backward()
             optimizer.step()
             scheduler.step()
             step += 1
-        record = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
+        record: dict[str, Any] = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
         first = history[0]["loss"] if history else record["loss"]
         reason = divergence(record["loss"], lowest["loss"], first, config.divergence_factor)
         if reason is None and not _finite_weights(module):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastfill.components.model_store.embedders import (
     ModelSourceError,
@@ -37,7 +38,7 @@ class Source:
     """A probed embedder and what its registered version records: the description's fields
     and the files (name -> bytes or path)."""
 
-    embedder: object
+    embedder: Any  # a ModuleEmbedder, TorchvisionEmbedder or OnnxEmbedder (embedders.py)
     description: dict
     files: dict = field(default_factory=dict)
 
