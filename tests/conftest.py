@@ -1,16 +1,16 @@
 """Marks every test under tests/integration with ``integration``, so the tiers can be chosen
 with ``-m`` as well as by folder, keeps every test not marked ``gpu`` on the CPU, and lays the
-tests out for pytest-xdist's workers (``--dist loadgroup``, in addopts):
+tests out for pytest-xdist's workers (``--dist loadscope``, in addopts, with the scopes below):
 
-- a module whose tests share a fixture set up once per module or class (a pipeline run, a
-  comparison, a stack) runs whole on one worker, so that fixture is set up once; so does every
-  module of the unit tier (short files: a file is fine-grained enough);
+- a module that defines a fixture set up once per module or class (a pipeline run, a comparison,
+  a stack) runs whole on one worker, so that fixture is set up once; so does every module of the
+  unit tier (short files: a file is fine-grained enough);
 - the other integration tests go one by one to whichever worker is free, so a module of many
   slow tests (each layout of each upgrade test) is spread over the workers instead of bounding
   the run's wall time on one of them;
-- the ``slow`` integration tests are sent first and the unit tier last (the order in which the
-  workers are handed work is the collection's: ``--no-loadscope-reorder``), so the run does not
-  end waiting on one long test started late."""
+- the ``slow`` integration tests are handed out first and the unit tier last (in the collection's
+  order: ``--no-loadscope-reorder``), so the run does not end waiting on one long test started
+  late."""
 
 # The tests compute as the product does: every library's CPU kernels pinned (compute.cpu_kernels'
 # default) before any test loads numpy or torch, so that one process never mixes kernels loaded
@@ -19,30 +19,61 @@ from fastfill.components.platform.runtime import DEFAULT_CPU_KERNELS, pin_cpu_ke
 
 pin_cpu_kernels(DEFAULT_CPU_KERNELS)
 
+import functools  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]  # the nodes' ids are relative to it
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/integration/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.integration)
-    whole = {_module(item) for item in items if item.get_closest_marker("integration") is None
-             or _shares_module_state(item)}
     # slow integration tests first, then the other integration tests, the unit tier last; a module
     # that runs whole stays in one piece, where its first test goes
     rank = {}
     for item in items:
-        key = _module(item) if _module(item) in whole else item.nodeid
-        rank[key] = min(rank.get(key, 3), 2 if item.get_closest_marker("integration") is None
-                        else 0 if item.get_closest_marker("slow") else 1)
-        if key == _module(item):
-            item.add_marker(pytest.mark.xdist_group(key))
-    items.sort(key=lambda item: rank[_module(item) if _module(item) in whole else item.nodeid])
+        if _shares_module_state(item) and not _runs_whole(_module(item)):
+            raise pytest.UsageError(f"{item.nodeid} uses a fixture set up once per module or class that its module "
+                                    "does not define: tests/conftest.py's _runs_whole must keep that module whole")
+        rank[_scope(item.nodeid)] = min(rank.get(_scope(item.nodeid), 3),
+                                        2 if item.get_closest_marker("integration") is None
+                                        else 0 if item.get_closest_marker("slow") else 1)
+    items.sort(key=lambda item: rank[_scope(item.nodeid)])
 
 
-def _module(item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with this file's scopes (see above)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return Scheduling(config, log)
+
+
+def _module(nodeid_or_item) -> str:
+    return str(getattr(nodeid_or_item, "nodeid", nodeid_or_item)).split("::", 1)[0]
+
+
+def _scope(nodeid: str) -> str:
+    """What one worker runs together: the test's module, or the test alone."""
+    return _module(nodeid) if _runs_whole(_module(nodeid)) else nodeid
+
+
+@functools.cache
+def _runs_whole(module: str) -> bool:
+    """A unit-tier module, or one that defines a fixture set up once per module, class or package."""
+    if not module.startswith("tests/integration/"):
+        return True
+    source = (ROOT / module).read_text() if (ROOT / module).is_file() else ""
+    return re.search(r"scope=[\"'](module|class|package)[\"']", source) is not None
 
 
 def _shares_module_state(item) -> bool:
