@@ -11,7 +11,15 @@ import typer
 
 from fastfill.cli import app, json_output
 from fastfill.cli.command_support import (
-    REJECTED, USAGE, ParamsOption, StoreOption, call, fail, load, need_services, store_uri,
+    REJECTED,
+    USAGE,
+    ParamsOption,
+    StoreOption,
+    call,
+    fail,
+    load,
+    need_services,
+    store_uri,
 )
 from fastfill.cli.gallery_commands import run_undo, show_status
 from fastfill.cli.json_output import JsonOption, answer, answers_json
@@ -131,7 +139,8 @@ def _describe_dry_run(plan: dict) -> str:
         f"images {_size(plan['bytes_to_read']['images'])}, finish {_size(plan['bytes_to_read']['finish'])})",
         f"  object-store requests: {plan['requests']['total']:,} (plan {plan['requests']['plan']:,}, backfill "
         f"{plan['requests']['backfill']:,}, finish {plan['requests']['finish']:,})",
-        f"  measured on {sample['items']} items ({sample['failed']} unreadable): read {1000 * sample['read_seconds_per_item']:.2f} "
+        f"  measured on {sample['items']} items ({sample['failed']} unreadable): read "
+        f"{1000 * sample['read_seconds_per_item']:.2f} "
         f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
         f"  ({plan['note']})",
@@ -175,7 +184,8 @@ def upgrade(ctx: typer.Context,
             runner: Annotated[str | None, typer.Option(help="threads, or dask")] = None,
             dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
             break_lock: Annotated[bool, typer.Option(help="take over a lock held by another upgrade")] = False,
-            gate: Annotated[bool | None, typer.Option(help="check the promotion gates before switching; default: promotion.gate")] = None,
+            gate: Annotated[bool | None, typer.Option(
+                help="check the promotion gates before switching; default: promotion.gate")] = None,
             progress: Annotated[bool | None, typer.Option(help="show a progress bar; default: on a terminal")] = None,
             max_items_per_second: Annotated[float | None, typer.Option(
                 help="throttle: start chunks no faster than this many items per second")] = None,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from fastfill.components.gallery.upgrade.outcome import UpgradeResult
-from fastfill.components.gallery.upgrade.status import gallery_status
-from fastfill.components.platform.progress import progress, resolve_mode
 from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.store import open_store
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.platform.progress import Progress, progress, resolve_mode
 
 
 def progress_wanted(progress: bool | None, stream=None) -> bool:
@@ -37,7 +37,7 @@ class ProgressBar:
 
         self.uri, self.enabled, self.interval = uri, enabled, interval
         self.stream = sys.stderr if stream is None else stream
-        self.bar = None  # a components.platform.progress.Progress, from the first poll that sees chunks
+        self.bar: Progress | None = None  # from the first poll that sees chunks
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastfill-progress", daemon=True)
@@ -83,6 +83,6 @@ class ProgressBar:
                 state = gallery_status(gallery, failures=False)
                 info = state.upgrade
                 if info is not None and info.chunks and not self._stop.is_set():
-                    self._show(f"backfill {info.id}", state.items, info.items_done)
+                    self._show(f"backfill {info.id}", state.items, info.items_done or 0)
         except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports the store's errors
             return

@@ -167,6 +167,7 @@ class _Records:
         log_prediction(self.client, plan, advice)
 
     def gate(self, plan: Plan, numbers: dict) -> None:
+        assert plan.mlflow_run_id is not None  # the run records the gate only where the upgrade has its run
         log_gate(self.client, plan.mlflow_run_id, numbers)
 
     def follow_decision(self, plan: Plan, tags: dict, promote: bool) -> None:
@@ -212,7 +213,9 @@ class _Work:
         return load_model(ref)
 
     def judgments(self):
-        judged = judgments.load_judgments(self.params.gallery.upgrade.judgments, self.gallery.ids())
+        source = self.params.gallery.upgrade.judgments
+        assert source is not None  # asked for only when the gate measures against judged queries
+        judged = judgments.load_judgments(source, self.gallery.ids())
         log(f"the gate measures against {judged.describe()}")
         return judged
 

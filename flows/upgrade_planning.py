@@ -8,18 +8,17 @@ from __future__ import annotations
 import numpy as np
 from prefect.futures import as_completed, wait
 
-from fastfill.components.gallery.upgrade import backfill, planning, samples, usage
-
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.store import StoreError
+from fastfill.components.gallery.upgrade import backfill, planning, samples, usage
 from fastfill.components.gallery.upgrade.decider import Course
 from fastfill.components.gallery.upgrade.lifecycle import check_map_fits, plan_fields
-from fastfill.components.gallery.store import StoreError
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.layout import Layout
 from fastfill.components.platform.progress import progress
 from fastfill.components.platform.registry import ModelRef
 from fastfill.tasks._policy import log
-from fastfill.tasks.embedding import embed_images, gallery_pairs, load_model, embed_split_pairs
+from fastfill.tasks.embedding import embed_images, embed_split_pairs, gallery_pairs, load_model
 from fastfill.tasks.gallery_store import commit_plan, discard_unplanned, transform_part, write_reverse, write_sources
 from fastfill.tasks.upgrade_map import choose_upgrade_map, fit_reverse_transformation
 from fastfill.tasks.upgrade_tracking import close_upgrade_run, open_upgrade_run, tag_run
@@ -36,6 +35,7 @@ def plan_upgrade(params: Params, client, experiment: str, gallery: Gallery, cour
     orders' weights (``gallery.upgrade.usage_log``, else the items table's column) are read
     here, before anything is written."""
     config, uid = params.gallery.upgrade, course.upgrade
+    assert uid is not None and course.old is not None  # a course that plans names its upgrade and its start
     base = planning.load_plan(gallery.store, course.base) if course.base else None
     gallery.check_sources(sequential=base is not None)  # before anything is written
     weights = None
@@ -150,7 +150,8 @@ def _online_reverse(params: Params, client, gallery: Gallery, uid: str, old: Mod
     config = params.gallery.upgrade
     reverse = fit_reverse_transformation(pairs, config.pseudo_classes, config.seed)
     write_reverse(gallery.store.uri, uid, reverse)
-    tag_run(client, run_id, {"online": "metric_compatible", "online.new_gain": f"{reverse.new_scale ** 2:.6g}"})
+    gain = reverse.new_scale ** 2  # type: ignore[attr-defined]  # Prefect types a task's call as maybe awaitable
+    tag_run(client, run_id, {"online": "metric_compatible", "online.new_gain": f"{gain:.6g}"})
     return pairs
 
 

@@ -9,18 +9,18 @@ import numpy as np
 from prefect import task
 
 from fastfill.components.gallery.advice import advisor
+from fastfill.components.gallery.gate.promotion import measure_gate
 from fastfill.components.gallery.inputs import judgments
-from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal
-
 from fastfill.components.gallery.layouts import catalog
 from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
+from fastfill.components.gallery.store import Store, configure_s3, open_store
+from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal
 from fastfill.components.gallery.upgrade.outcome import GateDecision
 from fastfill.components.gallery.upgrade.planning import Plan
-from fastfill.components.gallery.store import Store, configure_s3, open_store
 from fastfill.components.model_store import registered
 from fastfill.components.platform.registry import ModelRef
 from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
-from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 
 
 @functools.lru_cache(maxsize=16)
@@ -104,25 +104,24 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     """The promotion gate's numbers (components.gallery.gate.promotion): the judged queries against
     the whole gallery along the backfill's order when there are any, else the evaluation sample."""
-    from fastfill.components.gallery.inputs.judgments import measure_judged_gate, stored_judged  # late: keeps the CLI's and the services' start-up light
-    from fastfill.components.gallery.gate.promotion import measure_gate  # late: keeps the CLI's and the services' start-up light
-
     gallery = gallery_at(store_at(store_uri))
     store = gallery.store
-    judged = stored_judged(store, plan.id)
+    judged = judgments.stored_judged(store, plan.id)
     if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
-        judgments, new_queries, champion_queries = judged
+        relevant, new_queries, champion_queries = judged
         final, _ = backfill.mixed_features(gallery, plan)
-        return measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries, final,
-                                   planning.transformed_all(gallery, plan.id), judgments,
-                                   planning.order_of(store, plan.id), distance=plan.distance,
-                                   curve_points=curve_points)
+        return judgments.measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries,
+                                             final, planning.transformed_all(gallery, plan.id), relevant,
+                                             planning.order_of(store, plan.id), distance=plan.distance,
+                                             curve_points=curve_points)
     positions, queries = planning.stored_eval_sample(store, plan.id)
     transformed = backfill.transformed_rows(gallery, plan.id, positions)
     new = backfill.mixed_rows(gallery, plan, positions)
     champion = gallery.features_at(gallery.model, positions)
     order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
-    return measure_gate(champion, queries, new, transformed, gallery.labels()[positions], order,
+    labels = gallery.labels()
+    assert labels is not None  # without judged queries, the gate measures only a gallery with labels
+    return measure_gate(champion, queries, new, transformed, labels[positions], order,
                         distance=plan.distance, curve_points=curve_points)
 
 
@@ -153,8 +152,9 @@ def write_plan(store_uri: str, plan: Plan) -> None:
 def sync_serving(store_uri: str) -> str:
     """The serving index brought to the upgrade's mixed gallery (a killed switch completed)."""
     gallery = gallery_at(store_at(store_uri))
-    serving = gallery.sync_serving()
-    return f"{gallery.index.where}: the view {gallery.index.view} serves {serving['model']}"
+    serving = gallery.sync_serving() or {}
+    index = gallery.index  # type: ignore[attr-defined]  # called only where the layout serves queries
+    return f"{index.where}: the view {index.view} serves {serving.get('model')}"
 
 
 @task(name="advise-upgrade", **IO_RETRIES, **NO_CACHING)

@@ -197,6 +197,7 @@ def _ready_to_end(params, tmp_path, monkeypatch):
     """A gallery whose backfill is complete and whose ending has not started (the ending failed
     once at its very start), as a folder to copy for each scenario."""
     import fastfill.flows.upgrade as fu
+    from fastfill.components.gallery.upgrade.run import UpgradeRun
     from fastfill.flows.ingest import ingest_flow
 
     uri = str(tmp_path / "ready")
@@ -206,7 +207,7 @@ def _ready_to_end(params, tmp_path, monkeypatch):
         raise RuntimeError("stop before the ending")
 
     with monkeypatch.context() as patch:
-        patch.setattr(fu, "_end", not_yet)
+        patch.setattr(UpgradeRun, "_end", not_yet)
         with pytest.raises(RuntimeError, match="stop before the ending"):
             fu.upgrade_flow(params, uri)
     return uri
@@ -228,6 +229,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
     import shutil
 
     import fastfill.flows.upgrade as fu
+    import fastfill.tasks.gallery_store as store_tasks
     from fastfill.components.gallery.store.lock import LOCK
 
     params, tmp_path = upgrade_env
@@ -237,8 +239,8 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
     client, _, _, old_version, new_version = registry_models(params)
     name = params.mlflow.registered_model
     ready = _ready_to_end(params, tmp_path, monkeypatch)
-    steps = [("decision", fu.ending, "write_decision"),
-             ("switch", fu, "finish_upgrade" if passes else "reject_upgrade"),
+    steps = [("decision", ending, "write_decision"),
+             ("switch", store_tasks, "finish_upgrade" if passes else "reject_upgrade"),
              ("registry", fu, "follow_decision")]  # after the last step (marking it recorded) it is over
     for step, owner, function in steps:
         client.set_registered_model_alias(name, "champion", old_version)  # the registry as before the ending
@@ -284,6 +286,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     import shutil
 
     import fastfill.flows.upgrade as fu
+    import fastfill.tasks.gallery_store as store_tasks
     from fastfill.components.gallery.store.lock import LOCK, UpgradeLocked
 
     params, tmp_path = upgrade_env
@@ -317,7 +320,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
         second["result"] = fu.upgrade_flow(params, uri)
         first = second.pop("first")
     else:
-        steps = {"after-decision": (fu.ending, "write_decision"), "after-switch": (fu, "finish_upgrade"),
+        steps = {"after-decision": (ending, "write_decision"), "after-switch": (store_tasks, "finish_upgrade"),
                  "after-registry": (fu, "follow_decision")}
         if offset in steps:
             owner, function = steps[offset]
@@ -328,9 +331,9 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
 
     assert first.state == "complete"
     if offset in ("read-before-lock", "after-finish"):
-        assert second["result"]["state"] == "up-to-date", second
+        assert second["result"].state == "up-to-date", second
         if offset == "after-finish":  # the promotion cleared `challenger`: nothing names a model to upgrade to
-            assert "has no `challenger`" in second["result"]["message"], second
+            assert "has no `challenger`" in second["result"].message, second
     else:  # the first still holds the lock: refused, naming the holder, having changed nothing
         assert "is being upgraded" in second["refused"] and "by process" in second["refused"], second
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version

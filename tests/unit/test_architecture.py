@@ -162,9 +162,9 @@ LATE_LOADING = {
     "components/gallery/layouts/milvus_collection.py": "a cycle: the upgrade package imports the layouts",
     "components/gallery/layouts/lance_serving.py": "a cycle: table.py imports it",
     "components/gallery/upgrade/backfill.py": "torch: embedding the images (the layouts import the module)",
-    "components/gallery/upgrade/planning.py": "torch: transforming features (the layouts import the module)",
+    "components/gallery/upgrade/planning.py": "torch and scipy: transforming features, the orders (the layouts "
+                                              "import the module)",
     "components/gallery/upgrade/pseudo_classes.py": "torch: the head's optimizer",
-    "tasks/gallery_store.py": "torch and scipy: the promotion gate's measures",
     "flows/deployments.py": "the upgrade and comparison flows, not at the services' start-up",
     "cli/doctor_commands.py": "Prefect's client, only where a server is named",
     "cli/model_commands.py": "torch: registering and describing a model, not `model list`",

@@ -351,9 +351,10 @@ ANSWERING = {("upgrade",), ("upgrade", "status"), ("upgrade", "unlock"), ("upgra
 
 
 def _commands(group, path=()):
-    for name, command in group.commands.items():
+    for name in group.list_commands(None):  # a command group's module loads here (cli/__init__.py)
+        command = group.get_command(None, name)
         yield (*path, name), command
-        if hasattr(command, "commands"):
+        if hasattr(command, "list_commands"):
             yield from _commands(command, (*path, name))
 
 

@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fastfill.components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.decider import (
+    ENDED,
+    PLAN,
+    REFUSE,
+    RESUME,
+    UP_TO_DATE,
+    GalleryView,
+    UpgradeDecider,
+)
 from fastfill.components.gallery.upgrade.outcome import UpgradeResult
 from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.platform.registry import ModelRef
@@ -194,11 +202,12 @@ def test_a_paused_backfill_says_how_to_go_on():
 
 def test_the_gallery_view_reads_what_the_decider_needs(tmp_path):
     """The real store's view against the table's: a planned, then aborted upgrade."""
+    import numpy as np
+
     from fastfill.components.gallery.layouts.catalog import PartsGallery, ingest
+    from fastfill.components.gallery.store import open_store
     from fastfill.components.gallery.upgrade.planning import Plan, write_plan
     from fastfill.components.gallery.upgrade.reversal import abort
-    from fastfill.components.gallery.store import open_store
-    import numpy as np
 
     store = open_store(tmp_path / "g")
     rng = np.random.default_rng(0)

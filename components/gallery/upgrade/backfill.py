@@ -9,17 +9,34 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from fastfill.components.gallery.inputs.images import ImageFailure, readable
 from fastfill.components.gallery.layouts.catalog import (
-    IMAGE_CACHE, Gallery, GalleryError, check_features, fetch_images, item_column, now, rows_at,
+    IMAGE_CACHE,
+    Gallery,
+    GalleryError,
+    check_features,
+    fetch_images,
+    item_column,
+    now,
+    rows_at,
 )
-from fastfill.components.gallery.upgrade.planning import (
-    Plan, chunk_key, load_plan, marker_key, order_of, source_key, transformed_all, transformed_key, upgrade_key,
-)
-from fastfill.components.gallery.store import ObjectMissing, Store, StoreError
 from fastfill.components.gallery.layouts.opening import gallery_at
+from fastfill.components.gallery.store import ObjectMissing, Store, StoreError
+from fastfill.components.gallery.upgrade.planning import (
+    Plan,
+    chunk_key,
+    load_plan,
+    marker_key,
+    order_of,
+    source_key,
+    transformed_all,
+    transformed_key,
+    upgrade_key,
+)
 
 
 class _PlanCache:
@@ -50,8 +67,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     """Re-embed one chunk's images with the new model: read, embed, write the features, then the
     marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
     (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
-    from fastfill.components.experiment.inference import embed  # late: keeps the CLI's and the services' start-up light
-    from fastfill.components.gallery.inputs.images import readable  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.experiment.inference import embed
 
     marker = marker_key(upgrade, chunk)
     try:
@@ -64,6 +80,7 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     positions = order[start:stop]
     gallery = gallery_at(store)
     preprocessing = getattr(model, "preprocessing", None)
+    assert plan.new.dim is not None  # a plan's new model has its dim
     features, failures = embed_streamed(
         lambda rows: fetch_images(gallery, positions[rows], IMAGE_CACHE, workers=read_workers,
                                   preprocessing=preprocessing),
@@ -90,10 +107,6 @@ def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.n
     decoding the next batch overlap the model's forward pass on this one; ``embed(images)`` ->
     features. Returns (features, failures indexing the ``count`` items); a failed row's features
     are left unset (zeros)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from fastfill.components.gallery.inputs.images import ImageFailure, readable  # late: keeps the CLI's and the services' start-up light
-
     features = np.zeros((count, dim), dtype=np.float32)
     failures: list = []
     slices = [np.arange(start, min(start + batch, count)) for start in range(0, count, max(1, batch))]
@@ -225,6 +238,7 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
     import tempfile
 
     dim = plan.new.dim
+    assert dim is not None  # a plan's new model has its dim
     parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * dim * 4))
     batches = [(first, min(first + parts_per_batch, gallery.num_parts))
                for first in range(0, gallery.num_parts, parts_per_batch)]

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastfill.components.gallery.advice.advisor import at_stop, stored_advice
-from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.gate.promotion import decide, decision_tags, gate_message
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import backfill
 from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
 from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
@@ -162,8 +162,9 @@ class UpgradeDecider:
         if view.model.same_version(wanted):
             if current:
                 moving = view.planned_new(current)
-                course.reason = (f"the gallery at {self.store_uri} is already built with {wanted.uri}, and upgrade {current} is half done; "
-                                 f"run `fastfill upgrade --to {moving.uri if moving else '...'}` to finish it")
+                course.reason = (f"the gallery at {self.store_uri} is already built with {wanted.uri}, and upgrade "
+                                 f"{current} is half done; run `fastfill upgrade --to "
+                                 f"{moving.uri if moving else '...'}` to finish it")
                 return course
             say.append(f"the gallery at {self.store_uri} is already built with {wanted.uri}; nothing to upgrade")
             course.action = UP_TO_DATE
@@ -224,7 +225,7 @@ class UpgradeDecider:
         if self.gain_below is None or advice is None or budget is not None:
             return None
         stop = at_stop(advice, self.gain_below)
-        return stop if stop["fraction"] < 1 else None
+        return stop if stop is not None and stop["fraction"] < 1 else None
 
     def paused(self, result: UpgradeResult, stop: dict | None) -> tuple[UpgradeResult, str]:
         """The result and the line of a backfill that stopped before its last chunk."""
@@ -270,7 +271,7 @@ class UpgradeDecider:
 
 def up_to_date(model: ModelRef, num_items: int) -> UpgradeResult:
     """The result of an upgrade with nothing to do."""
-    return UpgradeResult(state=UP_TO_DATE, model=model.uri, items=num_items, items_done=num_items, fraction=1.0,
+    return UpgradeResult(state="up-to-date", model=model.uri, items=num_items, items_done=num_items, fraction=1.0,
                          complete=True)
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
-from fastfill.components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 from fastfill.components.gallery.store import Store
+from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
+from fastfill.components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 
 
 def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = None) -> dict:
@@ -93,7 +93,10 @@ def write_decision(store: Store, plan: Plan, *, passed: bool, reasons: list[str]
 
 def mark_registry_recorded(store: Store, upgrade: str) -> dict:
     """Step 3 done: the registry holds the decision (tags, and champion when it passed)."""
-    record = {**decision(store, upgrade), "registry_recorded": now()}
+    recorded = decision(store, upgrade)
+    if recorded is None:
+        raise GalleryError(f"upgrade {upgrade} has no decision.json in {store.uri}: nothing to mark recorded")
+    record = {**recorded, "registry_recorded": now()}
     store.put_json(upgrade_key(upgrade, DECISION), record)
     return record
 

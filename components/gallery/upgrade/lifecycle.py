@@ -8,6 +8,7 @@ start, what has landed, whether it is complete). Which step comes next is
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
@@ -114,7 +115,8 @@ def registered_map_order(tags: dict, order: str) -> tuple[str, str | None]:
     return order, None
 
 
-def check_map_fits(alignment_map, map_uri: str, order: str, old_dim: int, new_dim: int, new_uri: str) -> None:
+def check_map_fits(alignment_map, map_uri: str, order: str, old_dim: int | None, new_dim: int | None,
+                   new_uri: str) -> None:
     """Raise GalleryError if the map cannot serve this upgrade: an order that needs sigma (sigma,
     usage_sigma) without an uncertainty head, or dimensions other than the gallery's and the new
     model's."""
@@ -204,7 +206,7 @@ class Backfill:
             chosen.append(chunk)
         return chosen
 
-    def landed(self, chunk: int, count: int, failed: list[dict] = ()) -> None:
+    def landed(self, chunk: int, count: int, failed: Sequence[dict] = ()) -> None:
         """A chunk is done; ``failed`` lists its items whose image could not be read. Past
         ``max_failed_images`` of them, nothing new starts and the failure says why."""
         self.in_flight.discard(chunk)

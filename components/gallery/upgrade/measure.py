@@ -62,5 +62,6 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
                           transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance,
                           eval_ranks(store, plan, positions))
     for chunk in done:
-        meter.land(*plan.chunk_bounds(chunk), chunk_features(store, plan.id, chunk))
+        start, stop = plan.chunk_bounds(chunk)
+        meter.land(start, stop, chunk_features(store, plan.id, chunk))
     return meter

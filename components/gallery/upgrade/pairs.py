@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
 from fastfill.components.experiment.adapters import fit_metric_compatible
 from fastfill.components.gallery.upgrade.pseudo_classes import class_count, cluster, cluster_classes
 

@@ -105,7 +105,7 @@ def reverse_key(upgrade: str) -> str:
 def write_reverse(store: Store, upgrade: str, adapter) -> None:
     """Keep the upgrade's reverse transformation (``adapters.adapter_arrays``: arrays, no pickle)."""
     buffer = io.BytesIO()
-    np.savez(buffer, **adapter_arrays(adapter))
+    np.savez(buffer, **adapter_arrays(adapter))  # type: ignore[arg-type]  # numpy's stubs: keyword arrays
     store.put(reverse_key(upgrade), buffer.getvalue())
 
 
@@ -212,7 +212,8 @@ def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | No
     cuts = sorted({int(c) for c in cuts if 0 < int(c) < num_items})
     if not cuts:
         return None
-    edges, start = [], 0
+    edges: list[int] = []
+    start = 0
     for stop in [*cuts, num_items]:
         edges.extend(range(start, stop, chunk_size))
         start = stop
@@ -239,7 +240,7 @@ def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, 
                    sequential: bool = False) -> int:
     """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
     features, see write_sources); returns the part's item count."""
-    from fastfill.components.experiment.inference import apply_alignment  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.experiment.inference import apply_alignment
 
     old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
@@ -254,7 +255,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np
     """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
     (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
     (default: ``usage.usage_weights`` of the gallery's items table)."""
-    from fastfill.components.gallery.upgrade import usage  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.gallery.upgrade import usage
 
     if kind == "random":
         return usage.backfill_order(kind, gallery.num_items, seed)
@@ -273,7 +274,7 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     upgrade: from here on queries use the new model against the mixed gallery. Needs the
     transformed parts written first."""
     store = gallery.store
-    from fastfill.components.evaluation.ordering import check_permutation  # late: keeps the CLI's and the services' start-up light
+    from fastfill.components.evaluation.ordering import check_permutation
 
     try:
         order = check_permutation(order, plan.num_items)
@@ -281,6 +282,7 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
         raise GalleryError(f"the order of {plan.id}: {error}") from None
     store.put_array(upgrade_key(plan.id, ORDER), order.astype(np.int64))
     if eval_positions is not None and len(eval_positions) >= 2:
+        assert eval_queries is not None  # the sample's positions come with their queries
         store.put_array(eval_positions_key(plan.id), eval_positions)
         store.put_array(eval_queries_key(plan.id), eval_queries)
         if eval_ranks is not None:
@@ -297,7 +299,7 @@ def eval_sample(labels: np.ndarray | None, size: int | None, seed: int, num_item
     of the ``num_items`` items (the label-free prediction's), or none when that is not given."""
     if size == 0 or (labels is None and not num_items):
         return np.zeros(0, dtype=np.int64)
-    n = len(labels) if labels is not None else int(num_items)
+    n = len(labels) if labels is not None else int(num_items or 0)
     if size is None or size >= n:
         return np.arange(n, dtype=np.int64)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)).astype(np.int64)

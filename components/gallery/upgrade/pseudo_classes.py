@@ -47,7 +47,7 @@ def fit_head(new_features: np.ndarray, rows: np.ndarray, k: int, seed: int):
         head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * 0.01)
     x = torch.from_numpy(np.ascontiguousarray(new_features, dtype=np.float32))
     y = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-    from fastfill.components.experiment.optimizers import ExactAdam  # late: torch loads when a command needs it
+    from fastfill.components.experiment.optimizers import ExactAdam
     optimiser = ExactAdam(head.parameters(), lr=1e-2)
     for _ in range(HEAD_STEPS):
         optimiser.zero_grad()

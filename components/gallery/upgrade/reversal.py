@@ -17,11 +17,19 @@ again); a rollback whose registry step did not happen is completed by the next r
 
 from __future__ import annotations
 
-from fastfill.components.gallery.upgrade.backfill import done_chunks
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
-from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
-from fastfill.components.gallery.upgrade.planning import FINISHED, REJECTED, Plan, load_plan, plan_key, upgrade_key, upgrade_record
 from fastfill.components.gallery.store import Store
+from fastfill.components.gallery.upgrade.backfill import done_chunks
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
+from fastfill.components.gallery.upgrade.planning import (
+    FINISHED,
+    REJECTED,
+    Plan,
+    load_plan,
+    plan_key,
+    upgrade_key,
+    upgrade_record,
+)
 
 ABORTED, ROLLED_BACK = "aborted.json", "rolled-back.json"
 ROLLBACK = "rollback"  # the ``by`` of a manifest history entry written by a rollback
@@ -66,8 +74,9 @@ def _last_ended(gallery: Gallery, manifest: dict) -> tuple[str, str, dict] | Non
     for key in gallery.store.list("upgrades/"):
         if key.endswith("/" + REJECTED):
             upgrade = key.split("/")[1]
-            record = rejection(gallery.store, upgrade)
-            found.append((record.get("rejected", ""), upgrade, "rejected", record))
+            rejected = rejection(gallery.store, upgrade)
+            if rejected is not None:
+                found.append((rejected.get("rejected", ""), upgrade, "rejected", rejected))
     if not found:
         return None
     _, upgrade, how, record = max(found, key=lambda entry: entry[0])
@@ -254,6 +263,9 @@ def interrupted_rollback(gallery: Gallery) -> dict | None:
 
 
 def mark_rollback_recorded(store: Store, upgrade: str) -> dict:
-    record = {**rolled_back(store, upgrade), "registry_recorded": now()}
+    recorded = rolled_back(store, upgrade)
+    if recorded is None:
+        raise GalleryError(f"upgrade {upgrade} has no rollback record in {store.uri}: nothing to mark recorded")
+    record = {**recorded, "registry_recorded": now()}
     store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
     return record

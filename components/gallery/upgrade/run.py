@@ -26,12 +26,31 @@ from typing import Any, Protocol
 
 from fastfill.components.gallery.advice.advisor import at_stop, describe
 from fastfill.components.gallery.layouts.catalog import GalleryError
-from fastfill.components.gallery.upgrade.decider import (ENDED, REFUSE, RESUME, UP_TO_DATE, Course, GalleryView,
-                                                         UpgradeDecider, up_to_date)
-from fastfill.components.gallery.upgrade.lifecycle import (TRUTH_JUDGMENTS, Backfill, budget_items, cut_for_limit,
-                                                           failure_limit)
-from fastfill.components.gallery.upgrade.outcome import (Advice, BackfillSummary, GateDecision, Promotion, UpgradeResult,
-                                                         backfilled)
+from fastfill.components.gallery.upgrade.decider import (
+    ENDED,
+    REFUSE,
+    RESUME,
+    UP_TO_DATE,
+    Course,
+    GalleryView,
+    UpgradeDecider,
+    up_to_date,
+)
+from fastfill.components.gallery.upgrade.lifecycle import (
+    TRUTH_JUDGMENTS,
+    Backfill,
+    budget_items,
+    cut_for_limit,
+    failure_limit,
+)
+from fastfill.components.gallery.upgrade.outcome import (
+    Advice,
+    BackfillSummary,
+    GateDecision,
+    Promotion,
+    UpgradeResult,
+    backfilled,
+)
 from fastfill.components.gallery.upgrade.planning import Plan, upgrade_id
 from fastfill.components.platform.registry import ModelRef
 
@@ -218,12 +237,14 @@ class UpgradeRun:
             completed = UpgradeResult(**_ended_fields(decision), items=n, items_done=n, fraction=1.0, complete=True,
                                       resumed_ending=True, decision=decision, mlflow_run_id=plan.mlflow_run_id)
         if course.start_over:
+            assert course.upgrade is not None  # the course names the upgrade it starts over
             self.ports.writes.start_over(course.upgrade)
         return completed
 
     def _resume(self, course: Course) -> Plan:
         """The upgrade's plan, made before; the gallery pointed at it again if a crash came between
         the plan and that switch."""
+        assert course.upgrade is not None  # a course that resumes names its upgrade
         if course.point_manifest:
             self.ports.writes.point_manifest(course.upgrade)
         return self.view.plan(course.upgrade)

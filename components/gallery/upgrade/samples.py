@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
+from fastfill.components.experiment.map_check import is_reference
+from fastfill.components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 from fastfill.components.gallery.inputs.images import read_images, readable
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
 from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
 from fastfill.components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
 from fastfill.components.gallery.upgrade.planning import eval_sample
 from fastfill.components.platform.registry import ModelRef, find_alignment
-from fastfill.components.experiment.map_check import is_reference
-from fastfill.components.experiment.map_validation import MIN_TRAINING_PAIRS, MIN_VALIDATION_PAIRS
 
 Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
 
@@ -137,7 +137,8 @@ def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *,
     gallery item's new features are embedded from its image (``item_images(positions)``, unless
     ``embedded`` has them; they join it) and its champion features are the stored ones
     (``item_features(positions)``); an image query (``uri_images(uris, side)``, side ``new`` or
-    ``champion``: each model's preprocessing) is embedded by both models. Unreadable query images are refused, naming ``source`` (the judgments file)."""
+    ``champion``: each model's preprocessing) is embedded by both models. Unreadable query images
+    are refused, naming ``source`` (the judgments file)."""
     embedded = {} if embedded is None else embedded
     items = judged.query_positions[judged.query_positions >= 0]
     missing = np.array([p for p in items.tolist() if p not in embedded], dtype=np.int64)
@@ -146,7 +147,8 @@ def judged_features(judged, embed: Embed, embed_champion: Embed, source: str, *,
         _refuse_unreadable(failures, source)
         embedded.update(zip(missing.tolist(), embed(images)))
     inside, outside = np.flatnonzero(judged.query_positions >= 0), judged.image_queries
-    new_rows, old_rows = {}, {}
+    new_rows: dict[int, np.ndarray] = {}
+    old_rows: dict[int, np.ndarray] = {}
     if len(inside):
         new_rows.update(zip(inside.tolist(), (embedded[int(p)] for p in judged.query_positions[inside])))
         old_rows.update(zip(inside.tolist(), item_features(judged.query_positions[inside])))

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastfill.components.gallery.advice.advisor import stored_advice
-from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
 from fastfill.components.gallery.layouts.catalog import Gallery, ModelRef
-from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision
+from fastfill.components.gallery.store import ObjectMissing
 from fastfill.components.gallery.store.lock import LOCK, lease_expired
+from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
+from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision
 from fastfill.components.gallery.upgrade.planning import load_plan
 from fastfill.components.gallery.upgrade.reversal import aborted, interrupted_rollback
-from fastfill.components.gallery.store import ObjectMissing
 
 FAILED_SHOWN = 20  # failed images listed by status (finished.json keeps them all)
 
@@ -175,7 +175,7 @@ def served_index(gallery: Gallery, upgrade: str | None) -> dict:
     """What the team's index serves (a layout that serves queries): where, the view, its model,
     and whether it is what the manifest says (a switch a killed run left is completed by the
     next `fastfill upgrade`)."""
-    index = gallery.index
+    index = gallery.index  # type: ignore[attr-defined]  # the layouts that serve queries have one
     serving = index.serving() or {}
     plan = load_plan(gallery.store, upgrade) if upgrade else None
     expected = plan.new.uri if plan is not None else gallery.model.uri

@@ -21,10 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.evaluation.ordering import (
+    check_weights,
+    expected_gain_order,
+    random_order,
+    sigma_order,
+    usage_order,
+)
 from fastfill.components.gallery.inputs.table_files import TableFile
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
 from fastfill.components.platform.vocabulary import GALLERY_ORDERS
-from fastfill.components.evaluation.ordering import check_weights, expected_gain_order, random_order, sigma_order, usage_order
 
 WEIGHT = "weight"  # the items table's usage column
 LOG_COLUMNS = ("query", "hit")
@@ -136,10 +142,14 @@ def backfill_order(kind: str, num_items: int, seed: int, log_sigma2: np.ndarray 
                            "has none: use order random" + (" or usage" if kind == "usage_sigma" else "")
                            + ", or a map trained with uncertainty: true")
     if kind == "sigma":
+        assert log_sigma2 is not None  # refused above without it
         return sigma_order(log_sigma2)
     if weights is None:
         raise GalleryError(f"the {kind} order needs per-item usage weights (components.gallery.upgrade.usage.usage_weights)")
     weights = checked_weights(weights, f"the {kind} order")
     if len(weights) != num_items:
         raise GalleryError(f"the {kind} order: {len(weights)} usage weights for {num_items} items")
-    return usage_order(weights, log_sigma2) if kind == "usage" else expected_gain_order(weights, log_sigma2)
+    if kind == "usage":
+        return usage_order(weights, log_sigma2)
+    assert log_sigma2 is not None  # refused above without it
+    return expected_gain_order(weights, log_sigma2)
