@@ -34,6 +34,8 @@ the same way: at 0% it is the reverse-transformed queries against the whole old 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -189,6 +191,16 @@ def compare_ways(target: float, predictions: dict[str, dict]) -> dict:
     return {"target_top1": target, "ways": ways, "best": None if best is None else best["way"], "line": line}
 
 
+class _Ways(NamedTuple):
+    """How each way predicts on one truth (judged queries or labels): ``map_of(S through a map,
+    its transformed_parts)`` gives that map's ``ranks -> prediction``; ``shadow`` and ``online``
+    (None without a reverse transformation) take S's places in the backfill."""
+
+    map_of: Callable
+    shadow: Callable
+    online: Callable | None
+
+
 def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: np.ndarray, queries: np.ndarray,
                    old_side: np.ndarray, sample_transformed: np.ndarray, transformed_parts,
                    log_sigma2: np.ndarray | None, weights: np.ndarray | None, seed: int, distance: str = "l2",
@@ -208,77 +220,113 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
         return {"target_top1": target, "note": "the comparison of ways needs judged queries (--judgments) or the "
                 "gallery's labels; this gallery has neither"}
     positions = np.asarray(positions, dtype=np.int64)
-    full = len(positions) == gallery.num_items  # S is the gallery: nothing to scale
-    num_items = gallery.num_items
     gain = float(reverse.new_scale) ** 2 if reverse is not None and distance == "l2" else 1.0
-
-    def old_parts():
-        return ((gallery.part_bounds(part)[0], gallery.features(gallery.model, part))
-                for part in range(gallery.num_parts))
-
     if judged is not None:  # judged queries first, as the gate and the prediction take them
-        judgments, query_new, query_old = judged
-        usable = len(judgments.in_sample(positions)[0])
+        usable = len(judged[0].in_sample(positions)[0])
         if usable < 2:  # before any pass over the gallery: every way would leave these queries out
             return {"target_top1": target, "note": "the comparison of ways needs at least 2 judged queries with a "
                     f"relevant item in the evaluation sample ({len(positions)} items), and {usable} have one; raise "
                     "gallery.upgrade.eval_queries or judge more items"}
-
-        def map_way_of(sample_t, parts):
-            anchor = judged_anchor(query_new, judgments, parts(), distance)
-            return lambda ranks: predict_judged(query_new, judgments, positions, queries, sample_t, ranks, num_items,
-                                                anchor, distance=distance)
-
-        anchor_old = judged_anchor(query_old, judgments, old_parts(), distance)
-
-        def shadow_way(ranks):
-            return shadow_top1_judged(query_old, query_new, judgments, positions, old_side, queries, ranks,
-                                      num_items, anchor_old, distance=distance)
-
-        if reverse is not None:
-            twins = reverse(query_new)
-            anchor_twins = judged_anchor(twins, judgments, old_parts(), distance)
-
-            def online_way(ranks):
-                return shadow_top1_judged(twins, query_new, judgments, positions, old_side, queries, ranks,
-                                          num_items, anchor_twins, distance=distance, gain=gain)
+        ways = _judged_ways(gallery, judged, positions, queries, old_side, reverse, gain, distance)
     else:
-        def map_way_of(sample_t, parts):
-            anchor = NearestLabel(queries, positions, labels, distance)
-            for start, rows in parts():
-                anchor.add(start, rows)
-            hits = None if full else anchor.hits()
-            return lambda ranks: predict(queries, sample_t, labels[positions], ranks, num_items, hits,
-                                         distance=distance)
+        ways = _labeled_ways(gallery, labels, positions, queries, old_side, reverse, gain, distance)
+    predictions = _predictions(ways, gallery.num_items, positions, prefilled, sample_transformed, transformed_parts,
+                               log_sigma2, weights, seed, other_maps)
+    result = compare_ways(target, predictions)
+    first = next(iter(predictions.values()))
+    truth = (f"{first['queries']} judged queries against {len(positions)} sampled items" if judged is not None
+             else f"the labels of {len(positions)} sampled items")
+    return {**result, "line": f"{result['line']} (on {truth})",
+            "truth": "judgments" if judged is not None else "labels"}
 
-        def anchored(features):
-            anchor = NearestLabel(features, positions, labels, distance)
-            for start, rows in old_parts():
-                anchor.add(start, rows)
-            return None if full else anchor.hits()
 
-        anchor_old = anchored(old_side)
+def _old_parts(gallery):
+    """The gallery's stored old-model features, as ``(first item, rows)`` parts."""
+    return ((gallery.part_bounds(part)[0], gallery.features(gallery.model, part)) for part in range(gallery.num_parts))
 
-        def shadow_way(ranks):
-            return shadow_top1(old_side, queries, labels[positions], ranks, num_items, anchor_old, distance=distance)
 
-        if reverse is not None:
-            twins = reverse(queries)
-            anchor_twins = anchored(twins)
+def _judged_ways(gallery, judged: tuple, positions: np.ndarray, queries: np.ndarray, old_side: np.ndarray, reverse,
+                 gain: float, distance: str) -> _Ways:
+    """The ways predicted on the judged queries (``advisor.predict_judged``, ``shadow_top1_judged``)."""
+    judgments, query_new, query_old = judged
+    num_items = gallery.num_items
 
-            def online_way(ranks):
-                return online_top1(old_side, queries, twins, labels[positions], ranks, num_items, anchor_twins,
-                                   gain=gain, distance=distance)
+    def map_of(sample_t, parts):
+        anchor = judged_anchor(query_new, judgments, parts(), distance)
+        return lambda ranks: predict_judged(query_new, judgments, positions, queries, sample_t, ranks, num_items,
+                                            anchor, distance=distance)
+
+    anchor_old = judged_anchor(query_old, judgments, _old_parts(gallery), distance)
+
+    def shadow(ranks):
+        return shadow_top1_judged(query_old, query_new, judgments, positions, old_side, queries, ranks,
+                                  num_items, anchor_old, distance=distance)
+
+    if reverse is None:
+        return _Ways(map_of, shadow, None)
+    twins = reverse(query_new)
+    anchor_twins = judged_anchor(twins, judgments, _old_parts(gallery), distance)
+
+    def online(ranks):
+        return shadow_top1_judged(twins, query_new, judgments, positions, old_side, queries, ranks,
+                                  num_items, anchor_twins, distance=distance, gain=gain)
+
+    return _Ways(map_of, shadow, online)
+
+
+def _labeled_ways(gallery, labels: np.ndarray, positions: np.ndarray, queries: np.ndarray, old_side: np.ndarray,
+                  reverse, gain: float, distance: str) -> _Ways:
+    """The ways predicted on the gallery's labels (``advisor.predict``, ``shadow_top1``,
+    ``online_top1``), scaled to the whole gallery unless S is the gallery."""
+    num_items = gallery.num_items
+    full = len(positions) == num_items  # S is the gallery: nothing to scale
+
+    def map_of(sample_t, parts):
+        anchor = NearestLabel(queries, positions, labels, distance)
+        for start, rows in parts():
+            anchor.add(start, rows)
+        hits = None if full else anchor.hits()
+        return lambda ranks: predict(queries, sample_t, labels[positions], ranks, num_items, hits,
+                                     distance=distance)
+
+    def anchored(features):
+        anchor = NearestLabel(features, positions, labels, distance)
+        for start, rows in _old_parts(gallery):
+            anchor.add(start, rows)
+        return None if full else anchor.hits()
+
+    anchor_old = anchored(old_side)
+
+    def shadow(ranks):
+        return shadow_top1(old_side, queries, labels[positions], ranks, num_items, anchor_old, distance=distance)
+
+    if reverse is None:
+        return _Ways(map_of, shadow, None)
+    twins = reverse(queries)
+    anchor_twins = anchored(twins)
+
+    def online(ranks):
+        return online_top1(old_side, queries, twins, labels[positions], ranks, num_items, anchor_twins,
+                           gain=gain, distance=distance)
+
+    return _Ways(map_of, shadow, online)
+
+
+def _predictions(ways: _Ways, num_items: int, positions: np.ndarray, prefilled: np.ndarray,
+                 sample_transformed: np.ndarray, transformed_parts, log_sigma2: np.ndarray | None,
+                 weights: np.ndarray | None, seed: int, other_maps: dict | None) -> dict[str, dict]:
+    """Each way's predicted curve in each order it allows, by name, in the order ``compare_ways``
+    breaks ties by: the map's, the other maps', the shadow index's and online backfilling's."""
     kinds = [kind for kind, needs in (("sigma", log_sigma2), ("usage_sigma", weights if log_sigma2 is not None
                                                                                        else None),
                                       ("usage", weights), ("random", True)) if needs is not None]
     predictions = {}
-    map_way = map_way_of(sample_transformed, transformed_parts)
+    map_way = ways.map_of(sample_transformed, transformed_parts)
     for kind in kinds:
         order = backfill_order(kind, num_items, seed, log_sigma2, weights)
         predictions[f"map, {kind} order"] = map_way(stand_in_ranks(order, prefilled, positions, seed))
     for name, (sample_t, parts) in (other_maps or {}).items():
-        other_way = map_way_of(sample_t, parts)
+        other_way = ways.map_of(sample_t, parts)
         for kind in [kind for kind, needs in (("usage", weights), ("random", True)) if needs is not None]:
             order = backfill_order(kind, num_items, seed, None, weights)
             predictions[f"{name}, {kind} order"] = other_way(stand_in_ranks(order, prefilled, positions, seed))
@@ -287,12 +335,7 @@ def ways_to_target(target: float, gallery, *, positions: np.ndarray, prefilled: 
     for kind in shadow_kinds:  # a team without a map breaks the usage order's ties by id, not by sigma
         order = backfill_order(kind, num_items, seed, log_sigma2 if kind == "sigma" else None, weights)
         # no map, nothing embedded before the backfill: S's own places
-        predictions[f"shadow index (rrf), {kind} order"] = shadow_way(ranks_of(order, positions))
-        if reverse is not None:
-            predictions[f"online backfilling (metric-compatible), {kind} order"] = online_way(ranks_of(order, positions))
-    result = compare_ways(target, predictions)
-    first = next(iter(predictions.values()))
-    truth = (f"{first['queries']} judged queries against {len(positions)} sampled items" if judged is not None
-             else f"the labels of {len(positions)} sampled items")
-    return {**result, "line": f"{result['line']} (on {truth})",
-            "truth": "judgments" if judged is not None else "labels"}
+        predictions[f"shadow index (rrf), {kind} order"] = ways.shadow(ranks_of(order, positions))
+        if ways.online is not None:
+            predictions[f"online backfilling (metric-compatible), {kind} order"] = ways.online(ranks_of(order, positions))
+    return predictions
