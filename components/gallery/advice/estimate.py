@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -158,32 +159,19 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     random), then the search). Otherwise a note saying when the prediction appears."""
 
     config = params.gallery.upgrade
-    gain_below = config.stop_when_gain_below
     if resumes:
-        stored = advisor.stored_advice(gallery.store, resumes)
+        stored = _stored_prediction(gallery, resumes, config.stop_when_gain_below, target_top1)
         if stored is not None:
-            target = None if target_top1 is None else {
-                "target_top1": target_top1, "note": f"the ways are compared before an upgrade starts; {resumes} is "
-                "under way in its own order (its predicted curve is above)"}
-            return {**stored, "recommendation": advisor.at_stop(stored, gain_below), "target": target}
+            return stored
     labels = gallery.labels()
-    if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
-        return {"note": "no prediction: the upgrade would be refused before planning: "
-                        + no_truth_refusal(gallery.store.uri)}
-    if config.eval_queries == 0:
-        return {"note": "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"}
-    if sequential:
-        return {"note": "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"}
+    note = _before_planning(params, gallery, labels, sequential)
+    if note is not None:
+        return {"note": note}
     source, pairs = pairs_source(config, gallery.store.uri), pairs_description(config, gallery.num_items)
     chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, map_order(config.order), source)
-    if chosen is None:
-        return {"note": f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
-                        f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
-                        "predicted curve"}
-    if params.upgrade_map.check != "off" and needs_check(chosen.tags, source, config.recheck):
-        return {"note": f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
-                        f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
-                        "status` then shows the predicted curve"}
+    note = _map_not_ready(params, gallery, new, chosen, source, pairs)
+    if note is not None:
+        return {"note": note}
     order_kind = order_after_map(config.order, registered_map_order(chosen.tags, map_order(config.order))[0])
     weights = None
     if order_kind in USAGE_ORDERS:  # before any embedding: the usage orders need the items' weights
@@ -192,6 +180,70 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
         except GalleryError as error:
             return {"note": f"no prediction: {error}"}
     alignment_map = load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
+    sample = _embedded_sample(gallery, config, model)
+    transformed = _through_map(gallery, alignment_map)
+    sigma = None
+    if order_kind != "random":
+        sigma = _map_sigma(gallery, transformed)
+        if sigma is None and order_kind != "usage":
+            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
+                            f"for the {order_kind} order; use --order random"
+                            + (" or usage" if order_kind == "usage_sigma" else "")}
+    prediction = _map_prediction(params, gallery, model, alignment_map, sample, transformed, order_kind, sigma,
+                                 weights, labels, target_top1)
+    return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+
+
+def _stored_prediction(gallery: Gallery, resumes: str, gain_below: float, target_top1: float | None) -> dict | None:
+    """The prediction stored by the upgrade under way (None when it stored none)."""
+    stored = advisor.stored_advice(gallery.store, resumes)
+    if stored is None:
+        return None
+    target = None if target_top1 is None else {
+        "target_top1": target_top1, "note": f"the ways are compared before an upgrade starts; {resumes} is "
+        "under way in its own order (its predicted curve is above)"}
+    return {**stored, "recommendation": advisor.at_stop(stored, gain_below), "target": target}
+
+
+def _before_planning(params, gallery: Gallery, labels, sequential: bool) -> str | None:
+    """Why nothing can be predicted whatever the registry holds (None: it can be)."""
+    config = params.gallery.upgrade
+    if truth_of(labels is not None, config.judgments) == TRUTH_NONE and params.promotion.gate:
+        return "no prediction: the upgrade would be refused before planning: " + no_truth_refusal(gallery.store.uri)
+    if config.eval_queries == 0:
+        return "no prediction: gallery.upgrade.eval_queries is 0, so there is no evaluation sample"
+    if sequential:
+        return "no prediction before a sequential upgrade is planned; `fastfill upgrade status` shows it then"
+    return None
+
+
+def _map_not_ready(params, gallery: Gallery, new, chosen, source: str, pairs: str) -> str | None:
+    """Why the registry's map cannot predict yet: there is none, or it has not passed its check
+    on the map's pairs (None: it is ready)."""
+    if chosen is None:
+        return (f"no prediction yet: the registry has no map from {gallery.model.uri} to {new.uri}; the upgrade "
+                f"trains one when it plans (on {pairs}), and `fastfill upgrade status` then shows the "
+                "predicted curve")
+    if params.upgrade_map.check != "off" and needs_check(chosen.tags, source, params.gallery.upgrade.recheck):
+        return (f"no prediction yet: the registry's map (version {chosen.version}) has not passed its check on "
+                f"{source}; the upgrade checks it first (on {pairs}) and may replace it, and `fastfill upgrade "
+                "status` then shows the predicted curve")
+    return None
+
+
+class _Sample(NamedTuple):
+    """The evaluation sample as planning embeds it: its positions, their new-model features, the
+    judged queries (judgments, new-model and champion features; None without), and what
+    planning embeds and backfills first."""
+
+    positions: np.ndarray
+    queries: np.ndarray
+    judged: tuple | None
+    prefilled: np.ndarray
+
+
+def _embedded_sample(gallery: Gallery, config, model) -> _Sample:
+    """The evaluation sample's readable items and the judged queries, embedded with ``model``."""
 
     def embed_new(images, label=None):
         return embed(model, images, batch_size=config.batch_size, precision=config.precision)
@@ -214,8 +266,13 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     prefilled = positions  # what planning embeds and backfills first: the sample, and the judged query items
     if judged is not None:
         prefilled = np.union1d(positions, judged[0].query_positions[judged[0].query_positions >= 0])
+    return _Sample(positions, queries, judged, prefilled)
 
-    kept: dict[int, tuple] = {}  # parts through the map, while they fit in KEEP_TRANSFORMED bytes
+
+def _through_map(gallery: Gallery, alignment_map):
+    """``transformed(part)``: the part's stored features through the map (transformed, sigma),
+    kept in memory while the parts fit in KEEP_TRANSFORMED bytes."""
+    kept: dict[int, tuple] = {}
 
     def transformed(part: int):  # the order, the prediction and the target each read every part
         if part not in kept:
@@ -225,17 +282,24 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
             kept[part] = result
         return kept[part]
 
-    sigma = None
-    if order_kind != "random":
-        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
-        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
-        if sigma is None and order_kind != "usage":
-            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
-                            f"for the {order_kind} order; use --order random"
-                            + (" or usage" if order_kind == "usage_sigma" else "")}
+    return transformed
+
+
+def _map_sigma(gallery: Gallery, transformed) -> np.ndarray | None:
+    """The whole gallery's log sigma^2 through the map (None: the map has no uncertainty head)."""
+    parts = [transformed(p)[1] for p in range(gallery.num_parts)]
+    return None if any(s is None for s in parts) else np.concatenate(parts)
+
+
+def _map_prediction(params, gallery: Gallery, model, alignment_map, sample: _Sample, transformed, order_kind: str,
+                    sigma, weights, labels, target_top1: float | None) -> dict:
+    """The advisor's curve in the upgrade's order, the ways to ``target_top1`` when asked, and the
+    gate's predicted decision."""
+    config = params.gallery.upgrade
+    positions, queries, judged = sample.positions, sample.queries, sample.judged
     order = backfill_order(order_kind, gallery.num_items, config.seed, sigma, weights)
     # the evaluation sample is embedded while planning and backfilled first: its stand-in places
-    ranks = stand_in_ranks(order, prefilled, positions, config.seed)
+    ranks = stand_in_ranks(order, sample.prefilled, positions, config.seed)
     old_side = gallery.features_at(gallery.model, positions)
     sample_transformed = apply_alignment(alignment_map, old_side)[0]
 
@@ -245,16 +309,16 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     prediction = advisor.predict_upgrade(
         positions, queries, sample_transformed, ranks, gallery.num_items, transformed_parts, order,
         labels=labels, judged=None if judged is None else judged[:2], distance=params.gallery.distance,
-        gain_below=gain_below)
+        gain_below=config.stop_when_gain_below)
     if target_top1 is not None:
         reverse, other_maps = _later_ways(params, gallery, model, dict(zip(positions.tolist(), queries)), old_side,
                                           positions)
-        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, prefilled, queries, old_side,
-                                               sample_transformed, transformed, transformed_parts, sigma, weights,
-                                               params.gallery.distance, judged, reverse, other_maps)
+        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, sample.prefilled, queries,
+                                               old_side, sample_transformed, transformed, transformed_parts, sigma,
+                                               weights, params.gallery.distance, judged, reverse, other_maps)
     prediction["gate"] = _gate_prediction(params, labels, positions, old_side, queries, sample_transformed, ranks,
                                           judged is not None)
-    return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+    return prediction
 
 
 def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray, queries: np.ndarray,
@@ -325,8 +389,7 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
     map has an uncertainty head, the usage orders' when the items have weights."""
 
     if sigma is None:
-        parts = [transformed(p)[1] for p in range(gallery.num_parts)]
-        sigma = None if any(s is None for s in parts) else np.concatenate(parts)
+        sigma = _map_sigma(gallery, transformed)
     if weights is None:
         try:
             weights = usage_weights(gallery, config.usage_log).weights
