@@ -52,27 +52,11 @@ def _negatives_before(queries: np.ndarray, first: np.ndarray, rest: np.ndarray, 
     n, count = len(order), len(judgments)
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
-    owner = np.repeat(np.arange(count), [len(r) for r in judgments.relevant])
     items = np.concatenate(judgments.relevant)
     item_rank = rank[items]
     pairs = len(items)
-    starts = np.concatenate([[0], np.cumsum([len(r) for r in judgments.relevant])])
-
-    # each pair's distance with its item on either side
-    thresholds = np.empty((pairs, 2), dtype=np.float32)
-    for q in range(count):
-        span = slice(starts[q], starts[q + 1])
-        thresholds[span, 0] = pairwise_distances(queries[q:q + 1], first[items[span]], distance)[0]
-        thresholds[span, 1] = (thresholds[span, 0] if rest is first else
-                               pairwise_distances(queries[q:q + 1], rest[items[span]], distance)[0])
-    per_query = [thresholds[starts[q]:starts[q + 1]].ravel() for q in range(count)]
-
-    # entries set to +inf in a block: every (query, relevant item) and (query, itself), by rank
-    own = judgments.query_positions
-    hide_q = np.concatenate([owner, np.flatnonzero(own >= 0)])
-    hide_rank = np.concatenate([item_rank, rank[own[own >= 0]]])
-    by_rank = np.argsort(hide_rank, kind="stable")
-    hide_q, hide_rank = hide_q[by_rank], hide_rank[by_rank]
+    per_query = _pair_thresholds(queries, first, rest, judgments, items, distance)
+    hide_q, hide_rank = _hidden_entries(judgments, rank, item_rank)
 
     width = max(256, block_bytes // (4 * max(1, count)))
     edges = np.unique(np.concatenate([np.arange(0, n, width), cuts, [n]]).astype(np.int64))
@@ -105,6 +89,32 @@ def _negatives_before(queries: np.ndarray, first: np.ndarray, rest: np.ndarray, 
         snapshot(int(stop))
     total = running[1][pair_index[None, :], (item_rank[None, :] >= np.asarray(cuts)[:, None]).astype(np.int64)]
     return snapshots[0] + total - snapshots[1]
+
+
+def _pair_thresholds(queries: np.ndarray, first: np.ndarray, rest: np.ndarray, judgments: Judgments,
+                     items: np.ndarray, distance: str) -> list[np.ndarray]:
+    """Per query, each of its judged pairs' distance with the item on either side, flattened
+    (pair 0 on ``first``, pair 0 on ``rest``, pair 1 on ``first``, ...)."""
+    count = len(judgments)
+    starts = np.concatenate([[0], np.cumsum([len(r) for r in judgments.relevant])])
+    thresholds = np.empty((len(items), 2), dtype=np.float32)
+    for q in range(count):
+        span = slice(starts[q], starts[q + 1])
+        thresholds[span, 0] = pairwise_distances(queries[q:q + 1], first[items[span]], distance)[0]
+        thresholds[span, 1] = (thresholds[span, 0] if rest is first else
+                               pairwise_distances(queries[q:q + 1], rest[items[span]], distance)[0])
+    return [thresholds[starts[q]:starts[q + 1]].ravel() for q in range(count)]
+
+
+def _hidden_entries(judgments: Judgments, rank: np.ndarray, item_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The entries a block's distances set to +inf, every (query, relevant item) and (query,
+    itself), as (query, the item's rank in the backfill order), sorted by rank."""
+    owner = np.repeat(np.arange(len(judgments)), [len(r) for r in judgments.relevant])
+    own = judgments.query_positions
+    hide_q = np.concatenate([owner, np.flatnonzero(own >= 0)])
+    hide_rank = np.concatenate([item_rank, rank[own[own >= 0]]])
+    by_rank = np.argsort(hide_rank, kind="stable")
+    return hide_q[by_rank], hide_rank[by_rank]
 
 
 def _scores(before: np.ndarray, judgments: Judgments) -> tuple[np.ndarray, np.ndarray]:
