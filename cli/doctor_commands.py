@@ -398,28 +398,51 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
                                          "decision": json_output.decision_fields(decided), "mlflow_run_id": run_id,
                                          "lines": lines})
 
-    def read():
-        opened = open_store(uri)
-        opened.check()
-        if not opened.exists(MANIFEST):
-            return opened, None, None
-        gallery = gallery_at(opened)  # in the layout its manifest names
-        return opened, gallery_status(gallery, failures=False).as_dict(), _last_decision(opened)  # as its JSON shows it
-
-    where, state, decided = call(read)
+    where, state, decided = call(_read_gallery, uri)
     if state is None:  # no gallery yet: what the registry holds, and how to make one
-        show("gallery", f"no gallery at {where.uri} yet: make one with `fastfill gallery ingest` (images into "
-                        "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
-        try:
-            client, _ = _mlflow_client(config)
-            ok, text = _registry_line(client, config)
-        except Exception as error:  # noqa: BLE001 - reported as one line
-            show("registry", f"unavailable: {_problem(error)}")
-            answered(False)
+        healthy = _show_no_gallery(config, where, show)
+        answered(healthy)
+        if not healthy:
             raise typer.Exit(SERVICE) from None
-        show("registry", text)
-        answered(True)
         return
+    _show_gallery(state, decided, show)
+    run_id = (state.get("upgrade") or {}).get("mlflow_run_id")
+    if run_id is None and decided is not None:
+        plan = load_plan(where, decided["upgrade"])
+        run_id = plan.mlflow_run_id if plan else None
+    healthy = _show_services(config, run_id, decided, where, state, show)
+    answered(healthy, state, decided, run_id)
+    if not healthy:
+        raise typer.Exit(SERVICE)
+
+
+def _read_gallery(uri: str):
+    """(the store, the gallery's status or None without a gallery, its last promotion decision)."""
+    opened = open_store(uri)
+    opened.check()
+    if not opened.exists(MANIFEST):
+        return opened, None, None
+    gallery = gallery_at(opened)  # in the layout its manifest names
+    return opened, gallery_status(gallery, failures=False).as_dict(), _last_decision(opened)  # as its JSON shows it
+
+
+def _show_no_gallery(config, where, show) -> bool:
+    """The lines of a store with no gallery yet: how to make one, and what the registry holds;
+    False when the registry could not be read."""
+    show("gallery", f"no gallery at {where.uri} yet: make one with `fastfill gallery ingest` (images into "
+                    "the store with the champion's features) or `fastfill gallery adopt` (a gallery where it is)")
+    try:
+        client, _ = _mlflow_client(config)
+        ok, text = _registry_line(client, config)
+    except Exception as error:  # noqa: BLE001 - reported as one line
+        show("registry", f"unavailable: {_problem(error)}")
+        return False
+    show("registry", text)
+    return True
+
+
+def _show_gallery(state: dict, decided: dict | None, show) -> None:
+    """The gallery's own lines: its model, the upgrade and its lock, what comes next, the gate."""
     show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
     info = state.get("upgrade")
     if info and info.get("chunks"):
@@ -444,10 +467,11 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
         reasons = "; ".join(decided.get("reasons") or [])
         show("gate", f"{verdict} on {decided['decided']}: {decided['upgrade']}, {_uri(decided['new'])} against "
                      f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
-    run_id = (info or {}).get("mlflow_run_id")
-    if run_id is None and decided is not None:
-        plan = load_plan(where, decided["upgrade"])
-        run_id = plan.mlflow_run_id if plan else None
+
+
+def _show_services(config, run_id: str | None, decided: dict | None, where, state: dict, show) -> bool:
+    """The registry's and the run trackers' lines (MLflow, Prefect); False when one could not be
+    reached (its line says why)."""
     healthy = True
     try:
         for name, text in _mlflow_lines(config, run_id, decided, where, state):
@@ -462,9 +486,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
     except Exception as error:  # noqa: BLE001 - reported as one line
         healthy = False
         show("prefect", f"unavailable: {_problem(error)}")
-    answered(healthy, state, decided, run_id)
-    if not healthy:
-        raise typer.Exit(SERVICE)
+    return healthy
 
 
 def _uri(model: dict) -> str:

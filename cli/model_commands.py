@@ -69,23 +69,9 @@ def model_register(
     The version is an MLflow model holding the weights or graph and the preprocessing, never
     pickled code, with the loader and its requirements: mlflow.pyfunc.load_model and mlflow
     models serve run it, also where this product is not installed."""
-    given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
-             if value is not None]
-    if len(given) != 1:
-        fail("give exactly one source: --onnx FILE, --torchvision NAME --weights FILE, or --mlflow URI"
-             + (f" (got {', '.join(given)})" if given else ""), USAGE)
-    if torchvision is not None and weights is None:
-        fail("--torchvision needs --weights FILE (.safetensors or a torch state dict)", USAGE)
-    if weights is not None and torchvision is None:
-        fail("--weights goes with --torchvision NAME", USAGE)
-    if layer is not None and onnx is not None:
-        fail("--layer is for --torchvision or --mlflow; an ONNX graph's embedding is an output: --output NAME", USAGE)
-    if output is not None and torchvision is not None:
-        fail("--output is for --onnx or --mlflow; a torchvision network's embedding is a layer: --layer NAME", USAGE)
+    _check_source_options(onnx, torchvision, weights, mlflow_uri, layer, output)
     config = load(params)
     _quiet_mlflow()
-    from fastfill.components.model_store import sources
-
     try:
         preprocessing = catalogue.preprocessing_from_options(
             preset, channels, size, resize.value if resize else None, resize_to, mean, std,
@@ -93,17 +79,7 @@ def model_register(
     except ValueError as error:
         fail(error, USAGE)
     client, experiment = call(registry.setup, config.mlflow)
-    try:
-        if onnx is not None:
-            source, origin = sources.from_onnx(onnx, preprocessing, output=output, dim=dim), str(onnx.resolve())
-        elif torchvision is not None:
-            source = sources.from_torchvision(torchvision, weights, preprocessing, layer=layer, dim=dim)
-            origin = f"{torchvision} {weights.resolve()}"
-        else:
-            source = call(sources.from_mlflow, mlflow_uri, preprocessing, layer=layer, output=output, dim=dim)
-            origin = mlflow_uri
-    except sources.ModelSourceError as error:
-        fail(f"{error}; nothing was registered", INPUT)
+    source, origin = _probed_source(onnx, torchvision, weights, mlflow_uri, preprocessing, layer, output, dim)
     target = name or config.mlflow.registered_model
     version = call(catalogue.register, client, experiment, source, target, alias.value if alias else None,
                    origin=origin)
@@ -120,6 +96,44 @@ def model_register(
                + (f" as {alias.value}" if alias else ""))
     typer.echo(f"  input: {preprocessing.describe()}")
     typer.echo(f"  load it anywhere: mlflow.pyfunc.load_model('models:/{target}/{version}').predict(images)")
+
+
+def _check_source_options(onnx: Path | None, torchvision: str | None, weights: Path | None, mlflow_uri: str | None,
+                          layer: str | None, output: str | None) -> None:
+    """Exactly one source, and only the options that go with it; else a usage error."""
+    given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
+             if value is not None]
+    if len(given) != 1:
+        fail("give exactly one source: --onnx FILE, --torchvision NAME --weights FILE, or --mlflow URI"
+             + (f" (got {', '.join(given)})" if given else ""), USAGE)
+    if torchvision is not None and weights is None:
+        fail("--torchvision needs --weights FILE (.safetensors or a torch state dict)", USAGE)
+    if weights is not None and torchvision is None:
+        fail("--weights goes with --torchvision NAME", USAGE)
+    if layer is not None and onnx is not None:
+        fail("--layer is for --torchvision or --mlflow; an ONNX graph's embedding is an output: --output NAME", USAGE)
+    if output is not None and torchvision is not None:
+        fail("--output is for --onnx or --mlflow; a torchvision network's embedding is a layer: --layer NAME", USAGE)
+
+
+def _probed_source(onnx: Path | None, torchvision: str | None, weights: Path | None, mlflow_uri: str | None,
+                   preprocessing, layer: str | None, output: str | None, dim: int | None):
+    """(the model source, where it came from), its probe batch passed; a source that fails it
+    ends the command as bad input, with nothing registered."""
+    from fastfill.components.model_store import sources
+
+    try:
+        if onnx is not None:
+            source, origin = sources.from_onnx(onnx, preprocessing, output=output, dim=dim), str(onnx.resolve())
+        elif torchvision is not None:
+            source = sources.from_torchvision(torchvision, weights, preprocessing, layer=layer, dim=dim)
+            origin = f"{torchvision} {weights.resolve()}"
+        else:
+            source = call(sources.from_mlflow, mlflow_uri, preprocessing, layer=layer, output=output, dim=dim)
+            origin = mlflow_uri
+    except sources.ModelSourceError as error:
+        fail(f"{error}; nothing was registered", INPUT)
+    return source, origin
 
 
 @model_app.command("list", short_help="The versions: aliases, source, embedding size, input, head.")
