@@ -38,53 +38,18 @@ def read_manifest(path: Path, shown: str | None = None):
     a GalleryError naming what is wrong otherwise. ``shown``: how messages name it (the URI
     it was copied from)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     path = Path(path)
     shown = shown or str(path)
-    if not path.is_file():
-        raise GalleryError(f"--manifest {shown}: no such file")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-        elif suffix in (".csv", ".tsv"):
-            import pyarrow.csv as pcsv
-
-            table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
-                                  convert_options=pcsv.ConvertOptions(column_types={"id": pa.string(), "uri": pa.string(),
-                                                                                     "group": pa.string()}))
-        else:
-            raise GalleryError(f"--manifest {shown}: give a .csv, .tsv or .parquet file")
-    except (pa.ArrowInvalid, OSError) as error:
-        raise GalleryError(f"--manifest {shown}: cannot read it: {error}") from None
+    table = _manifest_file(path, shown)
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise GalleryError(f"--manifest {shown}: no column {', '.join(missing)}; it needs id and uri (and may have "
                            f"label, group and weight), found {', '.join(table.column_names)}")
     if table.num_rows < 2:
         raise GalleryError(f"--manifest {shown}: a gallery needs at least 2 items, found {table.num_rows}")
-    columns = {}
-    for name in (*REQUIRED, *OPTIONAL):
-        if name not in table.column_names:
-            continue
-        column = table.column(name)
-        if column.null_count:
-            row = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
-            raise GalleryError(f"--manifest {shown}: column {name} is empty at row {row}")
-        if name == "id":
-            columns[name] = _ids(column, shown)
-            continue
-        kind = pa.int64() if name == "label" else pa.float64() if name == "weight" else pa.string()
-        try:
-            column = column.cast(kind)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise GalleryError(f"--manifest {shown}: column {name} must hold "
-                               f"{'integers' if kind == pa.int64() else 'numbers' if name == 'weight' else 'text'}, "
-                               f"found {column.type}") from None
-        columns[name] = column
+    columns = {name: _manifest_column(table.column(name), name, shown)
+               for name in (*REQUIRED, *OPTIONAL) if name in table.column_names}
     if "weight" in columns:
         weights = columns["weight"].to_numpy()
         bad = ~np.isfinite(weights) | (weights < 0)
@@ -96,6 +61,49 @@ def read_manifest(path: Path, shown: str | None = None):
     if len(np.unique(ids)) != len(ids):
         raise GalleryError(f"--manifest {shown}: item ids must be unique")
     return pa.table(columns)
+
+
+def _manifest_file(path: Path, shown: str):
+    """The manifest's CSV, TSV or Parquet file as it is, as a pyarrow table."""
+    import pyarrow as pa
+
+    if not path.is_file():
+        raise GalleryError(f"--manifest {shown}: no such file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path)
+        if suffix in (".csv", ".tsv"):
+            import pyarrow.csv as pcsv
+
+            return pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
+                                 convert_options=pcsv.ConvertOptions(column_types={"id": pa.string(), "uri": pa.string(),
+                                                                                    "group": pa.string()}))
+        raise GalleryError(f"--manifest {shown}: give a .csv, .tsv or .parquet file")
+    except (pa.ArrowInvalid, OSError) as error:
+        raise GalleryError(f"--manifest {shown}: cannot read it: {error}") from None
+
+
+def _manifest_column(column, name: str, shown: str):
+    """One of the manifest's columns with no empty row, as its type: the ids as ``_ids`` makes
+    them, labels integers, weights numbers, the rest text."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        row = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
+        raise GalleryError(f"--manifest {shown}: column {name} is empty at row {row}")
+    if name == "id":
+        return _ids(column, shown)
+    kind = pa.int64() if name == "label" else pa.float64() if name == "weight" else pa.string()
+    try:
+        return column.cast(kind)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise GalleryError(f"--manifest {shown}: column {name} must hold "
+                           f"{'integers' if kind == pa.int64() else 'numbers' if name == 'weight' else 'text'}, "
+                           f"found {column.type}") from None
 
 
 def _ids(column, path):
