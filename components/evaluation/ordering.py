@@ -111,14 +111,6 @@ def check_permutation(order, n: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def is_permutation(order: np.ndarray, n: int) -> bool:
-    try:
-        check_permutation(order, n)
-    except ValueError:
-        return False
-    return True
-
-
 def kendall_tau(scores_a: np.ndarray, scores_b: np.ndarray) -> float:
     """Kendall's tau-b between two orders given by their scores (the sigma and oracle orders
     rank by descending score, so the tau of the scores is the tau of the orders)."""

@@ -39,7 +39,6 @@ from fastfill.components.experiment.map_judging import (
     judge_order,
     non_finite_outputs,
     non_finite_rows,
-    per_query_scores,
 )
 from fastfill.components.experiment.map_training import fit_uncertainty_head, train_alignment
 from fastfill.components.experiment.map_validation import held_out
@@ -49,7 +48,7 @@ from fastfill.components.platform.config import AlignConfig
 __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
            "check_metrics", "check_tags", "curve_numbers", "decide_map", "fallback_config", "fallback_map",
            "held_out", "is_reference", "judge", "judge_order", "non_finite_outputs", "non_finite_rows",
-           "outputs_on", "per_query_scores", "reference_config", "skip_reason"]
+           "outputs_on", "reference_config", "skip_reason"]
 
 # The settings the l2-only reference shares with the map it checks: same pairs, same split,
 # same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).

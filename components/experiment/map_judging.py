@@ -64,18 +64,11 @@ def _per_query(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int
     return top1, precision, class_sizes[inverse] > 1
 
 
-def per_query_scores(side: SideOutputs, labels: np.ndarray, order_name: str, seed: int, distance: str = "l2"
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Each query's top-1 and average precision, averaged over the 12 curve points: (top1 (n,),
-    AP (m,) for the m queries with a positive). Their means are ``curve_numbers``' top1_auc and
-    map_auc."""
-    top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
-    return top1.mean(axis=0), precision.mean(axis=0)[has_positive]
-
-
 def _measured(side: SideOutputs, order_name: str, labels: np.ndarray, seed: int, distance: str
               ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
-    """``curve_numbers`` and ``per_query_scores`` from one ranking of the held-out pairs."""
+    """``curve_numbers`` and each query's top-1 and average precision averaged over the 12 curve
+    points (top1 (n,), AP (m,) for the m queries with a positive; their means are top1_auc and
+    map_auc), from one ranking of the held-out pairs."""
     top1, precision, has_positive = _per_query(side, labels, order_name, seed, distance)
     hits, ap = top1.mean(axis=0), precision.mean(axis=0)[has_positive]
     map_0 = float(precision[0][has_positive].mean()) if has_positive.any() else 0.0

@@ -271,7 +271,9 @@ def test_bad_settings_name_the_key(change, message):
 
 
 def test_per_query_scores_average_to_the_curve_numbers():
-    from fastfill.components.experiment.map_check import curve_numbers, per_query_scores
+    """The per-query scores the check's bootstrap resamples average to the curve numbers."""
+    from fastfill.components.experiment.map_check import curve_numbers
+    from fastfill.components.experiment.map_judging import _measured
 
     new, labels = _clustered(n=120, classes=6)
     rng = np.random.default_rng(4)
@@ -282,7 +284,7 @@ def test_per_query_scores_average_to_the_curve_numbers():
     for order in ("sigma", "random"):
         for distance in ("l2", "cosine"):
             numbers = curve_numbers(side, labels, order, 3, distance)
-            top1, precision = per_query_scores(side, labels, order, 3, distance)
+            _, (top1, precision) = _measured(side, order, labels, 3, distance)
             assert len(top1) == 120 and len(precision) == 119 and top1[0] == 0
             assert top1.mean() == pytest.approx(numbers["top1_auc"], abs=1e-9)
             assert precision.mean() == pytest.approx(numbers["map_auc"], abs=1e-9)
