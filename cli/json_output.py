@@ -21,11 +21,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+
+if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
+    from fastfill.components.gallery.advice.estimate import DryRun
 
 JsonOption = Annotated[bool, typer.Option("--json", help="answer with one JSON document on stdout (docs/json.md)")]
 
@@ -155,10 +158,10 @@ def upgrade_document(store: str, result: UpgradeResult, seconds: float) -> tuple
     return "fastfill.upgrade/2", fields
 
 
-def dry_run_document(plan: dict) -> tuple[str, dict]:
+def dry_run_document(dry: DryRun) -> tuple[str, dict]:
     """`fastfill upgrade --dry-run`: the plan (components/gallery/advice/estimate.py
     ``dry_run_upgrade``), nothing written."""
-    return "fastfill.upgrade.dry_run/1", {"written": False, **plan}
+    return "fastfill.upgrade.dry_run/1", {"written": False, **dry.as_dict()}
 
 
 def status_document(command: str, state: dict) -> tuple[str, dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -32,6 +32,9 @@ from fastfill.components.platform import registry
 from fastfill.components.platform.config import ConfigError
 from fastfill.components.platform.progress import forced_mode
 from fastfill.flows.parameters import apply_overrides
+
+if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
+    from fastfill.components.gallery.advice.estimate import DryRun
 
 upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
                                "or see its state (fastfill upgrade status).")
@@ -122,32 +125,32 @@ def _size(count: float) -> str:
     return ""
 
 
-def _describe_dry_run(plan: dict) -> str:
-    if plan.get("to") is None:  # no challenger and no upgrade in progress
-        return f"dry run: nothing written. {plan['message']}"
-    sample = plan["sample"]
-    seconds = plan["estimated_backfill_seconds"]
+def _describe_dry_run(dry: DryRun) -> str:
+    if dry.nothing is not None or dry.cost is None:  # no challenger and no upgrade in progress
+        return f"dry run: nothing written. {dry.nothing.message if dry.nothing else ''}"
+    cost = dry.cost
+    sample, seconds = cost.sample, cost.estimated_backfill_seconds
     lines = [
-        f"dry run: nothing written. {plan['from']} -> {plan['to']} on {plan['store']}"
-        + (f" (resumes the upgrade in progress, {plan['in_progress']})" if plan["resumes"] else
-           f" (the gallery is in the middle of {plan['in_progress']}: a sequential upgrade)" if plan["in_progress"]
+        f"dry run: nothing written. {dry.source} -> {dry.to} on {cost.store}"
+        + (f" (resumes the upgrade in progress, {dry.in_progress})" if dry.resumes else
+           f" (the gallery is in the middle of {dry.in_progress}: a sequential upgrade)" if dry.in_progress
            else ""),
-        *([f"  re-embed: {plan['small_gallery']}"] if plan.get("small_gallery") else []),
-        f"  items {plan['items']:,} in {plan['parts']:,} parts; {plan['chunks']:,} chunks of {plan['chunk_size']:,}; "
-        f"images {plan['images']}",
-        f"  to read: {_size(plan['bytes_to_read']['total'])} (features {_size(plan['bytes_to_read']['features'])}, "
-        f"images {_size(plan['bytes_to_read']['images'])}, finish {_size(plan['bytes_to_read']['finish'])})",
-        f"  object-store requests: {plan['requests']['total']:,} (plan {plan['requests']['plan']:,}, backfill "
-        f"{plan['requests']['backfill']:,}, finish {plan['requests']['finish']:,})",
+        *([f"  re-embed: {dry.small_gallery}"] if dry.small_gallery else []),
+        f"  items {cost.items:,} in {cost.parts:,} parts; {cost.chunks:,} chunks of {cost.chunk_size:,}; "
+        f"images {cost.images}",
+        f"  to read: {_size(cost.bytes_to_read['total'])} (features {_size(cost.bytes_to_read['features'])}, "
+        f"images {_size(cost.bytes_to_read['images'])}, finish {_size(cost.bytes_to_read['finish'])})",
+        f"  object-store requests: {cost.requests['total']:,} (plan {cost.requests['plan']:,}, backfill "
+        f"{cost.requests['backfill']:,}, finish {cost.requests['finish']:,})",
         f"  measured on {sample['items']} items ({sample['failed']} unreadable): read "
         f"{1000 * sample['read_seconds_per_item']:.2f} "
         f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
-        f"  ({plan['note']})",
-        f"  truth of the gate and the advisor: {plan['truth']}",
-        f"  map pairs (when the registry's map must be trained or checked): {plan['map_pairs']}",
+        f"  ({cost.note})",
+        f"  truth of the gate and the advisor: {dry.truth}",
+        f"  map pairs (when the registry's map must be trained or checked): {dry.map_pairs}",
     ]
-    advice = plan.get("advice") or {}
+    advice = dry.advice or {}
     if "top1" in advice:
         lines += ["  " + line for line in describe(advice)]
     elif advice.get("note"):
@@ -227,11 +230,11 @@ def upgrade(ctx: typer.Context,
 
     if dry_run:
         with forced_mode(progress_mode(progress)):
-            plan = call(estimate_upgrade, config, uri, to, target)
+            dry = call(estimate_upgrade, config, uri, to, target)
         if as_json:
-            answer(*json_output.dry_run_document(plan))
+            answer(*json_output.dry_run_document(dry))
         else:
-            typer.echo(_describe_dry_run(plan))
+            typer.echo(_describe_dry_run(dry))
         return
     start = time.perf_counter()
     with forced_mode(progress_mode(progress)), ProgressBar(uri, progress_wanted(progress)) as bar:
@@ -315,7 +318,7 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
                f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
 
 
-def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> dict:
+def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> DryRun:
     """What ``fastfill upgrade --dry-run`` reports (``components.gallery.advice.estimate.dry_run_upgrade``),
     writing nothing."""
     from fastfill.components.gallery.advice.estimate import dry_run_upgrade

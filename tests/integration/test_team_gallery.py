@@ -123,7 +123,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     on_gallery = configured()
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
-    assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri)["advice"]["note"]
+    assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri).advice["note"]
     # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
     from fastfill.components.platform.registry import ModelRef
 
@@ -147,7 +147,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     registered = len(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"))
 
     abort_flow(on_gallery, uri)
-    predicted = estimate_upgrade(on_gallery, uri)["advice"]
+    predicted = estimate_upgrade(on_gallery, uri).advice
     assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
     replanned = planning.load_plan(store, again.upgrade)
@@ -193,7 +193,7 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     # before it: which way reaches a top-1 first, on the judged queries (the gallery has no labels)
     from fastfill.cli.upgrade_commands import estimate_upgrade
 
-    dry = estimate_upgrade(judged, uri, "", 0.5)["advice"]
+    dry = estimate_upgrade(judged, uri, "", 0.5).advice
     target = dry.get("target") or {}
     assert target.get("truth") == "judgments", dry
     by = {way["way"]: way for way in target["ways"]}
@@ -292,7 +292,7 @@ def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_
     ingest_flow(small, uri, images=tmp_path / "images.npy", labels=tmp_path / "labels.npy")
 
     dry = estimate_upgrade(small, uri)
-    assert dry["small_gallery"].startswith("the gallery has 50 items, fewer than the 195 that train and check a "
+    assert dry.small_gallery.startswith("the gallery has 50 items, fewer than the 195 that train and check a "
                                            "fastfill map"), dry
     done = upgrade_flow(small, uri, gate=False)
     assert done.state == "complete" and done.items_done == 50, done
@@ -328,7 +328,7 @@ def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_
     ingest_flow(team, uri, images=tmp_path / "images.npy", labels=tmp_path / "labels.npy")
 
     dry = estimate_upgrade(team, uri)
-    assert dry["small_gallery"].startswith(f"the map sample would hold {n:,} of the gallery's {n:,} items (100%"), dry
+    assert dry.small_gallery.startswith(f"the map sample would hold {n:,} of the gallery's {n:,} items (100%"), dry
     (tmp_path / "team.yaml").write_text(yaml.safe_dump(team.model_dump(mode="json")))
     said = CliRunner().invoke(app, ["upgrade", "--dry-run", "--store", uri, "--params", str(tmp_path / "team.yaml")])
     assert said.exit_code == 0, said.output

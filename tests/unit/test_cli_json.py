@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from fastfill.cli import app
 from fastfill.cli.command_support import INPUT, REJECTED, SERVICE, USAGE
 from fastfill.components.experiment.inference import embed
+from fastfill.components.gallery.advice.estimate import DryRun, UpgradeCost
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.store.lock import LOCK
 from fastfill.components.gallery.upgrade import backfill
@@ -234,16 +235,16 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
     import fastfill.cli.command_support
     import fastfill.flows.upgrade
 
-    plan = {"from": "models:/embedder/1", "to": "models:/embedder/2", "in_progress": None, "resumes": False,
-            "store": str(tmp_path), "items": np.int64(72), "parts": 4, "chunks": 9, "chunk_size": 8,
-            "images": "packed parts in the store",
-            "bytes_to_read": {"features": 4608, "images": 18432, "finish": 9216, "total": 32256},
-            "bytes_to_write": {"plan": 5472, "backfill": 4608, "finish": 4608},
-            "requests": {"plan": 17, "backfill": 22, "finish": 28, "total": 67},
-            "sample": {"items": 64, "failed": 0, "read_seconds_per_item": 1e-4, "embed_seconds_per_item": float("nan")},
-            "estimated_backfill_seconds": np.float32(0.5), "note": "n", "truth": "the gallery's labels",
-            "map_pairs": "this host's new-train split", "small_gallery": None,
-            "advice": {"note": "no prediction yet: the registry has no map"}}
+    cost = UpgradeCost(
+        store=str(tmp_path), items=np.int64(72), parts=4, chunks=9, chunk_size=8, images="packed parts in the store",
+        bytes_to_read={"features": 4608, "images": 18432, "finish": 9216, "total": 32256},
+        bytes_to_write={"plan": 5472, "backfill": 4608, "finish": 4608},
+        requests={"plan": 17, "backfill": 22, "finish": 28, "total": 67},
+        sample={"items": 64, "failed": 0, "read_seconds_per_item": 1e-4, "embed_seconds_per_item": float("nan")},
+        estimated_backfill_seconds=np.float32(0.5), note="n")
+    plan = DryRun("models:/embedder/1", "models:/embedder/2", cost=cost, truth="the gallery's labels",
+                  map_pairs="this host's new-train split",
+                  advice={"note": "no prediction yet: the registry has no map"})
     monkeypatch.setattr(fastfill.cli.command_support, "require_services", lambda config: None)
     monkeypatch.setattr(fastfill.cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)
     text = _invoke("upgrade", "--dry-run", "--store", str(tmp_path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +30,7 @@ from fastfill.components.gallery.upgrade.lifecycle import (
     registered_map_order,
     truth_of,
 )
+from fastfill.components.gallery.upgrade.outcome import UpgradeResult
 from fastfill.components.gallery.upgrade.pairs import fit_reverse, from_gallery
 from fastfill.components.gallery.upgrade.planning import stand_in_ranks, upgrade_id
 from fastfill.components.gallery.upgrade.samples import (
@@ -71,7 +73,53 @@ def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
     return float(np.mean(sizes)) if sizes else 0.0
 
 
-def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> dict:
+@dataclass(frozen=True)
+class UpgradeCost:
+    """What an upgrade of a gallery would cost (``dry_run``): its size, the bytes and requests of
+    each step, the per-item times measured on a sample, and the backfill's estimated duration."""
+
+    store: str
+    items: int
+    parts: int
+    chunks: int
+    chunk_size: int
+    images: str  # where the backfill reads images from
+    bytes_to_read: dict  # features, images, finish, total
+    bytes_to_write: dict  # plan, backfill, finish
+    requests: dict  # plan, backfill, finish, total
+    sample: dict  # items, failed, read_seconds_per_item, embed_seconds_per_item
+    estimated_backfill_seconds: float
+    note: str
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What `fastfill upgrade --dry-run` answers: the version the upgrade would go to (``to`` None
+    when there is none: ``nothing`` says why), whether it resumes or starts a sequential upgrade,
+    its cost, what the gate would measure against, where the map's pairs come from, and the
+    budget advisor's prediction (``advice``, with ``note`` when none can be made yet)."""
+
+    source: str  # the gallery's model ("from" in the JSON)
+    to: str | None
+    in_progress: str | None = None
+    resumes: bool = False
+    cost: UpgradeCost | None = None
+    truth: str | None = None
+    map_pairs: str | None = None
+    advice: dict | None = None
+    small_gallery: str | None = None
+    nothing: UpgradeResult | None = None  # no version to upgrade to
+
+    def as_dict(self) -> dict:
+        """The document's fields (docs/json.md, fastfill.upgrade.dry_run/1)."""
+        if self.nothing is not None:
+            return {"from": self.source, "to": None, **self.nothing.as_dict()}
+        return {"from": self.source, "to": self.to, "in_progress": self.in_progress, "resumes": self.resumes,
+                **(asdict(self.cost) if self.cost else {}), "truth": self.truth, "map_pairs": self.map_pairs,
+                "advice": self.advice, "small_gallery": self.small_gallery}
+
+
+def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> UpgradeCost:
     """The plan of an upgrade of ``gallery`` to ``new_model`` under ``config``
     (gallery.upgrade), with measured per-item read and embedding times."""
 
@@ -104,22 +152,21 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     backfill_seconds = n * (per_read + per_embed) / max(1, config.max_concurrency)
     if config.max_items_per_second:
         backfill_seconds = max(backfill_seconds, n / config.max_items_per_second)
-    return {
-        "store": gallery.store.uri, "items": n, "parts": parts, "chunks": chunks, "chunk_size": config.chunk_size,
-        "images": "read by URI where they are" if gallery.adopted else "packed parts in the store",
-        "bytes_to_read": {"features": feature_bytes, "images": int(n * image_bytes), "finish": 2 * new_bytes,
-                          "total": int(feature_bytes + n * image_bytes + 2 * new_bytes)},
-        "bytes_to_write": {"plan": int(n * (new_dim * 4 + 4 + 8)), "backfill": new_bytes, "finish": new_bytes},
-        "requests": {**requests, "total": sum(requests.values())},
-        "sample": {"items": len(positions), "failed": len(failures), "read_seconds_per_item": per_read,
-                   "embed_seconds_per_item": per_embed},
-        "estimated_backfill_seconds": backfill_seconds,
-        "note": "the estimate covers reading and embedding at max_concurrency chunks in flight; training a map "
-                "(when the registry has none for the two versions) and the store's latency under load are not in it",
-    }
+    return UpgradeCost(
+        store=gallery.store.uri, items=n, parts=parts, chunks=chunks, chunk_size=config.chunk_size,
+        images="read by URI where they are" if gallery.adopted else "packed parts in the store",
+        bytes_to_read={"features": feature_bytes, "images": int(n * image_bytes), "finish": 2 * new_bytes,
+                       "total": int(feature_bytes + n * image_bytes + 2 * new_bytes)},
+        bytes_to_write={"plan": int(n * (new_dim * 4 + 4 + 8)), "backfill": new_bytes, "finish": new_bytes},
+        requests={**requests, "total": sum(requests.values())},
+        sample={"items": len(positions), "failed": len(failures), "read_seconds_per_item": per_read,
+                "embed_seconds_per_item": per_embed},
+        estimated_backfill_seconds=backfill_seconds,
+        note="the estimate covers reading and embedding at max_concurrency chunks in flight; training a map "
+             "(when the registry has none for the two versions) and the store's latency under load are not in it")
 
 
-def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_top1: float | None = None) -> dict:
+def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_top1: float | None = None) -> DryRun:
     """What ``fastfill upgrade`` would do to ``gallery`` (``params``: the configuration;
     ``client``: the registry's), writing nothing: no plan, no lock, no MLflow run. The version
     as the upgrade chooses it (``decider.UpgradeDecider.target``), the cost (``dry_run``), what
@@ -134,20 +181,19 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
                              config.stop_when_gain_below)
     new = decider.target(asked_version(client, name, to_uri), view)
     if new is None:
-        return {"from": gallery.model.uri, "to": None, **decider.no_target(view, alias_version(client, name, CHAMPION)).as_dict()}
+        return DryRun(gallery.model.uri, None, nothing=decider.no_target(view, alias_version(client, name, CHAMPION)))
     truth = truth_of(view.has_labels, config.judgments)
     truth_line = {TRUTH_NONE: "none: the gallery has no labels and no judged queries are configured; "
                   + ("the upgrade would be refused before planning (promotion.gate true)" if params.promotion.gate
                      else "the upgrade runs ungated"),
                   TRUTH_JUDGMENTS: f"the judged queries of {config.judgments}"}.get(truth, "the gallery's labels")
     model = load_model(new.uri).eval()
-    result = dry_run(gallery, config, model, seed=config.seed)
+    cost = dry_run(gallery, config, model, seed=config.seed)
     resumes = view.current == upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
     advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
                         sequential=bool(view.current) and not resumes, target_top1=target_top1)
-    return {"from": gallery.model.uri, "to": new.uri, "in_progress": view.current, "resumes": resumes, **result,
-            "truth": truth_line, "map_pairs": pairs_description(config, gallery.num_items), "advice": advice,
-            "small_gallery": fitted}
+    return DryRun(gallery.model.uri, new.uri, in_progress=view.current, resumes=resumes, cost=cost, truth=truth_line,
+                  map_pairs=pairs_description(config, gallery.num_items), advice=advice, small_gallery=fitted)
 
 
 def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,
