@@ -16,7 +16,8 @@ from fastfill.components.gallery.inputs.images import read_images
 from fastfill.components.gallery.inputs.input_files import input_path, is_s3, s3_folder
 from fastfill.components.gallery.layouts.catalog import GalleryError, check_empty, check_features
 from fastfill.components.gallery.layouts.opening import layout_of
-from fastfill.components.gallery.layouts.pg_table import adopt_table, index_settings
+from fastfill.components.gallery.layouts.pg_adopt import adopt_table
+from fastfill.components.gallery.layouts.pg_table import index_settings
 from fastfill.components.model_store import registered
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params

@@ -641,7 +641,8 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     and an upgrade adds the new model's column beside it."""
     from psycopg import sql
 
-    from fastfill.components.gallery.layouts.pg_table import Index, adopt_table, index_settings
+    from fastfill.components.gallery.layouts.pg_adopt import adopt_table
+    from fastfill.components.gallery.layouts.pg_table import Index, index_settings
     from tests.pg import pg_gallery_config
 
     old, new, h = models

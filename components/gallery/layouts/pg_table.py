@@ -50,14 +50,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import (
-    PGVECTOR,
-    GalleryError,
-    PartsWriter,
-    check_empty,
-    check_features,
-    commit_manifest,
-)
+from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
@@ -86,7 +79,8 @@ def safe_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}@{netloc[1]}"))
 
 
-def _identifier(name: str, what: str) -> str:
+def plain_identifier(name: str, what: str) -> str:
+    """``name``, when it is a plain PostgreSQL identifier; else an error naming ``what`` it is."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]{0,62}", name):
         raise GalleryError(f"{what} {name!r} is not a plain PostgreSQL identifier (letters, digits and _, at most 63, "
                            "not starting with a digit); name the table or column as it is in the database")
@@ -143,11 +137,11 @@ def default_table(store_uri: str) -> str:
 def index_settings(config, distance: str, store_uri: str = "") -> dict:
     """The manifest's ``index`` of a new gallery from ``gallery.pgvector`` (``config``) in the
     store ``store_uri`` (it names the table when the settings do not)."""
-    table = _identifier(config.table or default_table(store_uri), "gallery.pgvector.table")
+    table = plain_identifier(config.table or default_table(store_uri), "gallery.pgvector.table")
     return {"kind": PGVECTOR, "uri": safe_uri(config.uri), "table": table,
-            "id_column": _identifier(config.id_column, "gallery.pgvector.id_column"),
-            "image_column": _identifier(config.image_column, "gallery.pgvector.image_column"),
-            "view": _identifier(config.view or f"{table}_serving", "gallery.pgvector.view"),
+            "id_column": plain_identifier(config.id_column, "gallery.pgvector.id_column"),
+            "image_column": plain_identifier(config.image_column, "gallery.pgvector.image_column"),
+            "view": plain_identifier(config.view or f"{table}_serving", "gallery.pgvector.view"),
             "distance": distance, "ann": config.ann, "hnsw_m": config.hnsw_m,
             "hnsw_ef_construction": config.hnsw_ef_construction, "ef_search": config.ef_search,
             "ivfflat_lists": config.ivfflat_lists, "ivfflat_probes": config.ivfflat_probes,
@@ -718,82 +712,4 @@ class PgWriter:
 
     def manifest_fields(self) -> dict:
         return {"index": self.settings}
-
-
-def adopt_table(store: Store, settings: dict, model: ModelRef, image_shape, *, vector_column: str,
-                label_column: str | None = None, root: str | None = None, part_size: int = 1000,
-                registry: str | None = None, on_part=None) -> dict:
-    """A team's existing table adopted where it is: its ids (ordered by id: the items' positions)
-    and image URIs (and labels) read into the store's items table, the vectors left where they
-    are (``vector_column`` serves ``model``); the view and the bookkeeping tables created, the ANN
-    index built if the column has none; the manifest last."""
-    import pyarrow as pa
-    from psycopg import sql
-
-    check_empty(store, "adopt")
-    settings = dict(settings)
-    vector_column = _identifier(vector_column, "--vector-column")
-    index = Index(settings)
-    if not index.exists():
-        raise GalleryError(f"{index.where} does not exist; name the team's table in gallery.pgvector.table (or "
-                           "--table)")
-    columns = index.columns()
-    for name, what in ((index.id_column, "id"), (index.image_column, "image"), (vector_column, "vector"),
-                       *([(label_column, "label")] if label_column else [])):
-        if name not in columns:
-            raise GalleryError(f"{index.where} has no {what} column {name!r}; its columns: {', '.join(columns)}")
-    kind = columns[vector_column]
-    found = re.fullmatch(r"vector\((\d+)\)", kind)
-    if not found:
-        raise GalleryError(f"{index.where} column {vector_column} is {kind}, not a pgvector vector(d) column")
-    if model.dim and int(found.group(1)) != model.dim:
-        raise GalleryError(f"{index.where} column {vector_column} holds {found.group(1)}-d vectors, but {model.uri} "
-                           f"embeds into {model.dim}: adopt the column with the model that computed it")
-    id_type = columns[index.id_column]
-    if id_type not in ("bigint", "integer", "smallint", "text", "character varying") \
-            and not id_type.startswith("character varying"):
-        raise GalleryError(f"{index.where} id column {index.id_column} is {id_type}; ids must be integers or text")
-    settings["id_type"] = "text" if ("char" in id_type or id_type == "text") else id_type
-    table, idc = sql.Identifier(index.table), sql.Identifier(index.id_column)
-    n, distinct, empty = index.execute(sql.SQL("SELECT count(*), count(DISTINCT {id}), count(*) FILTER (WHERE {v} IS "
-                                               "NULL) FROM {t}").format(id=idc, v=sql.Identifier(vector_column),
-                                                                         t=table)).fetchone()
-    if n < 2:
-        raise GalleryError(f"{index.where} has {n} rows; a gallery needs at least 2")
-    if distinct != n:
-        raise GalleryError(f"{index.where}: {n - distinct} ids are repeated or NULL in {index.id_column}; ids must be "
-                           "unique")
-    if empty:
-        raise GalleryError(f"{index.where}: {empty} rows have no vector in {vector_column}; fill them (or delete "
-                           "the rows) before adopting")
-    label = sql.SQL(", {}").format(sql.Identifier(label_column)) if label_column else sql.SQL("")
-    cursor = index.connection().cursor(name="fastfill_adopt")  # server-side: the ids stream, part by part
-    writer = PartsWriter(store, model, part_size)
-    num_parts = -(-n // part_size)
-    with index.connection().transaction():
-        cursor.execute(sql.SQL("SELECT {id}, {image}{label} FROM {t} ORDER BY {id}").format(
-            id=idc, image=sql.Identifier(index.image_column), label=label, t=table))
-        for part in range(num_parts):
-            rows = cursor.fetchmany(part_size)
-            columns_ = {"id": pa.array([r[0] for r in rows]), "image": pa.array([r[1] for r in rows], pa.string()),
-                        "label": pa.array([r[2] for r in rows], pa.int64()) if label_column
-                        else pa.nulls(len(rows), pa.int64()),
-                        "group": pa.nulls(len(rows), pa.string())}
-            writer.write_items(part * part_size, pa.table(columns_))
-            if on_part is not None:
-                on_part(part + 1, num_parts)
-        cursor.close()
-    settings["columns"] = {model.key: vector_column}
-    if f"{vector_column}_source" in columns:
-        settings["sources"] = {model.key: f"{vector_column}_source"}
-    index.settings = settings
-    index.bookkeeping()
-    place = index.place(model)
-    index.ann_index(place)  # when the column has none (the team's own, of any name, is kept)
-    index.serve(model, place, None)
-    index.close()
-    return commit_manifest(store, model, num_items=n, part_size=part_size, image_shape=image_shape,
-                           has_labels=label_column is not None, has_groups=False, by="adopt",
-                           images={"source": "uri", "root": root}, registry=registry, layout=PGVECTOR,
-                           extra={"index": settings})
 
