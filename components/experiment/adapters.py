@@ -232,7 +232,6 @@ def fit_metric_compatible(new, old, labels, *, rank: int = 32, hidden: int = 256
     ``epochs`` (or ``min_steps`` steps); the epoch with the lowest loss on a held-out tenth of the
     pairs (measured about 50 times) is kept."""
     import torch
-    from torch import nn
 
     x, y = _pairs(new, old)
     labels = np.asarray(labels)
@@ -240,6 +239,31 @@ def fit_metric_compatible(new, old, labels, *, rank: int = 32, hidden: int = 256
         raise AdapterError(f"the metric-compatible reverse transformation needs one class label per pair: "
                            f"{x.shape[0]} pairs, labels of shape {labels.shape}")
     fit, val, affine, mean, std, inputs, mlp = _residual_start(x, y, rank=rank, hidden=hidden, seed=seed, min_held=2)
+    loss_of, log_gain = _metric_compatible_objective(x, y, labels, fit, affine, inputs, mlp, temperature)
+    optimizer = torch.optim.AdamW([{"params": mlp.parameters()},  # the gain free to move by orders of magnitude
+                                   {"params": [log_gain], "weight_decay": 0.0, "lr": 20 * lr}],
+                                  lr=lr, weight_decay=weight_decay)
+    best, history = _train_metric_compatible(mlp, log_gain, loss_of, optimizer, fit, val, epochs=epochs,
+                                             batch_size=batch_size, min_steps=min_steps, seed=seed)
+    kept = dict(best[2])
+    gain = float(kept.pop("log_gain").exp())
+    mlp.load_state_dict(kept)
+    mlp.eval()
+    adapter = ResidualMLPAdapter(affine, mlp, mean, std, history)
+    adapter.kind = "metric_compatible"
+    # new features are stored and searched times this (the square root of the distances' gain)
+    adapter.new_scale = gain ** 0.5
+    return adapter
+
+
+def _metric_compatible_objective(x: np.ndarray, y: np.ndarray, labels: np.ndarray, fit: np.ndarray,
+                                 affine: AffineAdapter, inputs, mlp, temperature: float):
+    """The reverse transformation's training loss on a batch of pair rows (``loss_of(rows)``:
+    ``metric_compatible_loss`` plus the squared error to the old features, both on the new
+    features' scale), and the new space's log gain it learns. Returns (loss_of, log_gain)."""
+    import torch
+    from torch import nn
+
     new_t = torch.as_tensor(x, dtype=torch.float32)
     base = torch.as_tensor(affine(x), dtype=torch.float32)
     old_t = torch.as_tensor(y, dtype=torch.float32)
@@ -247,15 +271,22 @@ def fit_metric_compatible(new, old, labels, *, rank: int = 32, hidden: int = 256
     sample = new_t[torch.as_tensor(fit[:2048])]
     scale = float(torch.cdist(sample, sample).pow(2).mean()) or 1.0
     log_gain = nn.Parameter(torch.zeros(()))  # the new space's squared distances times exp(log_gain)
-    optimizer = torch.optim.AdamW([{"params": mlp.parameters()},  # the gain free to move by orders of magnitude
-                                   {"params": [log_gain], "weight_decay": 0.0, "lr": 20 * lr}],
-                                  lr=lr, weight_decay=weight_decay)
 
     def loss_of(rows_t) -> torch.Tensor:
         reverse = base[rows_t] + mlp(inputs[rows_t])
         contrastive = metric_compatible_loss(reverse, new_t[rows_t], old_t[rows_t], labels_t[rows_t], scale=scale,
                                              temperature=temperature, new_gain=log_gain.exp())
         return (contrastive + (reverse - old_t[rows_t]).pow(2).sum(1) / scale).mean()
+
+    return loss_of, log_gain
+
+
+def _train_metric_compatible(mlp, log_gain, loss_of, optimizer, fit: np.ndarray, val: np.ndarray, *, epochs: int,
+                             batch_size: int, min_steps: int, seed: int) -> tuple[tuple, list[dict]]:
+    """The reverse transformation's epochs over the ``fit`` rows in a seeded order, measured on the
+    ``val`` rows about 50 times; returns the best measurement (loss, epoch, weights and log gain)
+    and the history."""
+    import torch
 
     val_t = torch.as_tensor(val)
 
@@ -288,15 +319,7 @@ def fit_metric_compatible(new, old, labels, *, rank: int = 32, hidden: int = 256
         history.append({"epoch": epoch, "val_loss": error, "new_gain": float(log_gain.detach().exp())})
         if error < best[0]:
             best = (error, epoch, state())
-    kept = dict(best[2])
-    gain = float(kept.pop("log_gain").exp())
-    mlp.load_state_dict(kept)
-    mlp.eval()
-    adapter = ResidualMLPAdapter(affine, mlp, mean, std, history)
-    adapter.kind = "metric_compatible"
-    # new features are stored and searched times this (the square root of the distances' gain)
-    adapter.new_scale = gain ** 0.5
-    return adapter
+    return best, history
 
 
 def fit_adapter(kind: str, new, old, *, rank: int = 32, seed: int = 0, labels=None):

@@ -119,20 +119,10 @@ def divergence(loss: float, best: float, first: float, factor: float | None) -> 
 
 
 def _train_on_features(
-    module: nn.Module,
-    config: AlignConfig,
-    num_items: int,
-    generator: torch.Generator,
-    key: str,
-    batch_loss: Callable[[torch.Tensor, bool], dict[str, torch.Tensor | None]],
-    terms: tuple[str, ...],
-    describe: Callable[[dict], str],
-    *,
-    device: torch.device,
-    checkpoint: Path | None,
-    log: Log,
-    on_epoch: Progress | None,
-    validate: Validate | None = None,
+    module: nn.Module, config: AlignConfig, num_items: int, generator: torch.Generator, key: str,
+    batch_loss: Callable[[torch.Tensor, bool], dict[str, torch.Tensor | None]], terms: tuple[str, ...],
+    describe: Callable[[dict], str], *, device: torch.device, checkpoint: Path | None, log: Log,
+    on_epoch: Progress | None, validate: Validate | None = None,
 ) -> list[dict]:
     """The loop shared by maps trained on stored features: Adam with warm-up + cosine over
     ``feature_schedule``'s steps, BatchNorm statistics frozen for the second half (as the
@@ -157,6 +147,40 @@ def _train_on_features(
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
     optimizer = ExactAdam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
+    history, start_epoch, step, best, lowest = _resumed(checkpoint, key, module, optimizer, scheduler, generator, log)
+    _announce_training(log, config, plan, num_items, start_epoch, validate is not None)
+    started = last_said = time.monotonic()
+
+    for epoch in range(start_epoch, epochs):
+        sums, step = _train_one_epoch(module, optimizer, scheduler, generator, batch_loss, terms, config=config,
+                                      num_items=num_items, device=device, epoch=epoch, epochs=epochs, step=step,
+                                      warm_steps=warm_steps)
+        record: dict[str, Any] = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
+        reason, best = _epoch_verdict(module, record, history, lowest, best, validate, config=config, plan=plan,
+                                      epoch=epoch, epochs=epochs)
+        if reason is not None:
+            _restore_after_divergence(module, record, history, reason, best, lowest, epochs, log)
+            break
+        if record["loss"] < lowest["loss"]:
+            lowest = {"epoch": epoch + 1, "loss": record["loss"], "state": _snapshot(module)}
+        history.append(record)
+        last_said = _say_epoch(log, record, describe, epoch=epoch,
+                               start_epoch=start_epoch, epochs=epochs, started=started, last_said=last_said)
+        save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
+                         history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
+        on_epoch(epoch + 1, epochs)
+    on_epoch.end(epochs)
+    if best is not None:
+        _keep_best(module, history, best, epochs, log)
+    module.eval()
+    return history
+
+
+def _resumed(checkpoint: Path | None, key: str, module: nn.Module, optimizer, scheduler, generator: torch.Generator,
+             log: Log) -> tuple[list[dict], int, int, dict | None, dict]:
+    """The loop's state from a matching checkpoint, else a fresh start's: (history, first epoch,
+    step, best validation or None, lowest-loss epoch)."""
     history, start_epoch, step, best, lowest = [], 0, 0, None, None
     state = resume_checkpoint(checkpoint, key, module, optimizer, scheduler, generator, log)
     if state is not None:
@@ -165,87 +189,108 @@ def _train_on_features(
     if lowest is None:  # what a divergence restores without a validation: epoch 0 = the initial weights
         lowest = {"epoch": start_epoch, "loss": history[-1]["loss"] if history else math.inf,
                   "state": _snapshot(module)}
+    return history, start_epoch, step, best, lowest
+
+
+def _announce_training(log: Log, config: AlignConfig, plan: dict[str, int], num_items: int, start_epoch: int,
+                       validated: bool) -> None:
+    epochs = plan["epochs"]
     if start_epoch == 0 and epochs > config.epochs:
         log(f"{num_items} training pairs make {plan['steps_per_epoch']} steps an epoch: training {epochs} epochs "
             f"to reach min_steps {config.min_steps}")
     log(f"training {epochs - start_epoch} epochs of {plan['steps_per_epoch']} steps on {num_items} pairs"
         + (f" (from epoch {start_epoch + 1})" if start_epoch else "")
-        + (f", measured on the held-out pairs every {plan['validate_every']} epochs" if validate is not None else ""))
-    started = last_said = time.monotonic()
+        + (f", measured on the held-out pairs every {plan['validate_every']} epochs" if validated else ""))
 
-    for epoch in range(start_epoch, epochs):
-        module.train()
-        if epoch >= epochs // 2:
-            _set_batchnorm_eval(module)
-        permutation = torch.randperm(num_items, generator=generator).to(device)
-        sums = dict.fromkeys(("loss", *terms), 0.0)
-        for start in range(0, num_items, config.batch_size):
-            index = permutation[start: start + config.batch_size]
-            if len(index) < 2:
-                continue  # BatchNorm cannot train on one sample
-            parts = batch_loss(index, step < warm_steps)
-            for name, value in parts.items():
-                if value is not None:
-                    sums[name] += value.item() * len(index)
-            if not math.isfinite(sums["loss"]):
-                break  # no step on a non-finite loss: the epoch ends here, and the training with it
-            optimizer.zero_grad(set_to_none=True)
-            loss = parts["loss"]
-            assert loss is not None  # the total: only the terms a map has not can be None
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-        record: dict[str, Any] = {"epoch": epoch + 1, "step": step, **{k: v / num_items for k, v in sums.items()}}
-        first = history[0]["loss"] if history else record["loss"]
-        reason = divergence(record["loss"], lowest["loss"], first, config.divergence_factor)
-        if reason is None and not _finite_weights(module):
-            reason = "the weights are not finite"
-        if reason is None and validate is not None and (
-                (epoch + 1) % plan["validate_every"] == 0 or epoch + 1 == epochs):
-            module.eval()
-            record.update(validate())
-            if not math.isfinite(_score(record)):
-                reason = "the outputs on the held-out pairs are not finite"
-            elif best is None or _score(record) > best["score"]:
-                best = {"score": _score(record), "epoch": epoch + 1, "state": _snapshot(module)}
-        if reason is not None:
-            restored = best if best is not None else lowest
-            record["diverged"] = {"reason": reason, "restored_epoch": restored["epoch"]}
-            history.append(record)
-            module.load_state_dict(restored["state"])
-            which = ("the initial weights" if not restored["epoch"] else f"the weights of epoch {restored['epoch']}"
-                     + (", the best on the held-out pairs" if best is not None else ", the lowest loss"))
-            low = f"; the lowest loss was {lowest['loss']:.6g}, at epoch {lowest['epoch']}" if lowest["epoch"] else ""
-            log(f"training diverged at epoch {epoch + 1}/{epochs} ({reason}{low}): stopped, and restored {which}")
-            break
-        if record["loss"] < lowest["loss"]:
-            lowest = {"epoch": epoch + 1, "loss": record["loss"], "state": _snapshot(module)}
-        history.append(record)
-        clock = time.monotonic()
-        # every epoch of a usual run; of a long run of short epochs, each validation, every
-        # tenth, and at least one line every PROGRESS_SECONDS, so a long training is seen alive
-        if ("val_top1" in record or epochs <= 100 or (epoch + 1) % 10 == 0 or epoch + 1 == epochs
-                or clock - last_said >= PROGRESS_SECONDS):
-            last_said = clock
-            elapsed, done = clock - started, epoch + 1 - start_epoch
-            left = elapsed / done * (epochs - epoch - 1)
-            log(f"epoch {epoch + 1}/{epochs} ({elapsed:.0f} s" + (f", about {left:.0f} s left" if left >= 1 else "")
-                + f"): {describe(record)}")
-        save_checkpoint(checkpoint, config_key=key, model=module.state_dict(), optimizer=optimizer.state_dict(),
-                         scheduler=scheduler.state_dict(), generator=generator.get_state(),
-                         history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
-        on_epoch(epoch + 1, epochs)
-    on_epoch.end(epochs)
-    if best is not None:
-        module.load_state_dict(best["state"])
-        for record in history:
-            record["best"] = record["epoch"] == best["epoch"]
-        log(f"kept the weights of epoch {best['epoch']}/{epochs}, best on the held-out pairs "
-            f"(top-1 {100 * history[best['epoch'] - 1]['val_top1']:.2f}%, "
-            f"mAP {100 * history[best['epoch'] - 1]['val_map']:.2f}% at 0% backfill)")
-    module.eval()
-    return history
+
+def _train_one_epoch(module: nn.Module, optimizer, scheduler, generator: torch.Generator, batch_loss, terms, *,
+                     config: AlignConfig, num_items: int, device: torch.device, epoch: int, epochs: int, step: int,
+                     warm_steps: int) -> tuple[dict[str, float], int]:
+    """One pass over the pairs in a seeded order: the loss and each term summed over the items,
+    and the step count after it. A batch whose loss is not finite ends the pass before its step."""
+    module.train()
+    if epoch >= epochs // 2:
+        _set_batchnorm_eval(module)
+    permutation = torch.randperm(num_items, generator=generator).to(device)
+    sums = dict.fromkeys(("loss", *terms), 0.0)
+    for start in range(0, num_items, config.batch_size):
+        index = permutation[start: start + config.batch_size]
+        if len(index) < 2:
+            continue  # BatchNorm cannot train on one sample
+        parts = batch_loss(index, step < warm_steps)
+        for name, value in parts.items():
+            if value is not None:
+                sums[name] += value.item() * len(index)
+        if not math.isfinite(sums["loss"]):
+            break  # no step on a non-finite loss: the epoch ends here, and the training with it
+        optimizer.zero_grad(set_to_none=True)
+        loss = parts["loss"]
+        assert loss is not None  # the total: only the terms a map has not can be None
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+    return sums, step
+
+
+def _epoch_verdict(module: nn.Module, record: dict, history: list[dict], lowest: dict, best: dict | None,
+                   validate: Validate | None, *, config: AlignConfig, plan: dict[str, int], epoch: int,
+                   epochs: int) -> tuple[str | None, dict | None]:
+    """Why the epoch diverged (None when it did not), and the best validation so far: the
+    held-out pairs are measured into ``record`` when due."""
+    first = history[0]["loss"] if history else record["loss"]
+    reason = divergence(record["loss"], lowest["loss"], first, config.divergence_factor)
+    if reason is None and not _finite_weights(module):
+        reason = "the weights are not finite"
+    if reason is None and validate is not None and (
+            (epoch + 1) % plan["validate_every"] == 0 or epoch + 1 == epochs):
+        module.eval()
+        record.update(validate())
+        if not math.isfinite(_score(record)):
+            reason = "the outputs on the held-out pairs are not finite"
+        elif best is None or _score(record) > best["score"]:
+            best = {"score": _score(record), "epoch": epoch + 1, "state": _snapshot(module)}
+    return reason, best
+
+
+def _restore_after_divergence(module: nn.Module, record: dict, history: list[dict], reason: str, best: dict | None,
+                              lowest: dict, epochs: int, log: Log) -> None:
+    """The diverged epoch's record goes last in the history, and the module gets the best
+    validation's weights (without one, the lowest loss's)."""
+    restored = best if best is not None else lowest
+    record["diverged"] = {"reason": reason, "restored_epoch": restored["epoch"]}
+    history.append(record)
+    module.load_state_dict(restored["state"])
+    which = ("the initial weights" if not restored["epoch"] else f"the weights of epoch {restored['epoch']}"
+             + (", the best on the held-out pairs" if best is not None else ", the lowest loss"))
+    low = f"; the lowest loss was {lowest['loss']:.6g}, at epoch {lowest['epoch']}" if lowest["epoch"] else ""
+    log(f"training diverged at epoch {record['epoch']}/{epochs} ({reason}{low}): stopped, and restored {which}")
+
+
+def _say_epoch(log: Log, record: dict, describe: Callable[[dict], str], *, epoch: int, start_epoch: int, epochs: int,
+               started: float, last_said: float) -> float:
+    """The epoch's line in the log when one is due; returns when the last line was said."""
+    clock = time.monotonic()
+    # every epoch of a usual run; of a long run of short epochs, each validation, every
+    # tenth, and at least one line every PROGRESS_SECONDS, so a long training is seen alive
+    if ("val_top1" in record or epochs <= 100 or (epoch + 1) % 10 == 0 or epoch + 1 == epochs
+            or clock - last_said >= PROGRESS_SECONDS):
+        last_said = clock
+        elapsed, done = clock - started, epoch + 1 - start_epoch
+        left = elapsed / done * (epochs - epoch - 1)
+        log(f"epoch {epoch + 1}/{epochs} ({elapsed:.0f} s" + (f", about {left:.0f} s left" if left >= 1 else "")
+            + f"): {describe(record)}")
+    return last_said
+
+
+def _keep_best(module: nn.Module, history: list[dict], best: dict, epochs: int, log: Log) -> None:
+    """The module gets the best validation's weights, and each record says whether it was the best."""
+    module.load_state_dict(best["state"])
+    for record in history:
+        record["best"] = record["epoch"] == best["epoch"]
+    log(f"kept the weights of epoch {best['epoch']}/{epochs}, best on the held-out pairs "
+        f"(top-1 {100 * history[best['epoch'] - 1]['val_top1']:.2f}%, "
+        f"mAP {100 * history[best['epoch'] - 1]['val_map']:.2f}% at 0% backfill)")
 
 
 def _describe_validation(record: dict) -> str:

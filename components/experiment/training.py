@@ -203,35 +203,18 @@ def train_embedder(
     if prepare is not None:
         prepare(model)
     model = model.to(device, memory_format=CHANNELS_LAST)  # type: ignore[call-overload]  # torch's stubs omit memory_format
-    rows = np.full(max(classes) + 1, -1, dtype=np.int64)
-    rows[classes] = np.arange(len(classes))
-    if (split.labels > max(classes)).any() or (rows[split.labels] < 0).any():
-        raise ValueError(f"the training split has labels outside the model's classes {classes}")
+    rows = _class_rows(classes, split.labels)
     dtype = announced_dtype(config.precision, device, log, "the model's")
     images = torch.from_numpy(split.images).to(device)
     targets = torch.from_numpy(rows[split.labels]).to(device)
     labels = torch.from_numpy(split.labels).to(device)
     if compatibility is not None:
         compatibility = compatibility.to(device)
-
-    steps_per_epoch = math.ceil(len(split) / config.batch_size)
-    total_steps = steps_per_epoch * config.epochs
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
-    optimizer: torch.optim.Optimizer
-    if config.optimizer == "adam":
-        optimizer = ExactAdam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, decoupled=True)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9,
-                                    weight_decay=config.weight_decay, nesterov=True)
-    scheduler = warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
-
-    key, history, start_epoch, step = run_key(config, split.images, split.labels), [], 0, 0
-    if compatibility is not None:
-        key += compatibility.key
-    if prepare is not None:
-        key += f"prepare={getattr(prepare, '__qualname__', type(prepare).__name__)}"
-    classification_weight = getattr(compatibility, "classification_weight", 1.0)
+    optimizer, scheduler, total_steps = _embedder_optimizer(config, model, len(split))
+    key, history, start_epoch, step = _embedder_key(config, split, compatibility, prepare), [], 0, 0
+    batch_loss = functools.partial(_embedder_batch_loss, model, labels, compatibility,
+                                   getattr(compatibility, "classification_weight", 1.0), config.label_smoothing,
+                                   device, dtype)
     state = resume_checkpoint(checkpoint, key, model, optimizer, scheduler, generator, log)
     if state is not None:
         history, start_epoch, step = state["history"], state["epoch"], state["step"]
@@ -242,39 +225,9 @@ def train_embedder(
         for epoch in range(start_epoch, config.epochs):
             if step >= total_steps:
                 break
-            model.train()
-            permutation = torch.randperm(len(split), generator=generator).to(device)
-            loss_sum, compat_sum, correct, seen = 0.0, 0.0, 0, 0
-            for start in range(0, len(split), config.batch_size):
-                if step >= total_steps:
-                    break
-                index = permutation[start: start + config.batch_size]
-                batch = images[index].float().div_(255.0)
-                if config.augment:
-                    batch = _augment(batch, generator)
-                batch = batch.contiguous(memory_format=CHANNELS_LAST)
-                with forward_precision(device, dtype):
-                    features = model(batch)
-                    logits = model.classify(features)
-                features, logits = features.float(), logits.float()
-                loss = classification_weight * classification_per_sample(logits, targets[index],
-                                                                         config.label_smoothing).mean()
-                if compatibility is not None:
-                    term = compatibility(batch, features, labels[index])
-                    loss = loss + term
-                    compat_sum += term.item() * len(index)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                bar.advance()
-                loss_sum += loss.item() * len(index)
-                correct += int((logits.argmax(1) == targets[index]).sum())
-                seen += len(index)
-            record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
-            if compatibility is not None:
-                record["compatibility"] = compat_sum / seen
+            record, step = _embedder_epoch(model, optimizer, scheduler, generator, batch_loss, images, targets, bar,
+                                           config=config, device=device, num_items=len(split), epoch=epoch,
+                                           step=step, total_steps=total_steps, with_term=compatibility is not None)
             history.append(record)
             log(f"epoch {epoch + 1}/{config.epochs}: loss {record['loss']:.4f}, "
                 f"train accuracy {100 * record['train_accuracy']:.2f}%")
@@ -285,3 +238,92 @@ def train_embedder(
     on_epoch.end(config.epochs)
     model.eval()
     return model, history
+
+
+def _class_rows(classes: list[int], labels: np.ndarray) -> np.ndarray:
+    """Each global label's row of the classifier (-1: not one of ``classes``); an error when the
+    training split has a label outside them."""
+    rows = np.full(max(classes) + 1, -1, dtype=np.int64)
+    rows[classes] = np.arange(len(classes))
+    if (labels > max(classes)).any() or (rows[labels] < 0).any():
+        raise ValueError(f"the training split has labels outside the model's classes {classes}")
+    return rows
+
+
+def _embedder_optimizer(config: TrainConfig, model: Embedder, num_items: int):
+    """The embedder's optimiser (Adam or Nesterov SGD), its warm-up + cosine schedule, and the
+    number of steps (``config.epochs`` of ``num_items``, at most ``config.max_steps``)."""
+    steps_per_epoch = math.ceil(num_items / config.batch_size)
+    total_steps = steps_per_epoch * config.epochs
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    optimizer: torch.optim.Optimizer
+    if config.optimizer == "adam":
+        optimizer = ExactAdam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, decoupled=True)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9,
+                                    weight_decay=config.weight_decay, nesterov=True)
+    scheduler = warmup_cosine(optimizer, total_steps, warmup_steps=min(steps_per_epoch // 4, total_steps // 10))
+    return optimizer, scheduler, total_steps
+
+
+def _embedder_key(config: TrainConfig, split: Split, compatibility, prepare) -> str:
+    """What the embedder's checkpoint must match: the configuration, the data, the compatibility
+    term and the fresh model's preparation."""
+    key = run_key(config, split.images, split.labels)
+    if compatibility is not None:
+        key += compatibility.key
+    if prepare is not None:
+        key += f"prepare={getattr(prepare, '__qualname__', type(prepare).__name__)}"
+    return key
+
+
+def _embedder_batch_loss(model: Embedder, labels: torch.Tensor, compatibility, classification_weight: float,
+                         label_smoothing: float, device: torch.device, dtype: torch.dtype | None,
+                         batch: torch.Tensor, targets: torch.Tensor, index: torch.Tensor):
+    """A batch's loss (the weighted classification loss, plus the compatibility term when there
+    is one), its logits and the term (None without one)."""
+    with forward_precision(device, dtype):
+        features = model(batch)
+        logits = model.classify(features)
+    features, logits = features.float(), logits.float()
+    loss = classification_weight * classification_per_sample(logits, targets, label_smoothing).mean()
+    term = None
+    if compatibility is not None:
+        term = compatibility(batch, features, labels[index])
+        loss = loss + term
+    return loss, logits, term
+
+
+def _embedder_epoch(model: Embedder, optimizer, scheduler, generator: torch.Generator, batch_loss, images: torch.Tensor,
+                    targets: torch.Tensor, bar, *, config: TrainConfig, device: torch.device, num_items: int,
+                    epoch: int, step: int, total_steps: int, with_term: bool) -> tuple[dict, int]:
+    """One pass over the split in a seeded order, stopping at ``total_steps``: the epoch's record
+    (mean loss, training accuracy, the compatibility term's mean) and the step count after it."""
+    model.train()
+    permutation = torch.randperm(num_items, generator=generator).to(device)
+    loss_sum, compat_sum, correct, seen = 0.0, 0.0, 0, 0
+    for start in range(0, num_items, config.batch_size):
+        if step >= total_steps:
+            break
+        index = permutation[start: start + config.batch_size]
+        batch = images[index].float().div_(255.0)
+        if config.augment:
+            batch = _augment(batch, generator)
+        batch = batch.contiguous(memory_format=CHANNELS_LAST)
+        loss, logits, term = batch_loss(batch, targets[index], index)
+        if term is not None:
+            compat_sum += term.item() * len(index)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.advance()
+        loss_sum += loss.item() * len(index)
+        correct += int((logits.argmax(1) == targets[index]).sum())
+        seen += len(index)
+    record = {"epoch": epoch + 1, "loss": loss_sum / seen, "train_accuracy": correct / seen, "step": step}
+    if with_term:
+        record["compatibility"] = compat_sum / seen
+    return record, step
