@@ -26,8 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from fastfill.components.evaluation.reports import check_outcome
-from fastfill.components.experiment.inference import apply_alignment, apply_unified
 from fastfill.components.experiment.map_judging import (
     CHECK_POINTS,
     POLICIES,
@@ -40,9 +38,7 @@ from fastfill.components.experiment.map_judging import (
     non_finite_outputs,
     non_finite_rows,
 )
-from fastfill.components.experiment.map_training import fit_uncertainty_head, train_alignment
 from fastfill.components.experiment.map_validation import held_out
-from fastfill.components.experiment.models import UnifiedMaps
 from fastfill.components.platform.config import AlignConfig
 
 __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
@@ -72,6 +68,7 @@ def check_tags(record: dict) -> dict[str, str]:
     """The check as tags (on the map's registered version and its run): ``check`` is
     ``passed``, ``fallback`` (the l2 map is used) or ``warned`` (kept although it failed);
     ``check_reason`` its message (for a map that diverged, beginning "non-finite outputs")."""
+    from fastfill.components.evaluation.reports import check_outcome
     tags = {"check": check_outcome(record), "check_policy": record["policy"], "check_reason": record["message"][:4900]}
     if record.get("non_finite"):
         tags["check_non_finite"] = ", ".join(record["non_finite"])
@@ -101,6 +98,8 @@ def check_metrics(record: dict) -> dict[str, float]:
 def outputs_on(h, pairs) -> SideOutputs:
     """A map's sides on held-out pairs: h(old) with log sigma^2, or a unified map's T_g(old)
     and T_q(new)."""
+    from fastfill.components.experiment.inference import apply_alignment, apply_unified
+    from fastfill.components.experiment.models import UnifiedMaps
     if isinstance(h, UnifiedMaps):
         gallery_old, query = apply_unified(h, pairs.old, pairs.new)
         return SideOutputs(gallery_old, query)
@@ -134,6 +133,7 @@ def fallback_map(method: str, config: AlignConfig, reference, pairs: Pairs, held
     training ``pairs`` (old, new, class rows), kept only if ``judge_order`` shows its sigma order
     to be at least as good as random on the ``held`` out pairs. Returns (map, its configuration,
     the order decision or None when the method has no sigma order)."""
+    from fastfill.components.experiment.map_training import fit_uncertainty_head
     used = fallback_config(config)
     if not used.uncertainty:
         return reference, used, None
@@ -195,6 +195,7 @@ def decide_map(method: str, config: AlignConfig, candidate, training: Pairs, ref
     random); a map that falls back gets a fitted head only when it is sigma (``fallback_map``),
     and then the order that head is shown to earn. Under ``check: fail`` a failed check raises
     MapCheckError. ``log`` takes progress lines; ``pairs_from`` names the pairs in them."""
+    from fastfill.components.experiment.map_training import train_alignment
     order = order or ("sigma" if config.uncertainty else "random")
     reason = skip_reason(method, config, check_l2_only=check_l2_only)
     held = None if reason else held_out(config, *(training if checking is None else checking), method)

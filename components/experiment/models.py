@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
-from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
 from fastfill.components.experiment.dense import Dense
 from fastfill.components.experiment.vision import torchvision
 from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.platform.layout import save_torch
+
+if TYPE_CHECKING:  # a type only: the pipeline's stages that build models list what they import (dvc.yaml)
+    from fastfill.components.experiment.basis_transformation import BasisTransformedEmbedding
 
 
 def _conv_block(c_in: int, c_out: int) -> list[nn.Module]:

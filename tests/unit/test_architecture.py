@@ -155,6 +155,8 @@ def test_no_file_is_long_enough_to_hold_several_ideas():
 LATE_LOADING = {
     "components/experiment/adapters.py": "torch: an MLP adapter's layers (the upgrade's plan loads without it)",
     "components/experiment/data.py": "torch: torchvision's datasets (data.DataError is every command's)",
+    "components/experiment/map_check.py": "torch, and the pipeline's stages: those that import the check list "
+                                           "what they load in dvc.yaml",
     "components/model_store/catalogue.py": "torch: a version's description (`fastfill model list`)",
     "components/gallery/advice/advisor.py": "scipy: the evaluation's ranking code (`fastfill status`)",
     "components/gallery/layouts/table.py": "a cycle: the upgrade package imports the layouts",
