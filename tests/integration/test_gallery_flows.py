@@ -844,7 +844,7 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
         "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 0.05})})})  # 3 of 72
     done = upgrade_flow(tolerant, store_uri, gate=False)
     assert done.state == "complete" and done.failed_images == 1
-    record = gallery.store.get_json(f"upgrades/{done['upgrade']}/finished.json")
+    record = gallery.store.get_json(f"upgrades/{done.upgrade}/finished.json")
     assert [(f["id"], f["reason"]) for f in record["failed_images"]["items"]] == [
         (1007, f"missing: no such file {tmp_path / 'photos' / names[7]}")]
     gallery.manifest(refresh=True)
