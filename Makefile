@@ -1,5 +1,5 @@
 # The checks .ci/run makes after setup: `make check` runs them all, in its order.
-.PHONY: check lint test
+.PHONY: check lint test test-slow test-all
 
 check: lint test
 
@@ -9,3 +9,10 @@ lint:
 
 test:
 	.venv/bin/python -m pytest -q
+
+# the tests the default run leaves out (marked `slow`), and every test
+test-slow:
+	.venv/bin/python -m pytest -q -m slow
+
+test-all:
+	.venv/bin/python -m pytest -q -m ""

@@ -100,7 +100,8 @@ def upgrade_entry(params_path: str = "params.yaml", store: str | None = None, to
 
     params = load_params(params_path)
     result = run_upgrade_file(params, params_path, store or params.gallery.store, to, budget=budget, gate=gate)
-    return named_state(result, to or f"models:/{params.mlflow.registered_model}@challenger")
+    # the run's result crosses a process (the worker's result storage): the JSON dict of --json
+    return named_state(result, to or f"models:/{params.mlflow.registered_model}@challenger", data=result.as_dict())
 
 
 @flow(name="comparison", log_prints=True)

@@ -269,18 +269,20 @@ def runner_for(settings):
 REJECTED_EVENT = "fastfill.upgrade.rejected"
 
 
-def named_state(result: UpgradeResult, model_uri: str = "the new model"):
+def named_state(result: UpgradeResult, model_uri: str = "the new model", data=None):
     """The state an upgrade's flow run ends in, when it is more than Completed: "Paused" (the
     budget or the advised stop ended the backfill; the upgrade is not over) or "Rejected" (the
     gate said no), both Completed states (the run did its work), with the result as data. A
     flow that runs the upgrade as a subflow (the deployment's) returns it too, so its own run
-    tells the same. Called as a function, a flow returns the result either way."""
+    tells the same. Called as a function, a flow returns the result either way: ``data`` when
+    given (the deployment's run returns the result as its JSON dict), else the result itself."""
+    data = result if data is None else data
     if result.state == "paused":
-        return Completed(name="Paused", message=result.message, data=result)
+        return Completed(name="Paused", message=result.message, data=data)
     if result.state == "rejected":
         return Completed(name="Rejected", message=f"{model_uri} rejected by the promotion gate: "
-                         + ("; ".join(result.reasons) or "see its decision.json"), data=result)
-    return result
+                         + ("; ".join(result.reasons) or "see its decision.json"), data=data)
+    return data
 
 
 def _outcome(result: UpgradeResult, store_uri: str, model_uri: str):

@@ -9,7 +9,6 @@ usage weight, >= 0) and break ties by sigma (least certain first) when it is kno
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import kendalltau
 
 
 def random_order(n: int, seed: int) -> np.ndarray:
@@ -113,7 +112,10 @@ def check_permutation(order, n: int) -> np.ndarray:
 
 def kendall_tau(scores_a: np.ndarray, scores_b: np.ndarray) -> float:
     """Kendall's tau-b between two orders given by their scores (the sigma and oracle orders
-    rank by descending score, so the tau of the scores is the tau of the orders)."""
+    rank by descending score, so the tau of the scores is the tau of the orders). scipy.stats
+    loads here, where it is used: a second of every command's start-up otherwise."""
+    from scipy.stats import kendalltau
+
     tau = kendalltau(scores_a, scores_b).statistic
     return float(tau)
 

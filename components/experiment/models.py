@@ -9,8 +9,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
+from fastfill.components.experiment import vision
 from fastfill.components.experiment.dense import Dense
-from fastfill.components.experiment.vision import torchvision
 from fastfill.components.platform.config import AlignConfig, TrainConfig
 from fastfill.components.platform.layout import save_torch
 
@@ -46,7 +46,7 @@ def cnn(channels: int, width: int) -> tuple[nn.Module, int]:
 def resnet18_small(channels: int, width: int) -> tuple[nn.Module, int]:
     """torchvision's ResNet-18 adapted to small images: 3x3 stem, stride 1, no max-pool."""
 
-    net = torchvision.models.resnet18(weights=None)
+    net = vision.torchvision.models.resnet18(weights=None)
     net.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     feature_dim = net.fc.in_features

@@ -8,10 +8,15 @@ when, that specific failure happens, the two registration modules are replaced b
 stand-ins and the import is retried. Where the extension loads (any CUDA machine) nothing here
 is active. The compiled ops (``torchvision.ops.nms``, image decoding) stay unavailable on such a
 machine, and nothing in the project calls them.
+
+torchvision loads on first use (``vision.torchvision``, or ``from ... import torchvision``): it
+takes about 2 s (it loads torch's compiler stack), which a command that never builds a
+torchvision network (the tiny CNN, an ONNX model, a status) does not pay.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -32,5 +37,12 @@ def _import_torchvision():
     return torchvision
 
 
-torchvision = _import_torchvision()
-EXTENSION_LOADED: bool = bool(torchvision.extension._has_ops())
+@functools.cache
+def _loaded():
+    return _import_torchvision()
+
+
+def __getattr__(name: str):
+    if name == "torchvision":
+        return _loaded()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

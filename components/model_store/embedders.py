@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastfill.components.experiment.vision import torchvision
+from fastfill.components.experiment import vision
 from fastfill.components.model_store.preprocessing import Preprocessing
 
 
@@ -191,7 +191,7 @@ def build_torchvision(architecture: str, state: dict) -> nn.Module:
     """``torchvision.models.get_model(architecture)`` with ``state`` loaded: the classifier's
     size taken from the weights (a team's fine-tuned head rarely has 1,000 classes)."""
 
-    names = torchvision.models.list_models()
+    names = vision.torchvision.models.list_models()
     if architecture not in names:
         import difflib
 
@@ -201,13 +201,13 @@ def build_torchvision(architecture: str, state: dict) -> nn.Module:
                                   "; `python -c 'import torchvision; print(torchvision.models.list_models())'` "
                                   "lists them"))
     kwargs = {}
-    net = torchvision.models.get_model(architecture, weights=None)
+    net = vision.torchvision.models.get_model(architecture, weights=None)
     head = last_linear(net)
     if head is not None and f"{head}.weight" in state:
         rows = int(state[f"{head}.weight"].shape[0])
         if rows != dict(net.named_modules())[head].out_features:
             kwargs["num_classes"] = rows
-            net = torchvision.models.get_model(architecture, weights=None, **kwargs)
+            net = vision.torchvision.models.get_model(architecture, weights=None, **kwargs)
     mismatch = state_mismatch(net.state_dict(), state)
     if mismatch:
         raise ModelSourceError(f"the weights do not fit torchvision's {architecture}: {mismatch}; check the "

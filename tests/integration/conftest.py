@@ -9,6 +9,7 @@ from fastfill.components.platform.config import parse_params
 from testkit.process_state import in_workdir, restored_environ
 from testkit.tiny_demo import make_image_folder, tiny_params
 from tests.environment import new_bucket
+from tests.gallery_cases import LAYOUTS
 from tests.integration.helpers import cli_environment, copy_repository
 
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
@@ -36,11 +37,12 @@ def s3_endpoint():
             server.stop()
 
 
-@pytest.fixture(params=["parts", "lance", "pgvector", "milvus"])
+@pytest.fixture(params=list(LAYOUTS))
 def layout(request) -> str:
     """Each gallery layout (gallery.layout): the tests that take it run on every one (pgvector on
     a real PostgreSQL that the test process starts, milvus on a Milvus Lite file: tests/pg.py)."""
     return request.param
+
 
 
 @pytest.fixture(params=["local", "s3"])

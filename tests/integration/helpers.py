@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+from tests.gallery_cases import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,3 +180,9 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+def layouts(*by_default: str) -> list:
+    """The layouts for ``@pytest.mark.parametrize("layout", ...)`` of a test of minutes that its
+    own layouts do not change: ``by_default`` in the default run, the others marked ``slow``
+    (each layout's own behaviour is tests/gallery_cases.py's, on every layout in the unit tier)."""
+    return [layout if layout in by_default else pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS]

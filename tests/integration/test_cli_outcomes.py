@@ -79,6 +79,8 @@ QUICK = 60
 
 
 def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_endpoint, tiny_workdir, prefect_env):
+    """Each service down, the command that needs it first: the MLflow server, the Prefect API, the
+    S3 endpoint (the slow test below: the other commands and ways of being unreachable)."""
     closed = _closed_port()
     # the MLflow server: nothing listens on the port
     env = {**prefect_env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed}"}
@@ -86,6 +88,24 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
     _error_line(result, 5, f"cannot reach the MLflow tracking server at http://127.0.0.1:{closed}",
                 "check that the server is running")
     assert seconds < QUICK, seconds
+
+    # the Prefect API
+    env = {**prefect_env, "PREFECT_API_URL": f"http://127.0.0.1:{closed}/api"}
+    result, seconds = _run(["gallery", "ingest"], env, tiny_workdir)
+    _error_line(result, 5, f"cannot reach the Prefect API at http://127.0.0.1:{closed}/api", "prefect server start")
+    assert seconds < QUICK, seconds
+
+    # the S3 endpoint: nothing listens
+    env = {**prefect_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}"}
+    result, seconds = _run(["upgrade", "--store", "s3://some-bucket/g"], env, tiny_workdir)
+    _error_line(result, 5, "s3://some-bucket/g: cannot connect to the S3 endpoint")
+    assert seconds < QUICK, seconds
+
+
+@pytest.mark.slow  # five more commands: about a minute on 2 cores
+def test_a_silent_server_and_a_missing_bucket_end_the_command_in_seconds_too(s3_endpoint, tiny_workdir, prefect_env):
+    closed = _closed_port()
+    env = {**prefect_env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed}"}
     result, _ = _run(["gallery", "ingest"], env, tiny_workdir)
     _error_line(result, 5, "cannot reach the MLflow tracking server")
 
@@ -98,17 +118,7 @@ def test_an_unreachable_service_ends_the_command_in_seconds_with_one_line(s3_end
     _error_line(result, 5, "did not answer within 5 s")
     assert seconds < QUICK, seconds
 
-    # the Prefect API
-    env = {**prefect_env, "PREFECT_API_URL": f"http://127.0.0.1:{closed}/api"}
-    result, seconds = _run(["gallery", "ingest"], env, tiny_workdir)
-    _error_line(result, 5, f"cannot reach the Prefect API at http://127.0.0.1:{closed}/api", "prefect server start")
-    assert seconds < QUICK, seconds
-
-    # the S3 endpoint: nothing listens; then a bucket that does not exist
-    env = {**prefect_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}"}
-    result, seconds = _run(["upgrade", "--store", "s3://some-bucket/g"], env, tiny_workdir)
-    _error_line(result, 5, "s3://some-bucket/g: cannot connect to the S3 endpoint")
-    assert seconds < 60, seconds
+    # a bucket that does not exist
     result, _ = _run(["gallery", "ingest", "--store", "s3://no-such-bucket-here/g"], prefect_env, tiny_workdir)
     _error_line(result, 5, "bucket 'no-such-bucket-here' does not exist")
     result, _ = _run(["status", "--store", "s3://no-such-bucket-here/g"], prefect_env, tiny_workdir)
@@ -222,6 +232,7 @@ def _events(name: str, flow_run_id, as_resource: bool = False) -> list[dict]:
     return []
 
 
+@pytest.mark.slow  # two minutes on 2 cores; the exit code 3 of a rejection is test_cli_json's too
 def test_a_rejected_upgrade_exits_3_in_a_rejected_flow_run_and_status_and_doctor_show_it(s3_endpoint, upgrade_env,
                                                                                          prefect_env):
     from fastfill.components.platform import registry

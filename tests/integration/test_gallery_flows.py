@@ -22,7 +22,7 @@ from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, planning
 from fastfill.components.gallery.upgrade.status import gallery_status
 from fastfill.components.platform.registry import RegistryError
-from tests.integration.helpers import in_layout, killed_when, registry_models, split_images
+from tests.integration.helpers import in_layout, killed_when, layouts, registry_models, split_images
 
 
 def _index_against_exact(gallery, queries, labels, mixed) -> float:
@@ -183,6 +183,7 @@ def dask_cluster(tmp_path):
                 process.kill()
 
 
+@pytest.mark.slow  # a Dask cluster of separate processes starts: about a minute on 2 cores
 def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_env, prefect_harness, dask_cluster):
     """An adopted gallery in S3 (its images in the bucket), upgraded through ``run_upgrade`` with
     task_runner dask at the cluster's address: the chunks run in the two workers, which read the
@@ -444,6 +445,7 @@ def test_cli_refuses_a_second_upgrade_and_unlocks(upgrade_env, prefect_harness):
 # ---- SIGKILL ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", layouts("parts"))
 def test_a_sigkilled_backfill_resumes_with_the_same_command(layout, upgrade_env, cli_env, prefect_harness):
     from fastfill.flows.ingest import ingest_flow
     from fastfill.flows.upgrade import upgrade_flow
@@ -606,6 +608,8 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     assert plan.order_kind == order
 
 
+@pytest.mark.slow  # the later map trained and checked in the upgrade: a minute on 2 cores (the map and its
+# reverse transformation alone are tests/unit/test_later_methods_maps.py's)
 def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgrade_env, prefect_harness):
     """gallery.upgrade.method names the comparison's affine lambda-orthogonal map and online is on:
     the upgrade trains that map (checked, warn-only), fits the metric-compatible reverse
@@ -810,6 +814,7 @@ def _photos(folder: Path, images: np.ndarray) -> list[str]:
     return names
 
 
+@pytest.mark.parametrize("layout", layouts("parts", "lance"))
 def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 

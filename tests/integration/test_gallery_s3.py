@@ -7,10 +7,21 @@ import pytest
 
 from fastfill.components.gallery.store import StoreError, StoreUnreachable, open_store
 from tests.environment import new_bucket
-from tests.gallery_cases import CASES, case_id, make_data, make_models
+from tests.gallery_cases import CASES, GALLERY_CASES, INDEX_CASES, case_id, make_data, make_models
 
 
-@pytest.mark.parametrize("pair", CASES, ids=case_id)
+def _on_s3(pair):
+    """Every case runs on the local store in the unit tier, on each layout. On S3 the default run
+    takes the layouts whose files S3 holds (parts, and Lance's table); the cases every layout
+    shares, on pgvector and Milvus (whose index lives in their own server, beside the same S3
+    files), are ``slow``."""
+    case, layout = pair
+    if layout in ("pgvector", "milvus") and (case in GALLERY_CASES or case in INDEX_CASES):
+        return pytest.param(pair, marks=pytest.mark.slow, id=case_id(pair))
+    return pytest.param(pair, id=case_id(pair))
+
+
+@pytest.mark.parametrize("pair", [_on_s3(pair) for pair in CASES])
 def test_on_s3(pair, s3_endpoint):
     case, layout = pair
     case(f"s3://{new_bucket(s3_endpoint)}/galleries/main", make_models(), make_data(), layout)

@@ -139,6 +139,7 @@ def test_training_progress_is_a_prefect_artifact(finished_pipeline):
             assert found[0].type == "progress" and float(found[0].data) == 100.0, (key, found[0].data)
 
 
+@pytest.mark.slow  # a pipeline run per seed: about a minute on 2 cores
 def test_seeds_command_reports_each_seed_and_the_spread(tiny_workdir, prefect_harness):
     from typer.testing import CliRunner
 

@@ -17,7 +17,7 @@ from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.triggers.claims import claim, claimed
 from fastfill.components.gallery.upgrade import garbage, planning, reversal
 from fastfill.components.gallery.upgrade.status import gallery_status
-from tests.integration.helpers import in_layout, registry_models, split_images
+from tests.integration.helpers import in_layout, layouts, registry_models, split_images
 
 
 def _flow_run(flow_name: str):
@@ -154,6 +154,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
                for line in _logs(run.id))
 
 
+@pytest.mark.parametrize("layout", layouts("parts"))
 def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_features(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 

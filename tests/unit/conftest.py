@@ -1,9 +1,22 @@
-"""The unit tier's shared fixtures: the tiny models and images of tests/gallery_cases.py."""
+"""The unit tier's shared fixtures: the tiny models and images of tests/gallery_cases.py, and no
+Prefect server in effect."""
 
 import pytest
 
 from fastfill.components.gallery.upgrade import backfill
 from tests.gallery_cases import _gallery, _plan, make_data, make_models
+
+
+@pytest.fixture(autouse=True)
+def _no_prefect_server():
+    """A unit test sees the settings of a host without PREFECT_API_URL, wherever it runs: on a
+    pytest-xdist worker that ran an integration test before it, the session's Prefect test
+    harness (a server, named in the process's settings) would otherwise still be in effect, and
+    `fastfill serve` would serve on it instead of refusing."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        yield
 
 
 @pytest.fixture

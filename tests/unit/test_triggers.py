@@ -158,10 +158,11 @@ def test_served_deployments_carry_the_store_they_were_given(monkeypatch):
         assert "store" not in by_name["weekly"].parameters  # the comparison has no gallery
     assert all("store" not in d.parameters for d in deployments(params, "/p/params.yaml"))
 
-    serve = get_command(app).commands["serve"]
+    cli = get_command(app)  # its groups load when asked for (cli/__init__.py's COMMANDS)
+    serve = cli.get_command(None, "serve")
     store = next(option for option in serve.params if option.name == "store")
     assert store.envvar == "FASTFILL_STORE"
-    webhook = get_command(app).commands["webhook"].commands["serve"]
+    webhook = cli.get_command(None, "webhook").get_command(None, "serve")
     assert {option.name: option.envvar for option in webhook.params if option.name in ("host", "port", "store")} == {
         "host": "FASTFILL_WEBHOOK_HOST", "port": "FASTFILL_WEBHOOK_PORT", "store": "FASTFILL_STORE"}
 
