@@ -29,7 +29,7 @@ from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.triggers.claims import ENDED_UNSTARTED, claimed, unfinished
 from fastfill.components.gallery.upgrade.ending import decision
 from fastfill.components.gallery.upgrade.planning import DECISION, load_plan
-from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.upgrade.status import GalleryStatus, gallery_status
 from fastfill.components.platform import registry
 from fastfill.components.platform.registry import CHALLENGER, CHAMPION, alias_version
 from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT, UPGRADE_FLOW
@@ -238,7 +238,7 @@ def _same_store(uri: str, store) -> bool:
     return str(Path(uri.removeprefix("file://")).resolve()) == store.identity
 
 
-def _challenger_line(client, config, store, state: dict) -> str | None:
+def _challenger_line(client, config, store, state: GalleryStatus) -> str | None:
     """Whether the registry's challenger waits for this gallery, and what became of its claim
     (components/gallery/triggers/claims.py): none yet, a start never recorded, a flow run (with its
     state where PREFECT_API_URL names a server: no temporary server is started for a status), or
@@ -247,7 +247,7 @@ def _challenger_line(client, config, store, state: dict) -> str | None:
     name = config.mlflow.registered_model
     version = alias_version(client, name, CHALLENGER)
     uri = f"models:/{name}/{version}"
-    if version is None or uri in (state.get("model"), (state.get("upgrade") or {}).get("to")):
+    if version is None or uri in (state.model, state.upgrade.to if state.upgrade else None):
         return None
     record = claimed(store, name, version)
     if record is None:
@@ -285,7 +285,7 @@ def _flow_run_state(flow_run_id: str | None) -> str | None:
 
 
 def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
-                  state: dict | None = None) -> list[tuple[str, str]]:
+                  state: GalleryStatus | None = None) -> list[tuple[str, str]]:
     """The challenger's state for this gallery, the run's link and the decision's record in the
     registry; raises when the tracking store cannot be used."""
     from mlflow.exceptions import MlflowException
@@ -391,10 +391,11 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
         if not as_json:
             _show(name, text)
 
-    def answered(healthy: bool, state: dict | None = None, decided: dict | None = None,
+    def answered(healthy: bool, state: GalleryStatus | None = None, decided: dict | None = None,
                  run_id: str | None = None) -> None:
         if as_json:
-            answer("fastfill.status/1", {"ok": healthy, "store": where.uri, "gallery": state,
+            answer("fastfill.status/1", {"ok": healthy, "store": where.uri,
+                                         "gallery": state.as_dict() if state else None,
                                          "decision": json_output.decision_fields(decided), "mlflow_run_id": run_id,
                                          "lines": lines})
 
@@ -406,7 +407,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
             raise typer.Exit(SERVICE) from None
         return
     _show_gallery(state, decided, show)
-    run_id = (state.get("upgrade") or {}).get("mlflow_run_id")
+    run_id = state.upgrade.mlflow_run_id if state.upgrade else None
     if run_id is None and decided is not None:
         plan = load_plan(where, decided["upgrade"])
         run_id = plan.mlflow_run_id if plan else None
@@ -423,7 +424,7 @@ def _read_gallery(uri: str):
     if not opened.exists(MANIFEST):
         return opened, None, None
     gallery = gallery_at(opened)  # in the layout its manifest names
-    return opened, gallery_status(gallery, failures=False).as_dict(), _last_decision(opened)  # as its JSON shows it
+    return opened, gallery_status(gallery, failures=False), _last_decision(opened)
 
 
 def _show_no_gallery(config, where, show) -> bool:
@@ -441,24 +442,24 @@ def _show_no_gallery(config, where, show) -> bool:
     return True
 
 
-def _show_gallery(state: dict, decided: dict | None, show) -> None:
+def _show_gallery(state: GalleryStatus, decided: dict | None, show) -> None:
     """The gallery's own lines: its model, the upgrade and its lock, what comes next, the gate."""
-    show("gallery", f"{state['store']}: {state['items']:,} items, model {state['model']}")
-    info = state.get("upgrade")
-    if info and info.get("chunks"):
-        show("upgrade", f"{state['state']}: {info['id']} ({info['from']} -> {info['to']}, {info['order']} order), "
-                        f"{info['chunks_done']}/{info['chunks']} chunks, {info['items_done']:,}/{state['items']:,} "
-                        f"items ({100 * info['fraction']:.1f}%)")
+    show("gallery", f"{state.store}: {state.items:,} items, model {state.model}")
+    info = state.upgrade
+    if info and info.chunks and info.registry_recorded is not False:
+        show("upgrade", f"{state.state}: {info.id} ({info.source} -> {info.to}, {info.order} order), "
+                        f"{info.chunks_done}/{info.chunks} chunks, {info.items_done or 0:,}/{state.items:,} "
+                        f"items ({100 * (info.fraction or 0):.1f}%)")
     elif info:
-        show("upgrade", f"{state['state']}: {info['id']} to {info.get('to')}")
+        show("upgrade", f"{state.state}: {info.id} to {info.to}")
     else:
         show("upgrade", "none in progress")
-    lock = state.get("lock")
+    lock = state.lock
     if lock:
         show("lock", f"held by upgrade {lock.get('upgrade')}, process {lock.get('pid')} on {lock.get('host')}"
                      + (" (its lease has expired)" if lock.get("expired") else ""))
-    if state.get("next"):
-        show("next", state["next"])
+    if state.next:
+        show("next", state.next)
     if decided is None:
         show("gate", "no promotion decision recorded in this gallery")
     else:
@@ -469,7 +470,7 @@ def _show_gallery(state: dict, decided: dict | None, show) -> None:
                      f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
 
 
-def _show_services(config, run_id: str | None, decided: dict | None, where, state: dict, show) -> bool:
+def _show_services(config, run_id: str | None, decided: dict | None, where, state: GalleryStatus, show) -> bool:
     """The registry's and the run trackers' lines (MLflow, Prefect); False when one could not be
     reached (its line says why)."""
     healthy = True

@@ -125,7 +125,7 @@ def test_a_silent_server_and_a_missing_bucket_end_the_command_in_seconds_too(s3_
     _error_line(result, 5, "bucket 'no-such-bucket-here' does not exist")
 
 
-def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_env):
+def test_bad_input_exits_6_and_a_paused_upgrade_shows_in_status(upgrade_env, prefect_env):
     from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
@@ -143,6 +143,33 @@ def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_e
     result, _ = _run(["gallery", "ingest", *args], prefect_env, tmp_path)  # a second ingest into the same place
     _error_line(result, 6, "already holds a gallery")
     assert _snapshot(store) == before
+
+    # a paused upgrade, as `fastfill status` shows it
+    result, _ = _run(["upgrade", *args, "--budget", "25%", "--no-progress"], prefect_env, tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("paused: "), result.stdout + result.stderr[-3000:]
+    result, _ = _run(["status", *args], prefect_env, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in result.stdout.splitlines()}
+    upgrade = f"embedder-v{old_version}-to-embedder-v{new_version}"
+    assert lines["upgrade"].startswith(f"paused: {upgrade} (models:/embedder/{old_version} -> models:/embedder/"
+                                       f"{new_version}, "), lines["upgrade"]
+    assert lines["upgrade"].endswith(" order), 3/9 chunks, 24/72 items (33.3%)"), lines["upgrade"]
+    assert lines["gate"] == "no promotion decision recorded in this gallery"
+    assert "experiment " in lines["mlflow"] and "run " in lines["mlflow"]
+    assert lines["prefect"].endswith(", Paused)"), lines["prefect"]  # its flow run says it is not over
+
+
+@pytest.mark.slow  # three more commands: about a minute on 2 cores
+def test_nothing_to_upgrade_exits_0_and_says_why(upgrade_env, prefect_env):
+    from fastfill.flows.ingest import ingest_flow
+
+    params, tmp_path = upgrade_env
+    uri = str(tmp_path / "g")
+    ingest_flow(params, uri)
+    _, _, _, old_version, new_version = registry_models(params)
+    store = open_store(uri)
+    before = _snapshot(store)
+    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
 
     result, _ = _run(["upgrade", *args, "--to", f"models:/embedder/{old_version}", "--no-progress"], prefect_env,
                      tmp_path)
@@ -164,21 +191,6 @@ def test_bad_input_exits_6_and_nothing_to_upgrade_exits_0(upgrade_env, prefect_e
     result, _ = _run(["upgrade", *args, "--dry-run"], prefect_env, tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == f"dry run: nothing written. {said}", result.stdout
     assert _snapshot(store) == before
-    client.set_registered_model_alias("embedder", "challenger", new_version)
-
-    # a paused upgrade, as `fastfill status` shows it
-    result, _ = _run(["upgrade", *args, "--budget", "25%", "--no-progress"], prefect_env, tmp_path)
-    assert result.returncode == 0 and result.stdout.startswith("paused: "), result.stdout + result.stderr[-3000:]
-    result, _ = _run(["status", *args], prefect_env, tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = {line.split()[0]: line.split(None, 1)[1] for line in result.stdout.splitlines()}
-    upgrade = f"embedder-v{old_version}-to-embedder-v{new_version}"
-    assert lines["upgrade"].startswith(f"paused: {upgrade} (models:/embedder/{old_version} -> models:/embedder/"
-                                       f"{new_version}, "), lines["upgrade"]
-    assert lines["upgrade"].endswith(" order), 3/9 chunks, 24/72 items (33.3%)"), lines["upgrade"]
-    assert lines["gate"] == "no promotion decision recorded in this gallery"
-    assert "experiment " in lines["mlflow"] and "run " in lines["mlflow"]
-    assert lines["prefect"].endswith(", Paused)"), lines["prefect"]  # its flow run says it is not over
 
 
 def _worse_version(params) -> str:

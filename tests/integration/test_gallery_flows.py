@@ -463,8 +463,13 @@ def test_a_sigkilled_backfill_resumes_with_the_same_command(layout, upgrade_env,
     root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-m", "fastfill.cli", "upgrade", "--store", store_uri, "--chunk-size", "4",
                "--concurrency", "1", "--no-progress", "--params", str(tmp_path / "params.yaml")]
+    # the commands run their flows on the tests' Prefect server: a temporary server of their own
+    # would take seconds to start each time (test_hard_kill.py kills a command with its own)
+    from prefect.settings import get_current_settings
+
+    cli_env = {**cli_env, "PREFECT_API_URL": get_current_settings().api.url}
     log = open(tmp_path / "killed.log", "wb")
-    # its own process group: the kill takes the CLI and its children (Prefect's ephemeral server)
+    # its own process group: the kill takes the CLI and whatever it started
     process = subprocess.Popen(command, cwd=root, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     deadline = time.monotonic() + 240
