@@ -67,6 +67,7 @@ def model_version(gallery) -> str:
     return gallery.manifest(refresh=True)["model"]["version"]
 
 
+@pytest.mark.parametrize("layout", layouts("parts", "lance"))
 def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again(layout, upgrade_env, prefect_harness):
     from typer.testing import CliRunner
 
