@@ -271,7 +271,7 @@ def check_prefect_api(timeout: float = SERVICE_TIMEOUT, *, needed: bool = False)
     elif auth:
         import base64
 
-        secret = getattr(auth, "get_secret_value", lambda: auth)()
+        secret = str(getattr(auth, "get_secret_value", lambda: auth)())
         headers["Authorization"] = "Basic " + base64.b64encode(secret.encode()).decode()
     todo = ("start it (`prefect server start`) or point PREFECT_API_URL at the right one" if needed else
             "start it (`prefect server start`), point PREFECT_API_URL at the right one, or unset it to run flows on "

@@ -109,7 +109,7 @@ def _pause_served(found: list, deadline_seconds: float = 8.0) -> str:
         except Exception as error:  # noqa: BLE001 - stopping must not fail on it
             status = getattr(getattr(error, "response", None), "status_code", None)
             answered = isinstance(error, PrefectHTTPStatusError) and status is not None
-            if answered and status >= 500 and time.monotonic() + 1.0 < deadline:
+            if answered and status is not None and status >= 500 and time.monotonic() + 1.0 < deadline:
                 time.sleep(1.0)
                 continue
             why = (f"the Prefect server answered {status}" if answered else "the Prefect server did not answer")

@@ -60,7 +60,7 @@ def _negatives_before(queries: np.ndarray, first: np.ndarray, rest: np.ndarray, 
 
     width = max(256, block_bytes // (4 * max(1, count)))
     edges = np.unique(np.concatenate([np.arange(0, n, width), cuts, [n]]).astype(np.int64))
-    cut_at = {}
+    cut_at: dict[int, list[int]] = {}
     for index, cut in enumerate(cuts):
         cut_at.setdefault(int(cut), []).append(index)
     running = np.zeros((2, pairs, 2), dtype=np.int64)  # [side, pair, threshold side]

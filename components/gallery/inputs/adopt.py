@@ -206,6 +206,7 @@ def adopt(store: Store, table, model: ModelRef, image_shape: Sequence[int], *, r
                                    f"{n} items; give them in the manifest's row order")
             what = f"features of items {start}..{stop - 1}"
         else:
+            assert embed_part is not None  # exactly one of the two is given (checked above)
             block, what = embed_part(items.column("uri").to_pylist()), f"embedded features of part {part}"
         block = check_features(block, model.dim, what)
         columns = {

@@ -148,10 +148,10 @@ def read_images(uris: Sequence[str], shape: Sequence[int] | Preprocessing, *, ro
         failed = []
         for row in range(first, last):
             image, why = read_image(resolve(str(uris[row]), root), shape)
-            if why is None:
+            if image is not None:
                 out[row] = image
-            else:
-                failed.append(ImageFailure(row, str(uris[row]), why))
+            else:  # read_image gives an image or why there is none
+                failed.append(ImageFailure(row, str(uris[row]), why or "unreadable"))
         return failed
 
     if workers == 1:

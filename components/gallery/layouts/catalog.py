@@ -27,6 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -90,6 +91,7 @@ class Gallery(ABC):
     def __init__(self, store: Store, manifest: dict | None = None):
         self.store = store
         self._manifest = manifest
+        self._ids: np.ndarray | None = None
 
     # ---- manifest
 
@@ -156,8 +158,12 @@ class Gallery(ABC):
                                for p in range(self.num_parts)])
 
     def ids(self) -> np.ndarray:
-        """The items' ids in position order: int64, or str for a gallery of text ids."""
-        return np.concatenate([id_array(self.items_part(p).column("id")) for p in range(self.num_parts)])
+        """The items' ids in position order: int64, or str for a gallery of text ids. Read once per
+        gallery object: every chunk and read of an index goes by id, and a gallery's items never
+        change after it is made."""
+        if self._ids is None:
+            self._ids = np.concatenate([id_array(self.items_part(p).column("id")) for p in range(self.num_parts)])
+        return self._ids
 
     def labels(self) -> np.ndarray | None:
         if not self.manifest().get("has_labels"):
@@ -240,6 +246,14 @@ class StoredItems:
     """Items tables and an ingested gallery's images kept as objects in the store, one per part
     (``items/part-NNNNN.parquet``, ``images/part-NNNNN.npy``): the parts, pgvector and Milvus
     layouts keep them so."""
+
+    if TYPE_CHECKING:  # what the gallery it is mixed into gives (``Gallery``'s)
+        store: Store
+        num_parts: int
+
+        def manifest(self, refresh: bool = False) -> dict: ...
+
+        def part_bounds(self, part: int) -> tuple[int, int]: ...
 
     def items(self):
         import pyarrow as pa

@@ -23,14 +23,6 @@ class ServedGallery(StoredItems, Gallery):
     def __init__(self, store: Store, manifest: dict | None = None):
         super().__init__(store, manifest)
         self._index: Any = None  # the layout's own: pgvector's Index, Milvus's Collections
-        self._ids: np.ndarray | None = None
-
-    def ids(self) -> np.ndarray:
-        """The items' ids in position order, read once per gallery object: every chunk and read
-        of the index goes by id, and a gallery's items never change after it is made."""
-        if self._ids is None:
-            self._ids = super().ids()
-        return self._ids
 
     def _rows(self, model: ModelRef, ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError

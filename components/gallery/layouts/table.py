@@ -161,7 +161,6 @@ class TableGallery(Gallery):
         self._dataset: Any = None  # lance's dataset, opened when first read
         self._index: ServingTable | None = None
         self._index_settings: dict | None = None  # the manifest's, that self._index was made with
-        self._ids: np.ndarray | None = None
 
     @property
     def index(self) -> ServingTable:
@@ -170,13 +169,6 @@ class TableGallery(Gallery):
         if self._index is None or self._index_settings != settings:
             self._index, self._index_settings = ServingTable(self.store.uri, settings), settings
         return self._index
-
-    def ids(self) -> np.ndarray:
-        """The items' ids in position order, read once per gallery object (a gallery's items never
-        change after it is made; each chunk's rows in the serving table carry theirs)."""
-        if self._ids is None:
-            self._ids = super().ids()
-        return self._ids
 
     # ---- the dataset
 
