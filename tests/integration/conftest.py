@@ -44,7 +44,6 @@ def layout(request) -> str:
     return request.param
 
 
-
 @pytest.fixture(params=["local", "s3"])
 def store_uri(request, tmp_path) -> str:
     """A fresh, empty store of each backend."""

@@ -181,6 +181,7 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return False
 
+
 def layouts(*by_default: str) -> list:
     """The layouts for ``@pytest.mark.parametrize("layout", ...)`` of a test of minutes that its
     own layouts do not change: ``by_default`` in the default run, the others marked ``slow``

@@ -125,7 +125,9 @@ def test_a_silent_server_and_a_missing_bucket_end_the_command_in_seconds_too(s3_
     _error_line(result, 5, "bucket 'no-such-bucket-here' does not exist")
 
 
-def test_bad_input_exits_6_and_a_paused_upgrade_shows_in_status(upgrade_env, prefect_env):
+def _ingested(upgrade_env):
+    """A gallery ingested for the commands: (params, tmp_path, its store, a snapshot of the store,
+    the commands' --params/--store arguments, champion version, challenger version)."""
     from fastfill.flows.ingest import ingest_flow
 
     params, tmp_path = upgrade_env
@@ -133,8 +135,12 @@ def test_bad_input_exits_6_and_a_paused_upgrade_shows_in_status(upgrade_env, pre
     ingest_flow(params, uri)
     _, _, _, old_version, new_version = registry_models(params)
     store = open_store(uri)
-    before = _snapshot(store)
     args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+    return params, tmp_path, store, _snapshot(store), args, old_version, new_version
+
+
+def test_bad_input_exits_6_and_a_paused_upgrade_shows_in_status(upgrade_env, prefect_env):
+    _, tmp_path, store, before, args, old_version, new_version = _ingested(upgrade_env)
 
     result, _ = _run(["upgrade", *args, "--to", "models:/embedder/999"], prefect_env, tmp_path)
     _error_line(result, 6, "unknown model 'models:/embedder/999'", f"champion -> v{old_version}")
@@ -161,15 +167,7 @@ def test_bad_input_exits_6_and_a_paused_upgrade_shows_in_status(upgrade_env, pre
 
 @pytest.mark.slow  # three more commands: about a minute on 2 cores
 def test_nothing_to_upgrade_exits_0_and_says_why(upgrade_env, prefect_env):
-    from fastfill.flows.ingest import ingest_flow
-
-    params, tmp_path = upgrade_env
-    uri = str(tmp_path / "g")
-    ingest_flow(params, uri)
-    _, _, _, old_version, new_version = registry_models(params)
-    store = open_store(uri)
-    before = _snapshot(store)
-    args = ["--params", str(tmp_path / "params.yaml"), "--store", uri]
+    params, tmp_path, store, before, args, old_version, _ = _ingested(upgrade_env)
 
     result, _ = _run(["upgrade", *args, "--to", f"models:/embedder/{old_version}", "--no-progress"], prefect_env,
                      tmp_path)
