@@ -211,7 +211,7 @@ class _Block:
         head = np.where(sorted_positions < big, j / (sorted_positions + 1.0), 0.0).sum(axis=1)
         ap = np.divide(head + self.tail[depth], self.num_positives,
                        out=np.zeros(len(head)), where=self.num_positives > 0)
-        return top1, top5, ap
+        return np.asarray(top1), np.asarray(top5), ap
 
 
 def rerank_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
@@ -321,7 +321,9 @@ def candidate_gap(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
         native = {"top1": mean(native_top1[-1], mask), "map": mean(native_ap[-1], ap_mask)}
         by_depth = {}
         for v in variants:
-            top1, ap = restricted[v]
+            pair = restricted[v]
+            assert isinstance(pair, tuple)  # per_query gives (top1, ap)
+            top1, ap = pair
             kept = {"top1": mean(top1[-1], mask), "map": mean(ap[-1], ap_mask)}
             by_depth[v.depth] = {"restricted": kept, "gap": {m: native[m] - kept[m] for m in kept},
                                  "recall": mean(recall[v.depth], ap_mask)}
