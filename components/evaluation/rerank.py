@@ -217,8 +217,9 @@ class _Block:
 def rerank_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.ndarray, gallery_new: np.ndarray,
                   labels: np.ndarray, order: np.ndarray | None = None, *,
                   variants: Sequence[RerankVariant] = (RerankVariant(50),), distance: str = "l2",
-                  num_intermediate: int = ALPHA_POINTS_DEFAULT, block_size: int = 256, workers: int = 2,
-                  per_query: bool = False) -> dict[RerankVariant, BackfillCurve] | dict[RerankVariant, tuple]:
+                  num_intermediate: int = ALPHA_POINTS_DEFAULT, counts: Sequence[int] | None = None,
+                  block_size: int = 256, workers: int = 2, per_query: bool = False
+                  ) -> dict[RerankVariant, BackfillCurve] | dict[RerankVariant, tuple]:
     """Candidate reranking's backfill curve for each variant (depth, synchronous budget), in one
     pass. With ``per_query``, each variant's ``(top1, ap)`` instead, both ``(B + 2, n)``, as
     ``per_query_curve`` gives them.
@@ -231,6 +232,8 @@ def rerank_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
         order: permutation of ``0 .. n-1``, the backfill order; ``None`` means ``0 .. n-1``.
         variants: ``RerankVariant``s, each depth in ``[1, n - 1]``.
         distance, num_intermediate: as for ``backfill_curve``.
+        counts: instead of ``num_intermediate``'s even points, the numbers of backfilled items
+            at each point (non-decreasing, in ``[0, n]``), as ``curve_at_counts`` takes them.
         block_size: query rows whose distances are computed together (about ``24 * block_size * n``
             bytes per worker).
         workers: threads over blocks.
@@ -246,7 +249,14 @@ def rerank_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
     for name, value in (("block_size", block_size), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    cuts = np.array([(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)], dtype=np.int64)
+    if counts is None:
+        cuts = np.array([(i * n) // (num_intermediate + 1) for i in range(num_intermediate + 2)], dtype=np.int64)
+        alphas = curve_alphas(num_intermediate)
+    else:
+        cuts = np.array([int(c) for c in counts], dtype=np.int64)
+        if not len(cuts) or (cuts < 0).any() or (cuts > n).any() or (np.diff(cuts) < 0).any():
+            raise ValueError(f"counts must be a non-empty, non-decreasing list of integers in [0, {n}], got {counts!r}")
+        alphas = cuts / n
     # item -> the first point at which it has new features: #{p : cuts[p] <= its place in order}
     place = np.empty(n, dtype=np.int64)
     place[order] = np.arange(n)
@@ -279,7 +289,6 @@ def rerank_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
     totals = over_blocks(run, n, block_size, workers)
     if per_query:
         return {v: (totals[v].query_top1, totals[v].query_ap) for v in variants}
-    alphas = curve_alphas(num_intermediate)
     return {v: curve_from_totals(alphas, totals[v], inputs.labels) for v in variants}
 
 

@@ -176,3 +176,17 @@ def test_bad_input_is_named(kwargs, message):
 def test_variant_names():
     assert [RerankVariant(*a).name for a in itertools.product([50, 200], [0, 4])] == [
         "k50", "k50_sync4", "k200", "k200_sync4"]
+
+
+def test_counts_measure_at_given_numbers_of_backfilled_items():
+    old, new, labels = _data(n=30, seed=8)
+    order = np.random.default_rng(2).permutation(len(labels))
+    v = RerankVariant(6, 1)
+    even = rerank_curves(old, new, old, new, labels, order, variants=[v], num_intermediate=4)[v]
+    cuts = [(i * 30) // 5 for i in range(6)]
+    at = rerank_curves(old, new, old, new, labels, order, variants=[v], counts=cuts)[v]
+    np.testing.assert_array_equal(at.top1, even.top1)
+    np.testing.assert_array_equal(at.map, even.map)
+    np.testing.assert_allclose(at.alphas, np.array(cuts) / 30)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        rerank_curves(old, new, old, new, labels, order, variants=[v], counts=[10, 5])
