@@ -35,8 +35,10 @@ from fastfill.components.evaluation.comparison import (
     describe_dual,
     describe_method,
     describe_online,
+    describe_rerank,
     method_cost,
     plot_comparison,
+    rerank_cost,
     summarize,
 )
 from fastfill.components.platform.config import (
@@ -93,10 +95,12 @@ def comparison_report_flow(params: Params, seeds: list[int] | None = None) -> di
     descriptions.update({dual_method(merge): describe_dual(merge) for merge in one.evaluate.dual})
     descriptions.update({online_method(kind): describe_online(kind, one.evaluate.adapter_rank)
                          for kind in one.evaluate.online})
+    descriptions.update({spec.method: describe_rerank(spec.depth, spec.sync) for spec in one.evaluate.rerank})
     costs = {m: method_cost(c) for m, c in configs.items()}
     costs.update({adapter_method(kind): COSTS["adapter"] for kind in one.evaluate.adapters})
     costs.update({dual_method(merge): COSTS["dual"] for merge in one.evaluate.dual})
     costs.update({online_method(kind): COSTS["online"] for kind in one.evaluate.online})
+    costs.update({spec.method: rerank_cost(spec.depth, spec.sync) for spec in one.evaluate.rerank})
     summary = summarize(metrics, curves, descriptions, one.evaluate.headlines, costs)
     outputs = comparison_outputs(params)
     write_json(outputs["json"], summary)

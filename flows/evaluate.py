@@ -1,5 +1,5 @@
 """Stage 5: backfill curves of every method and order (the maps, the compatible models, the
-query-side adapters, the shadow index, online backfilling), metrics.json, plot data and the PNG."""
+query-side adapters, the shadow index, online backfilling, candidate reranking), metrics.json, plot data and the PNG."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastfill.tasks.method_curves import (
     evaluate_method,
     evaluate_online,
     evaluate_reference,
+    evaluate_rerank,
     write_reports,
 )
 from fastfill.tasks.tracking import log_results
@@ -39,6 +40,8 @@ def evaluate_flow(params: Params, parent_run_id: str | None = None) -> dict:
             curves.update(evaluate_dual(config, layout))
         if config.online:  # new query only, reverse-transformed for the old part (the comparison lists it)
             curves.update(evaluate_online(config, layout))
+        if config.rerank:  # the old index's candidates ranked by the new model, no map (the comparison lists it)
+            curves.update(evaluate_rerank(config, layout))
         outputs = write_reports(config, reference, curves, kendall, layout)
         metrics = read_json(outputs["metrics"])
         series = {f"{method}.{order}.{key}": curve[key] for method, by_order in curves.items()

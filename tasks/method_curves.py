@@ -16,6 +16,7 @@ from fastfill.components.evaluation.assessment import MethodOutputs, build_order
 from fastfill.components.evaluation.online_backfill import monotonicity, online_curve
 from fastfill.components.evaluation.ordering import random_order
 from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
+from fastfill.components.evaluation.rerank import RerankVariant, query_driven_order, rerank_curves
 from fastfill.components.experiment.adapters import fit_adapter
 from fastfill.components.experiment.data import load_split
 from fastfill.components.experiment.map_check import non_finite_rows
@@ -181,6 +182,55 @@ def evaluate_dual(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
                 f"map_auc {100 * curve['map_auc']:.2f}%")
     log(f"shadow index ({', '.join(config.dual)} x {', '.join(config.dual_orders)}) measured in "
         f"{time.perf_counter() - start:.0f} s; serving it costs two query embeddings and two searches per query")
+    return curves
+
+
+def rerank_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
+    """Candidate reranking as methods ``rerank_k<depth>[_sync<sync>]`` (docs/methods.md): no map,
+    no write; the old query's top ``depth`` of the old gallery (the old model's raw test
+    features), those with new features ranked by the new query. Every spec of
+    ``evaluate.rerank`` in one pass per order of ``evaluate.rerank_orders`` (query: one order per
+    depth, a query-driven worker's)."""
+
+    labels = load_split(layout.splits, "test").labels
+    old, new = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
+    variants = {RerankVariant(spec.depth, spec.sync): spec.method for spec in config.rerank}
+    curves: dict[str, dict] = {method: {} for method in variants.values()}
+    for name in config.rerank_orders:
+        orders: dict[int | None, tuple] = {}
+        if name == "query":  # each depth's own worker
+            orders = {depth: (query_driven_order(old, old, depth, seed=config.seed, labels=labels,
+                                                 distance=config.distance), None)
+                      for depth in sorted({v.depth for v in variants})}
+        else:
+            orders = {None: dual_order(config, name, layout, len(labels))}
+        for depth, (order, diverged) in orders.items():
+            chosen = [v for v in variants if depth is None or v.depth == depth]
+            if diverged:
+                log(f"rerank methods ({name}): {diverged}, so those rows are reported as diverged, with NaN numbers")
+                for v in chosen:
+                    curves[variants[v]][name] = diverged_curve(config.curve_points, diverged)
+                continue
+            measured = rerank_curves(old, new, old, new, labels, order, variants=chosen, distance=config.distance,
+                                     num_intermediate=config.curve_points)
+            for v, curve in measured.items():
+                assert not isinstance(curve, tuple)  # not per_query
+                curves[variants[v]][name] = curve.to_dict()
+    return curves
+
+
+@task(name="evaluate-rerank", **NO_CACHING)
+def evaluate_rerank(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
+    """``rerank_curves_of``, logged, with its cost: two query embeddings and one search per query,
+    up to ``sync`` item embeddings on the query path."""
+    start = time.perf_counter()
+    curves = rerank_curves_of(config, layout)
+    for method, by_order in curves.items():
+        for order, curve in by_order.items():
+            log(f"{method} ({order}): top-1 {100 * curve['top1'][0]:.2f}% at 0% -> {100 * curve['top1'][-1]:.2f}%, "
+                f"top1_auc {100 * curve['top1_auc']:.2f}%, map_auc {100 * curve['map_auc']:.2f}%")
+    log(f"candidate reranking ({', '.join(curves)} x {', '.join(config.rerank_orders)}) measured in "
+        f"{time.perf_counter() - start:.0f} s; serving it costs two query embeddings and one search per query")
     return curves
 
 

@@ -78,6 +78,20 @@ COSTS = {
 }
 
 
+def rerank_cost(depth: int, sync: int) -> tuple[str, str]:
+    """(per query, per item) of candidate reranking at ``depth`` with ``sync`` embeddings on the query path."""
+    on_path = f", up to {sync} item embeddings (new model) on the query path" if sync else ""
+    return (f"2 embeddings (old and new model), 1 search for {depth} candidates, {depth} new-feature lookups{on_path}",
+            "switch: nothing; backfill: 1 embedding + 1 write (the misses a query meets are queued for it)")
+
+
+def describe_rerank(depth: int, sync: int) -> str:
+    """A candidate-reranking row's description (docs/methods.md, "Candidate reranking")."""
+    budget = f", up to {sync} missing candidates embedded on the query path" if sync else ""
+    return (f"candidate reranking, no map: the old query's top {depth} of the old gallery, those with new features "
+            f"ranked by the new query{budget}, the rest in old order (EmbedFlow's way)")
+
+
 def method_cost(config: AlignConfig | CompatibleConfig) -> tuple[str, str]:
     """(per query, per item) of a map or a compatible new model, from ``COSTS``."""
     if isinstance(config, CompatibleConfig):

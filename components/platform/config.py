@@ -310,6 +310,35 @@ def online_method(kind: str) -> str:
     return f"online_{kind}"
 
 
+def rerank_method(depth: int, sync: int = 0) -> str:
+    """The method name of candidate reranking at one depth and synchronous budget (rerank_k50,
+    rerank_k200_sync4)."""
+    return f"rerank_k{depth}" + (f"_sync{sync}" if sync else "")
+
+
+RerankOrder = Literal["random", "sigma", "query"]
+
+
+class RerankSpec(Section):
+    """Candidate reranking at one depth: the old index's top ``depth`` ranked by the new model."""
+
+    depth: PositiveInt = Field(description="candidates the old index returns per query (EmbedFlow's candidate_depth)")
+    sync: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="candidates without new features embedded on the query path (max_sync_misses)")
+
+    @property
+    def method(self) -> str:
+        return rerank_method(self.depth, self.sync)
+
+
+def _default_rerank_orders() -> list[RerankOrder]:
+    return ["random", "sigma", "query"]
+
+
+def _default_compare_rerank() -> list[RerankSpec]:
+    return [RerankSpec(depth=d, sync=s) for d in (50, 200) for s in (0, 4)]
+
+
 # default factories typed with their fields' Literals (a lambda's list would be a list[str])
 def _default_orders() -> dict[str, list[Order]]:
     return {"fct": ["random"], "fastfill": ["random", "sigma", "oracle"]}
@@ -365,6 +394,15 @@ class EvaluateConfig(Section):
         "term and the pairs' classes; or a query-side adapter <kind>), fitted on the maps' pairs, the others, and the "
         "two lists are merged by raw distance (one query embedding and two searches per query), in "
         "evaluate.dual_orders; the comparison sets compare.online")
+    rerank: list[RerankSpec] = Field(
+        default_factory=list, description="candidate reranking evaluated as methods rerank_k<depth>[_sync<sync>] "
+        "(docs/methods.md): the old query searches the old gallery for depth candidates, the new query ranks those "
+        "with new features (plus up to sync embedded on the query path), the rest keep the old order; in "
+        "evaluate.rerank_orders. Two query embeddings and one search per query; the comparison sets compare.rerank")
+    rerank_orders: list[RerankOrder] = Field(
+        default_factory=_default_rerank_orders, description="the backfill orders of every rerank method, the first "
+        "its headline: random, sigma (dual_sigma_from's map), query (a query-driven worker's: the test queries in a "
+        "random order queue their candidates)")
     rrf_k: PositiveInt = Field(default=60, description="reciprocal rank fusion: an item's score is the sum over "
                                "the lists of 1 / (rrf_k + its rank); a shadow index's two lists never share an "
                                "item, so the merge interleaves them by rank and rrf_k changes no position")
@@ -374,7 +412,8 @@ class EvaluateConfig(Section):
         """headline_order, each adapter's only order (random), each dual and online method's first order."""
         return {**self.headline_order, **{adapter_method(kind): "random" for kind in self.adapters},
                 **{dual_method(merge): self.dual_orders[0] for merge in self.dual},
-                **{online_method(kind): self.dual_orders[0] for kind in self.online}}
+                **{online_method(kind): self.dual_orders[0] for kind in self.online},
+                **{spec.method: self.rerank_orders[0] for spec in self.rerank}}
 
     @model_validator(mode="after")
     def _headline_in_orders(self) -> EvaluateConfig:
@@ -688,6 +727,10 @@ class CompareConfig(Section):
         default_factory=_default_online,
         description="online backfilling's reverse transformations among the rows (evaluate.online of each seed), "
         "each in evaluate.dual_orders; its metrics say whether the curve is monotone")
+    rerank: list[RerankSpec] = Field(
+        default_factory=_default_compare_rerank,
+        description="candidate reranking's depths and synchronous budgets among the rows (evaluate.rerank of each "
+        "seed), each in evaluate.rerank_orders")
     precision: TrainingPrecision | None = Field(
         default="auto", description="the precision of every training of the comparison (the models, the maps, "
         "the compatible models), the same for every method; null = each configuration's own")
@@ -760,8 +803,9 @@ class Params(Section):
             raise ValueError(f"{sorted(clash)} is both under align and under compatible; rename one")
         _check_orders("evaluate.orders", self.evaluate.orders, self.align, self.compatible)
         sigma_from = self.evaluate.dual_sigma_from
-        if (self.evaluate.dual or self.evaluate.online) and "sigma" in self.evaluate.dual_orders and (
-                sigma_from not in self.align or not self.align[sigma_from].uncertainty):
+        wants_sigma = ((self.evaluate.dual or self.evaluate.online) and "sigma" in self.evaluate.dual_orders) or (
+            self.evaluate.rerank and "sigma" in self.evaluate.rerank_orders)
+        if wants_sigma and (sigma_from not in self.align or not self.align[sigma_from].uncertainty):
             raise ValueError(f"evaluate.dual_sigma_from: {sigma_from!r} is not a map under align with "
                              "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
                              "from evaluate.dual_orders")
@@ -829,6 +873,7 @@ class Params(Section):
         data["evaluate"]["adapters"] = compare["adapters"]
         data["evaluate"]["dual"] = compare["dual"]
         data["evaluate"]["online"] = compare["online"]
+        data["evaluate"]["rerank"] = compare["rerank"]
         # each row is its method's own map: the map check's fallback would put FCT's map in its place
         for method in data["align"].values():
             method["check"] = "off"

@@ -77,7 +77,8 @@ def undeclared(root: Path, pyproject: dict, providers: dict[str, list[str]]) -> 
         for module in sorted(imported_modules(path)):
             if module in sys.stdlib_module_names or module in own or module in siblings or module == "__future__":
                 continue
-            distributions = providers.get(module, [])
+            # a module of an optional extra that is not installed here is declared by its distribution's name
+            distributions = providers.get(module, []) or ([module] if _canonical(module) in allowed - groups[""] else [])
             if not {_canonical(d) for d in distributions} & allowed:
                 problems.setdefault(str(relative), []).append(
                     f"{module} ({', '.join(sorted(set(distributions))) or 'not installed'})")
