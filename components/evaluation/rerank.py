@@ -313,9 +313,9 @@ def candidate_gap(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
     _, inverse, sizes = np.unique(labels, return_inverse=True, return_counts=True)
     has_positive = sizes[inverse] > 1
     recall = {}
+    deepest = candidate_lists(query_old, gallery_old, depths[-1], labels=labels, distance=distance)
     for k in depths:
-        candidates = candidate_lists(query_old, gallery_old, k, labels=labels, distance=distance)
-        inside = (labels[candidates] == labels[:, None]).sum(axis=1)
+        inside = (labels[deepest[:, :k]] == labels[:, None]).sum(axis=1)
         recall[k] = np.divide(inside, sizes[inverse] - 1, out=np.zeros(n), where=has_positive)
     out = {}
     for name, mask in {"all": np.ones(n, dtype=bool), **(groups or {})}.items():

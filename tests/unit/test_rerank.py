@@ -190,3 +190,36 @@ def test_counts_measure_at_given_numbers_of_backfilled_items():
     np.testing.assert_allclose(at.alphas, np.array(cuts) / 30)
     with pytest.raises(ValueError, match="non-decreasing"):
         rerank_curves(old, new, old, new, labels, order, variants=[v], counts=[10, 5])
+
+
+def test_the_evaluation_stage_measures_each_spec_in_each_order(tmp_path):
+    """fastfill.tasks.method_curves.rerank_curves_of on a stage layout: random from evaluate.seed,
+    sigma from the named map's stored log_sigma2, query from a query-driven worker per depth."""
+    from fastfill.components.evaluation.ordering import random_order, sigma_order
+    from fastfill.components.platform.config import EvaluateConfig, PathsConfig, RerankSpec
+    from fastfill.components.platform.layout import Layout
+    from fastfill.tasks.method_curves import rerank_curves_of
+
+    old, new, labels = _data(n=30, seed=10)
+    layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))
+    layout.splits.mkdir(parents=True)
+    np.save(layout.splits / "test_images.npy", np.zeros((30, 1, 2, 2), np.uint8))
+    np.save(layout.splits / "test_labels.npy", labels)
+    for role, features in (("old", old), ("new", new)):
+        layout.features_dir(role).mkdir(parents=True)
+        np.save(layout.features(role, "test"), features)
+    log_sigma2 = np.random.default_rng(2).normal(size=30)
+    layout.align_dir("fastfill").mkdir(parents=True)
+    np.save(layout.align_dir("fastfill") / "log_sigma2.npy", log_sigma2)
+
+    config = EvaluateConfig(rerank=[RerankSpec(depth=5), RerankSpec(depth=9, sync=2)], curve_points=3, seed=4)
+    curves = rerank_curves_of(config, layout)
+    assert set(curves) == {"rerank_k5", "rerank_k9_sync2"}
+    assert config.headlines["rerank_k9_sync2"] == "random"
+    orders = {"random": random_order(30, 4), "sigma": sigma_order(log_sigma2),
+              "query": query_driven_order(old, old, 9, seed=4, labels=labels)}
+    for name, order in orders.items():
+        v = RerankVariant(9, 2)
+        expected = rerank_curves(old, new, old, new, labels, order, variants=[v], num_intermediate=3)[v]
+        assert curves["rerank_k9_sync2"][name]["top1"] == pytest.approx(expected.top1.tolist())
+        assert curves["rerank_k9_sync2"][name]["map"] == pytest.approx(expected.map.tolist())
