@@ -7,10 +7,12 @@ EmbedFlow (``embedflow.serving.engine.MigrationEngine``) serves a migration by c
 reranking: the old model's query searches the old index for K candidates, the new model's query
 ranks those whose new vectors its cache holds, up to ``max_sync_misses`` misses are embedded on
 the query path, the rest are queued for its background worker. This script runs its engine,
-unchanged, over a FAISS index (its ``FaissIndex``) of the old gallery, with the run's two trained
-CNNs wrapped in its encoder interface, and streams the run's 10,000 test queries through
-``engine.search`` in a random order while its worker thread fills the cache: its own
-query-driven filling, in real time.
+unchanged, over a FAISS index (its ``FaissIndex``) of the old gallery (the run's 10,000 test
+images), with the run's two trained CNNs wrapped in its encoder interface, and streams test
+queries (--queries, 2,000 by default) through ``engine.search`` in a random order while its
+worker thread fills the cache: its own query-driven filling, in real time. The query's own item
+is left out of its answer, as the protocol leaves it out (one more candidate, and one more
+synchronous slot while that item has no new vector: it is the old index's nearest).
 
 Its interface takes text: a document is an id string, and the wrapped encoders embed the image
 with that id (the CNN on the image, per call). Its scores are inner products (higher first),
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", type=Path, default=Path("runs/rerank/n-all/seed-0"))
     parser.add_argument("--depth", type=int, default=50, help="EmbedFlow's candidate_depth (its default 50)")
     parser.add_argument("--sync", type=int, default=4, help="EmbedFlow's max_sync_misses (its default 4)")
-    parser.add_argument("--queries", type=int, default=2000, help="queries streamed (its worker fills the cache within the first few hundred)")
+    parser.add_argument("--queries", type=int, default=2000,
+                        help="test queries streamed (its worker fills the cache within the first few hundred)")
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reports", type=Path, default=ROOT / "reports")
