@@ -227,7 +227,7 @@ def markdown(summary: dict) -> str:
                 continue
             paired = numbers.get("paired_minus_fastfill_sigma")
             extra = (" | ".join(_cell(paired[k], signed=True) for k in ("top1_auc", "map_auc", "top1_early"))
-                     + f" | {numbers['sync_embeddings_per_query']['mean']:.2f}") if paired else " |  |  | 0"
+                     + f" | {numbers['sync_embeddings_per_query']['mean']:.2f}") if paired else " |  |  | "
             lines.append(f"| {row} | " + " | ".join(_cell(numbers[k]) for k in KEYS) + f" | {extra} |")
         lines += ["", "Where a reranking row's mean is above FastFill-sigma's (paired by seed): "
                   + ("; ".join(wins(entry)) or "nowhere") + ".", ""]
@@ -257,6 +257,67 @@ def markdown(summary: dict) -> str:
         lines += ["Wall time per pipeline run (from the sweep log): "
                   + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items()) + ".", ""]
     return "\n".join(lines)
+
+
+MARK_START, MARK_END = "<!-- candidate-rerank: benchmarks/candidate_rerank.py -->", "<!-- /candidate-rerank -->"
+HEADLINE_ROWS = ("fastfill (sigma)", "fct (random)", "dual_rrf (random)")
+
+
+def comparison_section(size: str, entry: dict, command: str) -> str:
+    """The comparison report's section of candidate reranking at one size (markdown)."""
+    lines = [MARK_START, "", "## Candidate reranking (EmbedFlow's way), in runs of its own", "",
+             f"Measured by `benchmarks/candidate_rerank.py` on the runs of `{command}` (seeds "
+             f"{', '.join(entry['seeds'])}, this size): the default configuration, each seed one pipeline run, on the "
+             "protocol of the rows above. Those runs train the models of this configuration again (in float32, under "
+             "the pinned kernels: not this comparison's own models), so the rows are set beside that run's own "
+             "FastFill-sigma, FCT and shadow index, and the difference to FastFill-sigma is paired by seed. "
+             "reports/candidate_rerank.md has every row, G(K) and the plot.", "",
+             "| row | top-1~ | mAP~ | top-1 0-30% | mAP 0-30% | top-1 0% | top-1 100% | mAP 100% | minus FastFill-sigma: "
+             "top-1~ | mAP~ | per query |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row, numbers in entry["rows"].items():
+        if row in ("old/old", "new/new") or (not row.startswith("rerank_") and row not in HEADLINE_ROWS):
+            continue
+        paired = numbers.get("paired_minus_fastfill_sigma")
+        diff = (f"{_cell(paired['top1_auc'], True)} | {_cell(paired['map_auc'], True)}" if paired else " | ")
+        per_query = entry["costs"].get(row, "1 embedding, 1 search" if not row.startswith("dual") else
+                                        "2 embeddings, 2 searches")
+        lines.append(f"| {row} | " + " | ".join(_cell(numbers[k]) for k in ("top1_auc", "map_auc", "top1_early",
+                                                                                "map_early", "top1_0", "top1_100",
+                                                                                "map_100"))
+                     + f" | {diff} | {per_query} |")
+    lines += ["", "Above FastFill-sigma (mean of the paired difference): " + ("; ".join(wins(entry)) or "nowhere") + ".",
+              "", MARK_END, ""]
+    return "\n".join(lines)
+
+
+def attach_to_comparison(summary: dict, reports: Path) -> list[Path]:
+    """The rows into reports/comparison.{md,json} (every image) and comparison-<size>.* (the
+    others), where those reports exist: the markdown section between its marks replaced or
+    appended, the JSON's ``candidate_reranking`` key."""
+    written = []
+    for size, entry in summary["sizes"].items():
+        stem = "comparison" if size == "all" else f"comparison-{size}"
+        md, js = reports / f"{stem}.md", reports / f"{stem}.json"
+        if not (md.is_file() and js.is_file()):
+            continue
+        section = comparison_section(size, entry, summary["command"])
+        text = md.read_text()
+        if MARK_START in text:
+            text = text[:text.index(MARK_START)] + section + text[text.index(MARK_END) + len(MARK_END):].lstrip("\n")
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+        md.write_text(text)
+        data = json.loads(js.read_text())
+        data["candidate_reranking"] = {
+            "source": "benchmarks/candidate_rerank.py", "command": summary["command"], "seeds": entry["seeds"],
+            "note": "runs of their own (the default configuration, float32 under the pinned kernels), not this "
+                    "comparison's models: each row beside the same runs' fastfill (sigma), paired by seed",
+            "rows": {row: numbers for row, numbers in entry["rows"].items()
+                     if row.startswith("rerank_") or row in HEADLINE_ROWS or row in ("old/old", "new/new")},
+            "costs": entry["costs"], "gap": entry["gap"]}
+        js.write_text(json.dumps(data, indent=2) + "\n")
+        written += [md, js]
+    return written
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -339,7 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.reports / "candidate_rerank.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.reports / "candidate_rerank.md").write_text(markdown(summary))
     plot(summary, args.reports / "candidate_rerank.png")
+    attached = attach_to_comparison(summary, args.reports)
     print(markdown(summary))
+    if attached:
+        print("the rows added to: " + ", ".join(str(p) for p in attached))
     print(f"written: {args.reports / 'candidate_rerank.md'}, .json and .png")
     return 0
 
