@@ -194,8 +194,15 @@ def rerank_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
 
     labels = load_split(layout.splits, "test").labels
     old, new = load_array(layout.features("old", "test")), load_array(layout.features("new", "test"))
-    variants = {RerankVariant(spec.depth, spec.sync): spec.method for spec in config.rerank}
-    curves: dict[str, dict] = {method: {} for method in variants.values()}
+    # a depth past the gallery (n - 1 items besides the query's own) makes every item a candidate:
+    # measured at n - 1, which is the same method exactly
+    variants: dict[RerankVariant, list[str]] = {}
+    for spec in config.rerank:
+        variants.setdefault(RerankVariant(min(spec.depth, len(labels) - 1), spec.sync), []).append(spec.method)
+        if spec.depth > len(labels) - 1:
+            log(f"{spec.method}: the test split has {len(labels)} images, so every other item is a candidate "
+                f"(depth {len(labels) - 1})")
+    curves: dict[str, dict] = {method: {} for methods in variants.values() for method in methods}
     for name in config.rerank_orders:
         orders: dict[int | None, tuple] = {}
         if name == "query":  # each depth's own worker
@@ -209,13 +216,15 @@ def rerank_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
             if diverged:
                 log(f"rerank methods ({name}): {diverged}, so those rows are reported as diverged, with NaN numbers")
                 for v in chosen:
-                    curves[variants[v]][name] = diverged_curve(config.curve_points, diverged)
+                    for method in variants[v]:
+                        curves[method][name] = diverged_curve(config.curve_points, diverged)
                 continue
             measured = rerank_curves(old, new, old, new, labels, order, variants=chosen, distance=config.distance,
                                      num_intermediate=config.curve_points)
             for v, curve in measured.items():
                 assert not isinstance(curve, tuple)  # not per_query
-                curves[variants[v]][name] = curve.to_dict()
+                for method in variants[v]:
+                    curves[method][name] = curve.to_dict()
     return curves
 
 

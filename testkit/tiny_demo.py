@@ -76,6 +76,7 @@ def tiny_params(image_folder: Path, *, curve_points: int = 4) -> dict:
             "adapters": ["procrustes", "low_rank", "residual_mlp"],
             "dual": ["rrf"],
             "online": ["metric_compatible", "residual_mlp"],
+            "rerank": [{"depth": 5}, {"depth": 5, "sync": 2}],
             "precision": "auto",
             "orders": {"fct": ["random"], "fastfill": ["sigma", "random", "oracle"], "l2_disc": ["random"],
                        "rbt": ["random"], "unified": ["random"], "bct": ["random"],

@@ -87,7 +87,9 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
     onlines = {f"online_{kind} ({order})" for kind in ("metric_compatible", "residual_mlp")
                for order in ("random", "sigma")}
     assert seeded.evaluate.online == ["metric_compatible", "residual_mlp"]  # the tiny configuration's compare.online
-    expected |= adapters | duals | onlines
+    reranks = {f"rerank_{name} ({order})" for name in ("k5", "k5_sync2") for order in ("random", "sigma", "query")}
+    assert [spec.method for spec in seeded.evaluate.rerank] == ["rerank_k5", "rerank_k5_sync2"]  # compare.rerank
+    expected |= adapters | duals | onlines | reranks
     assert set(summary["rows"]) == expected
     assert {"bct (random)", "ract (entropy)", "ract (margin)", "ract (least_confidence)", "unified (random)",
             "rbt (random)", "l2_disc (random)", "fastfill (oracle)"} <= expected
@@ -107,6 +109,11 @@ def test_the_table_has_every_method_and_order_with_every_number(comparison):
         row = summary["rows"][label]
         assert row["description"].startswith("online backfilling") and 0 <= row["monotone"]["mean"] <= 1
         assert all(math.isfinite(v) and v >= 0 for v in row["top1_max_drop"]["per_seed"].values()), label
+    for label in reranks:  # no map: the old index's candidates ranked by the new model, at 0% old/old
+        row = summary["rows"][label]
+        assert row["description"].startswith("candidate reranking") and "5 candidates" in row["cost_per_query"]
+        if "sync" not in label:
+            assert row["top1_0"]["per_seed"] == summary["rows"]["old/old"]["top1_0"]["per_seed"], label
     assert summary["rows"]["lambda_orth (random)"]["description"].startswith("map (affine")
     # Procrustes is a similarity transform: once every item is backfilled through it, the ranking
     # is the new model's own, so its curve ends at new/new
