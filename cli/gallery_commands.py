@@ -237,8 +237,12 @@ def search(store: StoreOption = None,
                help="mid-upgrade, search like a shadow index: the old model's features of the items not yet "
                "re-embedded and the new model's of those that are, two lists merged (rrf, score_minmax, "
                "score_zscore); online: the new model's query alone, its reverse transformation (kept by an "
-               "upgrade planned with gallery.upgrade.online) searching the old part, merged by distance; "
-               "default: one index through the map")] = None,
+               "upgrade planned with gallery.upgrade.online) searching the old part, merged by distance; rerank: "
+               "candidate reranking, the old query's top --depth items in every item's old features, those "
+               "re-embedded ranked by the new query; default: one index through the map")] = None,
+           depth: Annotated[int | None, typer.Option(
+               help="with --merge rerank: the candidates (K) the old index returns per query; default: "
+               "gallery.upgrade.rerank_depth (50)")] = None,
            old_features: Annotated[Path | None, typer.Option(
                help="with --merge and --features: .npy of the same queries' old-model features")] = None,
            as_json: JsonOption = False,
@@ -250,11 +254,16 @@ def search(store: StoreOption = None,
     if (features is None) == (images is None):
         fail("give exactly one of --features or --images", USAGE)
     if old_features is not None and (merge is None or features is None or merge.value == "online"):
-        fail("--old-features goes with --merge rrf/score_* and --features (with --images both models embed the "
-             "queries; --merge online needs the new model's features alone)", USAGE)
+        fail("--old-features goes with --merge rrf/score_*/rerank and --features (with --images both models embed "
+             "the queries; --merge online needs the new model's features alone)", USAGE)
+    if depth is not None and (merge is None or merge.value != "rerank"):
+        fail("--depth goes with --merge rerank (the candidates the old index returns per query)", USAGE)
+    if depth is not None and depth < 1:
+        fail(f"--depth {depth}: give the number of candidates per query, an integer >= 1", USAGE)
     uri = store_uri(config, store)
     if merge is not None:
-        return _merged_search(config, uri, merge.value, features, old_features, images, k)
+        return _merged_search(config, uri, merge.value, features, old_features, images, k,
+                              config.gallery.upgrade.rerank_depth if depth is None else depth)
 
     def run_search():
         searcher = searcher_for(open_gallery(uri), config.gallery.distance, config.gallery.index)
@@ -282,10 +291,11 @@ def _answer_search(schema: str, found: dict) -> None:
 
 
 def _merged_search(config, uri: str, merge: str, features: Path | None, old_features: Path | None,
-                   images: Path | None, k: int) -> None:
-    """`search --merge`: the shadow index's answer (components/gallery/search/dual.py)."""
+                   images: Path | None, k: int, depth: int) -> None:
+    """`search --merge`: the shadow index's answer, online backfilling's or candidate reranking's
+    (``depth`` candidates per query) (components/gallery/search/dual.py)."""
     def run_search():
-        searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k)
+        searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k, depth)
         if merge == "online" and features is not None:
             return searcher, searcher.search_online(_load_array(features, "--features"), k)
         if features is not None:
@@ -306,6 +316,7 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
     searcher, (ids, scores, sources) = call(run_search)
     _answer_search("fastfill.search.merge/1", {
         "merge": merge if searcher.mid_upgrade else None,
+        **({"depth": depth} if merge == "rerank" and searcher.mid_upgrade else {}),
         "query_models": [m.uri for m in ((searcher.new_model,) if merge == "online" and searcher.mid_upgrade
                                          else (searcher.old_model, searcher.new_model)) if m is not None],
         "backfilled": searcher.backfilled, "items": searcher.gallery.num_items, "ids": ids.tolist(), "sources": sources,

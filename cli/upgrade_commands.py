@@ -208,7 +208,8 @@ def upgrade(ctx: typer.Context,
                      "id) and hit (a gallery id it returned)")] = None,
             target_top1: Annotated[str | None, typer.Option(
                 help="with --dry-run: which way reaches this top-1 (85%, or 0.85) with the least backfill: the map "
-                     "in each order, or the shadow index")] = None,
+                     "in each order, the shadow index, online backfilling or candidate reranking (gallery.upgrade."
+                     "rerank_depth)")] = None,
             dry_run: Annotated[bool, typer.Option(help="print the plan (items, chunks, bytes, requests, an estimated "
                                                   "duration from a measured sample, the predicted backfill curve) "
                                                   "and write nothing")] = False,

@@ -465,6 +465,10 @@ class UpgradeConfig(Section):
         "queries into the old space, distances comparable with the new space's) on the map's pairs while planning, "
         "and keep it in the store: `fastfill search --merge online` then answers with the new model alone, its "
         "query on the re-embedded items and its reverse transform on the rest, merged by distance")
+    rerank_depth: PositiveInt = Field(
+        default=50, description="candidate reranking's depth K: the old index's candidates per query that the new "
+        "model ranks where they are re-embedded; the default of `fastfill search --merge rerank --depth`, and the "
+        "depth of the candidate reranking way `upgrade --dry-run --target-top1` compares")
     order: GalleryOrder = Field(
         default="sigma", description="backfill order: sigma = least certain first (FastFill); random; usage = the "
         "items queries hit most first; usage_sigma = usage weight x predicted error (sigma^2) first, the items "

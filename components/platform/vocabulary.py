@@ -31,8 +31,10 @@ MERGES = get_args(Merge)
 # lists are merged by their raw distances, which the reverse transformation makes comparable.
 ONLINE_MERGE = "distance"
 # `fastfill search --merge`: the shadow index's merges, or online backfilling's ("online": the new
-# model's query alone, the upgrade's stored reverse transformation giving its old-space twin).
-SEARCH_MERGES = (*MERGES, "online")
+# model's query alone, the upgrade's stored reverse transformation giving its old-space twin), or
+# candidate reranking ("rerank", components.evaluation.rerank: the old query's top K in the old
+# features of every item, those already re-embedded ranked by the new query's distance).
+SEARCH_MERGES = (*MERGES, "online", "rerank")
 
 Distance = Literal["l2", "cosine"]
 DISTANCES = get_args(Distance)

@@ -742,9 +742,10 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert {key: store.get(key) for key in store.list("")} == before  # still nothing written
     by = {way["way"]: way for way in target["ways"]}
     sigma = {"map, sigma order", "shadow index (rrf), sigma order",  # when the registry's map has a head
-             "online backfilling (metric-compatible), sigma order"}
+             "online backfilling (metric-compatible), sigma order", "candidate reranking (K=50), sigma order"}
     assert set(by) - sigma == {"map, random order", "lambda-orthogonal map (affine), random order",
-                               "shadow index (rrf), random order", "online backfilling (metric-compatible), random order"}
+                               "shadow index (rrf), random order", "online backfilling (metric-compatible), random order",
+                               "candidate reranking (K=50), random order"}
     assert set(by) & sigma in (set(), sigma)
     own = by[f"map, {predicted['order']} order"]
     assert own["top1_at_0"] == pytest.approx(predicted["top1"][0], abs=1e-9)

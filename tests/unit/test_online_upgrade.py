@@ -178,7 +178,9 @@ def test_the_ways_include_online_backfilling_and_the_other_maps(tmp_path):
     names = [w["way"] for w in result["ways"]]
     assert names == ["map, sigma order", "map, random order", "lambda-orthogonal map (affine), random order",
                      "shadow index (rrf), random order", "online backfilling (metric-compatible), random order",
-                     "shadow index (rrf), sigma order", "online backfilling (metric-compatible), sigma order"]
+                     "candidate reranking (K=50), random order",
+                     "shadow index (rrf), sigma order", "online backfilling (metric-compatible), sigma order",
+                     "candidate reranking (K=50), sigma order"]
     by = {w["way"]: w for w in result["ways"]}
     # at 0% online backfilling is the reverse-transformed queries against the old gallery, whatever the order
     assert by["online backfilling (metric-compatible), random order"]["top1_at_0"] == \

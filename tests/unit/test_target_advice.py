@@ -1,11 +1,19 @@
-"""--target-top1: which way (the map in each order, or the shadow index) reaches a top-1 first."""
+"""--target-top1: which way (the map in each order, the shadow index, candidate reranking) reaches
+a top-1 first."""
 
 import numpy as np
 import pytest
 
 from fastfill.components.evaluation.dual_curve import dual_curve
 from fastfill.components.gallery.advice.advisor import ranks_of
-from fastfill.components.gallery.advice.target_advice import compare_ways, first_reaching, shadow_top1, ways_to_target
+from fastfill.components.gallery.advice.target_advice import (
+    compare_ways,
+    first_reaching,
+    rerank_top1,
+    sample_depth,
+    shadow_top1,
+    ways_to_target,
+)
 from tests.gallery_cases import N, _gallery, make_data, make_models
 
 
@@ -75,19 +83,29 @@ def test_every_allowed_way_on_a_stored_gallery(tmp_path):
                             weights=weights, seed=0)
     names = [w["way"] for w in result["ways"]]
     assert names == ["map, sigma order", "map, usage_sigma order", "map, usage order", "map, random order",
-                     "shadow index (rrf), random order", "shadow index (rrf), usage order",
-                     "shadow index (rrf), sigma order"]
+                     "shadow index (rrf), random order", "candidate reranking (K=50), random order",
+                     "shadow index (rrf), usage order", "candidate reranking (K=50), usage order",
+                     "shadow index (rrf), sigma order", "candidate reranking (K=50), sigma order"]
     for way in result["ways"]:
         assert 0 <= way["top1_at_0"] <= 1 and 0 <= way["top1_full"] <= 1
     # the shadow index starts where the old model is, whatever its order
     at_0 = {w["way"]: w["top1_at_0"] for w in result["ways"]}
     assert at_0["shadow index (rrf), random order"] == at_0["shadow index (rrf), sigma order"] \
         == at_0["shadow index (rrf), usage order"]
+    # so does candidate reranking: at 0% both are the old model alone, scaled by the same anchor
+    for kind in ("random", "usage", "sigma"):
+        assert at_0[f"candidate reranking (K=50), {kind} order"] == pytest.approx(at_0["shadow index (rrf), random order"])
 
     no_sigma = ways_to_target(0.5, gallery, positions=positions, prefilled=positions, queries=queries,
                               old_side=gallery.all_features(gallery.model)[positions], sample_transformed=transformed[positions],
                               transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=None, weights=None, seed=0)
-    assert [w["way"] for w in no_sigma["ways"]] == ["map, random order", "shadow index (rrf), random order"]
+    assert [w["way"] for w in no_sigma["ways"]] == ["map, random order", "shadow index (rrf), random order",
+                                                    "candidate reranking (K=50), random order"]
+    deep = ways_to_target(0.5, gallery, positions=positions, prefilled=positions, queries=queries,
+                          old_side=gallery.all_features(gallery.model)[positions], sample_transformed=transformed[positions],
+                          transformed_parts=lambda: iter([(0, transformed)]), log_sigma2=None, weights=None, seed=0,
+                          rerank_depth=200)
+    assert [w["way"] for w in deep["ways"]][-1] == "candidate reranking (K=200), random order"
 
 
 def _ways_inputs(gallery, models, data):
@@ -159,6 +177,78 @@ def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
     np.testing.assert_allclose(right["sample_top1"], by_label["sample_top1"], atol=1e-12)
     assert max(wrong["sample_top1"]) < min(right["sample_top1"])
     assert right["queries"] == 60 and right["queries_left_out"] == 0
+
+
+def _rerank_reference(old, new, labels, ranks, num_items, depth, step=0.05):
+    """Candidate reranking's top-1 on S written out, query by query: the old top K_S of the other
+    items (K_S = max(1, round(depth * m / num_items))), the nearest re-embedded one of them by new
+    distance (the first in old order at a tie), else the old nearest; per point, the share of hits."""
+    m = len(labels)
+    k_s = max(1, round(depth * m / num_items))
+    d_old = ((old[:, None, :].astype(np.float64) - old[None]) ** 2).sum(-1)
+    d_new = ((new[:, None, :].astype(np.float64) - new[None]) ** 2).sum(-1)
+    curve = []
+    for f in np.arange(int(round(1 / step)) + 1) * step:
+        done = int(np.floor(round(f * num_items, 9)))
+        hits = 0
+        for i in range(m):
+            others = [j for j in np.argsort(d_old[i], kind="stable") if j != i]
+            candidates = others[:k_s]
+            embedded = [j for j in candidates if ranks[j] < done]
+            pick = min(embedded, key=lambda j: d_new[i, j]) if embedded else candidates[0]
+            hits += labels[pick] == labels[i]
+        curve.append(hits / m)
+    return np.array(curve)
+
+
+@pytest.mark.parametrize("depth, num_items", [(5, 60), (50, 60), (40, 400), (1, 60)])
+def test_rerank_top1_is_its_literal_reference_query_by_query(depth, num_items):
+    old, new, labels = _clustered(n=60)
+    order = np.random.default_rng(3).permutation(num_items)
+    ranks = ranks_of(order, np.arange(60))  # S: the first 60 items of a gallery of num_items
+    predicted = rerank_top1(old, new, labels, ranks, num_items, depth=depth)
+    expected = _rerank_reference(old, new, labels, ranks, num_items, depth)
+    np.testing.assert_allclose(predicted["sample_top1"], expected, atol=1e-12)
+    np.testing.assert_allclose(predicted["top1"], expected, atol=1e-12)  # no anchor: nothing scaled
+    assert predicted["way"] == f"candidate reranking (K={depth})" and predicted["depth"] == depth
+    assert predicted["sample_depth"] == min(59, max(1, round(depth * 60 / num_items))) == \
+        min(59, sample_depth(depth, 60, num_items))
+    # at 0% it is the old model alone: the shadow index's start; with an anchor, scaled as the shadow index is
+    shadow = shadow_top1(old, new, labels, ranks, num_items)
+    assert predicted["top1"][0] == pytest.approx(shadow["top1"][0])
+    anchor = np.arange(60) < 45
+    scaled = rerank_top1(old, new, labels, ranks, 10 * num_items, anchor, depth=depth)
+    assert scaled["error_scale"] == pytest.approx(shadow_top1(old, new, labels, ranks, 10 * num_items,
+                                                              anchor)["error_scale"])
+    assert scaled["top1"][0] == pytest.approx(0.75)
+
+
+def test_rerank_as_deep_as_the_gallery_is_the_new_model_once_everything_is_re_embedded():
+    old, new, labels = _clustered(n=80)
+    ranks = ranks_of(np.random.default_rng(4).permutation(80), np.arange(80))
+    for depth in (80, 500):
+        predicted = rerank_top1(old, new, labels, ranks, 80, depth=depth)
+        d_new = ((new[:, None, :].astype(np.float64) - new[None]) ** 2).sum(-1)
+        np.fill_diagonal(d_new, np.inf)
+        new_alone = float(np.mean(labels[d_new.argmin(axis=1)] == labels))
+        assert predicted["top1"][-1] == pytest.approx(new_alone)
+        assert predicted["top1"][-1] == pytest.approx(shadow_top1(old, new, labels, ranks, 80)["top1"][-1])
+    shallow = rerank_top1(old, new, labels, ranks, 80, depth=1)  # K = 1: the old nearest, re-embedded or not
+    assert shallow["top1"] == pytest.approx([shallow["top1"][0]] * len(shallow["top1"]))
+    with pytest.raises(ValueError, match="candidate depth"):
+        rerank_top1(old, new, labels, ranks, 80, depth=0)
+
+
+def test_the_judged_rerank_top1_is_the_labeled_one_when_the_judgments_say_what_the_labels_say():
+    from fastfill.components.gallery.advice.target_advice import rerank_top1_judged
+
+    old, new, labels = _clustered(n=60)
+    positions, ranks = np.arange(60), ranks_of(np.random.default_rng(5).permutation(60), np.arange(60))
+    judged = rerank_top1_judged(old, new, _judged_by_label(labels, positions), positions, old, new, ranks, 60,
+                                np.ones(60, bool), depth=12)
+    by_label = rerank_top1(old, new, labels, ranks, 60, depth=12)
+    np.testing.assert_allclose(judged["sample_top1"], by_label["sample_top1"], atol=1e-12)
+    assert judged["truth"] == "judgments" and judged["queries"] == 60 and judged["sample_depth"] == 12
 
 
 def test_the_option_is_checked_before_anything_runs():

@@ -172,7 +172,8 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     as the upgrade chooses it (``decider.UpgradeDecider.target``), the cost (``dry_run``), what
     the gate would measure against, where the map's pairs come from, and the budget advisor's
     prediction when it can be made without writing; with ``target_top1`` (a fraction), which way
-    (each order of the map, or the shadow index) reaches it with the least backfill."""
+    (each order of the map, the shadow index, online backfilling, candidate reranking) reaches it
+    with the least backfill."""
 
     params, fitted = samples.fit_to_gallery(params, gallery.num_items)  # as the upgrade will run it
     config, name = params.gallery.upgrade, params.mlflow.registered_model
@@ -432,7 +433,8 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
                     transformed, transformed_parts, sigma, weights, distance: str, judged, reverse=None,
                     other_maps=None) -> dict:
     """``target_advice.ways_to_target`` with every order this gallery allows: sigma's when the
-    map has an uncertainty head, the usage orders' when the items have weights."""
+    map has an uncertainty head, the usage orders' when the items have weights; candidate
+    reranking at ``gallery.upgrade.rerank_depth``."""
 
     if sigma is None:
         sigma = _map_sigma(gallery, transformed)
@@ -444,4 +446,5 @@ def _ways_to_target(target, gallery: Gallery, config, positions, prefilled, quer
     return ways_to_target(target, gallery, positions=positions, prefilled=prefilled, queries=queries,
                           old_side=old_side, sample_transformed=sample_transformed,
                           transformed_parts=transformed_parts, log_sigma2=sigma, weights=weights, seed=config.seed,
-                          distance=distance, judged=judged, reverse=reverse, other_maps=other_maps)
+                          distance=distance, judged=judged, reverse=reverse, other_maps=other_maps,
+                          rerank_depth=config.rerank_depth)

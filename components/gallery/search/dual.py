@@ -14,6 +14,16 @@ transformation of it (``gallery.upgrade.online``), in the old part; the two list
 their raw distances, the new list's scaled by the transformation's gain (squared l2; a cosine
 distance is scale-free). Only the new model embeds a query.
 
+Candidate reranking (``merge="rerank"``, ``components.evaluation.rerank``: the way EmbedFlow
+migrates an index without a map) keeps the old index whole: every item's old features stay in it
+while chunks land, and the re-embedded items' new features are kept beside it (the new index,
+looked up by id, never searched). The old query finds its ``depth`` (K) nearest items in the old
+index, the candidates; those with new features are ranked by their new distance to the new
+query (ties: the old order), the candidates without follow in their old order, and the old
+index's order continues beyond the K candidates. Both models embed a query, as for rrf; its cost
+is two query embeddings, one search of the old index for K candidates, and K lookups of new
+features.
+
 Outside an upgrade there is one model and one index: the merge has nothing to merge, and the
 search is the gallery's own.
 """
@@ -34,18 +44,24 @@ from fastfill.components.gallery.upgrade.planning import load_plan, load_reverse
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.vocabulary import DISTANCES, SEARCH_MERGES
 
+RERANK_DEPTH = 50  # candidate reranking's default K (gallery.upgrade.rerank_depth)
+
 
 class DualSearch:
     """Top-k item ids of query pairs (old model's, new model's features) over the two parts of a
     gallery mid-upgrade, merged by ``merge`` (one of SEARCH_MERGES; ``online``: see
-    ``search_online``)."""
+    ``search_online``; ``rerank``: the old index's top ``depth`` ranked by the new model)."""
 
-    def __init__(self, gallery: Gallery, distance: str = "l2", merge: str = "rrf", rrf_k: int = 60):
+    def __init__(self, gallery: Gallery, distance: str = "l2", merge: str = "rrf", rrf_k: int = 60,
+                 depth: int = RERANK_DEPTH):
         if distance not in DISTANCES:
             raise GalleryError(f"distance must be one of {', '.join(DISTANCES)}, got {distance!r}")
         if merge not in SEARCH_MERGES:
             raise GalleryError(f"merge must be one of {', '.join(SEARCH_MERGES)}, got {merge!r}")
+        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
+            raise GalleryError(f"the candidate depth (rerank's K) must be an integer >= 1, got {depth!r}")
         self.gallery, self.distance, self.merge, self.rrf_k = gallery, distance, merge, rrf_k
+        self.depth = int(depth)
         self._lock = threading.RLock()
         self._build()
 
@@ -97,8 +113,8 @@ class DualSearch:
 
     def refresh(self) -> int:
         """Move the items of chunks that landed since the last refresh from the old index to the
-        new one; returns how many chunks. A gallery whose upgrade started, ended or was undone
-        since is reloaded."""
+        new one (``rerank``: add them to the new one, the old index keeping every item); returns
+        how many chunks. A gallery whose upgrade started, ended or was undone since is reloaded."""
         with self._lock:
             if self.gallery.manifest(refresh=True).get("upgrade") != self.upgrade:
                 self._build()
@@ -109,7 +125,8 @@ class DualSearch:
             for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order,
                                                                  self.applied):
                 moved = np.asarray(positions[read], dtype=np.int64)  # an image that could not be read stays old
-                self.old_index.remove_ids(moved)
+                if self.merge != "rerank":  # reranking's candidates come from every item's old features
+                    self.old_index.remove_ids(moved)
                 self.new_index.add_with_ids(self._prepare(features[read]), moved)
                 self.on_new[positions[read]] = True
                 self.applied.add(chunk)
@@ -130,7 +147,8 @@ class DualSearch:
         the old model's features of the queries; ``new_queries``: the new model's (needed while
         an upgrade is on). Each part gives its k nearest; the merge (``fusion.merge_lists``: rrf's
         fused scores descending, or the normalised distances ascending) keeps the best k'.
-        Outside an upgrade the scores are distances of the one index."""
+        ``rerank``: see ``_reranked``; its scores are distances, each in the space its item was
+        ranked in. Outside an upgrade the scores are distances of the one index."""
 
         if k < 1:
             raise GalleryError(f"k must be >= 1, got {k}")
@@ -139,7 +157,8 @@ class DualSearch:
         old_queries = check_features(np.atleast_2d(np.asarray(old_queries)), self.dim,
                                      f"old query features (for {self.old_model.uri})")
         with self._lock:
-            old_ids, old_dist = self._one(self.old_index, old_queries, k)
+            reranking = self.merge == "rerank" and self.plan is not None
+            old_ids, old_dist = self._one(self.old_index, old_queries, max(k, self.depth) if reranking else k)
             if self.plan is None:
                 return ids_at(self.ids, old_ids), old_dist, [[self.old_model.uri] * old_ids.shape[1] for _ in old_ids]
             if new_queries is None:
@@ -150,8 +169,45 @@ class DualSearch:
             if len(new_queries) != len(old_queries):
                 raise GalleryError(f"{len(old_queries)} old query features but {len(new_queries)} new ones; "
                                    "give both models' features of the same queries, in the same order")
+            if reranking:
+                return self._reranked(old_ids, old_dist, new_queries, k)
             new_ids, new_dist = self._one(self.new_index, new_queries, k)
         return self._merged(old_ids, old_dist, new_ids, new_dist, k)
+
+    def _reranked(self, old_ids: np.ndarray, old_dist: np.ndarray, new_queries: np.ndarray, k: int
+                  ) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
+        """Candidate reranking of each query: ``old_ids``/``old_dist`` are its old list over every
+        item (``max(k, depth)`` long, nearest first), whose first ``depth`` are the candidates.
+        The candidates with new features come first, by their new distance to the new query
+        (stable: the old order at a tie), then the other candidates in old order, then the old
+        list beyond the candidates; the first k' are kept. Scores: each hit's distance in the
+        space it was ranked in, the new one (new model's source) for a re-embedded candidate,
+        the old one (old model's source) otherwise: the positions ascend, the scores need not.
+        Called under the lock."""
+        limit = min(k, old_ids.shape[1])
+        depth = min(self.depth, old_ids.shape[1])
+        queries = self._prepare(new_queries)
+        names = [self.old_model.uri, self.new_model.uri]
+        rows, scores, sources = [], [], []
+        for q in range(len(old_ids)):
+            candidates = old_ids[q, :depth]
+            scored = self.on_new[candidates]
+            new_dist = np.empty(int(scored.sum()), dtype=np.float32)
+            if len(new_dist):  # the K lookups of new features
+                features = self.new_index.reconstruct_batch(candidates[scored])
+                if self.distance == "cosine":
+                    new_dist = 1.0 - features @ queries[q]
+                else:
+                    new_dist = ((features - queries[q]) ** 2).sum(axis=1)
+            by_new = np.argsort(new_dist, kind="stable")
+            ids = np.concatenate([candidates[scored][by_new], candidates[~scored], old_ids[q, depth:]])
+            score = np.concatenate([new_dist[by_new], old_dist[q, :depth][~scored], old_dist[q, depth:]])
+            source = np.concatenate([np.ones(len(new_dist), dtype=np.int64), np.zeros(len(ids) - len(new_dist),
+                                                                                     dtype=np.int64)])
+            rows.append(ids[:limit])
+            scores.append(score[:limit].astype(np.float32))
+            sources.append([names[s] for s in source[:limit]])
+        return ids_at(self.ids, np.stack(rows)), np.stack(scores), sources
 
     def search_online(self, queries: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
         """Online backfilling's answer (``merge="online"``): ``queries`` are the new model's
