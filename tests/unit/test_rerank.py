@@ -223,3 +223,23 @@ def test_the_evaluation_stage_measures_each_spec_in_each_order(tmp_path):
         expected = rerank_curves(old, new, old, new, labels, order, variants=[v], num_intermediate=3)[v]
         assert curves["rerank_k9_sync2"][name]["top1"] == pytest.approx(expected.top1.tolist())
         assert curves["rerank_k9_sync2"][name]["map"] == pytest.approx(expected.map.tolist())
+
+
+def test_the_advisors_way_equals_the_evaluation_when_the_sample_is_the_gallery():
+    """The budget advisor's candidate-reranking way (target_advice.rerank_top1) predicts, with S
+    the whole gallery, exactly the top-1 the evaluation measures at the same backfilled counts."""
+    from fastfill.components.gallery.advice.target_advice import rerank_top1
+
+    rng = np.random.default_rng(12)
+    n, labels = 60, rng.integers(0, 4, 60)
+    centers = rng.normal(size=(4, 6))
+    old = (centers[labels] + 1.5 * rng.normal(size=(n, 6))).astype(np.float32)   # continuous: no ties
+    new = (centers[labels] + 0.7 * rng.normal(size=(n, 6))).astype(np.float32)
+    order = rng.permutation(n)
+    ranks = np.empty(n, dtype=np.int64)
+    ranks[order] = np.arange(n)
+    predicted = rerank_top1(old, new, labels, ranks, n, depth=7)
+    counts = [int(np.floor(f * n + 1e-9)) for f in predicted["fractions"]]
+    v = RerankVariant(7)
+    measured = rerank_curves(old, new, old, new, labels, order, variants=[v], counts=counts)[v]
+    np.testing.assert_allclose(predicted["top1"], measured.top1, atol=1e-12)
