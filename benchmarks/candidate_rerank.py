@@ -152,6 +152,30 @@ def measure_run(run: Path, size_dir: Path, config, variants: list[RerankVariant]
     return {"rows": rows, "curves": curves, "sync_spent": spent, "gap": gap, "seconds": seconds}
 
 
+def measured_run(run: Path, size_dir: Path, config, variants: list[RerankVariant]) -> dict:
+    """``measure_run``, kept in the run's folder (candidate_rerank.json) and reused while the run's
+    test features and the variants measured are the same."""
+    import hashlib
+
+    stamp = {"version": 2, "variants": [[v.depth, v.sync] for v in variants], "gap_depths": list(GAP_DEPTHS),
+             "features": {role: hashlib.md5((run / "artifacts" / "features" / role / "test.npy").read_bytes()).hexdigest()
+                          for role in ("old", "new")}}
+    kept = run / "candidate_rerank.json"
+    if kept.is_file():
+        data = json.loads(kept.read_text())
+        if data.get("stamp") == stamp:
+            print(f"reused the measurement of {run} ({kept.name})", flush=True)
+            result = data["result"]
+            for group in result["gap"].values():  # JSON keys are strings
+                group["by_depth"] = {int(k): v for k, v in group["by_depth"].items()}
+            return result
+    start = time.perf_counter()
+    result = measure_run(run, size_dir, config, variants, config.prepare.old_classes)
+    print(f"measured {run} in {time.perf_counter() - start:.0f} s", flush=True)
+    kept.write_text(json.dumps({"stamp": stamp, "result": result}) + "\n")
+    return result
+
+
 def spread(values: dict[str, float]) -> dict:
     numbers = list(values.values())
     return {"mean": statistics.fmean(numbers), "std": statistics.stdev(numbers) if len(numbers) > 1 else 0.0,
@@ -177,7 +201,8 @@ def summarize_size(per_seed: dict[str, dict], variants: list[RerankVariant]) -> 
         for k in first["gap"][group]["by_depth"]:
             at = {s: per_seed[s]["gap"][group]["by_depth"][k] for s in seeds}
             entry["by_depth"][k] = {"gap": {m: spread({s: at[s]["gap"][m] for s in seeds}) for m in ("top1", "map")},
-                                    "recall": spread({s: at[s]["recall"] for s in seeds})}
+                                    "recall": spread({s: at[s]["recall"] for s in seeds}),
+                                    "precision": spread({s: at[s]["precision"] for s in seeds})}
         entry["advice"] = {m: depth_advice({int(k): v["gap"][m]["mean"] for k, v in entry["by_depth"].items()},
                                            at=ADVICE_AT, epsilon=EPSILON) for m in ("top1", "map")}
         gap[group] = entry
@@ -233,15 +258,17 @@ def markdown(summary: dict) -> str:
                   + ("; ".join(wins(entry)) or "nowhere") + ".", ""]
         lines += ["### G(K): what the old model's top-K keeps of the new model's retrieval", "",
                   "G(K) = M_T - M_{T|S_K}: new/new minus the old top-K ranked by the new model (every item backfilled), "
-                  "in points; recall is the share of a query's relevant items inside its old top-K. Groups: every "
+                  "in points; precision is the share of a query's old top-K that is relevant, recall the share of its relevant "
+                  "items inside its old top-K (at most K / 999 here). Groups: every "
                   "query, the classes the old model was trained on (seen), the others (unseen: open classes).", "",
-                  "| group | queries | new/new top-1 | new/new mAP | " + " | ".join(f"G({k}) top-1 / mAP / recall"
+                  "| group | queries | new/new top-1 | new/new mAP | " + " | ".join(f"G({k}) top-1 / mAP / precision / recall"
                                                                          for k in next(iter(entry['gap'].values()))['by_depth'])
                   + " | advice (top-1) | advice (mAP) |",
                   "|---|---|---|---|" + "---|" * len(next(iter(entry['gap'].values()))['by_depth']) + "---|---|"]
         for group, g in entry["gap"].items():
             cells = [f"{100 * d['gap']['top1']['mean']:.2f} / {100 * d['gap']['map']['mean']:.2f} / "
-                     f"{100 * d['recall']['mean']:.1f}" for d in g["by_depth"].values()]
+                     f"{100 * d['precision']['mean']:.1f} / {100 * d['recall']['mean']:.1f}"
+                     for d in g["by_depth"].values()]
             advice = [f"{a['label']}" + (f" (K {a['depth']})" if a["depth"] else "") for a in g["advice"].values()]
             lines.append(f"| {group} | {g['queries']} | {_cell(g['native']['top1'])} | {_cell(g['native']['map'])} | "
                          + " | ".join(cells) + " | " + " | ".join(advice) + " |")
@@ -385,10 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (run / "reports" / "metrics.json").is_file():
                 print(f"skipped: {run} has no reports/metrics.json (not finished)", flush=True)
                 continue
-            start = time.perf_counter()
-            per_size.setdefault(size, {})[str(seed)] = measure_run(run, out / f"n-{size}", config, variants,
-                                                                   config.prepare.old_classes)
-            print(f"measured {run} in {time.perf_counter() - start:.0f} s", flush=True)
+            per_size.setdefault(size, {})[str(seed)] = measured_run(run, out / f"n-{size}", config, variants)
     if not per_size:
         print(f"no finished runs under {out}", file=sys.stderr)
         return 1

@@ -299,8 +299,9 @@ def candidate_gap(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
     item's new features: new/new) is lost when it may only rank the old model's top-K, for top-1
     and mAP, by K. ``groups[name]`` is a boolean mask of the queries to average over (e.g. the
     old model's unseen classes); ``"all"`` is every query. Per group: ``queries``, ``native``
-    ({top1, map}), and per K ``restricted`` and ``gap`` ({top1, map}) and ``recall``, the share
-    of a query's relevant items inside its old top-K."""
+    ({top1, map}), and per K ``restricted`` and ``gap`` ({top1, map}), ``recall``, the share
+    of a query's relevant items inside its old top-K, and ``precision``, the share of its old
+    top-K that is relevant."""
     depths = sorted({int(k) for k in depths})
     variants = [RerankVariant(k) for k in depths]
     labels = check_labels(labels, np.asarray(query_old).shape[0])
@@ -312,11 +313,12 @@ def candidate_gap(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
                                              num_intermediate=0)
     _, inverse, sizes = np.unique(labels, return_inverse=True, return_counts=True)
     has_positive = sizes[inverse] > 1
-    recall = {}
+    recall, precision = {}, {}
     deepest = candidate_lists(query_old, gallery_old, depths[-1], labels=labels, distance=distance)
     for k in depths:
         inside = (labels[deepest[:, :k]] == labels[:, None]).sum(axis=1)
         recall[k] = np.divide(inside, sizes[inverse] - 1, out=np.zeros(n), where=has_positive)
+        precision[k] = inside / k
     out = {}
     for name, mask in {"all": np.ones(n, dtype=bool), **(groups or {})}.items():
         mask = np.asarray(mask, dtype=bool)
@@ -335,7 +337,7 @@ def candidate_gap(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.
             top1, ap = pair
             kept = {"top1": mean(top1[-1], mask), "map": mean(ap[-1], ap_mask)}
             by_depth[v.depth] = {"restricted": kept, "gap": {m: native[m] - kept[m] for m in kept},
-                                 "recall": mean(recall[v.depth], ap_mask)}
+                                 "recall": mean(recall[v.depth], ap_mask), "precision": mean(precision[v.depth], mask)}
         out[name] = {"queries": int(mask.sum()), "native": native, "by_depth": by_depth}
     return out
 

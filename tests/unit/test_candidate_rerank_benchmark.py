@@ -27,8 +27,8 @@ def _run(module, shift: float) -> dict:
     curve = {"alpha": [0.0, 0.5, 1.0], "top1": [0.5, 0.6, 0.7], "map": [0.4, 0.4, 0.4]}
     rerank = {**numbers, "top1_auc": 0.5 + shift, "map_auc": 0.2}
     gap = {"queries": 10, "native": {"top1": 0.8, "map": 0.7},
-           "by_depth": {50: {"restricted": {}, "gap": {"top1": 0.005, "map": 0.3}, "recall": 0.1},
-                        200: {"restricted": {}, "gap": {"top1": 0.0, "map": 0.2}, "recall": 0.3}}}
+           "by_depth": {50: {"restricted": {}, "gap": {"top1": 0.005, "map": 0.3}, "recall": 0.1, "precision": 0.9},
+                        200: {"restricted": {}, "gap": {"top1": 0.0, "map": 0.2}, "recall": 0.3, "precision": 0.8}}}
     return {"rows": {"fastfill (sigma)": numbers, "fct (random)": numbers, "rerank_k50 (random)": rerank,
                      "old/old": {"top1_0": 0.6, "map_0": 0.4}, "new/new": {"top1_0": 0.8, "map_0": 0.7}},
             "curves": {"fastfill (sigma)": curve, "rerank_k50 (random)": curve},

@@ -145,6 +145,8 @@ def test_candidate_gap_is_zero_at_full_depth_and_counts_recall():
     sizes = np.bincount(labels)[labels] - 1
     recall = np.mean([(labels[lists[i]] == labels[i]).sum() / sizes[i] for i in range(n) if sizes[i]])
     assert gap["all"]["by_depth"][2]["recall"] == pytest.approx(recall)
+    precision = np.mean([(labels[lists[i]] == labels[i]).sum() / 2 for i in range(n)])
+    assert gap["all"]["by_depth"][2]["precision"] == pytest.approx(precision)
     new_top1, new_ap = per_query_curve(new, new, new, labels, num_intermediate=0)
     assert gap["unseen"]["native"]["map"] == pytest.approx(new_ap[-1][unseen].mean())
 
