@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * statistics.fmean(r['top1'] for r in recent):.2f}%, cache {after} of {n}, median "
                       f"{statistics.median(r['wall_ms'] for r in recent):.2f} ms", flush=True)
         stream_seconds = time.perf_counter() - started
+        stream_calls = {"old": old_encoder.calls, "new": new_encoder.calls}
         cached_ids = sorted(int(i[4:]) for i in engine.cache.get(ids).keys())
     finally:
         engine.worker.close(timeout=30)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                "agreement": {"queries": checked, "same_top1_hit": agree},
                "embedflow_wall_ms": _ms([r["wall_ms"] for r in records]),
                "fastfill_wall_ms": _ms(ff_times),
-               "encoder_calls": {"old": old_encoder.calls, "new": new_encoder.calls}}
+               "encoder_calls": stream_calls}
     args.reports.mkdir(parents=True, exist_ok=True)
     (args.reports / "embedflow_side_by_side.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.reports / "embedflow_side_by_side.md").write_text(markdown(summary))
@@ -311,8 +312,8 @@ def markdown(s: dict) -> str:
               f"FastFill's serving path (the new model embeds the query, one flat FAISS search of the 10,000 items) "
               f"median {f['median']:.2f} ms (p95 {f['p95']:.2f}, mean {f['mean']:.2f}): ratio "
               f"{e['median'] / f['median']:.1f}x at the median.",
-              f"Encoder calls: old model {s['encoder_calls']['old']}, new model {s['encoder_calls']['new']} "
-              "(queries, items on the query path and the worker's items).", ""]
+              f"Encoder calls during the stream: old model {s['encoder_calls']['old']} (the queries), new model "
+              f"{s['encoder_calls']['new']} (the queries, the items embedded on the query path and the worker's).", ""]
     stages = s["windows"][0]["stages_ms"]
     lines.append("Its own stage timings, first window (ms, mean): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()) + ".")
