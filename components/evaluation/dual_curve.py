@@ -50,8 +50,8 @@ from fastfill.components.evaluation.retrieval import (
     BackfillCurve,
     BlockTotals,
     Prepared,
-    as_features,
     block_distances,
+    check_both_models,
     check_distance,
     check_labels,
     check_num_intermediate,
@@ -119,14 +119,8 @@ def dual_curves(query_old: np.ndarray, query_new: np.ndarray, gallery_old: np.nd
     for name, value in (("block_size", block_size), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    query_old = as_features(query_old, "query_old")
+    query_old, query_new, gallery_old, gallery_new = check_both_models(query_old, query_new, gallery_old, gallery_new)
     n = query_old.shape[0]
-    gallery_old = as_features(gallery_old, "gallery_old", query_old.shape)
-    query_new = as_features(query_new, "query_new")
-    if query_new.shape[0] != n:
-        raise ValueError(f"query_new has {query_new.shape[0]} rows but query_old has {n}; pass both models' "
-                         "features of the same images, in the same row order")
-    gallery_new = as_features(gallery_new, "gallery_new", query_new.shape)
     labels = check_labels(labels, n)
     order = check_order(order, n)
 

@@ -43,6 +43,7 @@ from fastfill.components.evaluation.retrieval import (
     Prepared,
     as_features,
     block_distances,
+    check_both_models,
     check_distance,
     check_labels,
     check_num_intermediate,
@@ -99,14 +100,9 @@ class _Inputs:
 
     def __init__(self, query_old, query_new, gallery_old, gallery_new, labels, distance: str):
         self.distance = check_distance(distance)
-        query_old = as_features(query_old, "query_old")
+        query_old, query_new, gallery_old, gallery_new = check_both_models(query_old, query_new, gallery_old,
+                                                                           gallery_new)
         self.n = n = query_old.shape[0]
-        gallery_old = as_features(gallery_old, "gallery_old", query_old.shape)
-        query_new = as_features(query_new, "query_new")
-        if query_new.shape[0] != n:
-            raise ValueError(f"query_new has {query_new.shape[0]} rows but query_old has {n}; pass both models' "
-                             "features of the same images, in the same row order")
-        gallery_new = as_features(gallery_new, "gallery_new", query_new.shape)
         self.labels = check_labels(labels, n)
         self.query_old, self.query_new = Prepared.of(query_old, self.distance), Prepared.of(query_new, self.distance)
         self.gallery_old = Prepared.of(gallery_old, self.distance)

@@ -337,6 +337,21 @@ def as_features(x, name: str, shape: tuple[int, int] | None = None, min_rows: in
     return arr
 
 
+def check_both_models(query_old, query_new, gallery_old, gallery_new) -> tuple[np.ndarray, ...]:
+    """The features of both models for the ways without a map (the shadow index, online
+    backfilling, candidate reranking): each model's queries and gallery of the same ``n`` images,
+    checked (``as_features``); returns them in that order."""
+    query_old = as_features(query_old, "query_old")
+    n = query_old.shape[0]
+    gallery_old = as_features(gallery_old, "gallery_old", query_old.shape)
+    query_new = as_features(query_new, "query_new")
+    if query_new.shape[0] != n:
+        raise ValueError(f"query_new has {query_new.shape[0]} rows but query_old has {n}; pass both models' "
+                         "features of the same images, in the same row order")
+    gallery_new = as_features(gallery_new, "gallery_new", query_new.shape)
+    return query_old, query_new, gallery_old, gallery_new
+
+
 def _check_curve_inputs(query, gallery_new, gallery_old, labels, order) -> tuple:
     """The arrays of a backfill curve, checked and converted (see :func:`backfill_curve`)."""
     query = as_features(query, "query")
