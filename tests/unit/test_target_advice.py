@@ -182,14 +182,16 @@ def test_the_judged_shadow_top1_follows_the_judgments_not_the_labels():
 def _rerank_reference(old, new, labels, ranks, num_items, depth, step=0.05):
     """Candidate reranking's top-1 on S written out, query by query: the old top K_S of the other
     items (K_S = max(1, round(depth * m / num_items))), the nearest re-embedded one of them by new
-    distance (the first in old order at a tie), else the old nearest; per point, the share of hits."""
+    distance (the first in old order at a tie), else the old nearest; per point, the share of hits.
+    An S item counts as re-embedded at f when its place is below N (1 - (1 - f)^(N/m)): it stands
+    for N/m of the gallery's candidates, any of which improves the answer."""
     m = len(labels)
     k_s = max(1, round(depth * m / num_items))
     d_old = ((old[:, None, :].astype(np.float64) - old[None]) ** 2).sum(-1)
     d_new = ((new[:, None, :].astype(np.float64) - new[None]) ** 2).sum(-1)
     curve = []
     for f in np.arange(int(round(1 / step)) + 1) * step:
-        done = int(np.floor(round(f * num_items, 9)))
+        done = int(np.floor(round((1 - (1 - f) ** (max(num_items, m) / m)) * num_items, 9)))
         hits = 0
         for i in range(m):
             others = [j for j in np.argsort(d_old[i], kind="stable") if j != i]
