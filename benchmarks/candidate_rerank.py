@@ -121,10 +121,9 @@ def measure_run(run: Path, size_dir: Path, config, variants: list[RerankVariant]
     sigma, diverged = dual_order(ev, "sigma", layout, n)
     if sigma is None:
         raise ValueError(f"{run}: FastFill's sigma {diverged}")
-    orders = {"random": {None: random}, "sigma": {None: sigma},
-              "query": {k: query_driven_order(old, old, k, seed=ev.seed, labels=labels, distance=ev.distance)
-                        for k in sorted({v.depth for v in variants})}}
     candidates = candidate_lists(old, old, max(v.depth for v in variants), labels=labels, distance=ev.distance)
+    orders = {"random": {None: random}, "sigma": {None: sigma},
+              "query": {k: query_driven_order(candidates[:, :k], seed=ev.seed) for k in sorted({v.depth for v in variants})}}
     spent: dict[str, float] = {}
     seconds = {}
     for name, by_depth in orders.items():

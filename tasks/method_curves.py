@@ -16,7 +16,7 @@ from fastfill.components.evaluation.assessment import MethodOutputs, build_order
 from fastfill.components.evaluation.online_backfill import monotonicity, online_curve
 from fastfill.components.evaluation.ordering import random_order
 from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
-from fastfill.components.evaluation.rerank import RerankVariant, query_driven_order, rerank_curves
+from fastfill.components.evaluation.rerank import RerankVariant, candidate_lists, query_driven_order, rerank_curves
 from fastfill.components.experiment.adapters import fit_adapter
 from fastfill.components.experiment.data import load_split
 from fastfill.components.experiment.map_check import non_finite_rows
@@ -203,12 +203,15 @@ def rerank_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:
             log(f"{spec.method}: the test split has {len(labels)} images, so every other item is a candidate "
                 f"(depth {len(labels) - 1})")
     curves: dict[str, dict] = {method: {} for methods in variants.values() for method in methods}
+    depths = sorted({v.depth for v in variants})
+    # the query-driven worker's candidates: one sort for every depth (a shallower one is their first columns)
+    deepest = candidate_lists(old, old, depths[-1], labels=labels, distance=config.distance) \
+        if "query" in config.rerank_orders and depths else None
     for name in config.rerank_orders:
-        orders: dict[int | None, tuple] = {}
+        orders: dict[int | None, tuple]
         if name == "query":  # each depth's own worker
-            orders = {depth: (query_driven_order(old, old, depth, seed=config.seed, labels=labels,
-                                                 distance=config.distance), None)
-                      for depth in sorted({v.depth for v in variants})}
+            assert deepest is not None
+            orders = {depth: (query_driven_order(deepest[:, :depth], seed=config.seed), None) for depth in depths}
         else:
             orders = {None: dual_order(config, name, layout, len(labels))}
         for depth, (order, diverged) in orders.items():

@@ -52,12 +52,10 @@ from fastfill.components.evaluation.retrieval import (
     curve_from_totals,
     over_blocks,
     per_query_curve,
+    ranking_keys,
 )
 
 __all__ = ["RerankVariant", "candidate_gap", "candidate_lists", "query_driven_order", "rerank_curves"]
-
-_SELF_KEY = np.uint32(0xFFFFFFFE)  # the query's own item: after every other item
-
 
 @dataclass(frozen=True)
 class RerankVariant:
@@ -85,16 +83,6 @@ def _check_depths(variants: Sequence[RerankVariant], n: int) -> list[RerankVaria
     return variants
 
 
-def _old_keys(distances: np.ndarray, positive: np.ndarray, self_column: np.ndarray) -> np.ndarray:
-    """Ranking keys of non-negative float32 distances: the distance's bits shifted left, the
-    positive flag in the lowest bit (a negative first at an equal distance), the query's own
-    column last."""
-    keys = distances.view(np.uint32) << np.uint32(1)
-    keys |= positive.astype(np.uint32)
-    keys[np.arange(len(self_column)), self_column] = _SELF_KEY
-    return keys
-
-
 class _Inputs:
     """Checked inputs and what every block shares."""
 
@@ -115,8 +103,8 @@ class _Inputs:
         each is a positive."""
         rows = np.arange(start, stop)
         positive = self.labels[rows, None] == self.labels[None, :]
-        keys = _old_keys(block_distances(self.query_old.rows(start, stop), self.gallery_old, self.distance),
-                         positive, rows)
+        keys = ranking_keys(block_distances(self.query_old.rows(start, stop), self.gallery_old, self.distance),
+                            positive, np.arange(len(rows)), rows)
         columns = np.argsort(keys, axis=1, kind="stable")
         return columns, np.take_along_axis(positive, columns, axis=1)
 
@@ -137,13 +125,13 @@ def candidate_lists(query_old: np.ndarray, gallery_old: np.ndarray, depth: int, 
     return out
 
 
-def query_driven_order(query_old: np.ndarray, gallery_old: np.ndarray, depth: int, *, seed: int,
-                       labels: np.ndarray | None = None, distance: str = "l2") -> np.ndarray:
-    """The backfill order of a query-driven worker: the queries arrive in a random order (from
-    ``seed``), each queues its old top-``depth`` candidates not queued before, in their old
+def query_driven_order(candidates: np.ndarray, *, seed: int) -> np.ndarray:
+    """The backfill order of a query-driven worker, from each query's candidates (``(n, K)``,
+    ``candidate_lists``; a shallower depth is their first columns): the queries arrive in a
+    random order (from ``seed``), each queues its candidates not queued before, in their old
     order, and the worker embeds the queue first in, first out; the items no query touched come
     last, in a random order. A permutation of ``0 .. n-1``."""
-    candidates = candidate_lists(query_old, gallery_old, depth, labels=labels, distance=distance)
+    candidates = np.asarray(candidates, dtype=np.int64)
     n = candidates.shape[0]
     rng = np.random.default_rng(seed)
     stream = candidates[rng.permutation(n)].ravel()
@@ -162,7 +150,6 @@ class _Block:
         self.num_positives = inputs.num_positives[start:stop]
         kmax = max(depths)
         self.columns, self.positive = columns[:, :kmax], positive[:, :kmax]
-        rows = np.arange(stop - start)
         q_new = inputs.query_new.rows(start, stop)
         new = block_distances(q_new, inputs.gallery_new, inputs.distance)
         new_keys = new.view(np.uint32) << np.uint32(1)
@@ -175,7 +162,7 @@ class _Block:
         precision = np.where(hit, j / position, 0.0)
         # tail[k] = sum of the precisions at positions >= k
         suffix = np.cumsum(precision[:, ::-1], axis=1)[:, ::-1]
-        self.tail = {k: suffix[:, k] if k < suffix.shape[1] else np.zeros(len(rows)) for k in depths}
+        self.tail = {k: suffix[:, k] if k < suffix.shape[1] else np.zeros(stop - start) for k in depths}
         self.tail_top5 = {k: hit[:, k:5].any(axis=1) for k in depths}  # a depth under 5 leaves old places in the top 5
 
     def ranks(self, depth: int) -> np.ndarray:

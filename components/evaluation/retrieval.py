@@ -503,9 +503,11 @@ def over_blocks(run, n: int, block_size: int, workers: int):
     return total
 
 
-def _keys(distances: np.ndarray, positive: np.ndarray, rows: np.ndarray,
-          self_column: np.ndarray) -> np.ndarray:
-    """Turn a (rows, n) distance block into ranking keys, in place (see the module docs)."""
+def ranking_keys(distances: np.ndarray, positive: np.ndarray, rows: np.ndarray,
+                 self_column: np.ndarray) -> np.ndarray:
+    """Turn a (rows, n) distance block into ranking keys, in place (see the module docs): the
+    distance's bits shifted left, the positive flag in the lowest bit (a negative first at an
+    equal distance), each row's own column (``rows[i], self_column[i]``) after every other."""
     keys = distances.view(np.uint32)
     # Distances are >= 0 (the clamp may leave -0.0, whose sign bit the shift drops).
     np.left_shift(keys, 1, out=keys)
@@ -519,9 +521,9 @@ def _rank_block(q, g_new, g_old, distance, row_labels, column_labels, self_colum
     b = q.x.shape[0]
     rows = np.arange(b)
     positive = row_labels[:, None] == column_labels[None, :]
-    keys_old = _keys(block_distances(q, g_old, distance), positive, rows, self_column)
+    keys_old = ranking_keys(block_distances(q, g_old, distance), positive, rows, self_column)
     keys_new = (keys_old if g_new is g_old
-                else _keys(block_distances(q, g_new, distance), positive, rows, self_column))
+                else ranking_keys(block_distances(q, g_new, distance), positive, rows, self_column))
     del positive
 
     num_points = len(cuts)

@@ -21,6 +21,7 @@ from fastfill.components.platform.vocabulary import (
     COMPATIBLE_ORDERS,
     MAP_ORDERS,
     MERGES,
+    RERANK_DEPTH,
     AdapterKind,
     Distance,
     GalleryOrder,
@@ -466,7 +467,7 @@ class UpgradeConfig(Section):
         "and keep it in the store: `fastfill search --merge online` then answers with the new model alone, its "
         "query on the re-embedded items and its reverse transform on the rest, merged by distance")
     rerank_depth: PositiveInt = Field(
-        default=50, description="candidate reranking's depth K: the old index's candidates per query that the new "
+        default=RERANK_DEPTH, description="candidate reranking's depth K: the old index's candidates per query that the new "
         "model ranks where they are re-embedded; the default of `fastfill search --merge rerank --depth`, and the "
         "depth of the candidate reranking way `upgrade --dry-run --target-top1` compares")
     order: GalleryOrder = Field(
@@ -811,8 +812,8 @@ class Params(Section):
             self.evaluate.rerank and "sigma" in self.evaluate.rerank_orders)
         if wants_sigma and (sigma_from not in self.align or not self.align[sigma_from].uncertainty):
             raise ValueError(f"evaluate.dual_sigma_from: {sigma_from!r} is not a map under align with "
-                             "uncertainty: true, so the dual methods have no sigma order; name one, or drop sigma "
-                             "from evaluate.dual_orders")
+                             "uncertainty: true, so the dual and rerank methods have no sigma order; name one, or "
+                             "drop sigma from evaluate.dual_orders and evaluate.rerank_orders")
         upgrade = self.gallery.upgrade.method
         maps = self.map_methods
         if upgrade not in maps:

@@ -35,6 +35,9 @@ ONLINE_MERGE = "distance"
 # candidate reranking ("rerank", components.evaluation.rerank: the old query's top K in the old
 # features of every item, those already re-embedded ranked by the new query's distance).
 SEARCH_MERGES = (*MERGES, "online", "rerank")
+# candidate reranking's default depth K, the candidates per query (EmbedFlow's default too):
+# gallery.upgrade.rerank_depth, `search --merge rerank --depth`, the advisor's rerank way
+RERANK_DEPTH = 50
 
 Distance = Literal["l2", "cosine"]
 DISTANCES = get_args(Distance)

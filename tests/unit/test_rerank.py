@@ -122,7 +122,9 @@ def test_candidate_lists_and_the_query_driven_order_follow_the_old_ranking():
         positive = labels == labels[i]
         expected = sorted((c for c in range(len(labels)) if c != i), key=lambda c: (d[i, c], positive[c], c))[:4]
         assert lists[i].tolist() == expected
-    order = query_driven_order(old, old, 4, seed=9, labels=labels)
+    order = query_driven_order(lists, seed=9)
+    deeper = candidate_lists(old, old, 7, labels=labels)
+    assert (deeper[:, :4] == lists).all()  # a shallower depth is the first columns of a deeper one
     assert sorted(order.tolist()) == list(range(len(labels)))
     stream = np.random.default_rng(9).permutation(len(labels))
     queued = []
@@ -198,28 +200,20 @@ def test_the_evaluation_stage_measures_each_spec_in_each_order(tmp_path):
     """fastfill.tasks.method_curves.rerank_curves_of on a stage layout: random from evaluate.seed,
     sigma from the named map's stored log_sigma2, query from a query-driven worker per depth."""
     from fastfill.components.evaluation.ordering import random_order, sigma_order
-    from fastfill.components.platform.config import EvaluateConfig, PathsConfig, RerankSpec
-    from fastfill.components.platform.layout import Layout
+    from fastfill.components.platform.config import EvaluateConfig, RerankSpec
     from fastfill.tasks.method_curves import rerank_curves_of
+    from tests.stage_layouts import evaluation_layout
 
     old, new, labels = _data(n=30, seed=10)
-    layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))
-    layout.splits.mkdir(parents=True)
-    np.save(layout.splits / "test_images.npy", np.zeros((30, 1, 2, 2), np.uint8))
-    np.save(layout.splits / "test_labels.npy", labels)
-    for role, features in (("old", old), ("new", new)):
-        layout.features_dir(role).mkdir(parents=True)
-        np.save(layout.features(role, "test"), features)
     log_sigma2 = np.random.default_rng(2).normal(size=30)
-    layout.align_dir("fastfill").mkdir(parents=True)
-    np.save(layout.align_dir("fastfill") / "log_sigma2.npy", log_sigma2)
+    layout = evaluation_layout(tmp_path, labels, old, new, log_sigma2=log_sigma2)
 
     config = EvaluateConfig(rerank=[RerankSpec(depth=5), RerankSpec(depth=9, sync=2)], curve_points=3, seed=4)
     curves = rerank_curves_of(config, layout)
     assert set(curves) == {"rerank_k5", "rerank_k9_sync2"}
     assert config.headlines["rerank_k9_sync2"] == "random"
     orders = {"random": random_order(30, 4), "sigma": sigma_order(log_sigma2),
-              "query": query_driven_order(old, old, 9, seed=4, labels=labels)}
+              "query": query_driven_order(candidate_lists(old, old, 9, labels=labels), seed=4)}
     for name, order in orders.items():
         v = RerankVariant(9, 2)
         expected = rerank_curves(old, new, old, new, labels, order, variants=[v], num_intermediate=3)[v]

@@ -61,8 +61,7 @@ from fastfill.components.gallery.advice.advisor import (
 )
 from fastfill.components.gallery.upgrade.planning import stand_in_ranks
 from fastfill.components.gallery.upgrade.usage import backfill_order
-
-RERANK_DEPTH = 50  # candidate reranking's default K (gallery.upgrade.rerank_depth)
+from fastfill.components.platform.vocabulary import RERANK_DEPTH
 
 
 def shadow_top1(sample_old: np.ndarray, sample_new: np.ndarray, labels: np.ndarray, ranks: np.ndarray,
@@ -195,9 +194,10 @@ class _Reranking:
         rows = np.arange(len(self.candidates))
         hits = np.zeros((len(points), len(rows)))
         stands_for = self.num_items / max(self.sample, 1) if self.num_items > self.sample else 1.0
+        ranks = np.asarray(ranks)
         for p, f in enumerate(points):
             reached = 1.0 - (1.0 - f) ** stands_for
-            on_new = np.asarray(ranks) < math.floor(round(reached * self.num_items, 9))
+            on_new = ranks < math.floor(round(reached * self.num_items, 9))
             scored = on_new[self.candidates] & self.valid
             best = np.where(scored, self.new, np.inf).argmin(axis=1)
             hits[p] = self.is_hit(np.where(scored.any(axis=1), self.candidates[rows, best], self.candidates[:, 0]))

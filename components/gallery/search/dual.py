@@ -42,9 +42,7 @@ from fastfill.components.gallery.search.index import query_images
 from fastfill.components.gallery.upgrade.backfill import landed_since
 from fastfill.components.gallery.upgrade.planning import load_plan, load_reverse, order_of
 from fastfill.components.platform.registry import ModelRef
-from fastfill.components.platform.vocabulary import DISTANCES, SEARCH_MERGES
-
-RERANK_DEPTH = 50  # candidate reranking's default K (gallery.upgrade.rerank_depth)
+from fastfill.components.platform.vocabulary import DISTANCES, RERANK_DEPTH, SEARCH_MERGES
 
 
 class DualSearch:
