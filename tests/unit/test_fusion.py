@@ -231,21 +231,13 @@ def test_the_evaluation_stage_measures_each_merge_in_each_order_with_its_headlin
     the sigma order from the named map's stored log_sigma2, random from evaluate.seed."""
     from fastfill.components.evaluation.ordering import random_order, sigma_order
     from fastfill.components.evaluation.reports import build_metrics
-    from fastfill.components.platform.config import EvaluateConfig, PathsConfig
-    from fastfill.components.platform.layout import Layout
+    from fastfill.components.platform.config import EvaluateConfig
     from fastfill.tasks.method_curves import dual_curves_of
+    from tests.stage_layouts import evaluation_layout
 
     query_old, query_new, old, new, labels, _ = _case(n=30, seed=11)
-    layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))
-    layout.splits.mkdir(parents=True)
-    np.save(layout.splits / "test_images.npy", np.zeros((30, 1, 2, 2), np.uint8))
-    np.save(layout.splits / "test_labels.npy", labels)
-    for role, features in (("old", old), ("new", new)):
-        layout.features_dir(role).mkdir(parents=True)
-        np.save(layout.features(role, "test"), features)
     log_sigma2 = np.random.default_rng(2).normal(size=30)
-    layout.align_dir("fastfill").mkdir(parents=True)
-    np.save(layout.align_dir("fastfill") / "log_sigma2.npy", log_sigma2)
+    layout = evaluation_layout(tmp_path, labels, old, new, log_sigma2=log_sigma2)
 
     config = EvaluateConfig(dual=["rrf", "score_zscore"], curve_points=3, seed=4)
     curves = dual_curves_of(config, layout)

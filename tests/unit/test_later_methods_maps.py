@@ -226,23 +226,16 @@ def test_the_evaluation_stage_measures_online_backfilling_in_each_order(tmp_path
     from fastfill.components.evaluation.ordering import random_order
     from fastfill.components.evaluation.reports import build_metrics
     from fastfill.components.experiment.adapters import fit_adapter
-    from fastfill.components.platform.config import EvaluateConfig, PathsConfig
-    from fastfill.components.platform.layout import Layout
+    from fastfill.components.platform.config import EvaluateConfig
     from fastfill.tasks.method_curves import online_curves_of
+    from tests.stage_layouts import evaluation_layout
 
     rng = np.random.default_rng(5)
     labels = rng.integers(0, 3, 30)
     old = (rng.normal(size=(3, 4))[labels] + rng.normal(scale=0.5, size=(30, 4))).astype(np.float32)
     new = (rng.normal(size=(3, 6))[labels] + rng.normal(scale=0.5, size=(30, 6))).astype(np.float32)
     train_old, train_new = rng.normal(size=(50, 4)).astype(np.float32), rng.normal(size=(50, 6)).astype(np.float32)
-    layout = Layout(PathsConfig(data=tmp_path / "data", artifacts=tmp_path / "artifacts", reports=tmp_path / "r"))
-    layout.splits.mkdir(parents=True)
-    np.save(layout.splits / "test_images.npy", np.zeros((30, 1, 2, 2), np.uint8))
-    np.save(layout.splits / "test_labels.npy", labels)
-    for role, test, train in (("old", old, train_old), ("new", new, train_new)):
-        layout.features_dir(role).mkdir(parents=True)
-        np.save(layout.features(role, "test"), test)
-        np.save(layout.features(role, "new_train"), train)
+    layout = evaluation_layout(tmp_path, labels, old, new, train=(train_old, train_new))
 
     config = EvaluateConfig(online=["low_rank"], dual_orders=["random"], curve_points=3, seed=4, adapter_rank=2)
     curves = online_curves_of(config, layout)
