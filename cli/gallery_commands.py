@@ -183,8 +183,29 @@ def gallery_gc(store: StoreOption = None, as_json: JsonOption = False,
     deleted = call(lambda: collect_garbage(open_gallery(uri)))
     if as_json:
         return answer(*json_output.gc_document(uri, deleted))
-    typer.echo(f"{uri}: deleted {deleted['features']} unused features (objects, or the table's columns) and "
+    typer.echo(f"{uri}: deleted {deleted['features']} unused features (objects, or the product's tables) and "
                f"{deleted['upgrade_objects']} objects of finished upgrades")
+    for column in deleted["kept_columns"]:
+        typer.echo(f"kept {column}: the team's column, which no model of the gallery serves now; drop it yourself "
+                   "when none of your readers uses it (the product drops nothing it did not make)")
+
+
+@gallery_app.command("release", short_help="Drop the objects this gallery made in the team's database.")
+@answers_json
+def gallery_release(store: StoreOption = None, as_json: JsonOption = False,
+                    params: ParamsOption = Path("params.yaml")) -> None:
+    """Drop every object this gallery made in the team's database (the view, its bookkeeping and
+    vectors tables, the ANN indexes it built: those carrying its mark), nothing else; then another
+    gallery may adopt the table under the same names. Refused while an upgrade is under way."""
+    config = load(params)
+    uri = store_uri(config, store)
+    dropped = call(lambda: open_gallery(uri).release())
+    if as_json:
+        return answer("fastfill.gallery.release/1", {"store": uri, "dropped": dropped})
+    for line in dropped:
+        typer.echo(f"dropped {line}")
+    typer.echo(f"{uri}: released {len(dropped)} objects; the gallery in this store no longer serves (the team's "
+               "table and its columns are as they were)")
 
 
 @gallery_app.command("rollback", short_help="Undo the last finished upgrade (before gc).")

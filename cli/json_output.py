@@ -185,7 +185,8 @@ def undo_document(command: str, store: str, result: dict) -> tuple[str, dict]:
 
 def gc_document(store: str, deleted: dict) -> tuple[str, dict]:
     return "fastfill.gallery.gc/1", {"store": store, "deleted_features": deleted["features"],
-                                     "deleted_upgrade_objects": deleted["upgrade_objects"]}
+                                     "deleted_upgrade_objects": deleted["upgrade_objects"],
+                                     "kept_team_columns": deleted.get("kept_columns", [])}
 
 
 def convert_document(result: dict) -> tuple[str, dict]:

@@ -179,7 +179,14 @@ def finish_upgrade(store_uri: str, plan: Plan) -> dict:
     gallery = gallery_at(store_at(store_uri))
     # an adopted gallery's images are decoded for the model it serves: its input shape moves with it
     shape = registered.input_shape(plan.new.uri) if gallery.adopted else None
-    return ending.finish(gallery, plan, shape)
+    record = ending.finish(gallery, plan, shape)
+    unserved = record.get("unserved_rows")
+    if unserved:
+        log(f"{unserved['count']} rows were added to {unserved['table']} since the gallery was made (first ids: "
+            f"{', '.join(map(str, unserved['first']))}); the view does not serve them: they have no vector of "
+            f"{plan.new.uri}. Take them in with `fastfill gallery release` and `fastfill gallery adopt --table` once "
+            "their column holds that model's vectors (docs/serving.md, \"What the product touches in your database\")")
+    return record
 
 
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)

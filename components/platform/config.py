@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fastfill.components.platform.runtime import CPU_KERNELS, DEFAULT_CPU_KERNELS
+from fastfill.components.platform.secrets import redact, take_password
 from fastfill.components.platform.vocabulary import (
     ADAPTERS,
     COMPATIBLE_ORDERS,
@@ -578,6 +579,10 @@ class PgvectorConfig(Section):
     image_column: str = Field(default="image", description="the column of each item's image URI")
     view: str | None = Field(default=None, description="the view the team's service queries: id, embedding, "
                              "model, source; null = <table>_serving")
+    prefix: str | None = Field(default=None, description="the start of the name of every object the product makes "
+                               "beside the table (each model's vectors table <prefix>_emb_<model>_v<version>, the "
+                               "bookkeeping tables <prefix>_fastfill_serving and _chunks); null = the table's name. "
+                               "Another name when one of those is taken by an object that is not this gallery's")
     ann: Literal["hnsw", "ivfflat", "none"] = Field(
         default="ivfflat", description="the ANN index built on each model's vectors before readers move to them: "
         "ivfflat (each chunk's rows enter it cheaply: 1.0 s per 10,000 rows against HNSW's 41 s, "
@@ -592,6 +597,24 @@ class PgvectorConfig(Section):
         default="1GB", description="maintenance_work_mem while an ANN index is built (IVFFlat on 1,000,000 "
         "256-d rows needs 221 MB, more than PostgreSQL's 64 MB default)")
 
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _password_taken(cls, value: object) -> object:
+        return _without_password(value)
+
+
+def _without_password(value: object) -> object:
+    """A server URI's password taken out (``secrets.take_password``: the connection gets it from
+    this process's memory), so the configuration, and every record made of it (Prefect's flow
+    parameters, MLflow's params, the gallery's manifest), never holds one. Never fails: what is
+    not text is left to the field's own check, which then shows no URI."""
+    if isinstance(value, bytes | bytearray):
+        try:
+            value = bytes(value).decode()
+        except UnicodeDecodeError:
+            return value
+    return take_password(value) if isinstance(value, str) else value
+
 
 class MilvusConfig(Section):
     """A gallery served from Milvus (gallery.layout milvus; docs/serving.md): the server, and the
@@ -605,6 +628,11 @@ class MilvusConfig(Section):
     hnsw_m: PositiveInt = Field(default=16, description="HNSW: links per node")
     hnsw_ef_construction: PositiveInt = Field(default=64, description="HNSW: candidate list while building")
     ef_search: PositiveInt = Field(default=100, description="HNSW: candidate list per search (`fastfill search`)")
+
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _password_taken(cls, value: object) -> object:
+        return _without_password(value)
 
 
 class LanceConfig(Section):
@@ -931,6 +959,8 @@ class ConfigError(ValueError):
 
 
 def _format_errors(error: ValidationError, source: Path) -> str:
+    """One line per problem. A problem of a whole section has the section as its input, URIs
+    included: every line goes through ``redact``."""
     lines = [f"{source}: invalid configuration"]
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"]) or "(top level)"
@@ -938,7 +968,7 @@ def _format_errors(error: ValidationError, source: Path) -> str:
             lines.append(f"  {key}: unknown key; remove it or check its spelling")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
+    return redact("\n".join(lines))
 
 
 def parse_params(data: object, source: Path = DEFAULT_PARAMS) -> Params:

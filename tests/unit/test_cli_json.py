@@ -131,7 +131,7 @@ def test_gc_and_convert_answer_what_they_did(tmp_path, models, data):
     _gallery(source, models, data)
     collected = _document(_invoke("gallery", "gc", "--store", source, "--json"), "fastfill.gallery.gc/1")
     assert collected == {"schema": "fastfill.gallery.gc/1", "store": open_store(source).uri, "deleted_features": 0,
-                         "deleted_upgrade_objects": 0}
+                         "deleted_upgrade_objects": 0, "kept_team_columns": []}
     converted = _document(_invoke("gallery", "convert", "--store", source, "--to", str(tmp_path / "lance"), "--json"),
                           "fastfill.gallery.convert/1")
     assert converted["layout"] == "lance" and converted["items"] == N and converted["dim"] == OLD.dim

@@ -220,6 +220,21 @@ class Gallery(ABC):
     def collect_features(self) -> int:
         """Delete the features of every model but the gallery's own; returns how many were."""
 
+    def kept_columns(self) -> list[str]:
+        """Vectors of the team's that no model serves any more and that gc leaves where they are
+        (a column of an adopted table: the team's to drop); none on most layouts."""
+        return []
+
+    def release(self) -> list[str]:
+        """Remove from the team's database every object this gallery made there (after which
+        another gallery may take the names); the objects removed."""
+        raise GalleryError(f"a gallery of the {self.layout} layout has no objects in a team's database to release")
+
+    def unserved_rows(self) -> dict | None:
+        """Rows another writer added to the team's table since the gallery was made, which its
+        index does not serve (seen at an upgrade's finish): {table, count, first}; None."""
+        return None
+
     @abstractmethod
     def check_sources(self, sequential: bool = False) -> None:
         """Refuse, before planning writes anything, a gallery whose sources are not all there or

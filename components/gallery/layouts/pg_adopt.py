@@ -14,7 +14,7 @@ from fastfill.components.gallery.layouts.catalog import (
     check_empty,
     commit_manifest,
 )
-from fastfill.components.gallery.layouts.pg_table import Index, plain_identifier
+from fastfill.components.gallery.layouts.pg_table import Index, Place, plain_identifier
 from fastfill.components.gallery.store import Store
 from fastfill.components.platform.registry import ModelRef
 
@@ -33,9 +33,12 @@ def adopt_table(store: Store, settings: dict, model: ModelRef, image_shape, *, v
     if not index.exists():
         raise GalleryError(f"{index.where} does not exist; name the team's table in gallery.pgvector.table (or "
                            "--table)")
+    index.kind_of_table()
     columns = index.columns()
     settings["id_type"] = _checked_columns(index, columns, vector_column, label_column, model)
     n = _checked_rows(index, vector_column)
+    adopted = Place(index.table, index.id_column, vector_column, None)
+    index.check_names(adopted)  # every name the gallery will use is free or its own, before any write
     _copy_items(index, store, model, label_column, n, part_size, on_part)
     settings["columns"] = {model.key: vector_column}
     if f"{vector_column}_source" in columns:

@@ -46,21 +46,31 @@ import os
 import re
 from collections.abc import Iterable
 from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
 from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError, PartsWriter, check_features
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
+from fastfill.components.gallery.layouts.ownership import (
+    OWNER_KEY,
+    STORE_KEY,
+    NotOurs,
+    mark,
+    new_owner,
+    owner_of,
+    read_mark,
+)
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from fastfill.components.platform.registry import ModelRef
+from fastfill.components.platform.secrets import password_for, redact, take_password
 
 URI_ENV = "FASTFILL_PG_URI"
 EMBEDDED, MAPPED = "embedded", "mapped"
 MAX_DIM, MAX_INDEXED_DIM = 16000, 2000  # pgvector 0.6: the vector type; an HNSW or IVFFlat index
 OPERATORS = {"l2": ("<->", "vector_l2_ops"), "cosine": ("<=>", "vector_cosine_ops")}
 ROWS_PER_STATEMENT = 20000
+MAX_NAME = 63  # bytes: PostgreSQL cuts longer identifiers
 
 
 class IndexError_(StoreError):
@@ -68,15 +78,11 @@ class IndexError_(StoreError):
 
 
 def safe_uri(uri: str) -> str:
-    """``uri`` without its password (the manifest never keeps one)."""
+    """``uri`` without its password (the manifest never keeps one, no line shows one): taken out
+    on the raw text, whatever characters the password holds (components/platform/secrets.py)."""
     if not uri:
         return uri
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[1]}"))
+    return redact(take_password(uri))
 
 
 def plain_identifier(name: str, what: str) -> str:
@@ -87,13 +93,25 @@ def plain_identifier(name: str, what: str) -> str:
     return name
 
 
-def vectors_table(table: str, model: ModelRef) -> str:
-    """The table of ``model``'s vectors beside the gallery's ``table``: ``<table>_emb_<name>_v<version>``
-    (lowercase; a digest where that would pass PostgreSQL's 63 characters)."""
-    name = re.sub(r"[^a-z0-9_]+", "_", f"{table}_emb_{model.name}_v{model.version}".lower())
-    if len(name) > 63:
-        name = f"{name[:50]}_{hashlib.sha1(f'{table}/{model.key}'.encode()).hexdigest()[:12]}"
-    return name
+def derived_name(prefix: str, suffix: str) -> str:
+    """``<prefix>_<suffix>``, the name of an object the product makes beside a team's table, within
+    PostgreSQL's 63 bytes: a longer one keeps the suffix (what the object is) whole and shortens
+    the prefix with a digest of the whole name, so two derived names never become one."""
+    name = f"{prefix}_{suffix}"
+    if len(name.encode()) <= MAX_NAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    keep = MAX_NAME - len(suffix.encode()) - len(digest) - 2
+    if keep >= 8:
+        return f"{prefix[:keep]}_{digest}_{suffix}"
+    return f"{name[:MAX_NAME - len(digest) - 1]}_{digest}"
+
+
+def vectors_table(prefix: str, model: ModelRef) -> str:
+    """The table of ``model``'s vectors beside the gallery's table: ``<prefix>_emb_<name>_v<version>``
+    (lowercase; ``prefix``: gallery.pgvector.prefix, by default the table's name)."""
+    suffix = re.sub(r"[^a-z0-9_]+", "_", f"emb_{model.name}_v{model.version}".lower())
+    return derived_name(re.sub(r"[^a-z0-9_$]+", "_", prefix.lower()), suffix)
 
 
 class Place:
@@ -111,16 +129,25 @@ class Place:
 
 
 def connect(uri: str):
-    """A connection (autocommit) to ``uri`` (or ``FASTFILL_PG_URI``) with pgvector's types."""
+    """A connection (autocommit) to ``uri`` (or ``FASTFILL_PG_URI``) with pgvector's types. A
+    password written in either URI reaches libpq as the ``password`` keyword, never in the URI
+    (libpq echoes a URI it cannot read); else libpq finds one in PGPASSWORD or ~/.pgpass."""
     import psycopg
     from pgvector.psycopg import register_vector
 
-    target = os.environ.get(URI_ENV) or uri
+    target = take_password(os.environ.get(URI_ENV) or uri)
+    password = password_for(target) if target else None
+    where = safe_uri(target) or "the PG* environment"
     try:
-        connection = psycopg.connect(target, autocommit=True, connect_timeout=10)
+        connection = psycopg.connect(target, autocommit=True, connect_timeout=10,
+                                     **({"password": password} if password is not None else {}))
     except psycopg.OperationalError as error:
-        raise IndexError_(f"cannot connect to PostgreSQL at {safe_uri(target) or 'the PG* environment'}: "
-                          f"{' '.join(str(error).split())[:300]}") from None
+        raise IndexError_(f"cannot connect to PostgreSQL at {where}: "
+                          f"{redact(' '.join(str(error).split()))[:300]}") from None
+    except psycopg.ProgrammingError as error:  # libpq cannot read the URI
+        raise GalleryError(f"cannot connect to PostgreSQL at {where}: {redact(' '.join(str(error).split()))[:300]}; "
+                           "correct gallery.pgvector.uri or FASTFILL_PG_URI (percent-encode the password's special "
+                           "characters)") from None
     try:
         register_vector(connection)
     except psycopg.ProgrammingError:  # the extension is not there yet
@@ -136,16 +163,24 @@ def default_table(store_uri: str) -> str:
 
 def index_settings(config, distance: str, store_uri: str = "") -> dict:
     """The manifest's ``index`` of a new gallery from ``gallery.pgvector`` (``config``) in the
-    store ``store_uri`` (it names the table when the settings do not)."""
+    store ``store_uri`` (it names the table when the settings do not); a new gallery id
+    (``owner``) marks every object the product makes for it."""
     table = plain_identifier(config.table or default_table(store_uri), "gallery.pgvector.table")
+    prefix = plain_identifier(config.prefix or table, "gallery.pgvector.prefix")
     return {"kind": PGVECTOR, "uri": safe_uri(config.uri), "table": table,
             "id_column": plain_identifier(config.id_column, "gallery.pgvector.id_column"),
             "image_column": plain_identifier(config.image_column, "gallery.pgvector.image_column"),
-            "view": plain_identifier(config.view or f"{table}_serving", "gallery.pgvector.view"),
+            "view": plain_identifier(config.view or derived_name(table, "serving"), "gallery.pgvector.view"),
+            "prefix": prefix, OWNER_KEY: new_owner(), STORE_KEY: str(store_uri),
             "distance": distance, "ann": config.ann, "hnsw_m": config.hnsw_m,
             "hnsw_ef_construction": config.hnsw_ef_construction, "ef_search": config.ef_search,
             "ivfflat_lists": config.ivfflat_lists, "ivfflat_probes": config.ivfflat_probes,
             "index_memory": config.index_memory, "columns": {}}
+
+
+RELKINDS = {"r": "table", "p": "partitioned table", "v": "view", "m": "materialized view", "i": "index",
+            "I": "partitioned index", "S": "sequence", "f": "foreign table", "c": "type"}
+TABLE, VECTORS, VIEW, SERVING, CHUNKS, ANN = "table", "vectors", "view", "serving", "chunks", "index"
 
 
 class Index:
@@ -153,13 +188,17 @@ class Index:
     the bookkeeping tables, by the manifest's ``index``. One connection per object, opened when
     first needed."""
 
-    def __init__(self, settings: dict):
+    def __init__(self, settings: dict, store_uri: str = ""):
         self.settings = settings
         self.table = settings["table"]
         self.id_column, self.image_column = settings["id_column"], settings["image_column"]
         self.view = settings["view"]
-        self.serving_table, self.chunks_table = f"{self.table}_fastfill_serving", f"{self.table}_fastfill_chunks"
+        self.prefix = settings.get("prefix") or self.table
+        self.serving_table = derived_name(self.prefix, "fastfill_serving")
+        self.chunks_table = derived_name(self.prefix, "fastfill_chunks")
         self.operator, self.opclass = OPERATORS[settings.get("distance", "l2")]
+        self.store_uri = settings.get(STORE_KEY) or str(store_uri)
+        self.owner = owner_of(settings, self.store_uri)
         self._connection = None
 
     @property
@@ -192,6 +231,8 @@ class Index:
         except psycopg.OperationalError as error:
             self.close()
             raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
+            raise self._vanished(error) from None
 
     def execute(self, statement, args=None):
         import psycopg
@@ -201,6 +242,76 @@ class Index:
         except psycopg.OperationalError as error:
             self.close()
             raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
+            raise self._vanished(error) from None
+
+    def _vanished(self, error) -> DamagedObject:
+        """A table, view or column the gallery uses is not there (dropped by another writer)."""
+        first = " ".join(str(error).splitlines()[0].split())[:200] if str(error) else type(error).__name__
+        return DamagedObject(f"{self.where}: {first}: an object the "
+                             "gallery uses was dropped or renamed by another writer; `fastfill upgrade status` says "
+                             "what serves, and docs/serving.md how to restore it")
+
+    # ---- whose objects
+
+    def object(self, name: str) -> tuple[str, dict | None] | None:
+        """The kind (``table``, ``view``, ``index``, ...) of the object called ``name`` and its
+        product mark (None: the team's), or None when the name is free."""
+        row = self.execute("SELECT c.relkind, obj_description(c.oid, 'pg_class') FROM pg_class c "
+                           "WHERE c.oid = to_regclass(%s)", (f'"{name}"',)).fetchone()
+        if row is None:
+            return None
+        return RELKINDS.get(row[0], "relation"), read_mark(row[1])
+
+    def ours(self, name: str, role: str, setting: str) -> bool:
+        """Whether ``name`` is this gallery's ``role`` object (True) or free (False); anything else
+        holding the name (the team's, another gallery's, one of ours of another kind) is refused
+        (NotOurs) naming it and ``setting``, the one that names ours otherwise."""
+        found = self.object(name)
+        if found is None:
+            return False
+        kind, marked = found
+        if marked is not None and marked.get("gallery") == self.owner and marked.get("role") == role:
+            return True
+        what = f"{self.where}: the {kind} {name}"
+        if marked is None:
+            raise NotOurs(f"{what} exists and is not the product's (it has no fastfill mark); it is left as it is. "
+                          f"Give this gallery's {role} another name with {setting}; or, if it is this gallery's own, "
+                          f"made by an earlier release, mark it: COMMENT ON {kind.upper()} \"{name}\" IS "
+                          f"'{self.mark_text(role)}'. Nothing was written.")
+        owner = f"gallery {marked.get('gallery')} of the store {marked.get('store') or '(unknown)'}"
+        raise NotOurs(f"{what} belongs to {owner} (this one is {self.owner}, {self.store_uri}): upgrade, abort, roll "
+                      f"back, gc or release it from that store, or give this gallery's {role} another name with "
+                      f"{setting}. Nothing was written.")
+
+    def mark_text(self, role: str) -> str:
+        return mark(self.owner, role, self.store_uri)
+
+    def marking(self, connection, kind: str, name: str, role: str) -> None:
+        """``COMMENT ON`` the object the product just made, in the caller's transaction."""
+        from psycopg import sql
+
+        connection.execute(sql.SQL("COMMENT ON {} {} IS {}").format(sql.SQL(kind.upper()), sql.Identifier(name),
+                                                                   sql.Literal(self.mark_text(role))))
+
+    def check_names(self, *places: Place) -> None:
+        """Every name this gallery uses (the view, the bookkeeping tables, ``places``' vectors
+        tables and their ANN indexes) is free or this gallery's; before any write."""
+        self.ours(self.view, VIEW, "gallery.pgvector.view")
+        self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix")
+        self.ours(self.chunks_table, CHUNKS, "gallery.pgvector.prefix")
+        for place in places:
+            if place.table != self.table:
+                self.ours(place.table, VECTORS, "gallery.pgvector.prefix")
+            if not (self.exists(place.table) and self.has(place) and self.ann_indexed(place)):
+                self.ours(self.ann_name(place), ANN, "gallery.pgvector.prefix")
+
+    def kind_of_table(self) -> None:
+        """The gallery's table is a table (a view, a materialized view or a foreign table is named)."""
+        found = self.object(self.table)
+        if found is not None and found[0] not in ("table", "partitioned table"):
+            raise GalleryError(f"{self.where} is a {found[0]}, not a table: adopt the table the {found[0]} reads "
+                               "from (gallery.pgvector.table, --table). Nothing was written.")
 
     # ---- what is there
 
@@ -227,42 +338,57 @@ class Index:
         if adopted:
             source = self.settings.get("sources", {}).get(model.key)
             return Place(self.table, self.id_column, adopted, source)
-        return Place(vectors_table(self.table, model), "id", "embedding", "source")
+        return Place(vectors_table(self.prefix, model), "id", "embedding", "source")
 
     def vectors_tables(self) -> list[str]:
-        """The tables of models' vectors beside the gallery's (``<table>_emb_...``)."""
-        rows = self.execute("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                            "WHERE c.relkind = 'r' AND n.nspname = current_schema() AND starts_with(c.relname, %s)",
-                            (f"{self.table}_emb_",)).fetchall()
-        return sorted(r[0] for r in rows)
+        """The tables of models' vectors this gallery made (by their mark, whatever their name: a
+        team's table of a like name is not one of them)."""
+        rows = self.execute("SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c "
+                            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind = 'r' "
+                            "AND n.nspname = current_schema() AND obj_description(c.oid, 'pg_class') LIKE 'fastfill %%'"
+                            ).fetchall()
+        return sorted(name for name, text in rows
+                      if (found := read_mark(text)) and found["gallery"] == self.owner and found.get("role") == VECTORS)
 
     def has(self, place: Place) -> bool:
         return place.column in self.columns(place.table)
 
     def bookkeeping(self) -> None:
-        """The tables the product keeps beside the gallery's: which model serves, and the chunks
-        whose rows are in (created when missing)."""
+        """The tables the product keeps beside the gallery's: which model serves (and which
+        gallery owns the view), and the chunks whose rows are in; created and marked when missing,
+        refused when their names are another's."""
         from psycopg import sql
 
-        self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (one boolean PRIMARY KEY DEFAULT true CHECK (one), "
-                             "model text NOT NULL, model_name text NOT NULL, model_version text NOT NULL, "
-                             "dim integer NOT NULL, vectors text NOT NULL, upgrade text, "
-                             "since timestamptz NOT NULL DEFAULT now())").format(sql.Identifier(self.serving_table)))
-        self.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (upgrade text NOT NULL, chunk integer NOT NULL, "
-                             "items integer NOT NULL, at timestamptz NOT NULL DEFAULT now(), "
-                             "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
+        if not self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix"):
+            with self.transaction() as connection:
+                connection.execute(sql.SQL(
+                    "CREATE TABLE {} (one boolean PRIMARY KEY DEFAULT true CHECK (one), model text NOT NULL, "
+                    "model_name text NOT NULL, model_version text NOT NULL, dim integer NOT NULL, vectors text NOT NULL, "
+                    "upgrade text, gallery text NOT NULL, store text NOT NULL, since timestamptz NOT NULL DEFAULT now())"
+                ).format(sql.Identifier(self.serving_table)))
+                self.marking(connection, "table", self.serving_table, SERVING)
+        if not self.ours(self.chunks_table, CHUNKS, "gallery.pgvector.prefix"):
+            with self.transaction() as connection:
+                connection.execute(sql.SQL("CREATE TABLE {} (upgrade text NOT NULL, chunk integer NOT NULL, "
+                                           "items integer NOT NULL, at timestamptz NOT NULL DEFAULT now(), "
+                                           "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
+                self.marking(connection, "table", self.chunks_table, CHUNKS)
 
     def serving(self) -> dict | None:
         """The row that says which model's vectors the view serves (``vectors``: table.column),
         or None before any."""
+        import psycopg
         from psycopg import sql
         from psycopg.rows import dict_row
 
-        if not self.exists(self.serving_table):
+        if not self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix"):
             return None
         cursor = self.connection().cursor(row_factory=dict_row)
-        return cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, vectors, upgrade, since "
-                                      "FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
+        try:
+            return cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, vectors, upgrade, gallery, "
+                                          "store, since FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
+            raise self._vanished(error) from None
 
     # ---- the vectors
 
@@ -332,13 +458,16 @@ class Index:
         from psycopg import sql
 
         table = sql.Identifier(place.table)
-        self.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
+        if self.ours(place.table, VECTORS, "gallery.pgvector.prefix"):
+            self.execute(sql.SQL("DROP TABLE {}").format(table))
         created = False
         for ids, vectors, sources in parts:
             if not created:
-                self.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
-                                     "source text NOT NULL)").format(table, kind=sql.SQL(self._id_type(ids)),
-                                                                     dim=sql.Literal(int(dim))))
+                with self.transaction() as connection:
+                    connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) "
+                                               "NOT NULL, source text NOT NULL)").format(
+                        table, kind=sql.SQL(self._id_type(ids)), dim=sql.Literal(int(dim))))
+                    self.marking(connection, "table", place.table, VECTORS)
                 created = True
             sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
             with self.transaction() as connection, connection.cursor().copy(sql.SQL(
@@ -347,14 +476,15 @@ class Index:
                 for item, vector, source in zip(ids.tolist(), vectors, sources):
                     copy.write_row((item, vector, source))
 
-    def drop(self, place: Place) -> None:
+    def drop(self, place: Place) -> bool:
+        """``place``'s table dropped when it is one this gallery made (its mark); a column of the
+        team's table never is. Whether it was."""
         from psycopg import sql
 
-        if place.table != self.table:
-            self.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(place.table)))
-        else:
-            self.execute(sql.SQL("ALTER TABLE {} DROP COLUMN IF EXISTS {}").format(
-                sql.Identifier(place.table), sql.Identifier(place.column)))
+        if place.table == self.table or not self.ours(place.table, VECTORS, "gallery.pgvector.prefix"):
+            return False
+        self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(place.table)))
+        return True
 
     def ann_index(self, place: Place) -> None:
         """The ANN index of ``place``'s vectors (gallery.pgvector.ann, with pgvector's operator
@@ -363,9 +493,8 @@ class Index:
 
         kind = self.settings.get("ann", "hnsw")
         if kind != "none" and not self.ann_indexed(place):
-            name = f"{place.table}_{place.column}_{kind}"
-            if len(name) > 63:
-                name = f"{name[:50]}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+            name = self.ann_name(place)
+            self.ours(name, ANN, "gallery.pgvector.prefix")  # a name taken by another's index is refused
             if kind == "hnsw":
                 options = sql.SQL("WITH (m = {}, ef_construction = {})").format(
                     sql.Literal(int(self.settings.get("hnsw_m", 16))),
@@ -377,16 +506,89 @@ class Index:
             try:
                 with self.transaction() as connection:  # the build's memory, for this statement only
                     connection.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(memory)))
-                    connection.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING {kind} ({c} {ops}) "
+                    connection.execute(sql.SQL("CREATE INDEX {name} ON {t} USING {kind} ({c} {ops}) "
                                                "{options}").format(
                         name=sql.Identifier(name), t=sql.Identifier(place.table), kind=sql.SQL(kind),
                         c=sql.Identifier(place.column), ops=sql.SQL(self.opclass), options=options))
+                    self.marking(connection, "index", name, ANN)
             except IndexError_ as error:
                 if "maintenance_work_mem" in str(error):
                     raise IndexError_(f"{error}; raise gallery.pgvector.index_memory (now {memory}) to what it "
                                       "says is required, or lower gallery.pgvector.ivfflat_lists") from None
                 raise
         self.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(place.table)))
+
+    def marked(self) -> list[tuple[str, str, str]]:
+        """(name, kind, role) of every object in the schema that carries this gallery's mark."""
+        rows = self.execute("SELECT c.relname, c.relkind, obj_description(c.oid, 'pg_class') FROM pg_class c "
+                            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = current_schema() "
+                            "AND obj_description(c.oid, 'pg_class') LIKE 'fastfill %%'").fetchall()
+        return sorted((name, RELKINDS.get(kind, "relation"), found.get("role", "")) for name, kind, text in rows
+                      if (found := read_mark(text)) and found["gallery"] == self.owner)
+
+    def release(self) -> list[str]:
+        """Drop every object this gallery marked (see ``PgGallery.release``); the names dropped."""
+        from psycopg import sql
+
+        order = {VIEW: 0, ANN: 1, VECTORS: 2, SERVING: 3, CHUNKS: 3, TABLE: 4}
+        dropped = []
+        for name, kind, _ in sorted(self.marked(), key=lambda o: (order.get(o[2], 5), o[0])):
+            if kind not in ("table", "view", "index"):
+                continue
+            self.execute(sql.SQL("DROP {} IF EXISTS {}").format(sql.SQL(kind.upper()), sql.Identifier(name)))
+            dropped.append(f"{kind} {name}")
+        return dropped
+
+    # ---- other writers
+
+    def id_digest(self, table: str, id_column: str) -> tuple[int, int]:
+        """(rows, a checksum of their ids) of ``table``: the same ids give the same pair."""
+        from psycopg import sql
+
+        count, total = self.execute(sql.SQL("SELECT count(*), coalesce(sum(hashtextextended({}::text, 0)::numeric), 0) "
+                                            "FROM {}").format(sql.Identifier(id_column), sql.Identifier(table))
+                                    ).fetchone()
+        return int(count), int(total)
+
+    def ids_digest(self, ids: np.ndarray) -> tuple[int, int]:
+        """The pair ``id_digest`` gives for a table holding exactly ``ids``."""
+        total = 0
+        kind = "text[]" if is_text(ids) else "bigint[]"
+        for start in range(0, len(ids), ROWS_PER_STATEMENT):
+            block = ids[start:start + ROWS_PER_STATEMENT]
+            values = [str(v) for v in block] if is_text(ids) else [int(v) for v in block]
+            total += int(self.execute("SELECT coalesce(sum(hashtextextended(x::text, 0)::numeric), 0) "
+                                      f"FROM unnest(%s::{kind}) AS x", (values,)).fetchone()[0])
+        return len(ids), total
+
+    def id_differences(self, table: str, id_column: str, ids: np.ndarray, shown: int = 5) -> dict:
+        """How ``table``'s ids differ from ``ids``: ``missing`` (in ``ids``, not in the table) and
+        ``added`` (in the table only), each a count and the first ``shown`` ids; the ids go to
+        the server in a temporary table, so memory stays bounded."""
+        from psycopg import sql
+
+        id_type = self._id_type(ids)
+        with self.transaction() as connection:
+            connection.execute(sql.SQL("CREATE TEMPORARY TABLE fastfill_ids (id {} PRIMARY KEY) ON COMMIT DROP").format(
+                sql.SQL(id_type)))
+            with connection.cursor().copy("COPY fastfill_ids (id) FROM STDIN WITH (FORMAT BINARY)") as copy:
+                copy.set_types([id_type])
+                for item in ids.tolist():
+                    copy.write_row((item,))
+            out = {}
+            for key, query in (("missing", "SELECT g.id FROM fastfill_ids g WHERE NOT EXISTS (SELECT 1 FROM {t} t "
+                                           "WHERE t.{id} = g.id) ORDER BY g.id"),
+                               ("added", "SELECT t.{id} FROM {t} t WHERE NOT EXISTS (SELECT 1 FROM fastfill_ids g "
+                                         "WHERE g.id = t.{id}) ORDER BY t.{id}")):
+                rows = connection.execute(sql.SQL(query).format(t=sql.Identifier(table), id=sql.Identifier(id_column))
+                                          ).fetchall()
+                out[key] = {"count": len(rows), "first": [r[0] for r in rows[:shown]]}
+        return out
+
+    def ann_name(self, place: Place) -> str:
+        """The name of the ANN index the product builds on ``place``'s vectors."""
+        prefix = self.prefix if place.table == self.table else place.table
+        return derived_name(prefix, f"{place.column}_{self.settings.get('ann', 'hnsw')}")
 
     def ann_indexed(self, place: Place) -> bool:
         """Whether ``place``'s vector column has an HNSW or IVFFlat index (the team's own too)."""
@@ -404,17 +606,23 @@ class Index:
 
         source = sql.SQL("coalesce({}, {})").format(sql.Identifier(place.source), sql.Literal(EMBEDDED)) \
             if place.source else sql.Literal(EMBEDDED)
+        ours = self.ours(self.view, VIEW, "gallery.pgvector.view")
+        self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix")
         with self.transaction() as connection:
-            connection.execute(sql.SQL("DROP VIEW IF EXISTS {}").format(sql.Identifier(self.view)))
+            if ours:
+                connection.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(self.view)))
             connection.execute(sql.SQL(
                 "CREATE VIEW {view} AS SELECT {id} AS id, {col} AS embedding, {model}::text AS model, "
                 "{source}::text AS source FROM {table}").format(
                 view=sql.Identifier(self.view), id=sql.Identifier(place.id_column), col=sql.Identifier(place.column),
                 model=sql.Literal(model.uri), source=source, table=sql.Identifier(place.table)))
+            self.marking(connection, "view", self.view, VIEW)
             connection.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(self.serving_table)))
-            connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, vectors, upgrade) "
-                                       "VALUES (%s, %s, %s, %s, %s, %s)").format(sql.Identifier(self.serving_table)),
-                               (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade))
+            connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, vectors, upgrade, "
+                                       "gallery, store) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)").format(
+                sql.Identifier(self.serving_table)),
+                (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade, self.owner,
+                 self.store_uri))
 
     def product_distances(self, distances: list) -> np.ndarray:
         """pgvector's distances as the product gives them: squared L2, or 1 - cosine."""
@@ -467,6 +675,17 @@ class Index:
             connection.execute(f"SET LOCAL ivfflat.probes = {int(self.settings.get('ivfflat_probes', 10))}")
 
 
+class _Recount(Exception):
+    """A chunk's transaction found the tables' row counts changed by another writer."""
+
+
+def _named(diff: dict, what: str) -> str:
+    """``3 ids missing (first: 4, 9, 12); `` or nothing."""
+    if not diff["count"]:
+        return ""
+    return f"{diff['count']} ids {what} (first: {', '.join(map(str, diff['first']))}); "
+
+
 class PgGallery(ServedGallery):
     """A gallery whose vectors are rows of PostgreSQL tables that queries are served from (see
     the module's docstring); the manifest, items and upgrade objects are in its store."""
@@ -479,7 +698,7 @@ class PgGallery(ServedGallery):
         if self._index is None or self._index.settings != settings:
             if self._index is not None:
                 self._index.close()
-            self._index = Index(settings)
+            self._index = Index(settings, self.store.uri)
         return self._index
 
     # ---- features
@@ -503,6 +722,7 @@ class PgGallery(ServedGallery):
         if serving is not None and serving["vectors"] == place.name and index.has(place):
             for _ in parts:
                 pass
+            self.check_other_writers(place)
             return
         ids = self.ids()
 
@@ -533,19 +753,64 @@ class PgGallery(ServedGallery):
         index = self.index
         keep = index.place(self.model)
         drop = [Place(table, "id", "embedding", "source") for table in index.vectors_tables() if table != keep.table]
+        return sum(index.drop(place) for place in drop)
+
+    def kept_columns(self) -> list[str]:
+        """The team's columns of vectors no model serves any more: gc leaves them (they are the
+        team's); the team drops them when no reader of its own uses them."""
+        index = self.index
+        keep = index.place(self.model)
         columns = index.columns()
-        drop += [Place(index.table, index.id_column, column, None)
-                 for column in self.manifest()["index"].get("columns", {}).values()
-                 if column in columns and Place(index.table, index.id_column, column, None) != keep]
-        for place in drop:
-            index.drop(place)
-        return len(drop)
+        return [f"{index.table}.{column}" for column in self.manifest()["index"].get("columns", {}).values()
+                if column in columns and Place(index.table, index.id_column, column, None) != keep]
+
+    def check_other_writers(self, place: Place) -> None:
+        """The new model's table holds exactly the gallery's ids, and the team's table holds every
+        id the gallery was made with (a count and a checksum; the ids named when they differ): a
+        DamagedObject naming the table at fault. Rows the team added since are recorded
+        (``unserved_rows``)."""
+        index, ids = self.index, self.ids()
+        expected = index.ids_digest(ids)
+        self._unserved = None
+        if place.table != index.table and index.id_digest(place.table, place.id_column) != expected:
+            diff = index.id_differences(place.table, place.id_column, ids)
+            raise DamagedObject(
+                f"{index.where}: the new model's table {place.table} no longer holds the gallery's items: "
+                f"{_named(diff['missing'], 'missing')}{_named(diff['added'], 'not in the gallery')}(another writer "
+                "deleted or inserted rows in a table of the product's); nothing was switched: run the upgrade again "
+                "(`fastfill upgrade abort` then `fastfill upgrade`) to write it anew")
+        if index.id_digest(index.table, index.id_column) != expected:
+            diff = index.id_differences(index.table, index.id_column, ids)
+            if diff["missing"]["count"]:
+                raise DamagedObject(
+                    f"{index.where}: the gallery's table {index.table} lost items the gallery serves: "
+                    f"{_named(diff['missing'], 'deleted')}(by another writer, since the gallery was made): restore "
+                    "them, or end this upgrade (`fastfill upgrade abort`) and adopt the table again "
+                    "(docs/serving.md, \"What the product touches in your database\")")
+            if diff["added"]["count"]:
+                self._unserved = {"table": index.table, **diff["added"]}
+
+    def release(self) -> list[str]:
+        """Every object of this gallery's in the database dropped (its mark): the view first, so
+        readers stop at once, then the ANN indexes it built, its vectors tables and bookkeeping
+        tables, and the table an ingest made. Refused while an upgrade is under way."""
+        upgrade = self.manifest(refresh=True).get("upgrade")
+        if upgrade:
+            raise GalleryError(f"upgrade {upgrade} is in progress; finish it, or end it with `fastfill upgrade abort`, "
+                               "before releasing the gallery's objects")
+        return self.index.release()
+
+    def unserved_rows(self) -> dict | None:
+        """Rows the team added to its table since the gallery was made, seen by the last check:
+        the view does not serve them (they have no vector of the serving model)."""
+        return getattr(self, "_unserved", None)
 
     def check_sources(self, sequential: bool = False) -> None:
         index = self.index
         if not index.exists():
             raise GalleryError(f"{index.where} does not exist, though {self.store.uri}'s manifest says layout pgvector; "
                                "restore it, or re-adopt the table. Nothing was written.")
+        index.check_names(index.place(self.model))
         rows = index.count()
         if rows != self.num_items:
             raise GalleryError(f"{index.where} has {rows} rows, but the manifest says {self.num_items} items: rows were "
@@ -569,6 +834,10 @@ class PgGallery(ServedGallery):
         """pgvector 0.6 stores vectors of up to 16,000 dimensions and indexes (HNSW, IVFFlat) up to
         2,000."""
         dim, ann = int(model.dim or 0), self.manifest()["index"].get("ann", "ivfflat")
+        try:
+            self.index.check_names(self.index.place(model))
+        except NotOurs as refused:
+            return str(refused)
         if dim > MAX_DIM:
             return (f"{model.uri} embeds into {dim:,} dimensions; pgvector's vector type holds at most {MAX_DIM:,}. "
                     "Keep this gallery in another layout (`fastfill gallery convert --layout lance`)")
@@ -630,17 +899,31 @@ class PgGallery(ServedGallery):
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
         """A chunk's rows, in one transaction with its completion record: once (a chunk whose
-        record is there is not written again)."""
+        record is there is not written again). In the same transaction the new model's table must
+        still hold one row per item and the team's table at least as many: otherwise nothing of
+        the chunk is kept and the ids at fault are named (``check_other_writers``)."""
         from psycopg import sql
 
         index = self.index
-        with index.transaction() as connection:
-            inserted = connection.execute(
-                sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
-                    sql.Identifier(index.chunks_table)), (plan.id, int(chunk), len(positions))).rowcount
-            if inserted:
-                index.write(connection, index.place(plan.new), self.ids()[np.asarray(positions, dtype=np.int64)],
-                            features, [EMBEDDED if e else MAPPED for e in embedded])
+        place = index.place(plan.new)
+        try:
+            with index.transaction() as connection:
+                inserted = connection.execute(
+                    sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
+                        sql.Identifier(index.chunks_table)), (plan.id, int(chunk), len(positions))).rowcount
+                if inserted:
+                    index.write(connection, place, self.ids()[np.asarray(positions, dtype=np.int64)],
+                                features, [EMBEDDED if e else MAPPED for e in embedded])
+                    ours, theirs = connection.execute(sql.SQL("SELECT (SELECT count(*) FROM {}), (SELECT count(*) "
+                                                              "FROM {})").format(
+                        sql.Identifier(place.table), sql.Identifier(index.table))).fetchone()
+                    if ours != self.num_items or theirs < self.num_items:
+                        raise _Recount(f"{place.table} has {ours} rows, {index.table} {theirs}, for "
+                                       f"{self.num_items} items")
+        except _Recount as counted:
+            self.check_other_writers(place)
+            raise DamagedObject(f"{index.where}: {counted} (another writer is changing them); chunk {chunk} was "
+                                "not written") from None
 
     @staticmethod
     def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> PgWriter:
@@ -670,15 +953,20 @@ class PgWriter:
         if index.exists():
             raise GalleryError(f"{index.where} exists already; adopt it where it is (`fastfill gallery adopt --table "
                                f"{index.table}`), or name a new table in gallery.pgvector.table")
+        index.check_names(self.place)  # before anything is written
         self.settings["id_type"] = "text" if is_text(ids) else "bigint"
-        index.execute(sql.SQL("CREATE TABLE {t} ({id} {kind} PRIMARY KEY, {image} text, label bigint)").format(
-            t=sql.Identifier(index.table), id=sql.Identifier(index.id_column), kind=sql.SQL(self.settings["id_type"]),
-            image=sql.Identifier(index.image_column)))
-        index.drop(self.place)  # a write cut short left it
-        index.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
-                              "source text NOT NULL)").format(sql.Identifier(self.place.table),
-                                                              kind=sql.SQL(self.settings["id_type"]),
-                                                              dim=sql.Literal(int(self.model.dim))))
+        with index.transaction() as connection:
+            connection.execute(sql.SQL("CREATE TABLE {t} ({id} {kind} PRIMARY KEY, {image} text, label bigint)").format(
+                t=sql.Identifier(index.table), id=sql.Identifier(index.id_column),
+                kind=sql.SQL(self.settings["id_type"]), image=sql.Identifier(index.image_column)))
+            index.marking(connection, "table", index.table, TABLE)
+        index.drop(self.place)  # a write of this gallery cut short left it
+        with index.transaction() as connection:
+            connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
+                                       "source text NOT NULL)").format(sql.Identifier(self.place.table),
+                                                                       kind=sql.SQL(self.settings["id_type"]),
+                                                                       dim=sql.Literal(int(self.model.dim))))
+            index.marking(connection, "table", self.place.table, VECTORS)
         self._created = True
 
     def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:

@@ -42,6 +42,9 @@ def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = Non
     if gallery.adopted:
         failed = failed_images(gallery.store, plan.id)
         record["failed_images"] = {"count": len(failed), "items": failed}
+    unserved = gallery.unserved_rows()
+    if unserved:
+        record["unserved_rows"] = unserved
     gallery.store.put_json(upgrade_key(plan.id, FINISHED), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()

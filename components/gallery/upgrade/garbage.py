@@ -18,7 +18,8 @@ def collect_garbage(gallery: Gallery) -> dict:
     if manifest.get("upgrade"):
         raise GalleryError(f"upgrade {manifest['upgrade']} is in progress; finish it (or drop it with `fastfill "
                            "upgrade abort`) before collecting garbage (its queries still use the old features)")
-    deleted = {"features": gallery.collect_features(), "upgrade_objects": 0}
+    deleted: dict = {"features": gallery.collect_features(), "upgrade_objects": 0,
+                     "kept_columns": gallery.kept_columns()}
     if gallery.layout != LANCE:  # a convert out of the lance layout left its tables (one each counted)
         for prefix in (f"{TABLE}/", f"{SERVING_TABLE}.lance/"):
             keys = gallery.store.list(prefix)
