@@ -23,8 +23,13 @@ During an upgrade (``components.gallery.upgrade``):
   with its completion record (``<table>_fastfill_chunks``): once, whatever the retries;
 - **the finish** keeps the table the chunks filled (nothing is rewritten) and names the new model
   in the manifest; **reject, abort and rollback** redefine the view over the model the manifest
-  serves (the old vectors are kept until ``fastfill gallery gc`` drops every other model's table,
-  and an adopted column once another model serves).
+  serves (the old vectors are kept until ``fastfill gallery gc`` drops every other model's table
+  of this gallery's; a team's adopted column is never dropped).
+
+Every object the product creates here is marked as this gallery's (a ``COMMENT``,
+``components.gallery.layouts.ownership``); nothing without that mark is dropped, replaced or
+written, and a name held by anything else is refused before any write. Each chunk's commit and the
+finish check the tables' ids against the gallery's, naming what another writer changed.
 
 Everything that is not a vector stays in the gallery's store, as on the parts layout: the manifest
 (``gallery.json``, the authority on which model serves; its ``index`` names the server, table and
@@ -748,8 +753,9 @@ class PgGallery(ServedGallery):
         return []
 
     def collect_features(self) -> int:
-        """Drop the vectors of every model but the serving one: the other models' tables, and a
-        team's adopted column once another model serves; returns how many."""
+        """Drop the vectors of every model but the serving one that this gallery made (the other
+        models' tables with its mark; a team's adopted column stays: ``kept_columns``); returns
+        how many."""
         index = self.index
         keep = index.place(self.model)
         drop = [Place(table, "id", "embedding", "source") for table in index.vectors_tables() if table != keep.table]
