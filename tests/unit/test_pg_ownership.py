@@ -276,3 +276,16 @@ def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(tmp_path, m
     index.execute(sql.SQL("DROP TABLE {}").format(_ident(vectors_table(table, NEW))))
     with pytest.raises(DamagedObject, match="dropped or renamed by another writer"):
         backfill.backfill_chunk(gallery.store, plan.id, 1, models[1])
+
+
+def test_a_refusal_is_bad_input_and_an_unreachable_server_a_service_problem(tmp_path):
+    """Exit codes as docs/operations.md says: a taken name 6, a server that does not answer 5."""
+    from fastfill.cli.command_support import INPUT, SERVICE, outcome
+    from fastfill.components.gallery.layouts.pg_table import connect
+
+    assert outcome(NotOurs("the view v exists and is not the product's")) == (INPUT, "the view v exists and is "
+                                                                                   "not the product's")
+    with pytest.raises(Exception) as caught:
+        connect(f"postgresql://nobody@/postgres?host={tmp_path}&port=1")
+    code, line = outcome(caught.value)
+    assert code == SERVICE and line.startswith("cannot connect to PostgreSQL at") and "\n" not in line

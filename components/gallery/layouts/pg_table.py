@@ -66,7 +66,7 @@ from fastfill.components.gallery.layouts.ownership import (
     read_mark,
 )
 from fastfill.components.gallery.layouts.served import ServedGallery
-from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreUnreachable
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.secrets import password_for, redact, take_password
 
@@ -78,8 +78,9 @@ ROWS_PER_STATEMENT = 20000
 MAX_NAME = 63  # bytes: PostgreSQL cuts longer identifiers
 
 
-class IndexError_(StoreError):
-    """The index server cannot be reached or refused a statement (retried as a store error)."""
+class IndexError_(StoreUnreachable):
+    """The index server cannot be reached, or its connection failed (retried as a store error; the
+    commands exit 5, a service that does not answer or refuses)."""
 
 
 def safe_uri(uri: str) -> str:
@@ -417,6 +418,8 @@ class Index:
             except psycopg.OperationalError as error:
                 self.close()
                 raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+            except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
+                raise self._vanished(error) from None
             for n, vector in rows:
                 if vector is None:
                     raise DamagedObject(f"{self.where} vectors {place.name}: item {values[n - 1]!r} has no row or no "
