@@ -12,6 +12,7 @@ from the command's params.yaml before its module loads (numpy and torch choose t
 import difflib
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -117,10 +118,17 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 def run() -> None:
     """The `fastfill` executable: the commands, in a process of their own. Only here do the
     commands end the process themselves (a deadline after answering, the stop on SIGTERM or
-    SIGINT; cli/command_support.py); ``app`` called in another program's process never does."""
+    SIGINT; cli/command_support.py); ``app`` called in another program's process never does. A
+    command that SIGTERM stopped ends with 143, not the 130 Typer gives any interrupted command."""
     global owns_process
     owns_process = True
-    app()
+    try:
+        app()
+    except SystemExit as end:
+        support = sys.modules.get("fastfill.cli.command_support")  # where the signals' handlers are set
+        if support is None:
+            raise
+        raise SystemExit(support.exit_status(end.code)) from None
 
 
 __all__ = ["COMMANDS", "app", "owns_process", "params_named", "run"]

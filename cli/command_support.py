@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -77,14 +78,32 @@ ANSWERED_EXIT_SECONDS = 10.0
 # its run as crashed where the Prefect API answers) gets this long.
 STOP_SECONDS = 5.0
 INTERRUPTED = {2: 130, 15: 143}  # SIGINT, SIGTERM -> the shell's exit status for them
+stopped_by: int | None = None  # the first of those signals the command received, once it has
+_stop_said = threading.Event()  # the watch (``stop_promptly_on_signals``) has printed its stop line
+
+
+def _stopped(signum: int) -> None:
+    global stopped_by
+    if stopped_by is None:
+        stopped_by = signum
+
+
+def exit_status(code: object) -> object:
+    """The status a command ends with, from the one it exits with: Typer ends any interrupted
+    command with 130 (SIGINT's), also one that SIGTERM stopped (``signals_as_ctrl_c`` turns it
+    into Ctrl-C's KeyboardInterrupt), which ends with SIGTERM's 143 instead. A command that the
+    watch stops first lets it print its line (its thread would be cut short at the exit)."""
+    if code == INTERRUPTED[2] and _watching is not None:
+        _stop_said.wait(1.0)
+    if code == INTERRUPTED[2] and stopped_by in INTERRUPTED:
+        return INTERRUPTED[stopped_by]
+    return code
 
 
 def exit_within(seconds: float, code: int = 0) -> None:
     """If the interpreter's own exit has not ended the process ``seconds`` from now, end it then
     with ``code``, output flushed (a daemon timer: it never keeps the process alive). Only in the
     `fastfill` executable's own process (``cli.owns_process``)."""
-    import threading
-
     if not cli.owns_process:
         return
 
@@ -115,7 +134,6 @@ def stop_promptly_on_signals() -> None:
     import shlex
     import signal
     import socket
-    import threading
 
     global _watching
     if _watching or signals_owned or not cli.owns_process or threading.current_thread() is not threading.main_thread():
@@ -139,9 +157,11 @@ def stop_promptly_on_signals() -> None:
                 return
             caught = [number for number in received if number in INTERRUPTED]
             if caught:
+                _stopped(caught[0])  # also where Prefect's engine held the signal (its handler, not ours, ran)
                 name = signal.Signals(caught[0]).name
                 typer.secho(f"stopped by {name}: what finished is kept; `{resume}` resumes it", fg=typer.colors.YELLOW,
                             err=True)
+                _stop_said.set()
                 exit_within(STOP_SECONDS, INTERRUPTED[caught[0]])
                 return
 
@@ -165,14 +185,16 @@ def signals_as_ctrl_c() -> None:
     """SIGTERM (a service manager's stop, `docker stop`, `kill`) ends the command as Ctrl-C does,
     through its shutdown and the exit handlers, so a temporary Prefect server it started is
     stopped with it; and SIGINT does, even where it was inherited ignored (a command started in
-    the background by a non-interactive shell)."""
+    the background by a non-interactive shell). SIGTERM is kept (``stopped_by``): the command
+    ends with its status, not Ctrl-C's (``exit_status``)."""
     import signal
 
     def interrupt(signum, frame):
+        _stopped(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # itself: asyncio.run knows it (and cancels its task)
 
 
 class ServiceUnavailable(RuntimeError):

@@ -229,8 +229,8 @@ def test_watch_stops_on_sigterm_and_on_sigint_with_the_registry_and_prefect_serv
 
 def test_a_command_doing_work_stops_on_sigterm_with_its_prefect_server_gone_and_resumes(tiny_workdir, cli_env,
                                                                                         tmp_path):
-    """`fastfill run` stopped mid-training: by Ctrl-C with the Prefect server up, and by SIGTERM
-    after the server went away (a service manager stopping everything at once; Prefect's engine
+    """`fastfill run` stopped mid-training: by Ctrl-C and by SIGTERM with the Prefect server up, and
+    by SIGTERM after the server went away (a service manager stopping everything at once; Prefect's engine
     alone would retry its crash report for minutes): each within seconds, one line naming the
     command that resumes it, the shell's exit status for the signal; then that command finishes."""
     with _prefect_server(cli_env, tmp_path) as (env, prefect):
@@ -239,6 +239,14 @@ def test_a_command_doing_work_stops_on_sigterm_with_its_prefect_server_gone_and_
         up.assert_stopped_cleanly(up.stop(signal.SIGINT), "stopped by SIGINT")
         assert up.process.returncode == 130
         assert "`fastfill run` resumes it" in up.text()
+
+        # SIGTERM with the server up: Prefect's engine reports the crash at once and hands the
+        # signal on as Ctrl-C's KeyboardInterrupt, which ended the command with 130 before the
+        # stop's deadline gave 143
+        term = _Command(["run"], tiny_workdir, env, "run-term")
+        term.wait_for(r"training the (old|new) model")
+        term.assert_stopped_cleanly(term.stop(signal.SIGTERM), "stopped by SIGTERM")
+        assert term.process.returncode == 143
 
         gone = _Command(["run"], tiny_workdir, env, "run-gone")
         gone.wait_for(r"training the (old|new) model")

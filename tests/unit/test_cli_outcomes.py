@@ -2,7 +2,9 @@
 Prefect's tracebacks of known failures off the terminal, and the up-front service checks."""
 
 import logging
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -153,3 +155,41 @@ def test_a_status_imports_prefect_only_where_a_server_may_be_named(tmp_path, mon
     (tmp_path / "profiles.toml").unlink()
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     assert _prefect_may_be_named()
+
+
+# A command doing work, as the `fastfill` executable runs it (``cli.run``), that waits until a
+# signal stops it: outside a flow, so Prefect's engine plays no part.
+_WAITING_COMMAND = """
+import sys, time
+from fastfill import cli
+from fastfill.cli.command_support import call
+
+@cli.app.command("wait-here")
+def wait_here() -> None:
+    def work():
+        print("waiting", flush=True)
+        time.sleep(60)
+    call(work)
+
+sys.argv = ["fastfill", "wait-here"]
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_command_stopped_by_a_signal_ends_with_that_signal_s_status(tmp_path, signum, status):
+    """docs/operations.md: 130 for SIGINT, 143 for SIGTERM. Typer ends every KeyboardInterrupt with
+    130, and SIGTERM stops a command as Ctrl-C does: it used to end with 130 too."""
+    command = subprocess.Popen([sys.executable, "-c", _WAITING_COMMAND], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert command.stdout.readline().strip() == "waiting"
+        command.send_signal(signum)
+        _, err = command.communicate(timeout=30)
+    finally:
+        if command.poll() is None:
+            command.kill()
+    assert command.returncode == status, err
+    stopped = [line for line in err.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {signal.Signals(signum).name}: "), err
+    assert "Traceback" not in err, err
