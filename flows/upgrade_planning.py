@@ -88,7 +88,7 @@ def _make_plan(params: Params, client, gallery: Gallery, uid: str, old: ModelRef
                          len(positions) if queries is not None else 0, params.gallery.distance, run_id,
                          base=base.id if base else None,
                          bounds=planning.chunk_grid(gallery.num_items, config.chunk_size, [len(prefilled)]),
-                         prefilled=len(prefilled))
+                         prefilled=len(prefilled), online=config.online)
     chunks = commit_plan(store_uri, plan, order, embedded, judged, positions, queries, ranks)
     if chunks:
         log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are backfilled "

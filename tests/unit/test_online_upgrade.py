@@ -2,9 +2,13 @@
 upgrade's stored reverse transformation, `search --merge online`) and as a way of the budget
 advisor, beside the lambda-orthogonal affine map; each against a literal reference on tiny data."""
 
+import io
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from fastfill.cli.command_support import INPUT, outcome
 from fastfill.components.evaluation.fusion import distance_merge
 from fastfill.components.evaluation.online_backfill import online_curve
 from fastfill.components.experiment.adapters import (
@@ -19,7 +23,7 @@ from fastfill.components.gallery.advice.advisor import ranks_of
 from fastfill.components.gallery.advice.target_advice import online_top1, shadow_top1_judged, ways_to_target
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.search.dual import DualSearch
-from fastfill.components.gallery.store import LocalStore
+from fastfill.components.gallery.store import DamagedObject, LocalStore, ObjectMissing
 from fastfill.components.gallery.upgrade import backfill, planning
 from fastfill.components.platform.config import parse_params
 from testkit.tiny_demo import tiny_params
@@ -86,7 +90,12 @@ def _hand_made_reverse(scale=1.5, seed=1):
 
 def test_the_online_merge_searches_the_old_part_with_the_reverse_transform(mid_upgrade):
     gallery, plan, (old, new, _), (images, _) = mid_upgrade
-    with pytest.raises(GalleryError, match="planned without online backfilling's reverse transformation"):
+    with pytest.raises(GalleryError, match="has no reverse transformation for online backfilling .*reverse.npz does "
+                       "not exist: it was planned with gallery.upgrade.online false, or the object was deleted"):
+        DualSearch(gallery, merge="online")  # a plan that does not say whether it kept one
+    planning.write_plan(gallery.store, replace(plan, online=False))
+    with pytest.raises(GalleryError, match=r"planned without online backfilling's reverse transformation "
+                       r"\(gallery.upgrade.online was false\)"):
         DualSearch(gallery, merge="online")
     queries = embed(new, images[:6])
     mixed, on_new = backfill.mixed_features(gallery, plan)
@@ -121,6 +130,43 @@ def test_the_online_merge_searches_the_old_part_with_the_reverse_transform(mid_u
     # images: only the new model embeds them
     from_images = searcher.search_images(images[:6], None, new, k=k)
     assert from_images[0].tolist() == got_ids.tolist()
+
+
+def test_a_missing_or_garbage_reverse_transformation_is_one_line_naming_it(mid_upgrade):
+    """A plan made with gallery.upgrade.online: true whose reverse.npz was deleted says it is
+    missing (not that online was false); one whose bytes are not a reverse transformation, its
+    checksum matching (written so), is a DamagedObject, not zipfile's BadZipFile."""
+    gallery, plan, _, _ = mid_upgrade
+    planning.write_plan(gallery.store, replace(plan, online=True))
+    assert planning.load_plan(gallery.store, plan.id).online is True
+    key = gallery.store.describe(planning.reverse_key(plan.id))
+    with pytest.raises(ObjectMissing) as missing:
+        DualSearch(gallery, merge="online")
+    assert str(missing.value).startswith(f"{key} is missing: upgrade {plan.id} was planned with online backfilling")
+    assert "gallery.upgrade.online was false" not in str(missing.value)
+    assert "`fastfill upgrade abort`" in str(missing.value) and "--merge rrf" in str(missing.value)
+    assert outcome(missing.value) == (INPUT, str(missing.value))
+
+    for garbage in (b"not a zip file at all", b"PK\x03\x04" + bytes(40), _npz(kind=np.array("metric_compatible")),
+                    _npy()):
+        gallery.store.put(planning.reverse_key(plan.id), garbage)  # the checksum matches: it was written so
+        with pytest.raises(DamagedObject) as damaged:
+            DualSearch(gallery, merge="online")
+        message = str(damaged.value)
+        assert message.startswith(f"{key} is not a reverse transformation (") and "\n" not in message, message
+        assert "`fastfill upgrade abort`" in message and outcome(damaged.value)[0] == INPUT
+
+
+def _npz(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _npy() -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(3))
+    return buffer.getvalue()
 
 
 # ---- the budget advisor's ways

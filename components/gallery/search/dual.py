@@ -40,7 +40,7 @@ from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, c
 from fastfill.components.gallery.layouts.item_ids import ids_at
 from fastfill.components.gallery.search.index import query_images
 from fastfill.components.gallery.upgrade.backfill import landed_since
-from fastfill.components.gallery.upgrade.planning import load_plan, load_reverse, order_of
+from fastfill.components.gallery.upgrade.planning import REPLAN_REVERSE, load_plan, load_reverse, order_of, reverse_key
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.vocabulary import DISTANCES, RERANK_DEPTH, SEARCH_MERGES
 
@@ -74,12 +74,18 @@ class DualSearch:
         self.new_model = self.plan.new if self.plan else None
         self.reverse = None
         if self.merge == "online" and self.plan is not None:
-            self.reverse = load_reverse(self.gallery.store, self.plan.id)
-            if self.reverse is None:
+            self.reverse = load_reverse(self.gallery.store, self.plan.id, self.plan.online)
+            if self.reverse is None and self.plan.online is False:
                 raise GalleryError(
                     f"the upgrade {self.plan.id} was planned without online backfilling's reverse transformation "
                     "(gallery.upgrade.online was false), so --merge online has no old-space query; search with "
                     "--merge rrf (or no --merge), or set gallery.upgrade.online: true before the next upgrade")
+            if self.reverse is None:  # a plan that does not say whether it kept one
+                raise GalleryError(
+                    f"the upgrade {self.plan.id} has no reverse transformation for online backfilling "
+                    f"({self.gallery.store.describe(reverse_key(self.plan.id))} does not exist: it was planned with "
+                    "gallery.upgrade.online false, or the object was deleted), so --merge online has no old-space "
+                    f"query; {REPLAN_REVERSE}")
         self.dim = self.gallery.features(self.old_model, 0).shape[1]
         flat = faiss.IndexFlatIP if self.distance == "cosine" else faiss.IndexFlatL2
         self.old_index = faiss.IndexIDMap2(flat(self.dim))

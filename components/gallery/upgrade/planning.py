@@ -30,13 +30,15 @@ after a crash before its marker rewrites the same key with the same features.
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from fastfill.components.experiment.adapters import adapter_arrays, adapter_from_arrays
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
-from fastfill.components.gallery.store import ObjectMissing, Store
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 
 ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
 ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
@@ -109,12 +111,33 @@ def write_reverse(store: Store, upgrade: str, adapter) -> None:
     store.put(reverse_key(upgrade), buffer.getvalue())
 
 
-def load_reverse(store: Store, upgrade: str):
-    """The upgrade's reverse transformation, or None when it was planned without one."""
-    if not store.exists(reverse_key(upgrade)):
+REPLAN_REVERSE = ("it is fitted only while an upgrade is planned: run `fastfill upgrade abort`, then the same "
+                  "`fastfill upgrade` with gallery.upgrade.online: true to plan it again; until then search with "
+                  "--merge rrf (or no --merge)")
+
+
+def load_reverse(store: Store, upgrade: str, online: bool | None = None):
+    """The upgrade's reverse transformation, or None when it was planned without one. ``online``:
+    what the plan says (``Plan.online``; None for a plan that does not say): where it says the
+    upgrade was planned with one, a missing object is ObjectMissing. An object that is not one
+    (its checksum matching: it was written so) is DamagedObject. Both name the object and what to do."""
+    key = reverse_key(upgrade)
+    if not store.exists(key):
+        if online:
+            raise ObjectMissing(f"{store.describe(key)} is missing: upgrade {upgrade} was planned with online "
+                                f"backfilling (gallery.upgrade.online: true), and its reverse transformation has been "
+                                f"deleted; {REPLAN_REVERSE}")
         return None
-    with np.load(io.BytesIO(store.get(reverse_key(upgrade))), allow_pickle=False) as arrays:
-        return adapter_from_arrays({name: arrays[name] for name in arrays.files})
+    data = store.get(key)
+    try:
+        if not data.startswith(b"PK\x03\x04"):  # what np.savez writes: a zip of .npy files
+            raise ValueError("not a file of named arrays (.npz)")
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            return adapter_from_arrays({name: arrays[name] for name in arrays.files})
+    except (zipfile.BadZipFile, zlib.error, ValueError, KeyError, OSError, EOFError, RuntimeError) as error:
+        why = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise DamagedObject(f"{store.describe(key)} is not a reverse transformation ({why}; its checksum matches, so "
+                            f"it was stored as it is); {REPLAN_REVERSE}") from None
 
 
 
@@ -151,6 +174,8 @@ class Plan:
     # chunk boundaries (0, ..., num_items) where they are not the plain chunk_size grid; see chunk_grid
     bounds: tuple[int, ...] | None = None
     prefilled: int = 0  # items at the front of the order embedded while planning (done chunks from the start)
+    # gallery.upgrade.online when it was planned: it keeps a reverse transformation (None: a plan that does not say)
+    online: bool | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -195,6 +220,8 @@ class Plan:
                 "prefilled": self.prefilled}
         if self.bounds:
             data["bounds"] = list(self.bounds)
+        if self.online is not None:
+            data["online"] = self.online
         return data
 
     @classmethod
@@ -203,7 +230,8 @@ class Plan:
         return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
                    data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
                    data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"),
-                   tuple(int(b) for b in bounds) if bounds else None, int(data.get("prefilled", 0)))
+                   tuple(int(b) for b in bounds) if bounds else None, int(data.get("prefilled", 0)),
+                   data.get("online"))
 
 
 def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | None:
