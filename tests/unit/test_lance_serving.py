@@ -65,3 +65,74 @@ def test_a_damaged_serving_table_is_named_in_one_line(tmp_path):
     with pytest.raises(DamagedObject, match=r"serving.lance: the serving table cannot be read \(.*\); restore it") as raised:
         table.search(vectors[:2], 3, MODEL.uri)
     assert "\n" not in str(raised.value)
+
+
+def _foreign_table(path, metadata=None):
+    """A serving.lance someone else wrote with lance directly."""
+    import lance
+    import pyarrow as pa
+
+    table = pa.table({"position": pa.array([0, 1], pa.int64()), "note": ["the team's", "rows"]})
+    lance.write_dataset(table.replace_schema_metadata(metadata), str(path))
+    return lance.dataset(str(path)).version
+
+
+def test_a_serving_table_not_the_galleries_is_refused_not_overwritten(tmp_path):
+    from fastfill.components.gallery.layouts.ownership import NotOurs, mark
+
+    vectors = np.random.default_rng(5).normal(size=(20, DIM)).astype(np.float32)
+    parts = [(np.arange(20), vectors, [EMBEDDED] * 20, np.full(20, -1))]
+    settings = {"ann": "none", "owner": "0123456789abcdef", "owner_store": str(tmp_path)}
+    path = tmp_path / "serving.lance"
+    version = _foreign_table(path)
+    table = ServingTable(str(tmp_path), settings)
+    for write in (lambda: table.write(MODEL, None, np.arange(20), iter(parts)), table.cleanup, table.check_free):
+        with pytest.raises(NotOurs, match=r"the serving table .*serving\.lance exists and is not the product's "
+                                          r"\(it has no fastfill mark\).*gallery\.store.*Nothing was written\.$") as raised:
+            write()
+        assert "\n" not in str(raised.value)
+    assert table.dataset().version == version and table.dataset().to_table().column("note").to_pylist()[0] == "the team's"
+
+    other = tmp_path / "other"  # another gallery's table: refused naming its store
+    _foreign_table(other / "serving.lance", {"fastfill.gallery": mark("fedcba9876543210", "serving", "s3://team/a")})
+    with pytest.raises(NotOurs, match=r"belongs to another gallery \(fedcba9876543210, store s3://team/a\)"):
+        ServingTable(str(other), settings).write(MODEL, None, np.arange(20), iter(parts))
+
+    mine = tmp_path / "mine"  # the gallery's own: written, marked, and written again
+    table = ServingTable(str(mine), settings)
+    table.write(MODEL, None, np.arange(20), iter(parts))
+    table.write(MODEL, "up-1", np.arange(20), iter(parts))
+    meta = table.dataset().schema.metadata
+    assert meta[b"fastfill.gallery"].decode() == mark("0123456789abcdef", "serving", str(tmp_path))
+    assert table.serving()["upgrade"] == "up-1"
+
+
+def test_a_gallery_made_before_ids_keeps_writing_its_unmarked_serving_table(tmp_path):
+    """A table an earlier release wrote (the product's model metadata, no mark) is the gallery's
+    when its manifest has no id either; a gallery with an id refuses it."""
+    import json
+
+    from fastfill.components.gallery.layouts.ownership import NotOurs
+
+    vectors = np.random.default_rng(6).normal(size=(10, DIM)).astype(np.float32)
+    parts = [(np.arange(10), vectors, [EMBEDDED] * 10, np.full(10, -1))]
+    _foreign_table(tmp_path / "serving.lance", {"fastfill.model": json.dumps(MODEL.to_dict())})
+    with pytest.raises(NotOurs):
+        ServingTable(str(tmp_path), {"ann": "none", "owner": "0123456789abcdef"}).write(MODEL, None, np.arange(10),
+                                                                                        iter(parts))
+    legacy = ServingTable(str(tmp_path), {"ann": "none"})
+    legacy.write(MODEL, None, np.arange(10), iter(parts))
+    assert legacy.serving()["model"] == MODEL.uri and b"fastfill.gallery" in legacy.dataset().schema.metadata
+
+
+def test_a_lance_gallery_is_not_made_over_a_serving_table_not_its_own(tmp_path, models, data):
+    from fastfill.components.gallery.layouts.ownership import NotOurs
+    from fastfill.components.gallery.store import open_store
+    from tests.gallery_cases import _gallery
+
+    store_uri = str(tmp_path / "store")
+    version = _foreign_table(tmp_path / "store" / "serving.lance")
+    with pytest.raises(NotOurs, match=r"serving\.lance exists and is not the product's"):
+        _gallery(store_uri, models, data, layout="lance")
+    assert not os.path.exists(tmp_path / "store" / "gallery.lance") and not open_store(store_uri).exists("gallery.json")
+    assert ServingTable(store_uri).dataset().version == version

@@ -11,7 +11,10 @@ Each version of it holds one model's space, whole::
     chunk      int32       the upgrade's chunk that wrote the row, -1 for the rows written at the switch
 
 and its schema metadata says which model (``fastfill.model``: uri, name, version, dim), which
-upgrade is under way (``fastfill.upgrade``) and since when (``fastfill.since``). A Lance version
+upgrade is under way (``fastfill.upgrade``), since when (``fastfill.since``) and whose table it is
+(``fastfill.gallery``: the mark of the gallery that wrote it, components/gallery/layouts/ownership.py).
+A table at that path without this gallery's mark (one written by another tool, or another
+gallery's) is refused in one line, never overwritten, upserted into or cleaned. A Lance version
 is a snapshot: a reader that opened version v keeps reading v until it checks out the latest, so
 its metadata and its rows are always of the same version, one space.
 
@@ -39,6 +42,15 @@ import pyarrow as pa
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.layouts.item_ids import is_text
+from fastfill.components.gallery.layouts.ownership import (
+    OWNER_KEY,
+    STORE_KEY,
+    mark,
+    new_owner,
+    owner_of,
+    read_mark,
+    refusal,
+)
 from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.platform.registry import ModelRef
 
@@ -46,15 +58,20 @@ SERVING_TABLE = "serving"
 MODEL_KEY = "fastfill.model"
 UPGRADE_KEY = "fastfill.upgrade"
 SINCE_KEY = "fastfill.since"
+GALLERY_KEY = "fastfill.gallery"  # the mark of the gallery whose table it is
+ROLE = "serving"
+STORE_SETTING = "gallery.store"  # the serving table is <store>/serving.lance: another store names ours otherwise
 EMBEDDED, MAPPED = "embedded", "mapped"
 METRICS = {"l2": "l2", "cosine": "cosine"}
 INDEX_TYPES = {"ivf_flat": "IVF_FLAT", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
 
 
 def lance_settings(config, distance: str, store_uri: str = "") -> dict:
-    """The manifest's ``index`` of a new Lance gallery from ``gallery.lance`` (``config``)."""
+    """The manifest's ``index`` of a new Lance gallery from ``gallery.lance`` (``config``), with the
+    new gallery's id (``owner``) that marks its serving table, and its store."""
     return {"kind": "lance", "distance": distance, "ann": config.ann, "ann_min_rows": config.ann_min_rows,
-            "partitions": config.partitions, "nprobes": config.nprobes}
+            "partitions": config.partitions, "nprobes": config.nprobes, OWNER_KEY: new_owner(),
+            STORE_KEY: str(store_uri)}
 
 
 DEFAULTS = {"kind": "lance", "distance": "l2", "ann": "ivf_flat", "ann_min_rows": 10000, "partitions": None,
@@ -71,12 +88,17 @@ def _vectors(features: np.ndarray) -> pa.FixedSizeListArray:
 
 
 class ServingTable:
-    """``<store>/serving.lance`` (see the module's docstring)."""
+    """``<store>/serving.lance`` (see the module's docstring). ``reclaim``: a new gallery's writer,
+    which replaces a table a killed write into the same store left (marked with that store)."""
 
-    def __init__(self, store_uri: str, settings: dict | None = None):
+    def __init__(self, store_uri: str, settings: dict | None = None, reclaim: bool = False):
         from fastfill.components.gallery.layouts.table import storage_options, table_uri
 
         self.settings = {**DEFAULTS, **(settings or {})}
+        self.store_uri = self.settings.get(STORE_KEY) or str(store_uri)
+        self.owner = owner_of(self.settings, self.store_uri)
+        self.legacy = OWNER_KEY not in self.settings  # a gallery made before galleries had ids
+        self.reclaim = reclaim
         self.uri = table_uri(store_uri, f"{SERVING_TABLE}.lance")  # what lancedb.connect(store) opens as `serving`
         self.options = storage_options(store_uri)
         self.where = self.uri
@@ -114,6 +136,30 @@ class ServingTable:
     def close(self) -> None:
         """Nothing held open (a Lance dataset is files)."""
 
+    # ---- whose table
+
+    def mark_text(self) -> str:
+        return mark(self.owner, ROLE, self.store_uri)
+
+    def check_ours(self, dataset) -> None:
+        """The table ``dataset`` carries this gallery's mark (a gallery made before ids, or a new
+        gallery's writer in this store: or no mark but the product's model metadata, a table an
+        earlier release wrote); else NotOurs, before any write."""
+        meta = dataset.schema.metadata or {}
+        found = read_mark(meta.get(GALLERY_KEY.encode(), b"").decode() or None)
+        if found is not None and (found.get("gallery") == self.owner
+                                  or (self.reclaim and found.get("store") == self.store_uri)):
+            return
+        if found is None and (self.legacy or self.reclaim) and MODEL_KEY.encode() in meta:
+            return
+        raise refusal(f"the serving table {self.uri}", found, self.owner, STORE_SETTING)
+
+    def check_free(self) -> None:
+        """No serving table yet, or this gallery's (a new gallery's writer asks before any write)."""
+        dataset = self.dataset()
+        if dataset is not None:
+            self.check_ours(dataset)
+
     @contextmanager
     def reading(self):
         """A read of the table whose file Lance cannot read is named (DamagedObject, one line)."""
@@ -131,8 +177,12 @@ class ServingTable:
         (positions, features, sources, chunks) in position order; then the ANN index."""
         import lance
 
+        existing = self.dataset()
+        if existing is not None:
+            self.check_ours(existing)
         text = is_text(ids)
-        meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "", SINCE_KEY: _now()}
+        meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "", SINCE_KEY: _now(),
+                GALLERY_KEY: self.mark_text()}
         schema = pa.schema([pa.field("position", pa.int64()), pa.field("id", pa.string() if text else pa.int64()),
                             pa.field("embedding", pa.list_(pa.float32(), int(model.dim))),
                             pa.field("model", pa.string()), pa.field("source", pa.string()),
@@ -146,7 +196,7 @@ class ServingTable:
                                        f"{model.dim}")
                 yield self._batch(schema, positions, ids[positions], features, model, sources, chunks)
 
-        mode = "create" if self.dataset() is None else "overwrite"
+        mode = "create" if existing is None else "overwrite"
         lance.write_dataset(pa.RecordBatchReader.from_batches(schema, batches()), self.uri, schema=schema,
                             mode=mode, storage_options=self.options, max_rows_per_file=1 << 22)
         self.ann_index()
@@ -177,8 +227,10 @@ class ServingTable:
         """The metadata says ``upgrade`` (a finish: none) in one commit; the rows stay; then the
         chunks' fragments are compacted and the index rebuilt (same rows, same space)."""
         dataset = self.dataset()
+        self.check_ours(dataset)
         meta = {k.decode(): v.decode() for k, v in (dataset.schema.metadata or {}).items()}
-        meta.update({MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or ""})
+        meta.update({MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "",
+                     GALLERY_KEY: self.mark_text()})
         dataset.update_schema_metadata(meta)
         dataset = self.dataset()
         if upgrade is None and len(dataset.get_fragments()) > 1:
@@ -207,6 +259,7 @@ class ServingTable:
             raise GalleryError(f"{self.uri} does not serve upgrade {upgrade} (it serves "
                                f"{serving and serving['model']}, upgrade {serving and serving['upgrade']}); run "
                                "`fastfill upgrade` again: it switches the table first")
+        self.check_ours(dataset)
         with self.reading():
             if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
                 return
@@ -220,6 +273,7 @@ class ServingTable:
         """Delete the table's old versions (after gc, a reader pinned to one reopens the newest)."""
         dataset = self.dataset()
         if dataset is not None:
+            self.check_ours(dataset)
             dataset.cleanup_old_versions(older_than=timedelta(0), error_if_tagged_old_versions=False)
 
     # ---- reading

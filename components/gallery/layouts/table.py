@@ -45,6 +45,7 @@ from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryE
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.layouts.lance_serving import DEFAULTS as SERVING_DEFAULTS
 from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
+from fastfill.components.gallery.layouts.ownership import OWNER_KEY, STORE_KEY, new_owner
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
 from fastfill.components.platform.registry import ModelRef
 
@@ -465,7 +466,8 @@ class TableWriter:
     killed write (no manifest names it) is replaced by the next one."""
 
     def __init__(self, store: Store, model: ModelRef, settings: dict | None = None):
-        self.store, self.settings = store, settings
+        # a new gallery: its id marks its serving table (lance_serving.py)
+        self.store, self.settings = store, {OWNER_KEY: new_owner(), STORE_KEY: store.uri, **(settings or {})}
         self.uri = table_uri(store.uri)
         self.options = storage_options(store.uri)
         self.model = model
@@ -475,6 +477,8 @@ class TableWriter:
         self.written = False
 
     def write(self, start: int, items: pa.Table, features: np.ndarray, images: np.ndarray | None = None) -> None:
+        if self.schema is None:  # before any write: the serving table's path is free, or this gallery's
+            ServingTable(self.store.uri, self.settings, reclaim=True).check_free()
         positions = np.arange(start, start + len(features), dtype=np.int64)
         columns = {"position": pa.array(positions)}
         for name in ITEM_COLUMNS:
@@ -542,7 +546,7 @@ class TableWriter:
                 yield positions, vectors, [EMBEDDED] * len(positions), np.full(len(positions), -1)
 
         ids = id_array(dataset.to_table(columns=["id"]).column("id"))
-        ServingTable(self.store.uri, self.settings).write(model, None, ids, parts())
+        ServingTable(self.store.uri, self.settings, reclaim=True).write(model, None, ids, parts())
 
     def manifest_fields(self) -> dict:
-        return {"index": {**SERVING_DEFAULTS, **(self.settings or {})}}
+        return {"index": {**SERVING_DEFAULTS, **self.settings}}
