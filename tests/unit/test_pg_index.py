@@ -6,7 +6,7 @@ names the setting."""
 import numpy as np
 import pytest
 
-from fastfill.components.gallery.layouts.pg_table import Index, IndexError_, Place, index_settings
+from fastfill.components.gallery.layouts.pg_index import Index, IndexError_, Place, index_settings
 from fastfill.components.platform.registry import ModelRef
 from tests.pg import pg_gallery_config
 

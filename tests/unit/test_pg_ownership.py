@@ -15,7 +15,7 @@ from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.layouts.ownership import NotOurs, read_mark
 from fastfill.components.gallery.layouts.pg_adopt import adopt_table
-from fastfill.components.gallery.layouts.pg_table import MAX_NAME, Index, derived_name, index_settings, vectors_table
+from fastfill.components.gallery.layouts.pg_index import MAX_NAME, Index, derived_name, index_settings, vectors_table
 from fastfill.components.gallery.store import DamagedObject, open_store
 from fastfill.components.gallery.upgrade import backfill, ending, garbage
 from tests.gallery_cases import NEW, OLD, N, _originals, _plan, _png, _put_original
@@ -281,7 +281,7 @@ def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(tmp_path, m
 def test_a_refusal_is_bad_input_and_an_unreachable_server_a_service_problem(tmp_path):
     """Exit codes as docs/operations.md says: a taken name 6, a server that does not answer 5."""
     from fastfill.cli.command_support import INPUT, SERVICE, outcome
-    from fastfill.components.gallery.layouts.pg_table import connect
+    from fastfill.components.gallery.layouts.pg_index import connect
 
     assert outcome(NotOurs("the view v exists and is not the product's")) == (INPUT, "the view v exists and is "
                                                                                    "not the product's")

@@ -14,7 +14,7 @@ from fastfill.components.gallery.layouts.catalog import (
     check_empty,
     commit_manifest,
 )
-from fastfill.components.gallery.layouts.pg_table import Index, Place, plain_identifier
+from fastfill.components.gallery.layouts.pg_index import Index, Place, plain_identifier
 from fastfill.components.gallery.store import Store
 from fastfill.components.platform.registry import ModelRef
 
