@@ -5,6 +5,8 @@ subprocesses killed with SIGKILL and resumed."""
 import io
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -884,3 +886,45 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
     state = gallery_status(gallery_at(open_store(strict_uri)))
     assert state.state == "paused" and state.upgrade.failed_images["count"] == 3
     assert {f["id"] for f in state.upgrade.failed_images["items"]} == {1003, 1011, 1019}
+
+
+def test_an_upgrade_of_an_adopted_gallery_whose_images_are_all_gone_says_so_in_one_line(upgrade_env,
+                                                                                       prefect_harness):
+    """Every URI points nowhere: the upgrade stops at the map sample with one line (how many were
+    tried, the first few and why, what to check) and exit code 6. It used to go on: on a gallery
+    large enough for a checked map, to the map's validation split (which asked for
+    validation_fraction 0.5 to be raised to 0.50); on this small one, re-embedded while planning,
+    to the backfill's max_failed_images limit (which raising cannot help)."""
+    from typer.testing import CliRunner
+
+    from fastfill.cli import app
+    from fastfill.cli.command_support import INPUT, outcome
+    from fastfill.components.experiment.inference import embed
+    from fastfill.flows.upgrade import upgrade_flow
+
+    params, tmp_path = upgrade_env
+    _, old_model, _, old_version, new_version = registry_models(params)
+    split = split_images(params)
+    names = _photos(tmp_path / "photos", split.images)
+    lines = ["id,uri,label"] + [f"{1000 + i},{name},{label}" for i, (name, label) in enumerate(zip(names, split.labels))]
+    (tmp_path / "photos" / "items.csv").write_text("\n".join(lines) + "\n")
+    np.save(tmp_path / "features.npy", embed(old_model, split.images))
+    store_uri = str(tmp_path / "adopted")
+    result = CliRunner().invoke(app, ["gallery", "adopt", "--manifest", str(tmp_path / "photos" / "items.csv"),
+                                      "--features", str(tmp_path / "features.npy"), "--model",
+                                      f"models:/embedder/{old_version}", "--store", store_uri,
+                                      "--params", str(tmp_path / "params.yaml")])
+    assert result.exit_code == 0, result.output
+    for shelf in range(3):  # every image gone since it was adopted
+        shutil.rmtree(tmp_path / "photos" / f"shelf-{shelf}")
+
+    from_gallery = params.model_copy(update={"gallery": params.gallery.model_copy(update={
+        "upgrade": params.gallery.upgrade.model_copy(update={"map_pairs": "gallery"})})})
+    with pytest.raises(GalleryError) as refused:
+        upgrade_flow(from_gallery, store_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
+    message = str(refused.value)
+    assert message.startswith("map sample: none of its "), message
+    assert re.search(r"could be read \(shelf-\d/item-\d{5}\.png: missing: no such file /", message), message
+    assert re.search(r"; and \d+ more\)", message) and "\n" not in message, message
+    assert f"the gallery's image root {tmp_path / 'photos'}" in message and "validation_fraction" not in message
+    assert outcome(refused.value) == (INPUT, message)

@@ -132,3 +132,39 @@ def test_ids_are_kept_as_the_team_has_them(tmp_path, text, ids):
     path = tmp_path / "items.csv"
     path.write_text(text)
     assert read_manifest(path).column("id").to_pylist() == ids
+
+
+def test_a_sample_none_of_whose_images_can_be_read_is_one_line_saying_so(tmp_path):
+    """An adopted gallery whose images are all gone: the map sample is refused in one line (how many
+    were tried, the first few and why, what to check), not later by the map's validation split
+    (which asked to raise validation_fraction 0.5 to 0.50)."""
+    from fastfill.cli.command_support import INPUT, outcome
+    from fastfill.components.gallery.upgrade.samples import readable_images
+
+    table = pa.table({"id": np.arange(7), "uri": [f"{i}.png" for i in range(7)]})
+    features = np.random.default_rng(0).normal(size=(7, 4)).astype(np.float32)
+    adopt(open_store(tmp_path / "g"), table, OLD, (1, 4, 4), root=str(tmp_path / "photos"), features=iter([features]))
+    gallery = PartsGallery(open_store(tmp_path / "g"))
+    lines: list[str] = []
+    with pytest.raises(GalleryError) as refused:
+        readable_images(gallery, np.arange(7), 2, "map sample", lines.append)
+    message = str(refused.value)
+    assert message.startswith("map sample: none of its 7 images could be read (0.png: missing: no such file "
+                              f"{tmp_path / 'photos' / '0.png'}; 1.png: "), message
+    assert "; and 4 more)" in message and "validation_fraction" not in message and "\n" not in message
+    assert f"the gallery's image root {tmp_path / 'photos'} (`fastfill gallery adopt --root`)" in message
+    assert "the items' URIs" in message and "credentials" in message
+    assert outcome(refused.value) == (INPUT, message)
+
+    # some readable: the others are left out and said so; none readable where other images of the
+    # upgrade were read (``refuse_none=False``): left out too
+    (tmp_path / "photos").mkdir()
+    for i in (2, 5):
+        _save(tmp_path / "photos" / f"{i}.png", np.full((4, 4), i, dtype=np.uint8))
+    positions, images = readable_images(gallery, np.arange(7), 2, "map sample", lines.append)
+    assert positions.tolist() == [2, 5] and images.shape == (2, 1, 4, 4)
+    assert lines == ["map sample: 5 of 7 images could not be read and are left out (first: 0.png: missing: no such "
+                     f"file {tmp_path / 'photos' / '0.png'})"]
+    positions, images = readable_images(gallery, np.array([0, 1]), 2, "evaluation sample", lines.append,
+                                        refuse_none=False)
+    assert positions.tolist() == [] and len(images) == 0

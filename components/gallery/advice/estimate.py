@@ -405,7 +405,7 @@ def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.nd
     missing = np.array([p for p in wanted.tolist() if p not in embedded], dtype=np.int64)
     if len(missing):
         read, images = samples.readable_images(gallery, missing, config.read_workers, "map sample", lambda line: None,
-                                               getattr(model, "preprocessing", None))
+                                               getattr(model, "preprocessing", None), refuse_none=not embedded)
         embedded = {**embedded, **dict(zip(read.tolist(), embed(model, images, batch_size=config.batch_size,
                                                                     precision=config.precision)))}
     kept = np.array([p for p in wanted.tolist() if p in embedded], dtype=np.int64)

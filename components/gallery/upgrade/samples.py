@@ -76,14 +76,34 @@ def registry_map(client, alignment_model: str, old: ModelRef, new: ModelRef, ord
     return choose_map(find_alignment(client, alignment_model, old.version, new.version), order, source)
 
 
+FAILURES_NAMED = 3  # the unreadable images an error names
+
+
+def none_readable(what: str, failures: list, root: str | None) -> GalleryError:
+    """The error of a sample (``what``) none of whose images could be read: how many were tried,
+    the first few and why, and what to check."""
+    named = "; ".join(f"{failure.uri}: {failure.reason[:160]}" for failure in failures[:FAILURES_NAMED])
+    more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
+    where = (f"the gallery's image root {root} (`fastfill gallery adopt --root`) holds the relative URIs" if root else
+             "the URIs are whole (the gallery was adopted without --root, so a relative URI is read from the "
+             "working folder)")
+    return GalleryError(f"{what}: none of its {len(failures)} images could be read ({named}{more}); check that {where}, "
+                        "that the items' URIs name their images, and for s3:// images the store's endpoint and "
+                        "credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID); then run the upgrade again")
+
+
 def readable_images(gallery: Gallery, positions: np.ndarray, workers: int, what: str,
-                    log: Callable[[str], None], preprocessing=None) -> tuple[np.ndarray, np.ndarray | None]:
+                    log: Callable[[str], None], preprocessing=None, *,
+                    refuse_none: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """(the positions whose image could be read, their images, decoded by ``preprocessing``:
     the model's that embeds them); the others are left out and said so (``what``: the sample's
-    name)."""
+    name). None of them readable is a GalleryError (``none_readable``) unless ``refuse_none`` is
+    False (other images of the upgrade were read)."""
     if not len(positions):
         return positions, None
     images, failures = fetch_images(gallery, positions, workers=workers, preprocessing=preprocessing)
+    if failures and len(failures) == len(positions) and refuse_none:
+        raise none_readable(what, failures, gallery.image_root)
     if failures:
         log(f"{what}: {len(failures)} of {len(positions)} images could not be read and are left out "
             f"(first: {failures[0].uri}: {failures[0].reason})")
@@ -104,7 +124,8 @@ def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
     sample) are not embedded again. ``preprocessing``: the new model's."""
     positions = evaluation_positions(gallery, config)
     missing = np.array([p for p in positions.tolist() if p not in embedded], dtype=np.int64)
-    kept, images = readable_images(gallery, missing, config.read_workers, "evaluation sample", log, preprocessing)
+    kept, images = readable_images(gallery, missing, config.read_workers, "evaluation sample", log, preprocessing,
+                                   refuse_none=not embedded)  # the map sample's images were read
     unreadable = set(missing.tolist()) - set(kept.tolist())
     positions = np.array([p for p in positions.tolist() if p not in unreadable], dtype=np.int64)
     if len(positions) < 2:
