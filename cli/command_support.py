@@ -31,6 +31,7 @@ from fastfill.components.platform.registry import (
     tracking_uri,
 )
 from fastfill.components.platform.runtime import cpu_kernels_of, pin_cpu_kernels
+from fastfill.components.platform.secrets import redact
 
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", envvar="FASTFILL_PARAMS",
                                              help="the configuration file; default: FASTFILL_PARAMS, else ./params.yaml")]
@@ -64,9 +65,11 @@ def store_uri(config, store: str | None) -> str:
 def fail(error: Exception | str, code: int = FAILED) -> NoReturn:
     """Print ``error: ...`` in red on stderr and end the command with ``code`` (see the exit
     codes above). With --json, stdout also gets ``{"error": ..., "exit_code": code}``
-    (cli/json_output.py)."""
-    typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
-    failed(str(error), code)
+    (cli/json_output.py). The message goes through ``redact``: no line shows a password, whatever
+    an error's text held."""
+    message = redact(str(error))
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    failed(message, code)
     exit_within(ANSWERED_EXIT_SECONDS, code)
     raise typer.Exit(code) from None
 
@@ -350,8 +353,29 @@ class _KnownFailuresOffTheConsole(logging.Filter):
 _QUIET = _KnownFailuresOffTheConsole()
 
 
+class _PasswordsOffTheRecord(logging.Filter):
+    """A record's message and traceback without a password (``redact``), before a handler writes
+    it: the console, and the run logs Prefect's API keeps. The product's own messages hold none
+    (the configuration has none once read); this is for a library's text that might."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
+_REDACTED = _PasswordsOffTheRecord()
+
+
 def quiet_known_failures() -> None:
-    """Put the filter on Prefect's console handlers (once Prefect has configured logging)."""
+    """Put the filter on Prefect's console handlers, and the redaction on every handler (once
+    Prefect has configured logging)."""
     if "prefect" not in sys.modules:
         return  # no Prefect, no Prefect logs
     from prefect.logging.handlers import PrefectConsoleHandler
@@ -362,6 +386,8 @@ def quiet_known_failures() -> None:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler) and _QUIET not in handler.filters:
                 handler.addFilter(_QUIET)
+            if _REDACTED not in handler.filters:
+                handler.addFilter(_REDACTED)
 
 
 def call(flow, *args, **kwargs):
