@@ -130,6 +130,9 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
     text = f"{store.uri}: {state.items:,} items, model {state.model}, {state.state}"
     if state.upgrade is not None:
         text += f" ({state.upgrade.id})"
+    problem = (state.index or {}).get("problem")
+    if problem:  # the index readers search cannot serve them
+        return False, f"{text}; its serving index: {problem}"
     return True, text
 
 
@@ -445,6 +448,8 @@ def _show_no_gallery(config, where, show) -> bool:
 def _show_gallery(state: GalleryStatus, decided: dict | None, show) -> None:
     """The gallery's own lines: its model, the upgrade and its lock, what comes next, the gate."""
     show("gallery", f"{state.store}: {state.items:,} items, model {state.model}")
+    if state.index and state.index.get("problem"):  # the index readers search cannot serve them
+        show("index", state.index["problem"])
     info = state.upgrade
     if info and info.chunks and info.registry_recorded is not False:
         show("upgrade", f"{state.state}: {info.id} ({info.source} -> {info.to}, {info.order} order), "

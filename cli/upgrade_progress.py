@@ -80,7 +80,7 @@ class ProgressBar:
         try:
             gallery = gallery_at(open_store(self.uri))
             while not self._stop.wait(self.interval):
-                state = gallery_status(gallery, failures=False)
+                state = gallery_status(gallery, failures=False, probe=False)
                 info = state.upgrade
                 if info is not None and info.chunks and not self._stop.is_set():
                     self._show(f"backfill {info.id}", state.items, info.items_done or 0)

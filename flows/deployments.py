@@ -190,7 +190,7 @@ def gallery_course(params: Params, store_uri: str) -> tuple:
 def paused_upgrade(params: Params, store_uri: str) -> UpgradeInProgress | None:
     """The gallery's paused upgrade (its ``id`` and ``to``), which a run may resume, or None, on
     any layout."""
-    state = gallery_status(gallery_at(store_at(store_uri)))
+    state = gallery_status(gallery_at(store_at(store_uri)), probe=False)
     return state.upgrade if state.state == "paused" else None
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fastfill.components.gallery.advice.advisor import stored_advice
-from fastfill.components.gallery.layouts.catalog import Gallery, ModelRef
-from fastfill.components.gallery.store import ObjectMissing
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef
+from fastfill.components.gallery.store import ObjectMissing, StoreError
 from fastfill.components.gallery.store.lock import LOCK, lease_expired
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
 from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision
@@ -79,9 +81,10 @@ class GalleryStatus:
         return fields
 
 
-def gallery_status(gallery: Gallery, *, failures: bool = True) -> GalleryStatus:
+def gallery_status(gallery: Gallery, *, failures: bool = True, probe: bool = True) -> GalleryStatus:
     """The gallery's model, lock and upgrade in progress; ``failures``: with the adopted images a
-    backfill could not read (one read per done chunk)."""
+    backfill could not read (one read per done chunk); ``probe``: with one query of a served
+    index, as a reader's (``served_index``)."""
     manifest = gallery.manifest(refresh=True)
     status = GalleryStatus(gallery.store.uri, manifest["num_items"], manifest["model"]["uri"], lock=_lock(gallery))
     if status.lock is not None and status.lock.get("expired"):
@@ -89,7 +92,7 @@ def gallery_status(gallery: Gallery, *, failures: bool = True) -> GalleryStatus:
         status.next = "the lock's lease has expired: the next `fastfill upgrade` takes it over and resumes"
     upgrade = manifest.get("upgrade")
     if gallery.serves_queries:
-        status.index = served_index(gallery, upgrade)
+        status.index = served_index(gallery, upgrade, probe=probe)
     if upgrade:
         _in_progress(gallery, status, upgrade, manifest["num_items"], failures)
     else:
@@ -171,14 +174,30 @@ def _interrupted_ending(gallery: Gallery, status: GalleryStatus) -> None:
         status.next = "run `fastfill gallery rollback` again: it moves champion back and tags the version"
 
 
-def served_index(gallery: Gallery, upgrade: str | None) -> dict:
+def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -> dict:
     """What the team's index serves (a layout that serves queries): where, the view, its model,
     and whether it is what the manifest says (a switch a killed run left is completed by the
-    next `fastfill upgrade`)."""
+    next `fastfill upgrade`); ``problem``, where the index cannot serve: its serving record
+    unreadable or gone, or (``probe``) one query of its view, as a reader's, failing (a Lance
+    table's damaged files, a dropped view or alias). One line, the layout's own message."""
     index = gallery.index  # type: ignore[attr-defined]  # the layouts that serve queries have one
-    serving = index.serving() or {}
+    serving: dict = {}
+    problem = None
+    try:
+        serving = index.serving() or {}
+        if not serving.get("model"):
+            problem = (f"{index.where}: serves no model ({index.view}, or its record of the model it serves, is gone: "
+                       "dropped or deleted by another writer); restore it from a copy (docs/serving.md: what each "
+                       "layout's index holds)")
+        elif probe and serving.get("dim"):
+            index.search(np.ones((1, int(serving["dim"])), dtype=np.float32), 1, serving["model"])
+    except (StoreError, GalleryError) as error:  # a DamagedObject among them: the layout names what is wrong
+        problem = " ".join(str(error).split())
     plan = load_plan(gallery.store, upgrade) if upgrade else None
     expected = plan.new.uri if plan is not None else gallery.model.uri
-    return {"where": index.where, "view": index.view, "serving": serving.get("model"),
-            "vectors": serving.get("vectors"), "since": str(serving["since"]) if serving.get("since") else None,
-            "as_manifest_says": serving.get("model") == expected}
+    found = {"where": index.where, "view": index.view, "serving": serving.get("model"),
+             "vectors": serving.get("vectors"), "since": str(serving["since"]) if serving.get("since") else None,
+             "as_manifest_says": serving.get("model") == expected}
+    if problem is not None:
+        found["problem"] = problem
+    return found
