@@ -110,3 +110,22 @@ def test_a_dropped_milvus_alias_is_reported(tmp_path, models, data):
     found = gallery_status(gallery).index
     assert found["serving"] is None and not found["as_manifest_says"]
     assert found["problem"].startswith(f"{index.where}: serves no model ({index.alias}, or its record")
+
+
+def test_a_pgvector_server_that_does_not_answer_is_a_service_failure(quiet_env, tmp_path, models, data, monkeypatch):
+    """Not the index's problem: `fastfill upgrade status` ends with 5 (a service does not answer),
+    as `fastfill search` does, and doctor FAILs the store."""
+    import socket
+
+    store = tmp_path / "store"
+    _gallery(str(store), models, data, layout="pgvector").index.close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("FASTFILL_PG_URI", f"postgresql://u@127.0.0.1:{port}/db")
+    params = _params(tmp_path)
+    status = runner.invoke(app, ["upgrade", "status", "--params", params, "--store", str(store)])
+    assert status.exit_code == SERVICE and "cannot connect to PostgreSQL" in status.output, status.output
+    doctor = runner.invoke(app, ["doctor", "--params", params, "--store", str(store), "--json"])
+    store_check = json.loads(doctor.stdout)["checks"]["store"]
+    assert store_check["state"] == "fail" and "cannot connect to PostgreSQL" in store_check["text"], store_check

@@ -9,7 +9,7 @@ import numpy as np
 
 from fastfill.components.gallery.advice.advisor import stored_advice
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef
-from fastfill.components.gallery.store import ObjectMissing, StoreError
+from fastfill.components.gallery.store import ObjectMissing, StoreError, StoreUnreachable
 from fastfill.components.gallery.store.lock import LOCK, lease_expired
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
 from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision
@@ -179,7 +179,8 @@ def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -
     and whether it is what the manifest says (a switch a killed run left is completed by the
     next `fastfill upgrade`); ``problem``, where the index cannot serve: its serving record
     unreadable or gone, or (``probe``) one query of its view, as a reader's, failing (a Lance
-    table's damaged files, a dropped view or alias). One line, the layout's own message."""
+    table's damaged files, a dropped view or alias). One line, the layout's own message. A server
+    of the index that does not answer raises (StoreUnreachable: the commands exit 5)."""
     index = gallery.index  # type: ignore[attr-defined]  # the layouts that serve queries have one
     serving: dict = {}
     problem = None
@@ -191,6 +192,8 @@ def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -
                        "layout's index holds)")
         elif probe and serving.get("dim"):
             index.search(np.ones((1, int(serving["dim"])), dtype=np.float32), 1, serving["model"])
+    except StoreUnreachable:  # the index's server does not answer: a service's failure, not the index's
+        raise
     except (StoreError, GalleryError) as error:  # a DamagedObject among them: the layout names what is wrong
         problem = " ".join(str(error).split())
     plan = load_plan(gallery.store, upgrade) if upgrade else None
