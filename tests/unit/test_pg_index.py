@@ -6,7 +6,8 @@ names the setting."""
 import numpy as np
 import pytest
 
-from fastfill.components.gallery.layouts.pg_index import Index, IndexError_, Place, index_settings
+from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.pg_index import Index, Place, index_settings
 from fastfill.components.platform.registry import ModelRef
 from tests.pg import pg_gallery_config
 
@@ -26,7 +27,7 @@ def _index(tmp_path, **pgvector) -> tuple[Index, Place]:
 
 def test_the_index_build_gets_the_memory_it_is_given_and_names_the_setting_when_short(tmp_path):
     index, place = _index(tmp_path / "short", ivfflat_lists=2000, index_memory="1MB")
-    with pytest.raises(IndexError_, match=r"memory required is \d+ MB, maintenance_work_mem is 1 MB; raise "
+    with pytest.raises(GalleryError, match=r"memory required is \d+ MB, maintenance_work_mem is 1 MB; raise "
                                           r"gallery.pgvector.index_memory \(now 1MB\)"):
         index.ann_index(place)
     assert not index.ann_indexed(place)

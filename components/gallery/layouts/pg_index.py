@@ -24,7 +24,7 @@ from fastfill.components.gallery.layouts.ownership import (
     owner_of,
     read_mark,
 )
-from fastfill.components.gallery.store import DamagedObject, StoreUnreachable
+from fastfill.components.gallery.store import DamagedObject, StoreError, StoreUnreachable
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.secrets import password_for, redact, take_password
 
@@ -36,9 +36,27 @@ ROWS_PER_STATEMENT = 20000
 MAX_NAME = 63  # bytes: PostgreSQL cuts longer identifiers
 
 
-class IndexError_(StoreUnreachable):
-    """The index server cannot be reached, or its connection failed (retried as a store error; the
-    commands exit 5, a service that does not answer or refuses)."""
+class IndexError_(StoreError):
+    """The index server refused a statement (retried as a store error; exit 6)."""
+
+
+class IndexUnreachable(IndexError_, StoreUnreachable):
+    """The index server cannot be reached, or the connection to it was lost (retried; the commands
+    exit 5, a service that does not answer)."""
+
+
+LOST = ("08", "57P01", "57P02", "57P03")  # SQLSTATEs of a connection failure or a server shutting down
+
+
+def failed(where: str, error) -> IndexError_:
+    """The product's error for psycopg's OperationalError ``error``: unreachable when the
+    connection is gone, else a refused statement."""
+    line = f"{where}: {redact(' '.join(str(error).split()))[:300]}"
+    state = getattr(error, "sqlstate", None)
+    if state is None or state.startswith(LOST):
+        return IndexUnreachable(f"{line}; check that the server is up and that gallery.pgvector.uri (or "
+                                "FASTFILL_PG_URI) names it, then run the same command again: finished work is kept")
+    return IndexError_(line)
 
 
 def safe_uri(uri: str) -> str:
@@ -106,8 +124,10 @@ def connect(uri: str):
         connection = psycopg.connect(target, autocommit=True, connect_timeout=10,
                                      **({"password": password} if password is not None else {}))
     except psycopg.OperationalError as error:
-        raise IndexError_(f"cannot connect to PostgreSQL at {where}: "
-                          f"{redact(' '.join(str(error).split()))[:300]}") from None
+        raise IndexUnreachable(f"cannot connect to PostgreSQL at {where}: "
+                               f"{redact(' '.join(str(error).split()))[:300]}; check that the server is up and that "
+                               "gallery.pgvector.uri (or FASTFILL_PG_URI, PGPASSWORD) names it and its password, then "
+                               "run the same command again: finished work is kept") from None
     except psycopg.ProgrammingError as error:  # libpq cannot read the URI
         raise GalleryError(f"cannot connect to PostgreSQL at {where}: {redact(' '.join(str(error).split()))[:300]}; "
                            "correct gallery.pgvector.uri or FASTFILL_PG_URI (percent-encode the password's special "
@@ -194,7 +214,7 @@ class Index:
                 yield connection
         except psycopg.OperationalError as error:
             self.close()
-            raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+            raise failed(self.where, error) from None
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
             raise self._vanished(error) from None
 
@@ -205,7 +225,7 @@ class Index:
             return self.connection().execute(statement, args)
         except psycopg.OperationalError as error:
             self.close()
-            raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+            raise failed(self.where, error) from None
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
             raise self._vanished(error) from None
 
@@ -375,7 +395,7 @@ class Index:
                 rows = self.connection().cursor(binary=True).execute(query, (values,)).fetchall()
             except psycopg.OperationalError as error:
                 self.close()
-                raise IndexError_(f"{self.where}: {' '.join(str(error).split())[:300]}") from None
+                raise failed(self.where, error) from None
             except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
                 raise self._vanished(error) from None
             for n, vector in rows:
@@ -479,7 +499,7 @@ class Index:
                     self.marking(connection, "index", name, ANN)
             except IndexError_ as error:
                 if "maintenance_work_mem" in str(error):
-                    raise IndexError_(f"{error}; raise gallery.pgvector.index_memory (now {memory}) to what it "
+                    raise GalleryError(f"{error}; raise gallery.pgvector.index_memory (now {memory}) to what it "
                                       "says is required, or lower gallery.pgvector.ivfflat_lists") from None
                 raise
         self.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(place.table)))
