@@ -149,8 +149,8 @@ def test_no_password_reaches_any_record(upgrade_env, prefect_harness, monkeypatc
     secret.mkdir()
     settings = yaml.safe_load((tmp_path / "params.yaml").read_text())
 
-    def params_file(name: str, pg_uri_: str) -> str:
-        data = {**settings, "gallery": {**settings["gallery"], "layout": "pgvector", "pgvector": {"uri": pg_uri_}}}
+    def params_file(name: str, server: str) -> str:
+        data = {**settings, "gallery": {**settings["gallery"], "layout": "pgvector", "pgvector": {"uri": server}}}
         (secret / f"{name}.yaml").write_text(yaml.safe_dump(data))
         return str(secret / f"{name}.yaml")
 
