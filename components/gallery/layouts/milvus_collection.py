@@ -43,6 +43,7 @@ import re
 import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
@@ -61,6 +62,7 @@ from fastfill.components.gallery.layouts.ownership import (
 from fastfill.components.gallery.layouts.served import ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
 from fastfill.components.platform.registry import ModelRef
+from fastfill.components.platform.secrets import password_for, redact, take_password
 
 TOKEN_ENV = "MILVUS_TOKEN"
 EMBEDDED, MAPPED = "embedded", "mapped"
@@ -191,12 +193,15 @@ class Collections:
         if self._client is None:
             from pymilvus import MilvusClient
 
-            uri = check_lite_file(self.settings["uri"])
+            uri = check_lite_file(take_password(self.settings["uri"]))
+            password = password_for(uri)  # a password written in gallery.milvus.uri, kept in memory only
+            user = urlsplit(uri).username if password is not None else None
+            credentials = {"user": unquote(user or ""), "password": password} if password is not None else {}
             try:
                 with _quiet():
-                    self._client = MilvusClient(uri, token=os.environ.get(TOKEN_ENV, ""))
+                    self._client = MilvusClient(uri, token=os.environ.get(TOKEN_ENV, ""), **credentials)
             except Exception as error:  # noqa: BLE001 - pymilvus raises its own kinds and grpc's
-                raise MilvusError(f"cannot reach {self.where}: {' '.join(str(error).split())[:300]}") from None
+                raise MilvusError(f"cannot reach {self.where}: {redact(' '.join(str(error).split()))[:300]}") from None
         return self._client
 
     @contextmanager

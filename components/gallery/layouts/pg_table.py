@@ -39,9 +39,11 @@ same on every layout. The lock stays in the store because what it guards (the pl
 markers, the decision) is there, and because a lease in the store outlives a dropped connection
 the way an upgrade killed mid-chunk needs (it is taken over when its lease runs out).
 
-Connections: the manifest's ``postgresql://`` URI (never with a password: libpq reads it from
-``PGPASSWORD`` or ``~/.pgpass``), then the usual ``PG*`` variables; ``FASTFILL_PG_URI`` replaces the
-URI (a team whose server moved, or a service account of its own).
+Connections: the manifest's ``postgresql://`` URI (never with a password: a password written in
+``gallery.pgvector.uri`` or ``FASTFILL_PG_URI`` is taken out when it is read and kept in the
+process's memory only, ``components.platform.secrets``; else libpq reads ``PGPASSWORD`` or
+``~/.pgpass``), then the usual ``PG*`` variables; ``FASTFILL_PG_URI`` replaces the URI (a team
+whose server moved, or a service account of its own).
 """
 
 from __future__ import annotations
