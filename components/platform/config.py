@@ -432,6 +432,12 @@ class MlflowConfig(Section):
     tracking_uri: str = Field(
         default="sqlite:///mlruns.db", description="overridden by MLFLOW_TRACKING_URI when set"
     )
+
+    @field_validator("tracking_uri", "registry_uri", mode="before")
+    @classmethod
+    def _password_taken(cls, value: object) -> object:
+        return _without_password(value)
+
     registry_uri: str | None = Field(
         default=None, description="the model registry, where it is not the tracking store; null = the tracking URI. "
         "Overridden by MLFLOW_REGISTRY_URI when set")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastfill.components.platform.config import MlflowConfig
+from fastfill.components.platform.secrets import redact, with_password
 from fastfill.components.platform.vocabulary import CHALLENGER, CHAMPION, ROLE_ALIASES  # noqa: F401 - part of the registry's interface
 
 
@@ -61,28 +62,28 @@ STAGE_TAG = "fastfill.stage"
 
 
 def tracking_uri(config: MlflowConfig) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking_uri
+    """MLFLOW_TRACKING_URI, else mlflow.tracking_uri (a password written there, taken out when
+    params.yaml was read, put back for MLflow's own connection: never shown, ``shown_uri``)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or with_password(config.tracking_uri)
 
 
 def registry_uri(config: MlflowConfig) -> str:
     """Where the model registry lives: MLFLOW_REGISTRY_URI, else mlflow.registry_uri, else the
     tracking URI (MLflow's own order)."""
-    return os.environ.get("MLFLOW_REGISTRY_URI") or config.registry_uri or tracking_uri(config)
+    return os.environ.get("MLFLOW_REGISTRY_URI") or (with_password(config.registry_uri) if config.registry_uri
+                                                      else tracking_uri(config))
 
 
 def shown_uri(uri: str) -> str:
     """A store's URI as a record or a message shows it: a relative SQLite path made absolute,
     credentials in a URL left out."""
-    from urllib.parse import urlsplit, urlunsplit
-
     if uri.startswith("sqlite:///"):  # sqlite:///relative.db or sqlite:////absolute.db
         return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
     if not uri.startswith(("http://", "https://")):
-        return uri
-    parts = urlsplit(uri)
-    if parts.username or parts.password:
-        parts = parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else ""))
-    return urlunsplit(parts)
+        return redact(uri)  # a database's URI: its password, whatever its characters, left out
+    start = uri.index("://") + 3
+    at = uri.rfind("@", start)  # the credentials run to the last @, whatever characters a password holds
+    return redact(uri[:start] + uri[at + 1:] if at >= 0 else uri)
 
 
 def identity(config: MlflowConfig) -> str:

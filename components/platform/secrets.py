@@ -61,6 +61,23 @@ def password_for(uri: str) -> str | None:
         return _passwords.get(clean)
 
 
+def with_password(uri: str) -> str:
+    """``uri`` with the password ``take_password`` took from it put back (percent-encoded), for the
+    one call that connects (a library that reads credentials only from its URI); never for a
+    record. A URI without a password taken is returned as it is."""
+    from urllib.parse import quote
+
+    password = password_for(uri)
+    clean, inline, _ = _split(uri)
+    if password is None or inline is not None:
+        return uri
+    scheme = _SCHEME.match(clean)
+    at = clean.rfind("@")
+    if scheme is None or at < scheme.end():
+        return uri
+    return f"{clean[:at]}:{quote(password, safe='')}{clean[at:]}"
+
+
 def redact(text: str) -> str:
     """``text`` with every password replaced by ``***``: each password ``take_password`` took
     (raw, percent-encoded, JSON- or repr-escaped), the password part of each ``scheme://user:

@@ -130,3 +130,19 @@ def test_the_configuration_never_holds_the_password(monkeypatch):
         with pytest.raises(ConfigError) as error:
             parse_params(bad)
         assert not any(form in str(error.value) for form in _forms(password)), str(error.value)
+
+
+def test_an_mlflow_uri_keeps_no_password_and_mlflow_still_gets_it():
+    """mlflow.tracking_uri with a password: the configuration (every record made of it) holds
+    none, MLflow's own connection gets it back, and what a record shows has none."""
+    from fastfill.components.platform import registry
+    from fastfill.components.platform.config import MlflowConfig
+
+    for written, encoded in (("http://alice:pa/ss@wd#1@mlflow.internal:5000", "pa%2Fss%40wd%231"),
+                             ("postgresql://bob:s3%2Fcr%20t@db.internal/mlflow", "s3%2Fcr%20t")):
+        config = MlflowConfig(tracking_uri=written, registry_uri=written)
+        dumped = str(config.model_dump())
+        assert "pa/ss" not in dumped and "s3" not in dumped and "cr t" not in dumped
+        assert encoded in registry.tracking_uri(config) and encoded in registry.registry_uri(config)
+        shown = registry.shown_uri(registry.tracking_uri(config))
+        assert encoded not in shown and "pa/ss" not in shown and "cr t" not in shown and "internal" in shown
