@@ -42,9 +42,11 @@ class MapSettings:
     distance: str
 
     def for_pairs(self, pairs: MapPairs | None) -> AlignConfig:
-        """The method's settings for ``pairs``: without classes for the disc term (a new model
-        without a classifier, and pseudo-classes off) the term is off."""
-        return self.config if pairs is None else pairs.settings(self.config)
+        """The method's settings for ``pairs``, as an upgrade trains its maps (``AlignConfig.for_upgrade``:
+        conditioned features and early stopping unless align.<method> sets them): without classes
+        for the disc term (a new model without a classifier, and pseudo-classes off) the term is off."""
+        config = self.config.for_upgrade()
+        return config if pairs is None else pairs.settings(config)
 
 
 def pair_tags(pairs: MapPairs) -> dict:

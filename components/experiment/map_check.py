@@ -49,7 +49,7 @@ __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision
 # The settings the l2-only reference shares with the map it checks: same pairs, same split,
 # same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).
 _SHARED = ("l2_reduction", "epochs", "min_steps", "warmup_epochs", "batch_size", "lr", "weight_decay",
-           "validation_fraction", "validation_items", "seed", "precision")
+           "validation_fraction", "validation_items", "seed", "precision", "conditioning", "patience")
 
 
 def reference_config(config: AlignConfig) -> AlignConfig:

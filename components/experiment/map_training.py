@@ -65,13 +65,49 @@ def _check_same_images(old_features: np.ndarray, new_features: np.ndarray, class
 def feature_schedule(config: AlignConfig, num_items: int) -> dict[str, int]:
     """Epochs, steps and warm-up of a map trained on ``num_items`` pairs: ``config.epochs``, or
     more when that would be fewer than ``config.min_steps`` optimiser steps (small data), with
-    the warm-up and the validations kept at the same fractions of the run."""
+    the warm-up and the validations kept at the same fractions of the run. With
+    ``config.patience`` those epochs are the most it trains (it stops earlier once the held-out
+    score stops improving): the held-out pairs are measured every epoch, and the learning rate
+    and (under conditioning) the uncertainty term warm up over ``warmup_epochs`` real epochs."""
     steps_per_epoch = math.ceil(num_items / config.batch_size)
     epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
     total = steps_per_epoch * epochs
+    if config.patience is not None:
+        return {"steps_per_epoch": steps_per_epoch, "epochs": epochs, "total_steps": total,
+                "warmup_steps": min(config.warmup_epochs * steps_per_epoch, total - 1), "validate_every": 1}
     return {"steps_per_epoch": steps_per_epoch, "epochs": epochs, "total_steps": total,
             "warmup_steps": round(total * config.warmup_epochs / config.epochs),
             "validate_every": max(1, epochs // config.epochs)}
+
+
+# Conditioning (align.<m>.conditioning: scale): the mean squared norm the scaled new features
+# have, and the bound on the gradient's norm
+SCALED_SQUARED_NORM = 16.0
+GRADIENT_NORM_BOUND = 10.0
+
+
+def feature_scales(old_features: np.ndarray, new_features: np.ndarray) -> tuple[float, float]:
+    """(input scale, output scale) of a conditioned map: the RMS norms of the old and of the new
+    features, over sqrt(SCALED_SQUARED_NORM), so that the map sees old features and predicts new
+    features of mean squared norm SCALED_SQUARED_NORM whatever the models' own scales; a scale
+    that cannot be measured (all zeros, not finite) is 1."""
+
+    def scale(features: np.ndarray) -> float:
+        value = math.sqrt(float(np.mean(np.square(features, dtype=np.float64).sum(axis=1))) / SCALED_SQUARED_NORM)
+        return value if math.isfinite(value) and value > 0 else 1.0
+
+    return scale(old_features), scale(new_features)
+
+
+class _ScaledInput(nn.Module):
+    """A frozen classifier applied to features given divided by ``scale``."""
+
+    def __init__(self, classifier: nn.Module, scale: float):
+        super().__init__()
+        self.classifier, self.scale = classifier, scale
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.classifier(features * self.scale)
 
 
 Validate = Callable[[], dict[str, float]]
@@ -145,6 +181,8 @@ def _train_on_features(
     plan = feature_schedule(config, num_items)
     on_epoch = EpochProgress(on_epoch)
     epochs, warm_steps = plan["epochs"], round(config.uncertainty_warmup * plan["total_steps"])
+    if config.conditioned:  # the uncertainty term warms in after the learning rate's warm-up
+        warm_steps = max(warm_steps, plan["warmup_steps"])
     optimizer = ExactAdam(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine(optimizer, plan["total_steps"], plan["warmup_steps"])
     history, start_epoch, step, best, lowest = _resumed(checkpoint, key, module, optimizer, scheduler, generator, log)
@@ -170,11 +208,23 @@ def _train_on_features(
                          scheduler=scheduler.state_dict(), generator=generator.get_state(),
                          history=history, epoch=epoch + 1, step=step, best=best, lowest=lowest)
         on_epoch(epoch + 1, epochs)
+        if _no_better(config, best, epoch + 1, epochs, log):
+            break
     on_epoch.end(epochs)
     if best is not None:
         _keep_best(module, history, best, epochs, log)
     module.eval()
     return history
+
+
+def _no_better(config: AlignConfig, best: dict | None, epoch: int, epochs: int, log: Log) -> bool:
+    """Early stopping: with ``config.patience``, the held-out score has not improved for that many
+    epochs after the best one (the log says so)."""
+    if config.patience is None or best is None or epoch - best["epoch"] < config.patience or epoch >= epochs:
+        return False
+    log(f"stopped at epoch {epoch}/{epochs}: the held-out score has not improved for {config.patience} epochs "
+        f"(patience) since epoch {best['epoch']}")
+    return True
 
 
 def _resumed(checkpoint: Path | None, key: str, module: nn.Module, optimizer, scheduler, generator: torch.Generator,
@@ -195,6 +245,12 @@ def _resumed(checkpoint: Path | None, key: str, module: nn.Module, optimizer, sc
 def _announce_training(log: Log, config: AlignConfig, plan: dict[str, int], num_items: int, start_epoch: int,
                        validated: bool) -> None:
     epochs = plan["epochs"]
+    if config.patience is not None and validated:
+        log(f"training at most {epochs - start_epoch} epochs of {plan['steps_per_epoch']} steps on {num_items} pairs"
+            + (f" (from epoch {start_epoch + 1})" if start_epoch else "")
+            + f", measured on the held-out pairs every epoch; stops once their score has not improved for "
+              f"{config.patience} epochs")
+        return
     if start_epoch == 0 and epochs > config.epochs:
         log(f"{num_items} training pairs make {plan['steps_per_epoch']} steps an epoch: training {epochs} epochs "
             f"to reach min_steps {config.min_steps}")
@@ -227,6 +283,8 @@ def _train_one_epoch(module: nn.Module, optimizer, scheduler, generator: torch.G
         loss = parts["loss"]
         assert loss is not None  # the total: only the terms a map has not can be None
         loss.backward()
+        if config.conditioned:
+            nn.utils.clip_grad_norm_(module.parameters(), GRADIENT_NORM_BOUND)
         optimizer.step()
         scheduler.step()
         step += 1
@@ -327,24 +385,33 @@ def train_alignment(
     device = device or pick_device()
     generator = seed_everything(config.seed)
     train_index, _ = split_pairs(config, len(old_features), method)
-    h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1]).to(device)
+    h = AlignmentMap.from_config(config, old_features.shape[1], new_features.shape[1])
     classifier = new_classifier.to(device).eval().requires_grad_(False)
     old = torch.from_numpy(old_features[train_index]).to(device)
     new = torch.from_numpy(new_features[train_index]).to(device)
     rows = torch.from_numpy(class_rows[train_index]).to(device)
+    judge: nn.Module = classifier
+    if config.conditioned:  # the loss sees scaled features; kappa_new sees h(old) in the new model's space
+        input_scale, output_scale = feature_scales(old_features[train_index], new_features[train_index])
+        h.set_scale(input_scale, output_scale)
+        new = new / output_scale
+        judge = _ScaledInput(classifier, output_scale)
+        log(f"conditioning: the map trains on old features / {input_scale:.4g} and predicts new features / "
+            f"{output_scale:.4g} (mean squared norm {SCALED_SQUARED_NORM:g})")
+    h = h.to(device)
 
     dtype = announced_dtype(config.precision, device, log, "the map's")
 
     def batch_loss(index: torch.Tensor, warm: bool) -> dict:
         with forward_precision(device, dtype):
-            transformed = h(old[index])
+            transformed = h.normalized(old[index])
         transformed = transformed.float()
         # psi's own term reaches h through psi's input in every weighting: that is what makes the
         # transformed features carry the uncertainty (detaching the input leaves sigma near random)
-        log_sigma2 = h.log_sigma2(transformed) if config.uncertainty else None
+        log_sigma2 = h.uncertainty(transformed).squeeze(-1) if h.uncertainty is not None else None
         parts = alignment_loss(
             transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
-            classifier=classifier, targets=rows[index], label_smoothing=config.disc_label_smoothing,
+            classifier=judge, targets=rows[index], label_smoothing=config.disc_label_smoothing,
             log_sigma2=log_sigma2, lam=config.uncertainty_lambda, weighting=config.uncertainty_weighting, warm=warm,
         )
         total, orthogonality = parts.total, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -140,6 +141,10 @@ class AlignmentMap(nn.Module):
     s = log sigma^2.
     """
 
+    # buffers of a scaled map only (set_scale), declared for the type checker
+    input_scale: torch.Tensor
+    output_scale: torch.Tensor
+
     def __init__(self, old_dim: int, new_dim: int, hidden: list[int], uncertainty: bool,
                  architecture: str = "mlp", rbt_blocks: int = 2):
         super().__init__()
@@ -167,8 +172,40 @@ class AlignmentMap(nn.Module):
     def from_config(cls, config: AlignConfig, old_dim: int, new_dim: int) -> AlignmentMap:
         return cls(old_dim, new_dim, list(config.hidden), config.uncertainty, config.architecture, config.rbt_blocks)
 
+    @property
+    def scaled(self) -> bool:
+        """The map works on features divided by scalars measured on its training pairs
+        (``set_scale``): its weights carry them as the buffers ``input_scale`` and ``output_scale``."""
+        return "input_scale" in self._buffers
+
+    def set_scale(self, input_scale: float, output_scale: float) -> None:
+        """h(x) = output_scale * transform(x / input_scale): the network sees old features of a
+        fixed size and predicts new features of a fixed size, whatever the two models' own scales.
+        The scales are buffers, so they travel with the weights (state_dict, the registry)."""
+        for name, value in (("input_scale", input_scale), ("output_scale", output_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"a map's {name} must be a positive number, got {value}")
+            current = self._buffers.get(name)
+            device = current.device if current is not None else None
+            self.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As nn.Module's; weights that carry scales (a map trained with align.<m>.conditioning)
+        give this map those scales, and weights without them (every map before) load as they did."""
+        if "input_scale" in state_dict and "output_scale" in state_dict and not self.scaled:
+            self.set_scale(1.0, 1.0)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def normalized(self, old_features: torch.Tensor) -> torch.Tensor:
+        """The network's own output: h(x) / output_scale (h(x) for a map without scales)."""
+        if not self.scaled:
+            return self.transform(old_features)
+        return self.transform(old_features / self.input_scale)
+
     def forward(self, old_features: torch.Tensor) -> torch.Tensor:
-        return self.transform(old_features)
+        if not self.scaled:
+            return self.transform(old_features)
+        return self.transform(old_features / self.input_scale) * self.output_scale
 
     @property
     def affine_weight(self) -> torch.Tensor:
@@ -178,8 +215,12 @@ class AlignmentMap(nn.Module):
         return self.transform.weight
 
     def log_sigma2(self, transformed: torch.Tensor) -> torch.Tensor:
+        """psi on h's output ``transformed`` (in the new model's space; a scaled map's psi sees it
+        divided by ``output_scale``)."""
         if self.uncertainty is None:
             raise ValueError("this alignment map has no uncertainty head (train it with uncertainty: true)")
+        if self.scaled:
+            transformed = transformed / self.output_scale
         return self.uncertainty(transformed).squeeze(-1)
 
 
@@ -223,7 +264,7 @@ def load_embedder(path) -> Embedder:
 
 
 def save_alignment(h: AlignmentMap | UnifiedMaps, config: AlignConfig, path) -> None:
-    state = {"config": config.model_dump(mode="json"), "old_dim": h.old_dim, "new_dim": h.new_dim,
+    state = {"config": config.stored(), "old_dim": h.old_dim, "new_dim": h.new_dim,
              "state_dict": {k: v.cpu() for k, v in h.state_dict().items()}}
     if isinstance(h, UnifiedMaps):
         state["num_classes"] = h.classifier.out_features

@@ -48,10 +48,13 @@ def fit_uncertainty_head(h: AlignmentMap, config: AlignConfig, old_features: np.
     fitted = AlignmentMap(h.old_dim, h.new_dim, shape["hidden"], True, shape["architecture"],
                           shape["rbt_blocks"]).to(device)
     fitted.transform = copy.deepcopy(h.transform).to(device).eval().requires_grad_(False)
+    if h.scaled:  # a map trained with conditioning: the same scales
+        fitted.set_scale(float(h.input_scale), float(h.output_scale))
+        fitted.to(device)
     # the pairs the map trained on (map_training.split_pairs without a method)
     train_index, _ = validation_split(len(old_features), config.validation_fraction, config.seed)
     with torch.no_grad():
-        transformed = fitted.transform(torch.from_numpy(old_features[train_index]).to(device))
+        transformed = fitted(torch.from_numpy(old_features[train_index]).to(device))
     per_item = torch.from_numpy(true_alignment_loss(config, transformed.cpu().numpy(), new_features[train_index],
                                                     class_rows[train_index], new_classifier)).to(device)
     assert fitted.uncertainty is not None  # made with uncertainty=True above

@@ -40,6 +40,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 # lambda of the affine map's lambda-orthogonality penalty when align.<m>.orthogonality is null
 ORTHOGONALITY_DEFAULT = 1.0
+# What a gallery upgrade's map uses where align.<m>.conditioning / patience are null (a team's models)
+UPGRADE_CONDITIONING = "scale"
+UPGRADE_PATIENCE = 10
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -214,8 +217,37 @@ class AlignConfig(Section):
         "stops it. A map whose outputs on the held-out pairs are still not finite is never "
         "used: under check fallback or warn the l2-only map replaces it (tag, metric and log line say why), under "
         "fail the run stops with that reason, under off (the comparison) its row is reported as diverged")
+    conditioning: Literal["off", "scale"] | None = Field(
+        default=None, description="scale = the map trains on features divided by scalars measured on its training "
+        "pairs (the RMS norms of the old and of the new features), its output scaled back into the new model's space "
+        "(the scales are stored with its weights), with the uncertainty term warmed in over the first warmup_epochs "
+        "epochs and the gradient norm bounded: FastFill's loss then behaves the same whatever the two models' feature "
+        f"scales; off = the features as they are; null = {UPGRADE_CONDITIONING} for a gallery upgrade's map, off for "
+        "the pipeline's maps")
+    patience: PositiveInt | None = Field(
+        default=None, description="with held-out pairs: training stops once the held-out score (top-1 and mAP at 0% "
+        "backfill) has not improved for this many epochs, measured every epoch, the best epoch kept; the "
+        f"learning-rate warm-up is then warmup_epochs real epochs; null = {UPGRADE_PATIENCE} for a gallery "
+        "upgrade's map, the whole schedule (epochs, min_steps) for the pipeline's maps")
     seed: int = Field(default=0, description='weights and batches')
     precision: TrainingPrecision = _precision_field()
+
+    def for_upgrade(self) -> AlignConfig:
+        """These settings for a gallery upgrade's map: conditioning and patience filled in where null."""
+        return self.model_copy(update={
+            "conditioning": UPGRADE_CONDITIONING if self.conditioning is None else self.conditioning,
+            "patience": UPGRADE_PATIENCE if self.patience is None else self.patience})
+
+    @property
+    def conditioned(self) -> bool:
+        """The map trains on scaled features (conditioning: scale)."""
+        return self.conditioning == "scale"
+
+    def stored(self) -> dict[str, Any]:
+        """The settings as a stored map records them: conditioning and patience only when set, so a
+        map trained without them is stored as before they existed."""
+        return self.model_dump(mode="json", exclude={name for name in ("conditioning", "patience")
+                                                     if getattr(self, name) is None})
 
     @model_validator(mode="after")
     def _some_loss(self) -> AlignConfig:
