@@ -96,7 +96,7 @@ def transform_part(store_uri: str, upgrade_id: str, alignment_map, part: int, se
 def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_size: int, read_workers: int = 16,
                    precision: str = "auto") -> dict:
     """Read the chunk's images, embed them with the new model, write features, then the marker."""
-    return backfill.backfill_chunk(store_at(store_uri), upgrade_id, chunk, model, batch_size=batch_size,
+    return backfill.backfill_chunk(gallery_at(store_at(store_uri)), upgrade_id, chunk, model, batch_size=batch_size,
                                    read_workers=read_workers, precision=precision)
 
 
@@ -152,9 +152,9 @@ def write_plan(store_uri: str, plan: Plan) -> None:
 def sync_serving(store_uri: str) -> str:
     """The serving index brought to the upgrade's mixed gallery (a killed switch completed)."""
     gallery = gallery_at(store_at(store_uri))
-    serving = gallery.sync_serving() or {}
-    index = gallery.index  # type: ignore[attr-defined]  # called only where the layout serves queries
-    return f"{index.where}: the view {index.view} serves {serving.get('model')}"
+    serving = gallery.sync_serving()
+    index = gallery.index  # called only where the layout serves queries
+    return f"{index.where}: the view {index.view} serves {serving.model if serving is not None else None}"
 
 
 @task(name="advise-upgrade", **IO_RETRIES, **NO_CACHING)

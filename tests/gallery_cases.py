@@ -166,9 +166,9 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     transformed, sigma = apply_alignment(h, old_features)
     np.testing.assert_array_equal(order, np.argsort(-sigma.astype(np.float64), kind="stable"))
 
-    first = [backfill.backfill_chunk(gallery.store, plan.id, c, new) for c in (0, 1, 4)]
+    first = [backfill.backfill_chunk(gallery, plan.id, c, new) for c in (0, 1, 4)]
     assert backfill.done_chunks(gallery.store, plan.id) == [0, 1, 4]
-    again = backfill.backfill_chunk(gallery.store, plan.id, 1, new)
+    again = backfill.backfill_chunk(gallery, plan.id, 1, new)
     assert again["skipped"] and again["token"] == first[1]["token"]  # a done chunk is not redone
 
     mixed, backfilled = backfill.mixed_features(gallery, plan)
@@ -193,7 +193,7 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert state.upgrade.items_done == 21
 
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
@@ -265,18 +265,18 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
         (data_file,) = _table_data_files(store_uri)
         _rewrite_raw(store_uri, data_file, lambda body: body[:len(body) // 2])
         with pytest.raises(DamagedObject, match=rf"data file .*{os.path.basename(data_file)}.* cannot be read"):
-            backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+            backfill.backfill_chunk(gallery, plan.id, 0, new)
         assert backfill.done_chunks(gallery.store, plan.id) == []
         return
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
     _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
     with pytest.raises(ChecksumMismatch, match="images/part-00002.npy"):
-        backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+        backfill.backfill_chunk(gallery, plan.id, 0, new)
     assert backfill.done_chunks(gallery.store, plan.id) == []
     gallery.store.delete("images/part-00002.npy")
     with pytest.raises(ObjectMissing, match="images/part-00002.npy does not exist"):
-        backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+        backfill.backfill_chunk(gallery, plan.id, 0, new)
     assert backfill.done_chunks(gallery.store, plan.id) == []
 
 
@@ -290,7 +290,7 @@ def features_altered_in_the_table_are_refused_naming_the_item_and_file(store_uri
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)  # the new model's column: a data file of its own
     row = gallery.features(NEW, 1)[0].astype("<f4").tobytes()  # position 10's floats, as stored
     untouched = gallery.features(OLD, 1)  # the old model's column: another data file
@@ -389,7 +389,7 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data, layout=
     plan = _plan(gallery, h)
     assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     assert searcher.refresh() == 3 and searcher.rebuilds == 1 and searcher.index.ntotal == N
     assert searcher.backfilled == 21
     mixed, _ = backfill.mixed_features(gallery, plan)
@@ -405,7 +405,7 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data, layout=
     assert {src for row in searcher.sources(ids) for src in row} <= {NEW.uri, mapped}
 
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
     assert searcher.refresh() == 5 and searcher.rebuilds == 1 and searcher.query_model == NEW
     with pytest.raises(GalleryError, match="dimension 8, but the model's is 12"):
@@ -475,7 +475,7 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     _put_original(root, "img-00006.png", b"not a png")
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     failed = backfill.failed_images(gallery.store, plan.id)
     assert sorted((f["id"], f["position"], f["reason"].split(":")[0]) for f in failed) == [
         (505, 5, "missing"), (506, 6, "undecodable")]
@@ -519,7 +519,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
         reading = gallery_at(open_store(store_uri))  # a reader of its own, with its own connection
         try:
             while not stop.is_set():
-                served = reading.index.serving()["model"]
+                served = reading.index.serving().model
                 ids, answer_models, sources = _index_answers(reading, queries[served][:2], k=6, model=served)
                 if not ids[0]:  # the view moved on since the serving row was read: read it again
                     moved.append(served)
@@ -539,7 +539,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
         time.sleep(0.1)
         order = planning.order_of(gallery.store, plan.id)
         for chunk in range(plan.num_chunks):
-            backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+            backfill.backfill_chunk(gallery, plan.id, chunk, new)
             mixed, backfilled = backfill.mixed_features(gallery, plan)
             ids, answer_models, sources = _index_answers(gallery, queries[NEW.uri])
             np.testing.assert_array_equal(np.array(ids), _brute_force(mixed, gallery.ids(), queries[NEW.uri], 5))
@@ -564,7 +564,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
     switched = [i for i, (served, _, _) in enumerate(seen) if served == NEW.uri]
     assert switched and seen[0][0] == OLD.uri and switched == list(range(switched[0], len(seen)))
     assert any({s for row in sources for s in row} == {"mapped"} for served, _, sources in seen if served == NEW.uri)
-    assert gallery.index.serving()["upgrade"] is None and gallery.model == NEW
+    assert gallery.index.serving().upgrade is None and gallery.model == NEW
 
 
 def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=None):
@@ -576,10 +576,10 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
     images, _ = data
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
-    backfill.backfill_chunk(gallery.store, plan.id, 0, new)
-    assert gallery.index.serving()["model"] == NEW.uri
+    backfill.backfill_chunk(gallery, plan.id, 0, new)
+    assert gallery.index.serving().model == NEW.uri
     reversal.abort(gallery, plan.id)
-    assert gallery.index.serving()["model"] == OLD.uri and gallery.index.serving()["upgrade"] is None
+    assert gallery.index.serving().model == OLD.uri and gallery.index.serving().upgrade is None
     ids, models_, _ = _index_answers(gallery, embed(old, images[:3]))
     np.testing.assert_array_equal(np.array(ids), _brute_force(embed(old, images), gallery.ids(), embed(old, images[:3]), 5))
     assert all(m == {OLD.uri} for m in models_)
@@ -589,20 +589,20 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
     if layout in ("pgvector", "lance"):
         assert gallery.index.chunk_done(plan.id) == set()
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.reject(gallery, plan, {"reasons": ["a test"], "numbers": None})
-    assert gallery.index.serving()["model"] == OLD.uri
+    assert gallery.index.serving().model == OLD.uri
 
     reversal.start_over(gallery, plan.id)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
-    assert gallery.index.serving()["model"] == NEW.uri
+    assert gallery.index.serving().model == NEW.uri
     # a reader that embedded for the old space gets no rows (not an error, not another space's answer)
     assert gallery.index.search(embed(old, images[:2]), 5, OLD.uri)[0] == [[], []]
     reversal.rollback(gallery)
-    assert gallery.index.serving()["model"] == OLD.uri
+    assert gallery.index.serving().model == OLD.uri
     assert all(m == {OLD.uri} for m in _index_answers(gallery, embed(old, images[:3]))[1])
 
 
@@ -677,14 +677,14 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     rows = [by_sku[s] for s in gallery.ids()]
     np.testing.assert_array_equal(gallery.all_features(OLD), features[rows])
     np.testing.assert_array_equal(gallery.labels(), labels[rows])
-    assert gallery.index.serving()["vectors"] == f"{index.table}.vec"
+    assert gallery.index.serving().vectors == f"{index.table}.vec"
     assert _index_answers(gallery, features[:1], k=1)[0] == [[skus[0]]]
 
     plan = _plan(gallery, h)
-    assert gallery.index.serving()["model"] == NEW.uri and "vec" in gallery.index.columns()
-    assert gallery.index.serving()["vectors"] == f"{index.table}_emb_embedder_v2.embedding"
+    assert gallery.index.serving().model == NEW.uri and "vec" in gallery.index.columns()
+    assert gallery.index.serving().vectors == f"{index.table}_emb_embedder_v2.embedding"
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
     np.testing.assert_allclose(gallery.all_features(NEW), embed(new, images)[rows], rtol=1e-5, atol=1e-6)
     assert _index_answers(gallery, embed(new, images[:1]), k=1)[0] == [[skus[0]]]
@@ -728,7 +728,7 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
     for chunk in range(plan.num_chunks):
         fragments = {f.fragment_id for f in index.dataset().get_fragments()}
         version = index.dataset().version
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
         after = index.dataset()
         assert after.version == version + 1  # one commit
         added = [f for f in after.get_fragments() if f.fragment_id not in fragments]
@@ -746,7 +746,7 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
     assert json.loads(before.schema.metadata[b"fastfill.model"])["version"] == "1"
     assert len(before.search(embed(old, images[:1])[0]).limit(3).to_arrow()) == 3
     ending.finish(gallery, plan)
-    assert index.serving()["upgrade"] is None and len(index.dataset().get_fragments()) == 1  # compacted
+    assert index.serving().upgrade is None and len(index.dataset().get_fragments()) == 1  # compacted
     model, ids, _ = reader_answers(queries)
     np.testing.assert_array_equal(np.array(ids), _brute_force(gallery.all_features(NEW), gallery.ids(), queries, 5))
 

@@ -294,7 +294,7 @@ def test_what_the_layout_cannot_serve_is_refused_before_any_work(upgrade_env, pr
                                            r"gallery.upgrade.task_runner is dask, but .*Milvus Lite.*Nothing was written"):
         upgrade_flow(dask, uri)
     assert {key: store.get(key) for key in store.list("")} == before
-    assert gallery_at(store).index.serving()["model"] == gallery_at(store).model.uri
+    assert gallery_at(store).index.serving().model == gallery_at(store).model.uri
 
 
 def test_a_broken_gallery_is_refused_before_planning_writes_and_killed_plannings_are_closed(upgrade_env,

@@ -44,5 +44,5 @@ def mid_upgrade(tmp_path):
     gallery = _gallery(str(tmp_path / "store"), models, data)
     plan = _plan(gallery, models[2])
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     return gallery, plan, models, data

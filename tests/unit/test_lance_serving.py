@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
+from fastfill.components.gallery.layouts.catalog import EMBEDDED, MAPPED
+from fastfill.components.gallery.layouts.lance_serving import ServingTable
 from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.platform.registry import ModelRef
 
@@ -47,7 +48,7 @@ def test_the_index_is_built_at_the_switch_and_a_chunk_is_searched_beside_it(tmp_
     assert table.search(queries, 1, "models:/m/1")[0] == [[]] * 40  # another space: no rows
 
     table.retag(MODEL, None)  # the finish: compacted, indexed again, same answers
-    assert table.serving()["upgrade"] is None and len(table.dataset().get_fragments()) == 1
+    assert table.serving().upgrade is None and len(table.dataset().get_fragments()) == 1
     assert table.dataset().has_index
     again, _, _, _ = table.search(queries, 1, MODEL.uri)
     assert again == got
@@ -104,7 +105,7 @@ def test_a_serving_table_not_the_galleries_is_refused_not_overwritten(tmp_path):
     table.write(MODEL, "up-1", np.arange(20), iter(parts))
     meta = table.dataset().schema.metadata
     assert meta[b"fastfill.gallery"].decode() == mark("0123456789abcdef", "serving", str(tmp_path))
-    assert table.serving()["upgrade"] == "up-1"
+    assert table.serving().upgrade == "up-1"
 
 
 def test_a_gallery_made_before_ids_keeps_writing_its_unmarked_serving_table(tmp_path):
@@ -122,7 +123,7 @@ def test_a_gallery_made_before_ids_keeps_writing_its_unmarked_serving_table(tmp_
                                                                                         iter(parts))
     legacy = ServingTable(str(tmp_path), {"ann": "none"})
     legacy.write(MODEL, None, np.arange(10), iter(parts))
-    assert legacy.serving()["model"] == MODEL.uri and b"fastfill.gallery" in legacy.dataset().schema.metadata
+    assert legacy.serving().model == MODEL.uri and b"fastfill.gallery" in legacy.dataset().schema.metadata
 
 
 def test_a_lance_gallery_is_not_made_over_a_serving_table_not_its_own(tmp_path, models, data):

@@ -91,16 +91,16 @@ def test_a_neighbours_collections_survive_ingest_upgrade_and_gc_and_a_taken_name
         _plan(gallery, h)
     _one_line(raised.value)
     stored = gallery_at(open_store(store_uri))
-    assert stored.manifest()["upgrade"] is None and stored.index.serving()["model"] == OLD.uri
+    assert stored.manifest()["upgrade"] is None and stored.index.serving().model == OLD.uri
     assert {name: _state(team, name) for name in (legacy, taken)} == before
 
     team.drop_collection(taken)  # the team gives the name up: the upgrade goes ahead
     gallery = gallery_at(open_store(store_uri))
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
-    assert gallery.index.serving()["vectors"] == taken
+    assert gallery.index.serving().vectors == taken
     deleted = garbage.collect_garbage(gallery)
     assert deleted["features"] == 1 and not team.has_collection(collection_of(alias, OLD))
     assert _state(team, legacy) == before[legacy]  # gc left the team's collection of a like name alone
@@ -150,7 +150,7 @@ def test_a_second_gallery_with_the_same_alias_is_refused_naming_the_first_store(
     _one_line(raised.value)
     assert open_store(second_uri).list("") == []
     first = gallery_at(open_store(first_uri))
-    assert first.index.serving()["vectors"] == collection and first.index.count(collection) == N
+    assert first.index.serving().vectors == collection and first.index.count(collection) == N
     assert first.missing_features(OLD) == []
 
 
@@ -181,7 +181,7 @@ def test_a_collection_or_alias_dropped_by_another_writer_is_a_damaged_object(tmp
             gallery.serve_chunk(plan, 0, positions, embed(new, images[positions]), np.ones(len(positions), bool))
         _one_line(raised.value)
         with pytest.raises(DamagedObject, match=rf"the collection {switched} is not there"):
-            backfill.backfill_chunk(gallery.store, plan.id, 1, new)
+            backfill.backfill_chunk(gallery, plan.id, 1, new)
         assert backfill.done_chunks(gallery.store, plan.id) == []
 
         gallery = gallery_at(open_store(store_uri))

@@ -92,7 +92,7 @@ def _upgrade(gallery, models, chunks=None):
     _, new, h = models
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks if chunks is None else chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     if chunks is None:
         ending.finish(gallery, plan)
     return plan
@@ -126,7 +126,7 @@ def test_gc_and_an_upgrade_leave_the_neighbours_objects_as_they_were(tmp_path, m
     gallery2 = _adopt(store2, settings2, root)
     assert gallery2.cannot_serve(NEW) is None
     _upgrade(gallery2, models)
-    assert gallery2.index.serving()["model"] == NEW.uri
+    assert gallery2.index.serving().model == NEW.uri
     deleted = garbage.collect_garbage(gallery2)
     assert deleted["features"] == 0 and deleted["kept_columns"] == [f"{table}.vec"]
     assert _snapshot(index, table, legacy, taken) == before
@@ -177,7 +177,7 @@ def test_long_and_mixed_case_table_names_give_distinct_names_within_63_bytes(tmp
     before = _snapshot(index, table)
     gallery = _adopt(store_uri, settings, root)
     _upgrade(gallery, models)
-    assert gallery.index.serving()["model"] == NEW.uri
+    assert gallery.index.serving().model == NEW.uri
     assert _snapshot(index, table)[table][2] == before[table][2]
     ours = {name for name, _, _ in gallery.index.marked()}
     assert {index.serving_table, index.chunks_table, settings["view"], vectors_table(table, NEW)} <= ours
@@ -206,18 +206,18 @@ def test_a_second_store_cannot_take_over_a_served_table(tmp_path, models, data):
     with pytest.raises(NotOurs, match=rf"belongs to gallery {settings['owner']} of the store {store_a}"):
         _adopt(store_b, settings_b, root)
     assert open_store(store_b).list("") == []
-    assert gallery.index.serving()["model"] == NEW.uri and gallery.index.serving()["gallery"] == settings["owner"]
+    assert gallery.index.serving().model == NEW.uri and gallery.index.serving().gallery == settings["owner"]
     for chunk in range(2, plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     ending.finish(gallery, plan)
     with pytest.raises(NotOurs, match=f"store {store_a}"):
         _adopt(store_b, settings_b, root)
-    assert gallery.index.serving()["model"] == NEW.uri
+    assert gallery.index.serving().model == NEW.uri
     dropped = gallery.release()
     assert f"view {settings['view']}" in dropped and f"table {vectors_table(table, NEW)}" in dropped
     assert Index(settings).marked() == [] and Index(settings).exists()
     gallery_b = _adopt(store_b, settings_b, root)
-    assert gallery_b.index.serving()["model"] == OLD.uri and gallery_b.index.serving()["store"] == store_b
+    assert gallery_b.index.serving().model == OLD.uri and gallery_b.index.serving().store == store_b
 
 
 def test_rows_deleted_or_added_by_another_writer_are_named(tmp_path, models, data):
@@ -237,11 +237,11 @@ def test_rows_deleted_or_added_by_another_writer_are_named(tmp_path, models, dat
     index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(_ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=rf"{vectors} no longer holds the gallery's items: 1 ids missing "
                                             rf"\(first: {victim}\)"):
-        backfill.backfill_chunk(gallery.store, plan.id, 2, models[1])
+        backfill.backfill_chunk(gallery, plan.id, 2, models[1])
     assert 2 not in gallery.index.chunk_done(plan.id)
     index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(_ident(vectors)), saved)
     for chunk in range(2, plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(_ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=f"{vectors} no longer holds"):
         ending.finish(gallery, plan)
@@ -261,7 +261,7 @@ def test_a_row_deleted_from_the_teams_table_mid_upgrade_ends_the_chunk_naming_it
     index.execute(sql.SQL("DELETE FROM {} WHERE sku = 'sku-007'").format(_ident(table)))
     with pytest.raises(DamagedObject, match=rf"the gallery's table {table} lost items the gallery serves: 1 ids "
                                             r"deleted \(first: sku-007\)"):
-        backfill.backfill_chunk(gallery.store, plan.id, 1, models[1])
+        backfill.backfill_chunk(gallery, plan.id, 1, models[1])
 
 
 def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(tmp_path, models, data):
@@ -275,7 +275,7 @@ def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(tmp_path, m
         gallery.index.search(embed(models[1], data[0][:1]), 3)
     index.execute(sql.SQL("DROP TABLE {}").format(_ident(vectors_table(table, NEW))))
     with pytest.raises(DamagedObject, match="dropped or renamed by another writer"):
-        backfill.backfill_chunk(gallery.store, plan.id, 1, models[1])
+        backfill.backfill_chunk(gallery, plan.id, 1, models[1])
 
 
 def test_a_refusal_is_bad_input_and_an_unreachable_server_a_service_problem(tmp_path):

@@ -23,7 +23,7 @@ def _finished(uri, models, data, layout="lance"):
     gallery = _gallery(uri, models, data, layout=layout)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.finish(gallery, plan)
     return gallery_at(open_store(uri)), plan
 

@@ -15,7 +15,7 @@ from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
 def _finish_all(gallery, plan, new):
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     return ending.finish(gallery, plan)
 
 
@@ -25,7 +25,7 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     store = gallery.store
     before = {key: store.get(key) for key in store.list("features/")}
     plan = _plan(gallery, h)
-    first = [backfill.backfill_chunk(store, plan.id, c, new)["token"] for c in (0, 1, 2)]
+    first = [backfill.backfill_chunk(gallery, plan.id, c, new)["token"] for c in (0, 1, 2)]
     assert reversal.abortable(gallery) == plan.id
 
     record = reversal.abort(gallery, plan.id, by={"user": "ops", "host": "h", "pid": 1})
@@ -50,7 +50,7 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     assert undone["ended"] == "aborted" and undone["upgrade"] == plan.id
     assert store.list(f"upgrades/{plan.id}/") == [] and reversal.start_over(gallery, plan.id) is None
     again = _plan(gallery, h, chunk_size=5)  # another chunking: nothing of the old one may be used
-    tokens = [backfill.backfill_chunk(store, again.id, c, new)["token"] for c in (0, 1, 2)]
+    tokens = [backfill.backfill_chunk(gallery, again.id, c, new)["token"] for c in (0, 1, 2)]
     assert not set(tokens) & set(first)  # recomputed, not found done
     _finish_all(gallery, again, new)
     assert gallery.model == NEW
@@ -62,7 +62,7 @@ def test_a_rejected_upgrade_asked_for_again_ungated_is_planned_from_scratch(tmp_
     store = gallery.store
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.write_decision(store, plan, passed=False, reasons=["worse"], numbers=None, tags={}, champion=OLD)
     ending.reject(gallery, plan, {"reasons": ["worse"], "numbers": None})
     assert gallery.model == OLD and ending.rejection(store, plan.id) is not None
@@ -78,7 +78,7 @@ def test_an_abort_cut_short_is_seen_and_completed(tmp_path, models, data):
     _, new, h = models
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, h)
-    backfill.backfill_chunk(gallery.store, plan.id, 0, new)
+    backfill.backfill_chunk(gallery, plan.id, 0, new)
     record = reversal.abort(gallery, plan.id)
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})  # as if killed before the switch
     state = gallery_status(gallery)
@@ -98,7 +98,7 @@ def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
         reversal.abortable(gallery)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery.store, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.id, chunk, new)
     ending.write_decision(gallery.store, plan, passed=True, reasons=[], numbers=None, tags={}, champion=OLD)
     with pytest.raises(GalleryError, match="is ending: its promotion decision \\(passed\\).*cannot be aborted; run "
                                            "`fastfill upgrade`"):

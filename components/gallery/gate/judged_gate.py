@@ -15,14 +15,22 @@ either way.)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from fastfill.components.evaluation import curve_alphas, pairwise_distances
 
-if TYPE_CHECKING:
-    from fastfill.components.gallery.inputs.judgments import Judgments
+
+class Judgments(Protocol):
+    """What the gate reads of judged queries (``components.gallery.inputs.judgments.Judgments``,
+    which imports this module): each query's gallery position (-1: an image) and its relevant
+    positions."""
+
+    query_positions: np.ndarray
+    relevant: list[np.ndarray]
+
+    def __len__(self) -> int: ...
 
 
 # The distances of one gallery block to every query, per side: the block's width is chosen so

@@ -15,19 +15,22 @@ Under one prefix::
 Items are numbered by position 0..N-1 (part = position // part_size); item ids are the user's.
 ``gallery.json`` is written last by an ingest and rewritten only by the finish of an upgrade.
 
-``Gallery`` is the interface every layout implements, and the parts layout above (``layout:
-parts`` in the manifest). The Lance table (``components.gallery.layouts.table``, ``layout:
-lance``) keeps the items, images and features in ``gallery.lance`` instead, and everything else
-(the manifest, the lock, the upgrades' objects) as here. ``components.gallery.layouts.opening``
-opens either from the manifest; the upgrade, search, gate and advice read only this interface.
+The layout above is the parts layout's (``PartsGallery``, ``layout: parts`` in the manifest).
+``Gallery`` is the interface every layout implements; the layouts whose index serves the team's
+queries (Lance, pgvector, Milvus: ``components.gallery.layouts.served.ServedGallery``) keep their
+vectors (and Lance its items and images) in that index, and everything else (the manifest, the
+lock, the upgrades' objects) as here. Such an index is a ``ServingIndex`` and says what it serves
+in a ``Serving`` record. ``components.gallery.layouts.opening`` opens any layout from the
+manifest; the upgrade, search, gate and advice read only these interfaces.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -46,8 +49,72 @@ class GalleryError(ValueError):
     """Bad input for a gallery operation; the message says what is wrong and what to do."""
 
 
+# ------------------------------------------------------------------------------------------------
+# What an index that serves the team's queries says and does (the Lance, pgvector and Milvus layouts)
+
+EMBEDDED, MAPPED = "embedded", "mapped"  # a served row's source: the model embedded its image; h(old)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What an index serves now: the model whose space its rows are in (``model``: its URI, and
+    its name, version and dimension), where the vectors are (``vectors``: a table.column, a
+    collection, a dataset's column), the upgrade whose mixed gallery it serves (None: the model's
+    own features) and since when; pgvector's record also names whose it is (``gallery``: the
+    gallery's id, ``store``: its store), Lance's its table's version."""
+
+    model: str | None
+    model_name: str | None
+    model_version: str | None
+    dim: int | None
+    vectors: str | None
+    upgrade: str | None = None
+    since: str | None = None
+    gallery: str | None = None
+    store: str | None = None
+    version: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ServingIndex(Protocol):
+    """The index a layout serves the team's queries from, as the product reads it: where it is
+    (``where``, for messages; ``view``, the name readers query), what it serves (``serving``),
+    the k nearest rows of queries embedded by a model (``search``: ids, distances, the model of
+    each answer's rows, sources; rows of another model answer nothing), how many rows the serving
+    model embedded (``embedded_count``), its distances as the product's (``product_distances``),
+    the chunks of an upgrade whose rows it records (``chunk_done``; None where the store's
+    markers are the only record), and ``close``."""
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def view(self) -> str: ...
+
+    def serving(self) -> Serving | None: ...
+
+    def search(self, queries: np.ndarray, k: int, model: str | None = None) -> tuple[list, list, list, list]: ...
+
+    def embedded_count(self) -> int: ...
+
+    def product_distances(self, distances: list) -> np.ndarray: ...
+
+    def chunk_done(self, upgrade: str) -> set[int] | None: ...
+
+    def close(self) -> None: ...
+
+
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def dim_of(model: ModelRef) -> int:
+    """``model``'s dimension, which a model whose vectors are written has (its features were read)."""
+    if model.dim is None:
+        raise GalleryError(f"{model.uri}: its dimension is not known; register it with its dim")
+    return int(model.dim)
 
 
 def part_key(kind: str, part: int, suffix: str = "npy") -> str:
@@ -87,6 +154,13 @@ class Gallery(ABC):
 
     layout: str
     serves_queries = False  # True where a reader's index is the gallery (lance, pgvector, milvus): `search` asks it
+
+    @property
+    def index(self) -> ServingIndex:
+        """The index the team's queries are served from (the layouts that serve queries:
+        ``serves_queries``); a GalleryError on the others."""
+        raise GalleryError(f"a gallery of the {self.layout} layout serves no queries from an index; `fastfill search` "
+                           "reads its features")
 
     def __init__(self, store: Store, manifest: dict | None = None):
         self.store = store
@@ -203,9 +277,10 @@ class Gallery(ABC):
 
     @staticmethod
     @abstractmethod
-    def writer(store: Store, model: ModelRef, part_size: int):
+    def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None):
         """What writes a new gallery of this layout, part by part (ingest, adopt, convert): an
-        object with ``write(start, items, features, images=None)`` and ``close()``."""
+        object with ``write(start, items, features, images=None)`` and ``close()``. ``settings``:
+        an index layout's (``opening.layout_of`` binds them from the configuration)."""
 
     @abstractmethod
     def write_features(self, model: ModelRef, parts) -> None:
@@ -246,7 +321,7 @@ class Gallery(ABC):
         its marker); a layout that serves only ``fastfill search`` has nothing to write: it reads
         the chunk's object."""
 
-    def sync_serving(self, manifest: dict | None = None) -> dict | None:
+    def sync_serving(self, manifest: dict | None = None) -> Serving | None:
         """A layout that serves queries from an index makes it serve what the manifest says;
         nothing to do on one that does not."""
         return None
@@ -302,7 +377,7 @@ class PartsGallery(StoredItems, Gallery):
         return rows_at(self, positions, lambda part: features_key(model, part))
 
     @staticmethod
-    def writer(store: Store, model: ModelRef, part_size: int) -> PartsWriter:
+    def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> PartsWriter:
         return PartsWriter(store, model, part_size)
 
     def write_features(self, model: ModelRef, parts) -> None:

@@ -78,7 +78,9 @@ def ids_at(ids: np.ndarray, positions) -> np.ndarray:
     positions = np.asarray(positions, dtype=np.int64)
     picked = ids[np.maximum(positions, 0)] if len(ids) else np.zeros(positions.shape, dtype=ids.dtype)
     if is_text(ids):
-        return np.where(positions >= 0, picked.astype(object), None)
+        found = picked.astype(object)
+        found[positions < 0] = None
+        return found
     return np.where(positions >= 0, picked, -1).astype(np.int64)
 
 

@@ -34,13 +34,14 @@ its metadata and its rows are always of the same version, one space.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
 
-from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.layouts.catalog import EMBEDDED, GalleryError, Serving, dim_of
 from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.gallery.layouts.ownership import (
     OWNER_KEY,
@@ -51,9 +52,10 @@ from fastfill.components.gallery.layouts.ownership import (
     read_mark,
     refusal,
 )
-from fastfill.components.gallery.store import DamagedObject
+from fastfill.components.gallery.store import DamagedObject, s3_endpoint
 from fastfill.components.platform.registry import ModelRef
 
+TABLE = "gallery.lance"  # the gallery's table (components/gallery/layouts/table.py)
 SERVING_TABLE = "serving"
 MODEL_KEY = "fastfill.model"
 UPGRADE_KEY = "fastfill.upgrade"
@@ -61,7 +63,6 @@ SINCE_KEY = "fastfill.since"
 GALLERY_KEY = "fastfill.gallery"  # the mark of the gallery whose table it is
 ROLE = "serving"
 STORE_SETTING = "gallery.store"  # the serving table is <store>/serving.lance: another store names ours otherwise
-EMBEDDED, MAPPED = "embedded", "mapped"
 METRICS = {"l2": "l2", "cosine": "cosine"}
 INDEX_TYPES = {"ivf_flat": "IVF_FLAT", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
 
@@ -78,6 +79,36 @@ DEFAULTS = {"kind": "lance", "distance": "l2", "ann": "ivf_flat", "ann_min_rows"
             "nprobes": 20}
 
 
+def table_uri(store_uri: str, name: str = TABLE) -> str:
+    """Where the Lance table ``name`` of the store ``store_uri`` lives: ``<store>/gallery.lance``
+    by default."""
+    text = str(store_uri).removeprefix("file://").rstrip("/")
+    if text.startswith("s3://"):
+        return f"{text}/{name}"
+    return os.path.join(os.path.abspath(text), name)
+
+
+def storage_options(store_uri: str) -> dict | None:
+    """Lance's object-store settings for an ``s3://`` store: the endpoint of
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (as the product's other S3 clients) and the
+    region boto3 resolves; None for a local folder. No credentials are copied: Lance resolves them
+    itself with the AWS SDK's standard chain, the one boto3 follows (environment, AWS_PROFILE and
+    the shared files, SSO, assumed roles, web identity, the instance's role), and refreshes them
+    before they expire, so an upgrade that outlives a session token keeps going."""
+    if not str(store_uri).startswith("s3://"):
+        return None
+    import boto3
+
+    session = boto3.session.Session()
+    options = {"aws_region": session.region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    endpoint = s3_endpoint()
+    if endpoint:
+        options["aws_endpoint"] = endpoint
+        if endpoint.startswith("http://"):
+            options["allow_http"] = "true"
+    return options
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -92,8 +123,6 @@ class ServingTable:
     which replaces a table a killed write into the same store left (marked with that store)."""
 
     def __init__(self, store_uri: str, settings: dict | None = None, reclaim: bool = False):
-        from fastfill.components.gallery.layouts.table import storage_options, table_uri
-
         self.settings = {**DEFAULTS, **(settings or {})}
         self.store_uri = self.settings.get(STORE_KEY) or str(store_uri)
         self.owner = owner_of(self.settings, self.store_uri)
@@ -118,17 +147,16 @@ class ServingTable:
                 from None
 
     @staticmethod
-    def _serving_of(dataset) -> dict | None:
+    def _serving_of(dataset) -> Serving | None:
         meta = dataset.schema.metadata or {}
         if MODEL_KEY.encode() not in meta:
             return None
         model = ModelRef.from_dict(json.loads(meta[MODEL_KEY.encode()]))
         upgrade = meta.get(UPGRADE_KEY.encode(), b"").decode() or None
-        return {"model": model.uri, "model_name": model.name, "model_version": str(model.version),
-                "dim": int(model.dim or 0), "vectors": f"{dataset.uri}:embedding", "upgrade": upgrade,
-                "since": meta.get(SINCE_KEY.encode(), b"").decode() or None, "version": dataset.version}
+        return Serving(model.uri, model.name, str(model.version), int(model.dim or 0), f"{dataset.uri}:embedding",
+                       upgrade, meta.get(SINCE_KEY.encode(), b"").decode() or None, version=dataset.version)
 
-    def serving(self) -> dict | None:
+    def serving(self) -> Serving | None:
         """Which model's space the newest version holds, its upgrade, since when (None before any)."""
         dataset = self.dataset()
         return None if dataset is None else self._serving_of(dataset)
@@ -184,14 +212,14 @@ class ServingTable:
         meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "", SINCE_KEY: _now(),
                 GALLERY_KEY: self.mark_text()}
         schema = pa.schema([pa.field("position", pa.int64()), pa.field("id", pa.string() if text else pa.int64()),
-                            pa.field("embedding", pa.list_(pa.float32(), int(model.dim))),
+                            pa.field("embedding", pa.list_(pa.float32(), dim_of(model))),
                             pa.field("model", pa.string()), pa.field("source", pa.string()),
                             pa.field("chunk", pa.int32())], metadata=meta)
 
         def batches():
             for positions, features, sources, chunks in parts:
                 positions = np.asarray(positions, dtype=np.int64)
-                if features.shape[1] != int(model.dim):
+                if features.shape[1] != dim_of(model):
                     raise GalleryError(f"{self.uri}: {features.shape[1]}-d vectors for {model.uri}, which embeds into "
                                        f"{model.dim}")
                 yield self._batch(schema, positions, ids[positions], features, model, sources, chunks)
@@ -243,7 +271,7 @@ class ServingTable:
         """The chunks of ``upgrade`` whose rows are in the table."""
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or serving["upgrade"] != upgrade:
+        if serving is None or serving.upgrade != upgrade:
             return set()
         with self.reading():
             chunks = dataset.to_table(columns=["chunk"], filter="chunk >= 0").column("chunk").to_numpy()
@@ -255,9 +283,9 @@ class ServingTable:
         not written again; the table must be serving ``upgrade``."""
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or serving["upgrade"] != upgrade:
+        if serving is None or serving.upgrade != upgrade:
             raise GalleryError(f"{self.uri} does not serve upgrade {upgrade} (it serves "
-                               f"{serving and serving['model']}, upgrade {serving and serving['upgrade']}); run "
+                               f"{serving and serving.model}, upgrade {serving and serving.upgrade}); run "
                                "`fastfill upgrade` again: it switches the table first")
         self.check_ours(dataset)
         with self.reading():
@@ -298,7 +326,7 @@ class ServingTable:
         queries = np.asarray(queries, dtype=np.float32)
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or (model is not None and serving["model"] != model):
+        if serving is None or (model is not None and serving.model != model):
             return [[] for _ in queries], [[] for _ in queries], [set() for _ in queries], [[] for _ in queries]
         nearest = {"column": "embedding", "q": queries if len(queries) > 1 else queries[0], "k": int(k),
                    "metric": self.metric, "nprobes": int(self.settings.get("nprobes") or 20)}

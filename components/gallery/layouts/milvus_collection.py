@@ -47,7 +47,17 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import MILVUS, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.catalog import (
+    EMBEDDED,
+    MAPPED,
+    MILVUS,
+    GalleryError,
+    PartsWriter,
+    Serving,
+    StoredItems,
+    check_features,
+    dim_of,
+)
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.ownership import (
     OWNER_KEY,
@@ -59,13 +69,13 @@ from fastfill.components.gallery.layouts.ownership import (
     read_mark,
     refusal,
 )
-from fastfill.components.gallery.layouts.served import ServedGallery
+from fastfill.components.gallery.layouts.served import FeaturesById, ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, StoreError
+from fastfill.components.gallery.upgrade.stored import Plan, iter_mixed_parts
 from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.secrets import password_for, redact, take_password
 
 TOKEN_ENV = "MILVUS_TOKEN"
-EMBEDDED, MAPPED = "embedded", "mapped"
 METRICS = {"l2": "L2", "cosine": "COSINE"}
 MAX_DIM = 32768  # Milvus's largest float vector
 ROWS_PER_CALL = 5000
@@ -316,7 +326,7 @@ class Collections:
             rows = self.client().query(name, filter="", output_fields=["count(*)"])
         return int(rows[0]["count(*)"])
 
-    def serving(self) -> dict | None:
+    def serving(self) -> Serving | None:
         """Which collection the alias points at and the model its rows are in (None before any)."""
         collection = self.target()
         if collection is None:
@@ -328,8 +338,11 @@ class Collections:
         uri = rows[0]["model"] if rows else None
         found = re.fullmatch(r"models:/(.+)/([^/]+)", uri or "")
         dim = next((int(f["params"]["dim"]) for f in fields if f["name"] == "embedding"), None)
-        return {"model": uri, "vectors": collection, "upgrade": None, "dim": dim, "since": None,
-                "model_name": found.group(1) if found else None, "model_version": found.group(2) if found else None}
+        return Serving(uri, found.group(1) if found else None, found.group(2) if found else None, dim, collection)
+
+    def chunk_done(self, upgrade: str) -> set[int] | None:
+        """None: Milvus has no transactions, so a chunk's record is its marker in the store."""
+        return None
 
     def create(self, name: str, model: ModelRef, text_ids: bool) -> None:
         """A new collection marked as this gallery's, for ``model``'s vectors, with its ANN index.
@@ -347,7 +360,7 @@ class Collections:
             schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=1024)
         else:
             schema.add_field("id", DataType.INT64, is_primary=True)
-        schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=int(model.dim))
+        schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=dim_of(model))
         schema.add_field("source", DataType.VARCHAR, max_length=16)
         schema.add_field("model", DataType.VARCHAR, max_length=512)
         index = client.prepare_index_params()
@@ -448,18 +461,15 @@ class Collections:
         return ids, distances, models, sources
 
 
-class MilvusGallery(ServedGallery):
+class MilvusGallery(StoredItems, FeaturesById, ServedGallery[Collections, str]):
     """A gallery whose vectors are Milvus collections behind the alias queries are served from;
     the manifest, items and upgrade objects are in its store."""
 
     layout = MILVUS
+    records_upgrade = False  # the alias says which collection serves; the manifest which upgrade
 
-    @property
-    def index(self) -> Collections:
-        settings = self.manifest()["index"]
-        if self._index is None or self._index.settings != settings:
-            self._index = Collections(settings, self.store.uri)
-        return self._index
+    def _open_index(self, settings: dict) -> Collections:
+        return Collections(settings, self.store.uri)
 
     def _rows(self, model: ModelRef, ids: np.ndarray) -> np.ndarray:
         name = self.index.collection(model)
@@ -468,14 +478,15 @@ class MilvusGallery(ServedGallery):
                 raise DamagedObject(f"{self.index.where}: the collection {name} of the gallery's model {model.uri} is "
                                     "not there (dropped by another writer?); restore it, or adopt the gallery again")
             raise ObjectMissing(f"{self.index.where} holds no features of {model.uri} (no collection {name})")
-        dim = model.dim or int(self.index.serving()["dim"])
+        serving = self.index.serving()
+        dim = model.dim or (serving.dim if serving is not None and serving.dim else 0)
         return check_features(self.index.read(name, ids, dim), model.dim, f"{self.index.where} collection {name}")
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
         index = self.index
         name = index.collection(model)
         serving = index.serving()
-        if serving is not None and serving["vectors"] == name:  # the chunks filled it (the finish)
+        if serving is not None and serving.vectors == name:  # the chunks filled it (the finish)
             for _ in parts:
                 pass
             return
@@ -515,7 +526,7 @@ class MilvusGallery(ServedGallery):
         """Milvus holds vectors of up to 32,768 dimensions; a Milvus Lite file is one process's,
         so a backfill by Dask workers (processes of their own) cannot write it."""
         if int(model.dim or 0) > MAX_DIM:
-            return (f"{model.uri} embeds into {int(model.dim):,} dimensions; a Milvus float vector holds at most "
+            return (f"{model.uri} embeds into {int(model.dim or 0):,} dimensions; a Milvus float vector holds at most "
                     f"{MAX_DIM:,}. Keep this gallery in another layout (`fastfill gallery convert --layout lance`)")
         uri = self.manifest()["index"].get("uri", "")
         if task_runner == "dask" and is_lite(uri):
@@ -528,26 +539,14 @@ class MilvusGallery(ServedGallery):
             return str(refused).removesuffix(" Nothing was written.").rstrip(".")
         return None
 
-    def sync_serving(self, manifest: dict | None = None) -> dict:
-        from fastfill.components.gallery.upgrade.planning import load_plan
+    def _target(self, model: ModelRef) -> str:
+        return self.index.collection(model)
 
-        manifest = manifest or self.manifest(refresh=True)
-        index = self.index
-        upgrade = manifest.get("upgrade")
-        plan = load_plan(self.store, upgrade) if upgrade else None
-        model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
-        name = index.collection(model)
-        serving = index.serving()
-        if serving is not None and serving["vectors"] == name:
-            return serving
-        if plan is not None:
-            self._prepare_switch(plan, name)
-        index.point(name)
-        return index.serving()
+    def _point(self, target: str, model: ModelRef, upgrade: str | None) -> None:
+        """The alias moved to the collection ``target`` (``alter_alias``: one step for every reader)."""
+        self.index.point(target)
 
-    def _prepare_switch(self, plan, name: str) -> None:
-        from fastfill.components.gallery.upgrade.backfill import iter_mixed_parts
-
+    def _prepare_switch(self, plan: Plan, name: str) -> None:
         index = self.index
         ids = self.ids()
         index.create(name, plan.new, is_text(ids))

@@ -21,7 +21,7 @@ from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
 from fastfill.components.platform.config import GalleryConfig
 
-LAYOUTS = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
+LAYOUTS: dict[str, type[Gallery]] = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
 
 
 def gallery_at(store: Store) -> Gallery:

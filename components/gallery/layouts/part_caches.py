@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # the caches only call the gallery's readers
-    from fastfill.components.gallery.layouts.catalog import Gallery
+from fastfill.components.gallery.store import Store
+
+
+class Gallery(Protocol):
+    """What the caches read of a gallery (``components.gallery.layouts.catalog.Gallery``, which
+    imports this module): its store's name, a part's images and items."""
+
+    store: Store
+
+    def images(self, part: int) -> np.ndarray: ...
+
+    def items_part(self, part: int) -> Any: ...
 
 
 class ImageCache:

@@ -10,10 +10,11 @@ import hashlib
 import os
 import re
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError
+from fastfill.components.gallery.layouts.catalog import EMBEDDED, PGVECTOR, GalleryError, Serving
 from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.gallery.layouts.ownership import (
     OWNER_KEY,
@@ -29,7 +30,6 @@ from fastfill.components.platform.registry import ModelRef
 from fastfill.components.platform.secrets import password_for, redact, take_password
 
 URI_ENV = "FASTFILL_PG_URI"
-EMBEDDED, MAPPED = "embedded", "mapped"
 MAX_DIM, MAX_INDEXED_DIM = 16000, 2000  # pgvector 0.6: the vector type; an HNSW or IVFFlat index
 OPERATORS = {"l2": ("<->", "vector_l2_ops"), "cosine": ("<=>", "vector_cosine_ops")}
 ROWS_PER_STATEMENT = 20000
@@ -121,8 +121,8 @@ def connect(uri: str):
     password = password_for(target) if target else None
     where = safe_uri(target) or "the PG* environment"
     try:
-        connection = psycopg.connect(target, autocommit=True, connect_timeout=10,
-                                     **({"password": password} if password is not None else {}))
+        credentials: dict[str, Any] = {"password": password} if password is not None else {}
+        connection = psycopg.connect(target, autocommit=True, connect_timeout=10, **credentials)
     except psycopg.OperationalError as error:
         raise IndexUnreachable(f"cannot connect to PostgreSQL at {where}: "
                                f"{redact(' '.join(str(error).split()))[:300]}; check that the server is up and that "
@@ -358,7 +358,7 @@ class Index:
                                            "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
                 self.marking(connection, "table", self.chunks_table, CHUNKS)
 
-    def serving(self) -> dict | None:
+    def serving(self) -> Serving | None:
         """The row that says which model's vectors the view serves (``vectors``: table.column),
         or None before any."""
         import psycopg
@@ -369,10 +369,15 @@ class Index:
             return None
         cursor = self.connection().cursor(row_factory=dict_row)
         try:
-            return cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, vectors, upgrade, gallery, "
-                                          "store, since FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
+            row = cursor.execute(sql.SQL("SELECT model, model_name, model_version, dim, vectors, upgrade, gallery, "
+                                         "store, since FROM {}").format(sql.Identifier(self.serving_table))).fetchone()
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as error:
             raise self._vanished(error) from None
+        if row is None:
+            return None
+        return Serving(row["model"], row["model_name"], row["model_version"], row["dim"], row["vectors"],
+                       row["upgrade"], str(row["since"]) if row["since"] is not None else None, row["gallery"],
+                       row["store"])
 
     # ---- the vectors
 
@@ -612,8 +617,8 @@ class Index:
 
     def product_distances(self, distances: list) -> np.ndarray:
         """pgvector's distances as the product gives them: squared L2, or 1 - cosine."""
-        distances = np.asarray(distances, dtype=np.float64)
-        return distances ** 2 if self.operator == "<->" else distances
+        values = np.asarray(distances, dtype=np.float64)
+        return values ** 2 if self.operator == "<->" else values
 
     def embedded_count(self) -> int:
         """Rows of the view whose vector the serving model embedded (the rest: h(old))."""

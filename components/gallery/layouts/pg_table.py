@@ -53,12 +53,19 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import PGVECTOR, GalleryError, PartsWriter, check_features
+from fastfill.components.gallery.layouts.catalog import (
+    EMBEDDED,
+    MAPPED,
+    PGVECTOR,
+    GalleryError,
+    PartsWriter,
+    StoredItems,
+    check_features,
+    dim_of,
+)
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.ownership import NotOurs
 from fastfill.components.gallery.layouts.pg_index import (
-    EMBEDDED,
-    MAPPED,
     MAX_DIM,
     MAX_INDEXED_DIM,
     TABLE,
@@ -67,8 +74,9 @@ from fastfill.components.gallery.layouts.pg_index import (
     Place,
     index_settings,
 )
-from fastfill.components.gallery.layouts.served import ServedGallery
+from fastfill.components.gallery.layouts.served import FeaturesById, ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
+from fastfill.components.gallery.upgrade.stored import Plan, done_chunks, iter_mixed_parts
 from fastfill.components.platform.registry import ModelRef
 
 __all__ = ["Index", "PgGallery", "PgWriter", "index_settings"]
@@ -85,20 +93,14 @@ def _named(diff: dict, what: str) -> str:
     return f"{diff['count']} ids {what} (first: {', '.join(map(str, diff['first']))}); "
 
 
-class PgGallery(ServedGallery):
+class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
     """A gallery whose vectors are rows of PostgreSQL tables that queries are served from (see
     the module's docstring); the manifest, items and upgrade objects are in its store."""
 
     layout = PGVECTOR
 
-    @property
-    def index(self) -> Index:
-        settings = self.manifest()["index"]
-        if self._index is None or self._index.settings != settings:
-            if self._index is not None:
-                self._index.close()
-            self._index = Index(settings, self.store.uri)
-        return self._index
+    def _open_index(self, settings: dict) -> Index:
+        return Index(settings, self.store.uri)
 
     # ---- features
 
@@ -108,7 +110,8 @@ class PgGallery(ServedGallery):
         columns = index.columns(place.table)
         if place.column not in columns:
             raise ObjectMissing(f"{index.where} holds no features of {model.uri} (no {place.name})")
-        dim = model.dim or int(re.search(r"\((\d+)\)", columns[place.column]).group(1))
+        declared = re.search(r"\((\d+)\)", columns[place.column])  # vector(512)
+        dim = model.dim or (int(declared.group(1)) if declared else 0)
         return check_features(index.read(place, ids, dim), model.dim, f"{index.where} vectors {place.name}")
 
     def write_features(self, model: ModelRef, parts: Iterable[tuple[int, np.ndarray]]) -> None:
@@ -118,7 +121,7 @@ class PgGallery(ServedGallery):
         index = self.index
         place = index.place(model)
         serving = index.serving()
-        if serving is not None and serving["vectors"] == place.name and index.has(place):
+        if serving is not None and serving.vectors == place.name and index.has(place):
             for _ in parts:
                 pass
             self.check_other_writers(place)
@@ -130,7 +133,7 @@ class PgGallery(ServedGallery):
                 start, stop = self.part_bounds(part)
                 yield ids[start:stop], features, EMBEDDED
 
-        index.new_vectors(place, int(model.dim), rows())
+        index.new_vectors(place, dim_of(model), rows())
         index.ann_index(place)
 
     def missing_features(self, model: ModelRef) -> list[str]:
@@ -248,34 +251,23 @@ class PgGallery(ServedGallery):
                     "(`fastfill gallery convert --layout lance`)")
         return None
 
-    def sync_serving(self, manifest: dict | None = None) -> dict:
-        """Make the view serve what ``manifest`` (default: the stored one) says; returns the
-        serving row."""
-        from fastfill.components.gallery.upgrade.planning import load_plan
+    def _target(self, model: ModelRef) -> Place:
+        """``model``'s vectors table (the bookkeeping tables made first, where they are not yet)."""
+        self.index.bookkeeping()
+        return self.index.place(model)
 
-        manifest = manifest or self.manifest(refresh=True)
-        index = self.index
-        index.bookkeeping()
-        upgrade = manifest.get("upgrade")
-        plan = load_plan(self.store, upgrade) if upgrade else None
-        model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
-        place = index.place(model)
-        serving = index.serving()
-        if serving is not None and serving["vectors"] == place.name and serving["model"] == model.uri \
-                and serving["upgrade"] == (plan.id if plan else None):
-            return serving
-        if plan is not None and (serving is None or serving["vectors"] != place.name):
-            self._prepare_switch(plan, place)
-        index.serve(model, place, plan.id if plan else None)
-        return index.serving()
+    def _vectors_name(self, target: Place) -> str:
+        return target.name
 
-    def _prepare_switch(self, plan, place: Place) -> None:
+    def _point(self, target: Place, model: ModelRef, upgrade: str | None) -> None:
+        """The view redefined over ``target`` and the serving row rewritten, in one transaction."""
+        self.index.serve(model, target, upgrade)
+
+    def _prepare_switch(self, plan: Plan, place: Place) -> None:
         """The new model's table written with the mixed gallery as it is now (h(old); the new
         features of the chunks already done, recorded as done) and its ANN index built, before
         any reader moves to it."""
         from psycopg import sql
-
-        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts
 
         index = self.index
         ids = self.ids()
@@ -285,7 +277,7 @@ class PgGallery(ServedGallery):
                 start, stop = self.part_bounds(part)
                 yield ids[start:stop], features, [EMBEDDED if b else MAPPED for b in backfilled]
 
-        index.new_vectors(place, int(plan.new.dim), rows())
+        index.new_vectors(place, dim_of(plan.new), rows())
         done = done_chunks(self.store, plan.id)
         with index.transaction() as connection:  # an earlier try of the same upgrade (aborted) left its own
             connection.execute(sql.SQL("DELETE FROM {} WHERE upgrade = %s").format(sql.Identifier(index.chunks_table)),
@@ -365,7 +357,7 @@ class PgWriter:
             connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
                                        "source text NOT NULL)").format(sql.Identifier(self.place.table),
                                                                        kind=sql.SQL(self.settings["id_type"]),
-                                                                       dim=sql.Literal(int(self.model.dim))))
+                                                                       dim=sql.Literal(dim_of(self.model))))
             index.marking(connection, "table", self.place.table, VECTORS)
         self._created = True
 

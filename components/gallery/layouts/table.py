@@ -32,7 +32,6 @@ item. The ids and labels rely on Lance's own format checks.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable
 from datetime import timedelta
@@ -41,51 +40,30 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fastfill.components.gallery.layouts.catalog import LANCE, Gallery, GalleryError, check_features
+from fastfill.components.gallery.layouts.catalog import (
+    EMBEDDED,
+    LANCE,
+    MAPPED,
+    GalleryError,
+    Serving,
+    check_features,
+    dim_of,
+)
 from fastfill.components.gallery.layouts.item_ids import id_array
 from fastfill.components.gallery.layouts.lance_serving import DEFAULTS as SERVING_DEFAULTS
-from fastfill.components.gallery.layouts.lance_serving import EMBEDDED, MAPPED, ServingTable
+from fastfill.components.gallery.layouts.lance_serving import TABLE, ServingTable, storage_options, table_uri
 from fastfill.components.gallery.layouts.ownership import OWNER_KEY, STORE_KEY, new_owner
-from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store, s3_endpoint
+from fastfill.components.gallery.layouts.served import ServedGallery
+from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
+from fastfill.components.gallery.upgrade.stored import Plan, done_chunks, iter_mixed_parts, order_of
 from fastfill.components.platform.registry import ModelRef
 
-TABLE = "gallery.lance"
 MODEL_KEY = "fastfill.model"
 SERVING_KEY = "fastfill.serving"
 FORMAT_KEY = "fastfill.format"
 FORMAT = "2"
 ITEM_COLUMNS = ("id", "image", "label", "group", "weight")
 ROWS_PER_WRITE = 65536
-
-
-def table_uri(store_uri: str, name: str = TABLE) -> str:
-    """Where the Lance table ``name`` of the store ``store_uri`` lives: ``<store>/gallery.lance``
-    by default."""
-    text = str(store_uri).removeprefix("file://").rstrip("/")
-    if text.startswith("s3://"):
-        return f"{text}/{name}"
-    return os.path.join(os.path.abspath(text), name)
-
-
-def storage_options(store_uri: str) -> dict | None:
-    """Lance's object-store settings for an ``s3://`` store: the endpoint of
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (as the product's other S3 clients) and the
-    region boto3 resolves; None for a local folder. No credentials are copied: Lance resolves them
-    itself with the AWS SDK's standard chain, the one boto3 follows (environment, AWS_PROFILE and
-    the shared files, SSO, assumed roles, web identity, the instance's role), and refreshes them
-    before they expire, so an upgrade that outlives a session token keeps going."""
-    if not str(store_uri).startswith("s3://"):
-        return None
-    import boto3
-
-    session = boto3.session.Session()
-    options = {"aws_region": session.region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
-    endpoint = s3_endpoint()
-    if endpoint:
-        options["aws_endpoint"] = endpoint
-        if endpoint.startswith("http://"):
-            options["allow_http"] = "true"
-    return options
 
 
 _MIX = np.random.default_rng(20261127).integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32) | np.uint32(1)
@@ -150,26 +128,20 @@ def _one_line(error: object) -> str:
     return " ".join(str(error).split())[:300]
 
 
-class TableGallery(Gallery):
-    """The gallery of one store kept as a Lance table (see the module's docstring)."""
+class TableGallery(ServedGallery[ServingTable, ModelRef]):
+    """The gallery of one store kept as a Lance table (see the module's docstring); its readers
+    search ``<store>/serving.lance`` (lance_serving.py), which holds one model's space whole."""
 
     layout = LANCE
-    serves_queries = True  # <store>/serving.lance, the table LanceDB readers search (lance_serving.py)
 
     def __init__(self, store: Store, manifest: dict | None = None):
         super().__init__(store, manifest)
         self.table_uri = table_uri(store.uri)
         self._dataset: Any = None  # lance's dataset, opened when first read
-        self._index: ServingTable | None = None
-        self._index_settings: dict | None = None  # the manifest's, that self._index was made with
 
-    @property
-    def index(self) -> ServingTable:
+    def _open_index(self, settings: dict) -> ServingTable:
         """The serving table, with the manifest's settings (a gallery made before it: the defaults)."""
-        settings = self.manifest().get("index") or {}
-        if self._index is None or self._index_settings != settings:
-            self._index, self._index_settings = ServingTable(self.store.uri, settings), settings
-        return self._index
+        return ServingTable(self.store.uri, settings)
 
     # ---- the dataset
 
@@ -195,12 +167,9 @@ class TableGallery(Gallery):
         return super().manifest(refresh)
 
     def write_manifest(self, manifest: dict) -> None:
-        """The serving table made to serve what ``manifest`` says (the switch, a finish, a
-        rollback: ``sync_serving``), then the manifest, then the table's ``fastfill.serving`` (for
-        other tools) when the serving model changed. A run killed between them is completed by
-        the next one: the switch is idempotent."""
-        self._manifest = manifest
-        self.sync_serving(manifest)
+        """The serving table made to serve what ``manifest`` says, then the manifest
+        (``ServedGallery``'s), then the table's ``fastfill.serving`` (for other tools) when the
+        serving model changed."""
         super().write_manifest(manifest)
         serving = ModelRef.from_dict(manifest["model"])
         dataset = self.dataset(refresh=True)
@@ -343,7 +312,7 @@ class TableGallery(Gallery):
             for _ in parts:  # the caller's generator runs to its end, as on the parts layout
                 pass
             return
-        schema = pa.schema(_vector_fields(model, int(model.dim)))
+        schema = pa.schema(_vector_fields(model, dim_of(model)))
 
         def batches():
             expected = 0
@@ -392,29 +361,25 @@ class TableGallery(Gallery):
 
     # ---- serving
 
-    def sync_serving(self, manifest: dict | None = None) -> dict:
-        """Make the serving table hold what ``manifest`` (default: the stored one) says serves:
-        an upgrade's mixed gallery from its switch on, else the gallery's model's features;
-        returns what it serves. Nothing is written when it already does."""
-        from fastfill.components.gallery.upgrade.planning import load_plan
+    def _target(self, model: ModelRef) -> ModelRef:
+        """Every space is written to the one serving table: the target is the model."""
+        return model
 
-        manifest = manifest or self.manifest(refresh=True)
-        upgrade = manifest.get("upgrade")
-        plan = load_plan(self.store, upgrade) if upgrade else None
-        model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
-        index = self.index
-        serving = index.serving()
-        if serving is not None and serving["model"] == model.uri:
-            if serving["upgrade"] == (plan.id if plan else None):
-                return serving
-            if plan is None and serving["upgrade"] is not None:  # a finish: the rows are the new model's already
-                index.retag(model, None)
-                return index.serving()
-        if plan is not None:
-            self._write_mixed(plan)
+    def _holds(self, serving: Serving, target: ModelRef, upgrade: str | None) -> bool:
+        return serving.model == target.uri and serving.upgrade == upgrade
+
+    def _prepare_switch(self, plan: Plan, target: ModelRef) -> None:
+        self._write_mixed(plan)
+
+    def _point(self, target: ModelRef, model: ModelRef, upgrade: str | None) -> None:
+        """A finish: the rows are the new model's already, the metadata says so (``retag``);
+        another model (an abort, a rejection, a rollback): its space written from the table."""
+        serving = self.index.serving()
+        if serving is not None and serving.model == model.uri:
+            if serving.upgrade != upgrade:
+                self.index.retag(model, upgrade)
         else:
             self._write_model(model)
-        return index.serving()
 
     def _write_model(self, model: ModelRef) -> None:
         ids = self.ids()
@@ -427,11 +392,9 @@ class TableGallery(Gallery):
 
         self.index.write(model, None, ids, parts())
 
-    def _write_mixed(self, plan) -> None:
+    def _write_mixed(self, plan: Plan) -> None:
         """The switch: the new model's space as it is now (h(old); the new features of the chunks
         already done, each row with its chunk), written in one commit before the ANN index."""
-        from fastfill.components.gallery.upgrade.backfill import done_chunks, iter_mixed_parts
-        from fastfill.components.gallery.upgrade.planning import order_of
 
         chunk_of = np.full(self.num_items, -1, dtype=np.int32)
         done = done_chunks(self.store, plan.id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastfill.components.experiment.inference import embed
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
+from fastfill.components.gallery.layouts.catalog import EMBEDDED, MAPPED, Gallery, GalleryError
 from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.gallery.search.index import GallerySearch, check_queries, query_images
 from fastfill.components.gallery.upgrade.planning import load_plan
@@ -36,8 +36,11 @@ class IndexSearch:
             raise GalleryError(f"{self.gallery.index.where} serves no model yet; run `fastfill gallery adopt` (or "
                                "ingest) again")
         self.serving = serving
-        self.query_model = ModelRef(serving["model_name"], serving["model_version"], int(serving["dim"]) or None)
-        upgrade = serving["upgrade"] or self.gallery.manifest(refresh=True).get("upgrade")
+        if serving.model_name is None or serving.model_version is None:
+            raise GalleryError(f"{self.gallery.index.where} serves rows of no model the product knows ({serving.model}); "
+                               "restore it, or adopt the gallery again")
+        self.query_model = ModelRef(serving.model_name, serving.model_version, serving.dim or None)
+        upgrade = serving.upgrade or self.gallery.manifest(refresh=True).get("upgrade")
         plan = load_plan(self.gallery.store, upgrade) if upgrade else self._last_plan()
         self._mapped = f"{plan.old.uri} mapped by {plan.map_uri}" if plan is not None else None
         return 0
@@ -60,8 +63,8 @@ class IndexSearch:
         ids, distances, _, sources = self.gallery.index.search(features, k, self.query_model.uri)
         if any(len(row) < k for row in ids):
             now = self.gallery.index.serving()
-            if now is not None and now["model"] != self.query_model.uri:
-                raise GalleryError(f"the index switched from {self.query_model.uri} to {now['model']} during this "
+            if now is not None and now.model != self.query_model.uri:
+                raise GalleryError(f"the index switched from {self.query_model.uri} to {now.model} during this "
                                    "search; search again (with the new model's query features)")
             raise GalleryError(f"the index answered fewer than {k} rows ({min(len(r) for r in ids)}); "
                                f"{self.gallery.index.where} has lost rows: check it with `fastfill doctor`")
@@ -73,8 +76,9 @@ class IndexSearch:
     def sources(self, ids: np.ndarray) -> list:
         """Where each hit's vector comes from: the serving model's URI (it embedded the image) or
         ``<old model> mapped by <map>`` (h(old)), as the index's ``source`` column says."""
-        names = {"embedded": self.query_model.uri, "mapped": self._mapped}
-        return [[names.get(self._sources.get(item)) for item in row] for row in np.asarray(ids, dtype=object).tolist()]
+        names = {EMBEDDED: self.query_model.uri, MAPPED: self._mapped}
+        return [[names.get(self._sources.get(item, "")) for item in row]
+                for row in np.asarray(ids, dtype=object).tolist()]
 
     def search_images(self, images: np.ndarray, model, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
         return self.search(embed(model, query_images(self.gallery, images)), k)

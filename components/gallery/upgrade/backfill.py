@@ -22,21 +22,17 @@ from fastfill.components.gallery.layouts.catalog import (
     fetch_images,
     item_column,
     now,
-    rows_at,
 )
-from fastfill.components.gallery.layouts.opening import gallery_at
-from fastfill.components.gallery.store import ObjectMissing, Store, StoreError
-from fastfill.components.gallery.upgrade.planning import (
-    Plan,
-    chunk_key,
-    load_plan,
-    marker_key,
-    order_of,
-    source_key,
-    transformed_all,
-    transformed_key,
-    upgrade_key,
-)
+from fastfill.components.gallery.store import ObjectMissing, Store
+
+# the read side of the upgrade's objects (the chunks done, the mixed gallery), named from here too
+from fastfill.components.gallery.upgrade.stored import Plan, chunk_key, load_plan, marker_key, order_of, source_key
+from fastfill.components.gallery.upgrade.stored import chunk_features as chunk_features
+from fastfill.components.gallery.upgrade.stored import done_chunks as done_chunks
+from fastfill.components.gallery.upgrade.stored import iter_mixed_parts as iter_mixed_parts
+from fastfill.components.gallery.upgrade.stored import mixed_features as mixed_features
+from fastfill.components.gallery.upgrade.stored import mixed_rows as mixed_rows
+from fastfill.components.gallery.upgrade.stored import transformed_rows as transformed_rows
 
 
 class _PlanCache:
@@ -62,13 +58,15 @@ class _PlanCache:
 PLANS = _PlanCache()
 
 
-def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
+def backfill_chunk(gallery: Gallery, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
                    read_workers: int = 16, precision: str = "auto") -> dict:
-    """Re-embed one chunk's images with the new model: read, embed, write the features, then the
-    marker. A chunk whose marker exists is not redone. An image that cannot be read or decoded
-    (an adopted gallery's) keeps its transformed features; the marker lists it (``failed``)."""
+    """Re-embed one chunk of ``gallery``'s upgrade with the new model: read its images, embed,
+    write the features, then the marker. A chunk whose marker exists is not redone. An image that
+    cannot be read or decoded (an adopted gallery's) keeps its transformed features; the marker
+    lists it (``failed``)."""
     from fastfill.components.experiment.inference import embed
 
+    store = gallery.store
     marker = marker_key(upgrade, chunk)
     try:
         return {**store.get_json(marker), "skipped": True}
@@ -78,7 +76,6 @@ def backfill_chunk(store: Store, upgrade: str, chunk: int, model, *, device=None
     plan, order = PLANS.get(store, upgrade)
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
-    gallery = gallery_at(store)
     preprocessing = getattr(model, "preprocessing", None)
     assert plan.new.dim is not None  # a plan's new model has its dim
     features, failures = embed_streamed(
@@ -154,39 +151,10 @@ def write_prefilled(store: Store, plan: Plan, order: np.ndarray, features_at: di
     return written
 
 
-def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
-    """h(old) of the items at ``positions`` (the upgrade's transformed parts), part by part."""
-    return rows_at(gallery, positions, lambda part: transformed_key(upgrade, part)).astype(np.float32, copy=False)
-
-
-def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarray:
-    """The features queries see now at ``positions`` only (new where backfilled, h(old)
-    elsewhere): each done chunk is read once and only its rows at ``positions`` are kept."""
-    positions = np.asarray(positions, dtype=np.int64)
-    out = transformed_rows(gallery, plan.id, positions)
-    order = order_of(gallery.store, plan.id)
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    chunk_of = plan.chunk_of(rank[positions])
-    done = set(done_chunks(gallery.store, plan.id))
-    for chunk in np.unique(chunk_of):
-        if int(chunk) not in done:
-            continue
-        rows = np.flatnonzero(chunk_of == chunk)
-        features = chunk_features(gallery.store, plan.id, int(chunk))
-        out[rows] = features[rank[positions[rows]] - plan.chunk_bounds(int(chunk))[0]]
-    return out
-
-
 def failed_images(store: Store, upgrade: str) -> list[dict]:
     """Every item whose image a backfill of ``upgrade`` could not read, from the chunk markers."""
     return [entry for chunk in done_chunks(store, upgrade)
             for entry in store.get_json(marker_key(upgrade, chunk)).get("failed", [])]
-
-
-def done_chunks(store: Store, upgrade: str) -> list[int]:
-    keys = store.list(upgrade_key(upgrade, "done/"))
-    return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
 
 
 def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
@@ -202,93 +170,6 @@ def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
         failed = {entry["position"] for entry in store.get_json(marker_key(plan.id, chunk)).get("failed", [])}
         read = np.array([p not in failed for p in positions.tolist()], dtype=bool)
         yield chunk, positions, chunk_features(store, plan.id, chunk), read
-
-
-def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
-    """A finished chunk's features, checked against its marker."""
-    marker = store.get_json(marker_key(upgrade, chunk))
-    features = store.get_array(chunk_key(upgrade, chunk))
-    if len(features) != marker["count"]:
-        raise StoreError(f"{store.describe(chunk_key(upgrade, chunk))} has {len(features)} rows; its marker "
-                         f"says {marker['count']}")
-    return features
-
-
-def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """The gallery as queries see it now: new features where backfilled, h(old) elsewhere;
-    and the backfilled mask. ``transformed``: the upgrade's h(old), when the caller has read it."""
-    features = transformed_all(gallery, plan.id) if transformed is None else transformed.copy()
-    backfilled = np.zeros(plan.num_items, dtype=bool)
-    order = order_of(gallery.store, plan.id)
-    for chunk in done_chunks(gallery.store, plan.id):
-        start, stop = plan.chunk_bounds(chunk)
-        features[order[start:stop]] = chunk_features(gallery.store, plan.id, chunk)
-        backfilled[order[start:stop]] = True
-    return features, backfilled
-
-
-def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20):
-    """(part, features, backfilled mask) of every part in turn, as ``mixed_features`` would give
-    them, in bounded memory and linear I/O. Parts are gathered in batches of about
-    ``memory_bytes`` of features. When there is more than one batch, the done chunks are first
-    read once each and their rows appended to a local scratch file per batch (sigma-ordered
-    chunks hold items of every part, so reading them per batch would read each chunk once per
-    batch); each batch then starts from its transformed parts and takes its rows from its file."""
-    import tempfile
-
-    dim = plan.new.dim
-    assert dim is not None  # a plan's new model has its dim
-    parts_per_batch = max(1, memory_bytes // max(1, gallery.part_size * dim * 4))
-    batches = [(first, min(first + parts_per_batch, gallery.num_parts))
-               for first in range(0, gallery.num_parts, parts_per_batch)]
-    batch_rows = parts_per_batch * gallery.part_size
-    done = done_chunks(gallery.store, plan.id)
-    order = order_of(gallery.store, plan.id)
-    with tempfile.TemporaryDirectory(prefix="fastfill-finish-") as scratch:
-        files = {}
-        if len(batches) > 1:  # pass 1: each done chunk read once, its rows sent to their batch's file
-            for chunk in done:
-                c_start, c_stop = plan.chunk_bounds(chunk)
-                positions = order[c_start:c_stop]
-                features = chunk_features(gallery.store, plan.id, chunk)
-                batch_of = positions // batch_rows
-                for batch in np.unique(batch_of):
-                    rows = batch_of == batch
-                    if int(batch) not in files:
-                        files[int(batch)] = open(os.path.join(scratch, f"batch-{int(batch)}.bin"), "w+b")
-                    record = np.empty(int(rows.sum()), dtype=[("position", np.int64), ("features", np.float32, dim)])
-                    record["position"], record["features"] = positions[rows], features[rows]
-                    files[int(batch)].write(record.tobytes())
-        for index, (first, last) in enumerate(batches):  # pass 2: one batch of parts at a time
-            start, stop = gallery.part_bounds(first)[0], gallery.part_bounds(last - 1)[1]
-            features = np.empty((stop - start, dim), dtype=np.float32)  # filled in place: no second copy
-            for part in range(first, last):
-                p_start, p_stop = gallery.part_bounds(part)
-                features[p_start - start:p_stop - start] = gallery.part_rows(transformed_key(plan.id, part), part)
-            backfilled = np.zeros(stop - start, dtype=bool)
-            if len(batches) == 1:
-                for chunk in done:
-                    c_start, c_stop = plan.chunk_bounds(chunk)
-                    positions = order[c_start:c_stop]
-                    features[positions - start] = chunk_features(gallery.store, plan.id, chunk)
-                    backfilled[positions - start] = True
-            elif index in files:
-                handle = files.pop(index)
-                handle.seek(0)
-                while True:  # in blocks, so the file never sits whole in memory beside the batch
-                    record = np.fromfile(handle, dtype=[("position", np.int64), ("features", np.float32, dim)],
-                                         count=65536)
-                    if not len(record):
-                        break
-                    features[record["position"] - start] = record["features"]
-                    backfilled[record["position"] - start] = True
-                handle.close()
-            for part in range(first, last):
-                p_start, p_stop = gallery.part_bounds(part)
-                yield part, features[p_start - start:p_stop - start], backfilled[p_start - start:p_stop - start]
-        for handle in files.values():
-            handle.close()
 
 
 def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:

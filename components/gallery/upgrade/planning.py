@@ -32,7 +32,6 @@ from __future__ import annotations
 import io
 import zipfile
 import zlib
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,7 +39,20 @@ from fastfill.components.experiment.adapters import adapter_arrays, adapter_from
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, check_features, now
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 
-ORDER, FINISHED, REJECTED, SUPERSEDED = "order.npy", "finished.json", "rejected.json", "superseded.json"
+# the read side of the upgrade's objects (keys, plan, order), named from here too by the upgrade's steps
+from fastfill.components.gallery.upgrade.stored import ORDER as ORDER
+from fastfill.components.gallery.upgrade.stored import Plan as Plan
+from fastfill.components.gallery.upgrade.stored import chunk_key as chunk_key
+from fastfill.components.gallery.upgrade.stored import load_plan as load_plan
+from fastfill.components.gallery.upgrade.stored import marker_key as marker_key
+from fastfill.components.gallery.upgrade.stored import order_of as order_of
+from fastfill.components.gallery.upgrade.stored import plan_key as plan_key
+from fastfill.components.gallery.upgrade.stored import source_key as source_key
+from fastfill.components.gallery.upgrade.stored import transformed_all as transformed_all
+from fastfill.components.gallery.upgrade.stored import transformed_key as transformed_key
+from fastfill.components.gallery.upgrade.stored import upgrade_key as upgrade_key
+
+FINISHED, REJECTED, SUPERSEDED = "finished.json", "rejected.json", "superseded.json"
 ENDINGS = (FINISHED, REJECTED, SUPERSEDED)  # an upgrade with one of these is over
 DECISION = "decision.json"  # the promotion decision, written before the gallery switches (kept by gc)
 
@@ -49,38 +61,12 @@ def upgrade_id(old: ModelRef, new: ModelRef) -> str:
     return f"{old.key}-to-{new.key}"
 
 
-def upgrade_key(upgrade: str, name: str) -> str:
-    """An object of the upgrade's working data: ``upgrades/<upgrade>/<name>``."""
-    return f"upgrades/{upgrade}/{name}"
-
-
 def upgrade_record(store: Store, upgrade: str, name: str) -> dict | None:
     """The upgrade's JSON record ``name`` (its decision, how it ended, ...), or None when there is none."""
     try:
         return store.get_json(upgrade_key(upgrade, name))
     except ObjectMissing:
         return None
-
-
-def chunk_key(upgrade: str, chunk: int) -> str:
-    return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
-
-
-def marker_key(upgrade: str, chunk: int) -> str:
-    return upgrade_key(upgrade, f"done/chunk-{chunk:05d}.json")
-
-
-def plan_key(upgrade: str) -> str:
-    return upgrade_key(upgrade, "plan.json")
-
-
-def transformed_key(upgrade: str, part: int) -> str:
-    return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
-
-
-def source_key(upgrade: str, part: int) -> str:
-    """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
-    return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
 
 
 def eval_positions_key(upgrade: str) -> str:
@@ -145,95 +131,6 @@ def load_reverse(store: Store, upgrade: str, online: bool | None = None):
 # The plan record
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What one upgrade is, written once as ``upgrades/<id>/plan.json`` before any chunk runs and
-    read by every later step and run (``load_plan``): the upgrade from ``old`` (the gallery's
-    model when it was planned) to ``new``, through the alignment map ``map_uri``, in the backfill
-    order ``order_kind`` (its positions are ``order.npy``), cut into chunks of ``chunk_size``
-    places of that order (``bounds`` where a chunk was cut at a budget's stop or the items embedded
-    while planning, ``prefilled``, fill the first chunks). ``eval_queries``: the size of the
-    evaluation sample the gate and the measured curve use (0: none); ``distance``: the search's.
-    ``mlflow_run_id`` is the upgrade's MLflow run; ``base``, for a sequential upgrade, the
-    unfinished upgrade whose mixed gallery this one starts from. A chunk is a range of places in
-    the order, not of positions: ``chunk_bounds(c)`` gives its places, ``order[start:stop]`` its
-    items."""
-
-    id: str
-    old: ModelRef
-    new: ModelRef
-    map_uri: str
-    order_kind: str
-    chunk_size: int
-    num_items: int
-    eval_queries: int
-    distance: str
-    mlflow_run_id: str | None = None
-    created: str = field(default_factory=now)
-    base: str | None = None  # a sequential upgrade: the unfinished upgrade whose mixed gallery it starts from
-    # chunk boundaries (0, ..., num_items) where they are not the plain chunk_size grid; see chunk_grid
-    bounds: tuple[int, ...] | None = None
-    prefilled: int = 0  # items at the front of the order embedded while planning (done chunks from the start)
-    # gallery.upgrade.online when it was planned: it keeps a reverse transformation (None: a plan that does not say)
-    online: bool | None = None
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.bounds) - 1 if self.bounds else -(-self.num_items // self.chunk_size)
-
-    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
-        if not 0 <= chunk < self.num_chunks:
-            raise IndexError(f"chunk {chunk} is outside 0..{self.num_chunks - 1}")
-        if self.bounds:
-            return self.bounds[chunk], self.bounds[chunk + 1]
-        start = chunk * self.chunk_size
-        return start, min(start + self.chunk_size, self.num_items)
-
-    def chunk_of(self, ranks: np.ndarray) -> np.ndarray:
-        """The chunk that holds each place ``ranks`` of the order."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        if self.bounds:
-            return np.searchsorted(np.asarray(self.bounds), ranks, side="right") - 1
-        return ranks // self.chunk_size
-
-    def items_in(self, chunks) -> int:
-        """How many items the given chunks hold."""
-        return sum(self.chunk_bounds(c)[1] - self.chunk_bounds(c)[0] for c in chunks)
-
-    def cut_at(self, item: int) -> tuple[Plan, int | None]:
-        """This plan with a chunk boundary at ``item`` (a place in the order), and the chunk that
-        was split in two (None when ``item`` already is a boundary). Chunks after the split one
-        move up by one index: only cut where no chunk from the split one on is done."""
-        if not 0 < item < self.num_items:
-            return self, None
-        edges = [self.chunk_bounds(c)[0] for c in range(self.num_chunks)] + [self.num_items]
-        if item in edges:
-            return self, None
-        split = int(np.searchsorted(edges, item, side="right")) - 1
-        return replace(self, bounds=tuple(sorted({*edges, item}))), split
-
-    def to_dict(self) -> dict:
-        data = {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
-                "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
-                "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
-                "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base,
-                "prefilled": self.prefilled}
-        if self.bounds:
-            data["bounds"] = list(self.bounds)
-        if self.online is not None:
-            data["online"] = self.online
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Plan:
-        bounds = data.get("bounds")
-        return cls(data["id"], ModelRef.from_dict(data["old"]), ModelRef.from_dict(data["new"]), data["map_uri"],
-                   data["order"], int(data["chunk_size"]), int(data["num_items"]), int(data["eval_queries"]),
-                   data["distance"], data.get("mlflow_run_id"), data["created"], data.get("base"),
-                   tuple(int(b) for b in bounds) if bounds else None, int(data.get("prefilled", 0)),
-                   data.get("online"))
-
-
 def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | None:
     """Chunk boundaries: ``chunk_size`` items each, restarting at every cut (so the chunks after
     the front's prefilled items are whole again); None when there is no cut (the plain grid)."""
@@ -246,13 +143,6 @@ def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | No
         edges.extend(range(start, stop, chunk_size))
         start = stop
     return tuple([*edges, num_items])
-
-
-def load_plan(store: Store, upgrade: str) -> Plan | None:
-    try:
-        return Plan.from_dict(store.get_json(plan_key(upgrade)))
-    except ObjectMissing:
-        return None
 
 
 def write_plan(store: Store, plan: Plan) -> None:
@@ -380,12 +270,6 @@ def eval_ranks(store: Store, plan: Plan, positions: np.ndarray) -> np.ndarray:
     return rank[np.asarray(positions, dtype=np.int64)].astype(np.float64)
 
 
-def order_of(store: Store, upgrade: str) -> np.ndarray:
-    return store.get_array(upgrade_key(upgrade, ORDER)).astype(np.int64)
-
-
-def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
-    return np.concatenate([gallery.part_rows(transformed_key(upgrade, p), p) for p in range(gallery.num_parts)])
 
 
 

@@ -181,26 +181,28 @@ def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -
     unreadable or gone, or (``probe``) one query of its view, as a reader's, failing (a Lance
     table's damaged files, a dropped view or alias). One line, the layout's own message. A server
     of the index that does not answer raises (StoreUnreachable: the commands exit 5)."""
-    index = gallery.index  # type: ignore[attr-defined]  # the layouts that serve queries have one
-    serving: dict = {}
+    index = gallery.index
+    serving = None
     problem = None
     try:
-        serving = index.serving() or {}
-        if not serving.get("model"):
+        serving = index.serving()
+        if serving is None or not serving.model:
             problem = (f"{index.where}: serves no model ({index.view}, or its record of the model it serves, is gone: "
                        "dropped or deleted by another writer); restore it from a copy (docs/serving.md: what each "
                        "layout's index holds)")
-        elif probe and serving.get("dim"):
-            index.search(np.ones((1, int(serving["dim"])), dtype=np.float32), 1, serving["model"])
+        elif probe and serving.dim:
+            index.search(np.ones((1, int(serving.dim)), dtype=np.float32), 1, serving.model)
     except StoreUnreachable:  # the index's server does not answer: a service's failure, not the index's
         raise
     except (StoreError, GalleryError) as error:  # a DamagedObject among them: the layout names what is wrong
         problem = " ".join(str(error).split())
     plan = load_plan(gallery.store, upgrade) if upgrade else None
     expected = plan.new.uri if plan is not None else gallery.model.uri
-    found = {"where": index.where, "view": index.view, "serving": serving.get("model"),
-             "vectors": serving.get("vectors"), "since": str(serving["since"]) if serving.get("since") else None,
-             "as_manifest_says": serving.get("model") == expected}
+    model = serving.model if serving is not None else None
+    found = {"where": index.where, "view": index.view, "serving": model,
+             "vectors": serving.vectors if serving is not None else None,
+             "since": serving.since if serving is not None and serving.since else None,
+             "as_manifest_says": model == expected}
     if problem is not None:
         found["problem"] = problem
     return found
