@@ -60,7 +60,7 @@ OLD = ModelRef("embedder", "1", OLD_DIM)
 NEW = ModelRef("embedder", "2", NEW_DIM)
 
 
-LAYOUTS = ("parts", "lance", "pgvector", "milvus")
+LAYOUTS = ("parts", "lance", "pgvector", "milvus", "qdrant")
 
 
 def writing(layout: str, store_uri: str):
@@ -74,6 +74,10 @@ def writing(layout: str, store_uri: str):
         from tests.pg import milvus_gallery_config
 
         return layout_of(layout, milvus_gallery_config(store_uri))
+    if layout == "qdrant":
+        from tests.pg import qdrant_gallery_config
+
+        return layout_of(layout, qdrant_gallery_config(store_uri))
     return layout_of(layout)
 
 
@@ -627,7 +631,13 @@ def a_row_deleted_from_the_collection_is_named(store_uri, models, data, layout=N
     gallery = _gallery(store_uri, models, data, layout=layout)
     index = gallery.index
     collection = index.collection(OLD)
-    index.client().delete(collection, ids=[1012])
+    if layout == "qdrant":
+        from fastfill.components.gallery.layouts.qdrant_collection import point_id
+
+        with index.calling(collection) as client:
+            client.delete(collection, points_selector=[point_id(1012)], wait=True)
+    else:
+        index.client().delete(collection, ids=[1012])
     with pytest.raises(DamagedObject, match=rf"collection {collection}: item 1012 has no row"):
         gallery.features(OLD, 1)
     gallery.features(OLD, 0)  # the other parts still read
@@ -753,7 +763,8 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
 
 def the_layout_names_what_it_cannot_serve_before_any_work(store_uri, models, data, layout=None):
     """What a layout cannot serve is refused by the decider with the layout's reason: pgvector's
-    index dimensions, Milvus's vector size and a Milvus Lite file under Dask workers."""
+    index dimensions, Milvus's and Qdrant's vector sizes, and a Milvus Lite file or a Qdrant local-mode folder under Dask
+    workers."""
     from fastfill.components.gallery.upgrade.decider import UpgradeDecider
 
     gallery = _gallery(store_uri, models, data, layout=layout)
@@ -767,6 +778,10 @@ def the_layout_names_what_it_cannot_serve_before_any_work(store_uri, models, dat
         assert re.search(r"\(pgvector layout\) cannot serve models:/embedder/2: .* 2,001 dimensions; pgvector's "
                          r"ivfflat index takes at most 2,000.*Nothing was written\.$", refusal(gallery, wide, "dask"))
         assert "vector type holds at most 16,000" in refusal(gallery, wider, "threads")
+    elif layout == "qdrant":
+        assert refusal(gallery, widest, "threads") is None
+        assert "a Qdrant vector holds at most 65,536" in refusal(gallery, ModelRef("embedder", "2", 70000), "threads")
+        assert re.search(r"task_runner is dask, but .* local-mode folder ", refusal(gallery, NEW, "dask"))
     else:
         assert refusal(gallery, wider, "threads") is None
         assert "a Milvus float vector holds at most 32,768" in refusal(gallery, widest, "threads")
@@ -799,10 +814,10 @@ PGVECTOR_CASES = [
 CASES = ([(case, None) for case in STORE_CASES] + [(case, layout) for case in GALLERY_CASES for layout in LAYOUTS]
          + [(a_features_part_short_of_rows_is_refused_naming_it_and_not_retried, "parts"),
             (features_altered_in_the_table_are_refused_naming_the_item_and_file, "lance")]
-         + [(case, layout) for case in INDEX_CASES for layout in ("lance", "pgvector", "milvus")]
+         + [(case, layout) for case in INDEX_CASES for layout in ("lance", "pgvector", "milvus", "qdrant")]
          + [(case, "pgvector") for case in PGVECTOR_CASES]
          + [(the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows, "lance")]
-         + [(a_row_deleted_from_the_collection_is_named, "milvus")])
+         + [(a_row_deleted_from_the_collection_is_named, layout) for layout in ("milvus", "qdrant")])
 
 
 def case_id(pair) -> str:

@@ -1,6 +1,6 @@
-"""A real PostgreSQL 16 with pgvector (and Milvus Lite files) for the tests (``pgserver``: started from Python, in a
-folder of its own, once per test process; it stops when the process ends), and the gallery
-settings that put a test's gallery in a table of its own there."""
+"""A real PostgreSQL 16 with pgvector (and Milvus Lite files, Qdrant local-mode folders) for the tests
+(``pgserver``: started from Python, in a folder of its own, once per test process; it stops when the process ends), and the
+gallery settings that put a test's gallery in a table of its own there."""
 
 import functools
 import hashlib
@@ -49,3 +49,22 @@ def milvus_gallery_config(store_uri: str):
     else:
         folder = os.path.dirname(str(store_uri).rstrip("/"))
     return GalleryConfig(layout="milvus", milvus={"uri": os.path.join(folder, f"milvus-{name}.db"), "alias": name})
+
+
+def qdrant_gallery_config(store_uri: str):
+    """gallery settings of a Qdrant gallery: a local-mode folder of the test's own (beside a local
+    store; for an S3 store in a temporary folder removed at exit), its alias named after the store."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    from fastfill.components.platform.config import GalleryConfig
+
+    name = table_for(store_uri)
+    if str(store_uri).startswith("s3://"):
+        folder = tempfile.mkdtemp(prefix="fastfill-qdrant-")
+        atexit.register(shutil.rmtree, folder, True)
+    else:
+        folder = os.path.dirname(str(store_uri).rstrip("/"))
+    return GalleryConfig(layout="qdrant", qdrant={"url": os.path.join(folder, f"qdrant-{name}"), "alias": name})

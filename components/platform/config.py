@@ -673,6 +673,25 @@ class MilvusConfig(Section):
         return _without_password(value)
 
 
+class QdrantConfig(Section):
+    """A gallery served from Qdrant (gallery.layout qdrant; docs/serving.md): the server, and the
+    alias the team's service searches (one collection per model version behind it)."""
+
+    url: str = Field(default="qdrant", description="http(s)://host:6333 (an API key in QDRANT_API_KEY), or a local "
+                     "folder for Qdrant's local mode (one process at a time may open it)")
+    alias: str | None = Field(default=None, description="the alias the team's service searches; null = a new "
+                              "gallery's own, gallery_<10 hex digits of its store's URI>")
+    ann: Literal["hnsw", "flat"] = Field(default="hnsw", description="each collection's index (flat: exact search)")
+    hnsw_m: PositiveInt = Field(default=16, description="HNSW: links per node")
+    hnsw_ef_construction: PositiveInt = Field(default=64, description="HNSW: candidate list while building")
+    ef_search: PositiveInt = Field(default=100, description="HNSW: candidate list per search (`fastfill search`)")
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _password_taken(cls, value: object) -> object:
+        return _without_password(value)
+
+
 class LanceConfig(Section):
     """A Lance gallery's serving table (gallery.layout lance; docs/serving.md): <store>/serving.lance,
     the table LanceDB readers search, and its ANN index."""
@@ -692,15 +711,17 @@ class GalleryConfig(Section):
     store: str = Field(default="gallery", description="a local folder, or s3://bucket/prefix")
     part_size: PositiveInt = 1000
     distance: Distance = "l2"
-    layout: Literal["parts", "lance", "pgvector", "milvus"] = Field(
+    layout: Literal["parts", "lance", "pgvector", "milvus", "qdrant"] = Field(
         default="parts", description="the layout of a gallery that ingest or adopt makes: parts (.npy and "
         "Parquet parts with a manifest), lance (the Lance table <store>/gallery.lance that other tools read; "
-        "docs/lance.md), pgvector (a PostgreSQL table the team's service queries, gallery.pgvector) or milvus "
-        "(collections behind an alias, gallery.milvus; both docs/serving.md); an existing gallery is read in the "
+        "docs/lance.md), pgvector (a PostgreSQL table the team's service queries, gallery.pgvector), milvus "
+        "(collections behind an alias, gallery.milvus) or qdrant (collections behind an alias, gallery.qdrant; all "
+        "three docs/serving.md); an existing gallery is read in the "
         "layout its manifest names (`fastfill gallery convert` moves it)")
     lance: LanceConfig = LanceConfig()
     pgvector: PgvectorConfig = PgvectorConfig()
     milvus: MilvusConfig = MilvusConfig()
+    qdrant: QdrantConfig = QdrantConfig()
     index: IndexConfig = IndexConfig()
     upgrade: UpgradeConfig = UpgradeConfig()
     s3: S3Config = S3Config()

@@ -42,7 +42,8 @@ from fastfill.components.platform.registry import ModelRef
 
 MANIFEST = "gallery.json"
 FORMAT = 1
-PARTS, LANCE, PGVECTOR, MILVUS = "parts", "lance", "pgvector", "milvus"  # the layouts (gallery.layout; the manifest's ``layout``)
+PARTS, LANCE, PGVECTOR, MILVUS, QDRANT = "parts", "lance", "pgvector", "milvus", "qdrant"  # the layouts
+# (gallery.layout; the manifest's ``layout``)
 
 
 class GalleryError(ValueError):

@@ -9,6 +9,7 @@ from fastfill.components.gallery.layouts.catalog import (
     MILVUS,
     PARTS,
     PGVECTOR,
+    QDRANT,
     Gallery,
     GalleryError,
     PartsGallery,
@@ -17,11 +18,13 @@ from fastfill.components.gallery.layouts.catalog import (
 from fastfill.components.gallery.layouts.lance_serving import lance_settings
 from fastfill.components.gallery.layouts.milvus_collection import MilvusGallery, milvus_settings
 from fastfill.components.gallery.layouts.pg_table import PgGallery, index_settings
+from fastfill.components.gallery.layouts.qdrant_collection import QdrantGallery, qdrant_settings
 from fastfill.components.gallery.layouts.table import TableGallery
 from fastfill.components.gallery.store import ObjectMissing, Store
 from fastfill.components.platform.config import GalleryConfig
 
-LAYOUTS: dict[str, type[Gallery]] = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery}
+LAYOUTS: dict[str, type[Gallery]] = {PARTS: PartsGallery, LANCE: TableGallery, PGVECTOR: PgGallery, MILVUS: MilvusGallery,
+                                     QDRANT: QdrantGallery}
 
 
 def gallery_at(store: Store) -> Gallery:
@@ -42,13 +45,14 @@ def gallery_at(store: Store) -> Gallery:
 
 # the index layouts' settings: the gallery section's part that names them, and what makes the
 # manifest's ``index`` of a new gallery from it
-BOUND = {LANCE: ("lance", lance_settings), PGVECTOR: ("pgvector", index_settings), MILVUS: ("milvus", milvus_settings)}
+BOUND = {LANCE: ("lance", lance_settings), PGVECTOR: ("pgvector", index_settings), MILVUS: ("milvus", milvus_settings),
+         QDRANT: ("qdrant", qdrant_settings)}
 
 
 def layout_of(name: str, gallery_config=None):
     """What writes a new gallery in the layout ``name`` (gallery.layout): its class, or for an
-    index layout (lance, pgvector, milvus) one bound to ``gallery_config``'s settings (gallery.lance,
-    gallery.pgvector, gallery.milvus; the defaults when None). Either has ``layout`` and
+    index layout (lance, pgvector, milvus, qdrant) one bound to ``gallery_config``'s settings (gallery.lance,
+    gallery.pgvector, gallery.milvus, gallery.qdrant; the defaults when None). Either has ``layout`` and
     ``writer(store, model, part_size)``."""
     if name not in LAYOUTS:
         raise GalleryError(f"gallery.layout {name!r} is not a layout; use one of {', '.join(LAYOUTS)}")
