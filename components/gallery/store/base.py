@@ -17,6 +17,30 @@ from collections.abc import Callable
 import numpy as np
 
 
+# numpy parses a .npy header with ast.literal_eval, which CPython 3.11.7 does not run safely from
+# several threads at once ("AST constructor recursion depth mismatch", gh-106905): the header is
+# read under one lock, the data outside it.
+_HEADER_LOCK = threading.Lock()
+
+
+def load_array(data: bytes) -> np.ndarray:
+    """The array a ``.npy`` file's bytes hold (no pickles), safe from many threads."""
+    stream = io.BytesIO(data)
+    with _HEADER_LOCK:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    if dtype.hasobject:
+        raise ValueError("an array of Python objects (pickled) is not read")
+    count = int(np.prod(shape, dtype=np.int64))
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
+    return array.reshape(shape[::-1]).T.copy() if fortran else array.reshape(shape).copy()
+
+
 class StoreError(RuntimeError):
     """A store operation failed; the message names the object and what to do."""
 
@@ -183,7 +207,7 @@ class Store(ABC):
     def get_array(self, key: str) -> np.ndarray:
         data = self.get(key)
         try:
-            return np.load(io.BytesIO(data), allow_pickle=False)
+            return load_array(data)
         except ValueError as error:
             raise StoreError(f"{self.describe(key)} is not a readable array: {error}") from None
 
