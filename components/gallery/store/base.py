@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-
 # numpy parses a .npy header with ast.literal_eval, which CPython 3.11.7 does not run safely from
 # several threads at once ("AST constructor recursion depth mismatch", gh-106905): the header is
 # read under one lock, the data outside it.
