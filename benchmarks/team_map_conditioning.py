@@ -149,7 +149,8 @@ def write_report(report: dict, out: Path) -> None:
              "machine shared with other work: compare them side by side.", "",
              "Maps: **before** = align.fastfill as the pipeline trains it (no conditioning, the min_steps schedule); "
              "**after** = align.fastfill as an upgrade trains it now (`AlignConfig.for_upgrade`: conditioning scale, "
-             "patience 10); **l2-only** = the upgrade check's reference, trained the same way as after.", "",
+             "patience 10, the detached weighting); **l2-only** = the upgrade check's reference, trained the same "
+             "way as after.", "",
              "Means over the seeds (± standard error over seeds where more than one).", "",
              "| pair (old -> new dims, mean squared norm new) | map | top-1 at 0% | mAP at 0% | epochs (kept) | "
              "train s | diverged |", "|---|---|---|---|---|---|---|"]

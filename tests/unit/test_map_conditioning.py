@@ -121,6 +121,9 @@ def test_settings_for_an_upgrade_and_the_pipeline():
     assert pipeline.conditioning is None and not pipeline.conditioned and pipeline.patience is None
     upgrade = pipeline.for_upgrade()
     assert upgrade.conditioned and upgrade.patience == UPGRADE_PATIENCE
+    assert pipeline.uncertainty_weighting == "joint" and upgrade.uncertainty_weighting == "detached"
+    kept = AlignConfig(conditioning="scale", uncertainty_weighting="joint").for_upgrade()
+    assert kept.uncertainty_weighting == "joint"  # conditioning set: the settings as they are
     assert AlignConfig(conditioning="off", patience=4).for_upgrade().conditioning == "off"
     assert reference_config(upgrade).conditioned and reference_config(upgrade).patience == UPGRADE_PATIENCE
     plan = feature_schedule(AlignConfig(patience=5, epochs=14, warmup_epochs=4, min_steps=2000), 900)
