@@ -87,6 +87,12 @@ def in_layout(params, tmp_path: Path, layout: str):
         milvus = milvus_gallery_config(str(tmp_path / "gallery")).milvus.model_copy(update={"alias": None})
         settings["gallery"]["milvus"] = {"uri": milvus.uri}
         update["milvus"] = milvus
+    if layout == "qdrant":  # a local-mode folder of the test's own
+        from tests.pg import qdrant_gallery_config
+
+        qdrant = qdrant_gallery_config(str(tmp_path / "gallery")).qdrant.model_copy(update={"alias": None})
+        settings["gallery"]["qdrant"] = {"url": qdrant.url}
+        update["qdrant"] = qdrant
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(settings))
     return params.model_copy(update={"gallery": params.gallery.model_copy(update=update)})
 
