@@ -203,7 +203,8 @@ def test_a_second_store_cannot_take_over_a_served_table(tmp_path, models, data):
     plan = _upgrade(gallery, models, chunks=2)
     settings_b = index_settings(pg_gallery_config(store_b, table=table, id_column="sku", image_column="photo")
                                 .pgvector, "l2", store_b)
-    with pytest.raises(NotOurs, match=rf"belongs to gallery {settings['owner']} of the store {store_a}"):
+    with pytest.raises(NotOurs, match=rf"belongs to another gallery \({settings['owner']}, store {store_a}\): "
+                                      "upgrade, abort, roll back, gc or release it from that store"):
         _adopt(store_b, settings_b, root)
     assert open_store(store_b).list("") == []
     assert gallery.index.serving().model == NEW.uri and gallery.index.serving().gallery == settings["owner"]

@@ -268,12 +268,9 @@ class Collections:
     def refused(self, what: str, name: str, found: dict | None) -> NotOurs:
         """The one line refusing to touch the collection ``name`` (``what``: how it is named); an
         unmarked one might be this gallery's from an earlier release: the line says how to mark it."""
-        line = str(refusal(what, found, self.owner, ALIAS_SETTING))
-        if found is not None:
-            return NotOurs(line)
-        return NotOurs(line.removesuffix(" Nothing was written.") + " If it is this gallery's own, made by an earlier "
-                       f"release, mark it: MilvusClient(uri).alter_collection_properties('{name}', "
-                       f"{{'{MARK_PROPERTY}': '{self.mark_text()}'}}). Nothing was written.")
+        return refusal(what, found, self.owner, ALIAS_SETTING,
+                       mark_it=f"MilvusClient(uri).alter_collection_properties('{name}', "
+                               f"{{'{MARK_PROPERTY}': '{self.mark_text()}'}})")
 
     def check_collection(self, name: str) -> None:
         """The collection name ``name`` is free or this gallery's collection; else NotOurs."""

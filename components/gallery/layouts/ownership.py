@@ -58,13 +58,18 @@ class NotOurs(GalleryError):
     """A name the product would use is held by an object it did not make, or another gallery's."""
 
 
-def refusal(what: str, found: dict | None, owner: str, setting: str) -> NotOurs:
+def refusal(what: str, found: dict | None, owner: str, setting: str, *, mark_it: str = "",
+            from_owner: str = "upgrade, abort, roll back or gc it") -> NotOurs:
     """The one line that refuses to touch ``what``: it is the team's (no mark), or another
-    gallery's (its mark names the store); ``setting`` is the one that gives ours another name."""
+    gallery's (its mark names the store); ``setting`` is the one that gives ours another name.
+    ``mark_it``: the statement that marks an unmarked object as this gallery's (one an earlier
+    release made); ``from_owner``: what the owning store may do with it."""
     if found is None:
         whose = "exists and is not the product's (it has no fastfill mark): it is left as it is"
     else:
         whose = (f"belongs to another gallery ({found.get('gallery')}, store {found.get('store') or 'unknown'}): "
-                 "upgrade, abort, roll back or gc it from that store")
+                 f"{from_owner} from that store")
+    earlier = f" If it is this gallery's own, made by an earlier release, mark it: {mark_it}." \
+        if mark_it and found is None else ""
     return NotOurs(f"{what} {whose}; give this gallery's object another name with {setting} "
-                   f"(this gallery is {owner}). Nothing was written.")
+                   f"(this gallery is {owner}).{earlier} Nothing was written.")

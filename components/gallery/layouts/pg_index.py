@@ -19,11 +19,11 @@ from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.gallery.layouts.ownership import (
     OWNER_KEY,
     STORE_KEY,
-    NotOurs,
     mark,
     new_owner,
     owner_of,
     read_mark,
+    refusal,
 )
 from fastfill.components.gallery.store import DamagedObject, StoreError, StoreUnreachable
 from fastfill.components.platform.registry import ModelRef
@@ -257,16 +257,9 @@ class Index:
         kind, marked = found
         if marked is not None and marked.get("gallery") == self.owner and marked.get("role") == role:
             return True
-        what = f"{self.where}: the {kind} {name}"
-        if marked is None:
-            raise NotOurs(f"{what} exists and is not the product's (it has no fastfill mark); it is left as it is. "
-                          f"Give this gallery's {role} another name with {setting}; or, if it is this gallery's own, "
-                          f"made by an earlier release, mark it: COMMENT ON {kind.upper()} \"{name}\" IS "
-                          f"'{self.mark_text(role)}'. Nothing was written.")
-        owner = f"gallery {marked.get('gallery')} of the store {marked.get('store') or '(unknown)'}"
-        raise NotOurs(f"{what} belongs to {owner} (this one is {self.owner}, {self.store_uri}): upgrade, abort, roll "
-                      f"back, gc or release it from that store, or give this gallery's {role} another name with "
-                      f"{setting}. Nothing was written.")
+        raise refusal(f"{self.where}: the {kind} {name}", marked, self.owner, setting,
+                      mark_it=f"COMMENT ON {kind.upper()} \"{name}\" IS '{self.mark_text(role)}'",
+                      from_owner="upgrade, abort, roll back, gc or release it")
 
     def mark_text(self, role: str) -> str:
         return mark(self.owner, role, self.store_uri)

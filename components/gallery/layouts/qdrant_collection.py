@@ -294,12 +294,9 @@ class Collections:
         return self.is_ours(self.mark_of(name))
 
     def refused(self, what: str, name: str, found: dict | None) -> NotOurs:
-        line = str(refusal(what, found, self.owner, ALIAS_SETTING))
-        if found is not None:
-            return NotOurs(line)
-        return NotOurs(line.removesuffix(" Nothing was written.") + " If it is this gallery's own, mark it: "
-                       f"QdrantClient(...).update_collection('{name}', metadata={{'{MARK_KEY}': "
-                       f"'{self.mark_text()}'}}). Nothing was written.")
+        return refusal(what, found, self.owner, ALIAS_SETTING,
+                       mark_it=f"QdrantClient(...).update_collection('{name}', metadata={{'{MARK_KEY}': "
+                               f"'{self.mark_text()}'}})")
 
     def check_collection(self, name: str) -> None:
         """The collection name ``name`` is free or this gallery's collection; else NotOurs."""
