@@ -27,14 +27,26 @@ def pg_gallery_config(store_uri: str, **pgvector):
     return GalleryConfig(layout="pgvector", pgvector={"uri": pg_uri(), "table": table_for(store_uri), **pgvector})
 
 
-def milvus_gallery_config(store_uri: str):
-    """gallery settings of a Milvus gallery: a Milvus Lite file of the test's own (beside a local
-    store; for an S3 store in a temporary folder removed at exit), its alias named after the store."""
+def local_folder(store_uri: str, prefix: str) -> str:
+    """Where a test keeps a local index beside its store: the store's own folder, or, for an S3
+    store, a temporary folder removed at exit."""
     import atexit
-    import importlib.util
     import os
     import shutil
     import tempfile
+
+    if str(store_uri).startswith("s3://"):
+        folder = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, folder, True)
+        return folder
+    return os.path.dirname(str(store_uri).rstrip("/"))
+
+
+def milvus_gallery_config(store_uri: str):
+    """gallery settings of a Milvus gallery: a Milvus Lite file of the test's own (``local_folder``),
+    its alias named after the store."""
+    import importlib.util
+    import os
 
     import pytest
 
@@ -43,28 +55,17 @@ def milvus_gallery_config(store_uri: str):
     if importlib.util.find_spec("milvus_lite") is None:  # the gpu install: Milvus Lite requires faiss-cpu
         pytest.skip("Milvus Lite is not installed (it comes with the cpu extra); a Milvus server is not started here")
     name = table_for(store_uri)
-    if str(store_uri).startswith("s3://"):
-        folder = tempfile.mkdtemp(prefix="fastfill-milvus-")
-        atexit.register(shutil.rmtree, folder, True)
-    else:
-        folder = os.path.dirname(str(store_uri).rstrip("/"))
+    folder = local_folder(store_uri, "fastfill-milvus-")
     return GalleryConfig(layout="milvus", milvus={"uri": os.path.join(folder, f"milvus-{name}.db"), "alias": name})
 
 
 def qdrant_gallery_config(store_uri: str):
-    """gallery settings of a Qdrant gallery: a local-mode folder of the test's own (beside a local
-    store; for an S3 store in a temporary folder removed at exit), its alias named after the store."""
-    import atexit
+    """gallery settings of a Qdrant gallery: a local-mode folder of the test's own (``local_folder``),
+    its alias named after the store."""
     import os
-    import shutil
-    import tempfile
 
     from fastfill.components.platform.config import GalleryConfig
 
     name = table_for(store_uri)
-    if str(store_uri).startswith("s3://"):
-        folder = tempfile.mkdtemp(prefix="fastfill-qdrant-")
-        atexit.register(shutil.rmtree, folder, True)
-    else:
-        folder = os.path.dirname(str(store_uri).rstrip("/"))
+    folder = local_folder(store_uri, "fastfill-qdrant-")
     return GalleryConfig(layout="qdrant", qdrant={"url": os.path.join(folder, f"qdrant-{name}"), "alias": name})
