@@ -2,12 +2,16 @@
 careless neighbour's collections and alias beside the gallery's are never dropped or changed by
 ingest, upgrade or gc; a name something else holds is refused in one line before any write; a
 second gallery using the same alias is refused naming the first one's store; a collection or alias
-dropped by another writer is a DamagedObject, one line."""
+dropped by another writer is a DamagedObject, one line; a collection the team already serves from
+is adopted by export, and stays as it was through an upgrade and gc."""
+
+import uuid
 
 import numpy as np
 import pytest
 
 from fastfill.components.experiment.inference import embed
+from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, read_manifest
 from fastfill.components.gallery.layouts.catalog import ingest
 from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 from fastfill.components.gallery.layouts.ownership import OWNER_KEY, STORE_KEY, NotOurs
@@ -16,7 +20,7 @@ from fastfill.components.gallery.store import DamagedObject, open_store
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
 from fastfill.components.gallery.upgrade.decider import UpgradeDecider
 from fastfill.components.platform.config import GalleryConfig
-from tests.gallery_cases import NEW, OLD, N, _gallery, _plan
+from tests.gallery_cases import NEW, OLD, N, _gallery, _plan, _png, _put_original
 from tests.pg import qdrant_gallery_config
 
 
@@ -194,3 +198,70 @@ def test_text_ids_are_uuid5_points_with_the_id_in_the_payload(tmp_path, models, 
     found, _, answer_models, _ = gallery.index.search(embed(old, images[7:8]), 1, OLD.uri)
     assert found == [["sku-007"]] and answer_models == [{OLD.uri}]
     np.testing.assert_array_equal(gallery.features(OLD, 0), embed(old, images[:10]))
+
+
+def test_a_collection_the_team_serves_from_is_adopted_by_export_and_stays_as_it_was(tmp_path, models, data, team):
+    """Not where it is: the product's filter on ``model`` and its ``id`` and ``source`` would have to
+    be written into the team's points, and an alias cannot take the collection's name (the service
+    moves to the alias once either way). The team's ids, image URIs and vectors are read out by
+    scroll (docs/serving.md) and adopted under an alias of the gallery's own; the adoption, an
+    upgrade, its finish and gc leave the team's collection as it was: never dropped, its points,
+    payloads, vectors and configuration the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from qdrant_client import models as qm
+
+    old, new, h = models
+    images, _ = data
+    client, _, alias = team
+    features = embed(old, images)
+    root = str(tmp_path / "originals")
+    for i in range(N):
+        _put_original(root, f"img-{i:05d}.png", _png(images[i]))
+    skus = [f"sku-{(i * 7) % N:03d}" for i in range(N)]
+    client.create_collection("products", vectors_config=qm.VectorParams(size=OLD.dim, distance=qm.Distance.EUCLID),
+                             metadata={"team.owner": "search"})
+    client.upsert("products", wait=True, points=[qm.PointStruct(
+        id=str(uuid.uuid5(uuid.NAMESPACE_URL, skus[i])), vector=features[i].tolist(),
+        payload={"sku": skus[i], "photo": f"img-{i:05d}.png", "price": 9.5}) for i in range(N)])
+
+    def as_it_is() -> tuple:
+        return _state(client, "products"), client.get_collection("products").config.model_dump_json()
+
+    before = as_it_is()
+    ids, uris, vectors, offset = [], [], [], None
+    while True:  # the export docs/serving.md shows, a page at a time
+        points, offset = client.scroll("products", limit=16, offset=offset, with_payload=["sku", "photo"],
+                                       with_vectors=True)
+        ids += [p.payload["sku"] for p in points]
+        uris += [p.payload["photo"] for p in points]
+        vectors += [p.vector for p in points]
+        if offset is None:
+            break
+    pq.write_table(pa.table({"id": ids, "uri": uris}), tmp_path / "items.parquet")
+    np.save(tmp_path / "current.npy", np.asarray(vectors, dtype=np.float32))
+
+    store_uri = str(tmp_path / "store")
+    adopt(open_store(store_uri), read_manifest(tmp_path / "items.parquet"), OLD, (1, 8, 8), root=root,
+          features=npy_rows([tmp_path / "current.npy"]), part_size=10,
+          layout=layout_of("qdrant", qdrant_gallery_config(store_uri)))
+    gallery = gallery_at(open_store(store_uri))
+    rows = [skus.index(sku) for sku in gallery.ids()]
+    assert gallery.adopted and alias != "products" and gallery.index.target() == collection_of(alias, OLD)
+    np.testing.assert_array_equal(gallery.all_features(OLD), features[rows])
+    found, _, spaces, _ = gallery.index.search(features[3:4], 1, OLD.uri)
+    assert found == [[skus[3]]] and spaces == [{OLD.uri}]
+    assert as_it_is() == before
+
+    plan = _plan(gallery, h)
+    for chunk in range(plan.num_chunks):
+        backfill.backfill_chunk(gallery, plan.id, chunk, new, read_workers=1)
+    ending.finish(gallery, plan)
+    np.testing.assert_allclose(gallery.all_features(NEW), embed(new, images)[rows], rtol=1e-5, atol=1e-6)
+    found, _, spaces, _ = gallery.index.search(embed(new, images[3:4]), 1, NEW.uri)
+    assert found == [[skus[3]]] and spaces == [{NEW.uri}]
+    assert garbage.collect_garbage(gallery)["features"] == 1
+    names = [c.name for c in client.get_collections().collections]
+    assert "products" in names and collection_of(alias, OLD) not in names
+    assert {a.alias_name: a.collection_name for a in client.get_aliases().aliases} == {alias: collection_of(alias, NEW)}
+    assert as_it_is() == before
