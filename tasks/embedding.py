@@ -75,4 +75,4 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
     old = (rows_at(gallery, positions, lambda part: source_key(sequential, part)) if sequential else
            gallery.features_at(gallery.model, positions))
     return from_gallery(new_model, positions, old, new, None if labels is None else labels[positions],
-                        gallery.store.uri, config.pseudo_classes, config.seed)
+                        gallery.store.uri, config.pseudo_classes, config.seed, config.pseudo_disc)

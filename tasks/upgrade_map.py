@@ -51,7 +51,7 @@ class MapSettings:
 
 def pair_tags(pairs: MapPairs) -> dict:
     """What a map's registered version says of the pairs it trained on."""
-    return {"pairs": pairs.source, "pairs.count": str(len(pairs)), "disc_targets": pairs.targets_from}
+    return {"pairs": pairs.source, "pairs.count": str(len(pairs)), "disc_targets": pairs.disc_targets}
 
 
 def register_map(client, alignment_model: str, alignment_map, method: str, old: ModelRef, new: ModelRef,
@@ -72,7 +72,7 @@ def train_upgrade_map(client, settings: MapSettings, pairs: MapPairs, new_model,
 
     method, config = settings.method, settings.for_pairs(pairs)
     log(f"training a {method} map {old.key} -> {new.key} on {len(pairs)} pairs ({pairs.source}); disc term "
-        f"targets: {pairs.targets_from}")
+        f"targets: {pairs.disc_targets}")
     alignment_map, history = train_alignment(config, *pairs.training, pairs.classifier(new_model),
                                              device=pick_device(), log=log, method=method)
     return alignment_map.eval(), register_map(client, settings.alignment_model, alignment_map, method, old, new,

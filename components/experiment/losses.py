@@ -38,7 +38,7 @@ def orthogonality_penalty(weight: torch.Tensor) -> torch.Tensor:
     return (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).pow(2).sum()
 
 
-WEIGHTINGS = ("joint", "normalized", "detached")
+WEIGHTINGS = ("joint", "normalized", "detached", "separate")
 
 
 def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tensor, lam: float = 1.0,
@@ -53,7 +53,8 @@ def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tenso
     the unweighted loss's scale while easy samples still count more than hard ones. ``detached``
     trains the map on the unweighted loss. In both, psi's term sees the loss detached, so it
     predicts the same log sigma^2 without scaling the map's gradient; its gradient still reaches
-    the map through psi's input.
+    the map through psi's input. ``separate`` is ``detached`` here; the caller gives psi the
+    map's outputs detached, so the map trains on its terms alone.
     ``warm``: the map sees the unweighted loss whatever the weighting (a warm-up).
     """
     if weighting not in WEIGHTINGS:
@@ -61,7 +62,7 @@ def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tenso
     if weighting == "joint" and not warm:
         return uncertainty_weighted(per_sample_loss, log_sigma2, lam).mean()
     head = uncertainty_weighted(per_sample_loss.detach(), log_sigma2, lam).mean()
-    if warm or weighting == "detached":
+    if warm or weighting in ("detached", "separate"):
         return 0.5 * per_sample_loss.mean() + head
     weights = torch.exp(-log_sigma2).detach()
     weights = weights / weights.mean()

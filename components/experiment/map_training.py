@@ -283,8 +283,9 @@ def _train_one_epoch(module: nn.Module, optimizer, scheduler, generator: torch.G
         loss = parts["loss"]
         assert loss is not None  # the total: only the terms a map has not can be None
         loss.backward()
-        if config.conditioned:
-            nn.utils.clip_grad_norm_(module.parameters(), GRADIENT_NORM_BOUND)
+        if config.conditioned:  # each part bounded on its own: psi's gradients never scale the map's
+            for part in module.children():
+                nn.utils.clip_grad_norm_(part.parameters(), GRADIENT_NORM_BOUND)
         optimizer.step()
         scheduler.step()
         step += 1
@@ -406,9 +407,11 @@ def train_alignment(
         with forward_precision(device, dtype):
             transformed = h.normalized(old[index])
         transformed = transformed.float()
-        # psi's own term reaches h through psi's input in every weighting: that is what makes the
-        # transformed features carry the uncertainty (detaching the input leaves sigma near random)
-        log_sigma2 = h.uncertainty(transformed).squeeze(-1) if h.uncertainty is not None else None
+        # psi's own term reaches h through psi's input in every weighting but separate: on the demo's
+        # pairs that makes the transformed features carry the uncertainty (detaching it leaves sigma
+        # near random); on a team's pairs it costs the map top-1 (benchmarks/team_map_conditioning.py)
+        psi_input = transformed.detach() if config.uncertainty_weighting == "separate" else transformed
+        log_sigma2 = h.uncertainty(psi_input).squeeze(-1) if h.uncertainty is not None else None
         parts = alignment_loss(
             transformed, new[index], l2=config.l2, disc=config.disc, l2_reduction=config.l2_reduction,
             classifier=judge, targets=rows[index], label_smoothing=config.disc_label_smoothing,

@@ -43,7 +43,9 @@ ORTHOGONALITY_DEFAULT = 1.0
 # What a gallery upgrade's map uses where align.<m>.conditioning / patience are null (a team's models)
 UPGRADE_CONDITIONING = "scale"
 UPGRADE_PATIENCE = 10
-UPGRADE_WEIGHTING = "detached"  # the paper's joint weighting collapses on team pairs: benchmarks/team_map_conditioning.py
+# the paper's joint weighting collapses on team pairs, and psi's gradient through its input costs the map top-1:
+# benchmarks/team_map_conditioning.py
+UPGRADE_WEIGHTING = "separate"
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -179,11 +181,13 @@ class AlignConfig(Section):
         if self.architecture != "affine":
             return 0.0
         return ORTHOGONALITY_DEFAULT if self.orthogonality is None else self.orthogonality
-    uncertainty_weighting: Literal["joint", "normalized", "detached"] = Field(
+    uncertainty_weighting: Literal["joint", "normalized", "detached", "separate"] = Field(
         default="joint", description="how psi's weight reaches the map's gradient: joint = the paper's loss "
         "as written (the map's gradient is divided by ~lambda L); normalized = per-sample weights exp(-s) "
         "rescaled to mean 1 and held constant for the map; detached = the map sees the unweighted loss. psi "
-        "always learns log sigma^2 from the (detached) loss in normalized and detached")
+        "always learns log sigma^2 from the (detached) loss in normalized, detached and separate, and its gradient "
+        "reaches the map through psi's input, except in separate: psi reads the map's outputs detached, so the map "
+        "trains on its loss terms alone and psi beside it")
     uncertainty_warmup: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.0, description="fraction of the steps during which the map trains on the unweighted loss")
     epochs: PositiveInt = Field(default=14, description='passes over the training pairs (raised to reach min_steps)')
@@ -562,10 +566,14 @@ class UpgradeConfig(Section):
         default=5000, description="map_pairs gallery: a fractional map_sample is at least this many items (all "
         "of a smaller gallery)")
     pseudo_classes: Annotated[int, Field(ge=0)] = Field(
-        default=50, description="a new model without a classifier: the map's disc term takes K-means clusters of "
-        "the map sample's new features as its classes (at most this many, at least 20 items each) with a linear "
-        "head fitted on them, and the check counts them as matches where the gallery has no labels; 0 = the disc "
-        "term off for such a model")
+        default=50, description="a new model without a classifier: K-means clusters of the map sample's new features "
+        "(at most this many, at least 20 items each) with a linear head fitted on them are the classes the check "
+        "counts as matches where the gallery has no labels, and, with pseudo_disc, the map's disc term's classes; "
+        "0 = none (no disc term for such a model)")
+    pseudo_disc: bool = Field(
+        default=False, description="the map's disc term on the pseudo-classes (a new model without a classifier): "
+        "off by default, since on the team pairs measured it cost the map top-1 at 0% backfill (docs/results.md, "
+        "\"The map on a team's features\"); a new model's own classifier always gets the term")
     recheck: bool = Field(
         default=False, description="check the registry's map again on this upgrade's pairs even when it already "
         "passed its check on the same source")

@@ -474,9 +474,9 @@ def _headless_network() -> nn.Module:
 
 
 def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team, prefect_harness):
-    """Both models ONNX exports (no head), a gallery without labels whose ids are text: the
-    FastFill map's disc term takes K-means pseudo-classes of the map sample (recorded on the
-    map's version), the upgrade completes with the new model's features, and the search answers
+    """Both models ONNX exports (no head), a gallery without labels whose ids are text: K-means
+    pseudo-classes of the map sample are the check's classes, outside the disc term by default
+    (recorded on the map's version), the upgrade completes with the new model's features, and the search answers
     with the team's ids."""
     import mlflow
 
@@ -506,7 +506,8 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     trained = min(versions, key=lambda v: int(v.version))
     # 60 sampled items: K is lowered to 60 // 20 = 3 classes
-    assert trained.tags["disc_targets"] == ("pseudo-classes: 3 K-means clusters of the new features, with a head "
+    assert trained.tags["disc_targets"] == ("off (gallery.upgrade.pseudo_disc is false); the check's classes: "
+                                            "pseudo-classes: 3 K-means clusters of the new features, with a head "
                                             "fitted on them"), trained.tags
     assert trained.tags["pairs.count"] == "60"
 

@@ -10,7 +10,7 @@ from fastfill.components.experiment.map_check import reference_config
 from fastfill.components.experiment.map_training import feature_schedule, train_alignment
 from fastfill.components.experiment.map_validation import retrieval_at_zero
 from fastfill.components.experiment.models import AlignmentMap, build, describe, load_alignment, save_alignment
-from fastfill.components.platform.config import UPGRADE_PATIENCE, AlignConfig
+from fastfill.components.platform.config import UPGRADE_PATIENCE, UPGRADE_WEIGHTING, AlignConfig
 
 CPU = torch.device("cpu")
 
@@ -121,7 +121,7 @@ def test_settings_for_an_upgrade_and_the_pipeline():
     assert pipeline.conditioning is None and not pipeline.conditioned and pipeline.patience is None
     upgrade = pipeline.for_upgrade()
     assert upgrade.conditioned and upgrade.patience == UPGRADE_PATIENCE
-    assert pipeline.uncertainty_weighting == "joint" and upgrade.uncertainty_weighting == "detached"
+    assert pipeline.uncertainty_weighting == "joint" and upgrade.uncertainty_weighting == UPGRADE_WEIGHTING
     kept = AlignConfig(conditioning="scale", uncertainty_weighting="joint").for_upgrade()
     assert kept.uncertainty_weighting == "joint"  # conditioning set: the settings as they are
     assert AlignConfig(conditioning="off", patience=4).for_upgrade().conditioning == "off"
@@ -129,3 +129,23 @@ def test_settings_for_an_upgrade_and_the_pipeline():
     plan = feature_schedule(AlignConfig(patience=5, epochs=14, warmup_epochs=4, min_steps=2000), 900)
     assert plan["validate_every"] == 1 and plan["warmup_steps"] == 4 * 4 and plan["epochs"] == 500
     assert feature_schedule(pipeline, 900)["warmup_steps"] == round(2000 * 4 / 14)
+
+
+def test_separate_weighting_keeps_psi_off_the_map():
+    """separate: psi learns beside the map, which trains on its terms alone: another lambda
+    changes psi, never the map's weights (detached lets psi's term reach the map through its input)."""
+    old, new, labels, head = _pairs(n=300)
+
+    def trained(weighting: str, lam: float) -> AlignmentMap:
+        config = _config(epochs=4, conditioning="scale", uncertainty_weighting=weighting, uncertainty_lambda=lam)
+        h, _ = train_alignment(config, old, new, labels, head, device=CPU, log=lambda _: None)
+        return h
+
+    one, other = trained("separate", 1.0), trained("separate", 4.0)
+    for (name, a), b in zip(one.transform.state_dict().items(), other.transform.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, b) for a, b in zip(one.uncertainty.state_dict().values(),
+                                                     other.uncertainty.state_dict().values(), strict=True))
+    moved = trained("detached", 1.0), trained("detached", 4.0)
+    assert any(not torch.equal(a, b) for a, b in zip(moved[0].transform.state_dict().values(),
+                                                     moved[1].transform.state_dict().values(), strict=True))

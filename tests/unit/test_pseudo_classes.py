@@ -65,6 +65,26 @@ def test_pairs_of_a_model_without_a_classifier_take_pseudo_classes():
     assert off.targets is None and off.targets_from == TARGETS_NONE and off.head is None
 
 
+def test_the_disc_term_takes_pseudo_classes_only_when_asked():
+    """gallery.upgrade.pseudo_disc: the clusters are the check's classes either way; the map's disc
+    term takes them only when it is set. A model's own classifier always gets the term."""
+    from fastfill.components.platform.config import AlignConfig
+
+    features, _ = _blobs()
+    old = features[:, :8].copy()
+    fastfill = AlignConfig(disc=True, uncertainty=True)
+    default = from_gallery(_Model(), np.arange(len(features)), old, features, None, "file:///g", pseudo_classes=5)
+    assert default.disc_off and not default.settings(fastfill).disc
+    assert default.disc_targets.startswith("off (gallery.upgrade.pseudo_disc is false)")
+    np.testing.assert_array_equal(default.truth, default.targets)
+    asked = from_gallery(_Model(), np.arange(len(features)), old, features, None, "file:///g", pseudo_classes=5,
+                         pseudo_disc=True)
+    assert asked.settings(fastfill).disc and asked.disc_targets.startswith("pseudo-classes: 5")
+    own = from_gallery(_Model(torch.nn.Linear(features.shape[1], 4)), np.arange(len(features)), features, features,
+                       None, "file:///g")
+    assert own.settings(fastfill).disc and own.disc_targets == TARGETS_PREDICTED
+
+
 def test_a_model_with_a_classifier_keeps_its_own():
     features, _ = _blobs()
     torch.manual_seed(0)

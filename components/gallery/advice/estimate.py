@@ -412,7 +412,7 @@ def _later_ways(params, gallery: Gallery, model, embedded: dict, old_side: np.nd
     labels = gallery.labels()
     pairs = from_gallery(model, kept, gallery.features_at(gallery.model, kept), np.stack([embedded[p] for p in kept]),
                          None if labels is None else labels[kept], gallery.store.uri, config.pseudo_classes,
-                         config.seed)
+                         config.seed, config.pseudo_disc)
     reverse = fit_reverse(pairs, config.pseudo_classes, config.seed, log=lambda line: None)
     if LATER_MAP not in params.map_methods or config.method == LATER_MAP:
         return reverse, {}

@@ -10,9 +10,10 @@ first, already backfilled chunks (``components.gallery.upgrade.planning``).
 The discriminative term needs a class per pair (a row of the new model's classifier): the
 gallery's label where the classifier knows it, else the new model's own prediction on the new
 features. A new model with no classifier gets K-means pseudo-classes of the sample's new features
-and a head fitted on them (``components.gallery.upgrade.pseudo_classes``), or, with
-``gallery.upgrade.pseudo_classes: 0``, no disc term. The check measures retrieval against the
-gallery's labels where there are labels, else against those classes.
+and a head fitted on them (``components.gallery.upgrade.pseudo_classes``); the disc term takes
+them only with ``gallery.upgrade.pseudo_disc`` (on team pairs the term on clusters cost the map
+top-1), and with ``gallery.upgrade.pseudo_classes: 0`` there are none. The check measures
+retrieval against the gallery's labels where there are labels, else against those classes.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class MapPairs:
     rows (None: no disc term); ``truth``: what the check's retrieval counts as a match (labels,
     or the targets' classes); ``source``: ``splits`` or ``gallery <store>``, recorded with the
     check; ``head``: the classifier the targets index when it is not the new model's own (fitted
-    on pseudo-classes)."""
+    on pseudo-classes); ``pseudo_disc``: the disc term takes those pseudo-classes."""
 
     old: np.ndarray
     new: np.ndarray
@@ -115,6 +116,7 @@ class MapPairs:
     targets_from: str
     positions: np.ndarray | None = None
     head: object | None = None
+    pseudo_disc: bool = False
 
     def classifier(self, new_model):
         """kappa_new for the disc term and the check: the fitted head, else the new model's own,
@@ -127,10 +129,22 @@ class MapPairs:
     def __len__(self) -> int:
         return len(self.old)
 
+    @property
+    def disc_off(self) -> bool:
+        """The disc term is off for these pairs: no classes (a new model without a classifier,
+        pseudo-classes off), or pseudo-classes without ``pseudo_disc``."""
+        return self.targets is None or (self.head is not None and not self.pseudo_disc)
+
+    @property
+    def disc_targets(self) -> str:
+        """What the disc term's classes are, as a map's version records them."""
+        if self.disc_off and self.targets is not None:
+            return f"off (gallery.upgrade.pseudo_disc is false); the check's classes: {self.targets_from}"
+        return self.targets_from
+
     def settings(self, config):
-        """A map's settings (an AlignConfig) for these pairs: without classes for the disc term
-        (a new model without a classifier, and pseudo-classes off) the term is off."""
-        if self.targets is None and config.disc:
+        """A map's settings (an AlignConfig) for these pairs: the disc term off where ``disc_off``."""
+        if self.disc_off and config.disc:
             return config.model_copy(update={"disc": False})
         return config
 
@@ -151,16 +165,17 @@ def gallery_source(store_uri: str) -> str:
 
 
 def from_gallery(new_model, positions: np.ndarray, old: np.ndarray, new: np.ndarray, labels: np.ndarray | None,
-                 store_uri: str, pseudo_classes: int = 0, seed: int = 0) -> MapPairs:
+                 store_uri: str, pseudo_classes: int = 0, seed: int = 0, pseudo_disc: bool = False) -> MapPairs:
     """The pairs of the sampled items: ``labels`` are the gallery's labels of those items, or
-    None; ``pseudo_classes`` and ``seed``: gallery.upgrade's, for a new model without a classifier."""
+    None; ``pseudo_classes``, ``seed`` and ``pseudo_disc``: gallery.upgrade's, for a new model
+    without a classifier."""
     targets, targets_from, head = class_targets(new_model, labels, new, pseudo_classes, seed)
     truth = np.asarray(labels, dtype=np.int64) if labels is not None else (
         targets if targets is not None else np.zeros(len(old), dtype=np.int64))
     own = getattr(new_model, "classifier", None)
     return MapPairs(np.asarray(old, np.float32), np.asarray(new, np.float32), targets, truth,
                     gallery_source(store_uri), targets_from, np.asarray(positions, dtype=np.int64),
-                    head if head is not own else None)
+                    head if head is not own else None, pseudo_disc)
 
 
 def reverse_classes(pairs: MapPairs, pseudo_classes: int, seed: int) -> tuple[np.ndarray, str]:
