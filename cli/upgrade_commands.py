@@ -25,6 +25,7 @@ from fastfill.cli.gallery_commands import run_undo, show_status
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 from fastfill.components.gallery.advice.advisor import describe
+from fastfill.components.gallery.advice.planning_cost import describe_planning
 from fastfill.components.gallery.store.lock import break_lock
 from fastfill.components.gallery.upgrade.outcome import UpgradeResult
 from fastfill.components.gallery.upgrade.reversal import abortable
@@ -147,6 +148,7 @@ def _describe_dry_run(dry: DryRun) -> str:
         f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
         f"  ({cost.note})",
+        *(describe_planning(dry.planning) if dry.planning else []),
         f"  truth of the gate and the advisor: {dry.truth}",
         f"  map pairs (when the registry's map must be trained or checked): {dry.map_pairs}",
     ]

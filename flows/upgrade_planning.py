@@ -164,6 +164,7 @@ def _map_pairs(params: Params, gallery: Gallery, uid: str, old: ModelRef, new_mo
     samples.check_map_sample(config, settings.validation_fraction, gallery.num_items,
                              checked=settings.validation_fraction > 0 and settings.check != "off")
     positions = samples.map_sample(config, gallery.num_items)
+    minimum = f", at least {config.map_sample_min}" if isinstance(config.map_sample, float) else ""  # a fraction
     log(f"map sample: {len(positions)} of {gallery.num_items} gallery items (gallery.upgrade.map_sample "
-        f"{config.map_sample}, at least {config.map_sample_min})")
+        f"{config.map_sample}{minimum})")
     return gallery_pairs(gallery.store.uri, positions, new_model, config, uid if sequential else None)

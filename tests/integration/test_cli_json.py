@@ -39,6 +39,9 @@ def test_a_real_upgrade_answers_in_json(upgrade_env, cli_env, prefect_harness):
     plan = _answer(["upgrade", *args, "--dry-run"], env, tmp_path, "fastfill.upgrade.dry_run/1")
     assert plan["written"] is False and plan["to"] == f"models:/embedder/{new_version}" and plan["items"] == 72
     assert plan["chunks"] == 9 and plan["estimated_backfill_seconds"] > 0
+    planning = plan["planning"]  # the registry's maps are checked on the split: nothing to train
+    assert planning["embeds"]["total"] == planning["embeds"]["evaluation_sample"] > 0
+    assert planning["seconds"]["total"] == planning["seconds"]["embedding"] >= 0
 
     paused = _answer(["upgrade", *args, "--budget", "25%", "--progress"], env, tmp_path, "fastfill.upgrade/2")
     assert paused["state"] == "paused" and paused["stopped"] == "budget" and paused["items"] == 72

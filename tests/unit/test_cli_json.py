@@ -244,11 +244,18 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
         estimated_backfill_seconds=np.float32(0.5), note="n")
     plan = DryRun("models:/embedder/1", "models:/embedder/2", cost=cost, truth="the gallery's labels",
                   map_pairs="this host's new-train split",
-                  advice={"note": "no prediction yet: the registry has no map"})
+                  advice={"note": "no prediction yet: the registry has no map"},
+                  planning={"embeds": {"map_sample": 60, "evaluation_sample": 40, "evaluation_outside_map_sample": 30,
+                                       "total": 90, "share_of_gallery": 0.125},
+                            "seconds": {"embedding": 9.0, "map_training": 4.0, "reference_training": 3.0,
+                                        "total": 16.0}, "seconds_at_most": 60.0, "note": "n"})
     monkeypatch.setattr(fastfill.cli.command_support, "require_services", lambda config: None)
     monkeypatch.setattr(fastfill.cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)
     text = _invoke("upgrade", "--dry-run", "--store", str(tmp_path))
     assert text.exit_code == 0 and text.stdout.startswith("dry run: nothing written. models:/embedder/1 -> ")
+    assert "planning embeds 90 items (12.5% of the gallery" in text.stdout
+    assert ("planning takes about 16 s (embedding 9 s, the map's training 4 s, the check's reference 3 s), at most "
+            "60 s") in text.stdout
     document = _document(_invoke("upgrade", "--dry-run", "--store", str(tmp_path), "--json"),
                          "fastfill.upgrade.dry_run/1")
     assert document["written"] is False and document["items"] == 72 and document["estimated_backfill_seconds"] == 0.5

@@ -15,6 +15,7 @@ import numpy as np
 from fastfill.components.experiment.inference import apply_alignment, embed, pick_device
 from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.gallery.advice import advisor
+from fastfill.components.gallery.advice.planning_cost import planning_cost
 from fastfill.components.gallery.advice.target_advice import ways_to_target
 from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr
 from fastfill.components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
@@ -109,6 +110,7 @@ class DryRun:
     advice: dict | None = None
     small_gallery: str | None = None
     nothing: UpgradeResult | None = None  # no version to upgrade to
+    planning: dict | None = None  # what planning embeds and how long it takes (planning_cost)
 
     def as_dict(self) -> dict:
         """The document's fields (docs/json.md, fastfill.upgrade.dry_run/1)."""
@@ -116,7 +118,7 @@ class DryRun:
             return {"from": self.source, "to": None, **self.nothing.as_dict()}
         return {"from": self.source, "to": self.to, "in_progress": self.in_progress, "resumes": self.resumes,
                 **(asdict(self.cost) if self.cost else {}), "truth": self.truth, "map_pairs": self.map_pairs,
-                "advice": self.advice, "small_gallery": self.small_gallery}
+                "advice": self.advice, "small_gallery": self.small_gallery, "planning": self.planning}
 
 
 def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> UpgradeCost:
@@ -162,8 +164,9 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
         sample={"items": len(positions), "failed": len(failures), "read_seconds_per_item": per_read,
                 "embed_seconds_per_item": per_embed},
         estimated_backfill_seconds=backfill_seconds,
-        note="the estimate covers reading and embedding at max_concurrency chunks in flight; training a map "
-             "(when the registry has none for the two versions) and the store's latency under load are not in it")
+        note="the backfill's estimate covers reading and embedding at max_concurrency chunks in flight; the "
+             "store's latency under load is not in it; planning (its embedding, the map's training and check) is "
+             "estimated apart (planning)")
 
 
 def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_top1: float | None = None) -> DryRun:
@@ -193,8 +196,34 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
     resumes = view.current == upgrade_id(gallery.model, ModelRef(new.name, new.version, model.embedding_dim))
     advice = _predicted(params, gallery, client, new, model, view.current if resumes else None,
                         sequential=bool(view.current) and not resumes, target_top1=target_top1)
+    planning = None if resumes else _planning(params, gallery, client, new, model, cost, fitted)
     return DryRun(gallery.model.uri, new.uri, in_progress=view.current, resumes=resumes, cost=cost, truth=truth_line,
-                  map_pairs=pairs_description(config, gallery.num_items), advice=advice, small_gallery=fitted)
+                  map_pairs=pairs_description(config, gallery.num_items), advice=advice, small_gallery=fitted,
+                  planning=planning)
+
+
+def _planning(params, gallery: Gallery, client, new, model, cost: UpgradeCost, fitted: str | None) -> dict:
+    """What planning would embed and how long it would take (``planning_cost``): the map and
+    its check's reference are trained only when the registry has no checked map for the two
+    versions; a small gallery is re-embedded whole while planning, with no map to check."""
+    config = params.gallery.upgrade
+    n = gallery.num_items
+    per_item = cost.sample["read_seconds_per_item"] + cost.sample["embed_seconds_per_item"]
+    eval_positions = evaluation_positions(gallery, config)
+    if fitted is not None:
+        return planning_cost(config, n, np.arange(n), eval_positions, per_item, None, 0, 0, trains=False,
+                             checks=False)
+    source = pairs_source(config, gallery.store.uri)
+    chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, map_order(config.order), source)
+    settings = params.upgrade_map
+    trains = chosen is None
+    checks = settings.check != "off" and settings.validation_fraction > 0 and (
+        trains or needs_check(chosen.tags, source, config.recheck))
+    map_positions = samples.map_sample(config, n) if config.map_pairs == "gallery" else np.zeros(0, np.int64)
+    disc = settings.disc and (getattr(model, "classifier", None) is not None or config.pseudo_disc)
+    map_config = settings.for_upgrade().model_copy(update={"disc": disc and settings.disc})
+    return planning_cost(config, n, map_positions, eval_positions, per_item, map_config, gallery.model.dim or 0,
+                         model.embedding_dim, trains=trains, checks=checks)
 
 
 def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,

@@ -1,0 +1,120 @@
+"""How long an upgrade's planning takes, said before it starts (``fastfill upgrade --dry-run``):
+how many gallery items planning embeds (the map sample and the evaluation sample, each item
+once) and their share of the gallery, and the seconds of each part: embedding those items at
+the rate the dry run measured, training the map and the check's l2-only reference when the
+registry has no checked map joining the two versions.
+
+A map's training time is measured, not guessed: a few epochs of the map the upgrade would
+train (``AlignConfig.for_upgrade``, the same shapes, batch size and per-epoch validation) on
+random pairs of the two models' dimensions, times the epochs such a training runs. It stops
+early (``patience``), so the estimate gives the epochs the upgrade's maps ran on team pairs
+(``TYPICAL_EPOCHS``, benchmarks/team_map_conditioning.py) and the most it may run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+# the epochs an upgrade's map trained, patience included, on the team pairs of
+# benchmarks/team_map_conditioning.py (mean over its pairs and seeds, rounded up)
+TYPICAL_EPOCHS = 40
+TIMED_EPOCHS = 3
+
+
+def planned_items(map_positions: np.ndarray, eval_positions: np.ndarray, num_items: int) -> dict:
+    """What planning embeds: the map sample, the evaluation sample's items outside it, both
+    together and their share of the gallery."""
+    extra = np.setdiff1d(np.asarray(eval_positions, dtype=np.int64), np.asarray(map_positions, dtype=np.int64))
+    total = len(map_positions) + len(extra)
+    return {"map_sample": int(len(map_positions)), "evaluation_sample": int(len(eval_positions)),
+            "evaluation_outside_map_sample": int(len(extra)), "total": int(total),
+            "share_of_gallery": round(total / num_items, 4) if num_items else 0.0}
+
+
+def epoch_seconds(config, old_dim: int, new_dim: int, pairs: int, seed: int = 0) -> float:
+    """Seconds per epoch of the map ``config`` (an AlignConfig as the upgrade trains it) on
+    ``pairs`` pairs of ``old_dim`` -> ``new_dim`` features, measured on this machine: the mean
+    of ``TIMED_EPOCHS`` epochs after a first one (which pays one-time costs)."""
+    import torch
+
+    from fastfill.components.experiment.inference import pick_device
+    from fastfill.components.experiment.map_training import train_alignment
+
+    rng = np.random.default_rng(seed)
+    old = rng.standard_normal((pairs, old_dim), dtype=np.float32)
+    new = rng.standard_normal((pairs, new_dim), dtype=np.float32)
+    rows = np.zeros(pairs, dtype=np.int64)
+    timed = config.model_copy(update={"disc": False, "epochs": 1 + TIMED_EPOCHS, "min_steps": 0, "patience": None,
+                                      "warmup_epochs": 1})
+    said: list[float] = []
+
+    def on_epoch(done: int, _total: int) -> None:
+        said.append(time.perf_counter())
+
+    train_alignment(timed, old, new, rows, torch.nn.Identity(), device=pick_device(), log=lambda _: None,
+                    on_epoch=on_epoch)
+    if len(said) < 2:
+        return 0.0
+    return (said[-1] - said[0]) / (len(said) - 1)
+
+
+def planning_cost(config, num_items: int, map_positions: np.ndarray, eval_positions: np.ndarray,
+                  seconds_per_item: float, map_config, old_dim: int, new_dim: int, *, trains: bool,
+                  checks: bool) -> dict:
+    """The dry run's ``planning``: the items planning embeds (``planned_items``) and the seconds
+    of each part. ``config``: gallery.upgrade; ``seconds_per_item``: reading and embedding one
+    item, as measured; ``map_config``: the map's AlignConfig as the upgrade trains it, or None
+    when no map is trained (``trains``: the registry has no map for the two versions; ``checks``:
+    the check trains its l2-only reference)."""
+    from fastfill.components.experiment.map_check import reference_config
+    from fastfill.components.experiment.map_training import feature_schedule
+
+    items = planned_items(map_positions, eval_positions, num_items)
+    seconds = {"embedding": round(items["total"] * seconds_per_item, 1)}
+    maps = []
+    if map_config is not None and len(map_positions) and (trains or checks):
+        train_pairs = len(map_positions) - round(map_config.validation_fraction * len(map_positions))
+        train_pairs = max(train_pairs, 2)
+        maps = ([("map", map_config)] if trains else []) + ([("reference", reference_config(map_config))]
+                                                              if checks else [])
+    most = 0.0
+    for name, settings in maps:
+        per_epoch = epoch_seconds(settings, old_dim, new_dim, len(map_positions), config.seed)
+        bound = feature_schedule(settings, train_pairs)["epochs"]
+        seconds[f"{name}_training"] = round(per_epoch * min(TYPICAL_EPOCHS, bound), 1)
+        most += per_epoch * bound
+    seconds["total"] = round(sum(seconds.values()), 1)
+    estimate: dict[str, Any] = {"embeds": items, "seconds": seconds}
+    if maps:
+        estimate["seconds_at_most"] = round(seconds["embedding"] + most, 1)
+        estimate["note"] = (f"map training measured here for {TIMED_EPOCHS} epochs, times the {TYPICAL_EPOCHS} "
+                            "epochs an upgrade's map runs to its early stop on the team pairs measured "
+                            "(seconds_at_most: every epoch it may run)")
+    return estimate
+
+
+def describe_planning(planning: dict) -> list[str]:
+    """The dry run's lines for ``planning``."""
+    items, seconds = planning["embeds"], planning["seconds"]
+    parts = [f"embedding {seconds['embedding']:.0f} s"]
+    parts += [f"{label} {seconds[key]:.0f} s" for key, label in (("map_training", "the map's training"),
+                                                                ("reference_training", "the check's reference"))
+              if key in seconds]
+    lines = [f"  planning embeds {items['total']:,} items ({100 * items['share_of_gallery']:.1f}% of the gallery: "
+             f"map sample {items['map_sample']:,}, evaluation sample {items['evaluation_sample']:,} of which "
+             f"{items['evaluation_outside_map_sample']:,} outside it)",
+             f"  planning takes about {_duration(seconds['total'])} ({', '.join(parts)})"
+             + (f", at most {_duration(planning['seconds_at_most'])}" if "seconds_at_most" in planning else "")]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{math.ceil(seconds / 60)} min"
+    return f"{seconds:.0f} s"

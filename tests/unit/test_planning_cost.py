@@ -1,0 +1,39 @@
+"""The dry run's planning estimate (components/gallery/advice/planning_cost.py): what planning
+embeds, each item once, and the seconds of its parts, the map's training measured on this machine."""
+
+import numpy as np
+
+from fastfill.components.gallery.advice.planning_cost import (
+    TYPICAL_EPOCHS,
+    describe_planning,
+    planned_items,
+    planning_cost,
+)
+from fastfill.components.platform.config import AlignConfig, UpgradeConfig
+
+
+def test_planning_embeds_each_item_once():
+    items = planned_items(np.arange(0, 100), np.arange(50, 250), 1000)
+    assert items == {"map_sample": 100, "evaluation_sample": 200, "evaluation_outside_map_sample": 150,
+                     "total": 250, "share_of_gallery": 0.25}
+
+
+def test_the_map_and_its_reference_are_timed_only_when_trained():
+    config = UpgradeConfig()
+    settings = AlignConfig(hidden=[16], batch_size=32, validation_fraction=0.2, uncertainty=True, disc=False,
+                           epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
+    both = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8, trains=True,
+                         checks=True)
+    seconds = both["seconds"]
+    assert seconds["embedding"] == round(160 * 0.01, 1) and seconds["map_training"] > 0
+    assert seconds["reference_training"] > 0
+    assert seconds["total"] == round(seconds["embedding"] + seconds["map_training"] + seconds["reference_training"], 1)
+    assert both["seconds_at_most"] >= seconds["total"] - 0.1 and str(TYPICAL_EPOCHS) in both["note"]
+    lines = describe_planning(both)
+    assert lines[0].startswith("  planning embeds 160 items (16.0% of the gallery: map sample 120")
+    assert "the map's training" in lines[1] and "the check's reference" in lines[1]
+
+    checked = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8, trains=False,
+                            checks=False)
+    assert set(checked["seconds"]) == {"embedding", "total"} and "seconds_at_most" not in checked
+    assert describe_planning(checked)[1] == "  planning takes about 2 s (embedding 2 s)"
