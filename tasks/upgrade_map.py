@@ -10,7 +10,7 @@ import numpy as np
 from prefect import task
 
 from fastfill.components.experiment.inference import pick_device
-from fastfill.components.experiment.map_check import check_metrics, check_tags, decide_map
+from fastfill.components.experiment.map_check import check_metrics, check_tags, decide_map, shares_reference
 from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import samples, usage
@@ -143,7 +143,8 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
         client.set_tag(run_id, "check", f"skipped ({why})")
         return alignment_map, map_uri, order
     tags = {**check_tags(decision.record), CHECK_SOURCE_TAG: pairs.source,
-            "check.reference": found.get("uri") or f"trained on {pairs.source}"}
+            "check.reference": found.get("uri") or ("the map's own network (trained on the l2 term alone)"
+                                                    if shares_reference(config) else f"trained on {pairs.source}")}
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     registry.log_metrics(client, run_id, check_metrics(decision.record))

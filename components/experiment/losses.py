@@ -53,8 +53,9 @@ def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tenso
     the unweighted loss's scale while easy samples still count more than hard ones. ``detached``
     trains the map on the unweighted loss. In both, psi's term sees the loss detached, so it
     predicts the same log sigma^2 without scaling the map's gradient; its gradient still reaches
-    the map through psi's input. ``separate`` is ``detached`` here; the caller gives psi the
-    map's outputs detached, so the map trains on its terms alone.
+    the map through psi's input. ``separate`` trains the map on its terms' plain mean, as a map
+    without a head does, and the caller gives psi the map's outputs detached: the map trains
+    exactly as it would without psi, and psi learns beside it.
     ``warm``: the map sees the unweighted loss whatever the weighting (a warm-up).
     """
     if weighting not in WEIGHTINGS:
@@ -62,7 +63,9 @@ def uncertainty_objective(per_sample_loss: torch.Tensor, log_sigma2: torch.Tenso
     if weighting == "joint" and not warm:
         return uncertainty_weighted(per_sample_loss, log_sigma2, lam).mean()
     head = uncertainty_weighted(per_sample_loss.detach(), log_sigma2, lam).mean()
-    if warm or weighting in ("detached", "separate"):
+    if weighting == "separate":  # the map's loss exactly as without a head
+        return per_sample_loss.mean() + head
+    if warm or weighting == "detached":
         return 0.5 * per_sample_loss.mean() + head
     weights = torch.exp(-log_sigma2).detach()
     weights = weights / weights.mean()

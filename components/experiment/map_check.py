@@ -44,7 +44,7 @@ from fastfill.components.platform.config import AlignConfig
 __all__ = ["CHECK_POINTS", "POLICIES", "MapCheck", "MapCheckError", "MapDecision", "SideOutputs", "check_map",
            "check_metrics", "check_tags", "curve_numbers", "decide_map", "fallback_config", "fallback_map",
            "held_out", "is_reference", "judge", "judge_order", "non_finite_outputs", "non_finite_rows",
-           "outputs_on", "reference_config", "skip_reason"]
+           "outputs_on", "own_reference", "reference_config", "shares_reference", "skip_reason"]
 
 # The settings the l2-only reference shares with the map it checks: same pairs, same split,
 # same schedule, same seed. Everything else is FCT's (l2 only, an MLP, no uncertainty head).
@@ -57,6 +57,27 @@ def reference_config(config: AlignConfig) -> AlignConfig:
     widths (for an RBT or unified map, ``hidden`` gives only the reference's widths)."""
     shared = {name: getattr(config, name) for name in _SHARED}
     return AlignConfig(l2=True, disc=False, uncertainty=False, architecture="mlp", hidden=list(config.hidden), **shared)
+
+
+def shares_reference(config: AlignConfig) -> bool:
+    """The map's network trains exactly as its l2-only reference would (``separate``: psi learns
+    beside a map trained on the l2 term alone, an MLP of the reference's widths), so the map
+    without its head is that reference and the check need not train another."""
+    return (config.uncertainty and config.uncertainty_weighting == "separate" and config.l2 and not config.disc
+            and config.architecture == "mlp")
+
+
+def own_reference(h):
+    """The l2-only reference a ``shares_reference`` map carries: its network, without psi."""
+    from fastfill.components.experiment.models import AlignmentMap
+
+    shape = h.architecture
+    reference = AlignmentMap(h.old_dim, h.new_dim, shape["hidden"], False, shape["architecture"], shape["rbt_blocks"])
+    if h.scaled:
+        reference.set_scale(float(h.input_scale), float(h.output_scale))
+    reference.transform.load_state_dict(h.transform.state_dict())
+    parameter = next(h.parameters(), None)
+    return reference.to(parameter.device if parameter is not None else "cpu").eval()
 
 
 def is_reference(config: AlignConfig) -> bool:
@@ -203,6 +224,12 @@ def decide_map(method: str, config: AlignConfig, candidate, training: Pairs, ref
         return MapDecision("candidate", candidate, config, order,
                            skipped=reason or f"align.{method}.validation_fraction is 0")
     ready = reference()
+    if ready is None and shares_reference(config):
+        ready = own_reference(candidate)
+        log("map check: the map's network is its own l2-only reference (it trained on the l2 term alone, psi "
+            "beside it), so none is trained")
+        if keep_reference is not None:
+            keep_reference(ready)
     trained = ready is None
     if trained:
         log(f"map check: training the l2-only reference on the same {len(training[0])} pairs"

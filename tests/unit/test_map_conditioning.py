@@ -149,3 +149,27 @@ def test_separate_weighting_keeps_psi_off_the_map():
     moved = trained("detached", 1.0), trained("detached", 4.0)
     assert any(not torch.equal(a, b) for a, b in zip(moved[0].transform.state_dict().values(),
                                                      moved[1].transform.state_dict().values(), strict=True))
+
+
+def test_a_separate_map_without_disc_is_its_own_reference():
+    """separate, no disc term: the map's network trains exactly as the check's l2-only reference
+    (the same weights, bit for bit), so the check takes it as its reference instead of training
+    another; psi is the only difference."""
+    from fastfill.components.experiment.map_check import decide_map, shares_reference
+
+    old, new, labels, head = _pairs(n=300)
+    config = _config(epochs=5, disc=False).for_upgrade()
+    assert config.uncertainty_weighting == "separate" and shares_reference(config)
+    assert not shares_reference(config.model_copy(update={"disc": True}))
+    assert not shares_reference(config.model_copy(update={"uncertainty_weighting": "detached"}))
+    h, _ = train_alignment(config, old, new, labels, head, device=CPU, log=lambda _: None)
+    reference, _ = train_alignment(reference_config(config), old, new, labels, head, device=CPU, log=lambda _: None)
+    for (name, a), b in zip(h.transform.state_dict().items(), reference.transform.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    said: list[str] = []
+    decision = decide_map("fastfill", config, h, (old, new, labels), lambda: None, head, device=CPU, log=said.append)
+    assert not decision.reference_trained and decision.reference.uncertainty is None
+    assert any("its own l2-only reference" in line for line in said)
+    np.testing.assert_array_equal(apply_alignment(decision.reference, old, device=CPU)[0],
+                                  apply_alignment(reference, old, device=CPU)[0])

@@ -22,7 +22,8 @@ def test_the_map_and_its_reference_are_timed_only_when_trained():
     config = UpgradeConfig()
     settings = AlignConfig(hidden=[16], batch_size=32, validation_fraction=0.2, uncertainty=True, disc=False,
                            epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
-    both = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8, trains=True,
+    with_disc = settings.model_copy(update={"disc": True})  # the map's network differs from its reference's
+    both = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, with_disc, 12, 8, trains=True,
                          checks=True)
     seconds = both["seconds"]
     assert seconds["embedding"] == round(160 * 0.01, 1) and seconds["map_training"] > 0
@@ -37,3 +38,12 @@ def test_the_map_and_its_reference_are_timed_only_when_trained():
                             checks=False)
     assert set(checked["seconds"]) == {"embedding", "total"} and "seconds_at_most" not in checked
     assert describe_planning(checked)[1] == "  planning takes about 2 s (embedding 2 s)"
+
+
+def test_a_map_that_is_its_own_reference_trains_once():
+    """separate without a disc term: the check takes the map's network as its reference."""
+    settings = AlignConfig(hidden=[16], batch_size=32, validation_fraction=0.2, uncertainty=True, disc=False,
+                           epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
+    once = planning_cost(UpgradeConfig(), 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8,
+                         trains=True, checks=True)
+    assert "map_training" in once["seconds"] and "reference_training" not in once["seconds"]

@@ -70,7 +70,7 @@ def planning_cost(config, num_items: int, map_positions: np.ndarray, eval_positi
     item, as measured; ``map_config``: the map's AlignConfig as the upgrade trains it, or None
     when no map is trained (``trains``: the registry has no map for the two versions; ``checks``:
     the check trains its l2-only reference)."""
-    from fastfill.components.experiment.map_check import reference_config
+    from fastfill.components.experiment.map_check import reference_config, shares_reference
     from fastfill.components.experiment.map_training import feature_schedule
 
     items = planned_items(map_positions, eval_positions, num_items)
@@ -79,6 +79,8 @@ def planning_cost(config, num_items: int, map_positions: np.ndarray, eval_positi
     if map_config is not None and len(map_positions) and (trains or checks):
         train_pairs = len(map_positions) - round(map_config.validation_fraction * len(map_positions))
         train_pairs = max(train_pairs, 2)
+        # a map that shares its reference's network is checked without training another
+        checks = checks and not shares_reference(map_config)
         maps = ([("map", map_config)] if trains else []) + ([("reference", reference_config(map_config))]
                                                               if checks else [])
     most = 0.0
