@@ -9,15 +9,22 @@ old model's ``--old-dim`` features to the new model's ``--new-dim``.
 Each layout runs in a process of its own (peak RSS is the process's; PostgreSQL's own memory is
 reported apart, from its processes), through the product's functions: adopt, commit_plan (the
 switch: the new model's vectors written with h(old), the ANN index built, readers moved: the Lance
-serving table overwritten, the pgvector view, the Milvus alias), write_chunk with the layout's
-chunk commit (Lance: one merge_insert commit; pgvector: the rows updated in one transaction with
-the chunk's record; Milvus: an upsert), finish; and searches, half way through the backfill and
-after the finish: ``--queries`` queries, k = 10, the latency per query and recall@10 against an
-exact search of the same mixed gallery (parts: `fastfill search`'s flat faiss index, exact; the
-others: the index itself, at the layout's defaults). The bytes each chunk writes: the store's
-folder's growth (parts, Lance, the Milvus Lite file kept in it) and PostgreSQL's WAL. PostgreSQL is
-pgserver's (16.2, pgvector 0.6.2) on this machine, over a Unix socket; Milvus is Milvus Lite.
-Writes reports/serving_index-<items>.{json,md}.
+serving table overwritten, the pgvector view, the Milvus alias, the Qdrant alias), write_chunk
+with the layout's chunk commit (Lance: one merge_insert commit; pgvector: the rows updated in one
+transaction with the chunk's record; Milvus and Qdrant: an upsert), finish; and searches, half way
+through the backfill and after the finish: ``--queries`` queries, k = 10, the latency per query
+and recall@10 against an exact search of the same mixed gallery (parts: `fastfill search`'s flat
+faiss index, exact; the others: the index itself, at the layout's defaults). The bytes each chunk
+writes: the store's folder's growth (parts, Lance, the Milvus Lite file and the Qdrant local-mode
+folder kept in it) and PostgreSQL's WAL; for the layouts whose index lives in the benchmark's
+process (parts, Lance, Qdrant's local mode), also the bytes the process passed to write calls
+(/proc/self/io wchar), which counts what is rewritten in place. PostgreSQL is pgserver's (16.2,
+pgvector 0.6.2) on this machine, over a Unix socket; Milvus is Milvus Lite; Qdrant is
+qdrant-client's local mode (``QdrantClient(path=...)``, a folder in the store's folder: points kept
+in SQLite a transaction each, exact search in numpy with the filter on ``model`` in Python, no
+server and no HNSW: its times are the local mode's, not a Qdrant server's). ``--layouts`` runs
+some of them (``--layouts parts,qdrant``: Qdrant beside the parts layout); ``--suffix`` names the
+report. Writes reports/serving_index-<items>[-<suffix>].{json,md}.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-LAYOUTS = ("parts", "lance", "pgvector", "milvus")
+LAYOUTS = ("parts", "lance", "pgvector", "milvus", "qdrant")
+IN_PROCESS = ("parts", "lance", "qdrant")  # whose writes are the benchmark process's own (no server)
 
 
 def _data(items: int, old_dim: int, new_dim: int, seed: int = 0) -> dict:
@@ -106,6 +114,16 @@ def _folder_bytes(root: str) -> int:
     return sum(seen.values())
 
 
+def _wchar() -> int:
+    """The bytes this process has passed to write calls (/proc/self/io's wchar): what an index kept
+    in the process (parts, Lance, Qdrant's local mode) writes, rewrites in place included, which the
+    folder's growth does not see."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _wal(pg_uri: str) -> int:
     import psycopg
 
@@ -133,7 +151,8 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
     store = open_store(root)
     config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann},
-                           milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"})
+                           milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"},
+                           qdrant={"url": os.path.join(root, "qdrant"), "alias": f"bench_{items}"})
     written = (lambda: _wal(pg_uri)) if layout == "pgvector" else (lambda: _folder_bytes(root))
     table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
                       "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
@@ -157,7 +176,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
 
     writing = gallery_at(store)
     mixed = data["mapped"].copy()
-    latencies, sizes = [], []
+    latencies, sizes, calls = [], [], []
     order = data["order"]
     chunks = [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
     half = len(chunks) // 2
@@ -165,19 +184,22 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     for number, lo, hi in chunks:
         positions = order[lo:hi]
         features = data["new"][positions]
-        before = written()
+        before, wrote = written(), _wchar()
         start = time.perf_counter()
         write_chunk(store, plan.id, number, lo, hi, features, start,
                     serve=functools.partial(writing.serve_chunk, plan, number, positions, features,
                                             np.ones(len(positions), bool)))
         latencies.append(time.perf_counter() - start)
         sizes.append(written() - before)
+        calls.append(_wchar() - wrote)
         mixed[positions] = features
         if number == half - 1:
             result["search_half_way"] = _search(layout, gallery_at(store), qs, mixed)
     times["chunk_commit_median"] = statistics.median(latencies)
     times["chunk_commit_per_10k_rows"] = statistics.median(latencies) * 10000 / chunk
     result["chunk_bytes_median"] = statistics.median(sizes)
+    if layout in IN_PROCESS:
+        result["chunk_wchar_median"] = statistics.median(calls)
     result["chunk_payload_bytes"] = chunk * new_dim * 4  # the new features alone
     start = time.perf_counter()
     ending.finish(gallery_at(store), plan)
@@ -202,6 +224,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which, comma-separated (parts first)")
     parser.add_argument("--pg-uri", default="")
     parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="ivfflat", help="gallery.pgvector.ann")
+    parser.add_argument("--suffix", default="", help="the report's name: reports/serving_index-<items>-<suffix>")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_layout(args.root, args.worker, args.items, args.old_dim, args.new_dim, args.chunk,
@@ -209,7 +232,8 @@ def main() -> None:
         return
     from testkit.local_postgres import start_postgres
 
-    uri = start_postgres("serving-pg-")  # stopped when this process ends, killed or not
+    # stopped when this process ends, killed or not
+    uri = start_postgres("serving-pg-") if "pgvector" in args.layouts.split(",") else ""
     results = {}
     for layout in args.layouts.split(","):
         root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
@@ -229,18 +253,20 @@ def main() -> None:
 
 def report(results: dict, args) -> None:
     layouts = list(results)
-    parts = results["parts"]
+    parts = results.get("parts", {"times": {}})  # the ratios are to the parts layout's, when it ran
     lines = [f"# The upgrade served from each layout's index: {args.items:,} rows, {args.old_dim}-d -> "
              f"{args.new_dim}-d, chunks of {args.chunk:,}", "",
              f"`python benchmarks/serving_index.py --items {args.items} --chunk {args.chunk} --queries {args.queries} "
-             f"--layouts {args.layouts} --ann {args.ann}` on "
+             f"--layouts {args.layouts} --ann {args.ann}{f' --suffix {args.suffix}' if args.suffix else ''}` on "
              f"{os.cpu_count()} cores, each layout in a process of its own, one after the other. "
              + " ".join(text for layout, text in (
                  ("lance", "Lance: the serving table, IVF_FLAT (partitions = sqrt(rows), nprobes 20)."),
                  ("pgvector", "pgvector: PostgreSQL 16.2 + pgvector 0.6.2 (pgserver), Unix socket; "
                   + ("HNSW m=16, ef_construction=64, ef_search=100." if args.ann == "hnsw"
                      else "IVFFlat, lists = sqrt(rows), probes = 10.")),
-                 ("milvus", "Milvus: Milvus Lite, HNSW m=16, ef_construction=64, ef=100."))
+                 ("milvus", "Milvus: Milvus Lite, HNSW m=16, ef_construction=64, ef=100."),
+                 ("qdrant", "Qdrant: qdrant-client's local mode (a folder in the store's; exact search in numpy, "
+                  "the filter on `model` in Python, no HNSW), in the layout's process."))
                  if layout in layouts), "",
              "| step (s) | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
     for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish"):
@@ -254,6 +280,11 @@ def report(results: dict, args) -> None:
         f"{results[layout]['chunk_bytes_median'] / 2 ** 20:.1f} MB "
         f"({results[layout]['chunk_bytes_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
         for layout in layouts) + " |")
+    if any("chunk_wchar_median" in results[layout] for layout in layouts):
+        lines.append("| bytes the process passed to write calls per chunk (median; in-process layouts) | " + " | ".join(
+            f"{results[layout]['chunk_wchar_median'] / 2 ** 20:.1f} MB "
+            f"({results[layout]['chunk_wchar_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
+            if "chunk_wchar_median" in results[layout] else "-" for layout in layouts) + " |")
     lines += ["", "| search (k = 10): latency ms median / p95, recall@10 | " + " | ".join(layouts) + " |",
               "|---|" + "---|" * len(layouts)]
     for when in ("search_half_way", "search_after_finish"):
@@ -267,7 +298,7 @@ def report(results: dict, args) -> None:
     lines.append("The switch per million rows (the new model's vectors written with h(old), the index built, "
                  "readers moved): " + ", ".join(f"{layout} {results[layout]['times']['switch'] / args.items * 1e6:.1f} s"
                                                 for layout in layouts) + ".")
-    out = ROOT / "reports" / f"serving_index-{args.items}"
+    out = ROOT / "reports" / f"serving_index-{args.items}{f'-{args.suffix}' if args.suffix else ''}"
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
