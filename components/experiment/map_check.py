@@ -245,7 +245,11 @@ def decide_map(method: str, config: AlignConfig, candidate, training: Pairs, ref
     if result.action != "fallback":
         return MapDecision("candidate", candidate, config, order, **decided)
     used, used_config, judged = ready, reference_config(config), None
-    if order == "sigma":
+    if order == "sigma" and shares_reference(config):  # the check just judged this map's sigma order: random
+        log("map check fallback: the map's sigma order is not shown to beat a random order of the same network; "
+            "random order")
+        order = "random"
+    elif order == "sigma":
         used, used_config, judged = fallback_map(method, config, ready, training, held, classifier,
                                                  distance=distance, device=device)
     if judged is not None:

@@ -240,10 +240,11 @@ class AlignConfig(Section):
 
     def for_upgrade(self) -> AlignConfig:
         """These settings for a gallery upgrade's map: conditioning and patience filled in where
-        null; with conditioning null, the joint weighting becomes the detached one (the map trains on
-        the unweighted loss, the head on the loss detached): on team pairs the joint one let the head
-        explain the error away (top-1 at 0% 15.2 against the l2-only map's 81.6 on the wide pair;
-        detached 80.4; benchmarks/team_map_conditioning.py). Conditioning set: taken as it is."""
+        null; with conditioning null, the joint weighting becomes the separate one (the map trains on
+        its terms alone, psi beside it on the map's outputs detached): on team pairs the joint one let
+        the head explain the error away (top-1 at 0% 15.2 against the l2-only map's 81.6 on the wide
+        pair), and psi's gradient through its input still cost the map top-1 (docs/results.md, "The
+        map on a team's features"). Conditioning set: taken as it is."""
         weighting = UPGRADE_WEIGHTING if self.conditioning is None and self.uncertainty_weighting == "joint" \
             else self.uncertainty_weighting
         return self.model_copy(update={
