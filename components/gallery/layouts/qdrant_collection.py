@@ -19,7 +19,9 @@ queries one collection and ``update_collection_aliases`` (the alias deleted and 
 one call) moves every reader at once, as Milvus's ``alter_alias``; a collection of the new model's
 dimension is built beside the served one while queries go on, and gc drops a whole collection.
 Named vectors would put both models' vectors on each point: the service's query names the vector,
-so the switch would be a change of the service's code, not of the index.
+so the switch would be a change of the service's code, not of the index; measured side by side
+(benchmarks/qdrant_choice.py, docs/serving.md), a reader moving on its own found a named vector
+half written (incomplete answers), the switch wrote a third more, and gc rewrote every point.
 
 During an upgrade:
 
