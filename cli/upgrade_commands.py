@@ -3,6 +3,7 @@ and abort."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -25,7 +26,6 @@ from fastfill.cli.gallery_commands import run_undo, show_status
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.cli.upgrade_progress import ProgressBar, progress_mode, progress_wanted
 from fastfill.components.gallery.advice.advisor import describe
-from fastfill.components.gallery.advice.planning_cost import describe_planning
 from fastfill.components.gallery.store.lock import break_lock
 from fastfill.components.gallery.upgrade.outcome import UpgradeResult
 from fastfill.components.gallery.upgrade.reversal import abortable
@@ -124,6 +124,29 @@ def _size(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1000
     return ""
+
+
+def describe_planning(planning: dict) -> list[str]:
+    """The dry run's lines for ``planning``."""
+    items, seconds = planning["embeds"], planning["seconds"]
+    parts = [f"embedding {seconds['embedding']:.0f} s"]
+    parts += [f"{label} {seconds[key]:.0f} s" for key, label in (("map_training", "the map's training"),
+                                                                ("reference_training", "the check's reference"))
+              if key in seconds]
+    lines = [f"  planning embeds {items['total']:,} items ({100 * items['share_of_gallery']:.1f}% of the gallery: "
+             f"map sample {items['map_sample']:,}, evaluation sample {items['evaluation_sample']:,} of which "
+             f"{items['evaluation_outside_map_sample']:,} outside it)",
+             f"  planning takes about {_duration(seconds['total'])} ({', '.join(parts)})"
+             + (f", at most {_duration(planning['seconds_at_most'])}" if "seconds_at_most" in planning else "")]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{math.ceil(seconds / 60)} min"
+    return f"{seconds:.0f} s"
 
 
 def _describe_dry_run(dry: DryRun) -> str:

@@ -20,6 +20,7 @@ maps are scored and judged is ``map_judging``'s; its names are importable from h
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,16 +69,11 @@ def shares_reference(config: AlignConfig) -> bool:
 
 
 def own_reference(h):
-    """The l2-only reference a ``shares_reference`` map carries: its network, without psi."""
-    from fastfill.components.experiment.models import AlignmentMap
-
-    shape = h.architecture
-    reference = AlignmentMap(h.old_dim, h.new_dim, shape["hidden"], False, shape["architecture"], shape["rbt_blocks"])
-    if h.scaled:
-        reference.set_scale(float(h.input_scale), float(h.output_scale))
-    reference.transform.load_state_dict(h.transform.state_dict())
-    parameter = next(h.parameters(), None)
-    return reference.to(parameter.device if parameter is not None else "cpu").eval()
+    """The l2-only reference a ``shares_reference`` map carries: a copy of its network, without psi."""
+    reference = copy.deepcopy(h).eval()
+    reference.uncertainty = None
+    reference.architecture = {**h.architecture, "uncertainty": False}
+    return reference
 
 
 def is_reference(config: AlignConfig) -> bool:

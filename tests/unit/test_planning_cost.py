@@ -3,12 +3,8 @@ embeds, each item once, and the seconds of its parts, the map's training measure
 
 import numpy as np
 
-from fastfill.components.gallery.advice.planning_cost import (
-    TYPICAL_EPOCHS,
-    describe_planning,
-    planned_items,
-    planning_cost,
-)
+from fastfill.cli.upgrade_commands import describe_planning
+from fastfill.components.gallery.advice.planning_cost import TYPICAL_EPOCHS, planned_items, planning_cost
 from fastfill.components.platform.config import AlignConfig, UpgradeConfig
 
 

@@ -13,11 +13,15 @@ early (``patience``), so the estimate gives the epochs the upgrade's maps ran on
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import numpy as np
+import torch
+
+from fastfill.components.experiment.inference import pick_device
+from fastfill.components.experiment.map_check import reference_config, shares_reference
+from fastfill.components.experiment.map_training import feature_schedule, train_alignment
 
 # the epochs an upgrade's map trained, patience included, on the team pairs of
 # benchmarks/team_map_conditioning.py (mean over its pairs and seeds, rounded up)
@@ -39,11 +43,6 @@ def epoch_seconds(config, old_dim: int, new_dim: int, pairs: int, seed: int = 0)
     """Seconds per epoch of the map ``config`` (an AlignConfig as the upgrade trains it) on
     ``pairs`` pairs of ``old_dim`` -> ``new_dim`` features, measured on this machine: the mean
     of ``TIMED_EPOCHS`` epochs after a first one (which pays one-time costs)."""
-    import torch
-
-    from fastfill.components.experiment.inference import pick_device
-    from fastfill.components.experiment.map_training import train_alignment
-
     rng = np.random.default_rng(seed)
     old = rng.standard_normal((pairs, old_dim), dtype=np.float32)
     new = rng.standard_normal((pairs, new_dim), dtype=np.float32)
@@ -70,9 +69,6 @@ def planning_cost(config, num_items: int, map_positions: np.ndarray, eval_positi
     item, as measured; ``map_config``: the map's AlignConfig as the upgrade trains it, or None
     when no map is trained (``trains``: the registry has no map for the two versions; ``checks``:
     the check trains its l2-only reference)."""
-    from fastfill.components.experiment.map_check import reference_config, shares_reference
-    from fastfill.components.experiment.map_training import feature_schedule
-
     items = planned_items(map_positions, eval_positions, num_items)
     seconds = {"embedding": round(items["total"] * seconds_per_item, 1)}
     maps = []
@@ -97,26 +93,3 @@ def planning_cost(config, num_items: int, map_positions: np.ndarray, eval_positi
                             "epochs an upgrade's map runs to its early stop on the team pairs measured "
                             "(seconds_at_most: every epoch it may run)")
     return estimate
-
-
-def describe_planning(planning: dict) -> list[str]:
-    """The dry run's lines for ``planning``."""
-    items, seconds = planning["embeds"], planning["seconds"]
-    parts = [f"embedding {seconds['embedding']:.0f} s"]
-    parts += [f"{label} {seconds[key]:.0f} s" for key, label in (("map_training", "the map's training"),
-                                                                ("reference_training", "the check's reference"))
-              if key in seconds]
-    lines = [f"  planning embeds {items['total']:,} items ({100 * items['share_of_gallery']:.1f}% of the gallery: "
-             f"map sample {items['map_sample']:,}, evaluation sample {items['evaluation_sample']:,} of which "
-             f"{items['evaluation_outside_map_sample']:,} outside it)",
-             f"  planning takes about {_duration(seconds['total'])} ({', '.join(parts)})"
-             + (f", at most {_duration(planning['seconds_at_most'])}" if "seconds_at_most" in planning else "")]
-    return lines
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 120:
-        return f"{math.ceil(seconds / 60)} min"
-    return f"{seconds:.0f} s"
