@@ -24,8 +24,8 @@ from fastfill.components.experiment.map_check import reference_config, shares_re
 from fastfill.components.experiment.map_training import feature_schedule, train_alignment
 
 # the epochs an upgrade's map trained, patience included, on the team pairs of
-# benchmarks/team_map_conditioning.py (mean over its pairs and seeds, rounded up)
-TYPICAL_EPOCHS = 40
+# benchmarks/team_map_conditioning.py (31.7 over its 5 pairs and 3 seeds, rounded up; at most 57)
+TYPICAL_EPOCHS = 32
 TIMED_EPOCHS = 3
 
 
