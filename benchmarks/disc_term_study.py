@@ -67,8 +67,10 @@ def data(name: str, train_items: int, pairs: int, gallery: int, seed: int):
             (test.images[shown, 0], test.labels[shown]))
 
 
-def embedders(train_images, train_labels, epochs: int, seed: int):
-    """The team's two models as the product loads them: (old ONNX embedder, new torchvision embedder)."""
+def embedders(train_images, train_labels, epochs: int, seed: int, penultimate: bool = False):
+    """The team's two models as the product loads them: (old ONNX embedder, new torchvision embedder).
+    The old model's ONNX graph ends in its classifier's logits (5-d), or with ``penultimate`` one
+    layer earlier, at the 1,024-d features a team exports a MobileNetV3-Small for retrieval."""
     import torch
     from safetensors.torch import save
 
@@ -76,6 +78,8 @@ def embedders(train_images, train_labels, epochs: int, seed: int):
     from fastfill.components.model_store.preprocessing import Preprocessing
 
     old, _, old_accuracy = train_model(OLD, train_images, train_labels, epochs, seed, 2)
+    if penultimate:
+        old.classifier[-1] = torch.nn.Identity()
     graph = io.BytesIO()
     torch.onnx.export(old, (torch.zeros(1, 3, 32, 32),), graph, dynamo=False, input_names=["images"],
                       dynamic_axes={"images": {0: "n"}})

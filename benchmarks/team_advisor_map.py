@@ -52,14 +52,17 @@ from benchmarks.disc_term_study import ROOT, arguments, data, embedders, feature
 Z = {"1 s.e.": 1.0, "2 s.e.": 2.0}
 
 
-def team_features(name: str, train_items: int, gallery: int, epochs: int, seed: int, cache: Path | None) -> dict:
-    """The team's pair on ``name``'s photos: old and new features of the gallery, and its hidden labels."""
-    path = cache / f"{name}-{train_items}-{gallery}-{epochs}-{seed}.npz" if cache else None
+def team_features(name: str, train_items: int, gallery: int, epochs: int, seed: int, cache: Path | None,
+                  penultimate: bool = False) -> dict:
+    """The team's pair on ``name``'s photos: old and new features of the gallery, and its hidden
+    labels; with ``penultimate``, the old model's 1,024-d features instead of its 5 logits."""
+    tag = "-1024" if penultimate else ""
+    path = cache / f"{name}-{train_items}-{gallery}-{epochs}-{seed}{tag}.npz" if cache else None
     if path is not None and path.is_file():
         with np.load(path) as arrays:
             return {k: arrays[k] for k in arrays.files}
     (train_images, train_labels), _, (gallery_images, labels) = data(name, train_items, 0, gallery, seed)
-    old_model, new_model, accuracy = embedders(train_images, train_labels, epochs, seed)
+    old_model, new_model, accuracy = embedders(train_images, train_labels, epochs, seed, penultimate)
     result = {"old": features(old_model, gallery_images, seed + 1), "new": features(new_model, gallery_images, seed + 1),
               "labels": labels, "old_accuracy": np.float64(accuracy["old_accuracy"]),
               "new_accuracy": np.float64(accuracy["new_accuracy"])}
