@@ -52,9 +52,12 @@ def bars(count: int, seed: int):
 
 
 def data(name: str, train_items: int, pairs: int, gallery: int, seed: int):
-    """(training images, labels), (pair images, labels), (gallery images, labels): grey 28x28."""
-    if name == "bars":
-        images, labels = bars(train_items + pairs + gallery, seed)
+    """(training images, labels), (pair images, labels), (gallery images, labels): grey 28x28
+    (``shapes``: RGB 48x48, ``benchmarks/team_shapes``)."""
+    if name in ("bars", "shapes"):
+        from benchmarks.team_shapes import shapes
+
+        images, labels = (shapes if name == "shapes" else bars)(train_items + pairs + gallery, seed)
         cut = [train_items, train_items + pairs]
         return ((images[:cut[0]], labels[:cut[0]]), (images[cut[0]:cut[1]], labels[cut[0]:cut[1]]),
                 (images[cut[1]:], labels[cut[1]:]))

@@ -1,11 +1,15 @@
 """A team's upgrade between two models of its own, without labels: is the advisor's stated error
-right, and why does the map check fall back? Measured on two data sets.
+right, and why does the map check fall back? Measured on three data sets.
 
 The team's pair is ``benchmarks/disc_term_study``'s (an ONNX MobileNetV3-Small, old, trained on
 classes 0-4 only; a torchvision ResNet-18, new, all classes; both trained briefly here and run
 through the product's embedders) on two data sets made into RGB photos: ``fashion``
-(Fashion-MNIST) and ``bars`` (the synthetic bars). ``--pipeline ARTIFACTS:DATA`` adds a third:
-the pipeline's own two models on the Fashion-MNIST test split (a ``fastfill run``'s output).
+(Fashion-MNIST) and ``bars`` (the synthetic bars). A third data set has a pair of its own:
+``shapes`` (``benchmarks/team_shapes``: ten kinds of shape drawn in random colours, positions,
+sizes and tilts on random backgrounds), old a ShuffleNetV2 x0.5 as ONNX at its 1,024-d pooled
+features, new an EfficientNet-B0 through the product's torchvision embedder (1,280-d).
+``--pipeline ARTIFACTS:DATA`` adds another: the pipeline's own two models on the Fashion-MNIST
+test split (a ``fastfill run``'s output).
 
 For each data set, the gallery is ``--gallery`` items and the upgrade is carried out as the
 product does without labels, at the array level (no server, no store):
@@ -48,8 +52,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.disc_term_study import ROOT, arguments, data, embedders, features, study_configs  # noqa: E402
+from benchmarks.team_own_models import NEW, OLD  # noqa: E402
+from benchmarks.team_shapes import NEW as SHAPES_NEW  # noqa: E402
+from benchmarks.team_shapes import OLD as SHAPES_OLD  # noqa: E402
+from benchmarks.team_shapes import embedders as shapes_embedders  # noqa: E402
 
 Z = {"1 s.e.": 1.0, "2 s.e.": 2.0}
+PAIRS = {"shapes": (f"{SHAPES_OLD['architecture']} (ONNX)", f"{SHAPES_NEW['architecture']} (torchvision)")}
+TEAM_PAIR = (f"{OLD['architecture']} (ONNX, classes 0-4)", f"{NEW['architecture']} (torchvision)")
 
 
 def team_features(name: str, train_items: int, gallery: int, epochs: int, seed: int, cache: Path | None,
@@ -62,7 +72,10 @@ def team_features(name: str, train_items: int, gallery: int, epochs: int, seed: 
         with np.load(path) as arrays:
             return {k: arrays[k] for k in arrays.files}
     (train_images, train_labels), _, (gallery_images, labels) = data(name, train_items, 0, gallery, seed)
-    old_model, new_model, accuracy = embedders(train_images, train_labels, epochs, seed, penultimate)
+    if name == "shapes":  # its own pair (team_shapes), the old model's penultimate features
+        old_model, new_model, accuracy = shapes_embedders(train_images, train_labels, epochs, seed)
+    else:
+        old_model, new_model, accuracy = embedders(train_images, train_labels, epochs, seed, penultimate)
     result = {"old": features(old_model, gallery_images, seed + 1), "new": features(new_model, gallery_images, seed + 1),
               "labels": labels, "old_accuracy": np.float64(accuracy["old_accuracy"]),
               "new_accuracy": np.float64(accuracy["new_accuracy"])}
@@ -193,7 +206,7 @@ def calibration(feats: dict, transformed: np.ndarray, order: np.ndarray, judged:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--datasets", default="fashion,bars")
+    parser.add_argument("--datasets", default="fashion,bars,shapes")
     parser.add_argument("--pipeline", default=None, help="ARTIFACTS:DATA of a fastfill run: its models as a data set")
     parser.add_argument("--train-items", type=int, default=6000)
     parser.add_argument("--gallery", type=int, default=3000)
@@ -231,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"dataset": name, "items": int(len(feats["labels"])),
                         **{k: v for k, v in upgrade.items() if k not in ("transformed", "order")},
                         "accuracy": {k: float(feats[k]) for k in ("old_accuracy", "new_accuracy") if k in feats},
+                        "models": list(PAIRS.get(name, TEAM_PAIR)) if not spec else ["pipeline old", "pipeline new"],
+                        "dims": [int(feats["old"].shape[1]), int(feats["new"].shape[1])],
                         "advisor": runs})
     report = {"arguments": arguments(args), "seconds": time.perf_counter() - started, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +261,14 @@ def markdown(report: dict) -> str:
              f"`benchmarks/team_advisor_map.py` ({report['seconds']:.0f} s on 2 CPU cores); gallery "
              f"{args['gallery']} items, map sample `gallery.upgrade.map_sample` {args['map_sample']}, K-means "
              f"pseudo-classes, {args['judged']} judged queries (class-level), {args['draws']} draws.", "",
+             "## The team's models (held-out accuracy: 10% of the training photos, %)", "",
+             "| data set | old model | new model | dims, old -> new | old accuracy | new accuracy |",
+             "|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        models, dims, accuracy = r.get("models", ["", ""]), r.get("dims", ["", ""]), r.get("accuracy", {})
+        lines.append(f"| {r['dataset']} | {models[0]} | {models[1]} | {dims[0]} -> {dims[1]} | "
+                     f"{accuracy.get('old_accuracy', '')} | {accuracy.get('new_accuracy', '')} |")
+    lines += ["",
              "## What each map is worth (hidden labels, whole gallery; top1_auc / map_auc, top-1 at 0% and 100%, %)", "",
              "| data set | map sample | held out | check | used | l2-only, random | FastFill, random | FastFill, sigma | used |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -56,11 +56,13 @@ NEW = {"architecture": "resnet18", "classes": list(range(10)),
 
 
 def photo(grey: np.ndarray, rng: np.random.Generator):
-    """A Fashion-MNIST image as a team's photo: RGB with a colour tint, resized to a random size."""
+    """A Fashion-MNIST image as a team's photo: RGB with a colour tint, resized to a random size
+    (an RGB image, (H, W, 3), is tinted and resized the same way)."""
     from PIL import Image
 
     tint = rng.uniform(0.55, 1.0, size=3)
-    rgb = np.clip(grey[..., None].astype(np.float64) * tint, 0, 255).astype(np.uint8)
+    pixels = grey if grey.ndim == 3 else grey[..., None]
+    rgb = np.clip(pixels.astype(np.float64) * tint, 0, 255).astype(np.uint8)
     width, height = (int(x) for x in rng.integers(28, 113, size=2))
     return Image.fromarray(rgb, "RGB").resize((width, height), Image.Resampling.BICUBIC)
 
