@@ -39,8 +39,13 @@ them, components/experiment/losses.py; no scheduler, validation, checkpoint, cli
 Inside each product training the layers are timed by wrapping the product's functions for the
 run (per-epoch validation, the optimiser's step, gradient clipping, the scheduler, the
 finite-weights test, weight snapshots, the log, checkpoint writes; the map's forward and the
-backward pass); the rest of the loop is what no wrapper covers. With ``--profile`` one more run of
-the FastFill map under cProfile lists the functions that take its time.
+backward pass); the rest of the loop is what no wrapper covers. A layer that slows the steps after
+it shows in their seconds, not its own: one toggle measures it, ``product, held-out retrieval on
+one BLAS thread``, the FastFill map's training with the held-out retrieval of its per-epoch
+validation (numpy's matrix product) run with numpy's BLAS held to one thread (threadpoolctl),
+nothing else changed (its weights are compared with the product's, bit for bit). With
+``--profile`` one more run of the FastFill map under cProfile lists the functions that take its
+time.
 
 Everything runs with ``--threads`` torch threads (2) and flushed denormals (the product's loop
 sets them; the bare loops get the same), ``--repeats`` times interleaved (the order alternates
@@ -78,6 +83,7 @@ TARGET_RATIO = 1.2  # the product's loop against a bare loop of the same steps
 PSEUDO_CLASSES = 50  # gallery.upgrade.pseudo_classes
 LOOP = "training loop"  # the product's epoch loop (_train_on_features): the other training layers run inside it
 STEP_LAYERS = ("forward (training batches)", "loss terms", "backward", "optimiser step (ExactAdam)")  # a bare step's
+TOGGLE = "product, held-out retrieval on one BLAS thread"
 CHECKS = ("map check", "map check, handed the trained reference")
 CHECK_LAYERS = ("fitted head", "judgment (map vs reference)", "order judgment (fitted head)")  # not nested
 
@@ -293,6 +299,28 @@ def timed_layers():
             setattr(owner, name, value)
 
 
+@contextlib.contextmanager
+def one_blas_thread_validation():
+    """A toggle: within the block, the held-out retrieval of the map's per-epoch validation
+    (``map_training.retrieval_at_zero``, numpy's matrix product on its BLAS's own threads) runs
+    with that BLAS held to one thread (threadpoolctl), the rest of the training as it is."""
+    from threadpoolctl import ThreadpoolController
+
+    from fastfill.components.experiment import map_training
+
+    controller, original = ThreadpoolController(), map_training.retrieval_at_zero
+
+    def retrieval_at_zero(*args, **kwargs):
+        with controller.limit(limits=1, user_api="blas"):
+            return original(*args, **kwargs)
+
+    map_training.retrieval_at_zero = retrieval_at_zero
+    try:
+        yield
+    finally:
+        map_training.retrieval_at_zero = original
+
+
 # ---------------------------------------------------------------- one repeat
 
 
@@ -373,11 +401,12 @@ def bare_loops(config, conditioned: tuple, steps: int, uncertainty: bool) -> dic
     return out
 
 
-def same_network(h, reference) -> bool:
-    """Whether the map's network (without psi) has the trained reference's weights, bit for bit."""
+def same_network(h, reference, psi: bool = False) -> bool:
+    """Whether the map's network (with ``psi``, its whole state) has the other's weights, bit for bit."""
     import torch
 
-    mine, theirs = h.transform.state_dict(), reference.transform.state_dict()
+    mine, theirs = (h.state_dict(), reference.state_dict()) if psi else (h.transform.state_dict(),
+                                                                         reference.transform.state_dict())
     return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
@@ -402,11 +431,22 @@ def one_repeat(repeat: int, configs: dict, pair: dict, conditioned: tuple, steps
     trained = {}
     for part, config in configs.items():
         uncertainty = part == "FastFill map"
+        method = "fastfill" if uncertainty else ""
         bare_runs = None if product_first else bare_loops(config, conditioned, steps[part], uncertainty)
-        out[part] = product_training(config, pair, rows, head, "fastfill" if uncertainty else "")
+        toggled = None
+        if uncertainty and not product_first:
+            with one_blas_thread_validation():
+                toggled = product_training(config, pair, rows, head, method)
+        out[part] = product_training(config, pair, rows, head, method)
         trained[part] = out[part].pop("map")
         steps.setdefault(part, out[part]["steps"])  # the first repeat's: the bare loops' steps
         out[part]["bare"] = bare_runs or bare_loops(config, conditioned, steps[part], uncertainty)
+        if uncertainty:
+            if toggled is None:
+                with one_blas_thread_validation():
+                    toggled = product_training(config, pair, rows, head, method)
+            toggled["same_weights"] = same_network(toggled.pop("map"), trained[part], psi=True)
+            out[part]["toggles"] = {TOGGLE: toggled}
     out["map check"] = product_check(configs["FastFill map"], pair, rows, head, trained["FastFill map"])
     out["map check, handed the trained reference"] = product_check(
         configs["FastFill map"], pair, rows, head, trained["FastFill map"], trained["l2-only reference"])
@@ -504,7 +544,20 @@ def summarize(repeats: list[dict], configs: dict) -> dict:
             layers[name] = {"seconds": statistics.median(seconds),
                             "calls": None if None in calls else statistics.median(calls),
                             "share": statistics.median([s / run["seconds"] for s, run in zip(seconds, runs, strict=True)])}
-        parts[part] = {"seconds": spread([run["seconds"] for run in runs]),
+        toggles = {}
+        for name in runs[0].get("toggles", {}):
+            loop = [run["toggles"][name] for run in runs]
+            loop_per_step = [t["seconds"] / t["steps"] for t in loop]
+            toggles[name] = {
+                "seconds": spread([t["seconds"] for t in loop]), "cpu_seconds": spread([t["cpu_seconds"] for t in loop]),
+                "steps": loop[0]["steps"], "seconds_per_step": spread(loop_per_step),
+                "same_weights": [t["same_weights"] for t in loop],
+                "in_run_ratio": spread([t["in_run_ratio"] for t in loop]),
+                "ratio_to_bare": {bare_name: spread([t / (run["bare"][bare_name]["seconds"] / run["bare"][bare_name]["steps"])
+                                                     for t, run in zip(loop_per_step, runs, strict=True)])
+                                  for bare_name in runs[0]["bare"]},
+                "ratio_to_product": spread([t / p for t, p in zip(loop_per_step, per_step, strict=True)])}
+        parts[part] = {"seconds": spread([run["seconds"] for run in runs]), "toggles": toggles,
                        "cpu_seconds": spread([run["cpu_seconds"] for run in runs]), "epochs": runs[0]["epochs"],
                        "epochs_each": [run["epochs"] for run in runs], "steps": runs[0]["steps"],
                        "steps_each": [run["steps"] for run in runs], "kept_epoch": runs[0]["kept_epoch"],
@@ -592,6 +645,9 @@ def markdown(result: dict) -> str:
         p = parts[part]
         lines.append(f"| {part} | product (`train_alignment`) | {fmt(p['seconds']['median'])} "
                      f"({fmt(p['seconds']['min'])}) | {fmt(p['seconds_per_step']['median'], 4)} | 1.00 | | 1.00 |")
+        for name, t in p.get("toggles", {}).items():
+            lines.append(f"| {part} | {name} | {fmt(t['seconds']['median'])} ({fmt(t['seconds']['min'])}) | "
+                         f"{fmt(t['seconds_per_step']['median'], 4)} | {fmt(t['ratio_to_product']['median'])} | | |")
         for name, b in p["bare"].items():
             lines.append(f"| {part} | {name} | {fmt(b['seconds']['median'])} ({fmt(b['seconds']['min'])}) | "
                          f"{fmt(b['seconds_per_step']['median'], 4)} | **{fmt(b['ratio']['median'])}** "
@@ -601,7 +657,19 @@ def markdown(result: dict) -> str:
     lines += ["", "Bare loops: `bare, torch Adam` and `bare, ExactAdam` run the product's network (its linear layers "
               "on oneDNN, components/experiment/dense.py) in this process under the pinned kernels; `bare, plain torch` "
               "runs nn.Linear with torch.optim.Adam in a fresh process with the machine's own kernels. None has a "
-              "scheduler, validation, clipping, checkpoint or log.", "",
+              "scheduler, validation, clipping, checkpoint or log.", ""]
+    for part in ("FastFill map", "l2-only reference"):
+        for name, t in parts[part].get("toggles", {}).items():
+            lines += [f"Toggle, {part}: `{name}` is the product's training with the held-out retrieval of its "
+                      "per-epoch validation (`map_training.retrieval_at_zero`: numpy's matrix product) run with numpy's "
+                      "BLAS held to one thread (threadpoolctl), nothing else changed; its row's ratio is to the product "
+                      "as it is. Against the bare loops, median (min, max): "
+                      + "; ".join(f"{bare_name} **{fmt(r['median'])}** ({fmt(r['min'])}, {fmt(r['max'])})"
+                                  for bare_name, r in t["ratio_to_bare"].items())
+                      + f". Its weights are the product's bit for bit: {', '.join(map(str, t['same_weights']))} "
+                      f"(each repeat); within the run, seconds / its steps' seconds: {fmt(t['in_run_ratio']['median'])}.",
+                      ""]
+    lines += [
               "Within each product run, from its layers' timers (the same load for all of them): the part's seconds / "
               "the seconds of its steps' forward, loss terms, backward and optimiser step (what a bare loop with "
               "ExactAdam does), median (min, max): "
@@ -611,6 +679,8 @@ def markdown(result: dict) -> str:
     for part in ("FastFill map", "l2-only reference"):
         p = parts[part]
         lines += [f"## Where the {part}'s time goes", "",
+                  "Each layer's own seconds; a layer that slows the steps after it (see the toggle above) shows in "
+                  "their forward and backward.", "",
                   "| layer | seconds (median) | calls | share of the part |", "|---|---|---|---|"]
         for name, layer in sorted(p["layers"].items(), key=lambda item: -item[1]["seconds"]):
             calls = "" if layer["calls"] is None else f"{layer['calls']:g}"
