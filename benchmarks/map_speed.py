@@ -41,11 +41,11 @@ run (per-epoch validation, the optimiser's step, gradient clipping, the schedule
 finite-weights test, weight snapshots, the log, checkpoint writes; the map's forward and the
 backward pass); the rest of the loop is what no wrapper covers. A layer that slows the steps after
 it shows in their seconds, not its own: one toggle measures it, ``product, held-out retrieval on
-one BLAS thread``, the FastFill map's training with the held-out retrieval of its per-epoch
-validation (numpy's matrix product) run with numpy's BLAS held to one thread (threadpoolctl),
-nothing else changed (its weights are compared with the product's, bit for bit). With
-``--profile`` one more run of the FastFill map under cProfile lists the functions that take its
-time.
+numpy's BLAS threads``, the FastFill map's training with the held-out retrieval of its per-epoch
+validation (numpy's matrix product) on numpy's BLAS's own threads instead of the one thread the
+product holds it to (threadpoolctl, components/experiment/map_validation.py), nothing else
+changed (its weights are compared with the product's, bit for bit). With ``--profile`` one more
+run of the FastFill map under cProfile lists the functions that take its time.
 
 Everything runs with ``--threads`` torch threads (2) and flushed denormals (the product's loop
 sets them; the bare loops get the same), ``--repeats`` times interleaved (the order alternates
@@ -83,7 +83,7 @@ from benchmarks.map_speed_report import CHECKS, TARGET_RATIO, TARGET_SECONDS, ma
 PSEUDO_CLASSES = 50  # gallery.upgrade.pseudo_classes
 LOOP = "training loop"  # the product's epoch loop (_train_on_features): the other training layers run inside it
 STEP_LAYERS = ("forward (training batches)", "loss terms", "backward", "optimiser step (ExactAdam)")  # a bare step's
-TOGGLE = "product, held-out retrieval on one BLAS thread"
+TOGGLE = "product, held-out retrieval on numpy's BLAS threads"
 CHECK_LAYERS = ("fitted head", "judgment (map vs reference)", "order judgment (fitted head)")  # not nested
 
 
@@ -299,19 +299,19 @@ def timed_layers():
 
 
 @contextlib.contextmanager
-def one_blas_thread_validation():
+def free_blas_validation():
     """A toggle: within the block, the held-out retrieval of the map's per-epoch validation
-    (``map_training.retrieval_at_zero``, numpy's matrix product on its BLAS's own threads) runs
-    with that BLAS held to one thread (threadpoolctl), the rest of the training as it is."""
-    from threadpoolctl import ThreadpoolController
-
+    (``map_training.retrieval_at_zero``, numpy's matrix product) runs on numpy's BLAS's own
+    threads, as it did before the product held it to one thread (threadpoolctl); the rest of the
+    training as it is."""
+    from fastfill.components.evaluation import retrieval_metrics
     from fastfill.components.experiment import map_training
 
-    controller, original = ThreadpoolController(), map_training.retrieval_at_zero
+    original = map_training.retrieval_at_zero
 
-    def retrieval_at_zero(*args, **kwargs):
-        with controller.limit(limits=1, user_api="blas"):
-            return original(*args, **kwargs)
+    def retrieval_at_zero(transformed, new, labels, distance="l2"):
+        metrics = retrieval_metrics(new, transformed, labels, distance=distance)
+        return {"top1": float(metrics["top1"]), "map": float(metrics["map"])}
 
     map_training.retrieval_at_zero = retrieval_at_zero
     try:
@@ -434,7 +434,7 @@ def one_repeat(repeat: int, configs: dict, pair: dict, conditioned: tuple, steps
         bare_runs = None if product_first else bare_loops(config, conditioned, steps[part], uncertainty)
         toggled = None
         if uncertainty and not product_first:
-            with one_blas_thread_validation():
+            with free_blas_validation():
                 toggled = product_training(config, pair, rows, head, method)
         out[part] = product_training(config, pair, rows, head, method)
         trained[part] = out[part].pop("map")
@@ -442,7 +442,7 @@ def one_repeat(repeat: int, configs: dict, pair: dict, conditioned: tuple, steps
         out[part]["bare"] = bare_runs or bare_loops(config, conditioned, steps[part], uncertainty)
         if uncertainty:
             if toggled is None:
-                with one_blas_thread_validation():
+                with free_blas_validation():
                     toggled = product_training(config, pair, rows, head, method)
             toggled["same_weights"] = same_network(toggled.pop("map"), trained[part], psi=True)
             out[part]["toggles"] = {TOGGLE: toggled}

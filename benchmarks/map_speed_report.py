@@ -84,9 +84,9 @@ def markdown(result: dict) -> str:
     for part in ("FastFill map", "l2-only reference"):
         for name, t in parts[part].get("toggles", {}).items():
             lines += [f"Toggle, {part}: `{name}` is the product's training with the held-out retrieval of its "
-                      "per-epoch validation (`map_training.retrieval_at_zero`: numpy's matrix product) run with numpy's "
-                      "BLAS held to one thread (threadpoolctl), nothing else changed; its row's ratio is to the product "
-                      "as it is. Against the bare loops, median (min, max): "
+                      "per-epoch validation (`map_training.retrieval_at_zero`: numpy's matrix product) run on numpy's "
+                      "BLAS's own threads, not the one thread the product holds it to (threadpoolctl), nothing else "
+                      "changed; its row's ratio is to the product as it is. Against the bare loops, median (min, max): "
                       + "; ".join(f"{bare_name} **{fmt(r['median'])}** ({fmt(r['min'])}, {fmt(r['max'])})"
                                   for bare_name, r in t["ratio_to_bare"].items())
                       + f". Its weights are the product's bit for bit: {', '.join(map(str, t['same_weights']))} "

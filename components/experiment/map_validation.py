@@ -8,8 +8,10 @@ seed on the same pairs (the method's map and its l2-only reference) holds out th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from fastfill.components.evaluation import retrieval_metrics
 from fastfill.components.platform.config import ConfigError
@@ -59,10 +61,20 @@ class ValidationPairs:
         return ValidationPairs(self.old[keep], self.new[keep], self.rows[keep])
 
 
-def retrieval_at_zero(transformed: np.ndarray, new: np.ndarray, labels: np.ndarray, distance: str = "l2") -> dict:
-    """Top-1 and mAP with every gallery item still on its transformed old feature (0% backfill)."""
+@cache
+def _blas() -> ThreadpoolController:
+    return ThreadpoolController()
 
-    metrics = retrieval_metrics(new, transformed, labels, distance=distance)
+
+def retrieval_at_zero(transformed: np.ndarray, new: np.ndarray, labels: np.ndarray, distance: str = "l2") -> dict:
+    """Top-1 and mAP with every gallery item still on its transformed old feature (0% backfill).
+
+    It runs once per epoch between training steps, with numpy's BLAS held to one thread: left on
+    its own threads, they spin after the product and take the cores from the next steps (the
+    training loop ran at about 2x a bare one; benchmarks/map_speed.py)."""
+
+    with _blas().limit(limits=1, user_api="blas"):
+        metrics = retrieval_metrics(new, transformed, labels, distance=distance)
     return {"top1": float(metrics["top1"]), "map": float(metrics["map"])}
 
 

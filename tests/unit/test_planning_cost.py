@@ -4,7 +4,7 @@ embeds, each item once, and the seconds of its parts, the map's training measure
 import numpy as np
 
 from fastfill.cli.upgrade_commands import describe_planning
-from fastfill.components.gallery.advice.planning_cost import TYPICAL_EPOCHS, planned_items, planning_cost
+from fastfill.components.gallery.advice.planning_cost import TYPICAL_EPOCHS, epoch_seconds, planned_items, planning_cost
 from fastfill.components.platform.config import AlignConfig, UpgradeConfig
 
 
@@ -22,8 +22,10 @@ def test_the_map_and_its_reference_are_timed_only_when_trained():
     both = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, with_disc, 12, 8, trains=True,
                          checks=True)
     seconds = both["seconds"]
-    assert seconds["embedding"] == round(160 * 0.01, 1) and seconds["map_training"] > 0
-    assert seconds["reference_training"] > 0
+    assert seconds["embedding"] == round(160 * 0.01, 1)
+    # both trained maps are timed (on 96 pairs either may round to 0.0 s on a fast machine: the
+    # unrounded epoch is measured below)
+    assert seconds["map_training"] >= 0 and seconds["reference_training"] >= 0
     assert seconds["total"] == round(seconds["embedding"] + seconds["map_training"] + seconds["reference_training"], 1)
     assert both["seconds_at_most"] >= seconds["total"] - 0.1 and str(TYPICAL_EPOCHS) in both["note"]
     lines = describe_planning(both)
@@ -43,3 +45,9 @@ def test_a_map_that_is_its_own_reference_trains_once():
     once = planning_cost(UpgradeConfig(), 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8,
                          trains=True, checks=True)
     assert "map_training" in once["seconds"] and "reference_training" not in once["seconds"]
+
+
+def test_an_epoch_is_measured_not_assumed():
+    settings = AlignConfig(hidden=[16], batch_size=32, validation_fraction=0.2, uncertainty=True, disc=False,
+                           epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
+    assert 0 < epoch_seconds(settings, 12, 8, 120) < 60
