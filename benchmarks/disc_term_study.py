@@ -29,7 +29,6 @@ labels (top1_auc, map_auc, in %), ``--seeds`` seeds. Writes ``<out>.md`` and ``<
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.team_own_models import NEW, OLD, _encoded, fashion, photo, train_model, write_report  # noqa: E402
+from benchmarks.team_own_models import NEW, OLD, _encoded, embedder_pair, fashion, photo, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,25 +74,11 @@ def embedders(train_images, train_labels, epochs: int, seed: int, penultimate: b
     The old model's ONNX graph ends in its classifier's logits (5-d), or with ``penultimate`` one
     layer earlier, at the 1,024-d features a team exports a MobileNetV3-Small for retrieval."""
     import torch
-    from safetensors.torch import save
 
-    from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
-    from fastfill.components.model_store.preprocessing import Preprocessing
+    def cut(network) -> None:
+        network.classifier[-1] = torch.nn.Identity()
 
-    old, _, old_accuracy = train_model(OLD, train_images, train_labels, epochs, seed, 2)
-    if penultimate:
-        old.classifier[-1] = torch.nn.Identity()
-    graph = io.BytesIO()
-    torch.onnx.export(old, (torch.zeros(1, 3, 32, 32),), graph, dynamo=False, input_names=["images"],
-                      dynamic_axes={"images": {0: "n"}})
-    new, _, new_accuracy = train_model(NEW, train_images, train_labels, epochs, seed + 1, 2)
-    from safetensors.torch import load
-
-    state = load(save({k: v.contiguous() for k, v in new.state_dict().items()}))
-    old_embedder = OnnxEmbedder(graph.getvalue(), Preprocessing(**OLD["preprocessing"]))
-    new_embedder = TorchvisionEmbedder(NEW["architecture"], state, Preprocessing(**NEW["preprocessing"]))
-    old_embedder.probe(), new_embedder.probe()
-    return old_embedder, new_embedder, {"old_accuracy": old_accuracy, "new_accuracy": new_accuracy}
+    return embedder_pair(OLD, NEW, train_images, train_labels, epochs, seed, cut if penultimate else None)
 
 
 def features(model, images, seed: int) -> np.ndarray:

@@ -129,6 +129,34 @@ def train_model(spec: dict, images: np.ndarray, labels: np.ndarray, epochs: int,
     return net, round(time.perf_counter() - started, 1), round(100 * accuracy, 2)
 
 
+def embedder_pair(old_spec: dict, new_spec: dict, images: np.ndarray, labels: np.ndarray, epochs: int, seed: int,
+                  cut=None):
+    """A team's two models as the product loads them, trained here (``train_model``, 2 threads):
+    (old ONNX embedder, new torchvision embedder from safetensors weights, held-out accuracies).
+    ``cut(network)``, when given, changes the old network before its export (e.g. drops its
+    classifier so the graph ends at the features a team exports for retrieval)."""
+    import io
+
+    import torch
+    from safetensors.torch import load, save
+
+    from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
+    from fastfill.components.model_store.preprocessing import Preprocessing
+
+    old, _, old_accuracy = train_model(old_spec, images, labels, epochs, seed, 2)
+    if cut is not None:
+        cut(old)
+    graph = io.BytesIO()
+    torch.onnx.export(old.eval(), (torch.zeros(1, 3, 32, 32),), graph, dynamo=False, input_names=["images"],
+                      dynamic_axes={"images": {0: "n"}})
+    new, _, new_accuracy = train_model(new_spec, images, labels, epochs, seed + 1, 2)
+    state = load(save({k: v.contiguous() for k, v in new.state_dict().items()}))
+    old_embedder = OnnxEmbedder(graph.getvalue(), Preprocessing(**old_spec["preprocessing"]))
+    new_embedder = TorchvisionEmbedder(new_spec["architecture"], state, Preprocessing(**new_spec["preprocessing"]))
+    old_embedder.probe(), new_embedder.probe()
+    return old_embedder, new_embedder, {"old_accuracy": old_accuracy, "new_accuracy": new_accuracy}
+
+
 def write_report(out: Path, text: str, report: dict) -> Path:
     """``text`` printed and written to ``out``.md, ``report`` to ``out``.json (``out`` relative to
     the working folder unless absolute); returns the resolved ``out``."""

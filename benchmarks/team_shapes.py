@@ -19,7 +19,6 @@ widths than the fashion and bars pair's.
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -150,21 +149,10 @@ def embedders(train_images, train_labels, epochs: int, seed: int, penultimate: b
     held-out accuracies); the old graph ends at ShuffleNetV2's pooled 1,024 channels, or with
     ``penultimate`` False at its class scores."""
     import torch
-    from safetensors.torch import load, save
 
-    from benchmarks.team_own_models import train_model
-    from fastfill.components.model_store.embedders import OnnxEmbedder, TorchvisionEmbedder
-    from fastfill.components.model_store.preprocessing import Preprocessing
+    from benchmarks.team_own_models import embedder_pair
 
-    old, _, old_accuracy = train_model(OLD, train_images, train_labels, epochs, seed, 2)
-    if penultimate:  # the last convolution's channels, averaged over space: what feeds the classifier
-        old.fc = torch.nn.Identity()
-    graph = io.BytesIO()
-    torch.onnx.export(old.eval(), (torch.zeros(1, 3, 32, 32),), graph, dynamo=False, input_names=["images"],
-                      dynamic_axes={"images": {0: "n"}})
-    new, _, new_accuracy = train_model(NEW, train_images, train_labels, epochs, seed + 1, 2)
-    state = load(save({k: v.contiguous() for k, v in new.state_dict().items()}))
-    old_embedder = OnnxEmbedder(graph.getvalue(), Preprocessing(**OLD["preprocessing"]))
-    new_embedder = TorchvisionEmbedder(NEW["architecture"], state, Preprocessing(**NEW["preprocessing"]))
-    old_embedder.probe(), new_embedder.probe()
-    return old_embedder, new_embedder, {"old_accuracy": old_accuracy, "new_accuracy": new_accuracy}
+    def cut(network) -> None:  # the last convolution's channels, averaged over space: what feeds the classifier
+        network.fc = torch.nn.Identity()
+
+    return embedder_pair(OLD, NEW, train_images, train_labels, epochs, seed, cut if penultimate else None)

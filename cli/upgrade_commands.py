@@ -135,7 +135,9 @@ def describe_planning(planning: dict) -> list[str]:
               if key in seconds]
     lines = [f"  planning embeds {items['total']:,} items ({100 * items['share_of_gallery']:.1f}% of the gallery: "
              f"map sample {items['map_sample']:,}, evaluation sample {items['evaluation_sample']:,} of which "
-             f"{items['evaluation_outside_map_sample']:,} outside it)",
+             f"{items['evaluation_outside_map_sample']:,} outside it)"
+             + (f"; the evaluation sample measures top-1 within ± {items['evaluation_standard_error']:.1f} points "
+                "(one standard error, at worst)" if items.get("evaluation_standard_error") is not None else ""),
              f"  planning takes about {_duration(seconds['total'])} ({', '.join(parts)})"
              + (f", at most {_duration(planning['seconds_at_most'])}" if "seconds_at_most" in planning else "")]
     return lines

@@ -534,8 +534,14 @@ class UpgradeConfig(Section):
                                      "e.g. tcp://10.0.0.5:8786; null with dask = a temporary local cluster")
     budget: Annotated[float, Field(gt=0, le=1)] | Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="stop the backfill after this fraction (0 < f <= 1.0) or count of items")
-    eval_queries: Annotated[int, Field(ge=0)] | Literal["all"] = Field(
-        default=2000, description="labeled items measured along the backfill (queries and their gallery); 0 = off")
+    eval_queries: Annotated[int, Field(ge=0)] | Literal["all", "auto"] = Field(
+        default="auto", description="labeled items measured along the backfill (queries and their gallery): auto = "
+        "as many as eval_standard_error needs, whatever the gallery's size (all of them in a smaller gallery); "
+        "all; a count; 0 = off")
+    eval_standard_error: Annotated[float, Field(gt=0, le=50)] = Field(
+        default=1.5, description="with eval_queries auto: the standard error, in top-1 points, of a point of the "
+        "measured and predicted curves at worst (a top-1 of 50%): 0.25 * (100 / it)^2 queries (1.5: 1,112; "
+        "1.0: 2,500)")
     stop_when_gain_below: PositiveFloat | None = Field(
         default=None, description="stop the backfill at the budget advisor's recommended fraction: where no later "
         "point of the predicted curve gains this many top-1 points per 5% of the gallery (e.g. 0.1); null: go to "

@@ -11,7 +11,7 @@ from fastfill.components.platform.config import AlignConfig, UpgradeConfig
 def test_planning_embeds_each_item_once():
     items = planned_items(np.arange(0, 100), np.arange(50, 250), 1000)
     assert items == {"map_sample": 100, "evaluation_sample": 200, "evaluation_outside_map_sample": 150,
-                     "total": 250, "share_of_gallery": 0.25}
+                     "total": 250, "share_of_gallery": 0.25, "evaluation_standard_error": 3.54}
 
 
 def test_the_map_and_its_reference_are_timed_only_when_trained():
@@ -51,3 +51,23 @@ def test_an_epoch_is_measured_not_assumed():
     settings = AlignConfig(hidden=[16], batch_size=32, validation_fraction=0.2, uncertainty=True, disc=False,
                            epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
     assert 0 < epoch_seconds(settings, 12, 8, 120) < 60
+
+
+def test_the_evaluation_sample_is_sized_by_its_standard_error_not_the_gallery():
+    """auto: the queries whose top-1 has at most eval_standard_error points of standard error at
+    worst; the same count for a gallery of 3,000 items as for one of a million."""
+    from fastfill.components.gallery.upgrade.planning import (
+        eval_sample,
+        eval_size,
+        worst_case_queries,
+        worst_case_standard_error,
+    )
+
+    auto = UpgradeConfig()
+    assert auto.eval_queries == "auto" and eval_size(auto) == worst_case_queries(1.5) == 1112
+    assert worst_case_standard_error(1112) <= 1.5 < worst_case_standard_error(1111)
+    assert eval_size(UpgradeConfig(eval_standard_error=1.0)) == 2500
+    assert eval_size(UpgradeConfig(eval_queries="all")) is None and eval_size(UpgradeConfig(eval_queries=40)) == 40
+    for items in (3000, 1_000_000):
+        assert len(eval_sample(None, eval_size(auto), 0, items)) == 1112
+    assert len(eval_sample(np.zeros(500), eval_size(auto), 0)) == 500  # a smaller gallery: all of it

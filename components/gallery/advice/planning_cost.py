@@ -22,6 +22,7 @@ import torch
 from fastfill.components.experiment.inference import pick_device
 from fastfill.components.experiment.map_check import reference_config, shares_reference
 from fastfill.components.experiment.map_training import feature_schedule, train_alignment
+from fastfill.components.gallery.upgrade.planning import worst_case_standard_error
 
 # the epochs an upgrade's map trained, patience included, on the team pairs of
 # benchmarks/team_map_conditioning.py (31.7 over its 5 pairs and 3 seeds, rounded up; at most 57)
@@ -31,12 +32,15 @@ TIMED_EPOCHS = 3
 
 def planned_items(map_positions: np.ndarray, eval_positions: np.ndarray, num_items: int) -> dict:
     """What planning embeds: the map sample, the evaluation sample's items outside it, both
-    together and their share of the gallery."""
+    together and their share of the gallery; and the standard error (top-1 points, at worst)
+    of a point measured on the evaluation sample."""
     extra = np.setdiff1d(np.asarray(eval_positions, dtype=np.int64), np.asarray(map_positions, dtype=np.int64))
     total = len(map_positions) + len(extra)
     return {"map_sample": int(len(map_positions)), "evaluation_sample": int(len(eval_positions)),
             "evaluation_outside_map_sample": int(len(extra)), "total": int(total),
-            "share_of_gallery": round(total / num_items, 4) if num_items else 0.0}
+            "share_of_gallery": round(total / num_items, 4) if num_items else 0.0,
+            "evaluation_standard_error": round(worst_case_standard_error(len(eval_positions)), 2)
+            if len(eval_positions) else None}
 
 
 def epoch_seconds(config, old_dim: int, new_dim: int, pairs: int, seed: int = 0) -> float:

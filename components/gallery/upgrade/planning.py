@@ -30,6 +30,7 @@ after a crash before its marker rewrites the same key with the same features.
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 import zlib
 
@@ -209,6 +210,29 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
     if plan.base:
         store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
+
+
+def eval_size(config) -> int | None:
+    """The evaluation sample's size from ``gallery.upgrade`` (``config``): None = all labeled
+    items. ``auto``: the queries that give a measured top-1 the standard error
+    ``eval_standard_error`` (points) at worst, a top-1 of 50% (binomial: 0.25 / n = (se / 100)^2),
+    whatever the gallery's size: a share of a gallery would give a small one's sample the same
+    error bars as a large one's only by chance."""
+    if config.eval_queries == "all":
+        return None
+    if config.eval_queries == "auto":
+        return worst_case_queries(config.eval_standard_error)
+    return int(config.eval_queries)
+
+
+def worst_case_queries(standard_error: float) -> int:
+    """Queries whose top-1 (a share of hits) has at most ``standard_error`` points of standard error."""
+    return math.ceil(0.25 * (100.0 / standard_error) ** 2)
+
+
+def worst_case_standard_error(queries: int) -> float:
+    """Points of standard error of a top-1 measured on ``queries`` queries, at worst (50%)."""
+    return 100.0 * math.sqrt(0.25 / queries) if queries else math.inf
 
 
 def eval_sample(labels: np.ndarray | None, size: int | None, seed: int, num_items: int | None = None) -> np.ndarray:

@@ -16,7 +16,7 @@ from fastfill.components.gallery.inputs.images import read_images, readable
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images
 from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE, choose_map
 from fastfill.components.gallery.upgrade.pairs import gallery_source, map_sample_size, sample_positions
-from fastfill.components.gallery.upgrade.planning import eval_sample
+from fastfill.components.gallery.upgrade.planning import eval_sample, eval_size
 from fastfill.components.platform.registry import ModelRef, find_alignment
 
 Embed = Callable[..., np.ndarray]  # (images, label=None) -> features
@@ -113,8 +113,7 @@ def readable_images(gallery: Gallery, positions: np.ndarray, workers: int, what:
 
 
 def evaluation_positions(gallery: Gallery, config) -> np.ndarray:
-    return eval_sample(gallery.labels(), None if config.eval_queries == "all" else int(config.eval_queries),
-                       config.seed, gallery.num_items)
+    return eval_sample(gallery.labels(), eval_size(config), config.seed, gallery.num_items)
 
 
 def evaluation_sample(gallery: Gallery, config, embed: Embed, embedded: dict,
