@@ -54,6 +54,83 @@ def test_the_index_is_built_at_the_switch_and_a_chunk_is_searched_beside_it(tmp_
     assert again == got
 
 
+def _switched(tmp_path, rng, ann_min_rows=1000):
+    centres = rng.normal(size=(30, DIM)).astype(np.float32)
+    vectors = (centres[rng.integers(0, 30, N)] + 0.3 * rng.normal(size=(N, DIM))).astype(np.float32)
+    table = ServingTable(str(tmp_path), {"ann": "ivf_flat", "ann_min_rows": ann_min_rows, "nprobes": 20})
+    parts = ((np.arange(s, s + 1000), vectors[s:s + 1000], [MAPPED] * 1000, np.full(1000, -1)) for s in range(0, N, 1000))
+    table.write(MODEL, "up-1", np.arange(N), parts)
+    return table, vectors
+
+
+def _served(table) -> np.ndarray:
+    rows = table.dataset().to_table(columns=["position", "embedding"])
+    out = np.zeros((N, DIM), np.float32)
+    out[rows.column("position").to_numpy()] = np.stack(rows.column("embedding").to_numpy(zero_copy_only=False))
+    return out
+
+
+def test_a_chunk_replaces_only_its_rows_and_joins_the_index_as_a_delta(tmp_path, monkeypatch):
+    """Each chunk: its rows deleted by address and appended in one commit (no upsert joining the
+    chunk against every row), then indexed as a delta; deltas merge two by two, so a search half
+    way probes a few index segments, none of the chunks' rows scanned."""
+    import lance
+
+    def no_upsert(*_args, **_kwargs):
+        raise AssertionError("a chunk of a table laid out as the switch wrote it was upserted")
+
+    rng = np.random.default_rng(5)
+    table, vectors = _switched(tmp_path, rng)
+    monkeypatch.setattr(lance.LanceDataset, "merge_insert", no_upsert)
+    order, chunk = rng.permutation(N), 250
+    expected = vectors.copy()
+    for number, start in enumerate(range(0, N, chunk)):
+        positions = order[start:start + chunk]
+        features = rng.normal(size=(len(positions), DIM)).astype(np.float32)
+        expected[positions] = features
+        table.serve_chunk("up-1", number, positions, positions, features, [EMBEDDED] * len(positions))
+        table.serve_chunk("up-1", number, positions, positions, features + 1, [EMBEDDED] * len(positions))  # once
+        dataset = table.dataset()
+        assert dataset.count_rows() == N and table.embedded_count() == start + len(positions)
+        segments = [i for i in dataset.list_indices() if i["fields"] == ["embedding"]]
+        indexed = set().union(*(set(i["fragment_ids"]) for i in segments))
+        assert {f.fragment_id for f in dataset.get_fragments()} <= indexed  # no fragment left to scan
+        assert len(segments) <= 2 + int(np.log2(number + 1))
+        if number == 5:
+            got, _, _, sources = table.search(features[:20], 1, MODEL.uri)
+            assert [g[0] for g in got] == list(positions[:20]) and all(s == [EMBEDDED] for s in sources)
+    assert np.array_equal(_served(table), expected)
+    assert table.chunk_done("up-1") == set(range(N // chunk))
+
+
+def test_a_table_another_tool_compacted_mid_upgrade_is_upserted_and_stays_right(tmp_path, monkeypatch):
+    import lance
+
+    upserts = []
+    original = lance.LanceDataset.merge_insert
+
+    def counted(self, *args, **kwargs):
+        upserts.append(True)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "merge_insert", counted)
+    rng = np.random.default_rng(6)
+    table, vectors = _switched(tmp_path, rng)
+    order, expected = rng.permutation(N), vectors.copy()
+    for number in range(4):
+        positions = order[number * 300:(number + 1) * 300]
+        features = rng.normal(size=(300, DIM)).astype(np.float32)
+        expected[positions] = features
+        table.serve_chunk("up-1", number, positions, positions, features, [EMBEDDED] * 300)
+        if number == 1:  # rows no longer where the switch wrote them
+            for name in {index["name"] for index in table.dataset().list_indices()}:
+                table.dataset().drop_index(name)
+            table.dataset().optimize.compact_files(materialize_deletions=True)
+        assert table.dataset().count_rows() == N
+    assert np.array_equal(_served(table), expected) and table.embedded_count() == 1200
+    assert len(upserts) == 2  # the two chunks after the compaction, not the two before
+
+
 def test_a_damaged_serving_table_is_named_in_one_line(tmp_path):
     rng = np.random.default_rng(4)
     table = ServingTable(str(tmp_path), {"ann": "none"})

@@ -21,11 +21,13 @@ its metadata and its rows are always of the same version, one space.
 - **The switch** overwrites the table with the new model's space (h(old) for every item, the new
   features of chunks already done) in one commit, then builds the ANN index on it (a second
   commit: between the two a reader's search is an exact scan, same answers).
-- **A chunk** upserts its rows (``merge_insert`` on ``position``) in one commit: Lance marks the
-  old rows deleted (a deletion file per fragment touched) and appends the chunk's rows as one new
-  fragment; the rows carry ``chunk``, so a chunk whose rows are there is never written twice.
-  Nothing else is written: not the pixels (they are in ``gallery.lance``), not the other rows.
-  The appended fragments are not in the ANN index: a search scans them exactly.
+- **A chunk** replaces its rows in one commit: the switch's rows of its positions deleted by their
+  address (a deletion file per fragment touched) and the chunk's rows appended as one new
+  fragment (an upsert, ``merge_insert`` on ``position``, where the table is not laid out as the
+  switch wrote it); the rows carry ``chunk``, so a chunk whose rows are there is never written
+  twice. Nothing else is written: not the pixels (they are in ``gallery.lance``), not the other
+  rows. Then its fragment joins the ANN index as a delta over the same partitions (no
+  retraining), deltas merged two by two as they reach the same size.
 - **The finish** records that no upgrade is under way, then compacts the fragments and rebuilds
   the index (same rows, same space). Abort, reject and rollback write the serving model's space
   again from ``gallery.lance``; ``gallery gc`` deletes the old versions.
@@ -262,8 +264,10 @@ class ServingTable:
         dataset.update_schema_metadata(meta)
         dataset = self.dataset()
         if upgrade is None and len(dataset.get_fragments()) > 1:
-            for index in dataset.list_indices():  # Lance compacts indexed and unindexed fragments apart
-                dataset.drop_index(index["name"])
+            # Lance compacts indexed and unindexed fragments apart; an index of several segments
+            # (the chunks' deltas) is dropped once by its name
+            for name in sorted({index["name"] for index in dataset.list_indices()}):
+                self.dataset().drop_index(name)
             self.dataset().optimize.compact_files(materialize_deletions=True)
             self.ann_index()
 
@@ -295,7 +299,61 @@ class ServingTable:
         model = ModelRef.from_dict(json.loads(dataset.schema.metadata[MODEL_KEY.encode()]))
         schema = dataset.schema
         batch = self._batch(schema, positions, ids, features, model, sources, np.full(len(positions), chunk))
-        dataset.merge_insert("position").when_matched_update_all().execute(pa.Table.from_batches([batch], schema))
+        rows = pa.Table.from_batches([batch], schema)
+        if not self._replace_rows(dataset, positions, rows):
+            dataset.merge_insert("position").when_matched_update_all().execute(rows)
+        self._index_chunk()
+
+    def _replace_rows(self, dataset, positions: np.ndarray, rows: pa.Table) -> bool:
+        """The chunk's rows replace the switch's rows of ``positions`` in one commit that touches
+        nothing else: those rows deleted by their address, the chunk's appended as a new fragment.
+        The switch writes position p at row p of its fragments, in order (``write``); every row
+        to delete is read back by its address and must hold its position before anything is
+        written. False, with nothing written, when the table is not laid out so (compacted or
+        rewritten by another tool): the caller upserts instead. Its cost does not grow with the
+        table, where an upsert joins the chunk against every row."""
+        import lance
+        from lance.fragment import write_fragments
+
+        fragments = sorted(dataset.get_fragments(), key=lambda fragment: fragment.fragment_id)
+        starts = np.cumsum([0] + [fragment.physical_rows for fragment in fragments])
+        which = np.searchsorted(starts, positions, side="right") - 1
+        if not len(positions) or positions.min() < 0 or which.max() >= len(fragments):
+            return False
+        ids = np.array([fragment.fragment_id for fragment in fragments], dtype=np.int64)
+        addresses = (ids[which] << 32) + (positions - starts[which])
+        with self.reading():
+            found = dataset._take_rows(addresses.tolist(), columns=["position"]).column("position").to_numpy()
+        if not np.array_equal(found, positions):
+            return False
+        updated, removed = [], []
+        for index in np.unique(which):
+            offsets = np.sort(positions[which == index] - starts[index])
+            kept = fragments[index].delete_rows(offsets.tolist())
+            (updated.append(kept) if kept is not None else removed.append(int(ids[index])))
+        added = write_fragments(rows, self.uri, schema=rows.schema, storage_options=self.options)
+        lance.LanceDataset.commit(self.uri, lance.LanceOperation.Update(
+            removed_fragment_ids=removed, updated_fragments=updated, new_fragments=added),
+            read_version=dataset.version, storage_options=self.options)
+        return True
+
+    def _index_chunk(self) -> None:
+        """The chunks' new rows added to the ANN index without retraining it: a delta index over
+        the same partitions, and deltas merged two by two when they reach the same size (at most
+        about log2(chunks) of them), so a search during the upgrade probes partitions instead of
+        scanning every chunk's rows. Nothing without an index (a table under ``ann_min_rows``)."""
+        dataset = self.dataset()
+        names = {index["name"] for index in dataset.list_indices() if index["fields"] == ["embedding"]}
+        if not names or len(dataset.get_fragments()) == 1:
+            return
+        dataset.optimize.optimize_indices(num_indices_to_merge=0, index_names=sorted(names))
+        while True:
+            segments = sorted((index for index in self.dataset().list_indices() if index["name"] in names),
+                              key=lambda index: index["version"])
+            sizes = [len(index["fragment_ids"]) for index in segments[1:]]  # the deltas, after the switch's
+            if len(sizes) < 2 or sizes[-1] != sizes[-2]:
+                return
+            self.dataset().optimize.optimize_indices(num_indices_to_merge=2, index_names=sorted(names))
 
     def cleanup(self) -> None:
         """Delete the table's old versions (after gc, a reader pinned to one reopens the newest)."""
