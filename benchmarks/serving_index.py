@@ -24,7 +24,12 @@ qdrant-client's local mode (``QdrantClient(path=...)``, a folder in the store's 
 in SQLite a transaction each, exact search in numpy with the filter on ``model`` in Python, no
 server and no HNSW: its times are the local mode's, not a Qdrant server's). ``--layouts`` runs
 some of them (``--layouts parts,qdrant``: Qdrant beside the parts layout); ``--suffix`` names the
-report. Writes reports/serving_index-<items>[-<suffix>].{json,md}.
+report. With ``--readers 8`` each index layout runs a second time, read throughout by that many
+concurrent readers (benchmarks/serving_readers.py: threads, each with its own connection, querying
+back to back before the switch, during it, along the backfill and half way, during the finish and
+after it): their latency p50/p95/p99 and errors per phase, and the upgrade's steps against the run
+without readers. On Lance the seconds of keeping the ANN index current are timed inside each
+chunk's commit. Writes reports/serving_index-<items>[-<suffix>].{json,md}.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving_readers import readers_table  # noqa: E402
+
 LAYOUTS = ("parts", "lance", "pgvector", "milvus", "qdrant")
 IN_PROCESS = ("parts", "lance", "qdrant")  # whose writes are the benchmark process's own (no server)
 
@@ -124,6 +132,23 @@ def _wchar() -> int:
     return 0
 
 
+def _time_lance_index() -> list[float]:
+    """The seconds of each chunk's ANN index upkeep on the Lance serving table (its
+    ``_index_chunk``, timed for this process)."""
+    from fastfill.components.gallery.layouts.lance_serving import ServingTable
+
+    seconds: list[float] = []
+    upkeep = ServingTable._index_chunk
+
+    def timed(self) -> None:
+        start = time.perf_counter()
+        upkeep(self)
+        seconds.append(time.perf_counter() - start)
+
+    ServingTable._index_chunk = timed  # type: ignore[method-assign]
+    return seconds
+
+
 def _wal(pg_uri: str) -> int:
     import psycopg
 
@@ -132,11 +157,14 @@ def _wal(pg_uri: str) -> int:
 
 
 def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int,
-               pg_uri: str, ann: str) -> dict:
+               pg_uri: str, ann: str, readers: int = 0, reader_seconds: float = 10.0) -> dict:
     """One layout's run in a store of its own at ``root`` (the parent removes it once this process
-    has ended: Milvus Lite writes its file as the process exits)."""
+    has ended: Milvus Lite writes its file as the process exits). ``readers``: that many threads
+    query the index throughout (benchmarks/serving_readers.py), ``reader_seconds`` before the
+    switch and after the finish."""
     import pyarrow as pa
 
+    from benchmarks.serving_readers import Readers
     from fastfill.components.gallery.inputs.adopt import adopt
     from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
     from fastfill.components.gallery.store import open_store
@@ -150,7 +178,8 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     qs = data["queries"][:queries]
     old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
     store = open_store(root)
-    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": f"bench_{items}_{ann}", "ann": ann},
+    table_name = f"bench_{items}_{ann}{'_read' if readers else ''}"  # one PostgreSQL serves both runs
+    config = GalleryConfig(layout=layout, pgvector={"uri": pg_uri, "table": table_name, "ann": ann},
                            milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"},
                            qdrant={"url": os.path.join(root, "qdrant"), "alias": f"bench_{items}"})
     written = (lambda: _wal(pg_uri)) if layout == "pgvector" else (lambda: _folder_bytes(root))
@@ -161,6 +190,13 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     adopt(store, table, old, (1, 28, 28), features=iter([data["old"]]), part_size=10000,
           layout=layout_of(layout, config))
     times["adopt"] = time.perf_counter() - start
+    index_seconds = _time_lance_index() if layout == "lance" else []
+    rng = np.random.default_rng(7)
+    load = Readers(readers, lambda: gallery_at(store), {
+        old_dim: rng.standard_normal((1000, old_dim), dtype=np.float32), new_dim: data["queries"]}).start()
+    load.set_phase("before the switch")
+    time.sleep(reader_seconds if readers else 0)
+    load.set_phase("the switch")
 
     gallery = gallery_at(store)
     plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
@@ -182,6 +218,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     half = len(chunks) // 2
     result: dict = {}
     for number, lo, hi in chunks:
+        load.set_phase("half way" if 0.4 <= number / len(chunks) < 0.6 else "the backfill")
         positions = order[lo:hi]
         features = data["new"][positions]
         before, wrote = written(), _wchar()
@@ -201,9 +238,18 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     if layout in IN_PROCESS:
         result["chunk_wchar_median"] = statistics.median(calls)
     result["chunk_payload_bytes"] = chunk * new_dim * 4  # the new features alone
+    if index_seconds:  # Lance: keeping the ANN index current, inside each chunk's commit
+        times["index_per_chunk_median"] = statistics.median(index_seconds)
+        times["index_per_chunk_mean"] = statistics.mean(index_seconds)
+    load.set_phase("the finish")
     start = time.perf_counter()
     ending.finish(gallery_at(store), plan)
     times["finish"] = time.perf_counter() - start
+    load.set_phase("after the finish")
+    time.sleep(reader_seconds if readers else 0)
+    load.close()
+    if readers:
+        result["readers"] = {"count": readers, "phases": load.summary()}
     result["search_after_finish"] = _search(layout, gallery_at(store), qs, data["new"])
     served = gallery_at(store).all_features(new)
     assert np.array_equal(served, data["new"]), f"the {layout} layout served other features"
@@ -225,10 +271,14 @@ def main() -> None:
     parser.add_argument("--pg-uri", default="")
     parser.add_argument("--ann", choices=("hnsw", "ivfflat"), default="ivfflat", help="gallery.pgvector.ann")
     parser.add_argument("--suffix", default="", help="the report's name: reports/serving_index-<items>-<suffix>")
+    parser.add_argument("--readers", type=int, default=0, help="each index layout (not parts) run again with this "
+                        "many concurrent readers throughout (benchmarks/serving_readers.py), e.g. 8")
+    parser.add_argument("--reader-seconds", type=float, default=10.0, help="the readers' time before the switch "
+                        "and after the finish")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_layout(args.root, args.worker, args.items, args.old_dim, args.new_dim, args.chunk,
-                                    args.queries, args.pg_uri, args.ann)))
+                                    args.queries, args.pg_uri, args.ann, args.readers, args.reader_seconds)))
         return
     from testkit.local_postgres import start_postgres
 
@@ -236,19 +286,30 @@ def main() -> None:
     uri = start_postgres("serving-pg-") if "pgvector" in args.layouts.split(",") else ""
     results = {}
     for layout in args.layouts.split(","):
-        root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
-        command = [sys.executable, __file__, "--worker", layout, "--root", root, "--items", str(args.items), "--old-dim",
-                   str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
-                   str(args.queries), "--pg-uri", uri, "--ann", args.ann]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        if done.returncode:
-            raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
-        results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[layout] = _worker(args, layout, uri, 0)
+        if args.readers and layout != "parts":  # the same run again, read throughout
+            read = _worker(args, layout, uri, args.readers)
+            results[layout]["readers"] = {**read["readers"], "times": read["times"],
+                                          "search_half_way": read["search_half_way"],
+                                          "search_after_finish": read["search_after_finish"]}
         print(layout, json.dumps(results[layout]), flush=True)
     report(results, args)
+
+
+def _worker(args, layout: str, uri: str, readers: int) -> dict:
+    """One run of ``layout`` in a process of its own, in a store of its own that is removed after."""
+    root = tempfile.mkdtemp(prefix=f"serving-{layout}-")
+    command = [sys.executable, __file__, "--worker", layout, "--root", root, "--items", str(args.items), "--old-dim",
+               str(args.old_dim), "--new-dim", str(args.new_dim), "--chunk", str(args.chunk), "--queries",
+               str(args.queries), "--pg-uri", uri, "--ann", args.ann, "--readers", str(readers), "--reader-seconds",
+               str(args.reader_seconds)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if done.returncode:
+        raise SystemExit(f"{layout}: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def report(results: dict, args) -> None:
@@ -291,6 +352,13 @@ def report(results: dict, args) -> None:
         lines.append(f"| {when.removeprefix('search_').replace('_', ' ')} | " + " | ".join(
             f"{results[layout][when]['latency_ms_median']:.2f} / {results[layout][when]['latency_ms_p95']:.2f}, "
             f"{results[layout][when]['recall_at_10']:.3f}" for layout in layouts) + " |")
+    if any("index_per_chunk_median" in results[layout]["times"] for layout in layouts):
+        lines += ["", "Lance: keeping the ANN index current, inside each chunk's commit (the chunk's fragment added as "
+                  "a delta, deltas merged two by two at equal size): " + "; ".join(
+                      f"median {results[layout]['times']['index_per_chunk_median']:.3f} s, mean "
+                      f"{results[layout]['times']['index_per_chunk_mean']:.3f} s per chunk" for layout in layouts
+                      if "index_per_chunk_median" in results[layout]["times"]) + "."]
+    lines += readers_table(results, layouts)
     lines += ["", "Peak RSS of the process: " + ", ".join(f"{layout} {results[layout]['peak_rss_mb']:.0f} MB"
                                                           for layout in layouts) + "."]
     if "pgvector" in results:
