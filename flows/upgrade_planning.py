@@ -5,6 +5,8 @@ written last. A planning refused half way removes what it wrote."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from prefect.futures import as_completed, wait
 
@@ -120,9 +122,9 @@ def _embed_samples(config, gallery: Gallery, new_model, judged, embedded: dict):
         return embed_images(new_model, images, config.batch_size, config.precision, label=label)
 
     preprocessing = getattr(new_model, "preprocessing", None)
+    champion = load_model(gallery.model) if judged is not None else None
+    started, before = time.perf_counter(), len(embedded)  # the samples' reading and embedding, timed
     if judged is not None:
-        champion = load_model(gallery.model)
-
         def embed_champion(images, label=None):
             return embed_images(champion, images, config.batch_size, config.precision)
 
@@ -131,6 +133,8 @@ def _embed_samples(config, gallery: Gallery, new_model, judged, embedded: dict):
                                         champion_preprocessing=getattr(champion, "preprocessing", None))
     positions, queries = samples.evaluation_sample(gallery, config, embed, embedded, log, preprocessing)
     embedded.update(zip(positions.tolist(), queries) if queries is not None else ())
+    log(f"judged queries and evaluation sample: {len(embedded) - before} more items read and embedded in "
+        f"{time.perf_counter() - started:.1f} s")
     return judged, positions, queries
 
 
