@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from functools import cache
 
 import numpy as np
 import pyarrow as pa
@@ -111,6 +113,16 @@ def storage_options(store_uri: str) -> dict | None:
     return options
 
 
+@cache
+def _session():
+    """One Lance session for the process: its caches of opened index segments and file metadata,
+    shared by every open of a serving table (an open of its own each would read them again: at a
+    million rows half the time of a search, more with the deltas of an upgrade under way)."""
+    import lance
+
+    return lance.Session()
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -137,11 +149,14 @@ class ServingTable:
         self.metric = METRICS[self.settings.get("distance", "l2")]
 
     def dataset(self):
-        """The newest version, or None before the first switch."""
+        """The newest version, or None before the first switch. Every open shares the process's
+        Lance session (``_session``), so the index segments and file metadata a search read stay
+        cached for the next open (they are immutable files; each open still reads the newest
+        manifest)."""
         import lance
 
         try:
-            return lance.dataset(self.uri, storage_options=self.options)
+            return lance.dataset(self.uri, storage_options=self.options, session=_session())
         except (ValueError, OSError) as error:
             if "not found" in str(error).lower() or "does not exist" in str(error).lower():
                 return None
@@ -196,7 +211,9 @@ class ServingTable:
         try:
             yield
         except (OSError, ValueError) as error:  # pyarrow.ArrowInvalid is a ValueError
-            raise DamagedObject(f"{self.uri}: the serving table cannot be read ({' '.join(str(error).split())[:300]}); "
+            # Lance numbers its runtime's tasks: the same damage reads the same, whichever task met it
+            said = re.sub(r"\btask \d+ panicked", "a task panicked", " ".join(str(error).split()))
+            raise DamagedObject(f"{self.uri}: the serving table cannot be read ({said[:300]}); "
                                 "restore it from a copy, or delete it: the next switch (`fastfill upgrade` of a new "
                                 "version) writes it again from gallery.lance") from None
 
