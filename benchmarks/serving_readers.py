@@ -94,8 +94,8 @@ class Readers:
                 time.sleep(0.05)
 
     def summary(self) -> dict:
-        """Per phase: answers, queries per second are not kept (phases differ in length), latency
-        p50/p95/p99 in ms, retries after a move of the index, errors and the first of them."""
+        """Per phase: the answers, their latency p50/p95/p99 in ms, the retries after a move of the
+        index, the errors and the first of them."""
         out = {}
         for phase in sorted(set(self.latencies) | set(self.errors), key=PHASES.index):
             values = np.asarray(self.latencies.get(phase, []), dtype=np.float64) * 1000

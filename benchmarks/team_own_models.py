@@ -240,8 +240,10 @@ def register(params_file: Path, folder: Path, models: dict, env: dict) -> list[d
     return steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def team_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a team's upgrade between its own two models (this script's and
+    benchmarks/team_planning_time.py's): the gallery, the judged queries, the models' training,
+    the upgrade's settings, the seed and the scratch folder."""
     parser.add_argument("--items", type=int, default=3000, help="gallery photos")
     parser.add_argument("--judged", type=int, default=300, help="judged queries")
     parser.add_argument("--train-items", type=int, default=12000, help="training photos of the two models")
@@ -249,19 +251,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--map-sample", type=int, default=1000, help="gallery.upgrade.map_sample")
     parser.add_argument("--chunk-size", type=int, default=150)
     parser.add_argument("--gain", type=float, default=0.1, help="--stop-when-gain-below")
-    parser.add_argument("--backends", default="local,s3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "team_own_models")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def scratch_folder(workdir: Path | None, prefix: str) -> Path:
+    """``workdir`` (made if missing), or a new temporary folder; with the product's runtime
+    defaults applied for this process."""
     from fastfill.components.platform import runtime
 
     runtime.apply_defaults()
+    scratch = (workdir or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    scratch.mkdir(parents=True, exist_ok=True)
+    return scratch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = team_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--backends", default="local,s3")
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "team_own_models")
+    args = parser.parse_args(argv)
     import yaml
 
     started = time.perf_counter()
-    scratch = (args.workdir or Path(tempfile.mkdtemp(prefix="team-own-models-"))).resolve()
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = scratch_folder(args.workdir, "team-own-models-")
     print(f"scratch folder: {scratch}; training the team's two models ...", flush=True)
     models = team_models(scratch, args.train_items, args.epochs, args.seed)
     print(f"  old: {models['old']}\n  new: {models['new']}", flush=True)

@@ -31,13 +31,19 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.team_own_models import register, team_models, write_gallery, write_report  # noqa: E402
+from benchmarks.team_own_models import (  # noqa: E402
+    register,
+    scratch_folder,
+    team_arguments,
+    team_models,
+    write_gallery,
+    write_report,
+)
 from benchmarks.team_upgrade_commands import FASTFILL, ROOT, clean_env, error_lines, run_command  # noqa: E402
 from benchmarks.team_upgrade_inputs import backend_params  # noqa: E402
 
@@ -113,29 +119,16 @@ def wait_for_load(limit: float, most_seconds: float) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--items", type=int, default=3000, help="gallery photos")
-    parser.add_argument("--judged", type=int, default=300, help="judged queries")
-    parser.add_argument("--train-items", type=int, default=12000, help="training photos of the two models")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--map-sample", type=int, default=1000, help="gallery.upgrade.map_sample")
-    parser.add_argument("--chunk-size", type=int, default=150)
-    parser.add_argument("--gain", type=float, default=0.1, help="--stop-when-gain-below")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = team_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--models-from", type=Path, help="a workdir of an earlier run: its two models, not trained again")
     parser.add_argument("--wait-load", type=float, default=0.0,
                         help="before the upgrade, wait (at most 30 min) for a 1-minute load below this (0: no wait)")
-    parser.add_argument("--workdir", type=Path)
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "team_planning_time")
     args = parser.parse_args(argv)
-    from fastfill.components.platform import runtime
-
-    runtime.apply_defaults()
     import yaml
 
     started = time.perf_counter()
-    scratch = (args.workdir or Path(tempfile.mkdtemp(prefix="team-planning-time-"))).resolve()
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = scratch_folder(args.workdir, "team-planning-time-")
     if args.models_from:
         models = json.loads((args.models_from / "models.json").read_text())
     else:
