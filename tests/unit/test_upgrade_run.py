@@ -116,8 +116,10 @@ class Ports:
     """Every port of the run over the fake store, recording each call in ``calls``; ``fail``
     names the calls that raise (once each, as a crash there would)."""
 
-    def __init__(self, store: Store, gate_numbers=PASSING, advice=None, fail=(), failed_items=None):
+    def __init__(self, store: Store, gate_numbers=PASSING, advice=None, fail=(), failed_items=None,
+                 advise_seconds=0.0):
         self.store, self.gate_numbers, self.advice = store, gate_numbers, advice
+        self.advise_seconds = advise_seconds  # how long the advisor's prediction takes on the fake clock
         self.fail = set(fail)
         self.failed_items = failed_items or {}  # chunk -> items whose image fails
         self.calls: list[str] = []
@@ -239,6 +241,7 @@ class Ports:
 
     def advise(self, plan):
         self._call("advise")
+        self.now += self.advise_seconds
         if self.advice is not None:
             self.store.advice[plan.id] = self.advice
         return self.advice
@@ -467,12 +470,15 @@ def test_a_rejection_interrupted_before_the_registry_is_completed_as_a_rejection
 
 def test_the_advice_is_predicted_once_and_recorded_once():
     store = Store()
-    ports = Ports(store, advice=ADVICE)
+    ports = Ports(store, advice=ADVICE, advise_seconds=2.5)
     run(store, ports, budget=0.25)
     again = Ports(store, advice=ADVICE)
     result = run(store, again)
     assert ports.calls.count("advise") == 1 and "advise" not in again.calls
     assert "record_prediction" not in again.calls
+    # timed on the run's clock port, as every timing of the run
+    assert "budget advisor: predicted the backfill curve in 2.5 s" in ports.lines
+    assert not any("predicted the backfill curve" in line for line in again.lines)
     assert result.advice is not None and result.advice.top1 == ADVICE["top1"] and result.advice.agreement is None
 
 

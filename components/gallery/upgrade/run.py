@@ -137,6 +137,10 @@ class UpgradeWork(Protocol):
 
 @dataclass
 class UpgradePorts:
+    """Everything a run does besides reading its view. ``clock`` (seconds) is what every timing
+    of the run reads, the throttle's and the logged durations alike, and ``sleep`` how it waits:
+    a test's fake pair makes both deterministic."""
+
     writes: StoreWrites
     chunks: ChunkRunner
     measure_gate: Callable[[Plan], dict]
@@ -254,14 +258,14 @@ class UpgradeRun:
         once; the first time, recorded in the upgrade's MLflow run)."""
         advice = self.view.stored_advice(plan.id)
         if advice is None:
-            started = time.perf_counter()
+            started = self.ports.clock()
             advice = self.ports.work.advise(plan)
             if advice is None:
                 if self.settings.gain_below is not None:
                     self.log("stop_when_gain_below is set, but this upgrade has no evaluation sample to predict the "
                              "curve from (eval_queries 0): the backfill goes to its budget")
                 return None
-            self.log(f"budget advisor: predicted the backfill curve in {time.perf_counter() - started:.1f} s")
+            self.log(f"budget advisor: predicted the backfill curve in {self.ports.clock() - started:.1f} s")
             self.ports.records.prediction(plan, advice)
         for line in describe(advice, gain_below=self.settings.gain_below):
             self.log(line)
