@@ -6,8 +6,10 @@ the same run started again must carry the upgrade to the same end, measuring the
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -488,4 +490,21 @@ def test_the_result_is_a_record_with_one_name_per_idea():
     fields = result.as_dict()
     assert fields["state"] == "complete" and fields["upgrade"] == UID12 and "decided" not in fields
     assert replace(result, state="paused").state == "paused"
-    assert GalleryView.__init__  # the real view is the one the flow gives
+
+
+def test_the_fake_view_reads_what_the_real_view_offers():
+    """These runs read a fake ``View``; the flow gives ``UpgradeRun`` a ``decider.GalleryView``.
+    Both offer the same reads with the same parameters, and the same attributes once refreshed, so
+    a read the run starts making, or one the real view changes, shows here and not first in a flow."""
+
+    def reads(cls) -> dict:
+        return {name: list(inspect.signature(member).parameters) for name, member in vars(cls).items()
+                if callable(member) and not name.startswith("_")}
+
+    assert reads(View) == reads(GalleryView)
+    manifest = {"model": V1.to_dict(), "upgrade": None, "has_labels": True}
+    gallery = SimpleNamespace(num_items=N, serves_queries=False, manifest=lambda refresh=False: manifest)
+    real, fake = GalleryView(gallery), View(Store())
+    assert set(vars(real)) - {"gallery"} == set(vars(fake)) - {"store", "refusal"}  # the fakes' own
+    assert (real.model, real.current, real.has_labels, real.num_items) == (fake.model, fake.current,
+                                                                             fake.has_labels, fake.num_items)
