@@ -72,7 +72,8 @@ def mark_run_aborted(params: Params, record: dict, progress: str, check=lambda: 
     """The aborted upgrade's MLflow run (``record['mlflow_run_id']``) ends KILLED, tagged with who
     aborted it, when and how far it got (``progress``), after ``check()``. The store's
     ``aborted.json`` is the record that counts: a registry that cannot take this is reported, and
-    the abort stands. Both layouts' aborts call it."""
+    the abort stands. ``abort_flow`` calls it, on every layout, through ``_record_abort_in_mlflow``
+    (whose check is that the gallery belongs to this registry)."""
     from mlflow.exceptions import MlflowException
 
     run_id = record.get("mlflow_run_id")

@@ -1,7 +1,9 @@
-"""The upgrade's MLflow bookkeeping (network I/O, so retried): its run opened with the plan as
-params and closed, tags, the gate's and the advisor's numbers, the decision followed in the
-registry, and progress as chunks land (also a Prefect progress artifact). Every task takes the
-run's one registry client (``registry.setup``, called once by the flow)."""
+"""The upgrade's MLflow bookkeeping: its run opened with the plan as params and closed, tags, the
+advisor's and the gate's numbers, the decision followed in the registry, and progress as chunks
+land (``UpgradeProgress``, also a Prefect progress artifact). Two steps are Prefect tasks retried
+on an I/O failure (``IO_RETRIES``): opening the run (``open_upgrade_run``) and following the
+decision (``follow_decision``); the rest are plain calls on the client, not retried here. Each
+takes the run's one registry client (``registry.setup``, called once by the flow)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""`fastfill search` on a layout whose index serves the team's queries (pgvector): the index itself
-answers, through the view the team's service queries, with the model the index says it serves;
-the same ids, distances and sources as ``GallerySearch`` over the product's own objects."""
+"""`fastfill search` on a layout whose index serves the team's queries (``serves_queries``: Lance,
+pgvector, Milvus, Qdrant): the index itself answers, through the name the team's readers query
+(``index.view``: the LanceDB serving table, the pgvector view, the Milvus or Qdrant alias), with
+the model the index says it serves; the answer has ``GallerySearch``'s form (ids, distances on
+the product's scale, each hit's source), found by the index's own search, not by
+``GallerySearch``'s faiss index over the product's objects."""
 
 from __future__ import annotations
 
