@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from fastfill.components.gallery.layouts.catalog import EMBEDDED, PGVECTOR, GalleryError, Serving
+from fastfill.components.gallery.layouts.catalog import EMBEDDED, MAPPED, PGVECTOR, GalleryError, Serving
 from fastfill.components.gallery.layouts.item_ids import is_text
 from fastfill.components.gallery.layouts.ownership import (
     OWNER_KEY,
@@ -165,6 +165,7 @@ def index_settings(config, distance: str, store_uri: str = "") -> dict:
 RELKINDS = {"r": "table", "p": "partitioned table", "v": "view", "m": "materialized view", "i": "index",
             "I": "partitioned index", "S": "sequence", "f": "foreign table", "c": "type"}
 TABLE, VECTORS, VIEW, SERVING, CHUNKS, ANN = "table", "vectors", "view", "serving", "chunks", "index"
+HELD = "held"  # role of an upgrade's table of h(old) rows (``held_table``)
 
 
 class Index:
@@ -280,6 +281,7 @@ class Index:
         for place in places:
             if place.table != self.table:
                 self.ours(place.table, VECTORS, "gallery.pgvector.prefix")
+                self.ours(self.held_table(place), HELD, "gallery.pgvector.prefix")
             if not (self.exists(place.table) and self.has(place) and self.ann_indexed(place)):
                 self.ours(self.ann_name(place), ANN, "gallery.pgvector.prefix")
 
@@ -348,8 +350,12 @@ class Index:
             with self.transaction() as connection:
                 connection.execute(sql.SQL("CREATE TABLE {} (upgrade text NOT NULL, chunk integer NOT NULL, "
                                            "items integer NOT NULL, at timestamptz NOT NULL DEFAULT now(), "
-                                           "PRIMARY KEY (upgrade, chunk))").format(sql.Identifier(self.chunks_table)))
+                                           "first integer, stop integer, PRIMARY KEY (upgrade, chunk))").format(
+                    sql.Identifier(self.chunks_table)))
                 self.marking(connection, "table", self.chunks_table, CHUNKS)
+        elif "first" not in self.columns(self.chunks_table):  # made by a release that kept no places
+            self.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS first integer, ADD COLUMN IF NOT EXISTS "
+                                 "stop integer").format(sql.Identifier(self.chunks_table)))
 
     def serving(self) -> Serving | None:
         """The row that says which model's vectors the view serves (``vectors``: table.column),
@@ -375,17 +381,22 @@ class Index:
     # ---- the vectors
 
     def read(self, place: Place, ids: np.ndarray, dim: int) -> np.ndarray:
-        """The vectors at ``place`` of the items ``ids``, in that order; a DamagedObject naming the
-        first id without a row or without a vector."""
+        """The vectors at ``place`` of the items ``ids``, in that order (while an upgrade's chunks
+        fill ``place``, an item not yet there is read from its held table: h(old)); a
+        DamagedObject naming the first id without a row or without a vector."""
         import psycopg
         from psycopg import sql
 
         ids = np.asarray(ids)
         out = np.empty((len(ids), dim), dtype=np.float32)
         kind = "text[]" if is_text(ids) else "bigint[]"
-        query = sql.SQL("SELECT q.n, t.{col} FROM unnest(%s::" + kind + ") WITH ORDINALITY AS q(id, n) "
-                        "LEFT JOIN {table} t ON t.{id} = q.id ORDER BY q.n").format(
-            col=sql.Identifier(place.column), table=sql.Identifier(place.table), id=sql.Identifier(place.id_column))
+        held = self.held(place)
+        vector = sql.SQL("coalesce(t.{col}, h.embedding)" if held else "t.{col}").format(
+            col=sql.Identifier(place.column))
+        join = sql.SQL("LEFT JOIN {} h ON h.id = q.id").format(sql.Identifier(held)) if held else sql.SQL("")
+        query = sql.SQL("SELECT q.n, {vector} FROM unnest(%s::" + kind + ") WITH ORDINALITY AS q(id, n) "
+                        "LEFT JOIN {table} t ON t.{id} = q.id {join} ORDER BY q.n").format(
+            vector=vector, table=sql.Identifier(place.table), id=sql.Identifier(place.id_column), join=join)
         for start in range(0, len(ids), ROWS_PER_STATEMENT):
             block = ids[start:start + ROWS_PER_STATEMENT]
             values = [str(v) for v in block] if is_text(ids) else [int(v) for v in block]
@@ -470,9 +481,11 @@ class Index:
         self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(place.table)))
         return True
 
-    def ann_index(self, place: Place) -> None:
+    def ann_index(self, place: Place, rows: int | None = None) -> None:
         """The ANN index of ``place``'s vectors (gallery.pgvector.ann, with pgvector's operator
-        class for the gallery's distance), built when missing; then ANALYZE."""
+        class for the gallery's distance), built when missing; then ANALYZE. IVFFlat's lists:
+        gallery.pgvector.ivfflat_lists, else the square root of ``rows``, the rows the table is
+        to hold (default: those it holds)."""
         from psycopg import sql
 
         kind = self.settings.get("ann", "hnsw")
@@ -484,7 +497,7 @@ class Index:
                     sql.Literal(int(self.settings.get("hnsw_m", 16))),
                     sql.Literal(int(self.settings.get("hnsw_ef_construction", 64))))
             else:
-                lists = self.settings.get("ivfflat_lists") or max(1, int(self.count(place.table) ** 0.5))
+                lists = self.lists(rows if rows is not None else self.count(place.table))
                 options = sql.SQL("WITH (lists = {})").format(sql.Literal(int(lists)))
             memory = self.settings.get("index_memory") or "1GB"
             try:
@@ -502,6 +515,88 @@ class Index:
                 raise
         self.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(place.table)))
 
+    def lists(self, rows: int) -> int:
+        """IVFFlat's lists for a table of ``rows`` rows."""
+        return int(self.settings.get("ivfflat_lists") or max(1, int(rows ** 0.5)))
+
+    # ---- an upgrade's held rows: the chunks append, nothing is rewritten
+
+    def held_table(self, place: Place) -> str:
+        """The name of the table that holds, while an upgrade fills ``place``'s table chunk by
+        chunk, every item's row as the switch found it (h(old), or the new features of a chunk
+        done while planning) and its rank in the backfill order."""
+        return derived_name(place.table, "held")
+
+    def held(self, place: Place) -> str | None:
+        """``place``'s held table when there is one of this gallery's (an upgrade switched to
+        ``place`` and has not finished), else None; a name taken by another's is refused."""
+        if place.table == self.table:
+            return None
+        name = self.held_table(place)
+        return name if self.ours(name, HELD, "gallery.pgvector.prefix") else None
+
+    def held_tables(self) -> list[str]:
+        """Every held table of this gallery's (by its mark)."""
+        return [name for name, kind, role in self.marked() if role == HELD and kind == "table"]
+
+    def new_held(self, place: Place, dim: int, parts) -> int:
+        """An upgrade's switch to ``place``: its held table (every item, ``parts`` of (ids,
+        vectors, ranks, done)) and ``place``'s table (the items whose chunk is done, embedded)
+        made anew (an earlier try's dropped first) and filled by COPY; the held table's ANN index
+        built in bulk. Returns the rows of ``place``'s table."""
+        from psycopg import sql
+
+        held = self.held_table(place)
+        for name, role in ((held, HELD), (place.table, VECTORS)):
+            if self.ours(name, role, "gallery.pgvector.prefix"):
+                self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+        rows, created = 0, False
+        for ids, vectors, ranks, done in parts:
+            id_type = self._id_type(ids)
+            with self.transaction() as connection:
+                if not created:
+                    connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) "
+                                               "NOT NULL, rank integer NOT NULL)").format(
+                        sql.Identifier(held), kind=sql.SQL(id_type), dim=sql.Literal(int(dim))))
+                    self.marking(connection, "table", held, HELD)
+                    connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) "
+                                               "NOT NULL, source text NOT NULL)").format(
+                        sql.Identifier(place.table), kind=sql.SQL(id_type), dim=sql.Literal(int(dim))))
+                    self.marking(connection, "table", place.table, VECTORS)
+                    created = True
+                with connection.cursor().copy(sql.SQL("COPY {} (id, embedding, rank) FROM STDIN WITH (FORMAT BINARY)"
+                                                      ).format(sql.Identifier(held))) as copy:
+                    copy.set_types([id_type, "vector", "int4"])
+                    for item, vector, rank in zip(ids.tolist(), vectors, ranks.tolist()):
+                        copy.write_row((item, vector, rank))
+                if done.any():
+                    self.append(connection, place, ids[done], vectors[done], EMBEDDED)
+                    rows += int(done.sum())
+        self.ann_index(Place(held, "id", "embedding", None))
+        return rows
+
+    def append(self, connection, place: Place, ids: np.ndarray, vectors: np.ndarray, sources) -> None:
+        """Rows added to ``place``'s table by COPY, in the caller's transaction (a chunk's: its
+        rows enter the ANN index as they are written; no other row is touched)."""
+        from psycopg import sql
+
+        sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
+        with connection.cursor().copy(sql.SQL("COPY {} (id, embedding, source) FROM STDIN WITH (FORMAT BINARY)").format(
+                sql.Identifier(place.table))) as copy:
+            copy.set_types([self._id_type(ids), "vector", "text"])
+            for item, vector, source in zip(ids.tolist(), vectors, sources):
+                copy.write_row((item, vector, source))
+
+    def index_when_full_enough(self, place: Place, num_items: int) -> None:
+        """``place``'s ANN index, built once its table holds enough rows to train it (HNSW: at
+        once; IVFFlat: as many as it has lists, sized for the ``num_items`` the table will
+        hold): until then a search scans its few rows."""
+        kind = self.settings.get("ann", "hnsw")
+        if kind == "none" or self.ann_indexed(place):
+            return
+        if kind == "hnsw" or self.count(place.table) >= self.lists(num_items):
+            self.ann_index(place, num_items)
+
     def marked(self) -> list[tuple[str, str, str]]:
         """(name, kind, role) of every object in the schema that carries this gallery's mark."""
         rows = self.execute("SELECT c.relname, c.relkind, obj_description(c.oid, 'pg_class') FROM pg_class c "
@@ -514,7 +609,7 @@ class Index:
         """Drop every object this gallery marked (see ``PgGallery.release``); the names dropped."""
         from psycopg import sql
 
-        order = {VIEW: 0, ANN: 1, VECTORS: 2, SERVING: 3, CHUNKS: 3, TABLE: 4}
+        order = {VIEW: 0, ANN: 1, HELD: 2, VECTORS: 2, SERVING: 3, CHUNKS: 3, TABLE: 4}
         dropped = []
         for name, kind, _ in sorted(self.marked(), key=lambda o: (order.get(o[2], 5), o[0])):
             if kind not in ("table", "view", "index"):
@@ -585,21 +680,28 @@ class Index:
     def serve(self, model: ModelRef, place: Place, upgrade: str | None) -> None:
         """Readers move to ``model``'s vectors at ``place`` in one transaction: the view
         redefined over them and the serving row rewritten together (a reader's statement sees
-        one or the other)."""
+        one or the other). While ``upgrade`` fills ``place`` from its held table, the view is
+        both tables' rows, a held row only while its rank is in no chunk ``upgrade`` recorded
+        (``held_view``); served without an upgrade, the held table is dropped after the commit
+        (the finish: every row is in ``place``'s table)."""
         from psycopg import sql
 
         source = sql.SQL("coalesce({}, {})").format(sql.Identifier(place.source), sql.Literal(EMBEDDED)) \
             if place.source else sql.Literal(EMBEDDED)
         ours = self.ours(self.view, VIEW, "gallery.pgvector.view")
         self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix")
+        held = self.held(place)
+        if held and upgrade is None:
+            self.ann_index(place)  # the finish: a table whose index waited for rows gets it now
         with self.transaction() as connection:
             if ours:
                 connection.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(self.view)))
-            connection.execute(sql.SQL(
-                "CREATE VIEW {view} AS SELECT {id} AS id, {col} AS embedding, {model}::text AS model, "
-                "{source}::text AS source FROM {table}").format(
-                view=sql.Identifier(self.view), id=sql.Identifier(place.id_column), col=sql.Identifier(place.column),
-                model=sql.Literal(model.uri), source=source, table=sql.Identifier(place.table)))
+            plain = sql.SQL("SELECT {id} AS id, {col} AS embedding, {model}::text AS model, {source}::text AS source "
+                            "FROM {table}").format(
+                id=sql.Identifier(place.id_column), col=sql.Identifier(place.column), model=sql.Literal(model.uri),
+                source=source, table=sql.Identifier(place.table))
+            body = self.held_view(place, held, model, upgrade) if held and upgrade else plain
+            connection.execute(sql.SQL("CREATE VIEW {view} AS ").format(view=sql.Identifier(self.view)) + body)
             self.marking(connection, "view", self.view, VIEW)
             connection.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(self.serving_table)))
             connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, vectors, upgrade, "
@@ -607,6 +709,28 @@ class Index:
                 sql.Identifier(self.serving_table)),
                 (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade, self.owner,
                  self.store_uri))
+        if held and upgrade is None:
+            self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(held)))
+
+    def held_view(self, place: Place, held: str, model: ModelRef, upgrade: str):
+        """The view's query while ``upgrade`` fills ``place``'s table from ``held``: the rows of
+        both, a held row only while its rank lies in no chunk the upgrade recorded. The filter is
+        on the UNION ALL as a whole, so PostgreSQL plans a search as a Merge Append of two
+        ordered ANN index scans, and the recorded chunks' ranges are read once per query (an
+        InitPlan: adjacent chunks merged into one range, so a query tests a few ranges). A
+        chunk's rows and its record commit together: a reader sees an item once."""
+        from psycopg import sql
+
+        return sql.SQL(
+            "SELECT id, embedding, model, source FROM ("
+            "SELECT id, embedding, {model}::text AS model, source, -1 AS rank FROM {table} "
+            "UNION ALL SELECT id, embedding, {model}::text, {mapped}::text, rank FROM {held}) u "
+            "WHERE NOT (u.rank <@ ANY (ARRAY(SELECT int4range(min(first), max(stop)) FROM ("
+            "SELECT first, stop, first - coalesce(sum(stop - first) OVER (ORDER BY first ROWS BETWEEN UNBOUNDED "
+            "PRECEDING AND 1 PRECEDING), 0) AS island FROM {chunks} WHERE upgrade = {upgrade} AND first IS NOT NULL"
+            ") c GROUP BY island)))").format(
+            model=sql.Literal(model.uri), table=sql.Identifier(place.table), mapped=sql.Literal(MAPPED),
+            held=sql.Identifier(held), chunks=sql.Identifier(self.chunks_table), upgrade=sql.Literal(upgrade))
 
     def product_distances(self, distances: list) -> np.ndarray:
         """pgvector's distances as the product gives them: squared L2, or 1 - cosine."""

@@ -14,17 +14,25 @@ through the upgrade's alignment map, h(old)).
 
 During an upgrade (``components.gallery.upgrade``):
 
-- **the switch** (when the gallery is pointed at a planned upgrade): the new model's table is
-  written (one COPY) with the mixed gallery as it is (h(old), and the new model's features of the
-  chunks done while planning), its ANN index is built in bulk, and then, in one transaction, the
-  view is redefined over it and ``<table>_fastfill_serving`` names the new model. Readers move at that
-  commit, from one space to the other, never seeing both in one answer;
-- **each chunk** updates its rows (new features, ``source = embedded``) in one transaction together
-  with its completion record (``<table>_fastfill_chunks``): once, whatever the retries;
-- **the finish** keeps the table the chunks filled (nothing is rewritten) and names the new model
-  in the manifest; **reject, abort and rollback** redefine the view over the model the manifest
-  serves (the old vectors are kept until ``fastfill gallery gc`` drops every other model's table
-  of this gallery's; a team's adopted column is never dropped).
+- **the switch** (when the gallery is pointed at a planned upgrade): every item's row as the
+  switch finds it (h(old); the new model's features of the chunks done while planning) is written
+  (one COPY) into a held table, ``<vectors table>_held``, with its rank in the backfill order, and
+  its ANN index built in bulk; the chunks already done go into the new model's table; then, in one
+  transaction, the view is redefined over both and ``<table>_fastfill_serving`` names the new
+  model. Readers move at that commit, from one space to the other, never seeing both in one
+  answer;
+- **each chunk** appends its rows (new features, ``source = embedded``) to the new model's table
+  (one COPY: they enter its ANN index as they are written, built once the table holds enough rows
+  to train it) in one transaction with its completion record (``<table>_fastfill_chunks``, with
+  the chunk's ranks): once, whatever the retries. No other row is written: the view serves a held
+  row only while its rank is in no recorded chunk. So a chunk's WAL is its own rows, not the
+  heap and index pages that sigma order spreads a chunk over (reports/pg_wal_study-1000000.md,
+  docs/serving.md); a search is two ordered ANN index scans merged;
+- **the finish** keeps the table the chunks filled (nothing is rewritten), redefines the view over
+  it alone, drops the held table and names the new model in the manifest; **reject, abort and
+  rollback** redefine the view over the model the manifest serves (the old vectors, and an ended
+  upgrade's tables, are kept until ``fastfill gallery gc`` drops every other model's table of this
+  gallery's and every held table; a team's adopted column is never dropped).
 
 Every object the product creates here is marked as this gallery's (a ``COMMENT``,
 ``components.gallery.layouts.ownership``); nothing without that mark is dropped, replaced or
@@ -76,7 +84,7 @@ from fastfill.components.gallery.layouts.pg_index import (
 )
 from fastfill.components.gallery.layouts.served import FeaturesById, ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
-from fastfill.components.gallery.upgrade.stored import Plan, done_chunks, iter_mixed_parts
+from fastfill.components.gallery.upgrade.stored import Plan, done_chunks, iter_mixed_parts, order_of
 from fastfill.components.platform.registry import ModelRef
 
 __all__ = ["Index", "PgGallery", "PgWriter", "index_settings"]
@@ -151,11 +159,15 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
 
     def collect_features(self) -> int:
         """Drop the vectors of every model but the serving one that this gallery made (the other
-        models' tables with its mark; a team's adopted column stays: ``kept_columns``); returns
-        how many."""
+        models' tables with its mark; a team's adopted column stays: ``kept_columns``), and an
+        aborted upgrade's held table; returns how many models' vectors."""
+        from psycopg import sql
+
         index = self.index
         keep = index.place(self.model)
         drop = [Place(table, "id", "embedding", "source") for table in index.vectors_tables() if table != keep.table]
+        for held in index.held_tables():  # an aborted upgrade's (a finished one's was dropped at its finish)
+            index.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(held)))
         return sum(index.drop(place) for place in drop)
 
     def kept_columns(self) -> list[str]:
@@ -167,18 +179,25 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         return [f"{index.table}.{column}" for column in self.manifest()["index"].get("columns", {}).values()
                 if column in columns and Place(index.table, index.id_column, column, None) != keep]
 
-    def check_other_writers(self, place: Place) -> None:
-        """The new model's table holds exactly the gallery's ids, and the team's table holds every
-        id the gallery was made with (a count and a checksum; the ids named when they differ): a
-        DamagedObject naming the table at fault. Rows the team added since are recorded
-        (``unserved_rows``)."""
+    def check_other_writers(self, place: Place, filled: np.ndarray | None = None) -> None:
+        """The new model's table holds exactly the gallery's ids (while an upgrade's chunks fill
+        it: the ids ``filled`` of the chunks recorded, and its held table every id), and the
+        team's table holds every id the gallery was made with (a count and a checksum; the ids
+        named when they differ): a DamagedObject naming the table at fault. Rows the team added
+        since are recorded (``unserved_rows``)."""
         index, ids = self.index, self.ids()
         expected = index.ids_digest(ids)
         self._unserved = None
-        if place.table != index.table and index.id_digest(place.table, place.id_column) != expected:
-            diff = index.id_differences(place.table, place.id_column, ids)
+        held = index.held(place) if filled is not None else None
+        tables = [(held, "id", ids), (place.table, place.id_column, filled)] if held and filled is not None \
+            else [(place.table, place.id_column, ids)]
+        for table, id_column, wanted in tables:
+            if table == index.table or index.id_digest(table, id_column) == (
+                    expected if wanted is ids else index.ids_digest(wanted)):
+                continue
+            diff = index.id_differences(table, id_column, wanted)
             raise DamagedObject(
-                f"{index.where}: the new model's table {place.table} no longer holds the gallery's items: "
+                f"{index.where}: the new model's table {table} no longer holds the gallery's items: "
                 f"{_named(diff['missing'], 'missing')}{_named(diff['added'], 'not in the gallery')}(another writer "
                 "deleted or inserted rows in a table of the product's); nothing was switched: run the upgrade again "
                 "(`fastfill upgrade abort` then `fastfill upgrade`) to write it anew")
@@ -264,48 +283,75 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         self.index.serve(model, target, upgrade)
 
     def _prepare_switch(self, plan: Plan, place: Place) -> None:
-        """The new model's table written with the mixed gallery as it is now (h(old); the new
-        features of the chunks already done, recorded as done) and its ANN index built, before
-        any reader moves to it."""
+        """The new model's rows written as the mixed gallery is now, before any reader moves to
+        them: every item's row (h(old); the new features of the chunks already done) in the held
+        table with its rank in the order, the done chunks' rows in the new model's table and
+        recorded as done; the held table's ANN index built (and the new table's, once it holds
+        enough rows to train one). The chunks then only append (``serve_chunk``)."""
         from psycopg import sql
 
         index = self.index
         ids = self.ids()
+        rank = np.empty(self.num_items, dtype=np.int64)
+        rank[order_of(self.store, plan.id)] = np.arange(self.num_items)
 
         def rows():
             for part, features, backfilled in iter_mixed_parts(self, plan):
                 start, stop = self.part_bounds(part)
-                yield ids[start:stop], features, [EMBEDDED if b else MAPPED for b in backfilled]
+                yield ids[start:stop], features, rank[start:stop], np.asarray(backfilled, dtype=bool)
 
-        index.new_vectors(place, dim_of(plan.new), rows())
+        if place.table == index.table:
+            raise GalleryError(f"{index.where}: an upgrade writes the new model's vectors into a table of its own, not "
+                               f"a column of the team's table ({place.name})")
+        written = index.new_held(place, dim_of(plan.new), rows())
         done = done_chunks(self.store, plan.id)
+        if written != plan.items_in(done):
+            raise DamagedObject(f"{index.where}: the switch found {written} rows of done chunks, the plan "
+                                f"{plan.items_in(done)}; run the upgrade again")
         with index.transaction() as connection:  # an earlier try of the same upgrade (aborted) left its own
             connection.execute(sql.SQL("DELETE FROM {} WHERE upgrade = %s").format(sql.Identifier(index.chunks_table)),
                                (plan.id,))
             for chunk in done:
                 start, stop = plan.chunk_bounds(chunk)
-                connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT "
-                                           "DO NOTHING").format(sql.Identifier(index.chunks_table)),
-                                   (plan.id, chunk, stop - start))
-        index.ann_index(place)
+                connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items, first, stop) VALUES (%s, %s, %s, "
+                                           "%s, %s)").format(sql.Identifier(index.chunks_table)),
+                                   (plan.id, chunk, stop - start, start, stop))
+        index.index_when_full_enough(place, self.num_items)
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
-        """A chunk's rows, in one transaction with its completion record: once (a chunk whose
-        record is there is not written again). In the same transaction the new model's table must
-        still hold one row per item and the team's table at least as many: otherwise nothing of
-        the chunk is kept and the ids at fault are named (``check_other_writers``)."""
+        """A chunk's rows appended to the new model's table, in one transaction with its
+        completion record (which hides the same items' held rows from the view): once (a chunk
+        whose record is there is not written again). In the same transaction the new table must
+        hold the recorded chunks' rows, the held table one row per item and the team's table at
+        least as many: otherwise nothing of the chunk is kept and the ids at fault are named
+        (``check_other_writers``). An upgrade switched by a release that kept no held table
+        updates its rows in place."""
         from psycopg import sql
 
         index = self.index
         place = index.place(plan.new)
+        held = index.held(place)
+        ids = self.ids()[np.asarray(positions, dtype=np.int64)]
+        sources = [EMBEDDED if e else MAPPED for e in embedded]
+        start, stop = plan.chunk_bounds(chunk)
         try:
             with index.transaction() as connection:
                 inserted = connection.execute(
-                    sql.SQL("INSERT INTO {} (upgrade, chunk, items) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
-                        sql.Identifier(index.chunks_table)), (plan.id, int(chunk), len(positions))).rowcount
-                if inserted:
-                    index.write(connection, place, self.ids()[np.asarray(positions, dtype=np.int64)],
-                                features, [EMBEDDED if e else MAPPED for e in embedded])
+                    sql.SQL("INSERT INTO {} (upgrade, chunk, items, first, stop) VALUES (%s, %s, %s, %s, %s) "
+                            "ON CONFLICT DO NOTHING").format(sql.Identifier(index.chunks_table)),
+                    (plan.id, int(chunk), len(positions), start, stop)).rowcount
+                if inserted and held:
+                    index.append(connection, place, ids, features, sources)
+                    ours, kept, theirs, recorded = connection.execute(sql.SQL(
+                        "SELECT (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), "
+                        "(SELECT coalesce(sum(items), 0) FROM {} WHERE upgrade = %s)").format(
+                        sql.Identifier(place.table), sql.Identifier(held), sql.Identifier(index.table),
+                        sql.Identifier(index.chunks_table)), (plan.id,)).fetchone()
+                    if ours != recorded or kept != self.num_items or theirs < self.num_items:
+                        raise _Recount(f"{place.table} has {ours} rows for {recorded} recorded, {held} {kept}, "
+                                       f"{index.table} {theirs}, for {self.num_items} items")
+                elif inserted:
+                    index.write(connection, place, ids, features, sources)
                     ours, theirs = connection.execute(sql.SQL("SELECT (SELECT count(*) FROM {}), (SELECT count(*) "
                                                               "FROM {})").format(
                         sql.Identifier(place.table), sql.Identifier(index.table))).fetchone()
@@ -313,9 +359,16 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
                         raise _Recount(f"{place.table} has {ours} rows, {index.table} {theirs}, for "
                                        f"{self.num_items} items")
         except _Recount as counted:
-            self.check_other_writers(place)
+            filled = None
+            if held:  # the ids of the chunks recorded (this one's record was rolled back with its rows)
+                order = order_of(self.store, plan.id)
+                recorded = [order[slice(*plan.chunk_bounds(c))] for c in sorted(index.chunk_done(plan.id))]
+                filled = self.ids()[np.concatenate(recorded) if recorded else order[:0]]
+            self.check_other_writers(place, filled)
             raise DamagedObject(f"{index.where}: {counted} (another writer is changing them); chunk {chunk} was "
                                 "not written") from None
+        if inserted and held:
+            index.index_when_full_enough(place, self.num_items)
 
     @staticmethod
     def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> PgWriter:
