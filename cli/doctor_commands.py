@@ -79,6 +79,7 @@ def _mlflow_client(config):
     http(s) URI) or the local store was found; raises for either problem."""
     from mlflow import MlflowClient
 
+    registry.quiet_store_start()
     uri = registry.tracking_uri(config.mlflow)
     missing = _local_store_missing(uri)
     if missing is not None:

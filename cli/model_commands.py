@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from fastfill.cli import app, json_output
-from fastfill.cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load
+from fastfill.cli.command_support import INPUT, USAGE, ParamsOption, call, fail, load, outcome
 from fastfill.cli.json_output import JsonOption, answer, answers_json
 from fastfill.components.model_store import catalogue
 from fastfill.components.platform import registry
@@ -26,6 +26,8 @@ app.add_typer(model_app, name="model", short_help="Register your own embedding m
 def _quiet_mlflow() -> None:
     """MLflow's INFO lines (a new store's tables, the input example's validation) are not this
     command's answer: warnings and errors still show."""
+    import mlflow  # noqa: F401 - imported first: its import sets its loggers' levels, which would undo this
+
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
@@ -145,11 +147,15 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
     _quiet_mlflow()
     client, _ = call(registry.setup, config.mlflow)
     target = name or config.mlflow.registered_model
-    rows = call(_summaries, client, target)
+    rows, others = call(_summaries, client, target)
     if as_json:
         return answer(*json_output.model_list_document(target, [row.to_dict() for row in rows]))
     if not rows:
-        typer.echo(f"{target} has no versions; register one with `fastfill model register`")
+        register = "fastfill model register --onnx FILE" + ("" if name is None else f" --name {target}")
+        said = (f"{target} has no versions" if others is None else
+                f"no model is registered as {target} in {registry.identity(config.mlflow)} yet"
+                + (f" (registered: {', '.join(others)})" if others else ""))
+        typer.echo(f"{said}; register one with `{register}` (or --torchvision NAME --weights FILE, or --mlflow URI)")
         return
     typer.echo(f"{'version':>7}  {'aliases':<20} {'source':<12} {'dim':>5}  {'head':>5}  input")
     for row in rows:
@@ -157,16 +163,21 @@ def model_list(name: Annotated[str | None, typer.Option(help="default mlflow.reg
                    f"{row.head:>5}  {row.input}")
 
 
-def _summaries(client, name: str):
+def _summaries(client, name: str) -> tuple[list, list[str] | None]:
+    """(``name``'s versions, newest first; None, or where no model is registered as ``name``, no
+    versions and the names that are registered). A registry without it answers an empty list, as
+    a new one does before its first `fastfill model register`; any other error is the registry's."""
     from mlflow.exceptions import MlflowException
 
     try:
         client.get_registered_model(name)
     except MlflowException as error:
-        names = sorted(m.name for m in client.search_registered_models())
-        raise RegistryError(f"no registered model {name!r} ({error.error_code}); registered: "
-                            f"{', '.join(names) or 'none'}") from None
-    return catalogue.summaries(client, name)
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return [], sorted(m.name for m in client.search_registered_models())
+        if outcome(error) is not None:
+            raise  # the service's failure (not answering, credentials refused): `call` says which
+        raise RegistryError(f"cannot list registered model {name!r} ({error.error_code}): {error.message}") from None
+    return catalogue.summaries(client, name), None
 
 
 @model_app.command("show", short_help="One version: its description, preprocessing and MLflow signature.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -91,11 +92,31 @@ def identity(config: MlflowConfig) -> str:
     return shown_uri(registry_uri(config))
 
 
+# What MLflow logs at INFO while it opens a database store: a new one's tables created ("Creating
+# initial MLflow database tables...", "Updating database tables") and alembic's migration lines
+STORE_START_LOGGERS = ("mlflow.store.db.utils", "alembic")
+
+
+def quiet_store_start() -> None:
+    """Keep MLflow's start-up lines for a database store (``STORE_START_LOGGERS``) off the
+    terminal: they are not a command's answer. Only their INFO lines: warnings and errors still
+    show, and a level the user asked of MLflow (MLFLOW_LOGGING_LEVEL) is left as it is. Called
+    before the store is first opened, after MLflow's import, which sets its loggers' levels."""
+    import mlflow  # noqa: F401 - imported first: its import sets the levels of the loggers below
+
+    if os.environ.get("MLFLOW_LOGGING_LEVEL"):
+        return
+    for name in STORE_START_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+
+
 def setup(config: MlflowConfig) -> tuple[Any, str]:
     """Point MLflow at the configured store and return (client, experiment id)."""
     import mlflow
     from mlflow import MlflowClient
 
+    quiet_store_start()  # before the client opens (and may create) the store
     global _allow_pickled
     _allow_pickled = config.allow_pickled_models
     uri, models = tracking_uri(config), registry_uri(config)

@@ -319,13 +319,57 @@ def test_model_list_and_webhook_list(quiet_env, tmp_path):
                       "source": "onnx", "embedding_dim": 12, "head": None, "input": "3x20x20 RGB"}
     assert newest["embedding_dim"] == 16 and newest["head"] == 6 and newest["aliases"] == []
     assert set(_documented_fields("fastfill.model.list/1")) <= set(listed)
-    missing = _invoke("model", "list", "--params", str(params), "--name", "nothing", "--json")
-    assert _document(missing, "fastfill.error/1", INPUT)["error"].startswith("no registered model 'nothing'")
-    assert _invoke("model", "list", "--params", str(params), "--name", "nothing").exit_code == INPUT
+    # a name nothing is registered as has no versions: an empty answer, the registered names in the text
+    missing = _document(_invoke("model", "list", "--params", str(params), "--name", "nothing", "--json"),
+                        "fastfill.model.list/1")
+    assert missing == {"schema": "fastfill.model.list/1", "name": "nothing", "versions": []}
+    text = _invoke("model", "list", "--params", str(params), "--name", "nothing")
+    assert text.exit_code == 0 and "no model is registered as nothing" in text.stdout
+    assert "(registered: embedder)" in text.stdout and "`fastfill model register --onnx FILE --name nothing`" in text.stdout
 
     hooks = _document(_invoke("webhook", "list", "--params", str(params), "--json"), "fastfill.webhook.list/1")
     assert hooks == {"schema": "fastfill.webhook.list/1", "tracking": f"sqlite:///{tmp_path / 'mlflow.db'}",
                      "webhooks": []}
+
+
+def _fastfill(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The fastfill executable run in ``tmp_path``, with no MLflow or Prefect settings from the
+    environment (the params file names the store)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_LOGGING_LEVEL", "PREFECT_API_URL")}
+    return subprocess.run([FASTFILL, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
+def _no_store_start_lines(result: subprocess.CompletedProcess) -> None:
+    """MLflow's lines for a store it creates (its tables, alembic's migrations) reach neither stream."""
+    for said in (result.stdout, result.stderr):
+        for line in ("Creating initial MLflow database tables", "Updating database tables", "alembic"):
+            assert line not in said, said
+
+
+def test_a_new_registry_lists_no_models_quietly(tmp_path):
+    """A newcomer's first command: `model list` on an MLflow store that does not exist yet (MLflow
+    creates it) answers an empty list and says how to register a model, with none of MLflow's
+    start-up lines; so does another command that opens a new store."""
+    params = str(_params(tmp_path))
+    database = tmp_path / "mlflow.db"
+    text = _fastfill(tmp_path, "model", "list", "--params", params)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert text.stdout.startswith("no model is registered as embedder in sqlite:///")
+    assert "register one with `fastfill model register --onnx FILE`" in text.stdout and "registered:" not in text.stdout
+    _no_store_start_lines(text)
+    assert database.exists()
+
+    database.unlink()  # a new store again, now for --json: the same empty answer as a document
+    listed = _fastfill(tmp_path, "model", "list", "--params", params, "--json")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert json.loads(listed.stdout) == {"schema": "fastfill.model.list/1", "name": "embedder", "versions": []}
+    _no_store_start_lines(listed)
+
+    database.unlink()
+    hooks = _fastfill(tmp_path, "webhook", "list", "--params", params)
+    assert hooks.returncode == 0 and hooks.stdout.startswith("no webhooks on"), hooks.stderr[-2000:]
+    _no_store_start_lines(hooks)
 
 
 def test_watch_answers_one_check_only(quiet_env, tmp_path):
