@@ -10,8 +10,8 @@ Each layout runs in a process of its own (peak RSS is the process's; PostgreSQL'
 reported apart, from its processes), through the product's functions: adopt, commit_plan (the
 switch: the new model's vectors written with h(old), the ANN index built, readers moved: the Lance
 serving table overwritten, the pgvector view, the Milvus alias, the Qdrant alias), write_chunk
-with the layout's chunk commit (Lance: one merge_insert commit; pgvector: the rows updated in one
-transaction with the chunk's record; Milvus and Qdrant: an upsert), finish; and searches, half way
+with the layout's chunk commit (Lance: one commit deleting the switch's rows by address and adding
+the chunk's fragment; pgvector: the rows appended in one transaction with the chunk's record; Milvus and Qdrant: an upsert), finish; and searches, half way
 through the backfill and after the finish: ``--queries`` queries, k = 10, the latency per query
 and recall@10 against an exact search of the same mixed gallery (parts: `fastfill search`'s flat
 faiss index, exact; the others: the index itself, at the layout's defaults). The bytes each chunk
