@@ -34,7 +34,7 @@ def _module(filename: str) -> str | None:
 def _carries_configuration(frame) -> bool:
     code = frame.f_code
     names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-    return any(isinstance(value, BaseModel) and type(value).__module__ == "fastfill.components.platform.config"
+    return any(isinstance(value, BaseModel) and type(value).__module__.startswith("fastfill.components.platform.config")
                for value in (frame.f_locals.get(name) for name in names))
 
 
