@@ -9,28 +9,28 @@ old model's ``--old-dim`` features to the new model's ``--new-dim``.
 Each layout runs in a process of its own (peak RSS is the process's; PostgreSQL's own memory is
 reported apart, from its processes), through the product's functions: adopt, commit_plan (the
 switch: the new model's vectors written with h(old), the ANN index built, readers moved: the Lance
-serving table overwritten, the pgvector view, the Milvus alias, the Qdrant alias), write_chunk
-with the layout's chunk commit (Lance: one commit deleting the switch's rows by address and adding
-the chunk's fragment; pgvector: the rows appended in one transaction with the chunk's record; Milvus and Qdrant: an upsert), finish; and searches, half way
-through the backfill and after the finish: ``--queries`` queries, k = 10, the latency per query
-and recall@10 against an exact search of the same mixed gallery (parts: `fastfill search`'s flat
-faiss index, exact; the others: the index itself, at the layout's defaults). The bytes each chunk
-writes: the store's folder's growth (parts, Lance, the Milvus Lite file and the Qdrant local-mode
-folder kept in it) and PostgreSQL's WAL; for the layouts whose index lives in the benchmark's
-process (parts, Lance, Qdrant's local mode), also the bytes the process passed to write calls
-(/proc/self/io wchar), which counts what is rewritten in place. PostgreSQL is pgserver's (16.2,
-pgvector 0.6.2) on this machine, over a Unix socket; Milvus is Milvus Lite; Qdrant is
-qdrant-client's local mode (``QdrantClient(path=...)``, a folder in the store's folder: points kept
-in SQLite a transaction each, exact search in numpy with the filter on ``model`` in Python, no
-server and no HNSW: its times are the local mode's, not a Qdrant server's). ``--layouts`` runs
-some of them (``--layouts parts,qdrant``: Qdrant beside the parts layout); ``--suffix`` names the
-report. With ``--readers 8`` each index layout runs a second time, read throughout by that many
-concurrent readers (benchmarks/serving_readers.py: threads, each with its own connection, querying
-back to back before the switch, during it, along the backfill and half way, during the finish and
-after it): their latency p50/p95/p99 and errors per phase, and the upgrade's steps against the run
-without readers. On Lance the seconds of keeping the ANN index current are timed inside each
-chunk's commit. Writes reports/serving_index-<items>[-<suffix>].{json,md}.
-"""
+serving table overwritten, the pgvector view, the Milvus alias, the Qdrant alias), write_chunk with
+the layout's chunk commit (Lance: one commit deleting the switch's rows by address and adding the
+chunk's fragment; pgvector: the rows appended in one transaction with the chunk's record; Milvus
+and Qdrant: an upsert), finish; and searches, half way through the backfill and after the finish:
+``--queries`` queries, k = 10, the latency per query and recall@10 against an exact search of the
+same mixed gallery (parts: `fastfill search`'s flat faiss index, exact; the others: the index
+itself, at the layout's defaults). The bytes each chunk writes: the store's folder's growth (parts,
+Lance, the Milvus Lite file and the Qdrant local-mode folder kept in it) and PostgreSQL's WAL; for
+the layouts whose index lives in the benchmark's process (parts, Lance, Qdrant's local mode), also
+the bytes the process passed to write calls (/proc/self/io wchar), which counts what is rewritten
+in place. PostgreSQL is pgserver's (16.2, pgvector 0.6.2) on this machine, over a Unix socket;
+Milvus is Milvus Lite; Qdrant is qdrant-client's local mode (``QdrantClient(path=...)``, a folder
+in the store's folder: points kept in SQLite a transaction each, exact search in numpy with the
+filter on ``model`` in Python, no server and no HNSW: its times are the local mode's, not a Qdrant
+server's). ``--layouts`` runs some of them (``--layouts parts,qdrant``: Qdrant beside the parts
+layout); ``--suffix`` names the report. With ``--readers 8`` each index layout runs a second time,
+read throughout by that many concurrent readers (benchmarks/serving_readers.py: threads, each with
+its own connection, querying back to back before the switch, during it, along the backfill and half
+way, during the finish and after it): their latency p50/p95/p99 and errors per phase, and the
+upgrade's steps against the run without readers. On Lance the seconds of keeping the ANN index
+current are timed inside each chunk's commit. Writes
+reports/serving_index-<items>[-<suffix>].{json,md}. """
 
 from __future__ import annotations
 
