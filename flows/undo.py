@@ -8,14 +8,15 @@ from prefect import flow
 
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, check_registry
 from fastfill.components.gallery.store.lock import LeaseLost, UpgradeLocked, acquire_lock
-from fastfill.components.gallery.triggers.claims import claim
+from fastfill.components.gallery.triggers.claims import claim_record
 from fastfill.components.gallery.upgrade import planning, reversal
 from fastfill.components.platform import registry
 from fastfill.components.platform.config import Params
 from fastfill.components.platform.registry import ModelRef
 from fastfill.flows.parameters import resolve_params, run_parameters, store_of
 from fastfill.tasks._policy import log
-from fastfill.tasks.gallery_store import open_gallery
+from fastfill.tasks.gallery_store import abort_upgrade, claim_version, mark_rollback_recorded, open_gallery, roll_back
+from fastfill.tasks.upgrade_tracking import end_aborted_run, record_rollback
 
 
 def take_undo_lock(store, holder: str, doing: str, params: Params):
@@ -48,9 +49,10 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
     upgrade = reversal.abortable(gallery)  # refused with its reason before the lock is touched
     lock = take_undo_lock(store, upgrade, f"abort upgrade {upgrade}", params)
     try:
-        record = reversal.abort(gallery, upgrade)  # checked again under the lock
+        record = abort_upgrade(store.uri, upgrade)  # checked again under the lock
         plan = planning.load_plan(store, upgrade)
-        if plan is not None and claim(store, plan.new.name, plan.new.version, "abort", upgrade=upgrade):
+        if plan is not None and claim_version(store.uri, claim_record(plan.new.name, plan.new.version, "abort",
+                                                                      upgrade=upgrade)):
             log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
                 "again (`fastfill upgrade` still can)")
         _record_abort_in_mlflow(params, gallery, record)
@@ -83,9 +85,7 @@ def mark_run_aborted(params: Params, record: dict, progress: str, check=lambda: 
     try:
         check()
         client, _ = registry.setup(params.mlflow)
-        client.set_tag(run_id, "fastfill.aborted", f"{record['aborted']} by {by.get('user')}@{by.get('host')} at "
-                                                   f"{progress}")
-        client.set_terminated(run_id, "KILLED")
+        end_aborted_run(client, run_id, f"{record['aborted']} by {by.get('user')}@{by.get('host')} at {progress}")
     except (GalleryError, MlflowException, OSError) as error:
         log(f"the abort stands, but MLflow run {run_id} could not be marked aborted: {error}")
 
@@ -114,15 +114,15 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     try:
         record = reversal.interrupted_rollback(gallery)
         if record is None:
-            record = reversal.rollback(gallery)  # checked again under the lock
+            record = roll_back(store.uri)  # checked again under the lock
             log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade} to "
                 f"{ModelRef.from_dict(record['from']).uri} rolled back)")
         else:
             log(f"completing the rollback of upgrade {upgrade} (recorded {record['rolled_back']}): the registry step")
         rolled, previous = ModelRef.from_dict(record["from"]), ModelRef.from_dict(record["to"])
-        claim(store, rolled.name, rolled.version, "rollback", upgrade=upgrade)
+        claim_version(store.uri, claim_record(rolled.name, rolled.version, "rollback", upgrade=upgrade))
         moved = _record_rollback_in_registry(client, store, record, rolled, previous)
-        reversal.mark_rollback_recorded(store, upgrade)
+        mark_rollback_recorded(store.uri, upgrade)
         return {"state": "rolled back", "upgrade": upgrade, "model": previous.uri, "from": rolled.uri,
                 "champion_moved": moved, "rolled_back": record["rolled_back"]}
     finally:
@@ -137,10 +137,10 @@ def _record_rollback_in_registry(client, store, record: dict, rolled: ModelRef, 
             "promotion.rolled_back_upgrade": record["upgrade"]}
     plan = planning.load_plan(store, record["upgrade"])
     if rolled.name != previous.name:  # another registered model: only the tags
-        registry.record_rollback(client, rolled.name, rolled.version, rolled.version, plan.mlflow_run_id if plan else None, tags)
+        record_rollback(client, rolled.name, rolled.version, rolled.version, plan.mlflow_run_id if plan else None, tags)
         return False
-    moved = registry.record_rollback(client, rolled.name, rolled.version, previous.version,
-                                     plan.mlflow_run_id if plan else None, tags)
+    moved = record_rollback(client, rolled.name, rolled.version, previous.version, plan.mlflow_run_id if plan else None,
+                            tags)
     champion = registry.alias_version(client, rolled.name, registry.CHAMPION)
     log(f"champion moved back to {previous.uri}" if moved else
         f"champion names version {champion}, not {rolled.version}: left as it is")

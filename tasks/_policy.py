@@ -49,6 +49,14 @@ NO_CACHING: _Caching = {"cache_policy": NO_CACHE}
 GPU_TAGS = ["gpu"]
 
 
+def retrying() -> bool:
+    """Whether the running task is on a retry: its last try may have written before it failed (the
+    answer lost), so a write that is not idempotent by itself looks for its own first."""
+    from prefect.runtime import task_run
+
+    return task_run.run_count > 1
+
+
 def log(message: str) -> None:
     """Log through Prefect's run logger inside a run, print outside one."""
     from prefect.exceptions import MissingContextError

@@ -1,26 +1,28 @@
 """Tasks that read and write a gallery's store (I/O, so retried): ingest, the upgrade's planning
-writes, a chunk's backfill, the gate's measurement, the end's switch."""
+writes, a chunk's backfill, the gate's measurement, the end's switch, abort and rollback, and the
+claims that keep a version from starting again. A write that is not idempotent by itself looks,
+on a retry, for what its last try wrote (``retrying``)."""
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 from prefect import task
 
 from fastfill.components.gallery.advice import advisor
-from fastfill.components.gallery.gate.promotion import measure_gate
+from fastfill.components.gallery.gate.upgrade_gate import measure_upgrade_gate
 from fastfill.components.gallery.inputs import judgments
 from fastfill.components.gallery.layouts import catalog
 from fastfill.components.gallery.layouts.catalog import Gallery
 from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 from fastfill.components.gallery.store import Store, configure_s3, open_store
+from fastfill.components.gallery.triggers import claims
 from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal
 from fastfill.components.gallery.upgrade.outcome import GateDecision
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.model_store import registered
 from fastfill.components.platform.registry import ModelRef
-from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log, retrying
 
 
 @functools.lru_cache(maxsize=16)
@@ -102,32 +104,52 @@ def backfill_chunk(store_uri: str, upgrade_id: str, chunk: int, model, batch_siz
 
 @task(name="evaluate-gate", **NO_CACHING)
 def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
-    """The promotion gate's numbers (components.gallery.gate.promotion): the judged queries against
-    the whole gallery along the backfill's order when there are any, else the evaluation sample."""
+    """The promotion gate's numbers (components.gallery.gate.upgrade_gate)."""
+    return measure_upgrade_gate(gallery_at(store_at(store_uri)), plan, curve_points)
+
+
+def _abort(store_uri: str, upgrade_id: str) -> dict:
+    """``reversal.abort``; on a retry, an abort that the last try completed (its answer lost) is done."""
     gallery = gallery_at(store_at(store_uri))
-    store = gallery.store
-    judged = judgments.stored_judged(store, plan.id)
-    if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
-        relevant, new_queries, champion_queries = judged
-        final, _ = backfill.mixed_features(gallery, plan)
-        return judgments.measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries,
-                                             final, planning.transformed_all(gallery, plan.id), relevant,
-                                             planning.order_of(store, plan.id), distance=plan.distance,
-                                             curve_points=curve_points)
-    positions, queries = planning.stored_eval_sample(store, plan.id)
-    transformed = backfill.transformed_rows(gallery, plan.id, positions)
-    new = backfill.mixed_rows(gallery, plan, positions)
-    champion = gallery.features_at(gallery.model, positions)
-    order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places
-    labels = gallery.labels()
-    assert labels is not None  # without judged queries, the gate measures only a gallery with labels
-    return measure_gate(champion, queries, new, transformed, labels[positions], order,
-                        distance=plan.distance, curve_points=curve_points)
+    done = reversal.completed_abort(gallery, upgrade_id) if retrying() else None
+    return done if done is not None else reversal.abort(gallery, upgrade_id)
+
+
+@task(name="abort-upgrade", **IO_RETRIES, **NO_CACHING)
+def abort_upgrade(store_uri: str, upgrade_id: str) -> dict:
+    """The unfinished upgrade dropped (``reversal.abort``, under the caller's lock): its record
+    ``aborted.json``, then the gallery back on its own model's features. Returns the record."""
+    return _abort(store_uri, upgrade_id)
 
 
 @task(name="complete-abort", **IO_RETRIES, **NO_CACHING)
 def complete_abort(store_uri: str, upgrade_id: str) -> None:
-    reversal.abort(gallery_at(store_at(store_uri)), upgrade_id)
+    _abort(store_uri, upgrade_id)
+
+
+@task(name="roll-back", **IO_RETRIES, **NO_CACHING)
+def roll_back(store_uri: str) -> dict:
+    """The gallery back on the model it had before its last, finished upgrade (``reversal.rollback``,
+    under the caller's lock): the record ``rolled-back.json``, then the manifest. Returns the record.
+    A retry after a try that switched the manifest (its answer lost) finds that rollback, its
+    registry step still to do, and returns its record."""
+    gallery = gallery_at(store_at(store_uri))
+    done = reversal.interrupted_rollback(gallery) if retrying() else None
+    return done if done is not None else reversal.rollback(gallery)
+
+
+@task(name="mark-rollback-recorded", **IO_RETRIES, **NO_CACHING)
+def mark_rollback_recorded(store_uri: str, upgrade_id: str) -> dict:
+    """The rollback's record says its registry step is done (written whole: a retry writes it again)."""
+    return reversal.mark_rollback_recorded(store_at(store_uri), upgrade_id)
+
+
+@task(name="claim-version", **IO_RETRIES, **NO_CACHING)
+def claim_version(store_uri: str, record: dict) -> bool:
+    """The claim ``record`` (``claims.claim_record``) written for the gallery, so the watcher and the
+    webhook do not start its version; True for the version's first claim. A retry that finds the
+    very record its last try wrote (the answer lost) is that first claim."""
+    return claims.put_claim(store_at(store_uri), record, retried=retrying())
 
 
 @task(name="start-over", **IO_RETRIES, **NO_CACHING)

@@ -1,9 +1,11 @@
 """The upgrade's MLflow bookkeeping: its run opened with the plan as params and closed, tags, the
-advisor's and the gate's numbers, the decision followed in the registry, and progress as chunks
-land (``UpgradeProgress``, also a Prefect progress artifact). Two steps are Prefect tasks retried
-on an I/O failure (``IO_RETRIES``): opening the run (``open_upgrade_run``) and following the
-decision (``follow_decision``); the rest are plain calls on the client, not retried here. Each
-takes the run's one registry client (``registry.setup``, called once by the flow)."""
+advisor's and the gate's numbers, the decision followed in the registry, an aborted upgrade's run
+ended and a rollback recorded, and progress as chunks land (``UpgradeProgress``, also a Prefect
+progress artifact). Every write but the backfill's progress is a Prefect task retried on an I/O
+failure (``IO_RETRIES``), each safe to try again: tags and states are set, not added; metrics
+carry a timestamp taken once by the caller (``registry.metric_time``), so points sent again are
+the same points, which MLflow keeps once; a rollback tried again knows its own champion move.
+Each takes the run's one registry client (``registry.setup``, called once by the flow)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ from uuid import UUID
 
 from prefect import task
 
-from fastfill.components.gallery.upgrade.lifecycle import done_prefix
+from fastfill.components.gallery.upgrade.measure import BackfillMeasure
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.platform import registry
-from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log, retrying
 
 
 @task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)
@@ -38,34 +40,40 @@ def open_upgrade_run(client, experiment: str, plan_fields: dict, store_uri: str)
     return run.info.run_id
 
 
+@task(name="close-upgrade-run", **IO_RETRIES, **NO_CACHING)
 def close_upgrade_run(client, run_id: str, status: str, reason: str) -> None:
     """End the upgrade's run (FAILED when planning was refused), with the reason as a tag."""
     client.set_tag(run_id, "fastfill.refused", reason[:5000])
     client.set_terminated(run_id, status)
 
 
+@task(name="tag-upgrade-run", **IO_RETRIES, **NO_CACHING)
 def tag_run(client, run_id: str, tags: dict) -> None:
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
 
 
-def log_prediction(client, plan: Plan, advice: dict) -> None:
+@task(name="log-prediction", **IO_RETRIES, **NO_CACHING)
+def log_prediction(client, plan: Plan, advice: dict, timestamp: int) -> None:
     """The budget advisor's curve as series (step: items backfilled): predicted_top1 and
-    predicted_map, or predicted_agreement without labels."""
+    predicted_map, or predicted_agreement without labels. ``timestamp``: ``registry.metric_time()``."""
     steps = [int(f * plan.num_items) for f in advice["fractions"]]
     series = ({"predicted_agreement": advice["agreement"]} if advice.get("metric") == "agreement" else
               {"predicted_top1": advice["top1"], "predicted_map": advice["map"]})
-    registry.log_series(client, plan.mlflow_run_id, series, steps=steps)
+    registry.log_series(client, plan.mlflow_run_id, series, steps=steps, timestamp=timestamp)
 
 
-def log_gate(client, run_id: str, numbers: dict) -> None:
-    """The promotion gate's curve and numbers on the upgrade's run."""
+@task(name="log-gate", **IO_RETRIES, **NO_CACHING)
+def log_gate(client, run_id: str, numbers: dict, timestamp: int) -> None:
+    """The promotion gate's curve and numbers on the upgrade's run. ``timestamp``:
+    ``registry.metric_time()``."""
     series = {"gate.top1": numbers["top1"], "gate.nfr1": numbers["nfr1"]}
     if "map" in numbers:  # judged queries: mAP along the backfill too
         series["gate.map"] = numbers["map"]
-    registry.log_series(client, run_id, series)
+    registry.log_series(client, run_id, series, timestamp=timestamp)
     registry.log_metrics(client, run_id, {f"gate.{k}": numbers[k] for k in
-                                          ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")})
+                                          ("champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean")},
+                         timestamp=timestamp)
 
 
 @task(name="follow-decision-in-registry", **IO_RETRIES, **NO_CACHING)
@@ -75,14 +83,30 @@ def follow_decision(client, plan: Plan, tags: dict, promote: bool) -> None:
     registry.record_promotion(client, plan.new.name, plan.new.version, plan.mlflow_run_id, tags, promote)
 
 
+@task(name="end-aborted-run", **IO_RETRIES, **NO_CACHING)
+def end_aborted_run(client, run_id: str, aborted: str) -> None:
+    """An aborted upgrade's run ends KILLED, tagged ``fastfill.aborted`` with ``aborted`` (who
+    aborted it, when, how far it had got)."""
+    client.set_tag(run_id, "fastfill.aborted", aborted)
+    client.set_terminated(run_id, "KILLED")
+
+
+@task(name="record-rollback-in-registry", **IO_RETRIES, **NO_CACHING)
+def record_rollback(client, name: str, version: str, previous: str, run_id: str | None, tags: dict) -> bool:
+    """A rollback's registry step (``registry.record_rollback``): ``tags`` on the rolled-back version
+    and its upgrade's run, ``champion`` back on ``previous`` when it still names ``version``.
+    Returns whether champion moved (on a retry: also when the last try moved it)."""
+    return registry.record_rollback(client, name, version, previous, run_id, tags, retried=retrying())
+
+
 class UpgradeProgress:
     """Progress to MLflow (fraction, items, and retrieval when the done chunks form a longer
-    prefix of the order) and to a Prefect progress artifact."""
+    prefix of the order: ``measure``'s points) and to a Prefect progress artifact."""
 
-    def __init__(self, client, store_uri: str, plan: Plan, meter, artifact_key: str):
+    def __init__(self, client, store_uri: str, plan: Plan, measure: BackfillMeasure, artifact_key: str):
         from prefect.artifacts import create_progress_artifact
 
-        self.client, self.plan, self.meter = client, plan, meter
+        self.client, self.plan, self.measuring = client, plan, measure
         self.run_id = plan.mlflow_run_id
         self.client.update_run(self.run_id, status="RUNNING")
         history = self.client.get_metric_history(self.run_id, "top1")
@@ -101,21 +125,11 @@ class UpgradeProgress:
         self.measure(done)
 
     def measure(self, done: set[int]) -> None:
-        if self.meter is None:
-            return
-        prefix = done_prefix(done, self.plan.num_chunks)
-        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
-        if items and 0 not in self.measured:  # the curve starts at 0%, also when items were embedded while planning
-            self._measure_at(0)
-        self._measure_at(items)
-
-    def _measure_at(self, items: int) -> None:
-        if items in self.measured:
-            return
-        metrics = self.meter.measure(items)
-        registry.log_metrics(self.client, self.run_id, metrics, step=items)
-        self.measured.add(items)
-        log(f"at {items}/{self.plan.num_items} backfilled: top-1 {100 * metrics['top1']:.2f}%, mAP {100 * metrics['map']:.2f}%")
+        for items, metrics in self.measuring.points(done, self.measured):
+            registry.log_metrics(self.client, self.run_id, metrics, step=items)
+            self.measured.add(items)
+            log(f"at {items}/{self.plan.num_items} backfilled: top-1 {100 * metrics['top1']:.2f}%, "
+                f"mAP {100 * metrics['map']:.2f}%")
 
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")

@@ -233,27 +233,37 @@ def log_params(client, run_id: str, params: Mapping[str, object]) -> None:
         client.log_batch(run_id, params=items[start: start + 100])
 
 
-def _send_metrics(client, run_id: str, points: Iterable[tuple[str, float | None, int]]) -> None:
-    """(name, value, step) triples in batches; missing and non-finite values are skipped."""
+def metric_time() -> int:
+    """Now, as MLflow stamps a metric: milliseconds since the epoch."""
+    return int(time.time() * 1000)
+
+
+def _send_metrics(client, run_id: str, points: Iterable[tuple[str, float | None, int]],
+                  timestamp: int | None = None) -> None:
+    """(name, value, step) triples in batches; missing and non-finite values are skipped.
+    ``timestamp`` (``metric_time``; default now): points sent again with the same timestamp are
+    kept once (MLflow's SQL store drops an exact repeat), so a retried write adds nothing."""
     from mlflow.entities import Metric
 
-    now = int(time.time() * 1000)
+    now = metric_time() if timestamp is None else timestamp
     items = [Metric(name, float(value), now, step) for name, value, step in points
              if value is not None and math.isfinite(value)]
     for start in range(0, len(items), 500):
         client.log_batch(run_id, metrics=items[start: start + 500])
 
 
-def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
-    _send_metrics(client, run_id, ((name, value, step) for name, value in metrics.items()))
+def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int = 0,
+                timestamp: int | None = None) -> None:
+    _send_metrics(client, run_id, ((name, value, step) for name, value in metrics.items()), timestamp)
 
 
-def log_series(client, run_id: str, series: Mapping[str, Iterable[float]], steps: Iterable[int] | None = None) -> None:
+def log_series(client, run_id: str, series: Mapping[str, Iterable[float]], steps: Iterable[int] | None = None,
+               timestamp: int | None = None) -> None:
     """Each named series as one metric; step = position (epochs), or ``steps`` (e.g. a backfill
     curve's backfilled fraction in per mille, so the MLflow chart's x axis reads as the backfill)."""
     steps = None if steps is None else list(steps)
     _send_metrics(client, run_id, ((name, value, step if steps is None else steps[step])
-                                   for name, values in series.items() for step, value in enumerate(values)))
+                                   for name, values in series.items() for step, value in enumerate(values)), timestamp)
 
 
 def log_artifact(client, run_id: str, path: Path, artifact_path: str | None = None) -> None:
@@ -357,12 +367,16 @@ def record_promotion(client, name: str, version: str, run_id: str | None, tags: 
 
 
 def record_rollback(client, name: str, version: str, previous: str, run_id: str | None,
-                    tags: Mapping[str, str]) -> bool:
+                    tags: Mapping[str, str], *, retried: bool = False) -> bool:
     """A promoted ``version`` rolled back: ``tags`` on it (and on its upgrade's run), and
     ``champion`` back on ``previous`` when it still names ``version`` (a champion moved since by
-    someone else is left alone). Returns whether champion moved."""
+    someone else is left alone). Returns whether champion moved. ``retried``: an earlier try may
+    have moved champion and lost the answer; champion on ``previous`` is then that move."""
     _tag_verdict_last(client, name, version, run_id, tags)
-    if alias_version(client, name, CHAMPION) != str(version):
+    champion = alias_version(client, name, CHAMPION)
+    if retried and champion == str(previous):
+        return True
+    if champion != str(version):
         return False
     client.set_registered_model_alias(name, CHAMPION, str(previous))
     return True

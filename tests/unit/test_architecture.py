@@ -259,3 +259,41 @@ def test_no_modules_import_each_other():
 def test_the_cycle_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_upgrade_flow_file_only_binds():
+    """flows/upgrade.py holds the flow, its entry points and its end states: the ports' adapters
+    are flows/upgrade_ports.py's, and what they decide or compute is the components'."""
+    lines = len((ROOT / "flows" / "upgrade.py").read_text().splitlines())
+    assert lines <= 150, f"flows/upgrade.py has {lines} lines: adapters go to flows/upgrade_ports.py, logic to components/"
+
+
+# Calls that write a gallery's store or MLflow, by the name they are called on: in the flows, each
+# goes through a retried task of tasks/ instead (tests/unit/test_retried_writes.py lists them).
+DIRECT_WRITES = {
+    "reversal": {"abort", "rollback", "mark_rollback_recorded", "start_over"},
+    "claims": {"claim", "put_claim", "record_start", "release"},
+    "registry": {"record_rollback", "record_promotion", "log_metrics", "log_series", "log_params"},
+    "client": {"set_tag", "set_terminated", "update_run", "log_batch", "set_registered_model_alias",
+               "delete_registered_model_alias", "set_model_version_tag"},
+    "store": {"put", "put_json", "delete"},
+    "gallery": {"write_manifest"},
+}
+WRITING_FUNCTIONS = {"claim"}  # called by their own name once imported
+
+
+@pytest.mark.parametrize("name", ["flows/upgrade.py", "flows/upgrade_ports.py", "flows/undo.py"])
+def test_the_upgrade_abort_and_rollback_flows_write_only_through_tasks(name):
+    path = ROOT / name
+    direct = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", None)
+            if func.attr in DIRECT_WRITES.get(owner, ()):
+                direct.append(f"line {node.lineno}: {owner}.{func.attr}")
+        elif isinstance(func, ast.Name) and func.id in WRITING_FUNCTIONS:
+            direct.append(f"line {node.lineno}: {func.id}")
+    assert not direct, f"{name} writes without a retried task: {direct}"

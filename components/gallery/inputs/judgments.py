@@ -17,6 +17,7 @@ tasks that measure the gate) are ``components.gallery.gate.judged_gate``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,8 @@ from fastfill.components.gallery.layouts.item_ids import id_array, id_of, is_tex
 from fastfill.components.gallery.store import ObjectMissing
 from fastfill.components.gallery.upgrade.planning import upgrade_key
 
-__all__ = ["COLUMNS", "JUDGED", "Judgments", "load_judgments", "measure_judged_gate", "store_judged", "stored_judged"]
+__all__ = ["COLUMNS", "JUDGED", "Judgments", "gate_judgments", "load_judgments", "measure_judged_gate", "store_judged",
+           "stored_judged"]
 
 COLUMNS = ("query", "relevant")
 
@@ -150,6 +152,14 @@ def load_judgments(uri: str, ids: np.ndarray | list) -> Judgments:
                            "items as relevant")
     return Judgments(uri, np.asarray(out_positions, dtype=np.int64), out_uris, out_relevant,
                      self_pairs=self_pairs, dropped_queries=dropped, duplicates=duplicates)
+
+
+def gate_judgments(uri: str, ids: np.ndarray | list, log: Callable[[str], None]) -> Judgments:
+    """The judged queries an upgrade's gate measures against (``load_judgments``), and the line
+    that says so."""
+    judged = load_judgments(uri, ids)
+    log(f"the gate measures against {judged.describe()}")
+    return judged
 
 
 # ------------------------------------------------------------------------------------------------

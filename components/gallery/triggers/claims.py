@@ -18,11 +18,21 @@ def trigger_key(name: str, version: str) -> str:
 
 def claim(store: Store, name: str, version: str, source: str, **details) -> bool:
     """True for the first claim of this version in this gallery, False for every later one."""
-    record = {"name": name, "version": str(version), "source": source, "claimed": now(), **details}
+    return put_claim(store, claim_record(name, version, source, **details))
+
+
+def claim_record(name: str, version: str, source: str, **details) -> dict:
+    """The record of a claim of ``version`` (``put_claim`` writes it)."""
+    return {"name": name, "version": str(version), "source": source, "claimed": now(), **details}
+
+
+def put_claim(store: Store, record: dict, *, retried: bool = False) -> bool:
+    """``claim`` with a record made before (``claim_record``). ``retried``: an earlier try may have
+    written this very record and lost the answer; finding it is that try's first claim."""
     try:
-        store.put_json(trigger_key(name, version), record, create_only=True)
+        store.put_json(trigger_key(record["name"], record["version"]), record, create_only=True)
     except AlreadyExists:
-        return False
+        return retried and claimed(store, record["name"], record["version"]) == record
     return True
 
 

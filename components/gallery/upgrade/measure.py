@@ -9,10 +9,13 @@ the simulated curve of the same features at the same fractions.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from fastfill.components.evaluation import curve_at_counts
 from fastfill.components.gallery.upgrade.backfill import chunk_features, transformed_rows
+from fastfill.components.gallery.upgrade.lifecycle import done_prefix
 from fastfill.components.gallery.upgrade.planning import eval_positions_key, eval_queries_key, eval_ranks, order_of
 
 
@@ -65,3 +68,31 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
         start, stop = plan.chunk_bounds(chunk)
         meter.land(start, stop, chunk_features(store, plan.id, chunk))
     return meter
+
+
+class BackfillMeasure:
+    """Retrieval measured as a backfill's chunks land: each landed chunk's features, read back from
+    the store, go into the upgrade's meter (``meter_for``, the chunks already ``done`` landed), and
+    ``points`` measures where the done chunks form a longer prefix of the order than before.
+    Without an evaluation sample (``meter`` None) it measures nothing."""
+
+    def __init__(self, gallery, plan, done: set[int]):
+        self.store, self.plan = gallery.store, plan
+        self.meter = meter_for(gallery, plan, sorted(done))
+
+    def land(self, chunk: int, start: int, stop: int) -> None:
+        """Chunk ``chunk`` (items ``start:stop`` of the order) landed."""
+        if self.meter is not None:
+            self.meter.land(start, stop, chunk_features(self.store, self.plan.id, chunk))
+
+    def points(self, done: set[int], measured: set[int]) -> Iterator[tuple[int, dict]]:
+        """(items backfilled, metrics) at the done prefix of the order, and at 0 before it (the
+        curve starts at 0%, also when items were embedded while planning), each unless it is in
+        ``measured`` (the counts recorded before: the caller adds each one it records)."""
+        if self.meter is None:
+            return
+        prefix = done_prefix(done, self.plan.num_chunks)
+        items = self.plan.chunk_bounds(prefix - 1)[1] if prefix else 0
+        for at in ([0] if items else []) + [items]:
+            if at not in measured:
+                yield at, self.meter.measure(at)

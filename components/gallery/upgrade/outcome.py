@@ -1,7 +1,8 @@
 """What one run of an upgrade returns (``UpgradeRun.run``, the flow ``upgrade_flow``), as typed
 records: the CLI prints their fields, ``--json`` writes them (``as_dict``), the deployment's flow
 run carries them as its state's data, tests read them. Which fields are set depends on
-``state``; each is written once, where the run decides it."""
+``state``; each is written once, where the run decides it. A rejection's Prefect event is made
+here too (``rejection_event``)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,20 @@ def backfilled(summary: BackfillSummary, mlflow_run_id: str | None, advice: Advi
                          items_done=summary.items_done, fraction=summary.fraction, complete=summary.complete,
                          mlflow_run_id=mlflow_run_id, upgrade=summary.upgrade, chunks_done=summary.chunks_done,
                          chunks=summary.chunks, failed_images=summary.failed_images, advice=advice)
+
+
+REJECTED_EVENT = "fastfill.upgrade.rejected"
+
+
+def rejection_event(result: UpgradeResult, store_uri: str, model_uri: str) -> dict:
+    """The event a rejection by the gate emits (``prefect.events.emit_event``'s arguments):
+    ``fastfill.upgrade.rejected`` with the gallery as its resource, and as payload the upgrade,
+    the store, the model, the reasons, the gate's numbers (those that are numbers) and the
+    upgrade's MLflow run, for an Automation to act on."""
+    upgrade = result.upgrade or (result.decision or {}).get("upgrade")
+    numbers = {k: v for k, v in ((result.promotion.numbers if result.promotion else None) or {}).items()
+               if isinstance(v, int | float | None)}
+    return {"event": REJECTED_EVENT,
+            "resource": {"prefect.resource.id": f"fastfill.gallery.{store_uri}", "prefect.resource.name": store_uri},
+            "payload": {"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": result.reasons,
+                        "numbers": numbers, "mlflow_run_id": result.mlflow_run_id}}

@@ -159,6 +159,16 @@ def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
     return record
 
 
+def completed_abort(gallery: Gallery, upgrade: str) -> dict | None:
+    """The record of ``upgrade``'s abort when that abort is complete (recorded, and the gallery no
+    longer points at the upgrade), else None: what an abort tried again after its answer was lost
+    finds done."""
+    record = aborted(gallery.store, upgrade)
+    if record is None or gallery.manifest(refresh=True).get("upgrade") == upgrade:
+        return None
+    return record
+
+
 def undone(store: Store, upgrade: str) -> dict | None:
     """The record of ``upgrade``'s abort or rollback, with ``ended`` ("aborted" or "rolled back"),
     or None when it was neither: such an upgrade asked for again is planned from scratch."""
