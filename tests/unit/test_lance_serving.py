@@ -214,3 +214,32 @@ def test_a_lance_gallery_is_not_made_over_a_serving_table_not_its_own(tmp_path, 
         _gallery(store_uri, models, data, layout="lance")
     assert not os.path.exists(tmp_path / "store" / "gallery.lance") and not open_store(store_uri).exists("gallery.json")
     assert ServingTable(store_uri).dataset().version == version
+
+
+def test_the_session_cache_is_bounded_by_its_setting_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """The process's Lance session keeps at most FASTFILL_LANCE_CACHE_MB of index segments (Lance's
+    own default let a million-row upgrade keep every merged-away segment): under a bound smaller
+    than the index, searches still answer and the cache holds no more than the bound, where a
+    larger bound keeps more."""
+    from fastfill.components.gallery.layouts import lance_serving
+
+    monkeypatch.setenv(lance_serving.CACHE_ENV, "3")
+    assert lance_serving.cache_bytes() == 3 << 20
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(N, DIM)).astype(np.float32)
+    held = {}
+    for name, capacity in (("small", 64 << 10), ("large", 64 << 20)):
+        monkeypatch.setattr(lance_serving, "cache_bytes", lambda capacity=capacity: capacity)
+        table = ServingTable(str(tmp_path / name), {"ann": "ivf_flat", "ann_min_rows": 1000, "nprobes": 20})
+        parts = ((np.arange(s, s + 1000), vectors[s:s + 1000], [EMBEDDED] * 1000, np.full(1000, -1))
+                 for s in range(0, N, 1000))
+        table.write(MODEL, None, np.arange(N), parts)
+        got, _, _, _ = table.search(vectors[:3], 1, MODEL.uri)
+        assert [row[0] for row in got] == [0, 1, 2]
+        held[name] = lance_serving._session(capacity).index_cache_size_bytes()
+    assert held["small"] <= 64 << 10 < held["large"]
+    monkeypatch.undo()
+    for bad in ("0", "two", "-5"):
+        monkeypatch.setenv(lance_serving.CACHE_ENV, bad)
+        with pytest.raises(lance_serving.GalleryError, match=f"FASTFILL_LANCE_CACHE_MB={bad!r} is not a positive"):
+            lance_serving.cache_bytes()
