@@ -235,6 +235,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     times["chunk_commit_median"] = statistics.median(latencies)
     times["chunk_commit_per_10k_rows"] = statistics.median(latencies) * 10000 / chunk
     result["chunk_bytes_median"] = statistics.median(sizes)
+    result["chunk_bytes_mean"], result["chunk_bytes_max"] = statistics.mean(sizes), max(sizes)
     if layout in IN_PROCESS:
         result["chunk_wchar_median"] = statistics.median(calls)
     result["chunk_payload_bytes"] = chunk * new_dim * 4  # the new features alone
@@ -277,10 +278,21 @@ def main() -> None:
                         "many concurrent readers throughout (benchmarks/serving_readers.py), e.g. 8")
     parser.add_argument("--reader-seconds", type=float, default=10.0, help="the readers' time before the switch "
                         "and after the finish")
+    parser.add_argument("--combine", nargs="+", metavar="JSON", help="no run: the report of the layouts in these "
+                        "reports' JSON (each its own run; a later file's layout replaces an earlier one's)")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(run_layout(args.root, args.worker, args.items, args.old_dim, args.new_dim, args.chunk,
-                                    args.queries, args.pg_uri, args.ann, args.readers, args.reader_seconds)))
+        result = run_layout(args.root, args.worker, args.items, args.old_dim, args.new_dim, args.chunk,
+                            args.queries, args.pg_uri, args.ann, args.readers, args.reader_seconds)
+        kept = Path(tempfile.gettempdir()) / f"serving_index-{args.items}-{args.worker}-readers{args.readers}.json"
+        kept.write_text(json.dumps(result) + "\n")  # the whole result, whatever the parent keeps of it
+        print(json.dumps(result))
+        return
+    if args.combine:
+        results = {}
+        for path in args.combine:
+            results.update(json.loads(Path(path).read_text())["results"])
+        report(results, args)
         return
     from testkit.local_postgres import start_postgres
 
@@ -332,6 +344,10 @@ def report(results: dict, args) -> None:
                   "the filter on `model` in Python, no HNSW), in the layout's process."))
                  if layout in layouts), "",
              "| step (s) | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
+    if args.combine:  # the command above did not run: say which runs the figures come from
+        lines[2:3] = [f"Combined (`--combine`) from {', '.join(f'`{path}`' for path in args.combine)}: each layout's "
+                      "figures are those of the run its file records, on this machine's "
+                      f"{os.cpu_count()} cores; the runs' commands are in those files.", ""]
     for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish"):
         cells = []
         for layout in layouts:
@@ -339,6 +355,11 @@ def report(results: dict, args) -> None:
             ratio = f" ({value / parts['times'][step]:.1f}x)" if layout != "parts" and parts["times"].get(step) else ""
             cells.append(f"{value:.3f}{ratio}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if any("chunk_bytes_mean" in results[layout] for layout in layouts):
+        lines.append("| bytes written per chunk, mean / worst, x the new features' | " + " | ".join(
+            f"{results[layout]['chunk_bytes_mean'] / results[layout]['chunk_payload_bytes']:.2f}x / "
+            f"{results[layout]['chunk_bytes_max'] / results[layout]['chunk_payload_bytes']:.2f}x"
+            if "chunk_bytes_mean" in results[layout] else "-" for layout in layouts) + " |")
     lines.append("| bytes written per chunk (median), x the new features' | " + " | ".join(
         f"{results[layout]['chunk_bytes_median'] / 2 ** 20:.1f} MB "
         f"({results[layout]['chunk_bytes_median'] / results[layout]['chunk_payload_bytes']:.2f}x)"
