@@ -28,10 +28,11 @@ from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.triggers.claims import ENDED_UNSTARTED, claimed, unfinished
 from fastfill.components.gallery.upgrade.ending import decision
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import DECISION, load_plan
 from fastfill.components.gallery.upgrade.status import GalleryStatus, gallery_status
 from fastfill.components.platform import registry
-from fastfill.components.platform.registry import CHALLENGER, CHAMPION, alias_version
+from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef, alias_version
 from fastfill.components.platform.vocabulary import POLL_DEPLOYMENT, UPGRADE_DEPLOYMENT, UPGRADE_FLOW
 
 OK, FAIL, NOT_SET_UP = "ok", "FAIL", "--"  # "--": an optional part that is not set up (not a failure)
@@ -229,11 +230,11 @@ def doctor(store: StoreOption = None, as_json: JsonOption = False, params: Param
 # ---- status
 
 
-def _last_decision(store) -> dict | None:
+def _last_decision(store) -> Decision | None:
     """The newest promotion decision recorded in the gallery (``upgrades/<id>/decision.json``)."""
     upgrades = sorted({key.split("/")[1] for key in store.list("upgrades/") if key.endswith("/" + DECISION)})
     decisions = [d for d in (decision(store, u) for u in upgrades) if d is not None]
-    return max(decisions, key=lambda d: d["decided"], default=None)
+    return max(decisions, key=lambda d: d.decided or "", default=None)
 
 
 def _same_store(uri: str, store) -> bool:
@@ -288,7 +289,7 @@ def _flow_run_state(flow_run_id: str | None) -> str | None:
         return None
 
 
-def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
+def _mlflow_lines(config, run_id: str | None, decided: Decision | None, store=None,
                   state: GalleryStatus | None = None) -> list[tuple[str, str]]:
     """The challenger's state for this gallery, the run's link and the decision's record in the
     registry; raises when the tracking store cannot be used."""
@@ -300,18 +301,18 @@ def _mlflow_lines(config, run_id: str | None, decided: dict | None, store=None,
         waiting = _challenger_line(client, config, store, state)
         if waiting is not None:
             lines.append(("trigger", waiting))
-    if decided is not None:
-        new = decided["new"]
+    if decided is not None and decided.new is not None:
+        new = decided.new
         try:
-            tags = client.get_model_version(new["name"], str(new["version"])).tags
+            tags = client.get_model_version(new.name, str(new.version)).tags
             tag = tags.get("promotion")
-            lines.append(("registry", f"{new['name']} v{new['version']}: promotion={tag}" if tag else
-                          f"{new['name']} v{new['version']} has no promotion tag yet; run the same `fastfill upgrade` "
+            lines.append(("registry", f"{new.name} v{new.version}: promotion={tag}" if tag else
+                          f"{new.name} v{new.version} has no promotion tag yet; run the same `fastfill upgrade` "
                           "again to record the decision"))
         except MlflowException as error:
             if getattr(error, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
                 raise
-            lines.append(("registry", f"{new['name']} v{new['version']} no longer exists"))
+            lines.append(("registry", f"{new.name} v{new.version} no longer exists"))
     if run_id:
         shown = registry.identity(config.mlflow)
         experiment = client.get_run(run_id).info.experiment_id
@@ -395,7 +396,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
         if not as_json:
             _show(name, text)
 
-    def answered(healthy: bool, state: GalleryStatus | None = None, decided: dict | None = None,
+    def answered(healthy: bool, state: GalleryStatus | None = None, decided: Decision | None = None,
                  run_id: str | None = None) -> None:
         if as_json:
             answer("fastfill.status/1", {"ok": healthy, "store": where.uri,
@@ -413,7 +414,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
     _show_gallery(state, decided, show)
     run_id = state.upgrade.mlflow_run_id if state.upgrade else None
     if run_id is None and decided is not None:
-        plan = load_plan(where, decided["upgrade"])
+        plan = load_plan(where, decided.upgrade_id)
         run_id = plan.mlflow_run_id if plan else None
     healthy = _show_services(config, run_id, decided, where, state, show)
     answered(healthy, state, decided, run_id)
@@ -446,7 +447,7 @@ def _show_no_gallery(config, where, show) -> bool:
     return True
 
 
-def _show_gallery(state: GalleryStatus, decided: dict | None, show) -> None:
+def _show_gallery(state: GalleryStatus, decided: Decision | None, show) -> None:
     """The gallery's own lines: its model, the upgrade and its lock, what comes next, the gate."""
     show("gallery", f"{state.store}: {state.items:,} items, model {state.model}")
     if state.index and state.index.get("problem"):  # the index readers search cannot serve them
@@ -469,14 +470,13 @@ def _show_gallery(state: GalleryStatus, decided: dict | None, show) -> None:
     if decided is None:
         show("gate", "no promotion decision recorded in this gallery")
     else:
-        verdict = ("passed" if decided["passed"] else "rejected") if decided.get("numbers") is not None else (
-            "ungated (promoted without the gate)")
-        reasons = "; ".join(decided.get("reasons") or [])
-        show("gate", f"{verdict} on {decided['decided']}: {decided['upgrade']}, {_uri(decided['new'])} against "
-                     f"champion {_uri(decided['champion'])}" + (f": {reasons}" if reasons else ""))
+        verdict = decided.verdict if decided.gated else "ungated (promoted without the gate)"
+        reasons = "; ".join(decided.reasons)
+        show("gate", f"{verdict} on {decided.decided}: {decided.upgrade_id}, {_uri(decided.new)} against "
+                     f"champion {_uri(decided.champion)}" + (f": {reasons}" if reasons else ""))
 
 
-def _show_services(config, run_id: str | None, decided: dict | None, where, state: GalleryStatus, show) -> bool:
+def _show_services(config, run_id: str | None, decided: Decision | None, where, state: GalleryStatus, show) -> bool:
     """The registry's and the run trackers' lines (MLflow, Prefect); False when one could not be
     reached (its line says why)."""
     healthy = True
@@ -496,5 +496,5 @@ def _show_services(config, run_id: str | None, decided: dict | None, where, stat
     return healthy
 
 
-def _uri(model: dict) -> str:
-    return f"models:/{model['name']}/{model['version']}"
+def _uri(model: ModelRef | None) -> str | None:
+    return model.uri if model is not None else None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import Decision, UpgradeResult
 
 if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
     from fastfill.components.gallery.advice.estimate import DryRun
@@ -201,20 +201,14 @@ def doctor_document(checks: list[tuple[str, str, str]]) -> tuple[str, dict]:
                                  "checks": {name: {"state": state, "text": text} for name, state, text in checks}}
 
 
-def decision_fields(decided: dict | None) -> dict | None:
+def decision_fields(decided: Decision | None) -> dict | None:
     """A promotion decision (an upgrade's decision.json) as the status document shows it."""
     if decided is None:
         return None
-    gated = decided.get("numbers") is not None
-    return {"upgrade": decided.get("upgrade"), "decided": decided.get("decided"),
-            "verdict": ("passed" if decided["passed"] else "rejected") if gated else "ungated",
-            "passed": decided["passed"], "new": _model_uri(decided.get("new")),
-            "champion": _model_uri(decided.get("champion")), "reasons": list(decided.get("reasons") or []),
-            "numbers": decided.get("numbers")}
-
-
-def _model_uri(model: dict | None) -> str | None:
-    return None if not model else f"models:/{model['name']}/{model['version']}"
+    return {"upgrade": decided.upgrade_id, "decided": decided.decided, "verdict": decided.verdict,
+            "passed": decided.passed, "new": decided.new.uri if decided.new else None,
+            "champion": decided.champion.uri if decided.champion else None, "reasons": list(decided.reasons),
+            "numbers": decided.numbers}
 
 
 # model: register, list, show

@@ -17,7 +17,7 @@ from fastfill.components.gallery.inputs import judgments
 from fastfill.components.gallery.layouts.catalog import Gallery
 from fastfill.components.gallery.upgrade.decider import Course
 from fastfill.components.gallery.upgrade.measure import BackfillMeasure
-from fastfill.components.gallery.upgrade.outcome import GateDecision
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.gallery.upgrade.run import UpgradePorts
 from fastfill.components.platform import registry
@@ -78,13 +78,13 @@ class _StoreWrites:
     def sync_serving(self) -> str:
         return store_tasks.sync_serving(self.uri)
 
-    def write_decision(self, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
-        return store_tasks.write_decision(self.uri, plan, champion, decided)
+    def write_decision(self, decided: Decision) -> Decision:
+        return store_tasks.write_decision(self.uri, decided)
 
     def finish(self, plan: Plan) -> None:
         store_tasks.finish_upgrade(self.uri, plan)
 
-    def reject(self, plan: Plan, decision: dict) -> None:
+    def reject(self, plan: Plan, decision: Decision) -> None:
         store_tasks.reject_upgrade(self.uri, plan, decision)
 
     def mark_registry_recorded(self, upgrade: str) -> None:

@@ -18,7 +18,7 @@ from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
 from fastfill.components.gallery.store import Store, configure_s3, open_store
 from fastfill.components.gallery.triggers import claims
 from fastfill.components.gallery.upgrade import backfill, ending, planning, reversal
-from fastfill.components.gallery.upgrade.outcome import GateDecision
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.model_store import registered
 from fastfill.components.platform.registry import ModelRef
@@ -186,9 +186,8 @@ def advise_upgrade(store_uri: str, plan: Plan, gain_below: float | None) -> dict
 
 
 @task(name="write-decision", **IO_RETRIES, **NO_CACHING)
-def write_decision(store_uri: str, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
-    return ending.write_decision(store_at(store_uri), plan, champion=champion, passed=decided.passed,
-                                 reasons=decided.reasons, numbers=decided.numbers, tags=decided.tags)
+def write_decision(store_uri: str, decided: Decision) -> Decision:
+    return ending.write_decision(store_at(store_uri), decided)
 
 
 @task(name="mark-registry-recorded", **IO_RETRIES, **NO_CACHING)
@@ -212,5 +211,5 @@ def finish_upgrade(store_uri: str, plan: Plan) -> dict:
 
 
 @task(name="reject-upgrade", **IO_RETRIES, **NO_CACHING)
-def reject_upgrade(store_uri: str, plan: Plan, decision: dict) -> dict:
+def reject_upgrade(store_uri: str, plan: Plan, decision: Decision) -> dict:
     return ending.reject(gallery_at(store_at(store_uri)), plan, decision)

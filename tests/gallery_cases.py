@@ -32,6 +32,7 @@ from fastfill.components.gallery.store import (
 )
 from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.status import gallery_status
 from fastfill.components.platform.config import TrainConfig
 from fastfill.components.platform.registry import ModelRef
@@ -594,7 +595,7 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
         assert gallery.index.chunk_done(plan.id) == set()
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    ending.reject(gallery, plan, {"reasons": ["a test"], "numbers": None})
+    ending.reject(gallery, plan, Decision(plan.id, False, ["a test"], None))
     assert gallery.index.serving().model == OLD.uri
 
     reversal.start_over(gallery, plan.id)

@@ -568,7 +568,7 @@ def test_an_upgrade_killed_while_planning_backfilling_and_ending_on_s3_completes
     gallery = PartsGallery(store)
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == new_version
     assert str(client.get_model_version_by_alias(name, "champion").version) == new_version
-    assert ending.decision(store, uid)["registry_recorded"] and not store.exists(locking.LOCK)
+    assert ending.decision(store, uid).registry_recorded and not store.exists(locking.LOCK)
     assert gallery_status(gallery).state == "idle"
 
     reference_uri = str(tmp_path / "reference")
@@ -802,9 +802,9 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
 
     measured = ending.decision(store, done.upgrade)
     gate = predicted["gate"]
-    assert gate["passed"] == measured["passed"] and gate["reasons"] == measured["reasons"], (gate, measured)
+    assert gate["passed"] == measured.passed and gate["reasons"] == measured.reasons, (gate, measured)
     for key in ("champion_top1", "top1_auc", "nfr1_mean", "nfr1_end", "fraction_to_gain"):
-        assert gate[key] == pytest.approx(measured["numbers"][key], abs=1e-9), key
+        assert gate[key] == pytest.approx(measured.numbers[key], abs=1e-9), key
 
 
 # ---- adopted in place ---------------------------------------------------------------------------

@@ -263,7 +263,7 @@ def test_an_ending_interrupted_after_any_step_is_completed_by_the_next_run(upgra
         assert str(client.get_model_version_by_alias(name, "champion").version) == expected, step
         assert client.get_model_version(name, new_version).tags["promotion"] == ("passed" if passes else "rejected")
         uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
-        assert ending.decision(gallery.store, uid)["registry_recorded"], step
+        assert ending.decision(gallery.store, uid).registry_recorded, step
         assert not gallery.store.exists(LOCK) and gallery_status(gallery).state == "idle", step
         assert gallery.store.exists(planning.upgrade_key(uid, "rejected.json")) == (not passes), step
         if passes:  # once more: nothing to upgrade, and a success
@@ -345,7 +345,7 @@ def test_a_second_upgrade_at_any_offset_around_the_first_s_finish_never_runs_it_
     assert not [key for key in store.list("upgrades/") if key.endswith("rejected.json")]
     assert not store.exists(LOCK) and gallery_status(gallery).state == "idle"
     uid = planning.upgrade_id(ModelRef(name, old_version), ModelRef(name, new_version))
-    assert ending.decision(store, uid)["registry_recorded"] and ending.decision(store, uid)["passed"]
+    assert ending.decision(store, uid).registry_recorded and ending.decision(store, uid).passed
     assert fu.upgrade_flow(params, uri).state == "up-to-date"  # and once more, later: still nothing to do
 
 

@@ -26,7 +26,7 @@ from fastfill.components.gallery.advice.estimate import DryRun, UpgradeCost
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.store.lock import LOCK
 from fastfill.components.gallery.upgrade import backfill
-from fastfill.components.gallery.upgrade.outcome import Advice, Promotion, UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import Advice, Decision, UpgradeResult
 from tests.gallery_cases import OLD, N, _gallery, _plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,9 +171,10 @@ RESULTS = {
         state="rejected", upgrade="embedder-v1-to-embedder-v2", chunks_done=9, chunks=9, items_done=72, items=72,
         fraction=1.0, complete=True, failed_images=0, mlflow_run_id="abc123",
         advice=Advice(recommendation=None, fractions=[0.0, 0.5, 1.0], top1=[0.2, 0.6, 0.8]),
-        promotion=Promotion(passed=False, reasons=["negative flip rate at top-1 32.95% is above the maximum"],
-                            numbers={"champion_top1": 0.5, "top1_auc": np.float64(0.589), "nfr1_mean": 0.33,
-                                     "fraction_to_gain": None, "top1": np.array([0.1, 0.7])})),
+        promotion=Decision("embedder-v1-to-embedder-v2", passed=False,
+                           reasons=["negative flip rate at top-1 32.95% is above the maximum"],
+                           numbers={"champion_top1": 0.5, "top1_auc": np.float64(0.589), "nfr1_mean": 0.33,
+                                    "fraction_to_gain": None, "top1": np.array([0.1, 0.7])})),
     "paused": UpgradeResult(
         state="paused", upgrade="u", chunks_done=3, chunks=9, items_done=24, items=72, fraction=24 / 72,
         complete=False, failed_images=0, stopped="recommended", mlflow_run_id="r", message="stopped at 24/72 items",

@@ -9,6 +9,7 @@ import pytest
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning, reversal
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.status import gallery_status
 from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
@@ -63,8 +64,8 @@ def test_a_rejected_upgrade_asked_for_again_ungated_is_planned_from_scratch(tmp_
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    ending.write_decision(store, plan, passed=False, reasons=["worse"], numbers=None, tags={}, champion=OLD)
-    ending.reject(gallery, plan, {"reasons": ["worse"], "numbers": None})
+    decided = ending.write_decision(store, Decision(plan.id, False, ["worse"], None, champion=OLD, new=plan.new))
+    ending.reject(gallery, plan, decided)
     assert gallery.model == OLD and ending.rejection(store, plan.id) is not None
     undone = reversal.start_over(gallery, plan.id)
     assert undone["ended"] == "rejected" and undone["reasons"] == ["worse"]
@@ -99,7 +100,7 @@ def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
         backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    ending.write_decision(gallery.store, plan, passed=True, reasons=[], numbers=None, tags={}, champion=OLD)
+    ending.write_decision(gallery.store, Decision(plan.id, True, [], None, champion=OLD, new=plan.new))
     with pytest.raises(GalleryError, match="is ending: its promotion decision \\(passed\\).*cannot be aborted; run "
                                            "`fastfill upgrade`"):
         reversal.abortable(gallery)
@@ -113,7 +114,7 @@ def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
 
     other = _gallery(str(tmp_path / "rejected"), models, data)
     rejected = _plan(other, h)
-    ending.reject(other, rejected, {"reasons": ["worse"], "numbers": None})
+    ending.reject(other, rejected, Decision(rejected.id, False, ["worse"], None))
     with pytest.raises(GalleryError, match=f"The last upgrade, {rejected.id}, was rejected by the promotion gate on "
                                            ".*it is over"):
         reversal.abortable(other)

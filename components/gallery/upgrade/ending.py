@@ -16,10 +16,12 @@ decision is never measured again (after the switch that would judge the version 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from fastfill.components.gallery.store import Store
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 
 
@@ -66,10 +68,11 @@ def _whole_parts(gallery: Gallery, plan: Plan):
         yield part, features
 
 
-def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
+def reject(gallery: Gallery, plan: Plan, decision: Decision) -> dict:
     """The promotion gate failed: the gallery goes back to serving its own model's features (the
     champion's); the upgrade's record says why, and its working data is garbage."""
-    record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), **decision}
+    record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), "reasons": list(decision.reasons),
+              "numbers": decision.numbers}
     gallery.store.put_json(upgrade_key(plan.id, REJECTED), record)
     manifest = dict(gallery.manifest(refresh=True))
     if manifest.get("upgrade") == plan.id:
@@ -78,33 +81,34 @@ def reject(gallery: Gallery, plan: Plan, decision: dict) -> dict:
     return record
 
 
-def decision(store: Store, upgrade: str) -> dict | None:
-    return upgrade_record(store, upgrade, DECISION)
+def decision(store: Store, upgrade_id: str) -> Decision | None:
+    """The upgrade's recorded decision (decision.json), or None."""
+    record = upgrade_record(store, upgrade_id, DECISION)
+    return Decision.from_dict(record) if record is not None else None
 
 
-def write_decision(store: Store, plan: Plan, *, passed: bool, reasons: list[str], numbers: dict | None,
-                    tags: dict, champion: ModelRef) -> dict:
-    """Step 1: the decision, written once (a decision already recorded is returned as it is)."""
-    existing = decision(store, plan.id)
+def write_decision(store: Store, decided: Decision) -> Decision:
+    """Step 1: the decision, written once, stamped with when (a decision already recorded is
+    returned as it is)."""
+    existing = decision(store, decided.upgrade_id)
     if existing is not None:
         return existing
-    record = {"upgrade": plan.id, "decided": now(), "passed": passed, "reasons": reasons, "numbers": numbers,
-              "tags": tags, "champion": champion.to_dict(), "new": plan.new.to_dict(), "registry_recorded": None}
-    store.put_json(upgrade_key(plan.id, DECISION), record)
-    return record
+    recorded = replace(decided, decided=now(), registry_recorded=None)
+    store.put_json(upgrade_key(decided.upgrade_id, DECISION), recorded.to_dict())
+    return recorded
 
 
-def mark_registry_recorded(store: Store, upgrade: str) -> dict:
+def mark_registry_recorded(store: Store, upgrade_id: str) -> Decision:
     """Step 3 done: the registry holds the decision (tags, and champion when it passed)."""
-    recorded = decision(store, upgrade)
+    recorded = upgrade_record(store, upgrade_id, DECISION)
     if recorded is None:
-        raise GalleryError(f"upgrade {upgrade} has no decision.json in {store.uri}: nothing to mark recorded")
-    record = {**recorded, "registry_recorded": now()}
-    store.put_json(upgrade_key(upgrade, DECISION), record)
-    return record
+        raise GalleryError(f"upgrade {upgrade_id} has no decision.json in {store.uri}: nothing to mark recorded")
+    record = {**recorded, "registry_recorded": now()}  # the record as stored, with its step done
+    store.put_json(upgrade_key(upgrade_id, DECISION), record)
+    return Decision.from_dict(record)
 
 
-def interrupted_decision(gallery: Gallery) -> dict | None:
+def interrupted_decision(gallery: Gallery) -> Decision | None:
     """The decision of an upgrade whose end was interrupted after the gallery switched or went
     back (step 2) but before the registry followed (step 3), or None. Found through the
     manifest's history (a finish) or the newest rejection without its registry step."""
@@ -113,15 +117,15 @@ def interrupted_decision(gallery: Gallery) -> dict | None:
     candidates = [history[-1].get("by")] if history else []
     candidates += sorted({key.split("/")[1] for key in gallery.store.list("upgrades/")
                           if key.endswith("/" + REJECTED)})
-    for upgrade in candidates:
-        if not upgrade:
+    for upgrade_id in candidates:
+        if not upgrade_id:
             continue
-        record = decision(gallery.store, upgrade)
-        if record is not None and not record.get("registry_recorded"):
-            switched = (record["passed"] and manifest.get("upgrade") is None
-                        and ModelRef.from_dict(manifest["model"]).same_version(ModelRef.from_dict(record["new"])))
-            if switched or (not record["passed"] and rejection(gallery.store, upgrade) is not None):
-                return record
+        recorded = decision(gallery.store, upgrade_id)
+        if recorded is not None and not recorded.registry_recorded:
+            switched = (recorded.passed and manifest.get("upgrade") is None and recorded.new is not None
+                        and ModelRef.from_dict(manifest["model"]).same_version(recorded.new))
+            if switched or (not recorded.passed and rejection(gallery.store, upgrade_id) is not None):
+                return recorded
     return None
 
 

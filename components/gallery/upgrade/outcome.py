@@ -6,32 +6,62 @@ here too (``rejection_event``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
+
+from fastfill.components.platform.registry import ModelRef
 
 State = Literal["complete", "rejected", "paused", "up-to-date", "no target"]
 Stopped = Literal["budget", "recommended"]
 
 
 @dataclass(frozen=True)
-class Promotion:
-    """The promotion gate's decision: passed or not, why, and its numbers (None ungated)."""
+class Decision:
+    """The promotion decision at the end of an upgrade: passed or not, why, the gate's numbers
+    (None ungated) and the tags the registry records, with the versions it judged. The decider
+    makes it (``UpgradeDecider.decide``); the store keeps it as the upgrade's decision.json
+    (``to_dict``/``from_dict``, whose keys are that file's: ``upgrade`` is ``upgrade_id``), with
+    when it was ``decided`` and when the registry followed (``registry_recorded``)."""
 
+    upgrade_id: str
     passed: bool
     reasons: list[str]
     numbers: dict | None
+    tags: dict = field(default_factory=dict)
+    champion: ModelRef | None = None
+    new: ModelRef | None = None
+    decided: str | None = None  # when it was recorded; None before
+    registry_recorded: str | None = None  # when the registry followed; None before
 
+    @property
+    def gated(self) -> bool:
+        """The gate measured it (an ungated upgrade passes with no numbers)."""
+        return self.numbers is not None
 
-@dataclass(frozen=True)
-class GateDecision:
-    """What the end decides before it switches anything (``UpgradeDecider.decide``): passed or
-    not, why, the gate's numbers (None ungated), and the tags the registry records. Written as
-    the upgrade's decision record (``ending.write_decision``, decision.json)."""
+    @property
+    def verdict(self) -> str:
+        return ("passed" if self.passed else "rejected") if self.gated else "ungated"
 
-    passed: bool
-    reasons: list[str]
-    numbers: dict | None
-    tags: dict
+    def to_dict(self) -> dict:
+        """decision.json's record, its keys in their stored order."""
+        return {"upgrade": self.upgrade_id, "decided": self.decided, "passed": self.passed,
+                "reasons": list(self.reasons), "numbers": self.numbers, "tags": self.tags,
+                "champion": self.champion.to_dict() if self.champion else None,
+                "new": self.new.to_dict() if self.new else None, "registry_recorded": self.registry_recorded}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Decision:
+        """A stored decision.json (a record without tags or versions reads as none)."""
+        champion, new = record.get("champion"), record.get("new")
+        return cls(upgrade_id=record["upgrade"], passed=bool(record["passed"]),
+                   reasons=list(record.get("reasons") or []), numbers=record.get("numbers"),
+                   tags=dict(record.get("tags") or {}), champion=ModelRef.from_dict(champion) if champion else None,
+                   new=ModelRef.from_dict(new) if new else None, decided=record.get("decided"),
+                   registry_recorded=record.get("registry_recorded"))
+
+    def gate_fields(self) -> dict:
+        """What a run's result shows of it (``promotion`` in the upgrade's JSON)."""
+        return {"passed": self.passed, "reasons": list(self.reasons), "numbers": self.numbers}
 
 
 @dataclass(frozen=True)
@@ -65,8 +95,9 @@ class UpgradeResult:
     """``state``: complete (the gallery serves the new model), rejected (the gate said no; the
     champion's features serve), paused (a budget or the advised stop; the same command goes on),
     up-to-date, or no target. The backfill's counts come with every run that planned or resumed;
-    ``promotion`` with a measured gate; ``advice`` where the advisor predicted the curve;
-    ``resumed_ending`` and ``decision`` when this run completed the end a killed run had decided."""
+    ``promotion`` with a measured gate (the decision, shown as ``Decision.gate_fields``);
+    ``advice`` where the advisor predicted the curve; ``resumed_ending`` and ``decision`` when
+    this run completed the end a killed run had decided."""
 
     state: State
     items: int
@@ -82,23 +113,26 @@ class UpgradeResult:
     failed_images: int | None = None
     stopped: Stopped | None = None  # why a paused run stopped
     advice: Advice | None = None
-    promotion: Promotion | None = None
+    promotion: Decision | None = None
     resumed_ending: bool = False
-    decision: dict | None = None  # the decision record (decision.json) this run completed
+    decision: Decision | None = None  # the decision (decision.json) this run completed
 
     @property
     def reasons(self) -> list[str]:
         """Why the gate rejected: this run's gate, or the decision it completed."""
         if self.promotion is not None and self.promotion.reasons:
             return list(self.promotion.reasons)
-        return list((self.decision or {}).get("reasons") or [])
+        return list(self.decision.reasons) if self.decision is not None else []
 
     def with_message(self, message: str) -> UpgradeResult:
         return replace(self, message=message)
 
     def as_dict(self) -> dict:
-        """The fields as plain JSON-ready values."""
-        return asdict(self)
+        """The fields as plain JSON-ready values (the decisions as ``gate_fields`` and decision.json)."""
+        fields = asdict(replace(self, promotion=None, decision=None))
+        fields["promotion"] = self.promotion.gate_fields() if self.promotion is not None else None
+        fields["decision"] = self.decision.to_dict() if self.decision is not None else None
+        return fields
 
 
 def backfilled(summary: BackfillSummary, mlflow_run_id: str | None, advice: Advice | None) -> UpgradeResult:
@@ -118,10 +152,10 @@ def rejection_event(result: UpgradeResult, store_uri: str, model_uri: str) -> di
     ``fastfill.upgrade.rejected`` with the gallery as its resource, and as payload the upgrade,
     the store, the model, the reasons, the gate's numbers (those that are numbers) and the
     upgrade's MLflow run, for an Automation to act on."""
-    upgrade = result.upgrade or (result.decision or {}).get("upgrade")
+    upgrade_id = result.upgrade or (result.decision.upgrade_id if result.decision is not None else None)
     numbers = {k: v for k, v in ((result.promotion.numbers if result.promotion else None) or {}).items()
                if isinstance(v, int | float | None)}
     return {"event": REJECTED_EVENT,
             "resource": {"prefect.resource.id": f"fastfill.gallery.{store_uri}", "prefect.resource.name": store_uri},
-            "payload": {"upgrade": upgrade, "store": store_uri, "model": model_uri, "reasons": result.reasons,
+            "payload": {"upgrade": upgrade_id, "store": store_uri, "model": model_uri, "reasons": result.reasons,
                         "numbers": numbers, "mlflow_run_id": result.mlflow_run_id}}

@@ -102,16 +102,16 @@ def abortable(gallery: Gallery) -> str:
         if decided is not None:
             raise GalleryError(
                 f"upgrade {upgrade} of {store.uri} is ending: its promotion decision "
-                f"({'passed' if decided['passed'] else 'rejected'}) was recorded on {decided['decided']}, so it is no "
+                f"({'passed' if decided.passed else 'rejected'}) was recorded on {decided.decided}, so it is no "
                 "longer unfinished and cannot be aborted; run `fastfill upgrade` to complete its end"
-                + (", then `fastfill gallery rollback` to undo it" if decided["passed"] else ""))
+                + (", then `fastfill gallery rollback` to undo it" if decided.passed else ""))
         return upgrade
     ending = interrupted_decision(gallery)
     if ending is not None:
         raise GalleryError(
-            f"upgrade {ending['upgrade']} of {store.uri} has ended ({'passed' if ending['passed'] else 'rejected'} on "
-            f"{ending['decided']}); only its registry step is left, so it cannot be aborted: run `fastfill upgrade` to "
-            "complete it" + (", then `fastfill gallery rollback` to undo it" if ending["passed"] else ""))
+            f"upgrade {ending.upgrade_id} of {store.uri} has ended ({'passed' if ending.passed else 'rejected'} on "
+            f"{ending.decided}); only its registry step is left, so it cannot be aborted: run `fastfill upgrade` to "
+            "complete it" + (", then `fastfill gallery rollback` to undo it" if ending.passed else ""))
     serving = ModelRef.from_dict(manifest["model"]).uri
     message = f"no upgrade of {store.uri} is in progress (the gallery serves {serving}); nothing to abort"
     last = _last_ended(gallery, manifest)
@@ -218,7 +218,7 @@ def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
                            "upgrade abort` (or let it finish) before rolling back")
     ending = interrupted_decision(gallery)
     if ending is not None:
-        raise GalleryError(f"the end of upgrade {ending['upgrade']} of {store.uri} was interrupted before the registry "
+        raise GalleryError(f"the end of upgrade {ending.upgrade_id} of {store.uri} was interrupted before the registry "
                            "followed; run `fastfill upgrade` to complete it, then roll back")
     history = manifest.get("history") or []
     current = ModelRef.from_dict(manifest["model"])

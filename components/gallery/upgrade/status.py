@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastfill.components.gallery.advice.advisor import stored_advice
-from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef
+from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError
 from fastfill.components.gallery.store import ObjectMissing, StoreError, StoreUnreachable
 from fastfill.components.gallery.store.lock import LOCK, lease_expired
 from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images
@@ -134,7 +134,7 @@ def _in_progress(gallery: Gallery, status: GalleryStatus, upgrade: str, num_item
         return
     decided = decision(gallery.store, upgrade)
     if decided is not None:  # killed between the decision and the switch
-        status.upgrade.decision = {"passed": decided["passed"], "decided": decided["decided"]}
+        status.upgrade.decision = {"passed": decided.passed, "decided": decided.decided}
         if not status.lock_live:
             status.state = "ending interrupted"
             status.next = "run the same `fastfill upgrade` again: it completes the recorded decision"
@@ -162,12 +162,12 @@ def _interrupted_ending(gallery: Gallery, status: GalleryStatus) -> None:
     ending = interrupted_decision(gallery)
     if ending is not None:  # killed after the switch, before the registry followed
         status.state = "running" if status.lock_live else "ending interrupted"
-        status.upgrade = UpgradeInProgress(ending["upgrade"], ModelRef.from_dict(ending["new"]).uri,
-                                           decision={"passed": ending["passed"], "decided": ending["decided"]},
+        status.upgrade = UpgradeInProgress(ending.upgrade_id, ending.new.uri if ending.new else None,
+                                           decision={"passed": ending.passed, "decided": ending.decided},
                                            registry_recorded=False)
         if not status.lock_live:
             status.next = ("run `fastfill upgrade` again: it records the decision in the registry (tags"
-                           + (", champion" if ending["passed"] else "") + ") and ends")
+                           + (", champion" if ending.passed else "") + ") and ends")
         return
     if interrupted_rollback(gallery) is not None and not status.lock_live:  # the registry did not follow yet
         status.state = "rollback interrupted"
