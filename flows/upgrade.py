@@ -17,7 +17,8 @@ from prefect.states import Completed
 from fastfill.components.gallery.layouts.catalog import Gallery
 from fastfill.components.gallery.store.lock import acquire_lock
 from fastfill.components.gallery.upgrade import samples
-from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.decider import UpgradeDecider
+from fastfill.components.gallery.upgrade.gallery_view import GalleryView
 from fastfill.components.gallery.upgrade.outcome import UpgradeResult, rejection_event
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.gallery.upgrade.run import RunSettings, UpgradeRun

@@ -261,6 +261,22 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+# what the upgrade's decider never imports: it reads the store through its StoreView, and the real
+# one (components/gallery/upgrade/gallery_view.py) is the flows' to build
+DECIDER_NEVER = ("components.gallery.store", "components.gallery.layouts", "components.gallery.upgrade.backfill",
+                 "components.gallery.upgrade.gallery_view", "pyarrow")
+
+
+def test_the_decider_imports_no_store_layout_backfill_or_pyarrow():
+    """components/gallery/upgrade/decider.py decides from values: no store, layout, backfill or
+    pyarrow module among its imports (top, late or for the type checker)."""
+    path = ROOT / "components" / "gallery" / "upgrade" / "decider.py"
+    found = sorted({name for name in _imports(path) for banned in DECIDER_NEVER
+                    if name == banned or name.startswith(banned + ".")})
+    assert not found, f"decider.py imports {found}"
+    assert "components.gallery.upgrade.outcome" in _imports(path)  # the check reads its imports at all
+
+
 def test_the_upgrade_flow_file_only_binds():
     """flows/upgrade.py holds the flow, its entry points and its end states: the ports' adapters
     are flows/upgrade_ports.py's, and what they decide or compute is the components'."""
@@ -297,23 +313,3 @@ def test_the_upgrade_abort_and_rollback_flows_write_only_through_tasks(name):
         elif isinstance(func, ast.Name) and func.id in WRITING_FUNCTIONS:
             direct.append(f"line {node.lineno}: {func.id}")
     assert not direct, f"{name} writes without a retried task: {direct}"
-
-
-PRODUCT_ROOMS = ("cli", "components", "flows", "services", "tasks")
-
-
-def test_the_upgrade_decision_is_one_type():
-    """``outcome.Decision`` is the promotion decision from the decider to decision.json and the
-    result: the types it replaced (``Promotion``, ``GateDecision``) are named nowhere in the product."""
-    from fastfill.components.gallery.upgrade import outcome
-
-    assert not hasattr(outcome, "Promotion") and not hasattr(outcome, "GateDecision")
-    named = []
-    for room in PRODUCT_ROOMS:
-        for path in sorted((ROOT / room).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                name = (node.id if isinstance(node, ast.Name) else node.name if isinstance(node, ast.ClassDef)
-                        else node.attr if isinstance(node, ast.Attribute) else None)
-                if name in ("Promotion", "GateDecision"):
-                    named.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
-    assert not named, named

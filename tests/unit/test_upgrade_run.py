@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
+from typing import Protocol
 
 import pytest
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
-from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.decider import UpgradeDecider
+from fastfill.components.gallery.upgrade.gallery_view import GalleryView
 from fastfill.components.gallery.upgrade.planning import Plan, upgrade_id
-from fastfill.components.gallery.upgrade.run import RunSettings, UpgradePorts, UpgradeRun
+from fastfill.components.gallery.upgrade.run import RunSettings, RunView, UpgradePorts, UpgradeRun
 from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.platform.registry import ModelRef
 
@@ -46,8 +48,7 @@ class Store:
     serves_queries: bool = False
     plans: dict = field(default_factory=dict)
     done: dict = field(default_factory=dict)  # upgrade -> set of chunks
-    decisions: dict = field(default_factory=dict)  # upgrade -> its Decision
-    switched: set = field(default_factory=set)  # upgrades whose gallery switched (or went back) on their decision
+    decisions: dict = field(default_factory=dict)
     aborts: set = field(default_factory=set)
     undos: dict = field(default_factory=dict)
     rejections: dict = field(default_factory=dict)
@@ -58,7 +59,7 @@ class Store:
 
 @dataclass
 class View:
-    """The run's reads, from the fake store (``decider.GalleryView``'s interface)."""
+    """The run's reads, from the fake store: a ``run.RunView``, as ``gallery_view.GalleryView`` is."""
 
     store: Store
     num_items: int = N
@@ -86,7 +87,7 @@ class View:
 
     def interrupted_decision(self):
         for decision in self.store.decisions.values():  # the gallery switched (or went back), the registry not told
-            if decision.registry_recorded is None and decision.upgrade_id in self.store.switched:
+            if decision["registry_recorded"] is None and decision.get("switched"):
                 return decision
         return None
 
@@ -165,7 +166,6 @@ class Ports:
         for table in (self.store.plans, self.store.done, self.store.decisions, self.store.undos,
                       self.store.rejections, self.store.advice):
             table.pop(upgrade, None)
-        self.store.switched.discard(upgrade)
 
     def point_manifest(self, upgrade):
         self._call("point_manifest")
@@ -179,24 +179,26 @@ class Ports:
         self._call("sync_serving")
         return "the index serves the mixed gallery"
 
-    def write_decision(self, decided):
+    def write_decision(self, plan, champion, decided):
         self._call("write_decision")
-        return self.store.decisions.setdefault(decided.upgrade_id, replace(decided, decided="t"))
+        return self.store.decisions.setdefault(plan.id, {
+            "upgrade": plan.id, "decided": "t", **asdict(decided), "champion": champion.to_dict(),
+            "new": plan.new.to_dict(), "registry_recorded": None})
 
     def finish(self, plan):
         self._call("finish")
         self.store.model, self.store.current = plan.new, None
-        self.store.switched.add(plan.id)
+        self.store.decisions[plan.id]["switched"] = True
 
     def reject(self, plan, decision):
         self._call("reject")
         self.store.current = None
-        self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision.reasons}
-        self.store.switched.add(plan.id)
+        self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision["reasons"]}
+        self.store.decisions[plan.id]["switched"] = True
 
     def mark_registry_recorded(self, upgrade):
         self._call("mark_registry_recorded")
-        self.store.decisions[upgrade] = replace(self.store.decisions[upgrade], registry_recorded="t")
+        self.store.decisions[upgrade]["registry_recorded"] = "t"
 
     # ChunkRunner: a chunk runs when it is submitted; its record (or failure) waits in the handle
     def submit(self, plan, chunk, model):
@@ -302,7 +304,7 @@ def test_a_fresh_upgrade_goes_the_whole_course_in_order():
                            "chunk 3", "landed 1 at 20", "landed 2 at 30", "landed 3 at 40", "progress closed ok=True",
                            "measure_gate", "write_decision", "record_gate", "finish", "follow_decision promote=True",
                            "mark_registry_recorded", "unlock"]
-    assert store.model == V2 and store.current is None and store.decisions[UID12].registry_recorded == "t"
+    assert store.model == V2 and store.current is None and store.decisions[UID12]["registry_recorded"] == "t"
     assert any(f"upgrade {UID12} complete" in line for line in ports.lines)
 
 
@@ -448,14 +450,14 @@ def test_a_crash_at_each_step_of_the_end_is_completed_by_the_rerun(step):
     again = Ports(store)
     result = run(store, again)
     assert result.state == "complete" and store.model == V2
-    assert store.decisions[UID12].registry_recorded == "t"
+    assert store.decisions[UID12]["registry_recorded"] == "t"
     measured = ports.calls.count("measure_gate") + again.calls.count("measure_gate")
     decided_before = "write_decision" in ports.calls and step != "write_decision"
     assert measured == (1 if decided_before else 2 if step in ("measure_gate", "write_decision") else 1)
     assert again.calls.count("finish") == (0 if step in ("follow_decision promote=True", "mark_registry_recorded")
                                            else 1)
     if step in ("follow_decision promote=True", "mark_registry_recorded"):
-        assert result.resumed_ending and result.decision.upgrade_id == UID12
+        assert result.resumed_ending and result.decision["upgrade"] == UID12
         assert "recording its decision in the registry" in " ".join(again.lines)
 
 
@@ -492,19 +494,39 @@ def test_the_result_is_a_record_with_one_name_per_idea():
     assert replace(result, state="paused").state == "paused"
 
 
-def test_the_fake_view_reads_what_the_real_view_offers():
-    """These runs read a fake ``View``; the flow gives ``UpgradeRun`` a ``decider.GalleryView``.
-    Both offer the same reads with the same parameters, and the same attributes once refreshed, so
-    a read the run starts making, or one the real view changes, shows here and not first in a flow."""
+def _protocol_members(protocol) -> tuple[dict, set]:
+    """A protocol's reads (name -> parameter names) and attributes, its protocol bases' included."""
+    reads: dict = {}
+    attributes: set = set()
+    for cls in protocol.__mro__:
+        if cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        attributes |= set(vars(cls).get("__annotations__", {}))
+        reads.update({name: list(inspect.signature(member).parameters) for name, member in vars(cls).items()
+                      if inspect.isfunction(member) and not name.startswith("_")})
+    return reads, attributes
 
-    def reads(cls) -> dict:
-        return {name: list(inspect.signature(member).parameters) for name, member in vars(cls).items()
-                if callable(member) and not name.startswith("_")}
 
-    assert reads(View) == reads(GalleryView)
+def _reads(cls) -> dict:
+    return {name: list(inspect.signature(member).parameters) for name, member in vars(cls).items()
+            if callable(member) and not name.startswith("_")}
+
+
+def test_the_real_view_and_the_fake_are_both_the_runs_view():
+    """``UpgradeRun`` is typed against ``run.RunView`` (the decider's ``StoreView`` and the run's
+    own reads); the flow gives it a ``gallery_view.GalleryView``, these runs a fake ``View``. Both
+    offer exactly the protocol's reads, with its parameters, and its attributes once refreshed: a
+    read the run starts making, or one the real view changes, shows here and not first in a flow."""
+    reads, attributes = _protocol_members(RunView)
+    assert {"model", "current", "num_items", "has_labels", "serves_queries"} <= attributes
+    assert {"planned_new", "interrupted_decision", "refresh", "plan", "layout_refusal"} <= set(reads)
     manifest = {"model": V1.to_dict(), "upgrade": None, "has_labels": True}
     gallery = SimpleNamespace(num_items=N, serves_queries=False, manifest=lambda refresh=False: manifest)
     real, fake = GalleryView(gallery), View(Store())
-    assert set(vars(real)) - {"gallery"} == set(vars(fake)) - {"store", "refusal"}  # the fakes' own
+    for view in (real, fake):
+        assert isinstance(view, RunView), type(view).__name__
+        assert _reads(type(view)) == reads, type(view).__name__  # the same reads, nothing the protocol lacks
+    assert set(vars(real)) - {"gallery"} == set(vars(fake)) - {"store", "refusal"} == attributes  # the fakes' own
     assert (real.model, real.current, real.has_labels, real.num_items) == (fake.model, fake.current,
                                                                              fake.has_labels, fake.num_items)
+    assert not isinstance(SimpleNamespace(**{name: None for name in attributes}), RunView)  # reads missing: not one

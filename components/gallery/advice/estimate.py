@@ -22,7 +22,8 @@ from fastfill.components.gallery.inputs.images import ITEM_S3_CODES, read_bytes,
 from fastfill.components.gallery.inputs.judgments import load_judgments
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, fetch_images, item_column
 from fastfill.components.gallery.upgrade import samples
-from fastfill.components.gallery.upgrade.decider import GalleryView, UpgradeDecider
+from fastfill.components.gallery.upgrade.decider import UpgradeDecider
+from fastfill.components.gallery.upgrade.gallery_view import GalleryView
 from fastfill.components.gallery.upgrade.lifecycle import (
     TRUTH_JUDGMENTS,
     TRUTH_NONE,
