@@ -187,7 +187,7 @@ def main() -> None:
                                                               reference_gallery.all_features(new))),
                 "gallery on the new model": gallery.manifest(refresh=True)["model"]["version"] == new.version,
                 "champion moved": str(client.get_model_version_by_alias(name, "champion").version) == new.version,
-                "decision recorded in the registry": bool((ending.decision(store, uid) or {}).get("registry_recorded")),
+                "decision recorded in the registry": bool((found := ending.decision(store, uid)) and found.registry_recorded),
                 "lock released": not store.exists(LOCK),
             }
             results["checks"] = checks
