@@ -313,3 +313,23 @@ def test_the_upgrade_abort_and_rollback_flows_write_only_through_tasks(name):
         elif isinstance(func, ast.Name) and func.id in WRITING_FUNCTIONS:
             direct.append(f"line {node.lineno}: {func.id}")
     assert not direct, f"{name} writes without a retried task: {direct}"
+
+
+PRODUCT_ROOMS = ("cli", "components", "flows", "services", "tasks")
+
+
+def test_the_upgrade_decision_is_one_type():
+    """``outcome.Decision`` is the promotion decision from the decider to decision.json and the
+    result: the types it replaced (``Promotion``, ``GateDecision``) are named nowhere in the product."""
+    from fastfill.components.gallery.upgrade import outcome
+
+    assert not hasattr(outcome, "Promotion") and not hasattr(outcome, "GateDecision")
+    named = []
+    for room in PRODUCT_ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                name = (node.id if isinstance(node, ast.Name) else node.name if isinstance(node, ast.ClassDef)
+                        else node.attr if isinstance(node, ast.Attribute) else None)
+                if name in ("Promotion", "GateDecision"):
+                    named.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert not named, named

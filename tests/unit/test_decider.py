@@ -9,7 +9,7 @@ import pytest
 
 from fastfill.components.gallery.upgrade.decider import ENDED, PLAN, REFUSE, RESUME, UP_TO_DATE, UpgradeDecider
 from fastfill.components.gallery.upgrade.gallery_view import GalleryView
-from fastfill.components.gallery.upgrade.outcome import UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import Decision, UpgradeResult
 from fastfill.components.platform.config import PromotionConfig
 from fastfill.components.platform.registry import ModelRef
 
@@ -46,9 +46,8 @@ class View:
         return self.ending
 
 
-def ending_of(upgrade: str, new: ModelRef, passed: bool = True) -> dict:
-    return {"upgrade": upgrade, "new": new.to_dict(), "passed": passed, "decided": "2026-01-01T00:00:00Z",
-            "numbers": None, "reasons": []}
+def ending_of(upgrade_id: str, new: ModelRef, passed: bool = True) -> Decision:
+    return Decision(upgrade_id, passed, [], None, new=new, decided="2026-01-01T00:00:00Z")
 
 
 ABORTED = {"ended": "aborted", "aborted": "2026-01-02", "by": {"user": "ana", "host": "h"}}
@@ -143,12 +142,13 @@ def test_nothing_to_upgrade_says_why(champion, serving, said):
 @pytest.mark.parametrize("gate, recorded, measure, switch", [
     (True, None, True, None),
     (False, None, False, None),
-    (True, {"passed": True, "decided": "t", "numbers": {"top1": 1}}, False, "finish"),
-    (False, {"passed": False, "decided": "t", "numbers": None}, False, "reject"),
+    (True, Decision(UID12, True, [], {"top1": 1}, decided="t"), False, "finish"),
+    (False, Decision(UID12, False, ["worse"], None, decided="t"), False, "reject"),
 ])
 def test_the_end_measures_once_and_completes_a_recorded_decision(gate, recorded, measure, switch):
     ending = decider(gate=gate).ending(recorded, UID12)
-    assert (ending.measure, ending.switch) == (measure, switch)
+    assert (ending.measure, ending.switch, ending.decision) == (measure, switch, recorded)
+    assert ending.promotes == (switch == "finish")
     assert bool(ending.say) == (recorded is not None)
 
 
@@ -163,7 +163,10 @@ NUMBERS = {"champion_top1": 0.5, "top1_auc": 0.6, "top1_auc_gain": 0.1, "nfr1_me
     ({**NUMBERS, "top1_auc_gain": -0.01, "top1_auc": 0.49}, False, "rejected"),
 ])
 def test_the_decision(numbers, passed, tag):
-    decided, said = decider().decide(numbers, PromotionConfig(), UID12, V2, V1)
+    ending = decider().decide(numbers, PromotionConfig(), UID12, V2, V1)
+    decided, said = ending.decision, ending.say
+    assert ending.switch == ("finish" if passed else "reject") and not ending.measure
+    assert (decided.upgrade_id, decided.new, decided.champion, decided.gated) == (UID12, V2, V1, numbers is not None)
     assert decided.passed is passed and decided.tags["promotion"] == tag
     assert bool(decided.reasons) == (not passed)
     assert bool(said) == (numbers is not None)

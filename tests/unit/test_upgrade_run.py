@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Protocol
 
@@ -48,7 +48,8 @@ class Store:
     serves_queries: bool = False
     plans: dict = field(default_factory=dict)
     done: dict = field(default_factory=dict)  # upgrade -> set of chunks
-    decisions: dict = field(default_factory=dict)
+    decisions: dict = field(default_factory=dict)  # upgrade -> its Decision
+    switched: set = field(default_factory=set)  # upgrades whose gallery switched (or went back) on their decision
     aborts: set = field(default_factory=set)
     undos: dict = field(default_factory=dict)
     rejections: dict = field(default_factory=dict)
@@ -87,7 +88,7 @@ class View:
 
     def interrupted_decision(self):
         for decision in self.store.decisions.values():  # the gallery switched (or went back), the registry not told
-            if decision["registry_recorded"] is None and decision.get("switched"):
+            if decision.registry_recorded is None and decision.upgrade_id in self.store.switched:
                 return decision
         return None
 
@@ -166,6 +167,7 @@ class Ports:
         for table in (self.store.plans, self.store.done, self.store.decisions, self.store.undos,
                       self.store.rejections, self.store.advice):
             table.pop(upgrade, None)
+        self.store.switched.discard(upgrade)
 
     def point_manifest(self, upgrade):
         self._call("point_manifest")
@@ -179,26 +181,24 @@ class Ports:
         self._call("sync_serving")
         return "the index serves the mixed gallery"
 
-    def write_decision(self, plan, champion, decided):
+    def write_decision(self, decided):
         self._call("write_decision")
-        return self.store.decisions.setdefault(plan.id, {
-            "upgrade": plan.id, "decided": "t", **asdict(decided), "champion": champion.to_dict(),
-            "new": plan.new.to_dict(), "registry_recorded": None})
+        return self.store.decisions.setdefault(decided.upgrade_id, replace(decided, decided="t"))
 
     def finish(self, plan):
         self._call("finish")
         self.store.model, self.store.current = plan.new, None
-        self.store.decisions[plan.id]["switched"] = True
+        self.store.switched.add(plan.id)
 
     def reject(self, plan, decision):
         self._call("reject")
         self.store.current = None
-        self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision["reasons"]}
-        self.store.decisions[plan.id]["switched"] = True
+        self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision.reasons}
+        self.store.switched.add(plan.id)
 
     def mark_registry_recorded(self, upgrade):
         self._call("mark_registry_recorded")
-        self.store.decisions[upgrade]["registry_recorded"] = "t"
+        self.store.decisions[upgrade] = replace(self.store.decisions[upgrade], registry_recorded="t")
 
     # ChunkRunner: a chunk runs when it is submitted; its record (or failure) waits in the handle
     def submit(self, plan, chunk, model):
@@ -304,7 +304,7 @@ def test_a_fresh_upgrade_goes_the_whole_course_in_order():
                            "chunk 3", "landed 1 at 20", "landed 2 at 30", "landed 3 at 40", "progress closed ok=True",
                            "measure_gate", "write_decision", "record_gate", "finish", "follow_decision promote=True",
                            "mark_registry_recorded", "unlock"]
-    assert store.model == V2 and store.current is None and store.decisions[UID12]["registry_recorded"] == "t"
+    assert store.model == V2 and store.current is None and store.decisions[UID12].registry_recorded == "t"
     assert any(f"upgrade {UID12} complete" in line for line in ports.lines)
 
 
@@ -450,14 +450,14 @@ def test_a_crash_at_each_step_of_the_end_is_completed_by_the_rerun(step):
     again = Ports(store)
     result = run(store, again)
     assert result.state == "complete" and store.model == V2
-    assert store.decisions[UID12]["registry_recorded"] == "t"
+    assert store.decisions[UID12].registry_recorded == "t"
     measured = ports.calls.count("measure_gate") + again.calls.count("measure_gate")
     decided_before = "write_decision" in ports.calls and step != "write_decision"
     assert measured == (1 if decided_before else 2 if step in ("measure_gate", "write_decision") else 1)
     assert again.calls.count("finish") == (0 if step in ("follow_decision promote=True", "mark_registry_recorded")
                                            else 1)
     if step in ("follow_decision promote=True", "mark_registry_recorded"):
-        assert result.resumed_ending and result.decision["upgrade"] == UID12
+        assert result.resumed_ending and result.decision.upgrade_id == UID12
         assert "recording its decision in the registry" in " ".join(again.lines)
 
 

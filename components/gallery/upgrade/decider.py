@@ -34,12 +34,14 @@ from typing import Protocol
 from fastfill.components.gallery.advice.advisor import at_stop
 from fastfill.components.gallery.gate.promotion import decide, decision_tags, gate_message
 from fastfill.components.gallery.upgrade.lifecycle import TRUTH_NONE, no_truth_refusal, truth_of
-from fastfill.components.gallery.upgrade.outcome import GateDecision, UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import Decision, UpgradeResult
 from fastfill.components.gallery.upgrade.planning import upgrade_id
 from fastfill.components.platform.registry import CHALLENGER, CHAMPION, ModelRef
 
 # what a course does after its preliminaries
 ENDED, UP_TO_DATE, REFUSE, RESUME, PLAN = "ended", "up-to-date", "refuse", "resume", "plan"
+# how an ended upgrade's gallery switches: to the new model (and champion with it), or back on the champion's features
+FINISH, REJECT = "finish", "reject"
 
 
 class StoreView(Protocol):
@@ -63,7 +65,7 @@ class StoreView(Protocol):
     def rejected(self, upgrade: str) -> dict | None:
         """The promotion gate's rejection record of ``upgrade``, or None."""
 
-    def interrupted_decision(self) -> dict | None:
+    def interrupted_decision(self) -> Decision | None:
         """The decision of an upgrade whose gallery switched (or went back) but whose registry
         step did not happen, or None."""
 
@@ -71,7 +73,7 @@ class StoreView(Protocol):
 @dataclass
 class Course:
     """What an upgrade does under its lock, in this order: ``complete_abort`` (an upgrade id),
-    ``complete_decision`` (a decision record), ``start_over`` (the upgrade's earlier objects are
+    ``complete_decision`` (a recorded decision), ``start_over`` (the upgrade's earlier objects are
     removed), then ``action``. ``say``: the lines to log."""
 
     action: str
@@ -79,7 +81,7 @@ class Course:
     old: ModelRef | None = None  # the features the map starts from
     base: str | None = None  # a sequential upgrade's unfinished upgrade
     complete_abort: str | None = None
-    complete_decision: dict | None = None
+    complete_decision: Decision | None = None
     start_over: bool = False
     point_manifest: bool = False  # resuming: the manifest names another upgrade and must name this one
     truth: str | None = None
@@ -89,14 +91,21 @@ class Course:
 
 @dataclass
 class Ending:
-    """The end of a complete backfill: ``measure`` (the gate's numbers are taken) or a decision
-    already recorded (a re-run after a kill completes it and never measures again); then the
-    switch (``finish`` or ``reject``), the registry, and the lock released last by the caller."""
+    """The end of a complete backfill, as the decider says it goes: with no decision recorded,
+    ``measure`` (the gate's numbers are taken, or not ungated) and ``decide`` gives the ending;
+    with a ``decision`` (just decided, or recorded before: a re-run after a kill completes it and
+    never measures again), its ``switch``: ``FINISH`` or ``REJECT``. Then the registry follows,
+    and the caller releases the lock last."""
 
     measure: bool
-    gated: bool
-    switch: str | None = None  # "finish" or "reject", known once decided
+    decision: Decision | None = None
+    switch: str | None = None  # FINISH or REJECT, set with the decision
     say: list[str] = field(default_factory=list)
+
+    @property
+    def promotes(self) -> bool:
+        """The registry moves champion to the new version."""
+        return self.switch == FINISH
 
 
 class UpgradeDecider:
@@ -121,7 +130,7 @@ class UpgradeDecider:
             return asked
         ending = view.interrupted_decision()
         if ending is not None:
-            return ModelRef.from_dict(ending["new"])
+            return ending.new
         return view.planned_new(view.current) if view.current else None
 
     def no_target(self, view: StoreView, champion: str | None) -> UpgradeResult:
@@ -149,10 +158,10 @@ class UpgradeDecider:
                        "its own model's features; completing the abort first")
         ending = view.interrupted_decision()
         if ending is not None:
-            say.append(f"upgrade {ending['upgrade']} was interrupted at its end, after the gallery "
-                       f"{'switched' if ending['passed'] else 'went back'}: recording its decision in the registry now")
-            if ModelRef.from_dict(ending["new"]).same_version(wanted):
-                return Course(ENDED, upgrade=ending["upgrade"], complete_abort=complete_abort, complete_decision=ending,
+            say.append(f"upgrade {ending.upgrade_id} was interrupted at its end, after the gallery "
+                       f"{'switched' if ending.passed else 'went back'}: recording its decision in the registry now")
+            if ending.new is not None and ending.new.same_version(wanted):
+                return Course(ENDED, upgrade=ending.upgrade_id, complete_abort=complete_abort, complete_decision=ending,
                               say=say)
         course = Course(REFUSE, complete_abort=complete_abort, complete_decision=ending, say=say)
         if view.model.same_version(wanted):
@@ -237,27 +246,33 @@ class UpgradeDecider:
 
     # ---- the end sequence: decision, switch, registry, lock
 
-    def ending(self, recorded: dict | None, upgrade: str) -> Ending:
+    def ending(self, recorded: Decision | None, upgrade_id: str) -> Ending:
         """How the end of a complete backfill goes: measured by the gate (or ungated) when no
         decision is recorded; completed from the recorded decision otherwise."""
         if recorded is None:
-            return Ending(measure=self.gate, gated=self.gate)
-        return Ending(measure=False, gated=recorded.get("numbers") is not None,
-                      switch="finish" if recorded["passed"] else "reject",
-                      say=[f"completing the end of upgrade {upgrade}: its decision ("
-                           f"{'passed' if recorded['passed'] else 'rejected'}, {recorded['decided']}) was recorded "
-                           "before the last run stopped"])
+            return Ending(measure=self.gate)
+        return replace(self.decided(recorded),
+                       say=[f"completing the end of upgrade {upgrade_id}: its decision ("
+                            f"{'passed' if recorded.passed else 'rejected'}, {recorded.decided}) was recorded "
+                            "before the last run stopped"])
 
-    def decide(self, numbers: dict | None, promotion, upgrade: str, new: ModelRef, champion: ModelRef,
-               ) -> tuple[GateDecision, list[str]]:
-        """The decision to record: the gate's on ``numbers`` (``promotion``: its thresholds), or
-        passed ungated when ``numbers`` is None. Returns (the decision, lines to say)."""
+    @staticmethod
+    def decided(decision: Decision) -> Ending:
+        """The end of ``decision`` (recorded): the gallery switches to the new model when it
+        passed, back on the champion's features when it did not."""
+        return Ending(measure=False, decision=decision, switch=FINISH if decision.passed else REJECT)
 
+    def decide(self, numbers: dict | None, promotion, upgrade_id: str, new: ModelRef, champion: ModelRef) -> Ending:
+        """The ending to record: the gate's decision on ``numbers`` (``promotion``: its
+        thresholds), or passed ungated when ``numbers`` is None, with the lines to say."""
         if numbers is None:
-            return GateDecision(True, [], None, {"promotion": "ungated", "promotion.upgrade": upgrade}), []
+            return self.decided(Decision(upgrade_id, True, [], None, {"promotion": "ungated",
+                                                                      "promotion.upgrade": upgrade_id},
+                                         champion=champion, new=new))
         passed, reasons = decide(numbers, promotion)
-        return (GateDecision(passed, reasons, numbers, decision_tags(passed, reasons, numbers, champion.version, upgrade)),
-                [gate_message(numbers, passed, reasons, new.uri, champion.uri)])
+        tags = decision_tags(passed, reasons, numbers, champion.version, upgrade_id)
+        return replace(self.decided(Decision(upgrade_id, passed, reasons, numbers, tags, champion=champion, new=new)),
+                       say=[gate_message(numbers, passed, reasons, new.uri, champion.uri)])
 
     @staticmethod
     def ended_line(result: UpgradeResult, upgrade: str, new: ModelRef, champion: ModelRef) -> str:

@@ -11,6 +11,7 @@ from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade import backfill
 from fastfill.components.gallery.upgrade.decider import UpgradeDecider
 from fastfill.components.gallery.upgrade.ending import decision, interrupted_decision, rejection
+from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import Plan, load_plan
 from fastfill.components.gallery.upgrade.reversal import aborted, undone
 from fastfill.components.platform.registry import ModelRef
@@ -46,7 +47,7 @@ class GalleryView:
     def rejected(self, upgrade: str) -> dict | None:
         return rejection(self.gallery.store, upgrade)
 
-    def interrupted_decision(self) -> dict | None:
+    def interrupted_decision(self) -> Decision | None:
         return interrupted_decision(self.gallery)
 
     # ---- what a run reads besides
@@ -64,7 +65,7 @@ class GalleryView:
         """Items whose image could not be read, recorded by earlier runs (adopted galleries' images)."""
         return backfill.failed_images(self.gallery.store, upgrade) if self.gallery.adopted else []
 
-    def decision(self, upgrade: str) -> dict | None:
+    def decision(self, upgrade: str) -> Decision | None:
         return decision(self.gallery.store, upgrade)
 
     def stored_advice(self, upgrade: str) -> dict | None:

@@ -29,10 +29,12 @@ from fastfill.components.gallery.advice.advisor import at_stop, describe
 from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade.decider import (
     ENDED,
+    FINISH,
     REFUSE,
     RESUME,
     UP_TO_DATE,
     Course,
+    Ending,
     StoreView,
     UpgradeDecider,
     up_to_date,
@@ -44,14 +46,7 @@ from fastfill.components.gallery.upgrade.lifecycle import (
     cut_for_limit,
     failure_limit,
 )
-from fastfill.components.gallery.upgrade.outcome import (
-    Advice,
-    BackfillSummary,
-    GateDecision,
-    Promotion,
-    UpgradeResult,
-    backfilled,
-)
+from fastfill.components.gallery.upgrade.outcome import Advice, BackfillSummary, Decision, UpgradeResult, backfilled
 from fastfill.components.gallery.upgrade.planning import Plan, upgrade_id
 from fastfill.components.platform.registry import ModelRef
 
@@ -76,8 +71,8 @@ class RunView(StoreView, Protocol):
     def failed_images(self, upgrade: str) -> list[dict]:
         """The items whose image earlier runs could not read."""
 
-    def decision(self, upgrade: str) -> dict | None:
-        """``upgrade``'s decision record, None before its end."""
+    def decision(self, upgrade: str) -> Decision | None:
+        """``upgrade``'s recorded decision, None before its end."""
 
     def stored_advice(self, upgrade: str) -> dict | None:
         """The budget advisor's prediction stored beside ``upgrade``'s plan, or None."""
@@ -107,13 +102,13 @@ class StoreWrites(Protocol):
     def sync_serving(self) -> str:
         """The serving index brought to the upgrade's mixed gallery; the line to say."""
 
-    def write_decision(self, plan: Plan, champion: ModelRef, decided: GateDecision) -> dict:
-        """The decision record (decision.json) written once; returns it as stored."""
+    def write_decision(self, decided: Decision) -> Decision:
+        """The decision recorded (decision.json) once; returns it as stored."""
 
     def finish(self, plan: Plan) -> None:
         """The gallery switched to the new model's features."""
 
-    def reject(self, plan: Plan, decision: dict) -> None:
+    def reject(self, plan: Plan, decision: Decision) -> None:
         """The gallery back on the champion's features."""
 
     def mark_registry_recorded(self, upgrade: str) -> None:
@@ -247,9 +242,10 @@ class UpgradeRun:
         ran = backfilled(summary, plan.mlflow_run_id, _advice_record(advice, self.settings.gain_below))
         if not ran.complete:
             return self._said(*self.decider.paused(ran, stop))
-        decision = self._end(plan)
-        result = replace(ran, **_ended_fields(decision))
-        self.log(self.decider.ended_line(result, plan.id, plan.new, ModelRef.from_dict(decision["champion"])))
+        ending = self._end(plan)
+        result = replace(ran, **_ended_fields(ending))
+        assert ending.decision is not None  # an ending carries out a decision
+        self.log(self.decider.ended_line(result, plan.id, plan.new, ending.decision.champion or self.view.model))
         return result
 
     def _said(self, result: UpgradeResult, line: str | None = None) -> UpgradeResult:
@@ -265,12 +261,13 @@ class UpgradeRun:
             self.ports.writes.complete_abort(course.complete_abort)
         completed = None
         if course.complete_decision:
-            decision = course.complete_decision
-            plan = self.view.plan(decision["upgrade"])
-            self._follow_in_registry(plan, decision)
+            ending = self.decider.decided(course.complete_decision)
+            plan = self.view.plan(course.complete_decision.upgrade_id)
+            self._follow_in_registry(plan, ending)
             n = self.view.num_items
-            completed = UpgradeResult(**_ended_fields(decision), items=n, items_done=n, fraction=1.0, complete=True,
-                                      resumed_ending=True, decision=decision, mlflow_run_id=plan.mlflow_run_id)
+            completed = UpgradeResult(**_ended_fields(ending), items=n, items_done=n, fraction=1.0, complete=True,
+                                      resumed_ending=True, decision=course.complete_decision,
+                                      mlflow_run_id=plan.mlflow_run_id)
         if course.start_over:
             assert course.upgrade is not None  # the course names the upgrade it starts over
             self.ports.writes.start_over(course.upgrade)
@@ -368,43 +365,45 @@ class UpgradeRun:
 
     # ---- the end
 
-    def _end(self, plan: Plan) -> dict:
+    def _end(self, plan: Plan) -> Ending:
         """The end of a complete backfill, as a recoverable sequence: the decision recorded first,
         then the gallery switched (or back on the champion's features), then the registry; the
         lock is released last. A decision already recorded (a re-run after a kill) is completed,
-        never measured again. Returns the decision record."""
-        decision = self.view.decision(plan.id)
-        steps = self.decider.ending(decision, plan.id)
-        for line in steps.say:
+        never measured again. Returns the ending the decider gave, as carried out."""
+        ending = self.decider.ending(self.view.decision(plan.id), plan.id)
+        for line in ending.say:
             self.log(line)
-        if decision is None:
-            numbers = self.ports.measure_gate(plan) if steps.measure else None
-            decided, said = self.decider.decide(numbers, self.settings.promotion, plan.id, plan.new, self.view.model)
-            for line in said:
+        if ending.decision is None:
+            numbers = self.ports.measure_gate(plan) if ending.measure else None
+            decided = self.decider.decide(numbers, self.settings.promotion, plan.id, plan.new, self.view.model)
+            for line in decided.say:
                 self.log(line)
-            decision = self.ports.writes.write_decision(plan, self.view.model, decided)
+            assert decided.decision is not None  # decide gives the decision to record
+            ending = self.decider.decided(self.ports.writes.write_decision(decided.decision))  # as stored
             if numbers is not None and plan.mlflow_run_id:
                 self.ports.records.gate(plan, numbers)
-        if decision["passed"]:
+        assert ending.decision is not None
+        if ending.switch == FINISH:
             self.ports.writes.finish(plan)
         else:
-            self.ports.writes.reject(plan, {"reasons": decision["reasons"], "numbers": decision["numbers"]})
-        self._follow_in_registry(plan, decision)
-        return decision
+            self.ports.writes.reject(plan, ending.decision)
+        self._follow_in_registry(plan, ending)
+        return ending
 
-    def _follow_in_registry(self, plan: Plan, decision: dict) -> None:
+    def _follow_in_registry(self, plan: Plan, ending: Ending) -> None:
         """The end's registry step: the decision's tags on the version and the upgrade's run, and
-        champion moved when it passed; then the decision record says so."""
-        self.ports.records.follow_decision(plan, decision["tags"], promote=decision["passed"])
-        self.ports.writes.mark_registry_recorded(decision["upgrade"])
+        champion moved when the ending promotes; then the decision record says so."""
+        assert ending.decision is not None
+        self.ports.records.follow_decision(plan, ending.decision.tags, promote=ending.promotes)
+        self.ports.writes.mark_registry_recorded(ending.decision.upgrade_id)
 
 
-def _ended_fields(decision: dict) -> dict:
-    """The result's fields of an upgrade whose end is done (or completed now)."""
-    numbers = decision["numbers"]
-    return {"state": "complete" if decision["passed"] else "rejected",
-            "promotion": (Promotion(decision["passed"], list(decision["reasons"]), numbers)
-                          if numbers is not None else None)}
+def _ended_fields(ending: Ending) -> dict:
+    """The result's fields of an upgrade whose end is done (or completed now): its state, and
+    the decision when the gate measured it."""
+    decision = ending.decision
+    return {"state": "complete" if ending.promotes else "rejected",
+            "promotion": decision if decision is not None and decision.gated else None}
 
 
 def _advice_record(advice: dict | None, gain_below: float | None) -> Advice | None:
