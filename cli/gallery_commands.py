@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -58,12 +58,12 @@ def show_status(store: str | None, params: Path, schema: str | None = None) -> N
     typer.echo(json.dumps(state, indent=2))
 
 
-def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[str, dict]:
+def run_undo(flow_name: str, store: str | None, params: Path, target) -> tuple[str, Any]:
     """Run an undoing flow of flows/undo.py (``abort_flow``, ``rollback_flow``) on the gallery,
-    the services checked first: (its store's URI, the flow's result). The flow reads the
-    configuration file itself. ``target`` (reversal.abortable, reversal.rollback_target) is asked
-    first, without Prefect: with nothing to undo the command answers at once and starts no
-    server (the flow asks again under the lock)."""
+    the services checked first: (its store's URI, the flow's result: ``reversal.AbortAnswer``, the
+    rollback's dict). The flow reads the configuration file itself. ``target``
+    (reversal.abortable, reversal.rollback_target) is asked first, without Prefect: with nothing to
+    undo the command answers at once and starts no server (the flow asks again under the lock)."""
     config = load(params)
     uri = store_uri(config, store)
 

@@ -29,6 +29,7 @@ from fastfill.components.gallery.upgrade.outcome import Decision, UpgradeResult
 
 if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
     from fastfill.components.gallery.advice.estimate import DryRun
+    from fastfill.components.gallery.store.lock import BrokenLock
 
 JsonOption = Annotated[bool, typer.Option("--json", help="answer with one JSON document on stdout (docs/json.md)")]
 
@@ -170,10 +171,10 @@ def status_document(command: str, state: dict) -> tuple[str, dict]:
     return f"fastfill.{command}/1", state
 
 
-def unlock_document(store: str, held: dict | None) -> tuple[str, dict]:
+def unlock_document(store: str, held: BrokenLock | None) -> tuple[str, dict]:
     """`fastfill upgrade unlock`: the lock it removed (its holder), without the lock's token."""
-    lock = {key: value for key, value in held.items() if key != "token"} if held else None
-    return "fastfill.upgrade.unlock/1", {"store": store, "removed": bool(held), "lock": lock}
+    lock = held.holder() if held is not None else None
+    return "fastfill.upgrade.unlock/1", {"store": store, "removed": held is not None, "lock": lock}
 
 
 def undo_document(command: str, store: str, result: dict) -> tuple[str, dict]:

@@ -325,8 +325,8 @@ def upgrade_unlock(store: StoreOption = None, as_json: JsonOption = False,
     held = call(lambda: break_lock(open_gallery(uri).store))
     if as_json:
         return answer(*json_output.unlock_document(uri, held))
-    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.get('upgrade')} (pid {held.get('pid')} on "
-                             f"{held.get('host')})" if held else "no lock was held"))
+    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.upgrade} (pid {held.pid} on {held.host})"
+                             if held is not None else "no lock was held"))
 
 
 @upgrade_app.command("abort", short_help="Drop the unfinished upgrade.")
@@ -337,13 +337,14 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
     # Planned or part of the way through its backfill; refused while another process holds the
     # lock, and for an upgrade that finished or was rejected. gc collects its working data; a
     # later `fastfill upgrade` to the same version plans it again from scratch.
-    uri, record = run_undo("abort_flow", store, params, abortable)
+    uri, done = run_undo("abort_flow", store, params, abortable)
     if as_json:
-        return answer(*json_output.undo_document("upgrade.abort", uri, record))
-    typer.echo(f"{uri}: aborted upgrade {record['upgrade']} to {record['to']} ({record['stage']}: "
-               f"{record['chunks_done']} of {record['chunks']} chunks, {record['items_done']} of {record['items']} "
-               f"items); the gallery serves {record['model']}'s features again. `fastfill gallery gc` deletes its "
-               f"working data; `fastfill upgrade --to {record['to']}` plans it again from scratch")
+        return answer(*json_output.undo_document("upgrade.abort", uri, done.to_dict()))
+    record = done.record
+    typer.echo(f"{uri}: aborted upgrade {record.upgrade} to {record.to} ({record.stage}: "
+               f"{record.chunks_done} of {record.chunks} chunks, {record.items_done} of {record.items} "
+               f"items); the gallery serves {done.model}'s features again. `fastfill gallery gc` deletes its "
+               f"working data; `fastfill upgrade --to {record.to}` plans it again from scratch")
 
 
 def estimate_upgrade(params, store_uri: str, to_uri: str = "", target_top1: float | None = None) -> DryRun:

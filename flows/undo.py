@@ -35,7 +35,8 @@ def _abort_run_name() -> str:
 
 
 @flow(name="gallery-upgrade-abort", flow_run_name=_abort_run_name, log_prints=True)
-def abort_flow(params: Params | None = None, store_uri: str | None = None, params_path: str | None = None) -> dict:
+def abort_flow(params: Params | None = None, store_uri: str | None = None,
+               params_path: str | None = None) -> reversal.AbortAnswer:
     """Drop the gallery's unfinished upgrade (planned, or part of the way through its backfill):
     under the lock (refused while another process holds it), ``aborted.json`` records who, when
     and how far it got, and the gallery serves its own model's (the champion's) features again.
@@ -56,17 +57,17 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None, param
             log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
                 "again (`fastfill upgrade` still can)")
         _record_abort_in_mlflow(params, gallery, record)
-        log(f"aborted upgrade {upgrade} ({record['stage']}: {record['chunks_done']}/{record['chunks']} chunks, "
-            f"{record['items_done']}/{record['items']} items); {store.uri} serves {gallery.model.uri}'s features again")
-        return {**record, "state": "aborted", "model": gallery.model.uri}
+        log(f"aborted upgrade {upgrade} ({record.stage}: {record.chunks_done}/{record.chunks} chunks, "
+            f"{record.items_done}/{record.items} items); {store.uri} serves {gallery.model.uri}'s features again")
+        return reversal.AbortAnswer(record, gallery.model.uri)
     finally:
         lock.release()
 
 
-def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: dict) -> None:
+def _record_abort_in_mlflow(params: Params, gallery: Gallery, record: reversal.Aborted) -> None:
     """The aborted upgrade's MLflow run ends KILLED (``mark_run_aborted``), once the gallery is
     known to belong to this registry."""
-    mark_run_aborted(params, record, f"{record['items_done']}/{record['items']} items ({record['stage']})",
+    mark_run_aborted(params, record.to_dict(), f"{record.items_done}/{record.items} items ({record.stage})",
                      lambda: check_registry(gallery.manifest(), gallery.store.uri, registry.identity(params.mlflow)))
 
 

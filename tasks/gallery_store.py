@@ -108,7 +108,7 @@ def evaluate_gate(store_uri: str, plan: Plan, curve_points: int) -> dict:
     return measure_upgrade_gate(gallery_at(store_at(store_uri)), plan, curve_points)
 
 
-def _abort(store_uri: str, upgrade_id: str) -> dict:
+def _abort(store_uri: str, upgrade_id: str) -> reversal.Aborted:
     """``reversal.abort``; on a retry, an abort that the last try completed (its answer lost) is done."""
     gallery = gallery_at(store_at(store_uri))
     done = reversal.completed_abort(gallery, upgrade_id) if retrying() else None
@@ -116,7 +116,7 @@ def _abort(store_uri: str, upgrade_id: str) -> dict:
 
 
 @task(name="abort-upgrade", **IO_RETRIES, **NO_CACHING)
-def abort_upgrade(store_uri: str, upgrade_id: str) -> dict:
+def abort_upgrade(store_uri: str, upgrade_id: str) -> reversal.Aborted:
     """The unfinished upgrade dropped (``reversal.abort``, under the caller's lock): its record
     ``aborted.json``, then the gallery back on its own model's features. Returns the record."""
     return _abort(store_uri, upgrade_id)

@@ -372,7 +372,7 @@ def lock_refuses_a_second_upgrade_and_takes_over_a_dead_one(store_uri, models, d
                    create_only=True)
     with pytest.raises(locking.UpgradeLocked, match="on elsewhere"):
         locking.acquire_lock(store, "u2", log=lambda m: None)
-    assert locking.break_lock(store)["host"] == "elsewhere"
+    assert locking.break_lock(store).host == "elsewhere"
     locking.acquire_lock(store, "u2", log=lambda m: None).release()
 
 

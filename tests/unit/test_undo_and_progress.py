@@ -33,9 +33,10 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model == OLD
     assert {key: store.get(key) for key in store.list("features/")} == before  # the champion's, untouched
     saved = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
-    assert saved == record and record["by"]["user"] == "ops" and record["stage"] == "backfilling"
-    assert (record["chunks_done"], record["chunks"], record["items_done"]) == (3, 8, 21)
-    assert record["from"] == OLD.uri and record["to"] == NEW.uri
+    assert saved == record.to_dict() and record.by["user"] == "ops" and record.stage == "backfilling"
+    assert reversal.Aborted.from_dict(saved) == record  # the stored record reads back as it was written
+    assert (record.chunks_done, record.chunks, record.items_done) == (3, 8, 21)
+    assert record.source == OLD.uri and record.to == NEW.uri and saved["from"] == OLD.uri
     assert gallery_status(gallery).state == "idle"
     with pytest.raises(GalleryError, match="no upgrade of .* is in progress .*nothing to abort"):
         reversal.abortable(gallery)

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from fastfill.components.gallery.layouts.catalog import now
@@ -273,7 +274,31 @@ def acquire_lock(store: Store, upgrade: str, *, break_lock: bool = False, log: C
     raise UpgradeLocked(f"could not take the upgrade lock of {store.uri}; another process keeps taking it")
 
 
-def break_lock(store: Store) -> dict | None:
+@dataclass(frozen=True)
+class BrokenLock:
+    """The lock ``break_lock`` removed: its holder (the upgrade, its process and host; None where
+    the record does not name them) and the record as it was stored (``to_dict``: lock.json's
+    keys, whichever version of fastfill wrote it; an unreadable lock names only the upgrade)."""
+
+    upgrade: str | None
+    pid: int | None
+    host: str | None
+    record: dict
+
+    @classmethod
+    def from_dict(cls, record: dict) -> BrokenLock:
+        return cls(upgrade=record.get("upgrade"), pid=record.get("pid"), host=record.get("host"), record=dict(record))
+
+    def to_dict(self) -> dict:
+        """The lock's record as stored."""
+        return dict(self.record)
+
+    def holder(self) -> dict:
+        """The record without the lock's token (what ``fastfill upgrade unlock --json`` shows)."""
+        return {key: value for key, value in self.record.items() if key != "token"}
+
+
+def break_lock(store: Store) -> BrokenLock | None:
     """Remove the lock whoever holds it (``fastfill upgrade unlock``), even an unreadable one. A
     holder that still runs finds out at its next renewal (within a third of its lease) and writes
     nothing after that."""
@@ -284,4 +309,4 @@ def break_lock(store: Store) -> dict | None:
     except StoreError as error:
         current = {"upgrade": f"unknown (the lock was unreadable: {error})"}
     store.delete(LOCK)
-    return current
+    return BrokenLock.from_dict(current)

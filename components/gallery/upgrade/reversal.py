@@ -17,6 +17,8 @@ again); a rollback whose registry step did not happen is completed by the next r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from fastfill.components.gallery.store import Store
 from fastfill.components.gallery.upgrade.backfill import done_chunks
@@ -46,6 +48,57 @@ def who() -> dict:
     except (KeyError, OSError):  # no name for this uid (a container)
         user = str(os.getuid())
     return {"user": user, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """An upgrade's abort as ``aborted.json`` keeps it (``to_dict``/``from_dict``, whose keys are
+    that file's: ``from`` is ``source``): who aborted it and when, the versions, the upgrade it
+    started from (a sequential one), how far it had got (``how_far``), its MLflow run and when its
+    plan was made."""
+
+    upgrade: str
+    aborted: str
+    by: dict  # user, host, pid (``who``)
+    source: str  # the gallery's model, whose features it serves again
+    to: str  # the version the upgrade went to
+    base: str | None
+    stage: str  # planned, backfilling or backfill complete
+    chunks_done: int
+    chunks: int
+    items_done: int
+    items: int
+    fraction: float
+    mlflow_run_id: str | None
+    plan_created: str | None
+
+    def to_dict(self) -> dict:
+        """aborted.json's record, its keys in their stored order."""
+        return {"upgrade": self.upgrade, "aborted": self.aborted, "by": dict(self.by), "from": self.source,
+                "to": self.to, "base": self.base, "stage": self.stage, "chunks_done": self.chunks_done,
+                "chunks": self.chunks, "items_done": self.items_done, "items": self.items,
+                "fraction": self.fraction, "mlflow_run_id": self.mlflow_run_id, "plan_created": self.plan_created}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Aborted:
+        """A stored aborted.json."""
+        return cls(upgrade=record["upgrade"], aborted=record["aborted"], by=dict(record.get("by") or {}),
+                   source=record["from"], to=record["to"], base=record.get("base"), stage=record["stage"],
+                   chunks_done=record["chunks_done"], chunks=record["chunks"], items_done=record["items_done"],
+                   items=record["items"], fraction=record["fraction"], mlflow_run_id=record.get("mlflow_run_id"),
+                   plan_created=record.get("plan_created"))
+
+
+@dataclass(frozen=True)
+class AbortAnswer:
+    """What ``abort_flow`` answers: the abort's record and the model whose features the gallery
+    serves again (``to_dict``: the record's fields, ``state`` "aborted" and ``model``)."""
+
+    record: Aborted
+    model: str
+
+    def to_dict(self) -> dict:
+        return {**self.record.to_dict(), "state": "aborted", "model": self.model}
 
 
 def aborted(store: Store, upgrade: str) -> dict | None:
@@ -135,7 +188,7 @@ def how_far(gallery: Gallery, plan: Plan) -> dict:
             "items": plan.num_items, "fraction": items / plan.num_items if plan.num_items else 1.0}
 
 
-def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
+def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> Aborted:
     """Drop the unfinished ``upgrade`` (the caller holds the lock): its record
     ``aborted.json`` first (who, when, how far it got), then the gallery back on its own model's
     features (the champion's). Its working data is garbage from then on, and the same upgrade
@@ -144,29 +197,31 @@ def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> dict:
     store = gallery.store
     if abortable(gallery) != upgrade:
         raise GalleryError(f"upgrade {upgrade} is no longer the one in progress at {store.uri}; nothing was changed")
-    record = aborted(store, upgrade)
-    if record is None:
+    stored = aborted(store, upgrade)
+    if stored is not None:
+        record = Aborted.from_dict(stored)
+    else:
         plan = load_plan(store, upgrade)
         if plan is None:
             raise GalleryError(f"the gallery at {store.uri} points at upgrade {upgrade}, which has no plan.json")
-        record = {"upgrade": upgrade, "aborted": now(), "by": by or who(), "from": plan.old.uri, "to": plan.new.uri,
-                  "base": plan.base, **how_far(gallery, plan), "mlflow_run_id": plan.mlflow_run_id,
-                  "plan_created": plan.created}
-        store.put_json(upgrade_key(upgrade, ABORTED), record)
+        record = Aborted.from_dict({"upgrade": upgrade, "aborted": now(), "by": by or who(), "from": plan.old.uri,
+                                    "to": plan.new.uri, "base": plan.base, **how_far(gallery, plan),
+                                    "mlflow_run_id": plan.mlflow_run_id, "plan_created": plan.created})
+        store.put_json(upgrade_key(upgrade, ABORTED), record.to_dict())
     manifest = dict(gallery.manifest(refresh=True))
     manifest["upgrade"] = None
     gallery.write_manifest(manifest)
     return record
 
 
-def completed_abort(gallery: Gallery, upgrade: str) -> dict | None:
+def completed_abort(gallery: Gallery, upgrade: str) -> Aborted | None:
     """The record of ``upgrade``'s abort when that abort is complete (recorded, and the gallery no
     longer points at the upgrade), else None: what an abort tried again after its answer was lost
     finds done."""
     record = aborted(gallery.store, upgrade)
     if record is None or gallery.manifest(refresh=True).get("upgrade") == upgrade:
         return None
-    return record
+    return Aborted.from_dict(record)
 
 
 def undone(store: Store, upgrade: str) -> dict | None:
