@@ -75,7 +75,8 @@ class WebhookReceiver:
             proxy_headers=False,  # the client address is the socket's: no header may pick its rate-limit bucket
             log_config=None, log_level="warning", access_log=False,
             server_header=False, headers=[("server", "fastfill-webhook")],
-            timeout_graceful_shutdown=STOP_GRACE_SECONDS + 2))  # a backstop: requests end themselves first
+            # a backstop (whole seconds): requests end themselves first
+            timeout_graceful_shutdown=math.ceil(STOP_GRACE_SECONDS) + 2))
         self._serving, self._stopped = threading.Event(), threading.Event()
 
     async def asgi(self, scope, receive, send) -> None:

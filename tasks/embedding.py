@@ -8,7 +8,7 @@ from prefect import task
 
 from fastfill.components.experiment.data import DataError, load_split
 from fastfill.components.experiment.inference import embed
-from fastfill.components.gallery.layouts.catalog import check_features, rows_at
+from fastfill.components.gallery.layouts.catalog import GalleryError, check_features, rows_at
 from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.upgrade.lifecycle import SPLITS_SOURCE
 from fastfill.components.gallery.upgrade.pairs import TARGETS_LABELS, MapPairs, from_gallery
@@ -66,6 +66,9 @@ def gallery_pairs(store_uri: str, positions: np.ndarray, new_model, config, sequ
     gallery = gallery_at(store_at(store_uri))
     positions, images = readable_images(gallery, positions, config.read_workers, "map sample", log,
                                         getattr(new_model, "preprocessing", None))
+    if images is None:  # readable_images answers None for no positions at all
+        raise GalleryError("map sample: no gallery items to embed (gallery.upgrade.map_sample chose none); "
+                           "the map's pairs need at least one")
     log(f"map pairs: embedding {len(positions)} gallery items with the new model (a seeded sample; their features "
         "are kept as backfilled)")
     with progress("embedding the map sample", total=len(images), unit="image", log=log) as bar:

@@ -12,9 +12,9 @@ import numpy as np
 from prefect import task
 
 from fastfill.components.evaluation import curve_alphas, dual_curves
-from fastfill.components.evaluation.assessment import MethodOutputs, build_order, method_curves, reference_points
+from fastfill.components.evaluation.assessment import MethodOutputs, method_curves, reference_points
 from fastfill.components.evaluation.online_backfill import monotonicity, online_curve
-from fastfill.components.evaluation.ordering import random_order
+from fastfill.components.evaluation.ordering import random_order, sigma_order
 from fastfill.components.evaluation.reports import build_metrics, plot_curves, write_plot_data, write_summary
 from fastfill.components.evaluation.rerank import RerankVariant, candidate_lists, query_driven_order, rerank_curves
 from fastfill.components.experiment.adapters import fit_adapter
@@ -140,11 +140,11 @@ def dual_order(config: EvaluateConfig, name: str, layout: Layout, n: int):
                                 f"`fastfill stage align --method {source}`, or drop sigma from evaluate.dual_orders")
     if log_sigma2 is not None and non_finite_rows(log_sigma2):
         return None, f"diverged: {source}'s log_sigma2 is not finite in {non_finite_rows(log_sigma2)} of {n} rows"
-    if log_sigma2 is None:
+    if log_sigma2 is None:  # the map is a fallback (checked above): its sigma order is random
         log(f"dual methods (sigma): {source}'s fallback map has no sigma shown to help, so the sigma order is "
             "random (see its check.json)")
-    outputs = MethodOutputs(gallery_old=None, log_sigma2=log_sigma2, sigma_is_random=fallback)
-    return build_order("sigma", outputs, range(n), config.seed), None
+        return random_order(n, config.seed), None
+    return sigma_order(log_sigma2), None
 
 
 def dual_curves_of(config: EvaluateConfig, layout: Layout) -> dict[str, dict]:

@@ -14,10 +14,21 @@ from uuid import UUID
 
 from prefect import task
 
+from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade.measure import BackfillMeasure
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.platform import registry
 from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log, retrying
+
+
+def upgrade_run_id(plan: Plan) -> str:
+    """The id of ``plan``'s MLflow run (planning opens it before the plan is written); a plan
+    without one cannot have its upgrade recorded, and is refused with what to do."""
+    if plan.mlflow_run_id is None:
+        raise GalleryError(f"upgrade {plan.id}: its plan names no MLflow run (mlflow_run_id), so the upgrade's "
+                           "progress and prediction cannot be recorded; abort it (`fastfill upgrade abort`) and "
+                           "plan it again")
+    return plan.mlflow_run_id
 
 
 @task(name="open-upgrade-run", **IO_RETRIES, **NO_CACHING)
@@ -60,7 +71,7 @@ def log_prediction(client, plan: Plan, advice: dict, timestamp: int) -> None:
     steps = [int(f * plan.num_items) for f in advice["fractions"]]
     series = ({"predicted_agreement": advice["agreement"]} if advice.get("metric") == "agreement" else
               {"predicted_top1": advice["top1"], "predicted_map": advice["map"]})
-    registry.log_series(client, plan.mlflow_run_id, series, steps=steps, timestamp=timestamp)
+    registry.log_series(client, upgrade_run_id(plan), series, steps=steps, timestamp=timestamp)
 
 
 @task(name="log-gate", **IO_RETRIES, **NO_CACHING)
@@ -107,7 +118,7 @@ class UpgradeProgress:
         from prefect.artifacts import create_progress_artifact
 
         self.client, self.plan, self.measuring = client, plan, measure
-        self.run_id = plan.mlflow_run_id
+        self.run_id = upgrade_run_id(plan)
         self.client.update_run(self.run_id, status="RUNNING")
         history = self.client.get_metric_history(self.run_id, "top1")
         self.measured = {int(m.step) for m in history}

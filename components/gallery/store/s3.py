@@ -123,8 +123,9 @@ class S3Store(Store):
                 raise StoreUnreachable(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
                                        "or check the URI") from None
             if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status in (409, 412):
-                raise conflict(f"{self.describe(key)} " + ("already exists" if conflict is AlreadyExists else
-                                                           "changed since it was read")) from None
+                what_object = self.describe(key) if key is not None else self.uri
+                raise conflict(f"{what_object} " + ("already exists" if conflict is AlreadyExists else
+                                                    "changed since it was read")) from None
             if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise StoreUnreachable(f"{what} {self.uri}: access denied ({code}); check the AWS credentials "
                                        "in the environment or config") from None
