@@ -36,6 +36,7 @@ from fastfill.flows.parameters import apply_overrides
 
 if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
     from fastfill.components.gallery.advice.estimate import DryRun
+    from fastfill.components.gallery.advice.planning_cost import PlanningEstimate
 
 upgrade_app = typer.Typer(rich_markup_mode=None, help="Upgrade the stored gallery to a new model (fastfill upgrade --to ...), "
                                "or see its state (fastfill upgrade status).")
@@ -126,20 +127,19 @@ def _size(count: float) -> str:
     return ""
 
 
-def describe_planning(planning: dict) -> list[str]:
+def describe_planning(planning: PlanningEstimate) -> list[str]:
     """The dry run's lines for ``planning``."""
-    items, seconds = planning["embeds"], planning["seconds"]
-    parts = [f"embedding {seconds['embedding']:.0f} s"]
-    parts += [f"{label} {seconds[key]:.0f} s" for key, label in (("map_training", "the map's training"),
-                                                                ("reference_training", "the check's reference"))
-              if key in seconds]
-    lines = [f"  planning embeds {items['total']:,} items ({100 * items['share_of_gallery']:.1f}% of the gallery: "
-             f"map sample {items['map_sample']:,}, evaluation sample {items['evaluation_sample']:,} of which "
-             f"{items['evaluation_outside_map_sample']:,} outside it)"
-             + (f"; the evaluation sample measures top-1 within ± {items['evaluation_standard_error']:.1f} points "
-                "(one standard error, at worst)" if items.get("evaluation_standard_error") is not None else ""),
-             f"  planning takes about {_duration(seconds['total'])} ({', '.join(parts)})"
-             + (f", at most {_duration(planning['seconds_at_most'])}" if "seconds_at_most" in planning else "")]
+    items, seconds = planning.embeds, planning.seconds
+    labels = {"map_training": "the map's training", "reference_training": "the check's reference"}
+    parts = [f"embedding {seconds.embedding:.0f} s"]
+    parts += [f"{labels[key]} {value:.0f} s" for key, value in seconds.trainings()]
+    lines = [f"  planning embeds {items.total:,} items ({100 * items.share_of_gallery:.1f}% of the gallery: "
+             f"map sample {items.map_sample:,}, evaluation sample {items.evaluation_sample:,} of which "
+             f"{items.evaluation_outside_map_sample:,} outside it)"
+             + (f"; the evaluation sample measures top-1 within ± {items.evaluation_standard_error:.1f} points "
+                "(one standard error, at worst)" if items.evaluation_standard_error is not None else ""),
+             f"  planning takes about {_duration(seconds.total)} ({', '.join(parts)})"
+             + (f", at most {_duration(planning.seconds_at_most)}" if planning.seconds_at_most is not None else "")]
     return lines
 
 
@@ -164,40 +164,41 @@ def _describe_dry_run(dry: DryRun) -> str:
         *([f"  re-embed: {dry.small_gallery}"] if dry.small_gallery else []),
         f"  items {cost.items:,} in {cost.parts:,} parts; {cost.chunks:,} chunks of {cost.chunk_size:,}; "
         f"images {cost.images}",
-        f"  to read: {_size(cost.bytes_to_read['total'])} (features {_size(cost.bytes_to_read['features'])}, "
-        f"images {_size(cost.bytes_to_read['images'])}, finish {_size(cost.bytes_to_read['finish'])})",
-        f"  object-store requests: {cost.requests['total']:,} (plan {cost.requests['plan']:,}, backfill "
-        f"{cost.requests['backfill']:,}, finish {cost.requests['finish']:,})",
-        f"  measured on {sample['items']} items ({sample['failed']} unreadable): read "
-        f"{1000 * sample['read_seconds_per_item']:.2f} "
-        f"ms/item, embed {1000 * sample['embed_seconds_per_item']:.2f} ms/item",
+        f"  to read: {_size(cost.bytes_to_read.total)} (features {_size(cost.bytes_to_read.features)}, "
+        f"images {_size(cost.bytes_to_read.images)}, finish {_size(cost.bytes_to_read.finish)})",
+        f"  object-store requests: {cost.requests.total:,} (plan {cost.requests.plan:,}, backfill "
+        f"{cost.requests.backfill:,}, finish {cost.requests.finish:,})",
+        f"  measured on {sample.items} items ({sample.failed} unreadable): read "
+        f"{1000 * sample.read_seconds_per_item:.2f} "
+        f"ms/item, embed {1000 * sample.embed_seconds_per_item:.2f} ms/item",
         f"  estimated backfill: {seconds / 3600:.1f} h" if seconds >= 3600 else f"  estimated backfill: {seconds:.0f} s",
         f"  ({cost.note})",
         *(describe_planning(dry.planning) if dry.planning else []),
         f"  truth of the gate and the advisor: {dry.truth}",
         f"  map pairs (when the registry's map must be trained or checked): {dry.map_pairs}",
     ]
-    advice = dry.advice or {}
-    if "top1" in advice:
-        lines += ["  " + line for line in describe(advice)]
-    elif advice.get("note"):
-        lines.append(f"  budget advisor: {advice['note']}")
-    gate = advice.get("gate") or {}
-    if "passed" in gate:
-        reached = gate["fraction_to_gain"]
+    advice = dry.advice
+    gate_note = advice.gate.note if advice is not None and advice.gate is not None else None
+    gate = advice.gate.decided if advice is not None and advice.gate is not None else None
+    if advice is not None and advice.prediction is not None and advice.top1_curve:
+        lines += ["  " + line for line in describe(advice.prediction)]
+    elif advice is not None and advice.note:
+        lines.append(f"  budget advisor: {advice.note}")
+    if gate is not None:
+        reached = gate.fraction_to_gain
         lines.append(
-            f"  promotion gate, predicted on the {gate['queries']:,} items of the evaluation sample as it will measure "
-            f"them: {'PASS' if gate['passed'] else 'REJECT'} (top-1 {100 * gate['champion_top1']:.2f}% -> mean "
-            f"{100 * gate['top1_auc']:.2f}% along the backfill, NFR@1 {100 * gate['nfr1_mean']:.2f}% mean along the "
-            f"backfill ({gate['nfr1_relative']:.2f} of independent errors' flips), "
-            f"{100 * gate['nfr1_end']:.2f}% at the end, gain reached at "
+            f"  promotion gate, predicted on the {gate.queries:,} items of the evaluation sample as it will measure "
+            f"them: {'PASS' if gate.passed else 'REJECT'} (top-1 {100 * gate.champion_top1:.2f}% -> mean "
+            f"{100 * gate.top1_auc:.2f}% along the backfill, NFR@1 {100 * gate.nfr1_mean:.2f}% mean along the "
+            f"backfill ({gate.nfr1_relative:.2f} of independent errors' flips), "
+            f"{100 * gate.nfr1_end:.2f}% at the end, gain reached at "
             f"{'never' if reached is None else f'{100 * reached:.0f}%'})"
-            + ("" if gate["passed"] else f": {'; '.join(gate['reasons'])}"))
-    elif gate.get("note"):
-        lines.append(f"  promotion gate: {gate['note']}")
-    target = advice.get("target")
-    if target:
-        lines.append(f"  target top-1 {100 * target['target_top1']:.2f}%: {target.get('line') or target.get('note')}")
+            + ("" if gate.passed else f": {'; '.join(gate.reasons)}"))
+    elif gate_note:
+        lines.append(f"  promotion gate: {gate_note}")
+    target = advice.target if advice is not None else None
+    if target is not None:
+        lines.append(f"  target top-1 {100 * target.target_top1:.2f}%: {target.line or target.note}")
     return "\n".join(lines)
 
 
@@ -294,12 +295,12 @@ def _describe_result(result: UpgradeResult, seconds: float) -> str:
                      f"{100 * full:.2f}% at 100%)"
                      + ("; stopped there: the same command stays there, a --budget goes on"
                         if result.stopped == "recommended" else ""))
-    if result.promotion is not None:
-        numbers, decision = result.promotion.numbers or {}, result.promotion
-        reached = numbers["fraction_to_gain"]
+    numbers = result.promotion.gate_numbers() if result.promotion is not None else None
+    if result.promotion is not None and numbers is not None:
+        decision, reached = result.promotion, numbers.fraction_to_gain
         lines.append(f"promotion gate: {'passed, champion moved' if decision.passed else 'REJECTED'}: champion top-1 "
-                     f"{100 * numbers['champion_top1']:.2f}%, challenger mean top-1 along the backfill "
-                     f"{100 * numbers['top1_auc']:.2f}%, NFR@1 {100 * numbers['nfr1_mean']:.2f}%, gain reached at "
+                     f"{100 * numbers.champion_top1:.2f}%, challenger mean top-1 along the backfill "
+                     f"{100 * numbers.top1_auc:.2f}%, NFR@1 {100 * numbers.nfr1_mean:.2f}%, gain reached at "
                      f"{'never' if reached is None else f'{100 * reached:.0f}%'}")
         lines += [f"  - {reason}" for reason in decision.reasons]
     return "\n".join(lines)

@@ -736,11 +736,11 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     before = {key: store.get(key) for key in store.list("")}
     dry = estimate_upgrade(params, uri)
     assert {key: store.get(key) for key in store.list("")} == before  # the prediction wrote nothing
-    predicted = dry.advice
+    predicted = dry.advice.to_dict()
     assert predicted["sample"] == 40 and predicted["items"] == n and len(predicted["top1"]) == 21
     assert predicted["error_scale"] > 0 and all(0 <= v <= 1 for v in predicted["top1"] + predicted["map"])
     # --target-top1: every way the gallery allows, the configured one (sigma) predicted as above
-    target = estimate_upgrade(params, uri, "", predicted["top1"][10]).advice["target"]
+    target = estimate_upgrade(params, uri, "", predicted["top1"][10]).advice.to_dict()["target"]
     assert {key: store.get(key) for key in store.list("")} == before  # still nothing written
     by = {way["way"]: way for way in target["ways"]}
     sigma = {"map, sigma order", "shadow index (rrf), sigma order",  # when the registry's map has a head

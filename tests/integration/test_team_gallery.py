@@ -123,7 +123,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     on_gallery = configured()
     uri = str(tmp_path / "g")
     ingest_flow(on_gallery, uri)
-    assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri).advice["note"]
+    assert "has not passed its check on gallery" in estimate_upgrade(on_gallery, uri).advice.note
     # a planning killed after it wrote its first chunks, before its plan: nothing of it may count as done
     from fastfill.components.platform.registry import ModelRef
 
@@ -148,7 +148,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 
     abort_flow(on_gallery, uri)
     predicted = estimate_upgrade(on_gallery, uri).advice
-    assert predicted["map_version"] == used  # the dry run predicts from the map the upgrade will use
+    assert predicted.map_version == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
     replanned = planning.load_plan(store, again.upgrade)
     tags = client.get_run(replanned.mlflow_run_id).data.tags
@@ -193,7 +193,7 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     # before it: which way reaches a top-1 first, on the judged queries (the gallery has no labels)
     from fastfill.cli.upgrade_commands import estimate_upgrade
 
-    dry = estimate_upgrade(judged, uri, "", 0.5).advice
+    dry = estimate_upgrade(judged, uri, "", 0.5).advice.to_dict()
     target = dry.get("target") or {}
     assert target.get("truth") == "judgments", dry
     by = {way["way"]: way for way in target["ways"]}

@@ -333,3 +333,23 @@ def test_the_upgrade_decision_is_one_type():
                 if name in ("Promotion", "GateDecision"):
                     named.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
     assert not named, named
+
+
+def _string_key_reads(path: Path) -> list[str]:
+    """The reads of a dict by a literal string key in ``path``: ``x["key"]`` and ``x.get("key")``."""
+    reads = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value,
+                                                                                                     str):
+            reads.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            reads.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return reads
+
+
+def test_the_upgrade_commands_read_typed_records():
+    """cli/upgrade_commands.py reads the dry run, the advice, the gate, the lock and the abort as
+    typed records' fields: at most 5 reads of a dict by a string key are left."""
+    reads = _string_key_reads(ROOT / "cli" / "upgrade_commands.py")
+    assert len(reads) <= 5, reads

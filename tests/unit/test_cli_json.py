@@ -22,7 +22,16 @@ from typer.testing import CliRunner
 from fastfill.cli import app
 from fastfill.cli.command_support import INPUT, REJECTED, SERVICE, USAGE
 from fastfill.components.experiment.inference import embed
-from fastfill.components.gallery.advice.estimate import DryRun, UpgradeCost
+from fastfill.components.gallery.advice.estimate import (
+    BytesToRead,
+    BytesToWrite,
+    DryRun,
+    DryRunAdvice,
+    Requests,
+    SampleTimes,
+    UpgradeCost,
+)
+from fastfill.components.gallery.advice.planning_cost import PlannedItems, PlanningEstimate, PlanningSeconds
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.store.lock import LOCK
 from fastfill.components.gallery.upgrade import backfill
@@ -238,18 +247,18 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
 
     cost = UpgradeCost(
         store=str(tmp_path), items=np.int64(72), parts=4, chunks=9, chunk_size=8, images="packed parts in the store",
-        bytes_to_read={"features": 4608, "images": 18432, "finish": 9216, "total": 32256},
-        bytes_to_write={"plan": 5472, "backfill": 4608, "finish": 4608},
-        requests={"plan": 17, "backfill": 22, "finish": 28, "total": 67},
-        sample={"items": 64, "failed": 0, "read_seconds_per_item": 1e-4, "embed_seconds_per_item": float("nan")},
+        bytes_to_read=BytesToRead(features=4608, images=18432, finish=9216, total=32256),
+        bytes_to_write=BytesToWrite(plan=5472, backfill=4608, finish=4608),
+        requests=Requests(plan=17, backfill=22, finish=28, total=67),
+        sample=SampleTimes(items=64, failed=0, read_seconds_per_item=1e-4, embed_seconds_per_item=float("nan")),
         estimated_backfill_seconds=np.float32(0.5), note="n")
+    planning = PlanningEstimate(PlannedItems(map_sample=60, evaluation_sample=40, evaluation_outside_map_sample=30,
+                                             total=90, share_of_gallery=0.125),
+                                PlanningSeconds(embedding=9.0, map_training=4.0, reference_training=3.0, total=16.0),
+                                seconds_at_most=60.0, note="n")
     plan = DryRun("models:/embedder/1", "models:/embedder/2", cost=cost, truth="the gallery's labels",
                   map_pairs="this host's new-train split",
-                  advice={"note": "no prediction yet: the registry has no map"},
-                  planning={"embeds": {"map_sample": 60, "evaluation_sample": 40, "evaluation_outside_map_sample": 30,
-                                       "total": 90, "share_of_gallery": 0.125},
-                            "seconds": {"embedding": 9.0, "map_training": 4.0, "reference_training": 3.0,
-                                        "total": 16.0}, "seconds_at_most": 60.0, "note": "n"})
+                  advice=DryRunAdvice(note="no prediction yet: the registry has no map"), planning=planning)
     monkeypatch.setattr(fastfill.cli.command_support, "require_services", lambda config: None)
     monkeypatch.setattr(fastfill.cli.upgrade_commands, "estimate_upgrade", lambda *args: plan)
     text = _invoke("upgrade", "--dry-run", "--store", str(tmp_path))
@@ -262,6 +271,18 @@ def test_the_dry_run_answers_its_plan(monkeypatch, tmp_path):
     assert document["written"] is False and document["items"] == 72 and document["estimated_backfill_seconds"] == 0.5
     assert document["sample"]["embed_seconds_per_item"] is None  # NaN is not JSON: null
     assert document["advice"] == {"note": "no prediction yet: the registry has no map"}
+    # each part an object of its fields, in the order they always had
+    assert list(document)[:13] == ["schema", "written", "from", "to", "in_progress", "resumes", "store", "items",
+                                   "parts", "chunks", "chunk_size", "images", "bytes_to_read"]
+    assert list(document["bytes_to_read"]) == ["features", "images", "finish", "total"]
+    assert list(document["requests"]) == ["plan", "backfill", "finish", "total"]
+    assert list(document["sample"]) == ["items", "failed", "read_seconds_per_item", "embed_seconds_per_item"]
+    assert document["planning"] == {
+        "embeds": {"map_sample": 60, "evaluation_sample": 40, "evaluation_outside_map_sample": 30, "total": 90,
+                   "share_of_gallery": 0.125, "evaluation_standard_error": None},
+        "seconds": {"embedding": 9.0, "map_training": 4.0, "reference_training": 3.0, "total": 16.0},
+        "seconds_at_most": 60.0, "note": "n"}
+    assert list(document["planning"]["seconds"]) == ["embedding", "map_training", "reference_training", "total"]
     assert set(_documented_fields("fastfill.upgrade.dry_run/1")) <= set(document)
 
 
@@ -461,3 +482,26 @@ def test_shell_completion_is_on():
     env = {**os.environ, "_FASTFILL_COMPLETE": "complete_bash", "COMP_WORDS": "fastfill gallery co", "COMP_CWORD": "2"}
     result = subprocess.run([FASTFILL], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["convert"], result.stdout + result.stderr
+
+
+def test_the_dry_runs_advice_keeps_its_keys_in_their_order():
+    """The typed advice gives the document's ``advice`` as it always was: the prediction's keys,
+    then the target (asked, or always for a resumed upgrade's stored prediction), the gate, the map."""
+    from fastfill.components.gallery.advice.estimate import GatePrediction, PredictedGate, TargetAdvice
+
+    curve = {"fractions": [0.0, 1.0], "top1": [0.5, 0.7], "recommendation": {"fraction": 1.0}}
+    gate = PredictedGate(passed=False, reasons=["r"], queries=40, champion_top1=0.5, top1_auc=0.6, top1_auc_gain=0.1,
+                         nfr1_mean=0.02, nfr1_end=0.01, fraction_to_gain=None, nfr1_relative=0.4)
+    computed = DryRunAdvice(prediction=curve, gate=GatePrediction(gate), map_version="3", order="sigma",
+                            target=TargetAdvice.from_dict({"target_top1": 0.6, "ways": [], "best": None, "line": "l",
+                                                           "truth": "labels"})).to_dict()
+    assert list(computed) == ["fractions", "top1", "recommendation", "target", "gate", "map_version", "order"]
+    assert list(computed["gate"]) == ["passed", "reasons", "queries", "champion_top1", "top1_auc", "top1_auc_gain",
+                                      "nfr1_mean", "nfr1_end", "fraction_to_gain", "nfr1_relative"]
+    assert computed["target"] == {"target_top1": 0.6, "ways": [], "best": None, "line": "l", "truth": "labels"}
+    untargeted = DryRunAdvice(prediction=curve, gate=GatePrediction(note="ungated"), map_version="3", order="random")
+    assert list(untargeted.to_dict()) == ["fractions", "top1", "recommendation", "gate", "map_version", "order"]
+    assert untargeted.to_dict()["gate"] == {"note": "ungated"}
+    resumed = DryRunAdvice(prediction={**curve, "upgrade": "u"}, resumed=True).to_dict()
+    assert list(resumed) == ["fractions", "top1", "recommendation", "upgrade", "target"] and resumed["target"] is None
+    assert DryRunAdvice(note="n").to_dict() == {"note": "n"}

@@ -97,9 +97,9 @@ def test_a_dry_run_measures_and_writes_nothing(tmp_path, models, data):
     before = {key: gallery.store.get(key) for key in gallery.store.list("")}
     plan = dry_run(gallery, UpgradeConfig(chunk_size=7, max_concurrency=2), new, sample=16)
     assert {key: gallery.store.get(key) for key in gallery.store.list("")} == before
-    assert plan.items == N and plan.chunks == 8 and plan.parts == 6 and plan.sample["items"] == 16
-    assert plan.bytes_to_read["images"] == N * 64 and plan.bytes_to_read["features"] == N * OLD_DIM * 4
-    assert plan.sample["embed_seconds_per_item"] > 0 and plan.estimated_backfill_seconds > 0
+    assert plan.items == N and plan.chunks == 8 and plan.parts == 6 and plan.sample.items == 16
+    assert plan.bytes_to_read.images == N * 64 and plan.bytes_to_read.features == N * OLD_DIM * 4
+    assert plan.sample.embed_seconds_per_item > 0 and plan.estimated_backfill_seconds > 0
     throttled = dry_run(gallery, UpgradeConfig(chunk_size=7, max_items_per_second=0.5), new, sample=4)
     assert throttled.estimated_backfill_seconds >= N / 0.5
 

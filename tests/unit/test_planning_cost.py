@@ -10,7 +10,7 @@ from fastfill.components.platform.config import AlignConfig, UpgradeConfig
 
 def test_planning_embeds_each_item_once():
     items = planned_items(np.arange(0, 100), np.arange(50, 250), 1000)
-    assert items == {"map_sample": 100, "evaluation_sample": 200, "evaluation_outside_map_sample": 150,
+    assert items.to_dict() == {"map_sample": 100, "evaluation_sample": 200, "evaluation_outside_map_sample": 150,
                      "total": 250, "share_of_gallery": 0.25, "evaluation_standard_error": 3.54}
 
 
@@ -21,20 +21,21 @@ def test_the_map_and_its_reference_are_timed_only_when_trained():
     with_disc = settings.model_copy(update={"disc": True})  # the map's network differs from its reference's
     both = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, with_disc, 12, 8, trains=True,
                          checks=True)
-    seconds = both["seconds"]
+    seconds = both.to_dict()["seconds"]
     assert seconds["embedding"] == round(160 * 0.01, 1)
     # both trained maps are timed (on 96 pairs either may round to 0.0 s on a fast machine: the
     # unrounded epoch is measured below)
     assert seconds["map_training"] >= 0 and seconds["reference_training"] >= 0
     assert seconds["total"] == round(seconds["embedding"] + seconds["map_training"] + seconds["reference_training"], 1)
-    assert both["seconds_at_most"] >= seconds["total"] - 0.1 and str(TYPICAL_EPOCHS) in both["note"]
+    assert both.seconds_at_most >= seconds["total"] - 0.1 and str(TYPICAL_EPOCHS) in both.note
+    assert list(seconds) == ["embedding", "map_training", "reference_training", "total"]
     lines = describe_planning(both)
     assert lines[0].startswith("  planning embeds 160 items (16.0% of the gallery: map sample 120")
     assert "the map's training" in lines[1] and "the check's reference" in lines[1]
 
     checked = planning_cost(config, 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8, trains=False,
                             checks=False)
-    assert set(checked["seconds"]) == {"embedding", "total"} and "seconds_at_most" not in checked
+    assert set(checked.to_dict()["seconds"]) == {"embedding", "total"} and "seconds_at_most" not in checked.to_dict()
     assert describe_planning(checked)[1] == "  planning takes about 2 s (embedding 2 s)"
 
 
@@ -44,7 +45,7 @@ def test_a_map_that_is_its_own_reference_trains_once():
                            epochs=3, warmup_epochs=1, min_steps=0).for_upgrade()
     once = planning_cost(UpgradeConfig(), 1000, np.arange(120), np.arange(100, 160), 0.01, settings, 12, 8,
                          trains=True, checks=True)
-    assert "map_training" in once["seconds"] and "reference_training" not in once["seconds"]
+    assert once.seconds.map_training is not None and once.seconds.reference_training is None
 
 
 def test_an_epoch_is_measured_not_assumed():

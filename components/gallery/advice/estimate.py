@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 from fastfill.components.experiment.inference import apply_alignment, embed, pick_device
 from fastfill.components.experiment.map_training import train_alignment
 from fastfill.components.gallery.advice import advisor
-from fastfill.components.gallery.advice.planning_cost import planning_cost
+from fastfill.components.gallery.advice.planning_cost import PlanningEstimate, planning_cost
 from fastfill.components.gallery.advice.target_advice import ways_to_target
 from fastfill.components.gallery.gate.promotion import decide, measure_gate, relative_nfr
 from fastfill.components.gallery.inputs.images import ITEM_S3_CODES, read_bytes, readable, resolve
@@ -76,9 +76,46 @@ def _mean_encoded_size(gallery: Gallery, positions: np.ndarray) -> float:
 
 
 @dataclass(frozen=True)
+class BytesToRead:
+    features: int
+    images: int
+    finish: int
+    total: int
+
+
+@dataclass(frozen=True)
+class BytesToWrite:
+    plan: int
+    backfill: int
+    finish: int
+
+
+@dataclass(frozen=True)
+class Requests:
+    """Object-store requests of each step."""
+
+    plan: int
+    backfill: int
+    finish: int
+    total: int
+
+
+@dataclass(frozen=True)
+class SampleTimes:
+    """The sample the dry run read and embedded: its size, the items it could not read, the
+    seconds per item of each."""
+
+    items: int
+    failed: int
+    read_seconds_per_item: float
+    embed_seconds_per_item: float
+
+
+@dataclass(frozen=True)
 class UpgradeCost:
     """What an upgrade of a gallery would cost (``dry_run``): its size, the bytes and requests of
-    each step, the per-item times measured on a sample, and the backfill's estimated duration."""
+    each step, the per-item times measured on a sample, and the backfill's estimated duration
+    (``asdict``: the dry run's document, each part an object of its fields in this order)."""
 
     store: str
     items: int
@@ -86,12 +123,107 @@ class UpgradeCost:
     chunks: int
     chunk_size: int
     images: str  # where the backfill reads images from
-    bytes_to_read: dict  # features, images, finish, total
-    bytes_to_write: dict  # plan, backfill, finish
-    requests: dict  # plan, backfill, finish, total
-    sample: dict  # items, failed, read_seconds_per_item, embed_seconds_per_item
+    bytes_to_read: BytesToRead
+    bytes_to_write: BytesToWrite
+    requests: Requests
+    sample: SampleTimes
     estimated_backfill_seconds: float
     note: str
+
+
+@dataclass(frozen=True)
+class PredictedGate:
+    """The promotion gate's decision as the dry run predicts it on the evaluation sample: passed or
+    not, why, and its numbers (``components.gallery.gate.promotion``)."""
+
+    passed: bool
+    reasons: list[str]
+    queries: int
+    champion_top1: float
+    top1_auc: float
+    top1_auc_gain: float
+    nfr1_mean: float
+    nfr1_end: float
+    fraction_to_gain: float | None  # None: the gain is never reached
+    nfr1_relative: float  # NFR@1 against independent errors' flips
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "reasons": list(self.reasons), "queries": self.queries,
+                "champion_top1": self.champion_top1, "top1_auc": self.top1_auc, "top1_auc_gain": self.top1_auc_gain,
+                "nfr1_mean": self.nfr1_mean, "nfr1_end": self.nfr1_end, "fraction_to_gain": self.fraction_to_gain,
+                "nfr1_relative": self.nfr1_relative}
+
+
+@dataclass(frozen=True)
+class GatePrediction:
+    """The dry run's ``gate``: the decision predicted (``decided``), or a ``note`` saying why it
+    is not (ungated, or a judged gate)."""
+
+    decided: PredictedGate | None = None
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        return self.decided.to_dict() if self.decided is not None else {"note": self.note}
+
+
+@dataclass(frozen=True)
+class TargetAdvice:
+    """Which way reaches a target top-1 with the least backfill (``target_advice.ways_to_target``):
+    each way's first fraction reaching it, the best way and a ``line`` saying so, on which truth;
+    or a ``note`` saying why the ways are not compared."""
+
+    target_top1: float
+    note: str | None = None
+    ways: list[dict] | None = None
+    best: str | None = None
+    line: str | None = None
+    truth: str | None = None
+
+    @classmethod
+    def from_dict(cls, record: dict) -> TargetAdvice:
+        return cls(target_top1=record["target_top1"], note=record.get("note"), ways=record.get("ways"),
+                   best=record.get("best"), line=record.get("line"), truth=record.get("truth"))
+
+    def to_dict(self) -> dict:
+        if self.line is None:
+            return {"target_top1": self.target_top1, "note": self.note}
+        return {"target_top1": self.target_top1, "ways": self.ways, "best": self.best, "line": self.line,
+                "truth": self.truth}
+
+
+@dataclass(frozen=True)
+class DryRunAdvice:
+    """The budget advisor's part of the dry run: the predicted curve with its recommended stop
+    (``prediction``, as the advisor makes and advice.json stores it: ``advisor.describe`` reads
+    it), or a ``note`` saying when it appears; the gate's decision predicted on the evaluation
+    sample; the ways to a target top-1 when asked; the registry's map and the order it predicted
+    with. ``resumed``: the stored prediction of the upgrade the dry run would resume (its
+    document always has ``target``, and no gate). ``to_dict``: the document's ``advice``."""
+
+    note: str | None = None
+    prediction: dict | None = None
+    gate: GatePrediction | None = None
+    target: TargetAdvice | None = None
+    map_version: str | None = None
+    order: str | None = None
+    resumed: bool = False
+
+    @property
+    def top1_curve(self) -> bool:
+        """The prediction is a top-1 curve (labels or judged queries; not the label-free agreement)."""
+        return self.prediction is not None and "top1" in self.prediction
+
+    def to_dict(self) -> dict:
+        if self.prediction is None:
+            return {"note": self.note}
+        advice = dict(self.prediction)
+        if self.resumed or self.target is not None:
+            advice["target"] = self.target.to_dict() if self.target is not None else None
+        if self.gate is not None:
+            advice["gate"] = self.gate.to_dict()
+        if self.map_version is not None:
+            advice.update(map_version=self.map_version, order=self.order)
+        return advice
 
 
 @dataclass(frozen=True)
@@ -108,10 +240,10 @@ class DryRun:
     cost: UpgradeCost | None = None
     truth: str | None = None
     map_pairs: str | None = None
-    advice: dict | None = None
+    advice: DryRunAdvice | None = None
     small_gallery: str | None = None
     nothing: UpgradeResult | None = None  # no version to upgrade to
-    planning: dict | None = None  # what planning embeds and how long it takes (planning_cost)
+    planning: PlanningEstimate | None = None  # what planning embeds and how long it takes (planning_cost)
 
     def as_dict(self) -> dict:
         """The document's fields (docs/json.md, fastfill.upgrade.dry_run/1)."""
@@ -119,7 +251,9 @@ class DryRun:
             return {"from": self.source, "to": None, **self.nothing.as_dict()}
         return {"from": self.source, "to": self.to, "in_progress": self.in_progress, "resumes": self.resumes,
                 **(asdict(self.cost) if self.cost else {}), "truth": self.truth, "map_pairs": self.map_pairs,
-                "advice": self.advice, "small_gallery": self.small_gallery, "planning": self.planning}
+                "advice": self.advice.to_dict() if self.advice is not None else None,
+                "small_gallery": self.small_gallery,
+                "planning": self.planning.to_dict() if self.planning is not None else None}
 
 
 def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int = 0) -> UpgradeCost:
@@ -146,24 +280,23 @@ def dry_run(gallery: Gallery, config, new_model, *, sample: int = 64, seed: int 
     image_bytes = _mean_encoded_size(gallery, positions) if gallery.adopted else float(np.prod(shape))
     feature_bytes, new_bytes = n * old_dim * 4, n * new_dim * 4
     image_reads = n if gallery.adopted else parts  # packed parts are cached per process
-    requests = {
-        "plan": 3 * parts + 5,  # features in, transformed and sigma out; order, eval sample, plan, manifest
-        # the images, each part's item URIs once (cached per process), a chunk's features and its marker
-        "backfill": image_reads + (parts if gallery.adopted else 0) + 2 * chunks,
-        "finish": 2 * chunks + 2 * parts + 2,  # markers and chunks in; transformed in, features out
-    }
+    plan_requests = 3 * parts + 5  # features in, transformed and sigma out; order, eval sample, plan, manifest
+    # the images, each part's item URIs once (cached per process), a chunk's features and its marker
+    backfill_requests = image_reads + (parts if gallery.adopted else 0) + 2 * chunks
+    finish_requests = 2 * chunks + 2 * parts + 2  # markers and chunks in; transformed in, features out
     backfill_seconds = n * (per_read + per_embed) / max(1, config.max_concurrency)
     if config.max_items_per_second:
         backfill_seconds = max(backfill_seconds, n / config.max_items_per_second)
     return UpgradeCost(
         store=gallery.store.uri, items=n, parts=parts, chunks=chunks, chunk_size=config.chunk_size,
         images="read by URI where they are" if gallery.adopted else "packed parts in the store",
-        bytes_to_read={"features": feature_bytes, "images": int(n * image_bytes), "finish": 2 * new_bytes,
-                       "total": int(feature_bytes + n * image_bytes + 2 * new_bytes)},
-        bytes_to_write={"plan": int(n * (new_dim * 4 + 4 + 8)), "backfill": new_bytes, "finish": new_bytes},
-        requests={**requests, "total": sum(requests.values())},
-        sample={"items": len(positions), "failed": len(failures), "read_seconds_per_item": per_read,
-                "embed_seconds_per_item": per_embed},
+        bytes_to_read=BytesToRead(features=feature_bytes, images=int(n * image_bytes), finish=2 * new_bytes,
+                                  total=int(feature_bytes + n * image_bytes + 2 * new_bytes)),
+        bytes_to_write=BytesToWrite(plan=int(n * (new_dim * 4 + 4 + 8)), backfill=new_bytes, finish=new_bytes),
+        requests=Requests(plan=plan_requests, backfill=backfill_requests, finish=finish_requests,
+                          total=plan_requests + backfill_requests + finish_requests),
+        sample=SampleTimes(items=len(positions), failed=len(failures), read_seconds_per_item=per_read,
+                           embed_seconds_per_item=per_embed),
         estimated_backfill_seconds=backfill_seconds,
         note="the backfill's estimate covers reading and embedding at max_concurrency chunks in flight; the "
              "store's latency under load is not in it; planning (its embedding, the map's training and check) is "
@@ -203,13 +336,14 @@ def dry_run_upgrade(params, gallery: Gallery, client, to_uri: str = "", target_t
                   planning=planning)
 
 
-def _planning(params, gallery: Gallery, client, new, model, cost: UpgradeCost, fitted: str | None) -> dict:
+def _planning(params, gallery: Gallery, client, new, model, cost: UpgradeCost,
+              fitted: str | None) -> PlanningEstimate:
     """What planning would embed and how long it would take (``planning_cost``): the map and
     its check's reference are trained only when the registry has no checked map for the two
     versions; a small gallery is re-embedded whole while planning, with no map to check."""
     config = params.gallery.upgrade
     n = gallery.num_items
-    per_item = cost.sample["read_seconds_per_item"] + cost.sample["embed_seconds_per_item"]
+    per_item = cost.sample.read_seconds_per_item + cost.sample.embed_seconds_per_item
     eval_positions = evaluation_positions(gallery, config)
     if fitted is not None:
         return planning_cost(config, n, np.arange(n), eval_positions, per_item, None, 0, 0, trains=False,
@@ -228,7 +362,7 @@ def _planning(params, gallery: Gallery, client, new, model, cost: UpgradeCost, f
 
 
 def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None, sequential: bool,
-               target_top1: float | None = None) -> dict:
+               target_top1: float | None = None) -> DryRunAdvice:
     """The budget advisor's prediction without writing anything: the stored one of the upgrade
     this would resume; else, when the registry holds a checked map joining the two versions,
     computed here (the evaluation sample embedded with the new model, the gallery's features
@@ -243,19 +377,19 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     labels = gallery.labels()
     note = _before_planning(params, gallery, labels, sequential)
     if note is not None:
-        return {"note": note}
+        return DryRunAdvice(note=note)
     source, pairs = pairs_source(config, gallery.store.uri), pairs_description(config, gallery.num_items)
     chosen = registry_map(client, params.mlflow.alignment_model, gallery.model, new, map_order(config.order), source)
     note = _map_not_ready(params, gallery, new, chosen, source, pairs)
     if note is not None:
-        return {"note": note}
+        return DryRunAdvice(note=note)
     order_kind = order_after_map(config.order, registered_map_order(chosen.tags, map_order(config.order))[0])
     weights = None
     if order_kind in USAGE_ORDERS:  # before any embedding: the usage orders need the items' weights
         try:
             weights = usage_weights(gallery, config.usage_log).weights
         except GalleryError as error:
-            return {"note": f"no prediction: {error}"}
+            return DryRunAdvice(note=f"no prediction: {error}")
     alignment_map = load_model(f"models:/{params.mlflow.alignment_model}/{chosen.version}").eval()
     sample = _embedded_sample(gallery, config, model)
     transformed = _through_map(gallery, alignment_map)
@@ -263,23 +397,25 @@ def _predicted(params, gallery: Gallery, client, new, model, resumes: str | None
     if order_kind != "random":
         sigma = _map_sigma(gallery, transformed)
         if sigma is None and order_kind != "usage":
-            return {"note": f"no prediction: the registry's map (version {chosen.version}) has no uncertainty head "
-                            f"for the {order_kind} order; use --order random"
-                            + (" or usage" if order_kind == "usage_sigma" else "")}
-    prediction = _map_prediction(params, gallery, model, alignment_map, sample, transformed, order_kind, sigma,
-                                 weights, labels, target_top1)
-    return {**prediction, "map_version": str(chosen.version), "order": order_kind}
+            return DryRunAdvice(note=f"no prediction: the registry's map (version {chosen.version}) has no "
+                                     f"uncertainty head for the {order_kind} order; use --order random"
+                                     + (" or usage" if order_kind == "usage_sigma" else ""))
+    advice = _map_prediction(params, gallery, model, alignment_map, sample, transformed, order_kind, sigma,
+                             weights, labels, target_top1)
+    return replace(advice, map_version=str(chosen.version), order=order_kind)
 
 
-def _stored_prediction(gallery: Gallery, resumes: str, gain_below: float, target_top1: float | None) -> dict | None:
+def _stored_prediction(gallery: Gallery, resumes: str, gain_below: float,
+                       target_top1: float | None) -> DryRunAdvice | None:
     """The prediction stored by the upgrade under way (None when it stored none)."""
     stored = advisor.stored_advice(gallery.store, resumes)
     if stored is None:
         return None
-    target = None if target_top1 is None else {
-        "target_top1": target_top1, "note": f"the ways are compared before an upgrade starts; {resumes} is "
-        "under way in its own order (its predicted curve is above)"}
-    return {**stored, "recommendation": advisor.at_stop(stored, gain_below), "target": target}
+    target = None if target_top1 is None else TargetAdvice(
+        target_top1, note=f"the ways are compared before an upgrade starts; {resumes} is under way in its own order "
+        "(its predicted curve is above)")
+    return DryRunAdvice(prediction={**stored, "recommendation": advisor.at_stop(stored, gain_below)}, target=target,
+                        resumed=True)
 
 
 def _before_planning(params, gallery: Gallery, labels, sequential: bool) -> str | None:
@@ -369,7 +505,7 @@ def _map_sigma(gallery: Gallery, transformed) -> np.ndarray | None:
 
 
 def _map_prediction(params, gallery: Gallery, model, alignment_map, sample: _Sample, transformed, order_kind: str,
-                    sigma, weights, labels, target_top1: float | None) -> dict:
+                    sigma, weights, labels, target_top1: float | None) -> DryRunAdvice:
     """The advisor's curve in the upgrade's order, the ways to ``target_top1`` when asked, and the
     gate's predicted decision."""
     config = params.gallery.upgrade
@@ -387,36 +523,37 @@ def _map_prediction(params, gallery: Gallery, model, alignment_map, sample: _Sam
         positions, queries, sample_transformed, ranks, gallery.num_items, transformed_parts, order,
         labels=labels, judged=None if judged is None else judged[:2], distance=params.gallery.distance,
         gain_below=config.stop_when_gain_below)
+    target = None
     if target_top1 is not None:
         reverse, other_maps = _later_ways(params, gallery, model, dict(zip(positions.tolist(), queries)), old_side,
                                           positions)
-        prediction["target"] = _ways_to_target(target_top1, gallery, config, positions, sample.prefilled, queries,
-                                               old_side, sample_transformed, transformed, transformed_parts, sigma,
-                                               weights, params.gallery.distance, judged, reverse, other_maps)
-    prediction["gate"] = _gate_prediction(params, labels, positions, old_side, queries, sample_transformed, ranks,
-                                          judged is not None)
-    return prediction
+        target = TargetAdvice.from_dict(_ways_to_target(
+            target_top1, gallery, config, positions, sample.prefilled, queries, old_side, sample_transformed,
+            transformed, transformed_parts, sigma, weights, params.gallery.distance, judged, reverse, other_maps))
+    gate = _gate_prediction(params, labels, positions, old_side, queries, sample_transformed, ranks,
+                            judged is not None)
+    return DryRunAdvice(prediction=prediction, gate=gate, target=target)
 
 
 def _gate_prediction(params, labels, positions: np.ndarray, champion: np.ndarray, queries: np.ndarray,
-                     transformed: np.ndarray, ranks: np.ndarray, judged: bool) -> dict:
+                     transformed: np.ndarray, ranks: np.ndarray, judged: bool) -> GatePrediction:
     """The promotion gate's decision as the upgrade will measure it on a labeled gallery: the same
     evaluation sample, its champion features, its new features (embedded while planning, so
     backfilled), the map's transform of its old side and its stand-in places in the order
     (``components.gallery.gate.promotion``). With judged queries the gate measures the whole
     gallery's new features, so it is predicted only by the curve above; ungated, nothing."""
     if not params.promotion.gate:
-        return {"note": "the upgrade is ungated (promotion.gate false or --no-gate)"}
+        return GatePrediction(note="the upgrade is ungated (promotion.gate false or --no-gate)")
     if judged or labels is None:
-        return {"note": "the judged gate measures the whole gallery's new features, so it is decided after the "
-                        "backfill; the predicted curve above is its best guess"}
+        return GatePrediction(note="the judged gate measures the whole gallery's new features, so it is decided "
+                                   "after the backfill; the predicted curve above is its best guess")
     numbers = measure_gate(champion, queries, queries, transformed, labels[positions],
                            np.argsort(ranks, kind="stable"), distance=params.gallery.distance,
                            curve_points=params.promotion.curve_points)
     passed, reasons = decide(numbers, params.promotion)
     keep = ("queries", "champion_top1", "top1_auc", "top1_auc_gain", "nfr1_mean", "nfr1_end", "fraction_to_gain")
-    return {"passed": passed, "reasons": reasons, **{key: numbers[key] for key in keep},
-            "nfr1_relative": relative_nfr(numbers)}
+    return GatePrediction(PredictedGate(passed=passed, reasons=list(reasons), **{key: numbers[key] for key in keep},
+                                        nfr1_relative=relative_nfr(numbers)))
 
 
 LATER_MAP = "lambda_orth"  # the later map the ways compare: the affine, lambda-orthogonal one

@@ -59,9 +59,30 @@ class Decision:
                    new=ModelRef.from_dict(new) if new else None, decided=record.get("decided"),
                    registry_recorded=record.get("registry_recorded"))
 
+    def gate_numbers(self) -> GateNumbers | None:
+        """What the CLI says of the gate's numbers (None ungated)."""
+        return GateNumbers.from_dict(self.numbers) if self.numbers is not None else None
+
     def gate_fields(self) -> dict:
         """What a run's result shows of it (``promotion`` in the upgrade's JSON)."""
         return {"passed": self.passed, "reasons": list(self.reasons), "numbers": self.numbers}
+
+
+@dataclass(frozen=True)
+class GateNumbers:
+    """The measured gate's headline numbers (``Decision.numbers`` holds them all, as decision.json
+    stores them): the champion's top-1, the challenger's mean top-1 along the backfill, the mean
+    NFR@1, and the fraction of the gallery where the gain was reached (None: never)."""
+
+    champion_top1: float
+    top1_auc: float
+    nfr1_mean: float
+    fraction_to_gain: float | None
+
+    @classmethod
+    def from_dict(cls, numbers: dict) -> GateNumbers:
+        return cls(champion_top1=numbers["champion_top1"], top1_auc=numbers["top1_auc"],
+                   nfr1_mean=numbers["nfr1_mean"], fraction_to_gain=numbers.get("fraction_to_gain"))
 
 
 @dataclass(frozen=True)
