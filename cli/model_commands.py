@@ -100,16 +100,19 @@ def model_register(
     typer.echo(f"  load it anywhere: mlflow.pyfunc.load_model('models:/{target}/{version}').predict(images)")
 
 
+_ONE_SOURCE = "give exactly one source: --onnx FILE, --torchvision NAME --weights FILE, or --mlflow URI"
+_TORCHVISION_WEIGHTS = "--torchvision needs --weights FILE (.safetensors or a torch state dict)"
+
+
 def _check_source_options(onnx: Path | None, torchvision: str | None, weights: Path | None, mlflow_uri: str | None,
                           layer: str | None, output: str | None) -> None:
     """Exactly one source, and only the options that go with it; else a usage error."""
     given = [flag for flag, value in (("--onnx", onnx), ("--torchvision", torchvision), ("--mlflow", mlflow_uri))
              if value is not None]
     if len(given) != 1:
-        fail("give exactly one source: --onnx FILE, --torchvision NAME --weights FILE, or --mlflow URI"
-             + (f" (got {', '.join(given)})" if given else ""), USAGE)
+        fail(_ONE_SOURCE + (f" (got {', '.join(given)})" if given else ""), USAGE)
     if torchvision is not None and weights is None:
-        fail("--torchvision needs --weights FILE (.safetensors or a torch state dict)", USAGE)
+        fail(_TORCHVISION_WEIGHTS, USAGE)
     if weights is not None and torchvision is None:
         fail("--weights goes with --torchvision NAME", USAGE)
     if layer is not None and onnx is not None:
@@ -128,11 +131,15 @@ def _probed_source(onnx: Path | None, torchvision: str | None, weights: Path | N
         if onnx is not None:
             source, origin = sources.from_onnx(onnx, preprocessing, output=output, dim=dim), str(onnx.resolve())
         elif torchvision is not None:
+            if weights is None:  # refused by _check_source_options already
+                fail(_TORCHVISION_WEIGHTS, USAGE)
             source = sources.from_torchvision(torchvision, weights, preprocessing, layer=layer, dim=dim)
             origin = f"{torchvision} {weights.resolve()}"
-        else:
+        elif mlflow_uri is not None:
             source = call(sources.from_mlflow, mlflow_uri, preprocessing, layer=layer, output=output, dim=dim)
             origin = mlflow_uri
+        else:  # refused by _check_source_options already
+            fail(_ONE_SOURCE, USAGE)
     except sources.ModelSourceError as error:
         fail(f"{error}; nothing was registered", INPUT)
     return source, origin

@@ -125,17 +125,25 @@ class DualSearch:
                 return 0
             if self.plan is None:
                 return 0
+            import faiss
+
             count = 0
             for chunk, positions, features, read in landed_since(self.gallery.store, self.plan, self.order,
                                                                  self.applied):
                 moved = np.asarray(positions[read], dtype=np.int64)  # an image that could not be read stays old
                 if self.merge != "rerank":  # reranking's candidates come from every item's old features
-                    self.old_index.remove_ids(moved)
+                    self.old_index.remove_ids(faiss.IDSelectorBatch(moved))  # what an id array becomes
                 self.new_index.add_with_ids(self._prepare(features[read]), moved)
                 self.on_new[positions[read]] = True
                 self.applied.add(chunk)
                 count += 1
             return count
+
+    def _upgrade_model(self) -> ModelRef:
+        """The new model of the upgrade that is on; asked only mid-upgrade (a plan names it)."""
+        if self.new_model is None:
+            raise GalleryError("no upgrade is on: the gallery has one model, and no new model's part to search")
+        return self.new_model
 
     def _one(self, index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, index.ntotal)
@@ -166,10 +174,10 @@ class DualSearch:
             if self.plan is None:
                 return ids_at(self.ids, old_ids), old_dist, [[self.old_model.uri] * old_ids.shape[1] for _ in old_ids]
             if new_queries is None:
-                raise GalleryError(f"an upgrade to {self.new_model.uri} is on: the merged search needs each "
+                raise GalleryError(f"an upgrade to {self._upgrade_model().uri} is on: the merged search needs each "
                                    "query's features from both models (the new model's too)")
             new_queries = check_features(np.atleast_2d(np.asarray(new_queries)), self.new_dim,
-                                         f"new query features (for {self.new_model.uri})")
+                                         f"new query features (for {self._upgrade_model().uri})")
             if len(new_queries) != len(old_queries):
                 raise GalleryError(f"{len(old_queries)} old query features but {len(new_queries)} new ones; "
                                    "give both models' features of the same queries, in the same order")
@@ -191,7 +199,7 @@ class DualSearch:
         limit = min(k, old_ids.shape[1])
         depth = min(self.depth, old_ids.shape[1])
         queries = self._prepare(new_queries)
-        names = [self.old_model.uri, self.new_model.uri]
+        names = [self.old_model.uri, self._upgrade_model().uri]
         rows, scores, sources = [], [], []
         for q in range(len(old_ids)):
             candidates = old_ids[q, :depth]
@@ -226,7 +234,10 @@ class DualSearch:
             if self.plan is None:
                 return self.search(queries, None, k)
             queries = check_features(np.atleast_2d(np.asarray(queries)), self.new_dim,
-                                     f"query features (for {self.new_model.uri})")
+                                     f"query features (for {self._upgrade_model().uri})")
+            if self.reverse is None:  # _build refuses an online search of an upgrade without one
+                raise GalleryError(f"the upgrade {self.plan.id} has no reverse transformation for online "
+                                   f"backfilling; {REPLAN_REVERSE}")
             twins = self.reverse(np.asarray(queries, dtype=np.float32))
             old_ids, old_dist = self._one(self.old_index, twins, k)
             new_ids, new_dist = self._one(self.new_index, queries, k)
@@ -234,7 +245,7 @@ class DualSearch:
 
     def _merged(self, old_ids, old_dist, new_ids, new_dist, k: int):
         limit = min(k, self.gallery.num_items)
-        names = [self.old_model.uri, self.new_model.uri]
+        names = [self.old_model.uri, self._upgrade_model().uri]
         # the reverse transformation's gain multiplies the new features, so squared l2 distances by its square
         gain = float(getattr(self.reverse, "new_scale", 1.0)) ** 2 if self.distance == "l2" else 1.0
         rows, scores, sources = [], [], []
