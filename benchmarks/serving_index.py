@@ -347,7 +347,7 @@ def report(results: dict, args) -> None:
     if args.combine:  # the command above did not run: say which runs the figures come from
         lines[2:3] = [f"Combined (`--combine`) from {', '.join(f'`{path}`' for path in args.combine)}: each layout's "
                       "figures are those of the run its file records, on this machine's "
-                      f"{os.cpu_count()} cores; the runs' commands are in those files.", ""]
+                      f"{os.cpu_count()} cores; the runs' commands are in those files."]
     for step in ("adopt", "switch", "chunk_commit_per_10k_rows", "finish"):
         cells = []
         for layout in layouts:
