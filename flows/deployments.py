@@ -25,6 +25,8 @@ work pools instead (services/work_pools.py), whose workers run them wherever the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefect import flow
 from prefect.schedules import Cron
 
@@ -123,7 +125,7 @@ def start_upgrade(params: Params, store_uri: str, version: str, source: str, par
         record = claimed(store, name, version)
         never_started = unfinished(record)
         ended = None if never_started else ended_unstarted(record)
-        if not never_started and ended is None:
+        if record is None or (not never_started and ended is None):  # None: neither unfinished nor ended
             log(f"{name} version {version} was already claimed for {store.uri}; not starting it again")
             return {"started": False, "reason": f"version {version} was already claimed for this gallery"}
         tries = max(1, attempt(record) + (ended is not None))  # a start never recorded: the same attempt
@@ -200,7 +202,7 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
     deployment is started (its one flow run) only when `challenger` is new to the gallery, or,
     with ``resume``, when an upgrade is paused. Nothing changed: no flow run, nothing written."""
     candidate, why_not = registry_candidate(params, store_uri)
-    if why_not is None:
+    if candidate is not None and why_not is None:  # no candidate always has its reason
         return start_upgrade(params, store_uri, candidate, "registry-watcher", params_path)
     if resume:
         paused = paused_upgrade(params, store_uri)
@@ -228,7 +230,7 @@ def watch_flow(params_path: str = "params.yaml", store: str | None = None, resum
 
 
 def deployments(params: Params, params_path: str = "params.yaml", store_uri: str | None = None,
-                place=None) -> list:
+                place: Callable[[str], dict] | None = None) -> list:
     """Every deployment, defined in this one place; `fastfill serve` serves them (and polls the
     registry with the registry watcher). ``registry-watcher/poll`` has no schedule: a schedule would
     make a flow run a minute; the watcher polls instead, and this deployment is its pause switch
@@ -238,7 +240,7 @@ def deployments(params: Params, params_path: str = "params.yaml", store_uri: str
     ``job_variables``, ``entrypoint_type``; services/work_pools.py); without it they are served."""
     parameters = {"params_path": params_path, **({"store": store_uri} if store_uri else {})}
     triggers = params.triggers
-    where = place or (lambda full_name: {})
+    where: Callable[[str], dict] = place or (lambda full_name: {})
     found = [
         upgrade_entry.to_deployment(name="upgrade", parameters=parameters, concurrency_limit=1,
                                     description="Upgrade the stored gallery (started by the watcher or a webhook)",

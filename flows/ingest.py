@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 from prefect import flow
+from torch import nn
 
 from fastfill.components.experiment.data import load_split
 from fastfill.components.gallery.inputs.adopt import adopt, npy_rows, parquet_rows, read_manifest
@@ -34,6 +36,14 @@ def _resolve(params: Params, uri: str) -> ModelRef:
     return registry.resolve_model(client, uri)
 
 
+@overload
+def _load_array(path: Path, what: str) -> np.ndarray: ...
+
+
+@overload
+def _load_array(path: Path | None, what: str) -> np.ndarray | None: ...
+
+
 def _load_array(path: Path | None, what: str) -> np.ndarray | None:
     if path is None:
         return None
@@ -42,6 +52,16 @@ def _load_array(path: Path | None, what: str) -> np.ndarray | None:
         return load_array(path, what, missing="check the path")
     except (FileNotFoundError, ValueError) as error:
         raise GalleryError(str(error)) from None
+
+
+def _embedding_dim(model: nn.Module, ref: ModelRef) -> int:
+    """The size of the features ``model`` (``ref``'s, loaded) gives: every embedder the registry
+    loads says it."""
+    dim = getattr(model, "embedding_dim", None)
+    if not isinstance(dim, int):
+        raise GalleryError(f"{ref.uri} does not say the size of its features (its embedding_dim is {dim!r}); "
+                           "register it again with `fastfill model register`")
+    return dim
 
 
 def _ingest_run_name() -> str:
@@ -63,6 +83,7 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     check_empty(store, "ingest")  # before anything is embedded
     model_uri = model_uri or f"models:/{params.mlflow.registered_model}@{registry.CHAMPION}"
     ref = _resolve(params, model_uri)
+    label_array: np.ndarray | None
     if images is None:
 
         split = load_split(Layout(params.paths).splits, "test")
@@ -75,7 +96,7 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     if image_array.ndim == 3:
         image_array = image_array[:, None]
     model = load_model(ref)
-    ref = ModelRef(ref.name, ref.version, model.embedding_dim)
+    ref = ModelRef(ref.name, ref.version, _embedding_dim(model, ref))
     if image_array.ndim != 4 or image_array.dtype != np.uint8 or image_array.shape[1] != model.in_channels:
         raise GalleryError(f"images must be uint8 (N, {model.in_channels}, H, W) for {ref.uri}, got "
                            f"{image_array.dtype} {image_array.shape}")
@@ -109,9 +130,10 @@ def adopt_flow(params: Params, store_uri: str, manifest: str, model_uri: str = "
     store = store_at(store_uri)
     store.check()
     with tempfile.TemporaryDirectory(prefix="fastfill-adopt-") as scratch:
-        features = [input_path(f, "--features", Path(scratch) / f"features-{i}") for i, f in enumerate(features or [])]
+        feature_files = [input_path(f, "--features", Path(scratch) / f"features-{i}")
+                         for i, f in enumerate(features or [])]
         return _adopt(params, store, str(manifest), input_path(manifest, "--manifest", Path(scratch)), model_uri,
-                      root, features, features_column, image_shape)
+                      root, feature_files, features_column, image_shape)
 
 
 @flow(name="gallery-adopt-table", log_prints=True)
@@ -129,7 +151,7 @@ def adopt_table_flow(params: Params, store_uri: str, vector_column: str, model_u
     if not shape or len(shape) != 3:
         raise GalleryError(f"{ref.uri} does not say what images it takes; give --image-shape C,H,W")
     if ref.dim is None:
-        ref = ModelRef(ref.name, ref.version, load_model(ref).embedding_dim)
+        ref = ModelRef(ref.name, ref.version, _embedding_dim(load_model(ref), ref))
     settings = index_settings(params.gallery.pgvector, params.gallery.distance, store.uri)
 
     def on_part(done: int, total: int) -> None:
@@ -163,15 +185,14 @@ def _adopt(params: Params, store, manifest: str, manifest_file: Path, model_uri:
                 else npy_rows([Path(p) for p in features]))
         dim = ref.dim or None
         if dim is None:
-            model = load_model(ref)
-            dim = model.embedding_dim
+            dim = _embedding_dim(load_model(ref), ref)
         ref = ModelRef(ref.name, ref.version, dim)
         embed_part = None
         log(f"adopting {table.num_rows} items from {manifest} with the features of {ref.uri} in {len(features)} "
             f"file(s); the images stay where they are")
     else:
         model = load_model(ref)
-        ref, rows = ModelRef(ref.name, ref.version, model.embedding_dim), None
+        ref, rows = ModelRef(ref.name, ref.version, _embedding_dim(model, ref)), None
 
         decoding = shape if image_shape else getattr(model, "preprocessing", None) or shape
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from prefect import task
+from torch import nn
 
 from fastfill.components.experiment.data import DataError, load_split
 from fastfill.components.experiment.inference import embed
@@ -22,7 +23,7 @@ from fastfill.tasks.gallery_store import store_at
 
 
 @task(name="load-model", **IO_RETRIES, **NO_CACHING)
-def load_model(ref: ModelRef):
+def load_model(ref: ModelRef) -> nn.Module:
     """A registered model, ready to embed (the registry is the one this process set up)."""
     return registered.load_model(ref.uri).eval()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from prefect import task
+from torch import nn
 
 from fastfill.components.experiment.inference import pick_device
 from fastfill.components.experiment.map_check import check_metrics, check_tags, decide_map, shares_reference
@@ -129,25 +130,29 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
 
     method, config, model_name = settings.method, settings.for_pairs(pairs), settings.alignment_model
     version = map_uri.rsplit("/", 1)[1]
-    decision, found = None, {}
+    decision = None
+    found: dict[str, str] = {}  # "uri": the registry's reference, when the check used one
     if pairs is not None:
         decision = decide_map(method, config, alignment_map, pairs.training,
                               _registered_reference(client, model_name, old, new, version, pairs.source, found),
                               pairs.classifier(new_model), checking=pairs.checking, order=order,
                               distance=settings.distance, device=pick_device(), log=log,
                               pairs_from=pairs.source, check_l2_only=True)
-    if decision is None or decision.skipped:
+    if pairs is None or decision is None or decision.skipped:
         why = why_unchecked or (decision.skipped if decision else "no prepared training split here")
         log(f"map check skipped: {why}")
         client.set_model_version_tag(model_name, version, "check", f"skipped ({why})")
         client.set_tag(run_id, "check", f"skipped ({why})")
         return alignment_map, map_uri, order
-    tags = {**check_tags(decision.record), CHECK_SOURCE_TAG: pairs.source,
+    record = decision.record
+    if record is None:  # decide_map leaves the record out only of a skipped check
+        raise GalleryError(f"the map check of {map_uri} decided {decision.use!r} without its record")
+    tags = {**check_tags(record), CHECK_SOURCE_TAG: pairs.source,
             "check.reference": found.get("uri") or ("the map's own network (trained on the l2 term alone)"
                                                     if shares_reference(config) else f"trained on {pairs.source}")}
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
-    registry.log_metrics(client, run_id, check_metrics(decision.record))
+    registry.log_metrics(client, run_id, check_metrics(record))
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     if decision.use == "candidate":
@@ -155,7 +160,11 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     fallback_tags = {"check": "fallback map", "replaces": map_uri, CHECK_SOURCE_TAG: pairs.source,
                      "fallback_order": decision.order, **pair_tags(pairs)}
     if decision.use == "fitted":  # the reference with a fitted head: a map of the method
-        return (decision.map.eval(), register_map(client, model_name, decision.map, method, old, new, run_id, fallback_tags),
+        fitted = decision.map
+        if not isinstance(fitted, nn.Module):
+            raise GalleryError(f"the map check's fitted map for {map_uri} is a {type(fitted).__name__}, not a "
+                               "network")
+        return (fitted.eval(), register_map(client, model_name, fitted, method, old, new, run_id, fallback_tags),
                 decision.order)
     reference_uri = found.get("uri")
     if reference_uri is None:
