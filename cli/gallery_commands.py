@@ -317,11 +317,12 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
     (``depth`` candidates per query) (components/gallery/search/dual.py)."""
     def run_search():
         searcher = DualSearch(open_gallery(uri), config.gallery.distance, merge, config.evaluate.rrf_k, depth)
+        upgrading = searcher.new_model if searcher.mid_upgrade else None  # the upgrade's new model, when one is on
         if merge == "online" and features is not None:
             return searcher, searcher.search_online(_load_array(features, "--features"), k)
         if features is not None:
-            if searcher.mid_upgrade and old_features is None:
-                fail(f"an upgrade to {searcher.new_model.uri} is on: --merge needs the queries' old-model features "
+            if upgrading is not None and old_features is None:
+                fail(f"an upgrade to {upgrading.uri} is on: --merge needs the queries' old-model features "
                      "too (--old-features FILE), or give --images and both models embed them", USAGE)
             new = _load_array(features, "--features")
             old = _load_array(old_features, "--old-features") if old_features is not None else new
@@ -331,8 +332,11 @@ def _merged_search(config, uri: str, merge: str, features: Path | None, old_feat
         registry.setup(config.mlflow)
         online = merge == "online" and searcher.mid_upgrade  # the new model alone embeds the queries
         old_model = None if online else registered.load_model(searcher.old_model.uri)
-        new_model = registered.load_model(searcher.new_model.uri) if searcher.mid_upgrade else None
-        return searcher, searcher.search_images(_load_array(images, "--images"), old_model, new_model, k)
+        new_model = registered.load_model(upgrading.uri) if upgrading is not None else None
+        queries = _load_array(images, "--images")
+        if queries is None:  # the options' check above asks for --features or --images
+            fail("give the queries: --features FILE or --images FILE", USAGE)
+        return searcher, searcher.search_images(queries, old_model, new_model, k)
 
     searcher, (ids, scores, sources) = call(run_search)
     _answer_search("fastfill.search.merge/1", {
