@@ -452,24 +452,25 @@ class Index:
         no index yet, so no index is maintained row by row (``ann_index`` builds it in bulk)."""
         from psycopg import sql
 
-        table = sql.Identifier(place.table)
         if self.ours(place.table, VECTORS, "gallery.pgvector.prefix"):
-            self.execute(sql.SQL("DROP TABLE {}").format(table))
+            self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(place.table)))
         created = False
         for ids, vectors, sources in parts:
-            if not created:
-                with self.transaction() as connection:
-                    connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) "
-                                               "NOT NULL, source text NOT NULL)").format(
-                        table, kind=sql.SQL(self._id_type(ids)), dim=sql.Literal(int(dim))))
-                    self.marking(connection, "table", place.table, VECTORS)
-                created = True
-            sources = [sources] * len(ids) if isinstance(sources, str) else list(sources)
-            with self.transaction() as connection, connection.cursor().copy(sql.SQL(
-                    "COPY {} (id, embedding, source) FROM STDIN WITH (FORMAT BINARY)").format(table)) as copy:
-                copy.set_types([self._id_type(ids), "vector", "text"])
-                for item, vector, source in zip(ids.tolist(), vectors, sources):
-                    copy.write_row((item, vector, source))
+            with self.transaction() as connection:
+                if not created:
+                    self.create_vectors(connection, place.table, self._id_type(ids), dim)
+                    created = True
+                self.append(connection, place, ids, vectors, sources)
+
+    def create_vectors(self, connection, table: str, id_type: str, dim: int) -> None:
+        """A model's vectors table (id, embedding, source) created and marked as this gallery's,
+        in the caller's transaction."""
+        from psycopg import sql
+
+        connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
+                                   "source text NOT NULL)").format(sql.Identifier(table), kind=sql.SQL(id_type),
+                                                                   dim=sql.Literal(int(dim))))
+        self.marking(connection, "table", table, VECTORS)
 
     def drop(self, place: Place) -> bool:
         """``place``'s table dropped when it is one this gallery made (its mark); a column of the
@@ -559,10 +560,7 @@ class Index:
                                                "NOT NULL, rank integer NOT NULL)").format(
                         sql.Identifier(held), kind=sql.SQL(id_type), dim=sql.Literal(int(dim))))
                     self.marking(connection, "table", held, HELD)
-                    connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) "
-                                               "NOT NULL, source text NOT NULL)").format(
-                        sql.Identifier(place.table), kind=sql.SQL(id_type), dim=sql.Literal(int(dim))))
-                    self.marking(connection, "table", place.table, VECTORS)
+                    self.create_vectors(connection, place.table, id_type, dim)
                     created = True
                 with connection.cursor().copy(sql.SQL("COPY {} (id, embedding, rank) FROM STDIN WITH (FORMAT BINARY)"
                                                       ).format(sql.Identifier(held))) as copy:

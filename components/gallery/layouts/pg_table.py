@@ -73,15 +73,7 @@ from fastfill.components.gallery.layouts.catalog import (
 )
 from fastfill.components.gallery.layouts.item_ids import id_array, is_text
 from fastfill.components.gallery.layouts.ownership import NotOurs
-from fastfill.components.gallery.layouts.pg_index import (
-    MAX_DIM,
-    MAX_INDEXED_DIM,
-    TABLE,
-    VECTORS,
-    Index,
-    Place,
-    index_settings,
-)
+from fastfill.components.gallery.layouts.pg_index import MAX_DIM, MAX_INDEXED_DIM, TABLE, Index, Place, index_settings
 from fastfill.components.gallery.layouts.served import FeaturesById, ServedGallery
 from fastfill.components.gallery.store import DamagedObject, ObjectMissing, Store
 from fastfill.components.gallery.upgrade.stored import Plan, done_chunks, iter_mixed_parts, order_of
@@ -189,11 +181,12 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         expected = index.ids_digest(ids)
         self._unserved = None
         held = index.held(place) if filled is not None else None
-        tables = [(held, "id", ids), (place.table, place.id_column, filled)] if held and filled is not None \
-            else [(place.table, place.id_column, ids)]
-        for table, id_column, wanted in tables:
-            if table == index.table or index.id_digest(table, id_column) == (
-                    expected if wanted is ids else index.ids_digest(wanted)):
+        if held and filled is not None:  # the held table every id, the new table the recorded chunks' ids
+            checks = [(held, "id", ids, expected), (place.table, place.id_column, filled, index.ids_digest(filled))]
+        else:
+            checks = [(place.table, place.id_column, ids, expected)]
+        for table, id_column, wanted, digest in checks:
+            if table == index.table or index.id_digest(table, id_column) == digest:
                 continue
             diff = index.id_differences(table, id_column, wanted)
             raise DamagedObject(
@@ -407,11 +400,7 @@ class PgWriter:
             index.marking(connection, "table", index.table, TABLE)
         index.drop(self.place)  # a write of this gallery cut short left it
         with index.transaction() as connection:
-            connection.execute(sql.SQL("CREATE TABLE {} (id {kind} PRIMARY KEY, embedding vector({dim}) NOT NULL, "
-                                       "source text NOT NULL)").format(sql.Identifier(self.place.table),
-                                                                       kind=sql.SQL(self.settings["id_type"]),
-                                                                       dim=sql.Literal(dim_of(self.model))))
-            index.marking(connection, "table", self.place.table, VECTORS)
+            index.create_vectors(connection, self.place.table, self.settings["id_type"], dim_of(self.model))
         self._created = True
 
     def write(self, start: int, items, features: np.ndarray, images: np.ndarray | None = None) -> None:
@@ -431,11 +420,7 @@ class PgWriter:
                 copy.set_types([id_type, "text", "int8"])
                 for item, image, label in zip(ids.tolist(), items.column("image").to_pylist(), labels):
                     copy.write_row((item, image, label))
-            with connection.cursor().copy(sql.SQL("COPY {} (id, embedding, source) FROM STDIN WITH (FORMAT BINARY)").format(
-                    sql.Identifier(self.place.table))) as copy:
-                copy.set_types([id_type, "vector", "text"])
-                for item, vector in zip(ids.tolist(), features):
-                    copy.write_row((item, vector, EMBEDDED))
+            index.append(connection, self.place, ids, features, EMBEDDED)
 
     def close(self) -> None:
         self.index.bookkeeping()
