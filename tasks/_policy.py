@@ -4,8 +4,9 @@ Tasks pass paths and small values; the big arrays stay on disk, so no task input
 for caching (DVC decides what re-runs, not Prefect's cache).
 """
 
+import time
 from collections.abc import Callable
-from typing import TypedDict, cast
+from typing import TypedDict, TypeVar, cast
 from uuid import UUID
 
 from prefect.cache_policies import NO_CACHE, CachePolicy
@@ -14,14 +15,18 @@ from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.store import DamagedObject
 from fastfill.components.gallery.store.lock import UpgradeLocked
 
+T = TypeVar("T")
+# an upgrade that lost its lock (another process owns the gallery now), or a wrong input:
+# retrying cannot fix either
+_NOT_RETRIED = (UpgradeLocked, GalleryError, DamagedObject)
+
 
 def _worth_retrying(task, task_run, state) -> bool:
-    """Retry a task that failed on I/O, not one whose upgrade lost its lock (another process
-    owns the gallery now) or whose input is wrong (retrying cannot fix either)."""
+    """Retry a task that failed on I/O, not one that failed with an error of ``_NOT_RETRIED``."""
 
     try:
         state.result()
-    except (UpgradeLocked, GalleryError, DamagedObject):
+    except _NOT_RETRIED:
         return False
     except BaseException:  # noqa: BLE001 - any other failure: the I/O retries below
         return True
@@ -41,6 +46,32 @@ class _Caching(TypedDict):
 
 IO_RETRIES: _Retries = {"retries": 3, "retry_delay_seconds": [1, 5, 15], "retry_condition_fn": _worth_retrying}
 NO_CACHING: _Caching = {"cache_policy": NO_CACHE}
+_pause = time.sleep  # between io_retried's tries (the tests' clock)
+
+
+def io_retried(write: Callable[[], T], what: str, landed: Callable[[], T | None] | None = None) -> T:
+    """``write()`` under ``IO_RETRIES`` without a task run of its own (a write made many times in
+    one task, as the backfill's progress per chunk, or inside a task that must not run again, as
+    the map check): as many tries, the same delays between them, the same errors not retried.
+    ``write`` must be safe to try again; one that is not says through ``landed`` what its last
+    try wrote before it failed (called before each retry; not None: that write, returned)."""
+    delays = IO_RETRIES["retry_delay_seconds"]
+    for attempt in range(IO_RETRIES["retries"] + 1):
+        if attempt and landed is not None:
+            found = landed()
+            if found is not None:
+                return found
+        try:
+            return write()
+        except _NOT_RETRIED:
+            raise
+        except Exception as error:  # noqa: BLE001 - any other failure is I/O's until the tries run out
+            if attempt == IO_RETRIES["retries"]:
+                raise
+            delay = delays[min(attempt, len(delays) - 1)]
+            log(f"{what} failed ({type(error).__name__}: {error}); trying again in {delay:g} s")
+            _pause(delay)
+    raise AssertionError("unreachable: the last try returns or raises")
 # Training tasks carry the tag `gpu`. A tag routes nothing: Prefect uses it for a tag concurrency
 # limit only (`prefect concurrency-limit create gpu 1`: at most one such task runs at a time, on
 # whatever machine runs its flow). Which machine runs them is the deployment's work pool:

@@ -1,6 +1,7 @@
 """Tasks of the gallery upgrade's alignment map: train one and register it, and check it
 (components.experiment.map_check.decide_map) on the upgrade's pairs, recording the outcome in the
-registry and on the upgrade's run."""
+registry and on the upgrade's run. Training and the check are not tried again (a failed check is
+a verdict); their writes to the registry and the run are, under the I/O policy (``io_retried``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from fastfill.components.platform import registry
 from fastfill.components.platform.config import AlignConfig
 from fastfill.components.platform.layout import Layout
 from fastfill.components.platform.registry import ModelRef
-from fastfill.tasks._policy import GPU_TAGS, NO_CACHING, log
+from fastfill.tasks._policy import GPU_TAGS, NO_CACHING, io_retried, log
 from fastfill.tasks.upgrade_tracking import tag_run
 
 
@@ -58,12 +59,28 @@ def pair_tags(pairs: MapPairs) -> dict:
 def register_map(client, alignment_model: str, alignment_map, method: str, old: ModelRef, new: ModelRef,
                  run_id: str, extra: dict | None = None) -> str:
     """Register ``alignment_map`` as a version of the alignment model joining ``old`` and ``new``,
-    tagged with its method, the upgrade's run and ``extra``; returns its models:/ URI."""
-    tags = {"method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
-            "registered_model": old.name, **(extra or {})}
+    tagged with its method, the upgrade's run and ``extra``; returns its models:/ URI. Retried on an
+    I/O failure: a retry first looks for the version its last try registered (``landed_map``)."""
+    tags = {key: str(value) for key, value in {
+        "method": method, "run_id": run_id, "from_version": old.version, "to_version": new.version,
+        "registered_model": old.name, **(extra or {})}.items()}
     example = np.zeros((2, alignment_map.old_dim), dtype=np.float32)
-    version = registered.register_alignment(client, run_id, alignment_map, example, alignment_model, tags)
-    return f"models:/{alignment_model}/{version}"
+
+    def write() -> str:
+        version = registered.register_alignment(client, run_id, alignment_map, example, alignment_model, tags)
+        return f"models:/{alignment_model}/{version}"
+
+    return io_retried(write, f"registering a version of {alignment_model}",
+                      landed=lambda: landed_map(client, alignment_model, run_id, tags))
+
+
+def landed_map(client, alignment_model: str, run_id: str, tags: dict[str, str]) -> str | None:
+    """The models:/ URI of the version of ``alignment_model`` that ``run_id`` registered with
+    exactly ``tags`` (a version is created with its tags), or None: what a registration whose
+    answer was lost wrote."""
+    versions = client.search_model_versions(f"name = '{alignment_model}' and run_id = '{run_id}'")
+    own = [int(v.version) for v in versions if dict(v.tags) == tags]
+    return f"models:/{alignment_model}/{max(own)}" if own else None
 
 
 @task(name="train-upgrade-map", tags=GPU_TAGS, **NO_CACHING)
@@ -141,8 +158,7 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     if pairs is None or decision is None or decision.skipped:
         why = why_unchecked or (decision.skipped if decision else "no prepared training split here")
         log(f"map check skipped: {why}")
-        client.set_model_version_tag(model_name, version, "check", f"skipped ({why})")
-        client.set_tag(run_id, "check", f"skipped ({why})")
+        _record_check(client, model_name, version, run_id, {"check": f"skipped ({why})"})
         return alignment_map, map_uri, order
     record = decision.record
     if record is None:  # decide_map leaves the record out only of a skipped check
@@ -150,11 +166,7 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     tags = {**check_tags(record), CHECK_SOURCE_TAG: pairs.source,
             "check.reference": found.get("uri") or ("the map's own network (trained on the l2 term alone)"
                                                     if shares_reference(config) else f"trained on {pairs.source}")}
-    for key, value in tags.items():
-        client.set_model_version_tag(model_name, version, key, value)
-    registry.log_metrics(client, run_id, check_metrics(record))
-    for key, value in tags.items():
-        client.set_tag(run_id, key, value)
+    _record_check(client, model_name, version, run_id, tags, check_metrics(record))
     if decision.use == "candidate":
         return alignment_map, map_uri, decision.order
     fallback_tags = {"check": "fallback map", "replaces": map_uri, CHECK_SOURCE_TAG: pairs.source,
@@ -170,6 +182,24 @@ def check_upgrade_map(client, settings: MapSettings, alignment_map, map_uri: str
     if reference_uri is None:
         reference_uri = register_map(client, model_name, decision.map, "fct", old, new, run_id, fallback_tags)
     return decision.map, reference_uri, decision.order
+
+
+def _record_check(client, model_name: str, version: str, run_id: str, tags: dict[str, str],
+                  metrics: dict[str, float] | None = None) -> None:
+    """The check's outcome: ``tags`` on the map's version, ``metrics`` then ``tags`` on the upgrade's
+    run, retried (tags are set, not added; the metrics are stamped once, so points sent again are
+    kept once)."""
+    stamp = registry.metric_time()
+
+    def write() -> None:
+        for key, value in tags.items():
+            client.set_model_version_tag(model_name, version, key, value)
+        if metrics:
+            registry.log_metrics(client, run_id, metrics, timestamp=stamp)
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+
+    io_retried(write, f"recording the map check of {model_name} version {version}")
 
 
 def choose_upgrade_map(params, client, store_uri: str, old: ModelRef, new: ModelRef, new_model, run_id: str,

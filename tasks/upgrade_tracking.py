@@ -1,10 +1,11 @@
 """The upgrade's MLflow bookkeeping: its run opened with the plan as params and closed, tags, the
 advisor's and the gate's numbers, the decision followed in the registry, an aborted upgrade's run
 ended and a rollback recorded, and progress as chunks land (``UpgradeProgress``, also a Prefect
-progress artifact). Every write but the backfill's progress is a Prefect task retried on an I/O
-failure (``IO_RETRIES``), each safe to try again: tags and states are set, not added; metrics
-carry a timestamp taken once by the caller (``registry.metric_time``), so points sent again are
-the same points, which MLflow keeps once; a rollback tried again knows its own champion move.
+progress artifact). Every write is retried on an I/O failure (``IO_RETRIES``): a Prefect task
+each, but the backfill's progress, whose writes are many per run and go through ``io_retried``
+(the same policy without a task run each). Each is safe to try again: tags and states are set,
+not added; metrics carry a timestamp taken once (``registry.metric_time``), so points sent again
+are the same points, which MLflow keeps once; a rollback tried again knows its own champion move.
 Each takes the run's one registry client (``registry.setup``, called once by the flow)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastfill.components.gallery.layouts.catalog import GalleryError
 from fastfill.components.gallery.upgrade.measure import BackfillMeasure
 from fastfill.components.gallery.upgrade.planning import Plan
 from fastfill.components.platform import registry
-from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, log, retrying
+from fastfill.tasks._policy import IO_RETRIES, NO_CACHING, io_retried, log, retrying
 
 
 def upgrade_run_id(plan: Plan) -> str:
@@ -119,7 +120,7 @@ class UpgradeProgress:
 
         self.client, self.plan, self.measuring = client, plan, measure
         self.run_id = upgrade_run_id(plan)
-        self.client.update_run(self.run_id, status="RUNNING")
+        io_retried(lambda: self.client.update_run(self.run_id, status="RUNNING"), f"reopening MLflow run {self.run_id}")
         history = self.client.get_metric_history(self.run_id, "top1")
         self.measured = {int(m.step) for m in history}
         # called in a sync context: the id itself, not a coroutine
@@ -131,16 +132,23 @@ class UpgradeProgress:
 
         fraction = items_done / self.plan.num_items
         update_progress_artifact(self.artifact, 100.0 * fraction)
-        registry.log_metrics(self.client, self.run_id, {"backfill_fraction": fraction, "items_backfilled": items_done},
-                             step=len(done))
+        self._log({"backfill_fraction": fraction, "items_backfilled": items_done}, len(done))
         self.measure(done)
 
     def measure(self, done: set[int]) -> None:
         for items, metrics in self.measuring.points(done, self.measured):
-            registry.log_metrics(self.client, self.run_id, metrics, step=items)
+            self._log(metrics, items)
             self.measured.add(items)
             log(f"at {items}/{self.plan.num_items} backfilled: top-1 {100 * metrics['top1']:.2f}%, "
                 f"mAP {100 * metrics['map']:.2f}%")
 
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        """``metrics`` at ``step``, retried: stamped once, so a try whose points landed and whose
+        answer was lost leaves its retry sending the same points, kept once."""
+        stamp = registry.metric_time()
+        io_retried(lambda: registry.log_metrics(self.client, self.run_id, metrics, step=step, timestamp=stamp),
+                   f"logging the backfill's progress to MLflow run {self.run_id}")
+
     def close(self, ok: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+        status = "FINISHED" if ok else "FAILED"
+        io_retried(lambda: self.client.set_terminated(self.run_id, status), f"ending MLflow run {self.run_id}")

@@ -34,7 +34,8 @@ from fastfill.components.platform.registry import RegistryError
 
 def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) -> str:
     """Register the model the run logged (``info``: its ``ModelInfo``, from ``log_version``) as a
-    new version of ``name`` and tag the version; returns the version."""
+    new version of ``name``, tagged as it is created (no version without its tags: a write tried
+    again finds its own by them); returns the version."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -47,11 +48,8 @@ def _new_version(client, run_id: str, name: str, info, tags: Mapping[str, str]) 
         except MlflowException as race:  # another process registered the name first
             if race.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-    version = str(client.create_model_version(name, f"models:/{info.model_id}", run_id=run_id,
-                                              model_id=info.model_id).version)
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, str(value))
-    return version
+    return str(client.create_model_version(name, f"models:/{info.model_id}", run_id=run_id, model_id=info.model_id,
+                                           tags={key: str(value) for key, value in tags.items()}).version)
 
 
 def _example_pixels(channels: int) -> np.ndarray:

@@ -315,6 +315,39 @@ def test_the_upgrade_abort_and_rollback_flows_write_only_through_tasks(name):
     assert not direct, f"{name} writes without a retried task: {direct}"
 
 
+def _direct_writes(tree: ast.AST) -> list[ast.Call]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", None)
+            if func.attr in DIRECT_WRITES.get(owner, ()):
+                found.append(node)
+    return found
+
+
+@pytest.mark.parametrize("name", ["tasks/upgrade_tracking.py", "tasks/upgrade_map.py"])
+def test_the_upgrade_s_mlflow_writes_in_tasks_are_retried(name):
+    """Each write of the upgrade's MLflow records is in a retried task's body, or in what is
+    given to ``io_retried`` (a lambda, or a function defined beside the call): none is made once."""
+    path = ROOT / name
+    tree = ast.parse(path.read_text(), str(path))
+    covered: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(  # @task(..., **IO_RETRIES)
+                isinstance(d, ast.Call) and getattr(d.func, "id", None) == "task"
+                and any(getattr(k.value, "id", None) == "IO_RETRIES" for k in d.keywords) for d in node.decorator_list):
+            covered |= {id(call) for call in _direct_writes(node)}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "io_retried" and node.args:
+            given = node.args[0]
+            named = getattr(given, "id", None)  # a function defined beside the call (each def of that name)
+            for body in [given, *(d for d in ast.walk(tree) if isinstance(d, ast.FunctionDef) and d.name == named)]:
+                covered |= {id(call) for call in _direct_writes(body)}
+    plain = [f"line {call.lineno}: {ast.unparse(call.func)}" for call in _direct_writes(tree) if id(call) not in covered]
+    assert not plain, f"{name} writes to MLflow without a retry: {plain}"
+    assert covered  # the check finds the writes at all
+
+
 PRODUCT_ROOMS = ("cli", "components", "flows", "services", "tasks")
 
 
