@@ -79,17 +79,28 @@ def test_a_chunk_replaces_only_its_rows_and_joins_the_index_as_a_delta(tmp_path,
     def no_upsert(*_args, **_kwargs):
         raise AssertionError("a chunk of a table laid out as the switch wrote it was upserted")
 
+    counted = []  # the filters of every count: a chunk's first write reads no column of the whole table
+    count_rows = lance.LanceDataset.count_rows
+
+    def recorded(self, *args, **kwargs):
+        counted.append(kwargs.get("filter", args[0] if args else None))
+        return count_rows(self, *args, **kwargs)
+
     rng = np.random.default_rng(5)
     table, vectors = _switched(tmp_path, rng)
     monkeypatch.setattr(lance.LanceDataset, "merge_insert", no_upsert)
+    monkeypatch.setattr(lance.LanceDataset, "count_rows", recorded)
     order, chunk = rng.permutation(N), 250
     expected = vectors.copy()
     for number, start in enumerate(range(0, N, chunk)):
         positions = order[start:start + chunk]
         features = rng.normal(size=(len(positions), DIM)).astype(np.float32)
         expected[positions] = features
+        counted.clear()
         table.serve_chunk("up-1", number, positions, positions, features, [EMBEDDED] * len(positions))
+        assert counted == []
         table.serve_chunk("up-1", number, positions, positions, features + 1, [EMBEDDED] * len(positions))  # once
+        assert counted == [f"chunk = {number}"]  # the retry finds its rows gone, then the chunk's there
         dataset = table.dataset()
         assert dataset.count_rows() == N and table.embedded_count() == start + len(positions)
         segments = [i for i in dataset.list_indices() if i["fields"] == ["embedding"]]

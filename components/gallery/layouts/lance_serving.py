@@ -318,8 +318,11 @@ class ServingTable:
 
     def serve_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, ids: np.ndarray, features: np.ndarray,
                     sources) -> None:
-        """A chunk's rows upserted in one commit, once: a chunk whose rows are there (``chunk``) is
-        not written again; the table must be serving ``upgrade``."""
+        """A chunk's rows written in one commit, once: a chunk whose rows are there (``chunk``) is
+        not written again; the table must be serving ``upgrade``. Where the table is laid out as
+        the switch wrote it, reading the switch's rows of the chunk back by address shows whether
+        they are still there (a chunk's commit deletes them all at once), so the check costs the
+        chunk's rows, not the table's."""
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
         if serving is None or serving.upgrade != upgrade:
@@ -327,15 +330,18 @@ class ServingTable:
                                f"{serving and serving.model}, upgrade {serving and serving.upgrade}); run "
                                "`fastfill upgrade` again: it switches the table first")
         self.check_ours(dataset)
-        with self.reading():
-            if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
-                return
         positions = np.asarray(positions, dtype=np.int64)
         model = ModelRef.from_dict(json.loads(dataset.schema.metadata[MODEL_KEY.encode()]))
         schema = dataset.schema
         batch = self._batch(schema, positions, ids, features, model, sources, np.full(len(positions), chunk))
         rows = pa.Table.from_batches([batch], schema)
         if not self._replace_rows(dataset, positions, rows):
+            # the switch's rows of these positions are not all where it wrote them: this chunk's
+            # rows may be there already (a retry), or the table was rewritten; only here is the
+            # table's chunk column read whole
+            with self.reading():
+                if dataset.count_rows(filter=f"chunk = {int(chunk)}"):
+                    return
             dataset.merge_insert("position").when_matched_update_all().execute(rows)
         self._index_chunk()
 
@@ -344,8 +350,9 @@ class ServingTable:
         nothing else: those rows deleted by their address, the chunk's appended as a new fragment.
         The switch writes position p at row p of its fragments, in order (``write``); every row
         to delete is read back by its address and must hold its position before anything is
-        written. False, with nothing written, when the table is not laid out so (compacted or
-        rewritten by another tool): the caller upserts instead. Its cost does not grow with the
+        written (a deleted row reads as missing). False, with nothing written, when one does not:
+        the chunk was written already, or the table is not laid out so (compacted or rewritten by
+        another tool); the caller checks and upserts instead. Its cost does not grow with the
         table, where an upsert joins the chunk against every row."""
         import lance
         from lance.fragment import write_fragments
