@@ -97,9 +97,7 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
         image_array = image_array[:, None]
     model = load_model(ref)
     ref = ModelRef(ref.name, ref.version, _embedding_dim(model, ref))
-    if image_array.ndim != 4 or image_array.dtype != np.uint8 or image_array.shape[1] != model.in_channels:
-        raise GalleryError(f"images must be uint8 (N, {model.in_channels}, H, W) for {ref.uri}, got "
-                           f"{image_array.dtype} {image_array.shape}")
+    _check_images(image_array, model, ref)
     if feature_array is None:
         log(f"embedding {len(image_array)} images with {ref.uri}")
         feature_array = embed_images(model, image_array)
@@ -111,6 +109,18 @@ def ingest_flow(params: Params | None = None, store_uri: str | None = None, mode
     log(f"gallery at {store.uri} ({manifest['layout']} layout): {manifest['num_items']} items in "
         f"{manifest['num_parts']} parts, model {ref.uri}")
     return manifest
+
+
+def _check_images(images: np.ndarray, model, ref: ModelRef) -> None:
+    """Images the model can embed: uint8 (N, C, H, W) with the channels of a model this project
+    trained, or grey or RGB pixels of any size for a registered team model (its preprocessing
+    converts and resizes them)."""
+    preprocessing = getattr(model, "preprocessing", None)
+    channels = (1, 3) if preprocessing is not None else (model.in_channels,)
+    if images.ndim != 4 or images.dtype != np.uint8 or images.shape[1] not in channels:
+        wanted = " or ".join(str(c) for c in channels)
+        raise GalleryError(f"images must be uint8 (N, {wanted}, H, W) for {ref.uri}, got {images.dtype} "
+                           f"{images.shape}")
 
 
 def _adopt_run_name() -> str:

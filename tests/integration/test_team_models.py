@@ -520,3 +520,37 @@ def test_a_new_model_without_a_classifier_trains_its_map_on_pseudo_classes(team,
     answer = json.loads(found.stdout)
     assert [row[0] for row in answer["ids"]] == ["SKU-00003", "SKU-00041", "SKU-00077"], answer
     assert answer["sources"][0][0] == gallery.model.uri
+
+
+def test_a_team_model_ingests_grey_images_of_another_size_and_names_what_it_cannot(team, prefect_harness):
+    """`gallery ingest` with a team's ONNX model (RGB 20x20): grey 28x28 pixels are converted and
+    resized by its preprocessing and stored with exactly the features it gives them; pixels of
+    two channels are refused in one line that says what it takes, with nothing stored."""
+    from fastfill.components.gallery.layouts.catalog import PartsGallery
+    from fastfill.components.gallery.store import open_store
+
+    old_uri, _ = _register_both(team)
+    rng = np.random.default_rng(4)
+    grey = rng.integers(0, 255, (30, 1, 28, 28)).astype(np.uint8)
+    np.save(team / "grey.npy", grey)
+    done = _cli(team, "gallery", "ingest", "--model", old_uri, "--images", str(team / "grey.npy"),
+                "--store", str(team / "grey"))
+    assert done.exit_code == 0, done.output
+    gallery = PartsGallery(open_store(str(team / "grey")))
+    assert gallery.model.uri == old_uri and gallery.num_items == 30
+    expected = embed(registered.load_model(old_uri), grey)
+    np.testing.assert_allclose(gallery.all_features(gallery.model), expected, rtol=1e-5, atol=1e-5)
+
+    # the real command, as a team runs it (a process of its own), on the tests' Prefect server
+    from prefect.settings import get_current_settings
+
+    np.save(team / "two.npy", rng.integers(0, 255, (5, 2, 28, 28)).astype(np.uint8))
+    command = [sys.executable, "-m", "fastfill.cli", "gallery", "ingest", "--model", old_uri, "--images",
+               str(team / "two.npy"), "--store", str(team / "two"), "--params", str(team / "params.yaml")]
+    env = {**os.environ, "PREFECT_API_URL": get_current_settings().api.url}
+    refused = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
+                             text=True, timeout=300, check=False)
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert "images must be uint8 (N, 1 or 3, H, W)" in said and "Traceback" not in said, said[-3000:]
+    assert not (team / "two").exists() or not any((team / "two").rglob("gallery.json"))
