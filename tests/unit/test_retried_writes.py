@@ -176,7 +176,8 @@ def pauses(monkeypatch):
 def mlflow_run(tmp_path):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # not the process's registry, whatever set it
     return client, client.create_run(client.create_experiment("e")).info.run_id
 
 
