@@ -326,7 +326,7 @@ def upgrade_unlock(store: StoreOption = None, as_json: JsonOption = False,
     held = call(lambda: break_lock(open_gallery(uri).store))
     if as_json:
         return answer(*json_output.unlock_document(uri, held))
-    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.upgrade} (pid {held.pid} on {held.host})"
+    typer.echo(f"{uri}: " + (f"removed the lock of upgrade {held.upgrade_id} (pid {held.pid} on {held.host})"
                              if held is not None else "no lock was held"))
 
 
@@ -342,7 +342,7 @@ def upgrade_abort(store: StoreOption = None, as_json: JsonOption = False,
     if as_json:
         return answer(*json_output.undo_document("upgrade.abort", uri, done.to_dict()))
     record = done.record
-    typer.echo(f"{uri}: aborted upgrade {record.upgrade} to {record.to} ({record.stage}: "
+    typer.echo(f"{uri}: aborted upgrade {record.upgrade_id} to {record.to} ({record.stage}: "
                f"{record.chunks_done} of {record.chunks} chunks, {record.items_done} of {record.items} "
                f"items); the gallery serves {done.model}'s features again. `fastfill gallery gc` deletes its "
                f"working data; `fastfill upgrade --to {record.to}` plans it again from scratch")

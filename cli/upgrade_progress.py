@@ -71,7 +71,7 @@ class ProgressBar:
         self._halt()
         if not self.enabled or result.state == "up-to-date":
             return
-        label = f"backfill {result.upgrade or ''}".rstrip()
+        label = f"backfill {result.upgrade_id or ''}".rstrip()
         if self.bar is None:
             self._show(label, result.items, 0)
         self._show(label, result.items, result.items_done)

@@ -47,17 +47,17 @@ def abort_flow(params: Params | None = None, store_uri: str | None = None,
     params = resolve_params(params, params_path, None)
     gallery = open_gallery(store_uri or params.gallery.store, params.gallery.s3)
     store = gallery.store
-    upgrade = reversal.abortable(gallery)  # refused with its reason before the lock is touched
-    lock = take_undo_lock(store, upgrade, f"abort upgrade {upgrade}", params)
+    upgrade_id = reversal.abortable(gallery)  # refused with its reason before the lock is touched
+    lock = take_undo_lock(store, upgrade_id, f"abort upgrade {upgrade_id}", params)
     try:
-        record = abort_upgrade(store.uri, upgrade)  # checked again under the lock
-        plan = planning.load_plan(store, upgrade)
+        record = abort_upgrade(store.uri, upgrade_id)  # checked again under the lock
+        plan = planning.load_plan(store, upgrade_id)
         if plan is not None and claim_version(store.uri, claim_record(plan.new.name, plan.new.version, "abort",
-                                                                      upgrade=upgrade)):
+                                                                      upgrade=upgrade_id)):
             log(f"{plan.new.uri} is claimed for {store.uri}: the registry watcher and the webhook will not start it "
                 "again (`fastfill upgrade` still can)")
         _record_abort_in_mlflow(params, gallery, record)
-        log(f"aborted upgrade {upgrade} ({record.stage}: {record.chunks_done}/{record.chunks} chunks, "
+        log(f"aborted upgrade {upgrade_id} ({record.stage}: {record.chunks_done}/{record.chunks} chunks, "
             f"{record.items_done}/{record.items} items); {store.uri} serves {gallery.model.uri}'s features again")
         return reversal.AbortAnswer(record, gallery.model.uri)
     finally:
@@ -110,21 +110,21 @@ def rollback_flow(params: Params | None = None, store_uri: str | None = None, pa
     store = gallery.store
     client, _ = registry.setup(params.mlflow)  # the run's one registry client
     pending = reversal.interrupted_rollback(gallery)
-    upgrade = pending["upgrade"] if pending is not None else reversal.rollback_target(gallery)[0]  # refusals first
-    lock = take_undo_lock(store, f"rollback of {upgrade}", "roll back", params)
+    upgrade_id = pending["upgrade"] if pending is not None else reversal.rollback_target(gallery)[0]  # refusals first
+    lock = take_undo_lock(store, f"rollback of {upgrade_id}", "roll back", params)
     try:
         record = reversal.interrupted_rollback(gallery)
         if record is None:
             record = roll_back(store.uri)  # checked again under the lock
-            log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade} to "
+            log(f"{store.uri} serves {ModelRef.from_dict(record['to']).uri}'s features again (upgrade {upgrade_id} to "
                 f"{ModelRef.from_dict(record['from']).uri} rolled back)")
         else:
-            log(f"completing the rollback of upgrade {upgrade} (recorded {record['rolled_back']}): the registry step")
+            log(f"completing the rollback of upgrade {upgrade_id} (recorded {record['rolled_back']}): the registry step")
         rolled, previous = ModelRef.from_dict(record["from"]), ModelRef.from_dict(record["to"])
-        claim_version(store.uri, claim_record(rolled.name, rolled.version, "rollback", upgrade=upgrade))
+        claim_version(store.uri, claim_record(rolled.name, rolled.version, "rollback", upgrade=upgrade_id))
         moved = _record_rollback_in_registry(client, store, record, rolled, previous)
-        mark_rollback_recorded(store.uri, upgrade)
-        return {"state": "rolled back", "upgrade": upgrade, "model": previous.uri, "from": rolled.uri,
+        mark_rollback_recorded(store.uri, upgrade_id)
+        return {"state": "rolled back", "upgrade": upgrade_id, "model": previous.uri, "from": rolled.uri,
                 "champion_moved": moved, "rolled_back": record["rolled_back"]}
     finally:
         lock.release()

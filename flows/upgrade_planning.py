@@ -41,8 +41,8 @@ class _PlanningSteps:
         self.params, self.client, self.experiment, self.gallery = params, client, experiment, gallery
         self.config, self.uri, self.num_items = params.gallery.upgrade, gallery.store.uri, gallery.num_items
 
-    def base_plan(self, upgrade: str) -> planning.Plan | None:
-        return planning.load_plan(self.gallery.store, upgrade)
+    def base_plan(self, upgrade_id: str) -> planning.Plan | None:
+        return planning.load_plan(self.gallery.store, upgrade_id)
 
     def check_sources(self, sequential: bool) -> None:
         self.gallery.check_sources(sequential=sequential)
@@ -50,11 +50,11 @@ class _PlanningSteps:
     def usage_weights(self) -> usage.Usage:
         return usage.usage_weights(self.gallery, self.config.usage_log)
 
-    def done_chunks(self, upgrade: str) -> int:
-        return len(backfill.done_chunks(self.gallery.store, upgrade))
+    def done_chunks(self, upgrade_id: str) -> int:
+        return len(backfill.done_chunks(self.gallery.store, upgrade_id))
 
-    def discard(self, upgrade: str) -> int:
-        return store_tasks.discard_unplanned(self.uri, upgrade)
+    def discard(self, upgrade_id: str) -> int:
+        return store_tasks.discard_unplanned(self.uri, upgrade_id)
 
     def open_run(self, fields: dict) -> str:
         return upgrade_tracking.open_upgrade_run(self.client, self.experiment, fields, self.uri)
@@ -65,11 +65,11 @@ class _PlanningSteps:
     def tag_run(self, run_id: str, tags: dict) -> None:
         upgrade_tracking.tag_run(self.client, run_id, tags)
 
-    def write_sources(self, upgrade: str, base: planning.Plan) -> None:
-        store_tasks.write_sources(self.uri, upgrade, base)
+    def write_sources(self, upgrade_id: str, base: planning.Plan) -> None:
+        store_tasks.write_sources(self.uri, upgrade_id, base)
 
-    def write_reverse(self, upgrade: str, reverse) -> None:
-        store_tasks.write_reverse(self.uri, upgrade, reverse)
+    def write_reverse(self, upgrade_id: str, reverse) -> None:
+        store_tasks.write_reverse(self.uri, upgrade_id, reverse)
 
     def commit(self, plan: planning.Plan, order, embedded: dict, judged, positions, queries, ranks) -> int:
         return store_tasks.commit_plan(self.uri, plan, order, embedded, judged, positions, queries, ranks)
@@ -86,9 +86,9 @@ class _PlanningSteps:
     def fit_reverse(self, pairs):
         return fit_reverse_transformation(pairs, self.config.pseudo_classes, self.config.seed)
 
-    def transform(self, upgrade: str, alignment_map, sequential: bool) -> None:
+    def transform(self, upgrade_id: str, alignment_map, sequential: bool) -> None:
         """The gallery's features through the map, a ``transform-part`` task per part, shown as they land."""
-        futures = [store_tasks.transform_part.submit(self.uri, upgrade, alignment_map, p, sequential)
+        futures = [store_tasks.transform_part.submit(self.uri, upgrade_id, alignment_map, p, sequential)
                    for p in range(self.gallery.num_parts)]
         try:
             with progress("planning: the gallery's features through the map", total=self.num_items,
@@ -99,8 +99,8 @@ class _PlanningSteps:
             wait(futures)  # every part's task has ended before the caller removes what planning wrote
             raise
 
-    def order(self, upgrade: str, kind: str, seed: int, weights):
-        return planning.make_order(self.gallery, upgrade, kind, seed, weights)
+    def order(self, upgrade_id: str, kind: str, seed: int, weights):
+        return planning.make_order(self.gallery, upgrade_id, kind, seed, weights)
 
     def embed_samples(self, new_model, judged, embedded: dict):
         """The samples embedded while planning: the judged queries (both models' features) and the

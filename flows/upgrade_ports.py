@@ -59,18 +59,18 @@ class _StoreWrites:
         self.gallery, self.uri = gallery, gallery.store.uri
         self.break_lock, self.lease_seconds, self.acquire_lock = break_lock, lease_seconds, acquire_lock
 
-    def lock(self, upgrade: str):
-        return self.acquire_lock(self.gallery.store, upgrade, break_lock=self.break_lock, log=log,
+    def lock(self, upgrade_id: str):
+        return self.acquire_lock(self.gallery.store, upgrade_id, break_lock=self.break_lock, log=log,
                                  lease_seconds=self.lease_seconds)
 
-    def complete_abort(self, upgrade: str) -> None:
-        store_tasks.complete_abort(self.uri, upgrade)
+    def complete_abort(self, upgrade_id: str) -> None:
+        store_tasks.complete_abort(self.uri, upgrade_id)
 
-    def start_over(self, upgrade: str) -> None:
-        store_tasks.start_over(self.uri, upgrade)
+    def start_over(self, upgrade_id: str) -> None:
+        store_tasks.start_over(self.uri, upgrade_id)
 
-    def point_manifest(self, upgrade: str) -> None:
-        store_tasks.point_manifest(self.uri, upgrade)
+    def point_manifest(self, upgrade_id: str) -> None:
+        store_tasks.point_manifest(self.uri, upgrade_id)
 
     def write_plan(self, plan: Plan) -> None:
         store_tasks.write_plan(self.uri, plan)
@@ -87,8 +87,8 @@ class _StoreWrites:
     def reject(self, plan: Plan, decision: Decision) -> None:
         store_tasks.reject_upgrade(self.uri, plan, decision)
 
-    def mark_registry_recorded(self, upgrade: str) -> None:
-        store_tasks.mark_registry_recorded(self.uri, upgrade)
+    def mark_registry_recorded(self, upgrade_id: str) -> None:
+        store_tasks.mark_registry_recorded(self.uri, upgrade_id)
 
 
 class _Chunks:

@@ -221,7 +221,7 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     result = run_upgrade(on_dask, uri, gate=False)
     assert result.state == "complete" and result.failed_images == 0
     store = open_store(uri)
-    plan = planning.load_plan(store, result.upgrade)
+    plan = planning.load_plan(store, result.upgrade_id)
     markers = [store.get_json(planning.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
     pids = {m["pid"] for m in markers if not m.get("prefilled")}
     assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
@@ -592,7 +592,7 @@ def test_upgrade_trains_and_registers_a_map_when_none_joins_the_versions(upgrade
     ingest_flow(params, uri)
     result = upgrade_flow(params, uri)
     assert result.state == "complete"
-    plan = planning.load_plan(open_store(uri), result.upgrade)
+    plan = planning.load_plan(open_store(uri), result.upgrade_id)
     versions = sorted(client.search_model_versions(f"name = '{params.mlflow.alignment_model}'"),
                       key=lambda v: int(v.version))
     trained, tags = versions[0], versions[0].tags
@@ -648,7 +648,7 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
     paused = upgrade_flow(params, uri, budget=0.5)
     assert paused.state == "paused", paused
     store = open_store(uri)
-    plan = planning.load_plan(store, paused.upgrade)
+    plan = planning.load_plan(store, paused.upgrade_id)
     version = plan.map_uri.rsplit("/", 1)[1]
     tags = client.get_model_version(params.mlflow.alignment_model, version).tags
     assert tags["method"] == "lambda_orth" and plan.order_kind == "random"
@@ -690,7 +690,7 @@ def test_with_the_check_off_the_upgrade_uses_the_map_it_trains_unchecked(upgrade
     ingest_flow(unchecked, uri)
     result = upgrade_flow(unchecked, uri)
     assert result.state == "complete"
-    plan = planning.load_plan(open_store(uri), result.upgrade)
+    plan = planning.load_plan(open_store(uri), result.upgrade_id)
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert len(versions) == 1  # no l2-only fallback map was trained or registered
     tags = versions[0].tags
@@ -772,10 +772,10 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
 
     paused = upgrade_flow(params, uri)
     assert paused.state == "paused" and paused.stopped == "recommended", paused
-    prefilled = planning.load_plan(store, paused.upgrade).prefilled  # the evaluation sample, embedded while planning
+    prefilled = planning.load_plan(store, paused.upgrade_id).prefilled  # the evaluation sample, embedded while planning
     assert paused.items_done == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
     assert paused.advice.recommendation["fraction"] == stop["fraction"]
-    stored = store.get_json(f"upgrades/{paused.upgrade}/advice.json")
+    stored = store.get_json(f"upgrades/{paused.upgrade_id}/advice.json")
     np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve
     np.testing.assert_allclose(stored["map"], predicted["map"], atol=1e-6)
     again = upgrade_flow(params, uri)  # the same command stays at the recommended stop
@@ -800,7 +800,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     # the dry run predicted the gate's decision and its numbers as the gate then measured them
     from fastfill.components.gallery.upgrade import ending
 
-    measured = ending.decision(store, done.upgrade)
+    measured = ending.decision(store, done.upgrade_id)
     gate = predicted["gate"]
     assert gate["passed"] == measured.passed and gate["reasons"] == measured.reasons, (gate, measured)
     for key in ("champion_top1", "top1_auc", "nfr1_mean", "nfr1_end", "fraction_to_gain"):
@@ -857,7 +857,7 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
         "upgrade": params.gallery.upgrade.model_copy(update={"max_failed_images": 0.05})})})  # 3 of 72
     done = upgrade_flow(tolerant, store_uri, gate=False)
     assert done.state == "complete" and done.failed_images == 1
-    record = gallery.store.get_json(f"upgrades/{done.upgrade}/finished.json")
+    record = gallery.store.get_json(f"upgrades/{done.upgrade_id}/finished.json")
     assert [(f["id"], f["reason"]) for f in record["failed_images"]["items"]] == [
         (1007, f"missing: no such file {tmp_path / 'photos' / names[7]}")]
     gallery.manifest(refresh=True)

@@ -68,7 +68,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     # their new features are the first backfilled chunks, and the budget ends the backfill exactly
     paused = upgrade_flow(team, uri, budget=64, gate=False)
     assert paused.state == "paused" and paused.items_done == 64  # a chunk of 64 cut at 64
-    plan = planning.load_plan(store, paused.upgrade)
+    plan = planning.load_plan(store, paused.upgrade_id)
     # the map sample and the (unlabeled) evaluation sample, embedded while planning
     assert 48 <= plan.prefilled < 64 and plan.eval_queries == 24
     assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, plan.prefilled), (plan.prefilled, 64),
@@ -133,7 +133,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     store.put_array(planning.chunk_key(uid, 7), np.zeros((3, 16), dtype=np.float32))
     store.put_json(planning.marker_key(uid, 7), {"chunk": 7, "start": 0, "stop": 3, "count": 3})
     first = upgrade_flow(on_gallery, uri, budget=60)
-    plan = planning.load_plan(store, first.upgrade)
+    plan = planning.load_plan(store, first.upgrade_id)
     marker = planning.marker_key(uid, 7)
     assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
@@ -150,7 +150,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     predicted = estimate_upgrade(on_gallery, uri).advice
     assert predicted.map_version == used  # the dry run predicts from the map the upgrade will use
     again = upgrade_flow(on_gallery, uri, budget=60)
-    replanned = planning.load_plan(store, again.upgrade)
+    replanned = planning.load_plan(store, again.upgrade_id)
     tags = client.get_run(replanned.mlflow_run_id).data.tags
     assert replanned.map_uri == plan.map_uri and tags["map_version"] == used
     assert tags["check"].startswith("not repeated") and "check.source" not in tags
@@ -159,7 +159,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
 
     abort_flow(on_gallery, uri)
     rechecked = upgrade_flow(configured(recheck=True), uri, budget=60)
-    tags = client.get_run(planning.load_plan(store, rechecked.upgrade).mlflow_run_id).data.tags
+    tags = client.get_run(planning.load_plan(store, rechecked.upgrade_id).mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}"
 
 
@@ -207,7 +207,7 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     numbers = result.promotion.numbers
     assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
     assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
-    plan = planning.load_plan(open_store(uri), result.upgrade)
+    plan = planning.load_plan(open_store(uri), result.upgrade_id)
     front = set(planning.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
     # the advisor predicted the curve with the gate's protocol: the judged queries against the sample
@@ -246,7 +246,7 @@ def test_an_upgrade_completes_on_the_fallback_when_its_map_diverged(upgrade_env,
     assert result.state == "complete", result
     tags = client.get_model_version(name, version).tags
     assert tags["check"] == "fallback" and "non-finite" in tags["check_reason"]
-    plan = planning.load_plan(open_store(uri), result.upgrade)
+    plan = planning.load_plan(open_store(uri), result.upgrade_id)
     assert plan.map_uri != f"models:/{name}/{version}"
     assert client.get_run(plan.mlflow_run_id).data.tags["check"] == "fallback"
     gallery = PartsGallery(open_store(uri))
@@ -298,7 +298,7 @@ def test_a_gallery_too_small_for_a_checked_map_upgrades_with_the_l2_map(upgrade_
     assert done.state == "complete" and done.items_done == 50, done
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert [v.tags["method"] for v in versions] == ["fct"]
-    plan = planning.load_plan(open_store(uri), done.upgrade)
+    plan = planning.load_plan(open_store(uri), done.upgrade_id)
     assert plan.order_kind == "random"
 
 
@@ -339,5 +339,5 @@ def test_a_map_sample_of_the_whole_gallery_makes_the_upgrade_a_re_embed(upgrade_
     versions = client.search_model_versions(f"name = '{params.mlflow.alignment_model}'")
     assert [v.tags["method"] for v in versions] == ["fct"]  # no FastFill map
     assert all(not v.tags.get("check", "").startswith(("passed", "fallback", "failed")) for v in versions)
-    plan = planning.load_plan(open_store(uri), done.upgrade)
+    plan = planning.load_plan(open_store(uri), done.upgrade_id)
     assert plan.order_kind == "random" and plan.prefilled == n  # every item embedded while planning

@@ -58,7 +58,7 @@ def _finds_itself(gallery, model, params) -> None:
     from fastfill.components.experiment.inference import embed
 
     searcher = GallerySearch(gallery)
-    assert searcher.query_model.version == str(model_version(gallery)) and searcher.upgrade is None
+    assert searcher.query_model.version == str(model_version(gallery)) and searcher.upgrade_id is None
     ids, _ = searcher.search(embed(model, split_images(params).images[:4]), k=1)
     assert list(ids[:, 0]) == [0, 1, 2, 3]
 
@@ -207,7 +207,7 @@ def test_rollback_of_a_finished_upgrade_and_not_once_gc_collected_the_old_featur
     tags = client.get_model_version(name, new_version).tags
     assert tags["promotion"] == "rolled-back" and tags["promotion.rolled_back_to"] == old_version
     assert client.get_run(first.mlflow_run_id).data.tags["promotion"] == "rolled-back"
-    assert store.get_json(planning.upgrade_key(first.upgrade, reversal.ROLLED_BACK))["registry_recorded"]
+    assert store.get_json(planning.upgrade_key(first.upgrade_id, reversal.ROLLED_BACK))["registry_recorded"]
     assert claimed(store, name, new_version) is not None  # neither the watcher nor the webhook starts it again
     assert _flow_run("gallery-rollback").name == f"roll back {uri}"
     with pytest.raises(GalleryError, match="already a rollback"):

@@ -123,7 +123,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model.version == old_version
     assert {key: store.get(key) for key in store.list("features/")} == before
     searcher = GallerySearch(gallery)
-    assert searcher.query_model.version == old_version and searcher.upgrade is None
+    assert searcher.query_model.version == old_version and searcher.upgrade_id is None
     split = split_images(params)
     ids, _ = searcher.search(embed(old_model, split.images[:4]), k=1)
     assert list(ids[:, 0]) == [0, 1, 2, 3]  # each item finds itself among the champion's features
@@ -132,7 +132,7 @@ def test_the_gate_rejects_a_worse_model_and_the_gallery_keeps_the_champion(upgra
     with pytest.raises(GalleryError, match="rejected by the promotion gate"):
         upgrade_flow(params, uri, f"models:/embedder/{worse}")
     deleted = garbage.collect_garbage(gallery)
-    assert deleted["upgrade_objects"] > 0 and store.exists(planning.upgrade_key(result.upgrade, "rejected.json"))
+    assert deleted["upgrade_objects"] > 0 and store.exists(planning.upgrade_key(result.upgrade_id, "rejected.json"))
 
 
 def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
@@ -153,13 +153,13 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     assert first.state == "paused" and 0.4 < first.fraction < 0.7
     store = open_store(uri)
     gallery = PartsGallery(store)
-    plan1 = planning.load_plan(store, first.upgrade)
+    plan1 = planning.load_plan(store, first.upgrade_id)
     mixed1, backfilled1 = backfill.mixed_features(gallery, plan1)
     assert 0 < backfilled1.sum() < len(backfilled1)
 
     second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
     assert second.state == "paused"
-    plan2 = planning.load_plan(store, second.upgrade)
+    plan2 = planning.load_plan(store, second.upgrade_id)
     assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
     assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
     assert store.get_json(planning.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id

@@ -54,7 +54,7 @@ def test_an_upgrade_in_usage_sigma_order_from_a_query_log(upgrade_env, prefect_h
     usage_params = params.model_copy(update={"align": align, "gallery": params.gallery.model_copy(update={
         "upgrade": params.gallery.upgrade.model_copy(update={"order": "usage_sigma", "usage_log": str(log)})})})
     result = upgrade_flow(usage_params, uri, budget=16, gate=False)
-    plan = planning.load_plan(store, result.upgrade)
+    plan = planning.load_plan(store, result.upgrade_id)
     assert plan.order_kind == "usage_sigma"
     order = check_permutation(planning.order_of(store, plan.id), plan.num_items)
     rest = order[plan.prefilled:]  # after the items embedded while planning, the hot ones first

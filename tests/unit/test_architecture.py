@@ -368,6 +368,42 @@ def test_the_upgrade_decision_is_one_type():
     assert not named, named
 
 
+# the layouts' ``chunk_done(upgrade)``, one protocol (catalog.ServingIndex) that lance_serving.py
+# implements too: its parameter is renamed in all of them at once, lance_serving.py's with it
+WRONG_ID_NAMES_KEPT = {("components/gallery/layouts/lance_serving.py", None), ("components/gallery/layouts", "chunk_done")}
+
+
+def _ids_under_another_name(source: str) -> list[str]:
+    """Parameters that hold an upgrade's id under another name than ``upgrade_id``: ``uid``, or
+    ``upgrade`` typed ``str`` / ``str | None``; as ``line function(name)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                annotation = ast.unparse(arg.annotation).replace(" ", "") if arg.annotation else None
+                if arg.arg == "uid" or (arg.arg == "upgrade" and annotation in ("str", "str|None", "None|str")):
+                    found.append(f"{node.lineno} {getattr(node, 'name', 'lambda')}({arg.arg})")
+    return found
+
+
+@pytest.mark.parametrize("room", ["flows", "tasks", "components"])
+def test_an_upgrade_s_id_is_called_upgrade_id(room):
+    wrong = []
+    for path in _modules(room):
+        where = str(path.relative_to(ROOT))
+        if (where, None) in WRONG_ID_NAMES_KEPT:
+            continue
+        wrong += [f"{where}:{found}" for found in _ids_under_another_name(path.read_text())
+                  if (str(path.parent.relative_to(ROOT)), found.split(" ")[1].split("(")[0]) not in WRONG_ID_NAMES_KEPT]
+    assert not wrong, f"an upgrade's id named otherwise than upgrade_id: {wrong}"
+
+
+def test_the_id_name_check_finds_an_id_under_another_name():
+    source = "def f(store, upgrade: str | None, uid):\n    pass\n\n\ndef g(upgrade: Config, upgrade_id: str):\n    pass\n"
+    assert _ids_under_another_name(source) == ["1 f(upgrade)", "1 f(uid)"]
+
+
 def _string_key_reads(path: Path) -> list[str]:
     """The reads of a dict by a literal string key in ``path``: ``x["key"]`` and ``x.get("key")``."""
     reads = []

@@ -177,7 +177,7 @@ def test_the_command_line_parser_s_own_errors_print_no_document():
 
 RESULTS = {
     "rejected": UpgradeResult(
-        state="rejected", upgrade="embedder-v1-to-embedder-v2", chunks_done=9, chunks=9, items_done=72, items=72,
+        state="rejected", upgrade_id="embedder-v1-to-embedder-v2", chunks_done=9, chunks=9, items_done=72, items=72,
         fraction=1.0, complete=True, failed_images=0, mlflow_run_id="abc123",
         advice=Advice(recommendation=None, fractions=[0.0, 0.5, 1.0], top1=[0.2, 0.6, 0.8]),
         promotion=Decision("embedder-v1-to-embedder-v2", passed=False,
@@ -185,7 +185,7 @@ RESULTS = {
                            numbers={"champion_top1": 0.5, "top1_auc": np.float64(0.589), "nfr1_mean": 0.33,
                                     "fraction_to_gain": None, "top1": np.array([0.1, 0.7])})),
     "paused": UpgradeResult(
-        state="paused", upgrade="u", chunks_done=3, chunks=9, items_done=24, items=72, fraction=24 / 72,
+        state="paused", upgrade_id="u", chunks_done=3, chunks=9, items_done=24, items=72, fraction=24 / 72,
         complete=False, failed_images=0, stopped="recommended", mlflow_run_id="r", message="stopped at 24/72 items",
         advice=Advice(recommendation={"fraction": 0.3, "gain_below": 0.1, "top1": 0.7, "top1_full": 0.8,
                                       "metric": "top1", "items": 24}, fractions=[0.0, 0.3, 1.0])),

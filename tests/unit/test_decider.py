@@ -30,17 +30,17 @@ class View:
     rejections: dict = field(default_factory=dict)
     ending: dict | None = None
 
-    def planned_new(self, upgrade):
-        return self.plans.get(upgrade)
+    def planned_new(self, upgrade_id):
+        return self.plans.get(upgrade_id)
 
-    def aborted(self, upgrade):
-        return upgrade in self.aborts
+    def aborted(self, upgrade_id):
+        return upgrade_id in self.aborts
 
-    def undone(self, upgrade):
-        return self.undos.get(upgrade)
+    def undone(self, upgrade_id):
+        return self.undos.get(upgrade_id)
 
-    def rejected(self, upgrade):
-        return self.rejections.get(upgrade)
+    def rejected(self, upgrade_id):
+        return self.rejections.get(upgrade_id)
 
     def interrupted_decision(self):
         return self.ending
@@ -105,7 +105,7 @@ def decider(gate: bool = True, judgments: str | None = None, gain_below: float |
 def test_the_course_of_an_upgrade(case, view, wanted, options, expected):
     action, uid, old, base, holds, phrase = expected
     course = decider(**options).course(view, wanted)
-    assert (course.action, course.upgrade, course.old, course.base) == (action, uid, old, base)
+    assert (course.action, course.upgrade_id, course.old, course.base) == (action, uid, old, base)
     for key, value in holds.items():
         assert getattr(course, key) == value, key
     said = " ".join(course.say) + " " + (course.reason or "")

@@ -62,16 +62,16 @@ class Steps:
             self.fail = None
             raise self.error(f"{name} failed")
 
-    def _write(self, upgrade: str, name: str) -> None:
-        self.objects.add(f"upgrades/{upgrade}/{name}")
+    def _write(self, upgrade_id: str, name: str) -> None:
+        self.objects.add(f"upgrades/{upgrade_id}/{name}")
 
-    def written(self, upgrade: str) -> set[str]:
-        return {key for key in self.objects if key.startswith(f"upgrades/{upgrade}/")}
+    def written(self, upgrade_id: str) -> set[str]:
+        return {key for key in self.objects if key.startswith(f"upgrades/{upgrade_id}/")}
 
     # reads
-    def base_plan(self, upgrade):
+    def base_plan(self, upgrade_id):
         self._call("base_plan")
-        assert upgrade == UID12
+        assert upgrade_id == UID12
         return BASE
 
     def check_sources(self, sequential):
@@ -81,14 +81,14 @@ class Steps:
         self._call("usage_weights")
         return Usage("the items table's weight column", np.linspace(0.0, 1.0, N))
 
-    def done_chunks(self, upgrade):
+    def done_chunks(self, upgrade_id):
         self._call("done_chunks")
         return 1
 
     # the store and MLflow
-    def discard(self, upgrade):
+    def discard(self, upgrade_id):
         self._call("discard")
-        found = self.written(upgrade)
+        found = self.written(upgrade_id)
         self.objects -= found
         return len(found)
 
@@ -106,13 +106,13 @@ class Steps:
         self._call("tag_run")
         self.tags.setdefault(run_id, {}).update(tags)
 
-    def write_sources(self, upgrade, base):
+    def write_sources(self, upgrade_id, base):
         self._call("write_sources")
-        self._write(upgrade, "sources")
+        self._write(upgrade_id, "sources")
 
-    def write_reverse(self, upgrade, reverse):
+    def write_reverse(self, upgrade_id, reverse):
         self._call("write_reverse")
-        self._write(upgrade, "reverse")
+        self._write(upgrade_id, "reverse")
 
     def commit(self, plan, order, embedded, judged, positions, queries, ranks):
         self._call("commit")
@@ -147,11 +147,11 @@ class Steps:
         self._call("fit_reverse")
         return SimpleNamespace(new_scale=1.5)
 
-    def transform(self, upgrade, alignment_map, sequential):
+    def transform(self, upgrade_id, alignment_map, sequential):
         self._call("transform")
-        self._write(upgrade, "transformed")
+        self._write(upgrade_id, "transformed")
 
-    def order(self, upgrade, kind, seed, weights):
+    def order(self, upgrade_id, kind, seed, weights):
         self._call("order")
         return np.random.default_rng(seed).permutation(N)
 
@@ -172,8 +172,8 @@ def settings(**upgrade) -> PlanningSettings:
 
 # a fresh upgrade: the map trained on a sample of the gallery's items; and the longest course: a
 # sequential upgrade in usage_sigma order, online, the registry's map with the split's pairs
-FRESH = ("fresh", Course(PLAN, upgrade=UID12, old=V1), {"order": "random"}, {})
-FULL = ("sequential, usage order, online", Course(PLAN, upgrade=UID23, old=V2, base=UID12),
+FRESH = ("fresh", Course(PLAN, upgrade_id=UID12, old=V1), {"order": "random"}, {})
+FULL = ("sequential, usage order, online", Course(PLAN, upgrade_id=UID23, old=V2, base=UID12),
         {"order": "usage_sigma", "online": True, "map_pairs": "splits"}, {"registry_map": True})
 FRESH_CALLS = ["check_sources", "discard", "open_run", "choose_map", "gallery_pairs", "transform", "order",
                "embed_samples", "commit"]
@@ -231,7 +231,7 @@ FAILURES = [(case, step, kind) for case, calls in ((FRESH, FRESH_CALLS), (FULL, 
 @pytest.mark.parametrize("case, step, kind", FAILURES, ids=[f"{c[0]}: {s}, {k}" for c, s, k in FAILURES])
 def test_each_port_failing_in_turn(case, step, kind):
     steps = Steps(fail=step, error=ERRORS[kind], **case[3])
-    uid = case[1].upgrade
+    uid = case[1].upgrade_id
     kept = set(steps.objects)
     with pytest.raises(ERRORS[kind], match=f"{step} failed"):
         plan(case, steps)
@@ -268,7 +268,7 @@ def test_each_port_failing_in_turn(case, step, kind):
 def test_the_course_s_own_refusals_clean_up_too(case, options, upgrade, message, last):
     steps = Steps(**options)
     with pytest.raises(GalleryError, match=message):
-        PlanningCourse(settings(**{"order": "random", **upgrade}), steps).plan(Course(PLAN, upgrade=UID12, old=V1),
+        PlanningCourse(settings(**{"order": "random", **upgrade}), steps).plan(Course(PLAN, upgrade_id=UID12, old=V1),
                                                                               V2, "model")
     assert steps.calls[-3:] == [last, "discard", "close_run"] and "transform" not in steps.calls
     assert steps.written(UID12) == set() and steps.runs == {"run-1": "FAILED"}

@@ -200,7 +200,7 @@ def test_a_holder_whose_lock_was_taken_over_or_broken_stops(tmp_path):
     locking.break_lock(store)
 
     lock = locking.acquire_lock(store, "u2", log=lambda m: None, renew=False)
-    assert locking.break_lock(store).upgrade == "u2"  # `fastfill upgrade unlock`
+    assert locking.break_lock(store).upgrade_id == "u2"  # `fastfill upgrade unlock`
     with pytest.raises(locking.LeaseLost, match="the lock was removed"):
         lock.renew()
     lock.release()

@@ -174,7 +174,7 @@ def test_a_search_kept_open_follows_a_rollback_and_an_abort(tmp_path, models, da
     assert searcher.query_model == NEW
     reversal.abort(gallery, plan.id)
     searcher.refresh()
-    assert searcher.query_model == OLD and searcher.upgrade is None
+    assert searcher.query_model == OLD and searcher.upgrade_id is None
     ids, _ = searcher.search(embed(old_model, images[:3]), k=1)
     assert list(ids[:, 0]) == [1000, 1001, 1002]  # the champion's features: each item finds itself
 

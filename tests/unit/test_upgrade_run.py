@@ -73,18 +73,18 @@ class View:
     def __post_init__(self):
         self.refresh()
 
-    def planned_new(self, upgrade):
-        plan = self.store.plans.get(upgrade)
+    def planned_new(self, upgrade_id):
+        plan = self.store.plans.get(upgrade_id)
         return plan.new if plan else None
 
-    def aborted(self, upgrade):
-        return upgrade in self.store.aborts
+    def aborted(self, upgrade_id):
+        return upgrade_id in self.store.aborts
 
-    def undone(self, upgrade):
-        return self.store.undos.get(upgrade)
+    def undone(self, upgrade_id):
+        return self.store.undos.get(upgrade_id)
 
-    def rejected(self, upgrade):
-        return self.store.rejections.get(upgrade)
+    def rejected(self, upgrade_id):
+        return self.store.rejections.get(upgrade_id)
 
     def interrupted_decision(self):
         for decision in self.store.decisions.values():  # the gallery switched (or went back), the registry not told
@@ -92,20 +92,20 @@ class View:
                 return decision
         return None
 
-    def plan(self, upgrade):
-        return self.store.plans[upgrade]
+    def plan(self, upgrade_id):
+        return self.store.plans[upgrade_id]
 
-    def done_chunks(self, upgrade):
-        return set(self.store.done.get(upgrade, set()))
+    def done_chunks(self, upgrade_id):
+        return set(self.store.done.get(upgrade_id, set()))
 
-    def failed_images(self, upgrade):
-        return list(self.store.failed_images.get(upgrade, []))
+    def failed_images(self, upgrade_id):
+        return list(self.store.failed_images.get(upgrade_id, []))
 
-    def decision(self, upgrade):
-        return self.store.decisions.get(upgrade)
+    def decision(self, upgrade_id):
+        return self.store.decisions.get(upgrade_id)
 
-    def stored_advice(self, upgrade):
-        return self.store.advice.get(upgrade)
+    def stored_advice(self, upgrade_id):
+        return self.store.advice.get(upgrade_id)
 
     def layout_refusal(self, new, task_runner):
         return self.refusal
@@ -147,31 +147,31 @@ class Ports:
 
     # StoreWrites
     @contextmanager
-    def lock(self, upgrade):
+    def lock(self, upgrade_id):
         self._call("lock")
         assert self.store.locked is None, "one run at a time"
-        self.store.locked = upgrade
+        self.store.locked = upgrade_id
         try:
             yield
         finally:
             self.store.locked = None
             self.calls.append("unlock")
 
-    def complete_abort(self, upgrade):
+    def complete_abort(self, upgrade_id):
         self._call("complete_abort")
-        self.store.aborts.discard(upgrade)
+        self.store.aborts.discard(upgrade_id)
         self.store.current = None
 
-    def start_over(self, upgrade):
+    def start_over(self, upgrade_id):
         self._call("start_over")
         for table in (self.store.plans, self.store.done, self.store.decisions, self.store.undos,
                       self.store.rejections, self.store.advice):
-            table.pop(upgrade, None)
-        self.store.switched.discard(upgrade)
+            table.pop(upgrade_id, None)
+        self.store.switched.discard(upgrade_id)
 
-    def point_manifest(self, upgrade):
+    def point_manifest(self, upgrade_id):
         self._call("point_manifest")
-        self.store.current = upgrade
+        self.store.current = upgrade_id
 
     def write_plan(self, plan):
         self._call("write_plan")
@@ -196,9 +196,9 @@ class Ports:
         self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision.reasons}
         self.store.switched.add(plan.id)
 
-    def mark_registry_recorded(self, upgrade):
+    def mark_registry_recorded(self, upgrade_id):
         self._call("mark_registry_recorded")
-        self.store.decisions[upgrade] = replace(self.store.decisions[upgrade], registry_recorded="t")
+        self.store.decisions[upgrade_id] = replace(self.store.decisions[upgrade_id], registry_recorded="t")
 
     # ChunkRunner: a chunk runs when it is submitted; its record (or failure) waits in the handle
     def submit(self, plan, chunk, model):
@@ -237,7 +237,7 @@ class Ports:
 
     def plan(self, course, new, new_model, judged):
         self._call("plan")
-        plan = Plan(course.upgrade, course.old, new, "models:/map/1", "sigma", CHUNK, N, 10, "l2", "run-1",
+        plan = Plan(course.upgrade_id, course.old, new, "models:/map/1", "sigma", CHUNK, N, 10, "l2", "run-1",
                     base=course.base, bounds=None)
         self.store.plans[plan.id] = plan
         self.store.current = plan.id
@@ -298,7 +298,7 @@ def test_a_fresh_upgrade_goes_the_whole_course_in_order():
     store = Store()
     ports = Ports(store)
     result = run(store, ports)
-    assert result.state == "complete" and result.complete and result.items_done == N and result.upgrade == UID12
+    assert result.state == "complete" and result.complete and result.items_done == N and result.upgrade_id == UID12
     assert result.promotion.passed and result.promotion.numbers == PASSING and not result.resumed_ending
     assert ports.calls == ["lock", "load_model", "plan", "advise", "chunk 0", "chunk 1", "chunk 2", "landed 0 at 10",
                            "chunk 3", "landed 1 at 20", "landed 2 at 30", "landed 3 at 40", "progress closed ok=True",

@@ -379,15 +379,15 @@ def _given_up(points: float) -> str:
 # A planned upgrade's advice, kept beside its plan
 
 
-def advice_key(upgrade: str) -> str:
+def advice_key(upgrade_id: str) -> str:
 
-    return upgrade_key(upgrade, ADVICE)
+    return upgrade_key(upgrade_id, ADVICE)
 
 
-def stored_advice(store, upgrade: str) -> dict | None:
+def stored_advice(store, upgrade_id: str) -> dict | None:
 
     try:
-        return store.get_json(advice_key(upgrade))
+        return store.get_json(advice_key(upgrade_id))
     except ObjectMissing:
         return None
 

@@ -97,13 +97,13 @@ def decide(numbers: dict, config: PromotionConfig) -> tuple[bool, list[str]]:
     return not reasons, reasons
 
 
-def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_version: str, upgrade: str) -> dict:
+def decision_tags(passed: bool, reasons: list[str], numbers: dict, champion_version: str, upgrade_id: str) -> dict:
     """The decision and its numbers as MLflow tags (model version and run)."""
     reached, relative = numbers["fraction_to_gain"], relative_nfr(numbers)
     return {
         "promotion": "passed" if passed else "rejected",
         "promotion.reason": "all gates passed" if passed else "; ".join(reasons),
-        "promotion.upgrade": upgrade,
+        "promotion.upgrade": upgrade_id,
         "promotion.champion_version": str(champion_version),
         "promotion.champion_top1": f"{numbers['champion_top1']:.6f}",
         "promotion.top1_auc": f"{numbers['top1_auc']:.6f}",

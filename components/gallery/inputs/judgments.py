@@ -168,24 +168,24 @@ def gate_judgments(uri: str, ids: np.ndarray | list, log: Callable[[str], None])
 JUDGED = "eval/judgments.json"
 
 
-def store_judged(store, upgrade: str, judged: Judgments, new_queries: np.ndarray, champion_queries: np.ndarray) -> None:
+def store_judged(store, upgrade_id: str, judged: Judgments, new_queries: np.ndarray, champion_queries: np.ndarray) -> None:
     """The resolved judgments and both sides' query features, under ``upgrades/<upgrade>/eval/``."""
 
-    store.put_array(upgrade_key(upgrade, "eval/judged_new.npy"), np.asarray(new_queries, dtype=np.float32))
-    store.put_array(upgrade_key(upgrade, "eval/judged_champion.npy"), np.asarray(champion_queries, dtype=np.float32))
-    store.put_json(upgrade_key(upgrade, JUDGED), {
+    store.put_array(upgrade_key(upgrade_id, "eval/judged_new.npy"), np.asarray(new_queries, dtype=np.float32))
+    store.put_array(upgrade_key(upgrade_id, "eval/judged_champion.npy"), np.asarray(champion_queries, dtype=np.float32))
+    store.put_json(upgrade_key(upgrade_id, JUDGED), {
         "source": judged.source, "query_positions": judged.query_positions.tolist(), "query_uris": judged.query_uris,
         "relevant": [r.tolist() for r in judged.relevant]})
 
 
-def stored_judged(store, upgrade: str) -> tuple[Judgments, np.ndarray, np.ndarray] | None:
+def stored_judged(store, upgrade_id: str) -> tuple[Judgments, np.ndarray, np.ndarray] | None:
     """(judgments, new-model query features, champion query features) of a planned upgrade, or None."""
 
     try:
-        record = store.get_json(upgrade_key(upgrade, JUDGED))
+        record = store.get_json(upgrade_key(upgrade_id, JUDGED))
     except ObjectMissing:
         return None
     judged = Judgments(record["source"], np.asarray(record["query_positions"], dtype=np.int64), record["query_uris"],
                        [np.asarray(r, dtype=np.int64) for r in record["relevant"]])
-    return (judged, store.get_array(upgrade_key(upgrade, "eval/judged_new.npy")),
-            store.get_array(upgrade_key(upgrade, "eval/judged_champion.npy")))
+    return (judged, store.get_array(upgrade_key(upgrade_id, "eval/judged_new.npy")),
+            store.get_array(upgrade_key(upgrade_id, "eval/judged_champion.npy")))

@@ -539,7 +539,7 @@ class MilvusGallery(StoredItems, FeaturesById, ServedGallery[Collections, str]):
     def _target(self, model: ModelRef) -> str:
         return self.index.collection(model)
 
-    def _point(self, target: str, model: ModelRef, upgrade: str | None) -> None:
+    def _point(self, target: str, model: ModelRef, upgrade_id: str | None) -> None:
         """The alias moved to the collection ``target`` (``alter_alias``: one step for every reader)."""
         self.index.point(target)
 

@@ -675,11 +675,11 @@ class Index:
             "WHERE i.indrelid = to_regclass(%s) AND a.attname = %s AND am.amname IN ('hnsw', 'ivfflat')",
             (f'"{place.table}"', place.column)).fetchone()[0])
 
-    def serve(self, model: ModelRef, place: Place, upgrade: str | None) -> None:
+    def serve(self, model: ModelRef, place: Place, upgrade_id: str | None) -> None:
         """Readers move to ``model``'s vectors at ``place`` in one transaction: the view
         redefined over them and the serving row rewritten together (a reader's statement sees
-        one or the other). While ``upgrade`` fills ``place`` from its held table, the view is
-        both tables' rows, a held row only while its rank is in no chunk ``upgrade`` recorded
+        one or the other). While ``upgrade_id`` fills ``place`` from its held table, the view is
+        both tables' rows, a held row only while its rank is in no chunk ``upgrade_id`` recorded
         (``held_view``); served without an upgrade, the held table is dropped after the commit
         (the finish: every row is in ``place``'s table)."""
         from psycopg import sql
@@ -689,7 +689,7 @@ class Index:
         ours = self.ours(self.view, VIEW, "gallery.pgvector.view")
         self.ours(self.serving_table, SERVING, "gallery.pgvector.prefix")
         held = self.held(place)
-        if held and upgrade is None:
+        if held and upgrade_id is None:
             self.ann_index(place)  # the finish: a table whose index waited for rows gets it now
         with self.transaction() as connection:
             if ours:
@@ -698,20 +698,20 @@ class Index:
                             "FROM {table}").format(
                 id=sql.Identifier(place.id_column), col=sql.Identifier(place.column), model=sql.Literal(model.uri),
                 source=source, table=sql.Identifier(place.table))
-            body = self.held_view(place, held, model, upgrade) if held and upgrade else plain
+            body = self.held_view(place, held, model, upgrade_id) if held and upgrade_id else plain
             connection.execute(sql.SQL("CREATE VIEW {view} AS ").format(view=sql.Identifier(self.view)) + body)
             self.marking(connection, "view", self.view, VIEW)
             connection.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(self.serving_table)))
             connection.execute(sql.SQL("INSERT INTO {} (model, model_name, model_version, dim, vectors, upgrade, "
                                        "gallery, store) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)").format(
                 sql.Identifier(self.serving_table)),
-                (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade, self.owner,
+                (model.uri, model.name, str(model.version), int(model.dim or 0), place.name, upgrade_id, self.owner,
                  self.store_uri))
-        if held and upgrade is None:
+        if held and upgrade_id is None:
             self.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(held)))
 
-    def held_view(self, place: Place, held: str, model: ModelRef, upgrade: str):
-        """The view's query while ``upgrade`` fills ``place``'s table from ``held``: the rows of
+    def held_view(self, place: Place, held: str, model: ModelRef, upgrade_id: str):
+        """The view's query while ``upgrade_id`` fills ``place``'s table from ``held``: the rows of
         both, a held row only while its rank lies in no chunk the upgrade recorded. The filter is
         on the UNION ALL as a whole, so PostgreSQL plans a search as a Merge Append of two
         ordered ANN index scans, and the recorded chunks' ranges are read once per query (an
@@ -728,7 +728,7 @@ class Index:
             "PRECEDING AND 1 PRECEDING), 0) AS island FROM {chunks} WHERE upgrade = {upgrade} AND first IS NOT NULL"
             ") c GROUP BY island)))").format(
             model=sql.Literal(model.uri), table=sql.Identifier(place.table), mapped=sql.Literal(MAPPED),
-            held=sql.Identifier(held), chunks=sql.Identifier(self.chunks_table), upgrade=sql.Literal(upgrade))
+            held=sql.Identifier(held), chunks=sql.Identifier(self.chunks_table), upgrade=sql.Literal(upgrade_id))
 
     def product_distances(self, distances: list) -> np.ndarray:
         """pgvector's distances as the product gives them: squared L2, or 1 - cosine."""

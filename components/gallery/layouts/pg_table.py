@@ -209,9 +209,9 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         """Every object of this gallery's in the database dropped (its mark): the view first, so
         readers stop at once, then the ANN indexes it built, its vectors tables and bookkeeping
         tables, and the table an ingest made. Refused while an upgrade is under way."""
-        upgrade = self.manifest(refresh=True).get("upgrade")
-        if upgrade:
-            raise GalleryError(f"upgrade {upgrade} is in progress; finish it, or end it with `fastfill upgrade abort`, "
+        upgrade_id = self.manifest(refresh=True).get("upgrade")
+        if upgrade_id:
+            raise GalleryError(f"upgrade {upgrade_id} is in progress; finish it, or end it with `fastfill upgrade abort`, "
                                "before releasing the gallery's objects")
         return self.index.release()
 
@@ -271,9 +271,9 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
     def _vectors_name(self, target: Place) -> str:
         return target.name
 
-    def _point(self, target: Place, model: ModelRef, upgrade: str | None) -> None:
+    def _point(self, target: Place, model: ModelRef, upgrade_id: str | None) -> None:
         """The view redefined over ``target`` and the serving row rewritten, in one transaction."""
-        self.index.serve(model, target, upgrade)
+        self.index.serve(model, target, upgrade_id)
 
     def _prepare_switch(self, plan: Plan, place: Place) -> None:
         """The new model's rows written as the mixed gallery is now, before any reader moves to

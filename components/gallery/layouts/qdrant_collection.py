@@ -567,7 +567,7 @@ class QdrantGallery(StoredItems, FeaturesById, ServedGallery[Collections, str]):
     def _target(self, model: ModelRef) -> str:
         return self.index.collection(model)
 
-    def _point(self, target: str, model: ModelRef, upgrade: str | None) -> None:
+    def _point(self, target: str, model: ModelRef, upgrade_id: str | None) -> None:
         """The alias moved to the collection ``target`` (one ``update_collection_aliases`` call)."""
         self.index.point(target)
 

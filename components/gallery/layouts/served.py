@@ -71,8 +71,8 @@ class ServedGallery(Gallery, Generic[IndexT, TargetT]):
         mixed gallery from its switch on, else the gallery's model's features; returns what it
         serves. Nothing is written when it already does."""
         manifest = manifest or self.manifest(refresh=True)
-        upgrade = manifest.get("upgrade")
-        plan = load_plan(self.store, upgrade) if upgrade else None
+        upgrade_id = manifest.get("upgrade")
+        plan = load_plan(self.store, upgrade_id) if upgrade_id else None
         model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
         wanted = plan.id if plan is not None else None
         target = self._target(model)
@@ -94,7 +94,7 @@ class ServedGallery(Gallery, Generic[IndexT, TargetT]):
         """``target`` as the index's ``Serving.vectors`` names it."""
         return str(target)
 
-    def _holds(self, serving: Serving, target: TargetT, upgrade: str | None) -> bool:
+    def _holds(self, serving: Serving, target: TargetT, upgrade_id: str | None) -> bool:
         """The index serves from ``target`` already (a switch's rows are there: by default where
         ``Serving.vectors`` names it; a layout whose every space has the one place says more)."""
         return serving.vectors == self._vectors_name(target)
@@ -105,8 +105,8 @@ class ServedGallery(Gallery, Generic[IndexT, TargetT]):
         done) written at ``target``, before any reader moves to it."""
 
     @abstractmethod
-    def _point(self, target: TargetT, model: ModelRef, upgrade: str | None) -> None:
-        """Readers moved to ``model``'s vectors at ``target`` (serving ``upgrade``), in one step."""
+    def _point(self, target: TargetT, model: ModelRef, upgrade_id: str | None) -> None:
+        """Readers moved to ``model``'s vectors at ``target`` (serving ``upgrade_id``), in one step."""
 
 
 class FeaturesById:

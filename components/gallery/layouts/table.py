@@ -365,19 +365,19 @@ class TableGallery(ServedGallery[ServingTable, ModelRef]):
         """Every space is written to the one serving table: the target is the model."""
         return model
 
-    def _holds(self, serving: Serving, target: ModelRef, upgrade: str | None) -> bool:
-        return serving.model == target.uri and serving.upgrade == upgrade
+    def _holds(self, serving: Serving, target: ModelRef, upgrade_id: str | None) -> bool:
+        return serving.model == target.uri and serving.upgrade == upgrade_id
 
     def _prepare_switch(self, plan: Plan, target: ModelRef) -> None:
         self._write_mixed(plan)
 
-    def _point(self, target: ModelRef, model: ModelRef, upgrade: str | None) -> None:
+    def _point(self, target: ModelRef, model: ModelRef, upgrade_id: str | None) -> None:
         """A finish: the rows are the new model's already, the metadata says so (``retag``);
         another model (an abort, a rejection, a rollback): its space written from the table."""
         serving = self.index.serving()
         if serving is not None and serving.model == model.uri:
-            if serving.upgrade != upgrade:
-                self.index.retag(model, upgrade)
+            if serving.upgrade != upgrade_id:
+                self.index.retag(model, upgrade_id)
         else:
             self._write_model(model)
 

@@ -67,9 +67,9 @@ class DualSearch:
         import faiss
 
         manifest = self.gallery.manifest(refresh=True)
-        self.upgrade = manifest.get("upgrade")
+        self.upgrade_id = manifest.get("upgrade")
         self.ids = self.gallery.ids()
-        self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
+        self.plan = load_plan(self.gallery.store, self.upgrade_id) if self.upgrade_id else None
         self.old_model = self.plan.old if self.plan else ModelRef.from_dict(manifest["model"])
         self.new_model = self.plan.new if self.plan else None
         self.reverse = None
@@ -120,7 +120,7 @@ class DualSearch:
         new one (``rerank``: add them to the new one, the old index keeping every item); returns
         how many chunks. A gallery whose upgrade started, ended or was undone since is reloaded."""
         with self._lock:
-            if self.gallery.manifest(refresh=True).get("upgrade") != self.upgrade:
+            if self.gallery.manifest(refresh=True).get("upgrade") != self.upgrade_id:
                 self._build()
                 return 0
             if self.plan is None:

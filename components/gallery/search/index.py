@@ -55,9 +55,9 @@ class GallerySearch:
     def _build(self) -> None:
         manifest = self.gallery.manifest(refresh=True)
         self.ids = self.gallery.ids()
-        self.upgrade = manifest.get("upgrade")
+        self.upgrade_id = manifest.get("upgrade")
         self.fresh = np.zeros(len(self.ids), dtype=bool)  # during an upgrade: items on the new model
-        self.plan = load_plan(self.gallery.store, self.upgrade) if self.upgrade else None
+        self.plan = load_plan(self.gallery.store, self.upgrade_id) if self.upgrade_id else None
         if self.plan is not None:
             plan = self.plan
             self.query_model = plan.new
@@ -66,7 +66,7 @@ class GallerySearch:
             def part_features(part: int) -> np.ndarray:
                 return self.gallery.part_rows(transformed_key(plan.id, part), part)
         else:
-            self.upgrade = None
+            self.upgrade_id = None
             self.query_model = self.gallery.model
             self.fresh[:] = True
             self._mark_kept_from(manifest)
@@ -113,11 +113,11 @@ class GallerySearch:
         already holds the new features) and its query model becomes the gallery's."""
         with self._lock:
             manifest = self.gallery.manifest(refresh=True)
-            if manifest.get("upgrade") != self.upgrade:
-                if self.upgrade is not None and self.plan is not None and manifest.get("upgrade") is None \
+            if manifest.get("upgrade") != self.upgrade_id:
+                if self.upgrade_id is not None and self.plan is not None and manifest.get("upgrade") is None \
                         and ModelRef.from_dict(manifest["model"]) == self.plan.new:
                     applied = self._apply_new_chunks()
-                    self.upgrade, self.plan, self.query_model = None, None, ModelRef.from_dict(manifest["model"])
+                    self.upgrade_id, self.plan, self.query_model = None, None, ModelRef.from_dict(manifest["model"])
                     self.fresh[:] = True
                     self._mark_kept_from(manifest)
                     return applied

@@ -43,8 +43,8 @@ class IndexSearch:
             raise GalleryError(f"{self.gallery.index.where} serves rows of no model the product knows ({serving.model}); "
                                "restore it, or adopt the gallery again")
         self.query_model = ModelRef(serving.model_name, serving.model_version, serving.dim or None)
-        upgrade = serving.upgrade or self.gallery.manifest(refresh=True).get("upgrade")
-        plan = load_plan(self.gallery.store, upgrade) if upgrade else self._last_plan()
+        upgrade_id = serving.upgrade or self.gallery.manifest(refresh=True).get("upgrade")
+        plan = load_plan(self.gallery.store, upgrade_id) if upgrade_id else self._last_plan()
         self._mapped = f"{plan.old.uri} mapped by {plan.map_uri}" if plan is not None else None
         return 0
 

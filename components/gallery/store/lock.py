@@ -231,14 +231,14 @@ def _held(store: Store, record: dict, version: str, sent: float, lease_seconds: 
     return lock
 
 
-def acquire_lock(store: Store, upgrade: str, *, break_lock: bool = False, log: Callable[[str], None] = print,
+def acquire_lock(store: Store, upgrade_id: str, *, break_lock: bool = False, log: Callable[[str], None] = print,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, renew: bool = True) -> Lock:
     """Take the gallery's upgrade lock for ``lease_seconds``, renewed in the background until
     ``release`` (``renew=False``: not renewed). A lock whose lease expired, or whose process is gone
     on this host (a killed backfill resumes with the same command), is taken over; any other held
     lock refuses, unless ``break_lock``."""
     token = uuid.uuid4().hex
-    base = {"upgrade": upgrade, "host": socket.gethostname(), "pid": os.getpid(), "since": now(), "token": token,
+    base = {"upgrade": upgrade_id, "host": socket.gethostname(), "pid": os.getpid(), "since": now(), "token": token,
             "lease_seconds": lease_seconds}
     expected = None  # None: create it; else the version of the lock being taken over
     for _ in range(5):
@@ -280,14 +280,14 @@ class BrokenLock:
     the record does not name them) and the record as it was stored (``to_dict``: lock.json's
     keys, whichever version of fastfill wrote it; an unreadable lock names only the upgrade)."""
 
-    upgrade: str | None
+    upgrade_id: str | None  # ``upgrade`` in the record
     pid: int | None
     host: str | None
     record: dict
 
     @classmethod
     def from_dict(cls, record: dict) -> BrokenLock:
-        return cls(upgrade=record.get("upgrade"), pid=record.get("pid"), host=record.get("host"), record=dict(record))
+        return cls(upgrade_id=record.get("upgrade"), pid=record.get("pid"), host=record.get("host"), record=dict(record))
 
     def to_dict(self) -> dict:
         """The lock's record as stored."""

@@ -44,21 +44,21 @@ class _PlanCache:
         self._lock = threading.Lock()
         self._items: dict[tuple[str, str], tuple[Plan, np.ndarray]] = {}
 
-    def get(self, store: Store, upgrade: str) -> tuple[Plan, np.ndarray]:
-        key = (store.uri, upgrade)
-        plan = load_plan(store, upgrade)
+    def get(self, store: Store, upgrade_id: str) -> tuple[Plan, np.ndarray]:
+        key = (store.uri, upgrade_id)
+        plan = load_plan(store, upgrade_id)
         if plan is None:
-            raise GalleryError(f"upgrade {upgrade} has no plan in {store.uri}; start it with `fastfill upgrade`")
+            raise GalleryError(f"upgrade {upgrade_id} has no plan in {store.uri}; start it with `fastfill upgrade`")
         with self._lock:
             if key not in self._items or self._items[key][0] != plan:
-                self._items[key] = (plan, order_of(store, upgrade))
+                self._items[key] = (plan, order_of(store, upgrade_id))
             return self._items[key]
 
 
 PLANS = _PlanCache()
 
 
-def backfill_chunk(gallery: Gallery, upgrade: str, chunk: int, model, *, device=None, batch_size: int = 512,
+def backfill_chunk(gallery: Gallery, upgrade_id: str, chunk: int, model, *, device=None, batch_size: int = 512,
                    read_workers: int = 16, precision: str = "auto") -> dict:
     """Re-embed one chunk of ``gallery``'s upgrade with the new model: read its images, embed,
     write the features, then the marker. A chunk whose marker exists is not redone. An image that
@@ -67,13 +67,13 @@ def backfill_chunk(gallery: Gallery, upgrade: str, chunk: int, model, *, device=
     from fastfill.components.experiment.inference import embed
 
     store = gallery.store
-    marker = marker_key(upgrade, chunk)
+    marker = marker_key(upgrade_id, chunk)
     try:
         return {**store.get_json(marker), "skipped": True}
     except ObjectMissing:
         pass
     started = time.perf_counter()
-    plan, order = PLANS.get(store, upgrade)
+    plan, order = PLANS.get(store, upgrade_id)
     start, stop = plan.chunk_bounds(chunk)
     positions = order[start:stop]
     preprocessing = getattr(model, "preprocessing", None)
@@ -89,11 +89,11 @@ def backfill_chunk(gallery: Gallery, upgrade: str, chunk: int, model, *, device=
     failed = []
     if failures:
         failed_positions = positions[~ok]
-        features[~ok] = transformed_rows(gallery, upgrade, failed_positions)
+        features[~ok] = transformed_rows(gallery, upgrade_id, failed_positions)
         ids = item_column(gallery, failed_positions, "id")
         failed = [{"position": int(positions[f.row]), "id": ids[i], "uri": f.uri, "reason": f.reason}
                   for i, f in enumerate(failures)]
-    return {**write_chunk(store, upgrade, chunk, start, stop, features, started, failed,
+    return {**write_chunk(store, upgrade_id, chunk, start, stop, features, started, failed,
                           serve=lambda: gallery.serve_chunk(plan, chunk, positions, features, ok)),
             "skipped": False}
 
@@ -122,17 +122,17 @@ def embed_streamed(fetch, embed, count: int, dim: int, batch: int) -> tuple[np.n
     return features, failures
 
 
-def write_chunk(store: Store, upgrade: str, chunk: int, start: int, stop: int, features: np.ndarray,
+def write_chunk(store: Store, upgrade_id: str, chunk: int, start: int, stop: int, features: np.ndarray,
                 started: float, failed: list | None = None, serve=None, **extra) -> dict:
     """A chunk's new features, then (``serve``) its rows in the index a layout serves queries
     from, then its completion marker (the chunk counts as done from here)."""
-    digest = store.put_array(chunk_key(upgrade, chunk), features)
+    digest = store.put_array(chunk_key(upgrade_id, chunk), features)
     if serve is not None:
         serve()
     record = {"chunk": chunk, "start": start, "stop": stop, "count": stop - start, "sha256": digest,
               "failed": failed or [], "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
               "finished": now(), "seconds": round(time.perf_counter() - started, 4), **extra}
-    store.put_json(marker_key(upgrade, chunk), record)
+    store.put_json(marker_key(upgrade_id, chunk), record)
     return record
 
 
@@ -151,10 +151,10 @@ def write_prefilled(store: Store, plan: Plan, order: np.ndarray, features_at: di
     return written
 
 
-def failed_images(store: Store, upgrade: str) -> list[dict]:
-    """Every item whose image a backfill of ``upgrade`` could not read, from the chunk markers."""
-    return [entry for chunk in done_chunks(store, upgrade)
-            for entry in store.get_json(marker_key(upgrade, chunk)).get("failed", [])]
+def failed_images(store: Store, upgrade_id: str) -> list[dict]:
+    """Every item whose image a backfill of ``upgrade_id`` could not read, from the chunk markers."""
+    return [entry for chunk in done_chunks(store, upgrade_id)
+            for entry in store.get_json(marker_key(upgrade_id, chunk)).get("failed", [])]
 
 
 def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
@@ -172,11 +172,11 @@ def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
         yield chunk, positions, chunk_features(store, plan.id, chunk), read
 
 
-def write_sources(gallery: Gallery, upgrade: str, base: Plan) -> int:
+def write_sources(gallery: Gallery, upgrade_id: str, base: Plan) -> int:
     """A sequential upgrade starts from the gallery as queries see it in the unfinished ``base``
     upgrade: its new model's features where backfilled, its transformed features elsewhere,
     all in the space of ``base.new`` (the maps compose). Written per part, in bounded memory;
     returns the parts."""
     for part, features, _ in iter_mixed_parts(gallery, base):
-        gallery.store.put_array(source_key(upgrade, part), features)
+        gallery.store.put_array(source_key(upgrade_id, part), features)
     return gallery.num_parts

@@ -53,17 +53,17 @@ class StoreView(Protocol):
     num_items: int
     has_labels: bool
 
-    def planned_new(self, upgrade: str) -> ModelRef | None:
-        """The new model of ``upgrade``'s plan, None when it has no plan."""
+    def planned_new(self, upgrade_id: str) -> ModelRef | None:
+        """The new model of ``upgrade_id``'s plan, None when it has no plan."""
 
-    def aborted(self, upgrade: str) -> bool:
-        """``upgrade`` has an abort record."""
+    def aborted(self, upgrade_id: str) -> bool:
+        """``upgrade_id`` has an abort record."""
 
-    def undone(self, upgrade: str) -> dict | None:
-        """The record of ``upgrade``'s abort or rollback, with ``ended``; None when neither."""
+    def undone(self, upgrade_id: str) -> dict | None:
+        """The record of ``upgrade_id``'s abort or rollback, with ``ended``; None when neither."""
 
-    def rejected(self, upgrade: str) -> dict | None:
-        """The promotion gate's rejection record of ``upgrade``, or None."""
+    def rejected(self, upgrade_id: str) -> dict | None:
+        """The promotion gate's rejection record of ``upgrade_id``, or None."""
 
     def interrupted_decision(self) -> Decision | None:
         """The decision of an upgrade whose gallery switched (or went back) but whose registry
@@ -77,7 +77,7 @@ class Course:
     removed), then ``action``. ``say``: the lines to log."""
 
     action: str
-    upgrade: str | None = None  # the upgrade's id
+    upgrade_id: str | None = None
     old: ModelRef | None = None  # the features the map starts from
     base: str | None = None  # a sequential upgrade's unfinished upgrade
     complete_abort: str | None = None
@@ -161,7 +161,7 @@ class UpgradeDecider:
             say.append(f"upgrade {ending.upgrade_id} was interrupted at its end, after the gallery "
                        f"{'switched' if ending.passed else 'went back'}: recording its decision in the registry now")
             if ending.new is not None and ending.new.same_version(wanted):
-                return Course(ENDED, upgrade=ending.upgrade_id, complete_abort=complete_abort, complete_decision=ending,
+                return Course(ENDED, upgrade_id=ending.upgrade_id, complete_abort=complete_abort, complete_decision=ending,
                               say=say)
         course = Course(REFUSE, complete_abort=complete_abort, complete_decision=ending, say=say)
         if view.model.same_version(wanted):
@@ -179,23 +179,23 @@ class UpgradeDecider:
             course.base, old = current, moving
             say.append(f"{self.store_uri} is in the middle of upgrade {current} to {moving.uri}: {wanted.uri} starts a "
                        "sequential upgrade from the gallery as it stands")
-        course.old, course.upgrade = old, upgrade_id(old, wanted)
-        undone = view.undone(course.upgrade)
+        course.old, course.upgrade_id = old, upgrade_id(old, wanted)
+        undone = view.undone(course.upgrade_id)
         if undone is not None:  # the user ended it: its old plan and chunks count for nothing
             course.start_over = True
             when, by = undone.get("aborted") or undone.get("rolled_back"), undone.get("by") or {}
-            say.append(f"upgrade {course.upgrade} was {undone['ended']} on {when} by {by.get('user')}@{by.get('host')}; "
+            say.append(f"upgrade {course.upgrade_id} was {undone['ended']} on {when} by {by.get('user')}@{by.get('host')}; "
                        "planning it again from scratch (its earlier objects were removed)")
         else:
-            rejected = view.rejected(course.upgrade)
+            rejected = view.rejected(course.upgrade_id)
             if rejected is not None and self.gate:
-                course.reason = (f"upgrade {course.upgrade} was rejected by the promotion gate on {rejected['rejected']} "
+                course.reason = (f"upgrade {course.upgrade_id} was rejected by the promotion gate on {rejected['rejected']} "
                                  f"({'; '.join(rejected.get('reasons', []))}); register a better version, or run it "
                                  "ungated (--no-gate) to plan it again without the gate")
                 return course
             if rejected is not None:  # the user turned the gate off for it: planned again, ungated
                 course.start_over = True
-                say.append(f"upgrade {course.upgrade} was rejected by the promotion gate on {rejected['rejected']}; the "
+                say.append(f"upgrade {course.upgrade_id} was rejected by the promotion gate on {rejected['rejected']}; the "
                            "gate is off for this run, so it is planned again from scratch and runs ungated")
         course.truth = truth_of(view.has_labels, self.judgments)
         if course.truth == TRUTH_NONE and self.gate:  # decided before any embedding
@@ -204,9 +204,9 @@ class UpgradeDecider:
         if course.truth == TRUTH_NONE:
             say.append(f"{self.store_uri} has no labels and no judged queries: the upgrade runs ungated "
                        "(promotion.gate false), and no retrieval is measured along the backfill")
-        if not course.start_over and view.planned_new(course.upgrade) is not None:
-            course.action, course.point_manifest = RESUME, current != course.upgrade
-            say.append(f"resuming upgrade {course.upgrade}")
+        if not course.start_over and view.planned_new(course.upgrade_id) is not None:
+            course.action, course.point_manifest = RESUME, current != course.upgrade_id
+            say.append(f"resuming upgrade {course.upgrade_id}")
         else:
             course.action = PLAN
         return course
@@ -275,9 +275,9 @@ class UpgradeDecider:
                        say=[gate_message(numbers, passed, reasons, new.uri, champion.uri)])
 
     @staticmethod
-    def ended_line(result: UpgradeResult, upgrade: str, new: ModelRef, champion: ModelRef) -> str:
-        return (f"upgrade {upgrade} complete: the gallery's model is now {new.uri}" if result.state == "complete" else
-                f"upgrade {upgrade} rejected: the gallery serves {champion.uri}'s features again")
+    def ended_line(result: UpgradeResult, upgrade_id: str, new: ModelRef, champion: ModelRef) -> str:
+        return (f"upgrade {upgrade_id} complete: the gallery's model is now {new.uri}" if result.state == "complete" else
+                f"upgrade {upgrade_id} rejected: the gallery serves {champion.uri}'s features again")
 
 
 def up_to_date(model: ModelRef, num_items: int) -> UpgradeResult:

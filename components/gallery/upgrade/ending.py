@@ -129,5 +129,5 @@ def interrupted_decision(gallery: Gallery) -> Decision | None:
     return None
 
 
-def rejection(store: Store, upgrade: str) -> dict | None:
-    return upgrade_record(store, upgrade, REJECTED)
+def rejection(store: Store, upgrade_id: str) -> dict | None:
+    return upgrade_record(store, upgrade_id, REJECTED)

@@ -34,42 +34,42 @@ class GalleryView:
         self.current = manifest.get("upgrade")
         self.has_labels = bool(manifest.get("has_labels"))  # the manifest says; no label is read
 
-    def planned_new(self, upgrade: str) -> ModelRef | None:
-        plan = load_plan(self.gallery.store, upgrade)
+    def planned_new(self, upgrade_id: str) -> ModelRef | None:
+        plan = load_plan(self.gallery.store, upgrade_id)
         return plan.new if plan is not None else None
 
-    def aborted(self, upgrade: str) -> bool:
-        return aborted(self.gallery.store, upgrade) is not None
+    def aborted(self, upgrade_id: str) -> bool:
+        return aborted(self.gallery.store, upgrade_id) is not None
 
-    def undone(self, upgrade: str) -> dict | None:
-        return undone(self.gallery.store, upgrade)
+    def undone(self, upgrade_id: str) -> dict | None:
+        return undone(self.gallery.store, upgrade_id)
 
-    def rejected(self, upgrade: str) -> dict | None:
-        return rejection(self.gallery.store, upgrade)
+    def rejected(self, upgrade_id: str) -> dict | None:
+        return rejection(self.gallery.store, upgrade_id)
 
     def interrupted_decision(self) -> Decision | None:
         return interrupted_decision(self.gallery)
 
     # ---- what a run reads besides
 
-    def plan(self, upgrade: str) -> Plan:
-        plan = load_plan(self.gallery.store, upgrade)
+    def plan(self, upgrade_id: str) -> Plan:
+        plan = load_plan(self.gallery.store, upgrade_id)
         if plan is None:
-            raise GalleryError(f"upgrade {upgrade} has no plan.json in {self.gallery.store.uri}")
+            raise GalleryError(f"upgrade {upgrade_id} has no plan.json in {self.gallery.store.uri}")
         return plan
 
-    def done_chunks(self, upgrade: str) -> set[int]:
-        return set(backfill.done_chunks(self.gallery.store, upgrade))
+    def done_chunks(self, upgrade_id: str) -> set[int]:
+        return set(backfill.done_chunks(self.gallery.store, upgrade_id))
 
-    def failed_images(self, upgrade: str) -> list[dict]:
+    def failed_images(self, upgrade_id: str) -> list[dict]:
         """Items whose image could not be read, recorded by earlier runs (adopted galleries' images)."""
-        return backfill.failed_images(self.gallery.store, upgrade) if self.gallery.adopted else []
+        return backfill.failed_images(self.gallery.store, upgrade_id) if self.gallery.adopted else []
 
-    def decision(self, upgrade: str) -> Decision | None:
-        return decision(self.gallery.store, upgrade)
+    def decision(self, upgrade_id: str) -> Decision | None:
+        return decision(self.gallery.store, upgrade_id)
 
-    def stored_advice(self, upgrade: str) -> dict | None:
-        return stored_advice(self.gallery.store, upgrade)
+    def stored_advice(self, upgrade_id: str) -> dict | None:
+        return stored_advice(self.gallery.store, upgrade_id)
 
     def layout_refusal(self, new: ModelRef, task_runner: str) -> str | None:
         return UpgradeDecider.layout_refusal(self.gallery, new, task_runner)

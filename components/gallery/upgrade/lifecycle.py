@@ -146,9 +146,9 @@ def no_truth_refusal(store_uri: str) -> str:
             "gallery with a label column, or run it ungated (--no-gate or promotion.gate: false)")
 
 
-def plan_fields(config, upgrade: str, old_uri: str, new_uri: str, base: str | None) -> dict:
+def plan_fields(config, upgrade_id: str, old_uri: str, new_uri: str, base: str | None) -> dict:
     """What the upgrade's MLflow run records as params: the models and ``gallery.upgrade``."""
-    return {"id": upgrade, "old": old_uri, "new": new_uri, "order": config.order, "chunk_size": config.chunk_size,
+    return {"id": upgrade_id, "old": old_uri, "new": new_uri, "order": config.order, "chunk_size": config.chunk_size,
             "max_concurrency": config.max_concurrency, "task_runner": config.task_runner,
             "eval_queries": config.eval_queries, "base": base}
 

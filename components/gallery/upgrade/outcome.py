@@ -101,7 +101,7 @@ class Advice:
 class BackfillSummary:
     """How far one run's backfill got (``lifecycle.Backfill.summary``)."""
 
-    upgrade: str
+    upgrade_id: str
     chunks_done: int
     chunks: int
     items_done: int
@@ -128,7 +128,7 @@ class UpgradeResult:
     mlflow_run_id: str | None = None  # the upgrade's MLflow run
     message: str | None = None  # what the run said, for up-to-date, no target and paused
     model: str | None = None  # the gallery's model (up-to-date, no target)
-    upgrade: str | None = None  # the upgrade's id
+    upgrade_id: str | None = None  # ``upgrade`` in the JSON (``as_dict``)
     chunks_done: int | None = None
     chunks: int | None = None
     failed_images: int | None = None
@@ -149,8 +149,10 @@ class UpgradeResult:
         return replace(self, message=message)
 
     def as_dict(self) -> dict:
-        """The fields as plain JSON-ready values (the decisions as ``gate_fields`` and decision.json)."""
-        fields = asdict(replace(self, promotion=None, decision=None))
+        """The fields as plain JSON-ready values (the decisions as ``gate_fields`` and decision.json),
+        in their order; the upgrade's id as ``upgrade``."""
+        fields = {("upgrade" if key == "upgrade_id" else key): value
+                  for key, value in asdict(replace(self, promotion=None, decision=None)).items()}
         fields["promotion"] = self.promotion.gate_fields() if self.promotion is not None else None
         fields["decision"] = self.decision.to_dict() if self.decision is not None else None
         return fields
@@ -161,7 +163,7 @@ def backfilled(summary: BackfillSummary, mlflow_run_id: str | None, advice: Advi
     the end's)."""
     return UpgradeResult(state="complete" if summary.complete else "paused", items=summary.items,
                          items_done=summary.items_done, fraction=summary.fraction, complete=summary.complete,
-                         mlflow_run_id=mlflow_run_id, upgrade=summary.upgrade, chunks_done=summary.chunks_done,
+                         mlflow_run_id=mlflow_run_id, upgrade_id=summary.upgrade_id, chunks_done=summary.chunks_done,
                          chunks=summary.chunks, failed_images=summary.failed_images, advice=advice)
 
 
@@ -173,7 +175,7 @@ def rejection_event(result: UpgradeResult, store_uri: str, model_uri: str) -> di
     ``fastfill.upgrade.rejected`` with the gallery as its resource, and as payload the upgrade,
     the store, the model, the reasons, the gate's numbers (those that are numbers) and the
     upgrade's MLflow run, for an Automation to act on."""
-    upgrade_id = result.upgrade or (result.decision.upgrade_id if result.decision is not None else None)
+    upgrade_id = result.upgrade_id or (result.decision.upgrade_id if result.decision is not None else None)
     numbers = {k: v for k, v in ((result.promotion.numbers if result.promotion else None) or {}).items()
                if isinstance(v, int | float | None)}
     return {"event": REJECTED_EVENT,

@@ -62,40 +62,40 @@ def upgrade_id(old: ModelRef, new: ModelRef) -> str:
     return f"{old.key}-to-{new.key}"
 
 
-def upgrade_record(store: Store, upgrade: str, name: str) -> dict | None:
+def upgrade_record(store: Store, upgrade_id: str, name: str) -> dict | None:
     """The upgrade's JSON record ``name`` (its decision, how it ended, ...), or None when there is none."""
     try:
-        return store.get_json(upgrade_key(upgrade, name))
+        return store.get_json(upgrade_key(upgrade_id, name))
     except ObjectMissing:
         return None
 
 
-def eval_positions_key(upgrade: str) -> str:
-    return upgrade_key(upgrade, "eval/positions.npy")
+def eval_positions_key(upgrade_id: str) -> str:
+    return upgrade_key(upgrade_id, "eval/positions.npy")
 
 
-def eval_queries_key(upgrade: str) -> str:
-    return upgrade_key(upgrade, "eval/queries.npy")
+def eval_queries_key(upgrade_id: str) -> str:
+    return upgrade_key(upgrade_id, "eval/queries.npy")
 
 
-def eval_ranks_key(upgrade: str) -> str:
-    return upgrade_key(upgrade, "eval/ranks.npy")
+def eval_ranks_key(upgrade_id: str) -> str:
+    return upgrade_key(upgrade_id, "eval/ranks.npy")
 
 
-def sigma_key(upgrade: str, part: int) -> str:
-    return upgrade_key(upgrade, f"sigma/part-{part:05d}.npy")
+def sigma_key(upgrade_id: str, part: int) -> str:
+    return upgrade_key(upgrade_id, f"sigma/part-{part:05d}.npy")
 
 
-def reverse_key(upgrade: str) -> str:
+def reverse_key(upgrade_id: str) -> str:
     """Online backfilling's reverse transformation (gallery.upgrade.online), as named arrays."""
-    return upgrade_key(upgrade, "reverse.npz")
+    return upgrade_key(upgrade_id, "reverse.npz")
 
 
-def write_reverse(store: Store, upgrade: str, adapter) -> None:
+def write_reverse(store: Store, upgrade_id: str, adapter) -> None:
     """Keep the upgrade's reverse transformation (``adapters.adapter_arrays``: arrays, no pickle)."""
     buffer = io.BytesIO()
     np.savez(buffer, **adapter_arrays(adapter))  # type: ignore[arg-type]  # numpy's stubs: keyword arrays
-    store.put(reverse_key(upgrade), buffer.getvalue())
+    store.put(reverse_key(upgrade_id), buffer.getvalue())
 
 
 REPLAN_REVERSE = ("it is fitted only while an upgrade is planned: run `fastfill upgrade abort`, then the same "
@@ -103,15 +103,15 @@ REPLAN_REVERSE = ("it is fitted only while an upgrade is planned: run `fastfill 
                   "--merge rrf (or no --merge)")
 
 
-def load_reverse(store: Store, upgrade: str, online: bool | None = None):
+def load_reverse(store: Store, upgrade_id: str, online: bool | None = None):
     """The upgrade's reverse transformation, or None when it was planned without one. ``online``:
     what the plan says (``Plan.online``; None for a plan that does not say): where it says the
     upgrade was planned with one, a missing object is ObjectMissing. An object that is not one
     (its checksum matching: it was written so) is DamagedObject. Both name the object and what to do."""
-    key = reverse_key(upgrade)
+    key = reverse_key(upgrade_id)
     if not store.exists(key):
         if online:
-            raise ObjectMissing(f"{store.describe(key)} is missing: upgrade {upgrade} was planned with online "
+            raise ObjectMissing(f"{store.describe(key)} is missing: upgrade {upgrade_id} was planned with online "
                                 f"backfilling (gallery.upgrade.online: true), and its reverse transformation has been "
                                 f"deleted; {REPLAN_REVERSE}")
         return None
@@ -155,22 +155,22 @@ def write_plan(store: Store, plan: Plan) -> None:
 # Planning
 
 
-def transform_part(gallery: Gallery, upgrade: str, alignment_map, part: int, *, device=None,
+def transform_part(gallery: Gallery, upgrade_id: str, alignment_map, part: int, *, device=None,
                    sequential: bool = False) -> int:
     """h(old) and log sigma^2 of one part's stored features (``sequential``: of its source
     features, see write_sources); returns the part's item count."""
     from fastfill.components.experiment.inference import apply_alignment
 
-    old = gallery.part_rows(source_key(upgrade, part), part) if sequential else gallery.features(gallery.model, part)
+    old = gallery.part_rows(source_key(upgrade_id, part), part) if sequential else gallery.features(gallery.model, part)
     transformed, log_sigma2 = apply_alignment(alignment_map, old, device=device)
     check_features(transformed, None, f"transformed features of part {part}")
-    gallery.store.put_array(transformed_key(upgrade, part), transformed)
+    gallery.store.put_array(transformed_key(upgrade_id, part), transformed)
     if log_sigma2 is not None:
-        gallery.store.put_array(sigma_key(upgrade, part), log_sigma2)
+        gallery.store.put_array(sigma_key(upgrade_id, part), log_sigma2)
     return len(old)
 
 
-def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np.ndarray | None = None) -> np.ndarray:
+def make_order(gallery: Gallery, upgrade_id: str, kind: str, seed: int, weights: np.ndarray | None = None) -> np.ndarray:
     """The backfill order ``kind`` (``usage.backfill_order``) from the upgrade's stored log sigma^2
     (when its map has an uncertainty head) and, for the usage orders, the items' ``weights``
     (default: ``usage.usage_weights`` of the gallery's items table)."""
@@ -179,7 +179,7 @@ def make_order(gallery: Gallery, upgrade: str, kind: str, seed: int, weights: np
     if kind == "random":
         return usage.backfill_order(kind, gallery.num_items, seed)
     try:
-        sigma = np.concatenate([gallery.part_rows(sigma_key(upgrade, p), p) for p in range(gallery.num_parts)])
+        sigma = np.concatenate([gallery.part_rows(sigma_key(upgrade_id, p), p) for p in range(gallery.num_parts)])
     except ObjectMissing:
         sigma = None
     if kind in usage.USAGE_ORDERS and weights is None:
@@ -298,25 +298,25 @@ def eval_ranks(store: Store, plan: Plan, positions: np.ndarray) -> np.ndarray:
 
 
 
-def stored_eval_sample(store, upgrade: str) -> tuple[np.ndarray, np.ndarray]:
+def stored_eval_sample(store, upgrade_id: str) -> tuple[np.ndarray, np.ndarray]:
     """The upgrade's evaluation sample: (positions, new-model query features). Its absence is a
     configuration problem, said so; any other store failure (an outage) propagates as it is, never
     as a missing measurement."""
 
     try:
-        return store.get_array(eval_positions_key(upgrade)), store.get_array(eval_queries_key(upgrade))
+        return store.get_array(eval_positions_key(upgrade_id)), store.get_array(eval_queries_key(upgrade_id))
     except ObjectMissing as error:
-        raise GalleryError(f"upgrade {upgrade} has no evaluation sample, so the promotion gate cannot measure it "
+        raise GalleryError(f"upgrade {upgrade_id} has no evaluation sample, so the promotion gate cannot measure it "
                            "(the gallery needs labels and gallery.upgrade.eval_queries > 0); run with --no-gate "
                            "or set promotion.gate: false") from error
 
 
-def discard_unplanned(gallery: Gallery, upgrade: str) -> int:
+def discard_unplanned(gallery: Gallery, upgrade_id: str) -> int:
     """Delete what a refused or failed planning wrote under the upgrade's prefix, so the store is
     as it was; never once plan.json exists (then the upgrade is resumable and its objects count)."""
-    if load_plan(gallery.store, upgrade) is not None:
+    if load_plan(gallery.store, upgrade_id) is not None:
         return 0
-    keys = [key for key in gallery.store.list(f"upgrades/{upgrade}/") if not key.endswith("/rejected.json")]
+    keys = [key for key in gallery.store.list(f"upgrades/{upgrade_id}/") if not key.endswith("/rejected.json")]
     for key in keys:
         gallery.store.delete(key)
     return len(keys)

@@ -44,7 +44,7 @@ class PlanningSteps(Protocol):
 
     # ---- reads, before anything is written
 
-    def base_plan(self, upgrade: str) -> Plan | None:
+    def base_plan(self, upgrade_id: str) -> Plan | None:
         """The plan of the unfinished upgrade a sequential one starts from."""
 
     def check_sources(self, sequential: bool) -> None:
@@ -53,13 +53,13 @@ class PlanningSteps(Protocol):
     def usage_weights(self) -> usage.Usage:
         """The usage orders' weights (gallery.upgrade.usage_log, else the items table's column)."""
 
-    def done_chunks(self, upgrade: str) -> int:
-        """How many of ``upgrade``'s chunks are backfilled."""
+    def done_chunks(self, upgrade_id: str) -> int:
+        """How many of ``upgrade_id``'s chunks are backfilled."""
 
     # ---- the store and MLflow
 
-    def discard(self, upgrade: str) -> int:
-        """What a planning of ``upgrade`` wrote before its plan was, removed; the objects' count."""
+    def discard(self, upgrade_id: str) -> int:
+        """What a planning of ``upgrade_id`` wrote before its plan was, removed; the objects' count."""
 
     def open_run(self, fields: dict) -> str:
         """The upgrade's MLflow run opened with ``fields`` as params; its id."""
@@ -70,10 +70,10 @@ class PlanningSteps(Protocol):
     def tag_run(self, run_id: str, tags: dict) -> None:
         """Tags set on the run."""
 
-    def write_sources(self, upgrade: str, base: Plan) -> None:
+    def write_sources(self, upgrade_id: str, base: Plan) -> None:
         """A sequential upgrade's sources: the gallery as ``base`` left it."""
 
-    def write_reverse(self, upgrade: str, reverse: Any) -> None:
+    def write_reverse(self, upgrade_id: str, reverse: Any) -> None:
         """Online backfilling's reverse transformation kept with the plan."""
 
     def commit(self, plan: Plan, order: np.ndarray, embedded: dict, judged: Any, positions: np.ndarray,
@@ -97,10 +97,10 @@ class PlanningSteps(Protocol):
     def fit_reverse(self, pairs: Any) -> Any:
         """Online backfilling's reverse transformation, fitted on the map's pairs."""
 
-    def transform(self, upgrade: str, alignment_map: Any, sequential: bool) -> None:
+    def transform(self, upgrade_id: str, alignment_map: Any, sequential: bool) -> None:
         """The gallery's features through the map, every part (all ended before it returns)."""
 
-    def order(self, upgrade: str, kind: str, seed: int, weights: np.ndarray | None) -> np.ndarray:
+    def order(self, upgrade_id: str, kind: str, seed: int, weights: np.ndarray | None) -> np.ndarray:
         """The backfill order ``kind`` (from the stored sigma, and the usage weights)."""
 
     def embed_samples(self, new_model: Any, judged: Any, embedded: dict) -> tuple[Any, np.ndarray, Any]:
@@ -143,8 +143,8 @@ class PlanningCourse:
         refused before anything is written; one whose content fails while planning (a NaN, a torn
         part) is refused and what planning wrote is removed. ``judged``: the judged queries, or None
         without them. The usage orders' weights are read here, before anything is written."""
-        config, steps, uid = self.settings.upgrade, self.steps, course.upgrade
-        assert uid is not None and course.old is not None  # a course that plans names its upgrade and its start
+        config, steps, upgrade_id = self.settings.upgrade, self.steps, course.upgrade_id
+        assert upgrade_id is not None and course.old is not None  # a course that plans names its upgrade and its start
         base = steps.base_plan(course.base) if course.base else None
         steps.check_sources(base is not None)  # before anything is written
         weights = None
@@ -152,36 +152,36 @@ class PlanningCourse:
             found = steps.usage_weights()
             self.log(found.describe())
             weights = found.weights
-        leftover = steps.discard(uid)  # a killed planning's objects (its prefilled chunks too)
+        leftover = steps.discard(upgrade_id)  # a killed planning's objects (its prefilled chunks too)
         if leftover:
-            self.log(f"removed {leftover} object(s) that a planning of {uid} killed before its plan was written had left")
-        run_id = steps.open_run(plan_fields(config, uid, course.old.uri, new.uri, course.base))
+            self.log(f"removed {leftover} object(s) that a planning of {upgrade_id} killed before its plan was written had left")
+        run_id = steps.open_run(plan_fields(config, upgrade_id, course.old.uri, new.uri, course.base))
         try:
-            return self._make_plan(uid, course.old, new, new_model, base, run_id, judged, weights)
+            return self._make_plan(upgrade_id, course.old, new, new_model, base, run_id, judged, weights)
         except (GalleryError, StoreError) as error:
-            discarded = steps.discard(uid)
+            discarded = steps.discard(upgrade_id)
             steps.close_run(run_id, "FAILED", f"planning refused: {error}")
-            self.log(f"planning refused; {discarded} object(s) it had written under upgrades/{uid}/ were removed, so "
+            self.log(f"planning refused; {discarded} object(s) it had written under upgrades/{upgrade_id}/ were removed, so "
                      "the store is as it was")
             raise
 
-    def _make_plan(self, uid: str, old: ModelRef, new: ModelRef, new_model: Any, base: Plan | None, run_id: str,
+    def _make_plan(self, upgrade_id: str, old: ModelRef, new: ModelRef, new_model: Any, base: Plan | None, run_id: str,
                    judged: Any, weights: np.ndarray | None) -> Plan:
         """The map, the gallery through it, the order, the samples embedded now, then the plan written."""
         config, steps, sequential = self.settings.upgrade, self.steps, base is not None
         if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
-            steps.write_sources(uid, base)
+            steps.write_sources(upgrade_id, base)
             self.log(f"sequential upgrade: starting from {base.id} as it stands "
                      f"({steps.done_chunks(base.id)}/{base.num_chunks} chunks on {base.new.uri}, the "
                      "rest through its map)")
         alignment_map, map_uri, order_kind, pairs = steps.choose_map(
-            old, new, new_model, run_id, lambda: self._map_pairs(uid, old, new_model, sequential))
+            old, new, new_model, run_id, lambda: self._map_pairs(upgrade_id, old, new_model, sequential))
         # an order that needs sigma without the map's uncertainty head is refused here, before the transform
         check_map_fits(alignment_map, map_uri, order_kind, old.dim, new.dim, new.uri)
         if config.online:
-            pairs = self._online_reverse(uid, old, new_model, sequential, run_id, pairs)
-        steps.transform(uid, alignment_map, sequential)
-        order = steps.order(uid, order_kind, config.seed, weights)
+            pairs = self._online_reverse(upgrade_id, old, new_model, sequential, run_id, pairs)
+        steps.transform(upgrade_id, alignment_map, sequential)
+        order = steps.order(upgrade_id, order_kind, config.seed, weights)
         embedded = (dict(zip(pairs.positions.tolist(), pairs.new))
                     if pairs is not None and pairs.positions is not None else {})
         judged, positions, queries = steps.embed_samples(new_model, judged, embedded)
@@ -192,7 +192,7 @@ class PlanningCourse:
         if len(prefilled):
             order = planning.front_loaded(order, prefilled)
         num_items = steps.num_items
-        plan = Plan(uid, old, new, map_uri, order_kind, config.chunk_size, num_items,
+        plan = Plan(upgrade_id, old, new, map_uri, order_kind, config.chunk_size, num_items,
                     len(positions) if queries is not None else 0, self.settings.distance, run_id,
                     base=base.id if base else None,
                     bounds=planning.chunk_grid(num_items, config.chunk_size, [len(prefilled)]),
@@ -201,30 +201,30 @@ class PlanningCourse:
         if chunks:
             self.log(f"{len(prefilled)} items embedded while planning (map sample and evaluation sample) are "
                      f"backfilled first: chunks 0-{chunks - 1} written")
-        self.log(f"planned {uid}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
+        self.log(f"planned {upgrade_id}: {plan.num_chunks} chunks of {plan.chunk_size}, {plan.order_kind} order"
                  + (f", {plan.prefilled} items already backfilled" if plan.prefilled else "")
                  + f"; queries now use {new.uri} against the mixed gallery")
         return plan
 
-    def _online_reverse(self, uid: str, old: ModelRef, new_model: Any, sequential: bool, run_id: str, pairs: Any):
+    def _online_reverse(self, upgrade_id: str, old: ModelRef, new_model: Any, sequential: bool, run_id: str, pairs: Any):
         """gallery.upgrade.online: online backfilling's reverse transformation, fitted on the map's
         pairs (embedded now when the registry's map was used without them) and kept with the plan;
         returns the pairs."""
         if pairs is None:
             self.log("online backfilling: the registry's map was used as it is, so its pairs are embedded now for "
                      "the reverse transformation")
-            pairs = self._map_pairs(uid, old, new_model, sequential)
+            pairs = self._map_pairs(upgrade_id, old, new_model, sequential)
         if pairs is None:
             raise GalleryError(f"gallery.upgrade.online needs the map's pairs, and there is no training split at "
                                f"{self.settings.splits} (gallery.upgrade.map_pairs: splits); use map_pairs: "
                                "gallery, or set online: false")
         reverse = self.steps.fit_reverse(pairs)
-        self.steps.write_reverse(uid, reverse)
+        self.steps.write_reverse(upgrade_id, reverse)
         gain = reverse.new_scale ** 2
         self.steps.tag_run(run_id, {"online": "metric_compatible", "online.new_gain": f"{gain:.6g}"})
         return pairs
 
-    def _map_pairs(self, uid: str, old: ModelRef, new_model: Any, sequential: bool):
+    def _map_pairs(self, upgrade_id: str, old: ModelRef, new_model: Any, sequential: bool):
         """The pairs that train and check the map, from ``gallery.upgrade.map_pairs``."""
         config, num_items = self.settings.upgrade, self.steps.num_items
         if config.map_pairs == "splits":
@@ -235,4 +235,4 @@ class PlanningCourse:
         minimum = f", at least {config.map_sample_min}" if isinstance(config.map_sample, float) else ""  # a fraction
         self.log(f"map sample: {len(positions)} of {num_items} gallery items (gallery.upgrade.map_sample "
                  f"{config.map_sample}{minimum})")
-        return self.steps.gallery_pairs(positions, new_model, uid if sequential else None)
+        return self.steps.gallery_pairs(positions, new_model, upgrade_id if sequential else None)

@@ -53,11 +53,11 @@ def who() -> dict:
 @dataclass(frozen=True)
 class Aborted:
     """An upgrade's abort as ``aborted.json`` keeps it (``to_dict``/``from_dict``, whose keys are
-    that file's: ``from`` is ``source``): who aborted it and when, the versions, the upgrade it
-    started from (a sequential one), how far it had got (``how_far``), its MLflow run and when its
-    plan was made."""
+    that file's: ``upgrade`` is ``upgrade_id``, ``from`` is ``source``): who aborted it and when,
+    the versions, the upgrade it started from (a sequential one), how far it had got
+    (``how_far``), its MLflow run and when its plan was made."""
 
-    upgrade: str
+    upgrade_id: str  # ``upgrade`` in the record
     aborted: str
     by: dict  # user, host, pid (``who``)
     source: str  # the gallery's model, whose features it serves again
@@ -74,7 +74,7 @@ class Aborted:
 
     def to_dict(self) -> dict:
         """aborted.json's record, its keys in their stored order."""
-        return {"upgrade": self.upgrade, "aborted": self.aborted, "by": dict(self.by), "from": self.source,
+        return {"upgrade": self.upgrade_id, "aborted": self.aborted, "by": dict(self.by), "from": self.source,
                 "to": self.to, "base": self.base, "stage": self.stage, "chunks_done": self.chunks_done,
                 "chunks": self.chunks, "items_done": self.items_done, "items": self.items,
                 "fraction": self.fraction, "mlflow_run_id": self.mlflow_run_id, "plan_created": self.plan_created}
@@ -82,7 +82,7 @@ class Aborted:
     @classmethod
     def from_dict(cls, record: dict) -> Aborted:
         """A stored aborted.json."""
-        return cls(upgrade=record["upgrade"], aborted=record["aborted"], by=dict(record.get("by") or {}),
+        return cls(upgrade_id=record["upgrade"], aborted=record["aborted"], by=dict(record.get("by") or {}),
                    source=record["from"], to=record["to"], base=record.get("base"), stage=record["stage"],
                    chunks_done=record["chunks_done"], chunks=record["chunks"], items_done=record["items_done"],
                    items=record["items"], fraction=record["fraction"], mlflow_run_id=record.get("mlflow_run_id"),
@@ -101,18 +101,18 @@ class AbortAnswer:
         return {**self.record.to_dict(), "state": "aborted", "model": self.model}
 
 
-def aborted(store: Store, upgrade: str) -> dict | None:
-    """The record of ``upgrade``'s abort, or None."""
-    return upgrade_record(store, upgrade, ABORTED)
+def aborted(store: Store, upgrade_id: str) -> dict | None:
+    """The record of ``upgrade_id``'s abort, or None."""
+    return upgrade_record(store, upgrade_id, ABORTED)
 
 
-def rolled_back(store: Store, upgrade: str) -> dict | None:
-    """The record of ``upgrade``'s rollback, or None."""
-    return upgrade_record(store, upgrade, ROLLED_BACK)
+def rolled_back(store: Store, upgrade_id: str) -> dict | None:
+    """The record of ``upgrade_id``'s rollback, or None."""
+    return upgrade_record(store, upgrade_id, ROLLED_BACK)
 
 
-def _finished(store: Store, upgrade: str) -> dict | None:
-    return upgrade_record(store, upgrade, FINISHED)
+def _finished(store: Store, upgrade_id: str) -> dict | None:
+    return upgrade_record(store, upgrade_id, FINISHED)
 
 
 def _last_ended(gallery: Gallery, manifest: dict) -> tuple[str, str, dict] | None:
@@ -126,14 +126,14 @@ def _last_ended(gallery: Gallery, manifest: dict) -> tuple[str, str, dict] | Non
             found.append((record["finished"], history[-1]["by"], "finished", record))
     for key in gallery.store.list("upgrades/"):
         if key.endswith("/" + REJECTED):
-            upgrade = key.split("/")[1]
-            rejected = rejection(gallery.store, upgrade)
+            upgrade_id = key.split("/")[1]
+            rejected = rejection(gallery.store, upgrade_id)
             if rejected is not None:
-                found.append((rejected.get("rejected", ""), upgrade, "rejected", rejected))
+                found.append((rejected.get("rejected", ""), upgrade_id, "rejected", rejected))
     if not found:
         return None
-    _, upgrade, how, record = max(found, key=lambda entry: entry[0])
-    return upgrade, how, record
+    _, upgrade_id, how, record = max(found, key=lambda entry: entry[0])
+    return upgrade_id, how, record
 
 
 def _rollback_hint(manifest: dict) -> str:
@@ -149,16 +149,16 @@ def abortable(gallery: Gallery) -> str:
     backfill, its end not begun), or a GalleryError that says why there is none to abort."""
     store = gallery.store
     manifest = gallery.manifest(refresh=True)
-    upgrade = manifest.get("upgrade")
-    if upgrade:
-        decided = decision(store, upgrade)
+    upgrade_id = manifest.get("upgrade")
+    if upgrade_id:
+        decided = decision(store, upgrade_id)
         if decided is not None:
             raise GalleryError(
-                f"upgrade {upgrade} of {store.uri} is ending: its promotion decision "
+                f"upgrade {upgrade_id} of {store.uri} is ending: its promotion decision "
                 f"({'passed' if decided.passed else 'rejected'}) was recorded on {decided.decided}, so it is no "
                 "longer unfinished and cannot be aborted; run `fastfill upgrade` to complete its end"
                 + (", then `fastfill gallery rollback` to undo it" if decided.passed else ""))
-        return upgrade
+        return upgrade_id
     ending = interrupted_decision(gallery)
     if ending is not None:
         raise GalleryError(
@@ -169,12 +169,12 @@ def abortable(gallery: Gallery) -> str:
     message = f"no upgrade of {store.uri} is in progress (the gallery serves {serving}); nothing to abort"
     last = _last_ended(gallery, manifest)
     if last is not None:
-        upgrade, how, record = last
+        upgrade_id, how, record = last
         if how == "finished":
-            message += (f". The last upgrade, {upgrade}, finished on {record['finished']}: a finished upgrade cannot "
+            message += (f". The last upgrade, {upgrade_id}, finished on {record['finished']}: a finished upgrade cannot "
                         "be aborted" + _rollback_hint(manifest))
         else:
-            message += (f". The last upgrade, {upgrade}, was rejected by the promotion gate on {record['rejected']}: "
+            message += (f". The last upgrade, {upgrade_id}, was rejected by the promotion gate on {record['rejected']}: "
                         "it is over, and the gallery already serves the champion's features")
     raise GalleryError(message)
 
@@ -188,74 +188,74 @@ def how_far(gallery: Gallery, plan: Plan) -> dict:
             "items": plan.num_items, "fraction": items / plan.num_items if plan.num_items else 1.0}
 
 
-def abort(gallery: Gallery, upgrade: str, *, by: dict | None = None) -> Aborted:
-    """Drop the unfinished ``upgrade`` (the caller holds the lock): its record
+def abort(gallery: Gallery, upgrade_id: str, *, by: dict | None = None) -> Aborted:
+    """Drop the unfinished ``upgrade_id`` (the caller holds the lock): its record
     ``aborted.json`` first (who, when, how far it got), then the gallery back on its own model's
     features (the champion's). Its working data is garbage from then on, and the same upgrade
     asked for again is planned from scratch. Returns the record (an abort already recorded but
     cut short is completed, its record kept)."""
     store = gallery.store
-    if abortable(gallery) != upgrade:
-        raise GalleryError(f"upgrade {upgrade} is no longer the one in progress at {store.uri}; nothing was changed")
-    stored = aborted(store, upgrade)
+    if abortable(gallery) != upgrade_id:
+        raise GalleryError(f"upgrade {upgrade_id} is no longer the one in progress at {store.uri}; nothing was changed")
+    stored = aborted(store, upgrade_id)
     if stored is not None:
         record = Aborted.from_dict(stored)
     else:
-        plan = load_plan(store, upgrade)
+        plan = load_plan(store, upgrade_id)
         if plan is None:
-            raise GalleryError(f"the gallery at {store.uri} points at upgrade {upgrade}, which has no plan.json")
-        record = Aborted.from_dict({"upgrade": upgrade, "aborted": now(), "by": by or who(), "from": plan.old.uri,
+            raise GalleryError(f"the gallery at {store.uri} points at upgrade {upgrade_id}, which has no plan.json")
+        record = Aborted.from_dict({"upgrade": upgrade_id, "aborted": now(), "by": by or who(), "from": plan.old.uri,
                                     "to": plan.new.uri, "base": plan.base, **how_far(gallery, plan),
                                     "mlflow_run_id": plan.mlflow_run_id, "plan_created": plan.created})
-        store.put_json(upgrade_key(upgrade, ABORTED), record.to_dict())
+        store.put_json(upgrade_key(upgrade_id, ABORTED), record.to_dict())
     manifest = dict(gallery.manifest(refresh=True))
     manifest["upgrade"] = None
     gallery.write_manifest(manifest)
     return record
 
 
-def completed_abort(gallery: Gallery, upgrade: str) -> Aborted | None:
-    """The record of ``upgrade``'s abort when that abort is complete (recorded, and the gallery no
+def completed_abort(gallery: Gallery, upgrade_id: str) -> Aborted | None:
+    """The record of ``upgrade_id``'s abort when that abort is complete (recorded, and the gallery no
     longer points at the upgrade), else None: what an abort tried again after its answer was lost
     finds done."""
-    record = aborted(gallery.store, upgrade)
-    if record is None or gallery.manifest(refresh=True).get("upgrade") == upgrade:
+    record = aborted(gallery.store, upgrade_id)
+    if record is None or gallery.manifest(refresh=True).get("upgrade") == upgrade_id:
         return None
     return Aborted.from_dict(record)
 
 
-def undone(store: Store, upgrade: str) -> dict | None:
-    """The record of ``upgrade``'s abort or rollback, with ``ended`` ("aborted" or "rolled back"),
+def undone(store: Store, upgrade_id: str) -> dict | None:
+    """The record of ``upgrade_id``'s abort or rollback, with ``ended`` ("aborted" or "rolled back"),
     or None when it was neither: such an upgrade asked for again is planned from scratch."""
     for ended, read in (("aborted", aborted), ("rolled back", rolled_back)):
-        record = read(store, upgrade)
+        record = read(store, upgrade_id)
         if record is not None:
             return {"ended": ended, **record}
     return None
 
 
-def start_over(gallery: Gallery, upgrade: str) -> dict | None:
-    """``upgrade`` was aborted or rolled back (or rejected by the gate, and asked for again with
+def start_over(gallery: Gallery, upgrade_id: str) -> dict | None:
+    """``upgrade_id`` was aborted or rolled back (or rejected by the gate, and asked for again with
     the gate off) and is asked for again: delete its objects so it is planned from scratch
     (plan.json first, so nothing can resume it; the record of its end last, so a run cut short
     here does this again). Returns that record, with ``ended`` ("aborted", "rolled back" or
     "rejected"), or None when the upgrade was none of these."""
     store = gallery.store
-    record = undone(store, upgrade)
+    record = undone(store, upgrade_id)
     if record is None:  # rejected by the gate, asked for again with the gate off
-        rejected = rejection(store, upgrade)
+        rejected = rejection(store, upgrade_id)
         record = {"ended": "rejected", **rejected} if rejected is not None else None
     if record is None:
         return None
     manifest = gallery.manifest(refresh=True)
-    if manifest.get("upgrade") == upgrade:  # an abort cut short before the gallery went back
+    if manifest.get("upgrade") == upgrade_id:  # an abort cut short before the gallery went back
         gallery.write_manifest({**manifest, "upgrade": None})
-    records = {upgrade_key(upgrade, ABORTED), upgrade_key(upgrade, ROLLED_BACK), upgrade_key(upgrade, REJECTED)}
-    keys = store.list(f"upgrades/{upgrade}/")
-    if plan_key(upgrade) in keys:
-        store.delete(plan_key(upgrade))
+    records = {upgrade_key(upgrade_id, ABORTED), upgrade_key(upgrade_id, ROLLED_BACK), upgrade_key(upgrade_id, REJECTED)}
+    keys = store.list(f"upgrades/{upgrade_id}/")
+    if plan_key(upgrade_id) in keys:
+        store.delete(plan_key(upgrade_id))
     for key in keys:
-        if key != plan_key(upgrade) and key not in records:
+        if key != plan_key(upgrade_id) and key not in records:
             store.delete(key)
     for key in sorted(records & set(keys)):
         store.delete(key)
@@ -281,8 +281,8 @@ def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
     if last.get("by") == ROLLBACK:
         raise GalleryError(f"the last change to {store.uri} was already a rollback (to {current.uri} on "
                            f"{last.get('since')}); only the newest finished upgrade can be rolled back")
-    upgrade = last.get("by")
-    if len(history) < 2 or upgrade in (None, "ingest", "adopt") or _finished(store, upgrade) is None:
+    upgrade_id = last.get("by")
+    if len(history) < 2 or upgrade_id in (None, "ingest", "adopt") or _finished(store, upgrade_id) is None:
         raise GalleryError(f"nothing to roll back: {store.uri} has served {current.uri} since it was created "
                            f"({last.get('by', 'ingest')}, {last.get('since')}), not since a finished upgrade")
     previous = ModelRef.from_dict(history[-2]["model"])
@@ -293,7 +293,7 @@ def rollback_target(gallery: Gallery) -> tuple[str, ModelRef, ModelRef]:
             f"of {previous.key}'s features are gone, first {missing[0]}; `fastfill gallery gc` "
             f"deletes a previous model's features). Re-ingest the gallery with the previous model (`fastfill gallery "
             f"ingest --model {previous.uri} --store <a new store>`, or `adopt`) to serve it again")
-    return upgrade, current, previous
+    return upgrade_id, current, previous
 
 
 def rollback(gallery: Gallery, *, by: dict | None = None) -> dict:
@@ -301,17 +301,17 @@ def rollback(gallery: Gallery, *, by: dict | None = None) -> dict:
     the lock): the record ``rolled-back.json`` first, then the manifest's model switched back
     with a history entry ``rollback``. The registry's part (champion back, the version tagged) is
     the caller's; ``mark_rollback_recorded`` notes it done."""
-    upgrade, current, previous = rollback_target(gallery)
-    record = {"upgrade": upgrade, "rolled_back": now(), "by": by or who(), "from": current.to_dict(),
+    upgrade_id, current, previous = rollback_target(gallery)
+    record = {"upgrade": upgrade_id, "rolled_back": now(), "by": by or who(), "from": current.to_dict(),
               "to": previous.to_dict(), "registry_recorded": None}
-    gallery.store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
+    gallery.store.put_json(upgrade_key(upgrade_id, ROLLED_BACK), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = previous.to_dict()
     shape_before = (manifest.get("history") or [{}])[-1].get("image_shape_before")
     if shape_before is not None:  # the finish moved an adopted gallery's image shape to the new model's
         manifest["image_shape"] = shape_before
     manifest["history"] = [*manifest.get("history", []),
-                           {"model": previous.to_dict(), "since": now(), "by": ROLLBACK, "upgrade": upgrade,
+                           {"model": previous.to_dict(), "since": now(), "by": ROLLBACK, "upgrade": upgrade_id,
                             "from": current.to_dict()}]
     gallery.write_manifest(manifest)
     return record
@@ -327,10 +327,10 @@ def interrupted_rollback(gallery: Gallery) -> dict | None:
     return record if record is not None and not record.get("registry_recorded") else None
 
 
-def mark_rollback_recorded(store: Store, upgrade: str) -> dict:
-    recorded = rolled_back(store, upgrade)
+def mark_rollback_recorded(store: Store, upgrade_id: str) -> dict:
+    recorded = rolled_back(store, upgrade_id)
     if recorded is None:
-        raise GalleryError(f"upgrade {upgrade} has no rollback record in {store.uri}: nothing to mark recorded")
+        raise GalleryError(f"upgrade {upgrade_id} has no rollback record in {store.uri}: nothing to mark recorded")
     record = {**recorded, "registry_recorded": now()}
-    store.put_json(upgrade_key(upgrade, ROLLED_BACK), record)
+    store.put_json(upgrade_key(upgrade_id, ROLLED_BACK), record)
     return record

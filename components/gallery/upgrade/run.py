@@ -62,20 +62,20 @@ class RunView(StoreView, Protocol):
     def refresh(self) -> None:
         """The manifest read again (under the lock: another run may have moved the gallery)."""
 
-    def plan(self, upgrade: str) -> Plan:
-        """``upgrade``'s plan; a GalleryError when it has none."""
+    def plan(self, upgrade_id: str) -> Plan:
+        """``upgrade_id``'s plan; a GalleryError when it has none."""
 
-    def done_chunks(self, upgrade: str) -> set[int]:
-        """The chunks of ``upgrade`` already backfilled."""
+    def done_chunks(self, upgrade_id: str) -> set[int]:
+        """The chunks of ``upgrade_id`` already backfilled."""
 
-    def failed_images(self, upgrade: str) -> list[dict]:
+    def failed_images(self, upgrade_id: str) -> list[dict]:
         """The items whose image earlier runs could not read."""
 
-    def decision(self, upgrade: str) -> Decision | None:
-        """``upgrade``'s recorded decision, None before its end."""
+    def decision(self, upgrade_id: str) -> Decision | None:
+        """``upgrade_id``'s recorded decision, None before its end."""
 
-    def stored_advice(self, upgrade: str) -> dict | None:
-        """The budget advisor's prediction stored beside ``upgrade``'s plan, or None."""
+    def stored_advice(self, upgrade_id: str) -> dict | None:
+        """The budget advisor's prediction stored beside ``upgrade_id``'s plan, or None."""
 
     def layout_refusal(self, new: ModelRef, task_runner: str) -> str | None:
         """Why the gallery's layout cannot serve ``new`` with ``task_runner``; None when it can."""
@@ -84,17 +84,17 @@ class RunView(StoreView, Protocol):
 class StoreWrites(Protocol):
     """Every write to the gallery's store during a run (the flow binds retried tasks)."""
 
-    def lock(self, upgrade: str) -> AbstractContextManager[Any]:
-        """The gallery's upgrade lock, held for ``upgrade`` until the context ends."""
+    def lock(self, upgrade_id: str) -> AbstractContextManager[Any]:
+        """The gallery's upgrade lock, held for ``upgrade_id`` until the context ends."""
 
-    def complete_abort(self, upgrade: str) -> None:
+    def complete_abort(self, upgrade_id: str) -> None:
         """An abort that stopped before the gallery went back: completed."""
 
-    def start_over(self, upgrade: str) -> None:
+    def start_over(self, upgrade_id: str) -> None:
         """An undone (or ungated-again) upgrade's objects removed, so it is planned from scratch."""
 
-    def point_manifest(self, upgrade: str) -> None:
-        """The manifest names ``upgrade`` as the one in progress."""
+    def point_manifest(self, upgrade_id: str) -> None:
+        """The manifest names ``upgrade_id`` as the one in progress."""
 
     def write_plan(self, plan: Plan) -> None:
         """A plan rewritten (a chunk cut in two where a budget stops)."""
@@ -111,7 +111,7 @@ class StoreWrites(Protocol):
     def reject(self, plan: Plan, decision: Decision) -> None:
         """The gallery back on the champion's features."""
 
-    def mark_registry_recorded(self, upgrade: str) -> None:
+    def mark_registry_recorded(self, upgrade_id: str) -> None:
         """The decision record says its registry step is done."""
 
 
@@ -269,17 +269,17 @@ class UpgradeRun:
                                       resumed_ending=True, decision=course.complete_decision,
                                       mlflow_run_id=plan.mlflow_run_id)
         if course.start_over:
-            assert course.upgrade is not None  # the course names the upgrade it starts over
-            self.ports.writes.start_over(course.upgrade)
+            assert course.upgrade_id is not None  # the course names the upgrade it starts over
+            self.ports.writes.start_over(course.upgrade_id)
         return completed
 
     def _resume(self, course: Course) -> Plan:
         """The upgrade's plan, made before; the gallery pointed at it again if a crash came between
         the plan and that switch."""
-        assert course.upgrade is not None  # a course that resumes names its upgrade
+        assert course.upgrade_id is not None  # a course that resumes names its upgrade
         if course.point_manifest:
-            self.ports.writes.point_manifest(course.upgrade)
-        return self.view.plan(course.upgrade)
+            self.ports.writes.point_manifest(course.upgrade_id)
+        return self.view.plan(course.upgrade_id)
 
     def _advice(self, plan: Plan) -> dict | None:
         """The budget advisor's prediction for the planned upgrade (stored beside the plan, made

@@ -90,11 +90,11 @@ def gallery_status(gallery: Gallery, *, failures: bool = True, probe: bool = Tru
     if status.lock is not None and status.lock.get("expired"):
         # its holder stopped renewing (killed, or cut off from the store): nobody is working
         status.next = "the lock's lease has expired: the next `fastfill upgrade` takes it over and resumes"
-    upgrade = manifest.get("upgrade")
+    upgrade_id = manifest.get("upgrade")
     if gallery.serves_queries:
-        status.index = served_index(gallery, upgrade, probe=probe)
-    if upgrade:
-        _in_progress(gallery, status, upgrade, manifest["num_items"], failures)
+        status.index = served_index(gallery, upgrade_id, probe=probe)
+    if upgrade_id:
+        _in_progress(gallery, status, upgrade_id, manifest["num_items"], failures)
     else:
         _interrupted_ending(gallery, status)
     return status
@@ -112,27 +112,27 @@ def _lock(gallery: Gallery) -> dict | None:
     return lock
 
 
-def _in_progress(gallery: Gallery, status: GalleryStatus, upgrade: str, num_items: int, failures: bool) -> None:
+def _in_progress(gallery: Gallery, status: GalleryStatus, upgrade_id: str, num_items: int, failures: bool) -> None:
     """The upgrade the manifest names: its progress, prediction and failed images, and an abort or a
     decision a killed run left."""
-    plan = load_plan(gallery.store, upgrade)
-    done = done_chunks(gallery.store, upgrade)
+    plan = load_plan(gallery.store, upgrade_id)
+    done = done_chunks(gallery.store, upgrade_id)
     items = plan.items_in(done) if plan else 0
     status.state = "running" if status.lock_live else "paused"
     status.upgrade = UpgradeInProgress(
-        upgrade, plan.new.uri if plan else None, source=plan.old.uri if plan else None,
+        upgrade_id, plan.new.uri if plan else None, source=plan.old.uri if plan else None,
         order=plan.order_kind if plan else None, chunks_done=len(done), chunks=plan.num_chunks if plan else None,
         items_done=items, fraction=items / num_items, mlflow_run_id=plan.mlflow_run_id if plan else None,
-        predicted=_predicted(stored_advice(gallery.store, upgrade)))
+        predicted=_predicted(stored_advice(gallery.store, upgrade_id)))
     if failures and gallery.adopted:
-        failed = failed_images(gallery.store, upgrade)
+        failed = failed_images(gallery.store, upgrade_id)
         status.upgrade.failed_images = {"count": len(failed), "items": failed[:FAILED_SHOWN]}
-    if aborted(gallery.store, upgrade) is not None:  # an abort cut short before the gallery went back
+    if aborted(gallery.store, upgrade_id) is not None:  # an abort cut short before the gallery went back
         status.state = "abort interrupted"
         status.next = ("run `fastfill upgrade abort` again to complete it, or `fastfill upgrade` to plan this "
                        "upgrade again from scratch")
         return
-    decided = decision(gallery.store, upgrade)
+    decided = decision(gallery.store, upgrade_id)
     if decided is not None:  # killed between the decision and the switch
         status.upgrade.decision = {"passed": decided.passed, "decided": decided.decided}
         if not status.lock_live:
@@ -174,7 +174,7 @@ def _interrupted_ending(gallery: Gallery, status: GalleryStatus) -> None:
         status.next = "run `fastfill gallery rollback` again: it moves champion back and tags the version"
 
 
-def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -> dict:
+def served_index(gallery: Gallery, upgrade_id: str | None, *, probe: bool = True) -> dict:
     """What the team's index serves (a layout that serves queries): where, the view, its model,
     and whether it is what the manifest says (a switch a killed run left is completed by the
     next `fastfill upgrade`); ``problem``, where the index cannot serve: its serving record
@@ -196,7 +196,7 @@ def served_index(gallery: Gallery, upgrade: str | None, *, probe: bool = True) -
         raise
     except (StoreError, GalleryError) as error:  # a DamagedObject among them: the layout names what is wrong
         problem = " ".join(str(error).split())
-    plan = load_plan(gallery.store, upgrade) if upgrade else None
+    plan = load_plan(gallery.store, upgrade_id) if upgrade_id else None
     expected = plan.new.uri if plan is not None else gallery.model.uri
     model = serving.model if serving is not None else None
     found = {"where": index.where, "view": index.view, "serving": model,

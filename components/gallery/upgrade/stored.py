@@ -20,30 +20,30 @@ from fastfill.components.gallery.store import ObjectMissing, Store, StoreError
 ORDER = "order.npy"
 
 
-def upgrade_key(upgrade: str, name: str) -> str:
+def upgrade_key(upgrade_id: str, name: str) -> str:
     """An object of the upgrade's working data: ``upgrades/<upgrade>/<name>``."""
-    return f"upgrades/{upgrade}/{name}"
+    return f"upgrades/{upgrade_id}/{name}"
 
 
-def chunk_key(upgrade: str, chunk: int) -> str:
-    return upgrade_key(upgrade, f"chunks/chunk-{chunk:05d}.npy")
+def chunk_key(upgrade_id: str, chunk: int) -> str:
+    return upgrade_key(upgrade_id, f"chunks/chunk-{chunk:05d}.npy")
 
 
-def marker_key(upgrade: str, chunk: int) -> str:
-    return upgrade_key(upgrade, f"done/chunk-{chunk:05d}.json")
+def marker_key(upgrade_id: str, chunk: int) -> str:
+    return upgrade_key(upgrade_id, f"done/chunk-{chunk:05d}.json")
 
 
-def plan_key(upgrade: str) -> str:
-    return upgrade_key(upgrade, "plan.json")
+def plan_key(upgrade_id: str) -> str:
+    return upgrade_key(upgrade_id, "plan.json")
 
 
-def transformed_key(upgrade: str, part: int) -> str:
-    return upgrade_key(upgrade, f"transformed/part-{part:05d}.npy")
+def transformed_key(upgrade_id: str, part: int) -> str:
+    return upgrade_key(upgrade_id, f"transformed/part-{part:05d}.npy")
 
 
-def source_key(upgrade: str, part: int) -> str:
+def source_key(upgrade_id: str, part: int) -> str:
     """A sequential upgrade's starting point: the superseded upgrade's mixed features of a part."""
-    return upgrade_key(upgrade, f"source/part-{part:05d}.npy")
+    return upgrade_key(upgrade_id, f"source/part-{part:05d}.npy")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,9 +139,9 @@ class Plan:
                    data.get("online"))
 
 
-def load_plan(store: Store, upgrade: str) -> Plan | None:
+def load_plan(store: Store, upgrade_id: str) -> Plan | None:
     try:
-        return Plan.from_dict(store.get_json(plan_key(upgrade)))
+        return Plan.from_dict(store.get_json(plan_key(upgrade_id)))
     except ObjectMissing:
         return None
 
@@ -150,25 +150,25 @@ def load_plan(store: Store, upgrade: str) -> Plan | None:
 # The order, the chunks done, the mixed gallery
 
 
-def order_of(store: Store, upgrade: str) -> np.ndarray:
-    return store.get_array(upgrade_key(upgrade, ORDER)).astype(np.int64)
+def order_of(store: Store, upgrade_id: str) -> np.ndarray:
+    return store.get_array(upgrade_key(upgrade_id, ORDER)).astype(np.int64)
 
 
-def transformed_all(gallery: Gallery, upgrade: str) -> np.ndarray:
-    return np.concatenate([gallery.part_rows(transformed_key(upgrade, p), p) for p in range(gallery.num_parts)])
+def transformed_all(gallery: Gallery, upgrade_id: str) -> np.ndarray:
+    return np.concatenate([gallery.part_rows(transformed_key(upgrade_id, p), p) for p in range(gallery.num_parts)])
 
 
-def done_chunks(store: Store, upgrade: str) -> list[int]:
-    keys = store.list(upgrade_key(upgrade, "done/"))
+def done_chunks(store: Store, upgrade_id: str) -> list[int]:
+    keys = store.list(upgrade_key(upgrade_id, "done/"))
     return sorted(int(key.rsplit("chunk-", 1)[1].split(".")[0]) for key in keys if key.endswith(".json"))
 
 
-def chunk_features(store: Store, upgrade: str, chunk: int) -> np.ndarray:
+def chunk_features(store: Store, upgrade_id: str, chunk: int) -> np.ndarray:
     """A finished chunk's features, checked against its marker."""
-    marker = store.get_json(marker_key(upgrade, chunk))
-    features = store.get_array(chunk_key(upgrade, chunk))
+    marker = store.get_json(marker_key(upgrade_id, chunk))
+    features = store.get_array(chunk_key(upgrade_id, chunk))
     if len(features) != marker["count"]:
-        raise StoreError(f"{store.describe(chunk_key(upgrade, chunk))} has {len(features)} rows; its marker "
+        raise StoreError(f"{store.describe(chunk_key(upgrade_id, chunk))} has {len(features)} rows; its marker "
                          f"says {marker['count']}")
     return features
 
@@ -248,9 +248,9 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
             handle.close()
 
 
-def transformed_rows(gallery: Gallery, upgrade: str, positions: np.ndarray) -> np.ndarray:
+def transformed_rows(gallery: Gallery, upgrade_id: str, positions: np.ndarray) -> np.ndarray:
     """h(old) of the items at ``positions`` (the upgrade's transformed parts), part by part."""
-    return rows_at(gallery, positions, lambda part: transformed_key(upgrade, part)).astype(np.float32, copy=False)
+    return rows_at(gallery, positions, lambda part: transformed_key(upgrade_id, part)).astype(np.float32, copy=False)
 
 
 def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarray:
