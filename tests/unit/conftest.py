@@ -46,3 +46,16 @@ def mid_upgrade(tmp_path):
     for chunk in (0, 1, 2):
         backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     return gallery, plan, models, data
+
+
+@pytest.fixture
+def pg_team(tmp_path, models, data):
+    """``pg_team(tag, store="store", table=None, adopted=True)``: a team's table in the tests'
+    PostgreSQL and the store that adopts it (``tests.pg_team.TeamGallery``), the opening of the
+    pgvector ownership and held-table tests."""
+    from tests.pg_team import team_gallery
+
+    def make(tag: str, **options):
+        return team_gallery(tmp_path, models, data, tag, **options)
+
+    return make

@@ -12,17 +12,17 @@ from fastfill.components.gallery.layouts.pg_index import HELD, Index, vectors_ta
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, reversal
 from fastfill.components.gallery.upgrade.stored import order_of
 from tests.gallery_cases import NEW, N
-from tests.unit.test_pg_ownership import _adopt, _ident, _table, _team_table, _upgrade
+from tests.pg_team import ident, upgrade
 
 
 def _rows_as_written(index: Index, table: str) -> tuple:
     """Each row's place and the transaction that wrote it: an UPDATE or a DELETE changes it."""
     return index.execute(sql.SQL("SELECT count(*), md5(string_agg(ctid::text || ':' || xmin::text, ',' ORDER BY id)) "
-                                 "FROM {}").format(_ident(table))).fetchone()
+                                 "FROM {}").format(ident(table))).fetchone()
 
 
 def _served(index: Index, view: str) -> tuple[list, int]:
-    rows = index.execute(sql.SQL("SELECT id, source FROM {}").format(_ident(view))).fetchall()
+    rows = index.execute(sql.SQL("SELECT id, source FROM {}").format(ident(view))).fetchall()
     return sorted(r[0] for r in rows), sum(r[1] == "embedded" for r in rows)
 
 
@@ -31,12 +31,10 @@ def _chunk_ids(gallery, plan, chunks) -> list:
     return sorted(gallery.ids()[np.concatenate([order[slice(*plan.chunk_bounds(c))] for c in chunks])].tolist())
 
 
-def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(tmp_path, models, data):
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "held")
-    settings, index, root = _team_table(store_uri, data, models, table)
-    gallery = _adopt(store_uri, settings, root)
-    plan = _upgrade(gallery, models, chunks=0)
+def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(pg_team, models):
+    team = pg_team("held")
+    table, settings, index, gallery = team.table, team.settings, team.index, team.gallery
+    plan = upgrade(gallery, models, chunks=0)
     vectors = vectors_table(table, NEW)
     held = index.held_table(index.place(NEW))
     assert index.object(held)[1]["role"] == HELD
@@ -46,7 +44,7 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(tmp_path
     for chunk in (0, 2):
         backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     assert _rows_as_written(index, held) == before
-    assert sorted(index.execute(sql.SQL("SELECT id FROM {}").format(_ident(vectors))).fetchall()) == \
+    assert sorted(index.execute(sql.SQL("SELECT id FROM {}").format(ident(vectors))).fetchall()) == \
         [(i,) for i in _chunk_ids(gallery, plan, (0, 2))]
     ids, embedded = _served(index, settings["view"])
     assert ids == sorted(gallery.ids().tolist()) and embedded == plan.items_in((0, 2))
@@ -55,7 +53,7 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(tmp_path
     done, waiting = _chunk_ids(gallery, plan, (0,))[0], _chunk_ids(gallery, plan, (1,))[0]
     positions = [int(np.flatnonzero(gallery.ids() == item)[0]) for item in (done, waiting)]
     read = gallery.features_at(NEW, np.asarray(positions))
-    stored = [index.execute(sql.SQL("SELECT embedding FROM {} WHERE id = %s").format(_ident(t)), (item,)).fetchone()[0]
+    stored = [index.execute(sql.SQL("SELECT embedding FROM {} WHERE id = %s").format(ident(t)), (item,)).fetchone()[0]
               for t, item in ((vectors, done), (held, waiting))]
     np.testing.assert_array_equal(read, np.stack([np.asarray(v.to_numpy()) for v in stored]))
     # a search can be two ordered ANN scans merged (the filter does not stop the UNION ALL's pull-up)
@@ -64,7 +62,7 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(tmp_path
         connection.execute("SET LOCAL enable_seqscan = off")
         connection.execute("SET LOCAL enable_sort = off")
         plan_text = "\n".join(r[0] for r in connection.execute(sql.SQL(
-            "EXPLAIN SELECT id FROM {} ORDER BY embedding <-> %s LIMIT 10").format(_ident(settings["view"])),
+            "EXPLAIN SELECT id FROM {} ORDER BY embedding <-> %s LIMIT 10").format(ident(settings["view"])),
             (query,)).fetchall())
     assert "Merge Append" in plan_text and plan_text.count("Index Scan using") == 2, plan_text
     assert "Subquery Scan" not in plan_text, plan_text
@@ -78,12 +76,10 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(tmp_path
     assert index.ann_indexed(index.place(NEW))
 
 
-def test_an_aborted_upgrades_held_table_stays_until_gc_and_a_new_try_starts_afresh(tmp_path, models, data):
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "abrt")
-    settings, index, root = _team_table(store_uri, data, models, table)
-    gallery = _adopt(store_uri, settings, root)
-    plan = _upgrade(gallery, models, chunks=2)
+def test_an_aborted_upgrades_held_table_stays_until_gc_and_a_new_try_starts_afresh(pg_team, models):
+    team = pg_team("abrt")
+    settings, index, gallery = team.settings, team.index, team.gallery
+    plan = upgrade(gallery, models, chunks=2)
     held = index.held_table(index.place(NEW))
     reversal.abort(gallery, plan.id)
     assert index.object(held) is not None
@@ -91,6 +87,6 @@ def test_an_aborted_upgrades_held_table_stays_until_gc_and_a_new_try_starts_afre
     assert index.held_tables() == [held]
     garbage.collect_garbage(gallery)
     assert index.object(held) is None and index.held_tables() == []
-    again = _upgrade(gallery, models)  # planned from scratch: a held table anew, dropped at its finish
+    again = upgrade(gallery, models)  # planned from scratch: a held table anew, dropped at its finish
     assert again.id == plan.id and index.object(held) is None
     assert _served(index, settings["view"]) == (sorted(gallery.ids().tolist()), N)

@@ -12,56 +12,30 @@ from psycopg import sql
 
 from fastfill.components.experiment.inference import embed
 from fastfill.components.gallery.layouts.catalog import GalleryError
-from fastfill.components.gallery.layouts.opening import gallery_at
 from fastfill.components.gallery.layouts.ownership import NotOurs, read_mark
 from fastfill.components.gallery.layouts.pg_adopt import adopt_table
 from fastfill.components.gallery.layouts.pg_index import MAX_NAME, Index, derived_name, index_settings, vectors_table
 from fastfill.components.gallery.store import DamagedObject, open_store
 from fastfill.components.gallery.upgrade import backfill, ending, garbage
-from tests.gallery_cases import NEW, OLD, N, _originals, _plan, _png, _put_original
+from tests.gallery_cases import NEW, OLD
 from tests.pg import pg_gallery_config
-
-
-def _ident(name: str) -> sql.Identifier:
-    return sql.Identifier(name)
-
-
-def _team_table(store_uri: str, data, models, table: str, **config):
-    """The team's table ``table`` (sku, photo, vec: the old model's vectors, price), its images
-    beside the store; the settings that adopt it."""
-    old = models[0]
-    images, _ = data
-    root = _originals(store_uri)
-    for i in range(N):
-        _put_original(root, f"img-{i:05d}.png", _png(images[i]))
-    settings = index_settings(pg_gallery_config(store_uri, table=table, id_column="sku", image_column="photo",
-                                                **config).pgvector, "l2", store_uri)
-    index = Index(settings)
-    index.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(_ident(table)))
-    index.execute(sql.SQL("CREATE TABLE {} (sku text PRIMARY KEY, photo text, vec vector(8), price numeric)").format(
-        _ident(table)))
-    features = embed(old, images)
-    with index.transaction() as connection, connection.cursor().copy(sql.SQL(
-            "COPY {} (sku, photo, vec, price) FROM STDIN").format(_ident(table))) as copy:
-        for i in range(N):
-            copy.write_row((f"sku-{i:03d}", f"img-{i:05d}.png", features[i], 9.5))
-    return settings, index, root
+from tests.pg_team import adopt, ident, upgrade
 
 
 def _neighbour(index: Index, name: str, kind: str = "table", reads: str | None = None) -> None:
     """A team object ``name`` (a table with rows of its own, or a view over ``reads``), created
     as a careless neighbour would, with a comment of the team's."""
-    index.execute(sql.SQL("DROP VIEW IF EXISTS {} CASCADE").format(_ident(name))) if kind == "view" else None
+    index.execute(sql.SQL("DROP VIEW IF EXISTS {} CASCADE").format(ident(name))) if kind == "view" else None
     if kind == "view":
         index.execute(sql.SQL("CREATE VIEW {} AS SELECT sku, price FROM {} WHERE price > 1").format(
-            _ident(name), _ident(reads)))
+            ident(name), ident(reads)))
     else:
-        index.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(_ident(name)))
-        index.execute(sql.SQL("CREATE TABLE {} (id text PRIMARY KEY, note text)").format(_ident(name)))
+        index.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(ident(name)))
+        index.execute(sql.SQL("CREATE TABLE {} (id text PRIMARY KEY, note text)").format(ident(name)))
         index.execute(sql.SQL("INSERT INTO {} VALUES ('a', 'the team''s own'), ('b', 'do not touch')").format(
-            _ident(name)))
+            ident(name)))
     index.execute(sql.SQL("COMMENT ON {} {} IS 'owned by the catalog team'").format(sql.SQL(kind.upper()),
-                                                                                     _ident(name)))
+                                                                                     ident(name)))
 
 
 def _snapshot(index: Index, *names: str) -> dict:
@@ -77,43 +51,22 @@ def _snapshot(index: Index, *names: str) -> dict:
             body = index.execute("SELECT pg_get_viewdef(to_regclass(%s))", (f'"{name}"',)).fetchone()[0]
         else:
             body = index.execute(sql.SQL("SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) "
-                                         "FROM {} t").format(_ident(name))).fetchone()
+                                         "FROM {} t").format(ident(name))).fetchone()
         out[name] = (row[0], row[1], body)
     return out
 
 
-def _adopt(store_uri, settings, root):
-    adopt_table(open_store(store_uri), settings, OLD, (1, 8, 8), vector_column="vec", root=root, part_size=10)
-    return gallery_at(open_store(store_uri))
-
-
-def _upgrade(gallery, models, chunks=None):
-    """Plan the upgrade (the switch), backfill ``chunks`` (default all), finish when all."""
-    _, new, h = models
-    plan = _plan(gallery, h)
-    for chunk in range(plan.num_chunks if chunks is None else chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    if chunks is None:
-        ending.finish(gallery, plan)
-    return plan
-
-
-def _table(tmp_path, tag: str) -> str:
-    return f"t{tag}_" + os.path.basename(str(tmp_path))[-6:].lower().replace("-", "_")
-
-
-def test_gc_and_an_upgrade_leave_the_neighbours_objects_as_they_were(tmp_path, models, data):
+def test_gc_and_an_upgrade_leave_the_neighbours_objects_as_they_were(pg_team, tmp_path, models):
     """A team table ``<table>_emb_legacy`` and one named exactly as the new model's table would be:
     the upgrade to that model is refused before any work, naming the table and the setting; with
     another prefix it runs, and gc after it drops only the product's own old tables."""
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "gc")
-    settings, index, root = _team_table(store_uri, data, models, table)
+    team = pg_team("gc", adopted=False)
+    table, index = team.table, team.index
     legacy, taken = f"{table}_emb_legacy", vectors_table(table, NEW)
     for name in (legacy, taken):
         _neighbour(index, name)
     before = _snapshot(index, table, legacy, taken)
-    gallery = _adopt(store_uri, settings, root)
+    gallery = team.adopt()
     assert garbage.collect_garbage(gallery)["features"] == 0
     refused = gallery.cannot_serve(NEW)
     assert refused and f"the table {taken} exists and is not the product's" in refused
@@ -123,9 +76,9 @@ def test_gc_and_an_upgrade_leave_the_neighbours_objects_as_they_were(tmp_path, m
     store2 = str(tmp_path / "store2")  # the same table, the product's objects under another prefix
     settings2 = index_settings(pg_gallery_config(store2, table=table, id_column="sku", image_column="photo",
                                                  prefix=f"{table}_ff", view=f"{table}_ff_view").pgvector, "l2", store2)
-    gallery2 = _adopt(store2, settings2, root)
+    gallery2 = adopt(store2, settings2, team.root)
     assert gallery2.cannot_serve(NEW) is None
-    _upgrade(gallery2, models)
+    upgrade(gallery2, models)
     assert gallery2.index.serving().model == NEW.uri
     deleted = garbage.collect_garbage(gallery2)
     assert deleted["features"] == 0 and deleted["kept_columns"] == [f"{table}.vec"]
@@ -135,13 +88,12 @@ def test_gc_and_an_upgrade_leave_the_neighbours_objects_as_they_were(tmp_path, m
     assert all(m and m["gallery"] == settings2["owner"] for m in marks.values()), marks
 
 
-def test_a_view_name_taken_by_the_team_is_refused_before_any_write(tmp_path, models, data):
+def test_a_view_name_taken_by_the_team_is_refused_before_any_write(pg_team):
     """The default view name and a gallery.pgvector.view naming a team view, a team table as the
     view, and a team view as the table: each refused in one line; nothing left behind (no object of
     the product's, an empty store) and the team's objects unchanged."""
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "view")
-    settings, index, root = _team_table(store_uri, data, models, table)
+    team = pg_team("view", adopted=False)
+    store_uri, table, settings, index, root = team.store_uri, team.table, team.settings, team.index, team.root
     _neighbour(index, settings["view"], "view", reads=table)
     _neighbour(index, f"{table}_report", "view", reads=table)
     _neighbour(index, f"{table}_other")
@@ -149,11 +101,11 @@ def test_a_view_name_taken_by_the_team_is_refused_before_any_write(tmp_path, mod
     before = _snapshot(index, *names)
     with pytest.raises(NotOurs, match=rf"the view {settings['view']} exists and is not the product's.*"
                                       "gallery.pgvector.view.*Nothing was written"):
-        _adopt(store_uri, settings, root)
+        adopt(store_uri, settings, root)
     for view, what in ((f"{table}_report", "view"), (f"{table}_other", "table")):
         again = dict(settings, view=view)
         with pytest.raises(NotOurs, match=f"the {what} {view} exists and is not the product's"):
-            _adopt(store_uri, again, root)
+            adopt(store_uri, again, root)
     as_table = dict(settings, table=f"{table}_report", view=f"{table}_free")
     with pytest.raises(GalleryError, match=f"{table}_report is a view, not a table"):
         adopt_table(open_store(store_uri), as_table, OLD, (1, 8, 8), vector_column="price")
@@ -163,20 +115,19 @@ def test_a_view_name_taken_by_the_team_is_refused_before_any_write(tmp_path, mod
 
 
 @pytest.mark.parametrize("length", [53, 54, 55, 62, 63])
-def test_long_and_mixed_case_table_names_give_distinct_names_within_63_bytes(tmp_path, models, data, length):
+def test_long_and_mixed_case_table_names_give_distinct_names_within_63_bytes(pg_team, tmp_path, models, length):
     """A team table of 53 to 63 characters, in mixed case: every name the product derives fits
     63 bytes and names one object, the upgrade runs to its finish, and the team's table holds
     exactly its rows (no DELETE reached it through a cut name)."""
-    store_uri = str(tmp_path / "store")
     base = "Prod_" + os.path.basename(str(tmp_path))[-6:].replace("-", "_")
-    table = (base + "X" * length)[:length]
-    settings, index, root = _team_table(store_uri, data, models, table)
+    team = pg_team("long", table=(base + "X" * length)[:length], adopted=False)
+    table, settings, index = team.table, team.settings, team.index
     names = [index.serving_table, index.chunks_table, settings["view"], vectors_table(table, NEW),
              index.ann_name(index.place(OLD))]
     assert all(len(n.encode()) <= MAX_NAME for n in names) and len(set(names)) == len(names), names
     before = _snapshot(index, table)
-    gallery = _adopt(store_uri, settings, root)
-    _upgrade(gallery, models)
+    gallery = team.adopt()
+    upgrade(gallery, models)
     assert gallery.index.serving().model == NEW.uri
     assert _snapshot(index, table)[table][2] == before[table][2]
     ours = {name for name, _, _ in gallery.index.marked()}
@@ -192,89 +143,82 @@ def test_derived_names_keep_their_role_and_never_meet():
     assert derived_name("products", "serving") == "products_serving"
 
 
-def test_a_second_store_cannot_take_over_a_served_table(tmp_path, models, data):
+def test_a_second_store_cannot_take_over_a_served_table(pg_team, tmp_path, models):
     """After the first store's upgrade finished, and while it is mid-backfill, an adopt of the same
     table into another store is refused naming the owner's store; the view keeps serving the
     first store's model. ``gallery release`` hands it over: then the second adopts."""
-    store_a, store_b = str(tmp_path / "a"), str(tmp_path / "b")
-    table = _table(tmp_path, "two")
-    settings, index, root = _team_table(store_a, data, models, table)
-    gallery = _adopt(store_a, settings, root)
-    plan = _upgrade(gallery, models, chunks=2)
+    team = pg_team("two", store="a")
+    store_a, store_b = team.store_uri, str(tmp_path / "b")
+    table, settings, root, gallery = team.table, team.settings, team.root, team.gallery
+    plan = upgrade(gallery, models, chunks=2)
     settings_b = index_settings(pg_gallery_config(store_b, table=table, id_column="sku", image_column="photo")
                                 .pgvector, "l2", store_b)
     with pytest.raises(NotOurs, match=rf"belongs to another gallery \({settings['owner']}, store {store_a}\): "
                                       "upgrade, abort, roll back, gc or release it from that store"):
-        _adopt(store_b, settings_b, root)
+        adopt(store_b, settings_b, root)
     assert open_store(store_b).list("") == []
     assert gallery.index.serving().model == NEW.uri and gallery.index.serving().gallery == settings["owner"]
     for chunk in range(2, plan.num_chunks):
         backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
     ending.finish(gallery, plan)
     with pytest.raises(NotOurs, match=f"store {store_a}"):
-        _adopt(store_b, settings_b, root)
+        adopt(store_b, settings_b, root)
     assert gallery.index.serving().model == NEW.uri
     dropped = gallery.release()
     assert f"view {settings['view']}" in dropped and f"table {vectors_table(table, NEW)}" in dropped
     assert Index(settings).marked() == [] and Index(settings).exists()
-    gallery_b = _adopt(store_b, settings_b, root)
+    gallery_b = adopt(store_b, settings_b, root)
     assert gallery_b.index.serving().model == OLD.uri and gallery_b.index.serving().store == store_b
 
 
-def test_rows_deleted_or_added_by_another_writer_are_named(tmp_path, models, data):
+def test_rows_deleted_or_added_by_another_writer_are_named(pg_team, models):
     """A row deleted from the new model's table after its chunk landed: the next chunk keeps
     nothing and names the id and that table; the finish of a resumed run refuses the same way. A
     row the team adds to its table mid-upgrade is named at the finish as not served."""
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "rows")
-    settings, index, root = _team_table(store_uri, data, models, table)
-    gallery = _adopt(store_uri, settings, root)
-    plan = _upgrade(gallery, models, chunks=2)
+    team = pg_team("rows")
+    table, index, gallery = team.table, team.index, team.gallery
+    plan = upgrade(gallery, models, chunks=2)
     vectors = vectors_table(table, NEW)
     victim = index.execute(sql.SQL("SELECT id FROM {} WHERE source = 'embedded' ORDER BY id LIMIT 1").format(
-        _ident(vectors))).fetchone()[0]
-    saved = index.execute(sql.SQL("SELECT id, embedding, source FROM {} WHERE id = %s").format(_ident(vectors)),
+        ident(vectors))).fetchone()[0]
+    saved = index.execute(sql.SQL("SELECT id, embedding, source FROM {} WHERE id = %s").format(ident(vectors)),
                           (victim,)).fetchone()
-    index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(_ident(vectors)), (victim,))
+    index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=rf"{vectors} no longer holds the gallery's items: 1 ids missing "
                                             rf"\(first: {victim}\)"):
         backfill.backfill_chunk(gallery, plan.id, 2, models[1])
     assert 2 not in gallery.index.chunk_done(plan.id)
-    index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(_ident(vectors)), saved)
+    index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(ident(vectors)), saved)
     for chunk in range(2, plan.num_chunks):
         backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
-    index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(_ident(vectors)), (victim,))
+    index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=f"{vectors} no longer holds"):
         ending.finish(gallery, plan)
-    index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(_ident(vectors)), saved)
+    index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(ident(vectors)), saved)
     index.execute(sql.SQL("INSERT INTO {} (sku, photo, vec) SELECT 'sku-new', photo, vec FROM {} LIMIT 1").format(
-        _ident(table), _ident(table)))
+        ident(table), ident(table)))
     record = ending.finish(gallery, plan)
     assert record["unserved_rows"] == {"table": table, "count": 1, "first": ["sku-new"]}
 
 
-def test_a_row_deleted_from_the_teams_table_mid_upgrade_ends_the_chunk_naming_it(tmp_path, models, data):
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "del")
-    settings, index, root = _team_table(store_uri, data, models, table)
-    gallery = _adopt(store_uri, settings, root)
-    plan = _upgrade(gallery, models, chunks=1)
-    index.execute(sql.SQL("DELETE FROM {} WHERE sku = 'sku-007'").format(_ident(table)))
+def test_a_row_deleted_from_the_teams_table_mid_upgrade_ends_the_chunk_naming_it(pg_team, models):
+    team = pg_team("del")
+    table, index, gallery = team.table, team.index, team.gallery
+    plan = upgrade(gallery, models, chunks=1)
+    index.execute(sql.SQL("DELETE FROM {} WHERE sku = 'sku-007'").format(ident(table)))
     with pytest.raises(DamagedObject, match=rf"the gallery's table {table} lost items the gallery serves: 1 ids "
                                             r"deleted \(first: sku-007\)"):
         backfill.backfill_chunk(gallery, plan.id, 1, models[1])
 
 
-def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(tmp_path, models, data):
-    store_uri = str(tmp_path / "store")
-    table = _table(tmp_path, "drop")
-    settings, index, root = _team_table(store_uri, data, models, table)
-    gallery = _adopt(store_uri, settings, root)
-    plan = _upgrade(gallery, models, chunks=1)
-    index.execute(sql.SQL("DROP VIEW {}").format(_ident(settings["view"])))
+def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(pg_team, models, data):
+    team = pg_team("drop")
+    table, settings, index, gallery = team.table, team.settings, team.index, team.gallery
+    plan = upgrade(gallery, models, chunks=1)
+    index.execute(sql.SQL("DROP VIEW {}").format(ident(settings["view"])))
     with pytest.raises(DamagedObject, match="dropped or renamed by another writer"):
         gallery.index.search(embed(models[1], data[0][:1]), 3)
-    index.execute(sql.SQL("DROP TABLE {}").format(_ident(vectors_table(table, NEW))))
+    index.execute(sql.SQL("DROP TABLE {}").format(ident(vectors_table(table, NEW))))
     with pytest.raises(DamagedObject, match="dropped or renamed by another writer"):
         backfill.backfill_chunk(gallery, plan.id, 1, models[1])
 
