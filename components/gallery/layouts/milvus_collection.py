@@ -384,6 +384,17 @@ class Collections:
             with self.calling(f"the collection {name}"):
                 (client.insert if insert else client.upsert)(name, block)
 
+    def seal(self, name: str, chunk: bool = False) -> None:
+        """The rows written into ``name`` sealed into segments its index covers (``flush``): Milvus
+        Lite scans a growing segment row by row at every search (about a second a search at 20,000
+        rows, against 30 ms sealed). After a bulk write (the switch, a new gallery) always; after a
+        ``chunk`` only on Milvus Lite: a server indexes its growing segments itself and limits
+        flushes (by default about one per ten seconds per collection)."""
+        if chunk and not is_lite(self.settings["uri"]):
+            return
+        with self.calling(f"the collection {name}"):
+            self.client().flush(name)
+
     def read(self, name: str, ids: np.ndarray, dim: int, vector_field: str = "embedding") -> np.ndarray:
         out = np.empty((len(ids), dim), dtype=np.float32)
         text = is_text(ids)
@@ -551,11 +562,14 @@ class MilvusGallery(StoredItems, FeaturesById, ServedGallery[Collections, str]):
             start, stop = self.part_bounds(part)
             index.write(name, plan.new, ids[start:stop], features, [EMBEDDED if b else MAPPED for b in backfilled],
                         insert=True)
+        index.seal(name)
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
         index = self.index
-        index.write(index.collection(plan.new), plan.new, self.ids()[np.asarray(positions, dtype=np.int64)], features,
+        name = index.collection(plan.new)
+        index.write(name, plan.new, self.ids()[np.asarray(positions, dtype=np.int64)], features,
                     [EMBEDDED if e else MAPPED for e in embedded])
+        index.seal(name, chunk=True)
 
     @staticmethod
     def writer(store: Store, model: ModelRef, part_size: int, settings: dict | None = None) -> MilvusWriter:
@@ -587,6 +601,7 @@ class MilvusWriter:
         self.index.write(self.name, self.model, ids, features, EMBEDDED, insert=True)
 
     def close(self) -> None:
+        self.index.seal(self.name)
         self.index.point(self.name)
 
     def manifest_fields(self) -> dict:
