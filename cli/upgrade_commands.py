@@ -287,12 +287,10 @@ def _describe_result(result: UpgradeResult, seconds: float) -> str:
              f"({100 * result.fraction:.1f}%) in {seconds:.0f} s; MLflow run {result.mlflow_run_id}"]
     advised = result.advice.recommendation if result.advice else None
     if advised:
-        metric = "top-1" if advised.get("metric", "top1") == "top1" else "agreement"
-        value = advised["top1" if metric == "top-1" else "agreement"]
-        full = advised["top1_full" if metric == "top-1" else "agreement_full"]
-        lines.append(f"budget advisor: recommended stop for a gain below {advised['gain_below']:g} {metric} points per "
-                     f"5% is {100 * advised['fraction']:.0f}% (predicted {metric} {100 * value:.2f}%, "
-                     f"{100 * full:.2f}% at 100%)"
+        metric = "top-1" if advised.metric == "top1" else "agreement"
+        lines.append(f"budget advisor: recommended stop for a gain below {advised.gain_below:g} {metric} points per "
+                     f"5% is {100 * advised.fraction:.0f}% (predicted {metric} {100 * advised.at_stop:.2f}%, "
+                     f"{100 * advised.full:.2f}% at 100%)"
                      + ("; stopped there: the same command stays there, a --budget goes on"
                         if result.stopped == "recommended" else ""))
     numbers = result.promotion.gate_numbers() if result.promotion is not None else None

@@ -774,7 +774,7 @@ def test_the_upgrade_stops_itself_where_the_advisor_recommends(upgrade_env, pref
     assert paused.state == "paused" and paused.stopped == "recommended", paused
     prefilled = planning.load_plan(store, paused.upgrade_id).prefilled  # the evaluation sample, embedded while planning
     assert paused.items_done == max(stop["items"], prefilled)  # exactly there: the chunk was cut, not rounded up
-    assert paused.advice.recommendation["fraction"] == stop["fraction"]
+    assert paused.advice.recommendation.fraction == stop["fraction"]
     stored = store.get_json(f"upgrades/{paused.upgrade_id}/advice.json")
     np.testing.assert_allclose(stored["top1"], predicted["top1"], atol=1e-9)  # the dry run predicted the plan's curve
     np.testing.assert_allclose(stored["map"], predicted["map"], atol=1e-6)

@@ -35,7 +35,7 @@ from fastfill.components.gallery.advice.planning_cost import PlannedItems, Plann
 from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.store.lock import LOCK
 from fastfill.components.gallery.upgrade import backfill
-from fastfill.components.gallery.upgrade.outcome import Advice, Decision, UpgradeResult
+from fastfill.components.gallery.upgrade.outcome import Advice, Decision, Recommendation, UpgradeResult
 from tests.gallery_cases import OLD, N, _gallery, _plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,8 +187,9 @@ RESULTS = {
     "paused": UpgradeResult(
         state="paused", upgrade_id="u", chunks_done=3, chunks=9, items_done=24, items=72, fraction=24 / 72,
         complete=False, failed_images=0, stopped="recommended", mlflow_run_id="r", message="stopped at 24/72 items",
-        advice=Advice(recommendation={"fraction": 0.3, "gain_below": 0.1, "top1": 0.7, "top1_full": 0.8,
-                                      "metric": "top1", "items": 24}, fractions=[0.0, 0.3, 1.0])),
+        advice=Advice(recommendation=Recommendation.from_dict({"fraction": 0.3, "gain_below": 0.1, "top1": 0.7,
+                                                               "top1_full": 0.8, "metric": "top1", "items": 24}),
+                      fractions=[0.0, 0.3, 1.0])),
     "up-to-date": UpgradeResult(state="up-to-date", model="models:/embedder/1", items=72, items_done=72, fraction=1.0,
                                 complete=True),
 }
@@ -231,8 +232,11 @@ def test_the_upgrade_answers_its_result_with_the_same_exit_code(upgrade_answers,
         assert numbers["top1"] == [0.1, 0.7] and numbers["fraction_to_gain"] is None
         assert document["stopped"] is None and document["message"] is None
     elif state == "paused":
-        assert "budget advisor: recommended stop" in text.stdout
-        assert document["stopped"] == "recommended" and document["advice"]["recommendation"]["fraction"] == 0.3
+        assert ("budget advisor: recommended stop for a gain below 0.1 top-1 points per 5% is 30% (predicted top-1 "
+                "70.00%, 80.00% at 100%); stopped there") in text.stdout
+        assert document["stopped"] == "recommended"
+        assert list(document["advice"]["recommendation"].items()) == [  # the record as it was, in its order
+            ("fraction", 0.3), ("gain_below", 0.1), ("top1", 0.7), ("top1_full", 0.8), ("metric", "top1"), ("items", 24)]
         assert document["promotion"] is None
     else:
         assert text.stdout.splitlines()[-1] == ("up-to-date: the gallery is already built with models:/embedder/1; "

@@ -86,11 +86,35 @@ class GateNumbers:
 
 
 @dataclass(frozen=True)
+class Recommendation:
+    """The advisor's recommended stop (``advisor.recommend``, or as advice.json keeps it): for a marginal
+    gain below ``gain_below`` points per 5%, stop at ``fraction`` of the gallery, where the
+    prediction's ``metric`` (top-1, or the label-free agreement) is ``at_stop``, against ``full``
+    at 100%. ``to_dict``: the record as it was made or read, whichever version of fastfill wrote it."""
+
+    gain_below: float
+    fraction: float
+    metric: str  # top1 (a record without the key is top-1's) or agreement
+    at_stop: float
+    full: float
+    record: dict
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Recommendation:
+        metric = record.get("metric", "top1")
+        return cls(gain_below=record["gain_below"], fraction=record["fraction"], metric=metric,
+                   at_stop=record[metric], full=record[f"{metric}_full"], record=dict(record))
+
+    def to_dict(self) -> dict:
+        return dict(self.record)
+
+
+@dataclass(frozen=True)
 class Advice:
     """The budget advisor's predicted curve (``top1`` and ``map`` with labels or judged queries,
     ``agreement`` without) and the stop it recommends (see advisor.describe)."""
 
-    recommendation: dict | None
+    recommendation: Recommendation | None
     fractions: list[float]
     top1: list[float] | None = None
     map: list[float] | None = None
@@ -153,6 +177,8 @@ class UpgradeResult:
         in their order; the upgrade's id as ``upgrade``."""
         fields = {("upgrade" if key == "upgrade_id" else key): value
                   for key, value in asdict(replace(self, promotion=None, decision=None)).items()}
+        if self.advice is not None and self.advice.recommendation is not None:  # the record, not the typed fields
+            fields["advice"]["recommendation"] = self.advice.recommendation.to_dict()
         fields["promotion"] = self.promotion.gate_fields() if self.promotion is not None else None
         fields["decision"] = self.decision.to_dict() if self.decision is not None else None
         return fields

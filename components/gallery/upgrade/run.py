@@ -46,7 +46,14 @@ from fastfill.components.gallery.upgrade.lifecycle import (
     cut_for_limit,
     failure_limit,
 )
-from fastfill.components.gallery.upgrade.outcome import Advice, BackfillSummary, Decision, UpgradeResult, backfilled
+from fastfill.components.gallery.upgrade.outcome import (
+    Advice,
+    BackfillSummary,
+    Decision,
+    Recommendation,
+    UpgradeResult,
+    backfilled,
+)
 from fastfill.components.gallery.upgrade.planning import Plan, upgrade_id
 from fastfill.components.platform.registry import ModelRef
 
@@ -410,5 +417,6 @@ def _advice_record(advice: dict | None, gain_below: float | None) -> Advice | No
     if advice is None:
         return None
     curves = ("agreement",) if advice.get("metric") == "agreement" else ("top1", "map")
-    return Advice(recommendation=at_stop(advice, gain_below), fractions=advice["fractions"],
+    stop = at_stop(advice, gain_below)
+    return Advice(recommendation=Recommendation.from_dict(stop) if stop else None, fractions=advice["fractions"],
                   **{key: advice[key] for key in curves})
