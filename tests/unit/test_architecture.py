@@ -368,11 +368,6 @@ def test_the_upgrade_decision_is_one_type():
     assert not named, named
 
 
-# the layouts' ``chunk_done(upgrade)``, one protocol (catalog.ServingIndex) that lance_serving.py
-# implements too: its parameter is renamed in all of them at once, lance_serving.py's with it
-WRONG_ID_NAMES_KEPT = {("components/gallery/layouts/lance_serving.py", None), ("components/gallery/layouts", "chunk_done")}
-
-
 def _ids_under_another_name(source: str) -> list[str]:
     """Parameters that hold an upgrade's id under another name than ``upgrade_id``: ``uid``, or
     ``upgrade`` typed ``str`` / ``str | None``; as ``line function(name)``."""
@@ -389,13 +384,8 @@ def _ids_under_another_name(source: str) -> list[str]:
 
 @pytest.mark.parametrize("room", ["flows", "tasks", "components"])
 def test_an_upgrade_s_id_is_called_upgrade_id(room):
-    wrong = []
-    for path in _modules(room):
-        where = str(path.relative_to(ROOT))
-        if (where, None) in WRONG_ID_NAMES_KEPT:
-            continue
-        wrong += [f"{where}:{found}" for found in _ids_under_another_name(path.read_text())
-                  if (str(path.parent.relative_to(ROOT)), found.split(" ")[1].split("(")[0]) not in WRONG_ID_NAMES_KEPT]
+    wrong = [f"{path.relative_to(ROOT)}:{found}" for path in _modules(room)
+             for found in _ids_under_another_name(path.read_text())]
     assert not wrong, f"an upgrade's id named otherwise than upgrade_id: {wrong}"
 
 

@@ -187,9 +187,9 @@ class ServingTable:
         if MODEL_KEY.encode() not in meta:
             return None
         model = ModelRef.from_dict(json.loads(meta[MODEL_KEY.encode()]))
-        upgrade = meta.get(UPGRADE_KEY.encode(), b"").decode() or None
+        upgrade_id = meta.get(UPGRADE_KEY.encode(), b"").decode() or None
         return Serving(model.uri, model.name, str(model.version), int(model.dim or 0), f"{dataset.uri}:embedding",
-                       upgrade, meta.get(SINCE_KEY.encode(), b"").decode() or None, version=dataset.version)
+                       upgrade_id, meta.get(SINCE_KEY.encode(), b"").decode() or None, version=dataset.version)
 
     def serving(self) -> Serving | None:
         """Which model's space the newest version holds, its upgrade, since when (None before any)."""
@@ -237,7 +237,7 @@ class ServingTable:
 
     # ---- writing
 
-    def write(self, model: ModelRef, upgrade: str | None, ids: np.ndarray, parts) -> None:
+    def write(self, model: ModelRef, upgrade_id: str | None, ids: np.ndarray, parts) -> None:
         """The table overwritten with ``model``'s space, in one commit: ``parts`` yields
         (positions, features, sources, chunks) in position order; then the ANN index."""
         import lance
@@ -246,7 +246,7 @@ class ServingTable:
         if existing is not None:
             self.check_ours(existing)
         text = is_text(ids)
-        meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "", SINCE_KEY: _now(),
+        meta = {MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade_id or "", SINCE_KEY: _now(),
                 GALLERY_KEY: self.mark_text()}
         schema = pa.schema([pa.field("position", pa.int64()), pa.field("id", pa.string() if text else pa.int64()),
                             pa.field("embedding", pa.list_(pa.float32(), dim_of(model))),
@@ -288,17 +288,17 @@ class ServingTable:
         dataset.create_index("embedding", index_type=INDEX_TYPES[ann], metric=self.metric,
                              num_partitions=min(partitions, rows // 4), replace=True)
 
-    def retag(self, model: ModelRef, upgrade: str | None) -> None:
-        """The metadata says ``upgrade`` (a finish: none) in one commit; the rows stay; then the
+    def retag(self, model: ModelRef, upgrade_id: str | None) -> None:
+        """The metadata says ``upgrade_id`` (a finish: none) in one commit; the rows stay; then the
         chunks' fragments are compacted and the index rebuilt (same rows, same space)."""
         dataset = self.dataset()
         self.check_ours(dataset)
         meta = {k.decode(): v.decode() for k, v in (dataset.schema.metadata or {}).items()}
-        meta.update({MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade or "",
+        meta.update({MODEL_KEY: json.dumps(model.to_dict(), sort_keys=True), UPGRADE_KEY: upgrade_id or "",
                      GALLERY_KEY: self.mark_text()})
         dataset.update_schema_metadata(meta)
         dataset = self.dataset()
-        if upgrade is None and len(dataset.get_fragments()) > 1:
+        if upgrade_id is None and len(dataset.get_fragments()) > 1:
             # Lance compacts indexed and unindexed fragments apart; an index of several segments
             # (the chunks' deltas) is dropped once by its name
             for name in sorted({index["name"] for index in dataset.list_indices()}):
@@ -306,27 +306,27 @@ class ServingTable:
             self.dataset().optimize.compact_files(materialize_deletions=True)
             self.ann_index()
 
-    def chunk_done(self, upgrade: str) -> set[int]:
-        """The chunks of ``upgrade`` whose rows are in the table."""
+    def chunk_done(self, upgrade_id: str) -> set[int]:
+        """The chunks of ``upgrade_id`` whose rows are in the table."""
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or serving.upgrade != upgrade:
+        if serving is None or serving.upgrade != upgrade_id:
             return set()
         with self.reading():
             chunks = dataset.to_table(columns=["chunk"], filter="chunk >= 0").column("chunk").to_numpy()
         return {int(c) for c in np.unique(chunks)}
 
-    def serve_chunk(self, upgrade: str, chunk: int, positions: np.ndarray, ids: np.ndarray, features: np.ndarray,
+    def serve_chunk(self, upgrade_id: str, chunk: int, positions: np.ndarray, ids: np.ndarray, features: np.ndarray,
                     sources) -> None:
         """A chunk's rows written in one commit, once: a chunk whose rows are there (``chunk``) is
-        not written again; the table must be serving ``upgrade``. Where the table is laid out as
+        not written again; the table must be serving ``upgrade_id``. Where the table is laid out as
         the switch wrote it, reading the switch's rows of the chunk back by address shows whether
         they are still there (a chunk's commit deletes them all at once), so the check costs the
         chunk's rows, not the table's."""
         dataset = self.dataset()
         serving = None if dataset is None else self._serving_of(dataset)
-        if serving is None or serving.upgrade != upgrade:
-            raise GalleryError(f"{self.uri} does not serve upgrade {upgrade} (it serves "
+        if serving is None or serving.upgrade != upgrade_id:
+            raise GalleryError(f"{self.uri} does not serve upgrade {upgrade_id} (it serves "
                                f"{serving and serving.model}, upgrade {serving and serving.upgrade}); run "
                                "`fastfill upgrade` again: it switches the table first")
         self.check_ours(dataset)

@@ -337,7 +337,7 @@ class Collections:
         dim = next((int(f["params"]["dim"]) for f in fields if f["name"] == "embedding"), None)
         return Serving(uri, found.group(1) if found else None, found.group(2) if found else None, dim, collection)
 
-    def chunk_done(self, upgrade: str) -> set[int] | None:
+    def chunk_done(self, upgrade_id: str) -> set[int] | None:
         """None: Milvus has no transactions, so a chunk's record is its marker in the store."""
         return None
 

@@ -742,11 +742,11 @@ class Index:
         return int(self.execute(sql.SQL("SELECT count(*) FROM {} WHERE source = %s").format(
             sql.Identifier(self.view)), (EMBEDDED,)).fetchone()[0])
 
-    def chunk_done(self, upgrade: str) -> set[int]:
+    def chunk_done(self, upgrade_id: str) -> set[int]:
         from psycopg import sql
 
         rows = self.execute(sql.SQL("SELECT chunk FROM {} WHERE upgrade = %s").format(
-            sql.Identifier(self.chunks_table)), (upgrade,)).fetchall()
+            sql.Identifier(self.chunks_table)), (upgrade_id,)).fetchall()
         return {int(r[0]) for r in rows}
 
     def search(self, queries: np.ndarray, k: int, model: str | None = None) -> tuple[list, list, list, list]:

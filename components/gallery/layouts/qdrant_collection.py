@@ -355,7 +355,7 @@ class Collections:
         return Serving(uri, found.group(1) if found else None, found.group(2) if found else None,
                        int(dim) if dim else None, collection)
 
-    def chunk_done(self, upgrade: str) -> set[int] | None:
+    def chunk_done(self, upgrade_id: str) -> set[int] | None:
         """None: a chunk's record is its marker in the store."""
         return None
 
