@@ -132,7 +132,7 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
     text = f"{store.uri}: {state.items:,} items, model {state.model}, {state.state}"
     if state.upgrade is not None:
         text += f" ({state.upgrade.id})"
-    problem = (state.index or {}).get("problem")
+    problem = state.index.problem if state.index is not None else None
     if problem:  # the index readers search cannot serve them
         return False, f"{text}; its serving index: {problem}"
     return True, text
@@ -400,7 +400,7 @@ def gallery_state(store: StoreOption = None, as_json: JsonOption = False,
                  run_id: str | None = None) -> None:
         if as_json:
             answer("fastfill.status/1", {"ok": healthy, "store": where.uri,
-                                         "gallery": state.as_dict() if state else None,
+                                         "gallery": state.to_dict() if state else None,
                                          "decision": json_output.decision_fields(decided), "mlflow_run_id": run_id,
                                          "lines": lines})
 
@@ -450,8 +450,8 @@ def _show_no_gallery(config, where, show) -> bool:
 def _show_gallery(state: GalleryStatus, decided: Decision | None, show) -> None:
     """The gallery's own lines: its model, the upgrade and its lock, what comes next, the gate."""
     show("gallery", f"{state.store}: {state.items:,} items, model {state.model}")
-    if state.index and state.index.get("problem"):  # the index readers search cannot serve them
-        show("index", state.index["problem"])
+    if state.index is not None and state.index.problem:  # the index readers search cannot serve them
+        show("index", state.index.problem)
     info = state.upgrade
     if info and info.chunks and info.registry_recorded is not False:
         show("upgrade", f"{state.state}: {info.id} ({info.source} -> {info.to}, {info.order} order), "
@@ -462,9 +462,9 @@ def _show_gallery(state: GalleryStatus, decided: Decision | None, show) -> None:
     else:
         show("upgrade", "none in progress")
     lock = state.lock
-    if lock:
-        show("lock", f"held by upgrade {lock.get('upgrade')}, process {lock.get('pid')} on {lock.get('host')}"
-                     + (" (its lease has expired)" if lock.get("expired") else ""))
+    if lock is not None:
+        show("lock", f"held by upgrade {lock.upgrade_id}, process {lock.pid} on {lock.host}"
+                     + (" (its lease has expired)" if lock.expired else ""))
     if state.next:
         show("next", state.next)
     if decided is None:

@@ -52,7 +52,7 @@ def show_status(store: str | None, params: Path, schema: str | None = None) -> N
     config = load(params)
     uri = store_uri(config, store)
 
-    state = call(lambda: gallery_status(open_gallery(uri))).as_dict()
+    state = call(lambda: gallery_status(open_gallery(uri))).to_dict()
     if schema is not None:
         return answer(*json_output.status_document(schema, state))
     typer.echo(json.dumps(state, indent=2))

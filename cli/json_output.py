@@ -29,7 +29,7 @@ from fastfill.components.gallery.upgrade.outcome import Decision, UpgradeResult
 
 if TYPE_CHECKING:  # the dry run's module loads torch: only its type here
     from fastfill.components.gallery.advice.estimate import DryRun
-    from fastfill.components.gallery.store.lock import BrokenLock
+    from fastfill.components.gallery.store.lock import LockRecord
 
 JsonOption = Annotated[bool, typer.Option("--json", help="answer with one JSON document on stdout (docs/json.md)")]
 
@@ -171,7 +171,7 @@ def status_document(command: str, state: dict) -> tuple[str, dict]:
     return f"fastfill.{command}/1", state
 
 
-def unlock_document(store: str, held: BrokenLock | None) -> tuple[str, dict]:
+def unlock_document(store: str, held: LockRecord | None) -> tuple[str, dict]:
     """`fastfill upgrade unlock`: the lock it removed (its holder), without the lock's token."""
     lock = held.holder() if held is not None else None
     return "fastfill.upgrade.unlock/1", {"store": store, "removed": held is not None, "lock": lock}

@@ -33,7 +33,7 @@ from fastfill.components.gallery.store import (
 from fastfill.components.gallery.store import lock as locking
 from fastfill.components.gallery.upgrade import backfill, ending, garbage, planning
 from fastfill.components.gallery.upgrade.outcome import Decision
-from fastfill.components.gallery.upgrade.status import gallery_status
+from fastfill.components.gallery.upgrade.status import GalleryStatus, gallery_status
 from fastfill.components.platform.config import TrainConfig
 from fastfill.components.platform.registry import ModelRef
 
@@ -489,9 +489,9 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     np.testing.assert_allclose(mixed[[5, 6]], transformed[[5, 6]], rtol=1e-5, atol=1e-6)  # kept, not a gap
     others = np.setdiff1d(np.arange(N), [5, 6])
     np.testing.assert_allclose(mixed[others], embed(new, images)[others], rtol=1e-5, atol=1e-6)
-    state = gallery_status(gallery)
-    assert state.upgrade.failed_images["count"] == 2
-    assert {f["id"] for f in state.upgrade.failed_images["items"]} == {505, 506}
+    state = gallery_status(gallery)  # the same when read back from the JSON `upgrade status --json` prints
+    assert GalleryStatus.from_dict(json.loads(json.dumps(state.to_dict()))).to_dict() == state.to_dict()
+    assert state.upgrade.failed_images.count == 2 and {f["id"] for f in state.upgrade.failed_images.items} == {505, 506}
     searcher = GallerySearch(gallery)
     assert searcher.sources(np.array([505, 507])) == [f"{OLD.uri} mapped by {plan.map_uri}", NEW.uri]
     record = ending.finish(gallery, plan)
@@ -556,7 +556,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
             assert set(order[:plan.chunk_bounds(chunk)[1]]) == set(np.flatnonzero(backfilled))
             time.sleep(0.02)
         state = gallery_status(gallery).index
-        assert state["serving"] == NEW.uri and state["as_manifest_says"] and state["view"] == gallery.index.view
+        assert state.serving == NEW.uri and state.as_manifest_says and state.view == gallery.index.view
         ending.finish(gallery, plan)
         time.sleep(0.1)
     finally:

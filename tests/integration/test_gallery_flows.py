@@ -134,7 +134,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     np.testing.assert_allclose(advice["sample_top1"], exact.top1, atol=1e-9)
     np.testing.assert_allclose(advice["map"], exact.map, atol=1e-9)
     predicted = {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, "predicted_top1")}
-    assert sorted(predicted) == sorted(set(cuts)) and state.upgrade.predicted["top1"]["100%"] == \
+    assert sorted(predicted) == sorted(set(cuts)) and state.upgrade.predicted.top1["100%"] == \
         pytest.approx(100 * advice["top1"][-1], abs=0.01)
     fraction = client.get_metric_history(plan.mlflow_run_id, "backfill_fraction")
     assert max(m.value for m in fraction) == 1.0
@@ -884,8 +884,8 @@ def test_adopt_in_place_then_upgrade_reads_images_by_uri(layout, upgrade_env, pr
     with pytest.raises(GalleryError, match=r"images could not be read or decoded, more than the 2"):
         upgrade_flow(strict, strict_uri, to_uri=f"models:/embedder/{new_version}", gate=False)
     state = gallery_status(gallery_at(open_store(strict_uri)))
-    assert state.state == "paused" and state.upgrade.failed_images["count"] == 3
-    assert {f["id"] for f in state.upgrade.failed_images["items"]} == {1003, 1011, 1019}
+    assert state.state == "paused" and state.upgrade.failed_images.count == 3
+    assert {f["id"] for f in state.upgrade.failed_images.items} == {1003, 1011, 1019}
 
 
 def test_an_upgrade_of_an_adopted_gallery_whose_images_are_all_gone_says_so_in_one_line(upgrade_env,

@@ -4,6 +4,8 @@ or services/; its packages import only downward (platform < evaluation < experim
 services/; services/ never imports cli/ (the command line sits on top of everything)."""
 
 import ast
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -412,6 +414,44 @@ def test_the_upgrade_commands_read_typed_records():
     lock and the abort as typed records' fields: no read of a dict by a string key is left."""
     reads = _string_key_reads(ROOT / "cli" / "upgrade_commands.py")
     assert not reads, reads
+
+
+def _dict_fields(record: type) -> list[str]:
+    """The fields of the dataclass ``record`` annotated as a dict (``dict``, ``dict | None``,
+    ``dict[str, float]``, a ``list[dict]``), as ``Record.field: annotation``."""
+    return [f"{record.__name__}.{field.name}: {field.type}" for field in dataclasses.fields(record)
+            if re.search(r"\b(dict|Dict|Mapping)\b", str(field.type))]
+
+
+def test_the_gallery_s_status_holds_typed_records():
+    """`fastfill upgrade status`'s state (``GalleryStatus``) and the upgrade in progress it shows
+    hold frozen records, never a dict: the lock, the served index, the prediction, the failed
+    images, the decision (their ``to_dict`` is the JSON)."""
+    from fastfill.components.gallery.store.lock import LockRecord
+    from fastfill.components.gallery.upgrade.backfill import FailedImages
+    from fastfill.components.gallery.upgrade.outcome import Decision
+    from fastfill.components.gallery.upgrade.status import GalleryStatus, PredictedCurve, ServedIndex, UpgradeInProgress
+
+    found = _dict_fields(GalleryStatus) + _dict_fields(UpgradeInProgress)
+    assert not found, f"typed records, not dicts: {found}"
+    records = (GalleryStatus, UpgradeInProgress, LockRecord, ServedIndex, PredictedCurve, FailedImages, Decision)
+    loose = [record.__name__ for record in records if not record.__dataclass_params__.frozen]
+    assert not loose, f"not frozen: {loose}"
+
+
+def test_the_dict_field_check_finds_a_dict():
+    @dataclasses.dataclass
+    class Loose:
+        lock: dict | None
+        index: dict
+        points: dict[str, float]
+        failed: list[dict]
+        name: str
+        predicted: "dict | None" = None
+
+    assert _dict_fields(Loose) == ["Loose.lock: dict | None", "Loose.index: <class 'dict'>",
+                                   "Loose.points: dict[str, float]", "Loose.failed: list[dict]",
+                                   "Loose.predicted: dict | None"]
 
 
 MYPY_EXCEPTIONS_MOST = 5  # modules of the product that may still turn some of mypy's error codes off

@@ -52,13 +52,13 @@ def _damage(folder: Path, how: str) -> None:
 def test_a_damaged_lance_serving_table_is_reported_by_status_and_doctor(quiet_env, tmp_path, models, data, how):
     store = tmp_path / "store"
     gallery = _gallery(str(store), models, data, layout="lance")
-    assert "problem" not in gallery_status(gallery).index
+    assert gallery_status(gallery).index.problem is None
     params = _params(tmp_path)
     healthy = runner.invoke(app, ["doctor", "--params", params, "--store", str(store), "--json"])
     assert json.loads(healthy.stdout)["checks"]["store"]["state"] == "ok", healthy.output
 
     _damage(store / "serving.lance", how)
-    problem = gallery_status(gallery).index["problem"]
+    problem = gallery_status(gallery).index.problem
     assert problem.startswith(f"{store / 'serving.lance'}: the serving table cannot be read (") and "\n" not in problem
     assert "restore it from a copy, or delete it" in problem
 
@@ -82,8 +82,8 @@ def test_a_lance_serving_table_that_is_gone_is_reported(tmp_path, models, data):
     gallery = _gallery(str(store), models, data, layout="lance")
     shutil.rmtree(store / "serving.lance")
     index = gallery_status(gallery).index
-    assert index["serving"] is None and not index["as_manifest_says"]
-    assert index["problem"].startswith(f"{store / 'serving.lance'}: serves no model (serving, or its record of the "
+    assert index.serving is None and not index.as_manifest_says
+    assert index.problem.startswith(f"{store / 'serving.lance'}: serves no model (serving, or its record of the "
                                        "model it serves, is gone")
 
 
@@ -91,12 +91,12 @@ def test_a_dropped_pgvector_view_is_reported(tmp_path, models, data):
     """On the tests' PostgreSQL (tests/pg.py)."""
     gallery = _gallery(str(tmp_path / "store"), models, data, layout="pgvector")
     index = gallery.index
-    assert "problem" not in gallery_status(gallery).index
+    assert gallery_status(gallery).index.problem is None
     index.execute(f'DROP VIEW "{index.view}"')
     index.close()
     found = gallery_status(gallery).index
-    assert found["serving"] is not None  # the serving row is there: the view a reader queries is not
-    problem = found["problem"]
+    assert found.serving is not None  # the serving row is there: the view a reader queries is not
+    problem = found.problem
     assert problem.startswith(index.where) and index.view in problem and "\n" not in problem, problem
     gallery.index.close()
 
@@ -105,11 +105,11 @@ def test_a_dropped_milvus_alias_is_reported(tmp_path, models, data):
     """On a Milvus Lite file (tests/pg.py): the alias the team's service searches is gone."""
     gallery = _gallery(str(tmp_path / "store"), models, data, layout="milvus")
     index = gallery.index
-    assert "problem" not in gallery_status(gallery).index
+    assert gallery_status(gallery).index.problem is None
     index.client().drop_alias(index.alias)
     found = gallery_status(gallery).index
-    assert found["serving"] is None and not found["as_manifest_says"]
-    assert found["problem"].startswith(f"{index.where}: serves no model ({index.alias}, or its record")
+    assert found.serving is None and not found.as_manifest_says
+    assert found.problem.startswith(f"{index.where}: serves no model ({index.alias}, or its record")
 
 
 def test_a_pgvector_server_that_does_not_answer_is_a_service_failure(quiet_env, tmp_path, models, data, monkeypatch):

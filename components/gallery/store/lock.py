@@ -84,11 +84,6 @@ def _describe(record: dict) -> str:
             f"since {record.get('since')}")
 
 
-def lease_expired(record: dict) -> bool:
-    """Whether the lock ``record``'s lease has run out (its holder stopped renewing it)."""
-    return _expired(record)
-
-
 def _expired(record: dict) -> bool:
     """The lease has run out (a lock without one never does)."""
     try:
@@ -275,22 +270,27 @@ def acquire_lock(store: Store, upgrade_id: str, *, break_lock: bool = False, log
 
 
 @dataclass(frozen=True)
-class BrokenLock:
-    """The lock ``break_lock`` removed: its holder (the upgrade, its process and host; None where
-    the record does not name them) and the record as it was stored (``to_dict``: lock.json's
-    keys, whichever version of fastfill wrote it; an unreadable lock names only the upgrade)."""
+class LockRecord:
+    """A gallery's upgrade lock as read: its holder (the upgrade, its process and host; None where
+    the record does not name them), whether its lease had run out when it was read (``expired``,
+    marked by ``read_lock``) and the record itself (``to_dict``: lock.json's keys in their stored
+    order, whichever version of fastfill wrote it). ``break_lock`` returns the lock it removed,
+    token and all (an unreadable one names only the upgrade); ``read_lock`` the lock held, without
+    its token (what `fastfill upgrade status` shows)."""
 
     upgrade_id: str | None  # ``upgrade`` in the record
     pid: int | None
     host: str | None
     record: dict
+    expired: bool = False  # ``expired`` in the record, where ``read_lock`` marked it
 
     @classmethod
-    def from_dict(cls, record: dict) -> BrokenLock:
-        return cls(upgrade_id=record.get("upgrade"), pid=record.get("pid"), host=record.get("host"), record=dict(record))
+    def from_dict(cls, record: dict) -> LockRecord:
+        return cls(upgrade_id=record.get("upgrade"), pid=record.get("pid"), host=record.get("host"),
+                   record=dict(record), expired=record.get("expired") is True)
 
     def to_dict(self) -> dict:
-        """The lock's record as stored."""
+        """The lock's record as stored (as read: ``read_lock``'s without its token)."""
         return dict(self.record)
 
     def holder(self) -> dict:
@@ -298,7 +298,20 @@ class BrokenLock:
         return {key: value for key, value in self.record.items() if key != "token"}
 
 
-def break_lock(store: Store) -> BrokenLock | None:
+def read_lock(store: Store) -> LockRecord | None:
+    """The lock's holder as `fastfill upgrade status` shows it: its record without the token,
+    marked ``expired`` when its lease has run out (its holder stopped renewing it); None unlocked."""
+    try:
+        record = store.get_json(LOCK)
+    except ObjectMissing:
+        return None
+    record.pop("token", None)
+    if _expired(record):
+        record["expired"] = True
+    return LockRecord.from_dict(record)
+
+
+def break_lock(store: Store) -> LockRecord | None:
     """Remove the lock whoever holds it (``fastfill upgrade unlock``), even an unreadable one. A
     holder that still runs finds out at its next renewal (within a third of its lease) and writes
     nothing after that."""
@@ -309,4 +322,4 @@ def break_lock(store: Store) -> BrokenLock | None:
     except StoreError as error:
         current = {"upgrade": f"unknown (the lock was unreadable: {error})"}
     store.delete(LOCK)
-    return BrokenLock.from_dict(current)
+    return LockRecord.from_dict(current)

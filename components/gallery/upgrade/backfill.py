@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -155,6 +156,29 @@ def failed_images(store: Store, upgrade_id: str) -> list[dict]:
     """Every item whose image a backfill of ``upgrade_id`` could not read, from the chunk markers."""
     return [entry for chunk in done_chunks(store, upgrade_id)
             for entry in store.get_json(marker_key(upgrade_id, chunk)).get("failed", [])]
+
+
+@dataclass(frozen=True)
+class FailedImages:
+    """The items whose image a backfill could not read (they keep the mapped features): how many
+    (``count``), and ``items``, the chunk markers' records of them (position, id, uri, reason),
+    all of them or the first few. ``to_dict``: ``failed_images`` in finished.json and in
+    `fastfill upgrade status`."""
+
+    count: int
+    items: list[dict]
+
+    @classmethod
+    def of(cls, failed: list[dict], shown: int | None = None) -> FailedImages:
+        """Those of ``failed``, the first ``shown`` of them listed (None: all)."""
+        return cls(count=len(failed), items=list(failed if shown is None else failed[:shown]))
+
+    @classmethod
+    def from_dict(cls, record: dict) -> FailedImages:
+        return cls(count=int(record["count"]), items=list(record["items"]))
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "items": list(self.items)}
 
 
 def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):

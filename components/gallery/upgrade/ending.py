@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from fastfill.components.gallery.layouts.catalog import Gallery, GalleryError, ModelRef, now
 from fastfill.components.gallery.store import Store
-from fastfill.components.gallery.upgrade.backfill import done_chunks, failed_images, iter_mixed_parts
+from fastfill.components.gallery.upgrade.backfill import FailedImages, done_chunks, failed_images, iter_mixed_parts
 from fastfill.components.gallery.upgrade.outcome import Decision
 from fastfill.components.gallery.upgrade.planning import DECISION, FINISHED, REJECTED, Plan, upgrade_key, upgrade_record
 
@@ -42,8 +42,7 @@ def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = Non
     gallery.write_features(plan.new, _whole_parts(gallery, plan))
     record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
     if gallery.adopted:
-        failed = failed_images(gallery.store, plan.id)
-        record["failed_images"] = {"count": len(failed), "items": failed}
+        record["failed_images"] = FailedImages.of(failed_images(gallery.store, plan.id)).to_dict()
     unserved = gallery.unserved_rows()
     if unserved:
         record["unserved_rows"] = unserved
