@@ -157,10 +157,10 @@ def backfill(model, images, cuda) -> dict:
                 planning.transform_part(gallery, uid, h, part)
             plan = planning.Plan(uid, old, new, "models:/embedder-alignment/1", "sigma", 1000, len(images), 0, "l2")
             planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
-            backfill.backfill_chunk(gallery, plan.id, 0, model, device=device)  # warm-up (first-call costs)
+            backfill.backfill_chunk(gallery, plan.upgrade_id, 0, model, device=device)  # warm-up (first-call costs)
             started = time.perf_counter()
             for chunk in range(1, plan.num_chunks):
-                backfill.backfill_chunk(gallery, plan.id, chunk, model, device=device)
+                backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, model, device=device)
             out[f"{name} items/s"] = round((len(images) - plan.chunk_size) / (time.perf_counter() - started))
             results[name] = backfill.mixed_features(gallery, plan)[0]
     a, b = results[CPU_NAME], results["cuda auto"]

@@ -58,8 +58,8 @@ class Upgrade:
         self.plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
         for part in range(gallery.num_parts):
             lo, hi = gallery.part_bounds(part)
-            self.store.put_array(transformed_key(self.plan.id, part), self.data["mapped"][lo:hi])
-            self.store.put_array(sigma_key(self.plan.id, part), self.data["sigma"][lo:hi])
+            self.store.put_array(transformed_key(self.plan.upgrade_id, part), self.data["mapped"][lo:hi])
+            self.store.put_array(sigma_key(self.plan.upgrade_id, part), self.data["sigma"][lo:hi])
         start = time.perf_counter()
         commit_plan(gallery, self.plan, self.data["order"])
         self.switch = time.perf_counter() - start
@@ -76,7 +76,7 @@ class Upgrade:
         features = self.data["new"][positions]
         before = len(upkeep)
         start = time.perf_counter()
-        write_chunk(self.store, self.plan.id, number, lo, hi, features, start,
+        write_chunk(self.store, self.plan.upgrade_id, number, lo, hi, features, start,
                     serve=functools.partial(self.gallery.serve_chunk, self.plan, number, positions, features,
                                             np.ones(len(positions), bool)))
         self.seconds.append(time.perf_counter() - start - sum(upkeep[before:]))

@@ -155,8 +155,8 @@ def run_layout(uri: str, data: dict, chunk: int, writers: int, layout: str) -> d
     plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
     for part in range(gallery.num_parts):
         lo, hi = gallery.part_bounds(part)
-        store.put_array(transformed_key(plan.id, part), data["mapped"][lo:hi])
-        store.put_array(sigma_key(plan.id, part), data["sigma"][lo:hi])
+        store.put_array(transformed_key(plan.upgrade_id, part), data["mapped"][lo:hi])
+        store.put_array(sigma_key(plan.upgrade_id, part), data["sigma"][lo:hi])
     commit_plan(gallery, plan, data["order"])
     times["plan"] = time.perf_counter() - start
 
@@ -167,7 +167,7 @@ def run_layout(uri: str, data: dict, chunk: int, writers: int, layout: str) -> d
         if "pixels" in data:  # the chunk's images read back, as a backfill does before embedding them
             images, failures = fetch_images(reading, positions, workers=16)
             assert not failures and np.array_equal(images, data["pixels"][positions])
-        write_chunk(store, plan.id, number, lo, hi, data["new"][positions], time.perf_counter())
+        write_chunk(store, plan.upgrade_id, number, lo, hi, data["new"][positions], time.perf_counter())
 
     times.update(_commit_all(commit, _chunks(data["order"], chunk), writers))
     start = time.perf_counter()

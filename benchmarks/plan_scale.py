@@ -102,9 +102,9 @@ def finish(folder: Path) -> dict:
     rng = np.random.default_rng(1)
     for chunk in range(record.num_chunks):  # what the backfill leaves: each chunk's features, then its marker
         start, stop = record.chunk_bounds(chunk)
-        gallery.store.put_array(planning.chunk_key(record.id, chunk), rng.standard_normal((stop - start, DIM),
+        gallery.store.put_array(planning.chunk_key(record.upgrade_id, chunk), rng.standard_normal((stop - start, DIM),
                                                                                     dtype=np.float32))
-        gallery.store.put(planning.marker_key(record.id, chunk), _json.dumps({"count": stop - start}).encode())
+        gallery.store.put(planning.marker_key(record.upgrade_id, chunk), _json.dumps({"count": stop - start}).encode())
     baseline = _rss_mb()
     started = time.perf_counter()
     finish(gallery, record)

@@ -204,8 +204,8 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     start = time.perf_counter()
     for part in range(gallery.num_parts):
         lo, hi = gallery.part_bounds(part)
-        store.put_array(transformed_key(plan.id, part), data["mapped"][lo:hi])
-        store.put_array(sigma_key(plan.id, part), data["sigma"][lo:hi])
+        store.put_array(transformed_key(plan.upgrade_id, part), data["mapped"][lo:hi])
+        store.put_array(sigma_key(plan.upgrade_id, part), data["sigma"][lo:hi])
     times["plan_objects"] = time.perf_counter() - start
     start = time.perf_counter()
     commit_plan(gallery, plan, data["order"])  # pgvector: the switch (column, h(old), index, view)
@@ -224,7 +224,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
         features = data["new"][positions]
         before, wrote = written(), _wchar()
         start = time.perf_counter()
-        write_chunk(store, plan.id, number, lo, hi, features, start,
+        write_chunk(store, plan.upgrade_id, number, lo, hi, features, start,
                     serve=functools.partial(writing.serve_chunk, plan, number, positions, features,
                                             np.ones(len(positions), bool)))
         latencies.append(time.perf_counter() - start)

@@ -99,7 +99,7 @@ class _Chunks:
 
     def submit(self, plan: Plan, chunk: int, model):
         config = self.config
-        return backfill_chunk.submit(self.store_uri, plan.id, chunk, model, config.batch_size,
+        return backfill_chunk.submit(self.store_uri, plan.upgrade_id, chunk, model, config.batch_size,
                                      config.read_workers, config.precision)
 
     def first_done(self, handles: list):
@@ -141,9 +141,9 @@ class _BackfillRecords:
     def __init__(self, client, gallery: Gallery, plan: Plan, done: set[int], total: int, items_done: int):
         store_uri = gallery.store.uri
         self.measure = BackfillMeasure(gallery, plan, done)
-        self.tracker = UpgradeProgress(client, store_uri, plan, self.measure, progress_key(store_uri, plan.id))
+        self.tracker = UpgradeProgress(client, store_uri, plan, self.measure, progress_key(store_uri, plan.upgrade_id))
         self.tracker.measure(done)
-        self.shown = progress(f"backfill {plan.id}", total=total, log=log, initial=items_done,
+        self.shown = progress(f"backfill {plan.upgrade_id}", total=total, log=log, initial=items_done,
                               mode="off" if resolve_mode() == "bar" else "log")
 
     def landed(self, chunk: int, record: dict, done: set[int], items_done: int) -> None:

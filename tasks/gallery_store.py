@@ -84,7 +84,7 @@ def commit_plan(store_uri: str, plan: Plan, order, embedded: dict, judged, posit
     gallery = gallery_at(store_at(store_uri))
     chunks = backfill.write_prefilled(gallery.store, plan, order, embedded) if plan.prefilled else 0
     if judged is not None:
-        judgments.store_judged(gallery.store, plan.id, *judged)
+        judgments.store_judged(gallery.store, plan.upgrade_id, *judged)
     planning.commit_plan(gallery, plan, order, positions, queries, ranks)
     return chunks
 

@@ -26,7 +26,7 @@ def upgrade_run_id(plan: Plan) -> str:
     """The id of ``plan``'s MLflow run (planning opens it before the plan is written); a plan
     without one cannot have its upgrade recorded, and is refused with what to do."""
     if plan.mlflow_run_id is None:
-        raise GalleryError(f"upgrade {plan.id}: its plan names no MLflow run (mlflow_run_id), so the upgrade's "
+        raise GalleryError(f"upgrade {plan.upgrade_id}: its plan names no MLflow run (mlflow_run_id), so the upgrade's "
                            "progress and prediction cannot be recorded; abort it (`fastfill upgrade abort`) and "
                            "plan it again")
     return plan.mlflow_run_id
@@ -125,7 +125,7 @@ class UpgradeProgress:
         self.measured = {int(m.step) for m in history}
         # called in a sync context: the id itself, not a coroutine
         self.artifact = cast(UUID, create_progress_artifact(0.0, key=artifact_key,
-                                                            description=f"backfill of {plan.id} in {store_uri}"))
+                                                            description=f"backfill of {plan.upgrade_id} in {store_uri}"))
 
     def chunk_done(self, done: set[int], items_done: int) -> None:
         from prefect.artifacts import update_progress_artifact

@@ -165,15 +165,15 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     images, _ = data
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
-    assert gallery.manifest(refresh=True)["upgrade"] == plan.id and plan.num_chunks == 8
-    order = planning.order_of(gallery.store, plan.id)
+    assert gallery.manifest(refresh=True)["upgrade"] == plan.upgrade_id and plan.num_chunks == 8
+    order = planning.order_of(gallery.store, plan.upgrade_id)
     old_features = gallery.all_features(OLD)
     transformed, sigma = apply_alignment(h, old_features)
     np.testing.assert_array_equal(order, np.argsort(-sigma.astype(np.float64), kind="stable"))
 
-    first = [backfill.backfill_chunk(gallery, plan.id, c, new) for c in (0, 1, 4)]
-    assert backfill.done_chunks(gallery.store, plan.id) == [0, 1, 4]
-    again = backfill.backfill_chunk(gallery, plan.id, 1, new)
+    first = [backfill.backfill_chunk(gallery, plan.upgrade_id, c, new) for c in (0, 1, 4)]
+    assert backfill.done_chunks(gallery.store, plan.upgrade_id) == [0, 1, 4]
+    again = backfill.backfill_chunk(gallery, plan.upgrade_id, 1, new)
     assert again["skipped"] and again["token"] == first[1]["token"]  # a done chunk is not redone
 
     mixed, backfilled = backfill.mixed_features(gallery, plan)
@@ -189,8 +189,8 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
         np.testing.assert_array_equal(np.concatenate([b for _, _, b in parts]), backfilled)
     sample = np.array([order[0], 3, 50, int(rows[-1]), 17])  # the same rows, reading only what they need
     np.testing.assert_array_equal(backfill.mixed_rows(gallery, plan, sample), mixed[sample])
-    np.testing.assert_array_equal(backfill.transformed_rows(gallery, plan.id, sample),
-                                  planning.transformed_all(gallery, plan.id)[sample])
+    np.testing.assert_array_equal(backfill.transformed_rows(gallery, plan.upgrade_id, sample),
+                                  planning.transformed_all(gallery, plan.upgrade_id)[sample])
     with pytest.raises(GalleryError, match="not complete: 5 chunks left"):
         ending.finish(gallery, plan)
     state = gallery_status(gallery)
@@ -198,7 +198,7 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert state.upgrade.items_done == 21
 
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
@@ -209,7 +209,7 @@ def backfill_resumes_without_redoing_chunks_and_finishes(store_uri, models, data
     assert deleted["features"] == (6 if layout == "parts" else 1) and deleted["upgrade_objects"] > 0
     assert gallery.missing_features(OLD) != []
     assert gallery.store.list(f"features/{OLD.key}/") == []
-    assert gallery.store.exists(f"upgrades/{plan.id}/plan.json")
+    assert gallery.store.exists(f"upgrades/{plan.upgrade_id}/plan.json")
     np.testing.assert_allclose(gallery.all_features(NEW), expected_new, rtol=1e-5, atol=1e-6)
 
 
@@ -270,19 +270,19 @@ def a_corrupt_image_part_fails_its_chunk_without_a_marker(store_uri, models, dat
         (data_file,) = _table_data_files(store_uri)
         _rewrite_raw(store_uri, data_file, lambda body: body[:len(body) // 2])
         with pytest.raises(DamagedObject, match=rf"data file .*{os.path.basename(data_file)}.* cannot be read"):
-            backfill.backfill_chunk(gallery, plan.id, 0, new)
-        assert backfill.done_chunks(gallery.store, plan.id) == []
+            backfill.backfill_chunk(gallery, plan.upgrade_id, 0, new)
+        assert backfill.done_chunks(gallery.store, plan.upgrade_id) == []
         return
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((10, 1, 8, 8), np.uint8))
     _tamper(store_uri, "images/part-00002.npy", buffer.getvalue())
     with pytest.raises(ChecksumMismatch, match="images/part-00002.npy"):
-        backfill.backfill_chunk(gallery, plan.id, 0, new)
-    assert backfill.done_chunks(gallery.store, plan.id) == []
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 0, new)
+    assert backfill.done_chunks(gallery.store, plan.upgrade_id) == []
     gallery.store.delete("images/part-00002.npy")
     with pytest.raises(ObjectMissing, match="images/part-00002.npy does not exist"):
-        backfill.backfill_chunk(gallery, plan.id, 0, new)
-    assert backfill.done_chunks(gallery.store, plan.id) == []
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 0, new)
+    assert backfill.done_chunks(gallery.store, plan.upgrade_id) == []
 
 
 def features_altered_in_the_table_are_refused_naming_the_item_and_file(store_uri, models, data, layout=None):
@@ -295,7 +295,7 @@ def features_altered_in_the_table_are_refused_naming_the_item_and_file(store_uri
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)  # the new model's column: a data file of its own
     row = gallery.features(NEW, 1)[0].astype("<f4").tobytes()  # position 10's floats, as stored
     untouched = gallery.features(OLD, 1)  # the old model's column: another data file
@@ -341,9 +341,9 @@ def a_transformed_part_short_of_rows_is_refused_naming_it(store_uri, models, dat
 
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, models[2])
-    short = planning.transformed_key(plan.id, 2)
+    short = planning.transformed_key(plan.upgrade_id, 2)
     gallery.store.put_array(short, gallery.part_rows(short, 2)[:4])
-    for read in (lambda: planning.transformed_all(gallery, plan.id), lambda: backfill.mixed_features(gallery, plan),
+    for read in (lambda: planning.transformed_all(gallery, plan.upgrade_id), lambda: backfill.mixed_features(gallery, plan),
                  lambda: GallerySearch(gallery)):
         with pytest.raises(DamagedObject, match=rf"{short}: 4 rows, but part 2 has 10 items"):
             read()
@@ -394,14 +394,14 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data, layout=
     plan = _plan(gallery, h)
     assert searcher.refresh() == 0 and searcher.query_model == NEW and searcher.rebuilds == 1
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert searcher.refresh() == 3 and searcher.rebuilds == 1 and searcher.index.ntotal == N
     assert searcher.backfilled == 21
     mixed, _ = backfill.mixed_features(gallery, plan)
     queries = embed(new, data[0][:6])
     ids, distances = searcher.search(queries, k=5)
     np.testing.assert_array_equal(ids, _brute_force(mixed, gallery.ids(), queries, 5))
-    first = int(planning.order_of(gallery.store, plan.id)[0])  # the index's ids are the items' positions
+    first = int(planning.order_of(gallery.store, plan.upgrade_id)[0])  # the index's ids are the items' positions
     np.testing.assert_allclose(searcher.index.reconstruct(first), mixed[first])
     _, backfilled = backfill.mixed_features(gallery, plan)
     position = {int(i): p for p, i in enumerate(gallery.ids())}
@@ -410,7 +410,7 @@ def search_updates_vectors_by_id_as_chunks_land(store_uri, models, data, layout=
     assert {src for row in searcher.sources(ids) for src in row} <= {NEW.uri, mapped}
 
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     assert searcher.refresh() == 5 and searcher.rebuilds == 1 and searcher.query_model == NEW
     with pytest.raises(GalleryError, match="dimension 8, but the model's is 12"):
@@ -480,8 +480,8 @@ def adopted_gallery_reads_images_by_uri_and_keeps_failed_items(store_uri, models
     _put_original(root, "img-00006.png", b"not a png")
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    failed = backfill.failed_images(gallery.store, plan.id)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
+    failed = backfill.failed_images(gallery.store, plan.upgrade_id)
     assert sorted((f["id"], f["position"], f["reason"].split(":")[0]) for f in failed) == [
         (505, 5, "missing"), (506, 6, "undecodable")]
     mixed, backfilled = backfill.mixed_features(gallery, plan)
@@ -542,9 +542,9 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
         time.sleep(0.1)
         plan = _plan(gallery, h)
         time.sleep(0.1)
-        order = planning.order_of(gallery.store, plan.id)
+        order = planning.order_of(gallery.store, plan.upgrade_id)
         for chunk in range(plan.num_chunks):
-            backfill.backfill_chunk(gallery, plan.id, chunk, new)
+            backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
             mixed, backfilled = backfill.mixed_features(gallery, plan)
             ids, answer_models, sources = _index_answers(gallery, queries[NEW.uri])
             np.testing.assert_array_equal(np.array(ids), _brute_force(mixed, gallery.ids(), queries[NEW.uri], 5))
@@ -552,7 +552,7 @@ def the_index_serves_one_space_at_a_time_as_chunks_land(store_uri, models, data,
             position = {int(i): p for p, i in enumerate(gallery.ids())}
             assert sources == [["embedded" if backfilled[position[int(i)]] else "mapped" for i in row] for row in ids]
             if layout in ("pgvector", "lance"):  # the chunk records commit with the rows (Milvus: the store's markers)
-                assert gallery.index.chunk_done(plan.id) == set(range(chunk + 1))
+                assert gallery.index.chunk_done(plan.upgrade_id) == set(range(chunk + 1))
             assert set(order[:plan.chunk_bounds(chunk)[1]]) == set(np.flatnonzero(backfilled))
             time.sleep(0.02)
         state = gallery_status(gallery).index
@@ -581,27 +581,27 @@ def the_index_follows_reject_abort_and_rollback(store_uri, models, data, layout=
     images, _ = data
     gallery = _gallery(store_uri, models, data, layout=layout)
     plan = _plan(gallery, h)
-    backfill.backfill_chunk(gallery, plan.id, 0, new)
+    backfill.backfill_chunk(gallery, plan.upgrade_id, 0, new)
     assert gallery.index.serving().model == NEW.uri
-    reversal.abort(gallery, plan.id)
+    reversal.abort(gallery, plan.upgrade_id)
     assert gallery.index.serving().model == OLD.uri and gallery.index.serving().upgrade is None
     ids, models_, _ = _index_answers(gallery, embed(old, images[:3]))
     np.testing.assert_array_equal(np.array(ids), _brute_force(embed(old, images), gallery.ids(), embed(old, images[:3]), 5))
     assert all(m == {OLD.uri} for m in models_)
 
-    reversal.start_over(gallery, plan.id)
+    reversal.start_over(gallery, plan.upgrade_id)
     plan = _plan(gallery, h)  # planned again: the switch writes the new model's vectors again
     if layout in ("pgvector", "lance"):
-        assert gallery.index.chunk_done(plan.id) == set()
+        assert gallery.index.chunk_done(plan.upgrade_id) == set()
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    ending.reject(gallery, plan, Decision(plan.id, False, ["a test"], None))
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
+    ending.reject(gallery, plan, Decision(plan.upgrade_id, False, ["a test"], None))
     assert gallery.index.serving().model == OLD.uri
 
-    reversal.start_over(gallery, plan.id)
+    reversal.start_over(gallery, plan.upgrade_id)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.index.serving().model == NEW.uri
     # a reader that embedded for the old space gets no rows (not an error, not another space's answer)
@@ -695,7 +695,7 @@ def a_teams_table_is_adopted_where_it_is_and_upgraded_in_place(store_uri, models
     assert gallery.index.serving().model == NEW.uri and "vec" in gallery.index.columns()
     assert gallery.index.serving().vectors == f"{index.table}_emb_embedder_v2.embedding"
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     np.testing.assert_allclose(gallery.all_features(NEW), embed(new, images)[rows], rtol=1e-5, atol=1e-6)
     assert _index_answers(gallery, embed(new, images[:1]), k=1)[0] == [[skus[0]]]
@@ -739,7 +739,7 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
     for chunk in range(plan.num_chunks):
         fragments = {f.fragment_id for f in index.dataset().get_fragments()}
         version = index.dataset().version
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
         after = index.dataset()
         assert after.version == version + 1  # one commit
         added = [f for f in after.get_fragments() if f.fragment_id not in fragments]
@@ -749,7 +749,7 @@ def the_serving_table_is_searched_by_lancedb_and_a_chunk_writes_only_its_rows(st
         model, ids, answer_models = reader_answers(queries)
         assert model["version"] == "2" and all(m == {NEW.uri} for m in answer_models)
         np.testing.assert_array_equal(np.array(ids), _brute_force(mixed, gallery.ids(), queries, 5))
-    positions = planning.order_of(gallery.store, plan.id)[:plan.chunk_bounds(0)[1]]
+    positions = planning.order_of(gallery.store, plan.upgrade_id)[:plan.chunk_bounds(0)[1]]
     version = index.dataset().version
     gallery.serve_chunk(plan, 0, positions, np.zeros((len(positions), NEW.dim), np.float32), np.ones(len(positions), bool))
     assert index.dataset().version == version  # once: the chunk's rows are there

@@ -54,7 +54,7 @@ def upgrade(gallery: Gallery, models, chunks: int | None = None):
     _, new, h = models
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks if chunks is None else chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     if chunks is None:
         ending.finish(gallery, plan)
     return plan

@@ -106,20 +106,20 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     history = {name: {m.step: m.value for m in client.get_metric_history(plan.mlflow_run_id, name)}
                for name in ("top1", "top5", "map")}
     steps = sorted(history["top1"])
-    plan = planning.load_plan(gallery.store, plan.id)
+    plan = planning.load_plan(gallery.store, plan.upgrade_id)
     # the evaluation sample was embedded while planning: the first chunks, backfilled from the start
     assert plan.prefilled == 24 and plan.chunk_bounds(2) == (16, 24) and steps[1] == plan.prefilled
     assert steps[0] == 0 and steps[-1] == n and len(steps) >= 3
-    positions = gallery.store.get_array(f"upgrades/{plan.id}/eval/positions.npy")
-    order = planning.order_of(gallery.store, plan.id)
+    positions = gallery.store.get_array(f"upgrades/{plan.upgrade_id}/eval/positions.npy")
+    order = planning.order_of(gallery.store, plan.upgrade_id)
     assert set(order[:plan.prefilled]) == set(positions)
     # ... and stands for the gallery: its items count as backfilled at their stand-in places
-    ranks = gallery.store.get_array(f"upgrades/{plan.id}/eval/ranks.npy")
+    ranks = gallery.store.get_array(f"upgrades/{plan.upgrade_id}/eval/ranks.npy")
     local = np.argsort(ranks, kind="stable")
-    transformed = planning.transformed_all(gallery, plan.id)
+    transformed = planning.transformed_all(gallery, plan.upgrade_id)
     labels = split.labels[positions]
     counts = [int((ranks < s).sum()) for s in steps]
-    curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
+    curve = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.upgrade_id}/eval/queries.npy"), final[positions],
                             transformed[positions], labels, local, counts)
     for i, step in enumerate(steps):
         assert history["top1"][step] == pytest.approx(curve.top1[i], abs=1e-6)
@@ -127,9 +127,9 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
         assert history["map"][step] == pytest.approx(curve.map[i], abs=1e-6)
     # the budget advisor's prediction, made when planning: the sample's own curve at the same stand-in
     # places, every 5% (top-1 then scaled to the whole gallery's size), before the backfill began
-    advice = gallery.store.get_json(f"upgrades/{plan.id}/advice.json")
+    advice = gallery.store.get_json(f"upgrades/{plan.upgrade_id}/advice.json")
     cuts = [int(np.floor(round(f * n, 9))) for f in advice["fractions"]]
-    exact = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.id}/eval/queries.npy"), final[positions],
+    exact = curve_at_counts(gallery.store.get_array(f"upgrades/{plan.upgrade_id}/eval/queries.npy"), final[positions],
                             transformed[positions], labels, local, [int((ranks < c).sum()) for c in cuts])
     np.testing.assert_allclose(advice["sample_top1"], exact.top1, atol=1e-9)
     np.testing.assert_allclose(advice["map"], exact.map, atol=1e-9)
@@ -140,7 +140,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     assert max(m.value for m in fraction) == 1.0
     assert client.get_run(plan.mlflow_run_id).info.status == "FINISHED"
     with get_client(sync_client=True) as prefect:
-        key = progress_key(store_uri, plan.id)
+        key = progress_key(store_uri, plan.upgrade_id)
         found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
     assert len(found) == 2  # one per flow run: the budgeted one, then the resumed one
     latest = max(found, key=lambda artifact: artifact.created)
@@ -222,7 +222,7 @@ def test_backfill_on_a_dask_cluster_of_separate_processes(s3_endpoint, upgrade_e
     assert result.state == "complete" and result.failed_images == 0
     store = open_store(uri)
     plan = planning.load_plan(store, result.upgrade_id)
-    markers = [store.get_json(planning.marker_key(plan.id, c)) for c in range(plan.num_chunks)]
+    markers = [store.get_json(planning.marker_key(plan.upgrade_id, c)) for c in range(plan.num_chunks)]
     pids = {m["pid"] for m in markers if not m.get("prefilled")}
     assert pids == worker_pids and os.getpid() not in pids, (pids, worker_pids)  # both workers, not here
     # the evaluation sample's chunks were written while planning, here, from the features it embedded
@@ -653,7 +653,7 @@ def test_an_upgrade_by_the_lambda_orthogonal_map_serves_online_backfilling(upgra
     tags = client.get_model_version(params.mlflow.alignment_model, version).tags
     assert tags["method"] == "lambda_orth" and plan.order_kind == "random"
     assert load_model(plan.map_uri).transform.__class__.__name__ == "Dense"  # W x + b (an nn.Linear on oneDNN)
-    reverse = planning.load_reverse(store, plan.id)
+    reverse = planning.load_reverse(store, plan.upgrade_id)
     assert reverse.kind == "metric_compatible" and reverse.new_scale > 0
     assert client.get_run(plan.mlflow_run_id).data.tags["online"] == "metric_compatible"
 

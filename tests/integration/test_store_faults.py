@@ -50,7 +50,7 @@ def _upgrade_work(store_uri: str):
     try:
         gallery = _gallery(store_uri, (old, new, h), make_data())
         plan = _plan(gallery, h)
-        records = [backfill.backfill_chunk(gallery, plan.id, chunk, new) for chunk in range(plan.num_chunks)]
+        records = [backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new) for chunk in range(plan.num_chunks)]
         ending.finish(gallery, plan)
     finally:
         lock.release()
@@ -60,7 +60,7 @@ def _upgrade_work(store_uri: str):
 @pytest.fixture(scope="module")
 def without_faults(s3_endpoint):
     gallery, plan, _ = _upgrade_work(f"s3://{new_bucket(s3_endpoint)}/galleries/main")
-    return gallery.all_features(NEW), [backfill.chunk_features(gallery.store, plan.id, c) for c in range(plan.num_chunks)]
+    return gallery.all_features(NEW), [backfill.chunk_features(gallery.store, plan.upgrade_id, c) for c in range(plan.num_chunks)]
 
 
 @pytest.mark.slow
@@ -78,7 +78,7 @@ def test_an_upgrade_through_a_failing_endpoint_ends_as_one_without_faults(kinds,
     assert gallery.model == NEW and gallery.manifest()["upgrade"] is None
     np.testing.assert_array_equal(gallery.all_features(NEW), features)  # bit-identical
     for chunk, expected in enumerate(chunks):
-        np.testing.assert_array_equal(backfill.chunk_features(gallery.store, plan.id, chunk), expected)
+        np.testing.assert_array_equal(backfill.chunk_features(gallery.store, plan.upgrade_id, chunk), expected)
     assert not gallery.store.exists(locking.LOCK)
 
 
@@ -93,11 +93,11 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     _, new, h = make_models()
     gallery = _gallery(store_uri, make_models(), make_data())
     plan = _plan(gallery, h)
-    first = {c: backfill.backfill_chunk(gallery, plan.id, c, new) for c in (0, 1, 2)}
+    first = {c: backfill.backfill_chunk(gallery, plan.upgrade_id, c, new) for c in (0, 1, 2)}
 
     proxy.down = True  # every connection is dropped, for longer than the retries last
     with pytest.raises(StoreUnreachable) as caught:
-        backfill.backfill_chunk(gallery, plan.id, 3, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 3, new)
     message = str(caught.value)
     print(f"\n{message}")
     assert "\n" not in message and message.startswith(f"{store_uri}: ")
@@ -109,7 +109,7 @@ def test_an_outage_longer_than_the_retries_ends_in_one_clear_line_and_the_next_r
     assert proxy.faults["down"] >= 3 + 3  # every attempt of both
 
     proxy.down = False  # the store is back: the same work resumes
-    again = [backfill.backfill_chunk(gallery, plan.id, c, new) for c in range(plan.num_chunks)]
+    again = [backfill.backfill_chunk(gallery, plan.upgrade_id, c, new) for c in range(plan.num_chunks)]
     assert [r["skipped"] for r in again] == [True] * 3 + [False] * (plan.num_chunks - 3)
     assert [again[c]["token"] for c in first] == [first[c]["token"] for c in first]  # not redone
     ending.finish(gallery, plan)

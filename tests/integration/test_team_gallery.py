@@ -74,7 +74,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     assert [plan.chunk_bounds(c) for c in range(plan.num_chunks)] == [(0, plan.prefilled), (plan.prefilled, 64),
                                                                        (64, 72)]
     # no labels, no judgments: the advisor predicts the label-free agreement with the finished upgrade
-    advice = store.get_json(f"upgrades/{plan.id}/advice.json")
+    advice = store.get_json(f"upgrades/{plan.upgrade_id}/advice.json")
     assert advice["metric"] == "agreement" and advice["agreement"][-1] == pytest.approx(1.0)
     assert all(0 <= a <= 1 for a in advice["agreement"]) and advice["agreement"][0] < 1
     versions = client.search_model_versions(f"name = '{base.mlflow.alignment_model}'")
@@ -84,7 +84,7 @@ def test_an_unlabeled_gallery_on_a_host_without_splits(upgrade_env, prefect_harn
     assert trained.tags["check.source"] == f"gallery {uri}" and trained.tags["check"] in ("passed", "fallback",
                                                                                           "warned")
     gallery = PartsGallery(store)
-    sampled = planning.order_of(store, plan.id)[:48]
+    sampled = planning.order_of(store, plan.upgrade_id)[:48]
     from fastfill.components.gallery.upgrade.backfill import mixed_features
 
     mixed, backfilled = mixed_features(gallery, plan)
@@ -135,7 +135,7 @@ def test_a_map_checked_on_this_gallery_is_used_as_it_is(upgrade_env, prefect_har
     first = upgrade_flow(on_gallery, uri, budget=60)
     plan = planning.load_plan(store, first.upgrade_id)
     marker = planning.marker_key(uid, 7)
-    assert plan.id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
+    assert plan.upgrade_id == uid and (not store.exists(marker) or store.get_json(marker)["count"] != 3)
     tags = client.get_run(plan.mlflow_run_id).data.tags
     assert tags["check.source"] == f"gallery {uri}" and plan.prefilled >= 48
     # the reference is the pipeline's FCT map, trained on the same pairs as the checked map: none trained here
@@ -208,10 +208,10 @@ def test_judged_queries_gate_an_unlabeled_gallery(upgrade_env, prefect_harness):
     assert numbers["queries"] == len(queries) and len(numbers["top1"]) == len(numbers["alpha"]) == 22
     assert 0 <= numbers["champion_top1"] <= 1 and len(numbers["map"]) == 22
     plan = planning.load_plan(open_store(uri), result.upgrade_id)
-    front = set(planning.order_of(open_store(uri), plan.id)[:plan.prefilled].tolist())
+    front = set(planning.order_of(open_store(uri), plan.upgrade_id)[:plan.prefilled].tolist())
     assert set(queries.tolist()) <= front  # the judged items, embedded once, backfilled from the start
     # the advisor predicted the curve with the gate's protocol: the judged queries against the sample
-    advice = open_store(uri).get_json(f"upgrades/{plan.id}/advice.json")
+    advice = open_store(uri).get_json(f"upgrades/{plan.upgrade_id}/advice.json")
     assert advice["truth"] == "judgments" and len(advice["top1"]) == 21 and advice["queries"] >= 2
     assert all(0 <= v <= 1 for v in advice["top1"] + advice["map"])
 

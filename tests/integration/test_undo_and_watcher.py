@@ -105,18 +105,18 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
 
     held = acquire_lock(store, "another-upgrade", log=lambda m: None)  # a live process works on the gallery
     try:
-        with pytest.raises(UpgradeLocked, match=f"cannot abort upgrade {plan.id} now: .* is being upgraded: upgrade "
+        with pytest.raises(UpgradeLocked, match=f"cannot abort upgrade {plan.upgrade_id} now: .* is being upgraded: upgrade "
                                                 f"another-upgrade by process {os.getpid()}"):
             abort_flow(params, uri)
     finally:
         held.release()
-    assert gallery.manifest(refresh=True)["upgrade"] == plan.id  # refused: nothing changed
+    assert gallery.manifest(refresh=True)["upgrade"] == plan.upgrade_id  # refused: nothing changed
 
     runner = CliRunner()
     args = ["--params", params_path, "--store", uri]
     result = runner.invoke(app, ["upgrade", "abort", *args])
     assert result.exit_code == 0, result.output
-    assert f"aborted upgrade {plan.id} to models:/embedder/{new_version} (backfilling: " in result.output
+    assert f"aborted upgrade {plan.upgrade_id} to models:/embedder/{new_version} (backfilling: " in result.output
     assert f"the gallery serves models:/embedder/{old_version}'s features again" in result.output
     _assert_readable(_flow_run("gallery-upgrade-abort"), {"store_uri": uri, "params_path": params_path})
     assert _flow_run("gallery-upgrade-abort").name == f"abort the upgrade of {uri}"
@@ -125,7 +125,7 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert gallery.manifest(refresh=True)["upgrade"] is None and model_version(gallery) == old_version
     _finds_itself(gallery, old_model, params)
     assert gallery_status(gallery).state == "idle"
-    record = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
+    record = store.get_json(planning.upgrade_key(plan.upgrade_id, reversal.ABORTED))
     assert (record["items_done"], record["chunks"], record["stage"]) == (paused["items_done"], plan.num_chunks,
                                                                           "backfilling")
     assert record["by"]["pid"] == os.getpid() and record["to"] == f"models:/embedder/{new_version}"
@@ -137,21 +137,21 @@ def test_abort_mid_backfill_serves_the_champion_and_the_same_upgrade_plans_again
     assert result.exit_code != 0 and "is in progress" in result.output and "nothing to abort" in result.output
 
     assert garbage.collect_garbage(gallery)["upgrade_objects"] > 0  # its working data is garbage
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED),
-                                                         planning.plan_key(plan.id)]
+    assert sorted(store.list(f"upgrades/{plan.upgrade_id}/")) == [planning.upgrade_key(plan.upgrade_id, reversal.ABORTED),
+                                                         planning.plan_key(plan.upgrade_id)]
 
     # asked for again: planned from scratch (a new plan and MLflow run), then completed
     to = f"models:/embedder/{new_version}"
     done = run_upgrade_file(params, params_path, uri, to, overrides={"gallery.upgrade.chunk_size": 10})
     assert done.state == "complete" and done.items_done == plan.num_items
-    again = planning.load_plan(store, plan.id)
+    again = planning.load_plan(store, plan.upgrade_id)
     assert again.mlflow_run_id != plan.mlflow_run_id and again.chunk_size == 10 and again.created >= plan.created
-    assert reversal.aborted(store, plan.id) is None and model_version(gallery) == new_version
+    assert reversal.aborted(store, plan.upgrade_id) is None and model_version(gallery) == new_version
     run = _flow_run("gallery-upgrade")
     assert run.name == f"upgrade {uri} to {to}"
     _assert_readable(run, {"store_uri": uri, "to_uri": to, "params_path": params_path,
                            "overrides": {"gallery.upgrade.chunk_size": 10}})
-    assert any(f"upgrade {plan.id} was aborted on {record['aborted']}" in line and "from scratch" in line
+    assert any(f"upgrade {plan.upgrade_id} was aborted on {record['aborted']}" in line and "from scratch" in line
                for line in _logs(run.id))
 
 

@@ -160,16 +160,16 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     second = upgrade_flow(params, uri, f"models:/embedder/{v3}", budget=0.3)
     assert second.state == "paused"
     plan2 = planning.load_plan(store, second.upgrade_id)
-    assert plan2.base == plan1.id and plan2.old.version == v2 and plan2.new.version == v3
-    assert gallery.manifest(refresh=True)["upgrade"] == plan2.id
-    assert store.get_json(planning.upgrade_key(plan1.id, "superseded.json"))["by"] == plan2.id
+    assert plan2.base == plan1.upgrade_id and plan2.old.version == v2 and plan2.new.version == v3
+    assert gallery.manifest(refresh=True)["upgrade"] == plan2.upgrade_id
+    assert store.get_json(planning.upgrade_key(plan1.upgrade_id, "superseded.json"))["by"] == plan2.upgrade_id
     # three versions stored: v1's features, v2's backfilled chunks, v3's backfilled chunks
     assert store.list(f"features/embedder-v{v1}/")
-    assert backfill.done_chunks(store, plan1.id) and backfill.done_chunks(store, plan2.id)
+    assert backfill.done_chunks(store, plan1.upgrade_id) and backfill.done_chunks(store, plan2.upgrade_id)
     # the sequential upgrade starts from v2's mixed gallery, and its order covers every item
-    sources = np.concatenate([store.get_array(planning.source_key(plan2.id, p)) for p in range(gallery.num_parts)])
+    sources = np.concatenate([store.get_array(planning.source_key(plan2.upgrade_id, p)) for p in range(gallery.num_parts)])
     np.testing.assert_array_equal(sources, mixed1)
-    assert sorted(planning.order_of(store, plan2.id).tolist()) == list(range(gallery.num_items))
+    assert sorted(planning.order_of(store, plan2.upgrade_id).tolist()) == list(range(gallery.num_items))
 
     # queries use v3 against the gallery as it stands, and match a brute-force search
     searcher = GallerySearch(gallery)
@@ -190,7 +190,7 @@ def test_a_third_model_arrives_mid_backfill(upgrade_env, prefect_harness):
     features = gallery.all_features(gallery.model)
     np.testing.assert_allclose(features, embed(v3_model_loaded, split_images(params).images), atol=1e-5)
     garbage.collect_garbage(gallery)
-    assert not store.list(f"features/embedder-v{v1}/") and not store.list(planning.upgrade_key(plan1.id, "done/"))
+    assert not store.list(f"features/embedder-v{v1}/") and not store.list(planning.upgrade_key(plan1.upgrade_id, "done/"))
 
 
 def _ready_to_end(params, tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ def test_an_upgrade_in_usage_sigma_order_from_a_query_log(upgrade_env, prefect_h
     result = upgrade_flow(usage_params, uri, budget=16, gate=False)
     plan = planning.load_plan(store, result.upgrade_id)
     assert plan.order_kind == "usage_sigma"
-    order = check_permutation(planning.order_of(store, plan.id), plan.num_items)
+    order = check_permutation(planning.order_of(store, plan.upgrade_id), plan.num_items)
     rest = order[plan.prefilled:]  # after the items embedded while planning, the hot ones first
     front = [p for p in (5, 11, 30) if p in set(rest.tolist())]
     assert sorted(rest[:len(front)].tolist()) == sorted(front)

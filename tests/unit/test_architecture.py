@@ -370,11 +370,26 @@ def test_the_upgrade_decision_is_one_type():
     assert not named, named
 
 
+# the records whose id is an upgrade's: a field or attribute of theirs named ``id`` is one under another name
+UPGRADE_RECORDS = ("Plan",)
+
+
 def _ids_under_another_name(source: str) -> list[str]:
     """Parameters that hold an upgrade's id under another name than ``upgrade_id``: ``uid``, or
-    ``upgrade`` typed ``str`` / ``str | None``; as ``line function(name)``."""
+    ``upgrade`` typed ``str`` / ``str | None``; as ``line function(name)``. And a field (or an
+    attribute set in a method, ``self.id = ...``) named ``id`` of an upgrade's record
+    (``UPGRADE_RECORDS``: the plan); as ``line Record.id``."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name in UPGRADE_RECORDS:
+            for inner in ast.walk(node):
+                targets = ([inner.target] if isinstance(inner, ast.AnnAssign) else
+                           inner.targets if isinstance(inner, ast.Assign) else [])
+                for target in targets:
+                    if ((isinstance(target, ast.Name) and target.id == "id")
+                            or (isinstance(target, ast.Attribute) and target.attr == "id"
+                                and isinstance(target.value, ast.Name) and target.value.id == "self")):
+                        found.append(f"{inner.lineno} {node.name}.id")
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             args = node.args
             for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
@@ -394,6 +409,9 @@ def test_an_upgrade_s_id_is_called_upgrade_id(room):
 def test_the_id_name_check_finds_an_id_under_another_name():
     source = "def f(store, upgrade: str | None, uid):\n    pass\n\n\ndef g(upgrade: Config, upgrade_id: str):\n    pass\n"
     assert _ids_under_another_name(source) == ["1 f(upgrade)", "1 f(uid)"]
+    record = ("class Plan:\n    id: str\n    old: str\n\n    def moved(self):\n        self.id = 'x'\n\n\n"
+              "class Item:\n    id: int\n")
+    assert _ids_under_another_name(record) == ["2 Plan.id", "6 Plan.id"]
 
 
 def _string_key_reads(path: Path) -> list[str]:

@@ -84,7 +84,7 @@ def mid_upgrade(tmp_path, models, data):
     gallery = _gallery(str(tmp_path / "store"), models, data)
     plan = _plan(gallery, models[2])
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
     return str(tmp_path / "store")
 
 

@@ -119,7 +119,7 @@ def test_gallery_search_runs_on_the_gpu_and_follows_an_upgrade(tmp_path):
     plan = _plan(gallery, h)
     assert on_gpu.refresh() == 0 and on_cpu.refresh() == 0  # the plan: both rebuild for the new model
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new, device=CPU)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new, device=CPU)
     assert on_gpu.refresh() == 3 and on_cpu.refresh() == 3 and on_gpu.gpu.stale
     queries = embed(new, data[0][:9], device=CPU)
     gpu_ids, gpu_distances = on_gpu.search(queries, 5)
@@ -136,7 +136,7 @@ def test_a_chunk_backfilled_on_the_gpu_in_mixed_precision_is_close_to_the_cpu(tm
         gallery = _gallery(str(tmp_path / name), models, data)
         plan = _plan(gallery, h)
         for chunk in range(plan.num_chunks):
-            backfill.backfill_chunk(gallery, plan.id, chunk, new, device=device, precision=precision)
+            backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new, device=device, precision=precision)
         stores.append(backfill.mixed_features(gallery, plan))
     (cpu, cpu_done), (gpu, gpu_done) = stores
     assert cpu_done.all() and gpu_done.all() and gpu.dtype == np.float32 and len(gpu) == N

@@ -53,7 +53,7 @@ def test_merged_hits_come_from_both_parts_with_their_sources(mid_upgrade):
 
     # the rest lands: every item leaves the old index for the new one, by id
     for chunk in range(3, plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert searcher.refresh() == plan.num_chunks - 3
     assert searcher.old_index.ntotal == 0 and searcher.new_index.ntotal == N
     got_ids, _, sources = searcher.search(old_q, new_q, k=k)
@@ -148,13 +148,13 @@ def test_rerank_is_the_old_top_k_ranked_by_the_new_model(depth, k, tmp_path):
 
     # mid-way: the re-embedded candidates first, by new distance
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert searcher.refresh() == 3 and searcher.backfilled == 21 and searcher.new_index.ntotal == 21
     _check_rerank(searcher, gallery, plan, old_q, new_q, depth, k)
 
     # everything landed: every candidate scored, the old index still whole
     for chunk in range(3, plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert searcher.refresh() == plan.num_chunks - 3 and searcher.backfilled == N
     _, sources = _check_rerank(searcher, gallery, plan, old_q, new_q, depth, k)
     assert all(row[:depth] == [NEW.uri] * min(depth, k) for row in sources)
@@ -169,7 +169,7 @@ def test_rerank_is_the_old_top_k_ranked_by_the_new_model(depth, k, tmp_path):
 def test_rerank_deeper_than_the_gallery_is_the_new_model_once_everything_landed(mid_upgrade, distance):
     gallery, plan, (old, new, _), (images, _) = mid_upgrade
     for chunk in range(3, plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     searcher = DualSearch(gallery, distance, merge="rerank", depth=10 * N)
     old_q, new_q = embed(old, images[:5]), embed(new, images[:5])
     got_ids, scores, sources = searcher.search(old_q, new_q, k=N + 5)

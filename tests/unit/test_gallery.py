@@ -133,10 +133,10 @@ def test_an_ivf_index_is_built_part_by_part_and_follows_the_backfill(tmp_path, m
     plan = planning.Plan(uid, OLD, NEW, "models:/embedder-alignment/1", "sigma", 100, 1200, 0, "l2")
     planning.commit_plan(gallery, plan, planning.make_order(gallery, uid, "sigma", 0))
     for chunk in (0, 1, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert flat.refresh() == 0 and approximate.refresh() == 0  # the plan: rebuilt on h(old), done chunks applied
     for chunk in (3, 4):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     assert approximate.refresh() == 2 and approximate.backfilled == 500 and approximate.index.ntotal == 1200
     assert approximate.query_model == NEW and approximate.rebuilds == 1
     flat.refresh()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fastfill.components.gallery.layouts.catalog import GalleryError
+from fastfill.components.gallery.store import open_store
 from fastfill.components.gallery.upgrade import planning
 from fastfill.components.gallery.upgrade.lifecycle import (
     Backfill,
@@ -168,3 +169,55 @@ def test_prefilled_items_come_first_and_the_sample_stands_for_the_whole_gallery(
     assert 2000 <= ranks[ranks >= 2000].min() and ranks.max() <= n
     assert abs(np.median(ranks[ranks >= 2000]) - 6000) < 400
     np.testing.assert_array_equal(ranks, stand_in_ranks(order, prefilled, sample, seed=0))  # seeded
+
+
+# plan.json as written before the plan's field was called upgrade_id: its key stays "id"
+PLAN_JSON = b"""{
+ "base": "embedder-v0-to-embedder-v1",
+ "bounds": [
+  0,
+  2,
+  5,
+  8,
+  10
+ ],
+ "chunk_size": 3,
+ "created": "2024-05-01T12:00:00",
+ "distance": "l2",
+ "eval_queries": 5,
+ "id": "embedder-v1-to-embedder-v2",
+ "map_uri": "models:/m/1",
+ "mlflow_run_id": "abc123",
+ "new": {
+  "dim": 6,
+  "name": "embedder",
+  "uri": "models:/embedder/2",
+  "version": "2"
+ },
+ "num_chunks": 4,
+ "num_items": 10,
+ "old": {
+  "dim": 4,
+  "name": "embedder",
+  "uri": "models:/embedder/1",
+  "version": "1"
+ },
+ "online": true,
+ "order": "sigma",
+ "prefilled": 2
+}
+"""
+
+
+def test_a_plan_json_written_before_loads_and_is_written_back_byte_for_byte(tmp_path):
+    upgrade_id = planning.upgrade_id(OLD, NEW)
+    before = open_store(tmp_path / "before")
+    before.put(planning.plan_key(upgrade_id), PLAN_JSON)
+    plan = planning.load_plan(before, upgrade_id)
+    assert plan is not None and plan.upgrade_id == upgrade_id == "embedder-v1-to-embedder-v2"
+    assert (plan.old, plan.new, plan.base, plan.bounds, plan.prefilled, plan.online) == (
+        OLD, NEW, "embedder-v0-to-embedder-v1", (0, 2, 5, 8, 10), 2, True)
+    assert plan.to_dict()["id"] == upgrade_id and "upgrade_id" not in plan.to_dict()
+    after = open_store(tmp_path / "after")
+    planning.write_plan(after, plan)
+    assert after.get(planning.plan_key(upgrade_id)) == PLAN_JSON

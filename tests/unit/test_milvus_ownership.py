@@ -98,7 +98,7 @@ def test_a_neighbours_collections_survive_ingest_upgrade_and_gc_and_a_taken_name
     gallery = gallery_at(open_store(store_uri))
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.index.serving().vectors == taken
     deleted = garbage.collect_garbage(gallery)
@@ -176,13 +176,13 @@ def test_a_collection_or_alias_dropped_by_another_writer_is_a_damaged_object(tmp
         plan = _plan(gallery, h)
         switched = collection_of(alias, NEW)
         team.drop_collection(switched)  # the upgrade's collection, dropped mid-upgrade
-        positions = planning.order_of(gallery.store, plan.id)[:plan.chunk_bounds(0)[1]]
+        positions = planning.order_of(gallery.store, plan.upgrade_id)[:plan.chunk_bounds(0)[1]]
         with pytest.raises(DamagedObject, match=rf"the collection {switched} is not there") as raised:
             gallery.serve_chunk(plan, 0, positions, embed(new, images[positions]), np.ones(len(positions), bool))
         _one_line(raised.value)
         with pytest.raises(DamagedObject, match=rf"the collection {switched} is not there"):
-            backfill.backfill_chunk(gallery, plan.id, 1, new)
-        assert backfill.done_chunks(gallery.store, plan.id) == []
+            backfill.backfill_chunk(gallery, plan.upgrade_id, 1, new)
+        assert backfill.done_chunks(gallery.store, plan.upgrade_id) == []
 
         gallery = gallery_at(open_store(store_uri))
         team.drop_collection(collection_of(alias, OLD))  # the gallery's own model's collection

@@ -1,7 +1,8 @@
 """On Milvus Lite, rows the product writes are sealed into indexed segments as they are written:
-Lite scans a growing segment row by row at every search (about a second per search at 20,000
-rows, benchmarks/serving_index.py), so a new gallery, the switch and each chunk end in a flush of
-the collection they wrote. The flush is the real one (a recorder around pymilvus's call)."""
+Lite scans a growing segment row by row at every search (2.5 s against 0.26 s a search at
+100,000 rows, benchmarks/serving_index.py), so a new gallery, the switch and each chunk end in a
+flush of the collection they wrote. The flush is the real one (a recorder around pymilvus's
+call)."""
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_a_new_gallery_the_switch_and_each_chunk_are_sealed_on_milvus_lite(tmp_p
     assert flushed == [collection_of(alias, NEW)]  # the switch's mixed rows
     for chunk in range(plan.num_chunks):
         flushed.clear()
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
         assert flushed == [collection_of(alias, NEW)], chunk
     ending.finish(gallery, plan)
     served = gallery.index.search(gallery.all_features(NEW)[:5], 1, NEW.uri)[0]

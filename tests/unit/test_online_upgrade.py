@@ -105,7 +105,7 @@ def test_the_online_merge_searches_the_old_part_with_the_reverse_transform(mid_u
     typical_new = np.median(((queries[:, None] - mixed[on_new][None]) ** 2).sum(-1))
     scale = float(np.sqrt(typical_old / typical_new))
     reverse = _hand_made_reverse(scale)
-    planning.write_reverse(gallery.store, plan.id, reverse)
+    planning.write_reverse(gallery.store, plan.upgrade_id, reverse)
     searcher = DualSearch(gallery, merge="online")
     k = 9
     got_ids, got_distances, sources = searcher.search_online(queries, k=k)
@@ -138,18 +138,18 @@ def test_a_missing_or_garbage_reverse_transformation_is_one_line_naming_it(mid_u
     checksum matching (written so), is a DamagedObject, not zipfile's BadZipFile."""
     gallery, plan, _, _ = mid_upgrade
     planning.write_plan(gallery.store, replace(plan, online=True))
-    assert planning.load_plan(gallery.store, plan.id).online is True
-    key = gallery.store.describe(planning.reverse_key(plan.id))
+    assert planning.load_plan(gallery.store, plan.upgrade_id).online is True
+    key = gallery.store.describe(planning.reverse_key(plan.upgrade_id))
     with pytest.raises(ObjectMissing) as missing:
         DualSearch(gallery, merge="online")
-    assert str(missing.value).startswith(f"{key} is missing: upgrade {plan.id} was planned with online backfilling")
+    assert str(missing.value).startswith(f"{key} is missing: upgrade {plan.upgrade_id} was planned with online backfilling")
     assert "gallery.upgrade.online was false" not in str(missing.value)
     assert "`fastfill upgrade abort`" in str(missing.value) and "--merge rrf" in str(missing.value)
     assert outcome(missing.value) == (INPUT, str(missing.value))
 
     for garbage in (b"not a zip file at all", b"PK\x03\x04" + bytes(40), _npz(kind=np.array("metric_compatible")),
                     _npy()):
-        gallery.store.put(planning.reverse_key(plan.id), garbage)  # the checksum matches: it was written so
+        gallery.store.put(planning.reverse_key(plan.upgrade_id), garbage)  # the checksum matches: it was written so
         with pytest.raises(DamagedObject) as damaged:
             DualSearch(gallery, merge="online")
         message = str(damaged.value)

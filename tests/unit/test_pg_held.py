@@ -27,7 +27,7 @@ def _served(index: Index, view: str) -> tuple[list, int]:
 
 
 def _chunk_ids(gallery, plan, chunks) -> list:
-    order = order_of(gallery.store, plan.id)
+    order = order_of(gallery.store, plan.upgrade_id)
     return sorted(gallery.ids()[np.concatenate([order[slice(*plan.chunk_bounds(c))] for c in chunks])].tolist())
 
 
@@ -42,7 +42,7 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(pg_team,
     before = _rows_as_written(index, held)
     # chunks out of order: 0 and 2 done, 1 not (the view's ranges are not one prefix)
     for chunk in (0, 2):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
     assert _rows_as_written(index, held) == before
     assert sorted(index.execute(sql.SQL("SELECT id FROM {}").format(ident(vectors))).fetchall()) == \
         [(i,) for i in _chunk_ids(gallery, plan, (0, 2))]
@@ -67,7 +67,7 @@ def test_chunks_append_their_rows_and_the_held_rows_are_never_rewritten(pg_team,
     assert "Merge Append" in plan_text and plan_text.count("Index Scan using") == 2, plan_text
     assert "Subquery Scan" not in plan_text, plan_text
     for chunk in (1, *range(3, plan.num_chunks)):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
     assert _rows_as_written(index, held) == before
     ending.finish(gallery, plan)
     assert index.object(held) is None and index.count(vectors) == N
@@ -81,12 +81,12 @@ def test_an_aborted_upgrades_held_table_stays_until_gc_and_a_new_try_starts_afre
     settings, index, gallery = team.settings, team.index, team.gallery
     plan = upgrade(gallery, models, chunks=2)
     held = index.held_table(index.place(NEW))
-    reversal.abort(gallery, plan.id)
+    reversal.abort(gallery, plan.upgrade_id)
     assert index.object(held) is not None
     assert _served(index, settings["view"]) == (sorted(gallery.ids().tolist()), N)  # the team's vectors again
     assert index.held_tables() == [held]
     garbage.collect_garbage(gallery)
     assert index.object(held) is None and index.held_tables() == []
     again = upgrade(gallery, models)  # planned from scratch: a held table anew, dropped at its finish
-    assert again.id == plan.id and index.object(held) is None
+    assert again.upgrade_id == plan.upgrade_id and index.object(held) is None
     assert _served(index, settings["view"]) == (sorted(gallery.ids().tolist()), N)

@@ -159,7 +159,7 @@ def test_a_second_store_cannot_take_over_a_served_table(pg_team, tmp_path, model
     assert open_store(store_b).list("") == []
     assert gallery.index.serving().model == NEW.uri and gallery.index.serving().gallery == settings["owner"]
     for chunk in range(2, plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
     ending.finish(gallery, plan)
     with pytest.raises(NotOurs, match=f"store {store_a}"):
         adopt(store_b, settings_b, root)
@@ -186,11 +186,11 @@ def test_rows_deleted_or_added_by_another_writer_are_named(pg_team, models):
     index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=rf"{vectors} no longer holds the gallery's items: 1 ids missing "
                                             rf"\(first: {victim}\)"):
-        backfill.backfill_chunk(gallery, plan.id, 2, models[1])
-    assert 2 not in gallery.index.chunk_done(plan.id)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 2, models[1])
+    assert 2 not in gallery.index.chunk_done(plan.upgrade_id)
     index.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(ident(vectors)), saved)
     for chunk in range(2, plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
     index.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(ident(vectors)), (victim,))
     with pytest.raises(DamagedObject, match=f"{vectors} no longer holds"):
         ending.finish(gallery, plan)
@@ -208,7 +208,7 @@ def test_a_row_deleted_from_the_teams_table_mid_upgrade_ends_the_chunk_naming_it
     index.execute(sql.SQL("DELETE FROM {} WHERE sku = 'sku-007'").format(ident(table)))
     with pytest.raises(DamagedObject, match=rf"the gallery's table {table} lost items the gallery serves: 1 ids "
                                             r"deleted \(first: sku-007\)"):
-        backfill.backfill_chunk(gallery, plan.id, 1, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 1, models[1])
 
 
 def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(pg_team, models, data):
@@ -220,7 +220,7 @@ def test_a_dropped_view_or_table_is_a_damaged_object_not_a_traceback(pg_team, mo
         gallery.index.search(embed(models[1], data[0][:1]), 3)
     index.execute(sql.SQL("DROP TABLE {}").format(ident(vectors_table(table, NEW))))
     with pytest.raises(DamagedObject, match="dropped or renamed by another writer"):
-        backfill.backfill_chunk(gallery, plan.id, 1, models[1])
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 1, models[1])
 
 
 def test_a_refusal_is_bad_input_and_an_unreachable_server_a_service_problem(tmp_path):

@@ -120,8 +120,8 @@ class Steps:
                           "positions": positions, "ranks": ranks}
         chunks = int(plan.chunk_of(np.array([plan.prefilled - 1]))[0]) + 1 if plan.prefilled else 0
         for chunk in range(chunks):
-            self._write(plan.id, f"chunks/{chunk}")
-        self._write(plan.id, "plan.json")
+            self._write(plan.upgrade_id, f"chunks/{chunk}")
+        self._write(plan.upgrade_id, "plan.json")
         return chunks
 
     # the work
@@ -202,13 +202,13 @@ def test_the_course_goes_in_order_and_commits_the_plan_last(case, calls):
     assert sorted(order.tolist()) == list(range(N))
     assert made.bounds == planning.chunk_grid(N, CHUNK, [made.prefilled])
     assert steps.committed["ranks"] is not None and steps.committed["judged"] == "judged"
-    assert any(line.startswith(f"planned {made.id}: ") for line in steps.lines)
+    assert any(line.startswith(f"planned {made.upgrade_id}: ") for line in steps.lines)
 
 
 def test_a_fresh_upgrade_backfills_its_map_sample_first():
     steps = Steps()
     made = plan(FRESH, steps)
-    assert made.id == UID12 and made.base is None and not made.online
+    assert made.upgrade_id == UID12 and made.base is None and not made.online
     assert made.prefilled == len(set(steps.committed["embedded"])) and SAMPLE <= made.prefilled <= SAMPLE + len(EVAL)
     assert made.order_kind == "sigma" and made.map_uri == "models:/map/8" and made.eval_queries == len(EVAL)
     assert any(line.startswith(f"map sample: {SAMPLE} of {N} gallery items") for line in steps.lines)
@@ -217,7 +217,7 @@ def test_a_fresh_upgrade_backfills_its_map_sample_first():
 def test_a_sequential_online_upgrade_starts_from_its_base_and_keeps_its_reverse():
     steps = Steps(**FULL[3])
     made = plan(FULL, steps)
-    assert made.id == UID23 and made.base == UID12 and made.online and made.prefilled == len(EVAL)
+    assert made.upgrade_id == UID23 and made.base == UID12 and made.online and made.prefilled == len(EVAL)
     assert steps.tags == {"run-1": {"online": "metric_compatible", "online.new_gain": "2.25"}}
     assert {f"upgrades/{UID23}/sources", f"upgrades/{UID23}/reverse"} <= steps.written(UID23)
     assert any(f"starting from {UID12} as it stands (1/{BASE.num_chunks} chunks" in line for line in steps.lines)

@@ -89,7 +89,7 @@ def test_a_neighbours_collections_survive_ingest_upgrade_and_gc_and_a_taken_name
     gallery = gallery_at(open_store(store_uri))
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     assert gallery.index.serving().vectors == taken
     deleted = garbage.collect_garbage(gallery)
@@ -168,14 +168,14 @@ def test_a_collection_or_alias_dropped_by_another_writer_is_a_damaged_object(tmp
     plan = _plan(gallery, h)
     switched = collection_of(alias, NEW)
     client.delete_collection(switched)  # the upgrade's collection, dropped mid-upgrade
-    positions = planning.order_of(gallery.store, plan.id)[:plan.chunk_bounds(0)[1]]
+    positions = planning.order_of(gallery.store, plan.upgrade_id)[:plan.chunk_bounds(0)[1]]
     with pytest.raises(DamagedObject, match=rf"the collection {switched} is not there") as raised:
         gallery.serve_chunk(plan, 0, positions, embed(new, images[positions]), np.ones(len(positions), bool))
     _one_line(raised.value)
     with pytest.raises(DamagedObject, match=rf"the collection {switched} is not there"):
         # one image reader: parallel np.load header parses can trip CPython 3.11.7's ast (gh-106905)
-        backfill.backfill_chunk(gallery, plan.id, 1, new, read_workers=1)
-    assert backfill.done_chunks(gallery.store, plan.id) == []
+        backfill.backfill_chunk(gallery, plan.upgrade_id, 1, new, read_workers=1)
+    assert backfill.done_chunks(gallery.store, plan.upgrade_id) == []
 
     gallery = gallery_at(open_store(store_uri))
     client.delete_collection(collection_of(alias, OLD))  # the gallery's own model's collection
@@ -255,7 +255,7 @@ def test_a_collection_the_team_serves_from_is_adopted_by_export_and_stays_as_it_
 
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new, read_workers=1)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new, read_workers=1)
     ending.finish(gallery, plan)
     np.testing.assert_allclose(gallery.all_features(NEW), embed(new, images)[rows], rtol=1e-5, atol=1e-6)
     found, _, spaces, _ = gallery.index.search(embed(new, images[3:4]), 1, NEW.uri)

@@ -49,12 +49,12 @@ def test_an_abort_tried_again_after_its_answer_was_lost_returns_its_record(tmp_p
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, models[2])
     uri = gallery.store.uri
-    record = reversal.abort(gallery, plan.id)  # the first try: everything written, the answer lost
+    record = reversal.abort(gallery, plan.upgrade_id)  # the first try: everything written, the answer lost
     retry(False)
     with pytest.raises(GalleryError, match="nothing to abort"):  # a first try still refuses a finished abort
-        gallery_store.abort_upgrade.fn(uri, plan.id)
+        gallery_store.abort_upgrade.fn(uri, plan.upgrade_id)
     retry(True)
-    assert gallery_store.abort_upgrade.fn(uri, plan.id) == record
+    assert gallery_store.abort_upgrade.fn(uri, plan.upgrade_id) == record
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model == OLD
 
 
@@ -63,7 +63,7 @@ def test_a_rollback_tried_again_after_its_answer_was_lost_returns_its_record(tmp
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     uri = gallery.store.uri
     record = reversal.rollback(gallery)  # the first try: record and manifest written, the answer lost
@@ -74,8 +74,8 @@ def test_a_rollback_tried_again_after_its_answer_was_lost_returns_its_record(tmp
     retry(True)
     assert gallery_store.roll_back.fn(uri) == record
     assert gallery.manifest(refresh=True)["history"] == history  # one rollback, not two
-    assert gallery_store.mark_rollback_recorded.fn(uri, plan.id)["registry_recorded"]
-    assert gallery_store.mark_rollback_recorded.fn(uri, plan.id)["registry_recorded"]  # again: still recorded
+    assert gallery_store.mark_rollback_recorded.fn(uri, plan.upgrade_id)["registry_recorded"]
+    assert gallery_store.mark_rollback_recorded.fn(uri, plan.upgrade_id)["registry_recorded"]  # again: still recorded
     assert reversal.interrupted_rollback(gallery) is None
 
 
@@ -186,7 +186,7 @@ def _progress(client, run_id: str, points=()) -> upgrade_tracking.UpgradeProgres
     ``points``: what its measure reports."""
     progress = object.__new__(upgrade_tracking.UpgradeProgress)
     progress.client, progress.run_id, progress.artifact, progress.measured = client, run_id, None, set()
-    progress.plan = SimpleNamespace(num_items=20, id="u")
+    progress.plan = SimpleNamespace(num_items=20, upgrade_id="u")
     progress.measuring = SimpleNamespace(points=lambda done, measured: [p for p in points if p[0] not in measured])
     return progress
 

@@ -64,10 +64,10 @@ def _advice(metric: str, items: int) -> dict:
 @pytest.mark.parametrize("metric", ["top1", "agreement"])
 def test_a_paused_upgrade_with_its_prediction_an_expired_lock_and_a_decision_reads_back(mid_upgrade, metric):
     gallery, plan, _, _ = mid_upgrade
-    gallery.store.put_json(advisor.advice_key(plan.id), _advice(metric, plan.num_items))
-    gallery.store.put_json(LOCK, {"upgrade": plan.id, "host": "elsewhere", "pid": 4242, "since": "2020-01-01T00:00:00",
+    gallery.store.put_json(advisor.advice_key(plan.upgrade_id), _advice(metric, plan.num_items))
+    gallery.store.put_json(LOCK, {"upgrade": plan.upgrade_id, "host": "elsewhere", "pid": 4242, "since": "2020-01-01T00:00:00",
                                   "token": "secret-token", "expires": time.time() - 10})
-    ending.write_decision(gallery.store, Decision(plan.id, False, ["worse"], {"champion_top1": 0.5}, champion=OLD,
+    ending.write_decision(gallery.store, Decision(plan.upgrade_id, False, ["worse"], {"champion_top1": 0.5}, champion=OLD,
                                                   new=NEW))
     document = _status_document(gallery.store.uri)
     assert "token" not in document["lock"] and document["lock"]["expired"] is True
@@ -75,11 +75,11 @@ def test_a_paused_upgrade_with_its_prediction_an_expired_lock_and_a_decision_rea
 
     assert state.state == "ending interrupted" and not state.lock_live
     assert isinstance(state.lock, LockRecord) and state.lock.expired
-    assert (state.lock.upgrade_id, state.lock.pid, state.lock.host) == (plan.id, 4242, "elsewhere")
+    assert (state.lock.upgrade_id, state.lock.pid, state.lock.host) == (plan.upgrade_id, 4242, "elsewhere")
     upgrade = state.upgrade
     assert isinstance(upgrade, UpgradeInProgress) and upgrade.chunks_done == 3 and upgrade.items_done == 21
     assert isinstance(upgrade.decision, Decision) and upgrade.decision.passed is False
-    assert upgrade.decision.upgrade_id == plan.id and upgrade.decision.decided == document["upgrade"]["decision"][
+    assert upgrade.decision.upgrade_id == plan.upgrade_id and upgrade.decision.decided == document["upgrade"]["decision"][
         "decided"]
     predicted = upgrade.predicted
     assert isinstance(predicted, PredictedCurve) and isinstance(predicted.recommendation, Recommendation)
@@ -95,8 +95,8 @@ def test_an_ending_whose_registry_step_is_missing_reads_back(tmp_path, models, d
     gallery = _gallery(str(tmp_path / "store"), models, data)
     plan = _plan(gallery, models[2])
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, models[1])
-    ending.write_decision(gallery.store, Decision(plan.id, True, [], None, {"promotion": "ungated"}, champion=OLD,
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, models[1])
+    ending.write_decision(gallery.store, Decision(plan.upgrade_id, True, [], None, {"promotion": "ungated"}, champion=OLD,
                                                   new=NEW))
     ending.finish(gallery, plan)
     document = _status_document(gallery.store.uri)
@@ -109,7 +109,7 @@ def test_an_ending_whose_registry_step_is_missing_reads_back(tmp_path, models, d
 def test_a_served_index_reads_back(tmp_path, models, data):
     gallery = _gallery(str(tmp_path / "store"), models, data, layout="lance")
     plan = _plan(gallery, models[2])
-    backfill.backfill_chunk(gallery, plan.id, 0, models[1])
+    backfill.backfill_chunk(gallery, plan.upgrade_id, 0, models[1])
     state = _read_back(_status_document(gallery.store.uri))
     assert isinstance(state.index, ServedIndex) and state.index.problem is None
     assert state.index.serving == NEW.uri and state.index.as_manifest_says and state.index.view == gallery.index.view

@@ -23,7 +23,7 @@ def _finished(uri, models, data, layout="lance"):
     gallery = _gallery(uri, models, data, layout=layout)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     ending.finish(gallery, plan)
     return gallery_at(open_store(uri)), plan
 
@@ -82,7 +82,7 @@ def test_convert_moves_a_gallery_into_the_table_in_place_and_gc_removes_the_part
 def test_convert_is_refused_during_an_upgrade(tmp_path, models, data):
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, models[2])
-    with pytest.raises(GalleryError, match=f"upgrade {plan.id} is in progress"):
+    with pytest.raises(GalleryError, match=f"upgrade {plan.upgrade_id} is in progress"):
         convert(gallery, None, "lance")
     assert gallery_at(gallery.store).layout == "parts"
 

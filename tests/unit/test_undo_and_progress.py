@@ -16,7 +16,7 @@ from tests.gallery_cases import NEW, OLD, _gallery, _plan
 
 def _finish_all(gallery, plan, new):
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
     return ending.finish(gallery, plan)
 
 
@@ -26,13 +26,13 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     store = gallery.store
     before = {key: store.get(key) for key in store.list("features/")}
     plan = _plan(gallery, h)
-    first = [backfill.backfill_chunk(gallery, plan.id, c, new)["token"] for c in (0, 1, 2)]
-    assert reversal.abortable(gallery) == plan.id
+    first = [backfill.backfill_chunk(gallery, plan.upgrade_id, c, new)["token"] for c in (0, 1, 2)]
+    assert reversal.abortable(gallery) == plan.upgrade_id
 
-    record = reversal.abort(gallery, plan.id, by={"user": "ops", "host": "h", "pid": 1})
+    record = reversal.abort(gallery, plan.upgrade_id, by={"user": "ops", "host": "h", "pid": 1})
     assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.model == OLD
     assert {key: store.get(key) for key in store.list("features/")} == before  # the champion's, untouched
-    saved = store.get_json(planning.upgrade_key(plan.id, reversal.ABORTED))
+    saved = store.get_json(planning.upgrade_key(plan.upgrade_id, reversal.ABORTED))
     assert saved == record.to_dict() and record.by["user"] == "ops" and record.stage == "backfilling"
     assert reversal.Aborted.from_dict(saved) == record  # the stored record reads back as it was written
     assert (record.chunks_done, record.chunks, record.items_done) == (3, 8, 21)
@@ -44,15 +44,15 @@ def test_an_aborted_upgrade_goes_back_to_the_champion_and_is_planned_again_from_
     # gc collects its working data and keeps its plan and the record of the abort
     deleted = garbage.collect_garbage(gallery)
     assert deleted["upgrade_objects"] > 0 and deleted["features"] == 0
-    assert sorted(store.list(f"upgrades/{plan.id}/")) == [planning.upgrade_key(plan.id, reversal.ABORTED),
-                                                         planning.plan_key(plan.id)]
+    assert sorted(store.list(f"upgrades/{plan.upgrade_id}/")) == [planning.upgrade_key(plan.upgrade_id, reversal.ABORTED),
+                                                         planning.plan_key(plan.upgrade_id)]
 
     # asked for again: nothing of the aborted attempt is left to resume
-    undone = reversal.start_over(gallery, plan.id)
-    assert undone["ended"] == "aborted" and undone["upgrade"] == plan.id
-    assert store.list(f"upgrades/{plan.id}/") == [] and reversal.start_over(gallery, plan.id) is None
+    undone = reversal.start_over(gallery, plan.upgrade_id)
+    assert undone["ended"] == "aborted" and undone["upgrade"] == plan.upgrade_id
+    assert store.list(f"upgrades/{plan.upgrade_id}/") == [] and reversal.start_over(gallery, plan.upgrade_id) is None
     again = _plan(gallery, h, chunk_size=5)  # another chunking: nothing of the old one may be used
-    tokens = [backfill.backfill_chunk(gallery, again.id, c, new)["token"] for c in (0, 1, 2)]
+    tokens = [backfill.backfill_chunk(gallery, again.upgrade_id, c, new)["token"] for c in (0, 1, 2)]
     assert not set(tokens) & set(first)  # recomputed, not found done
     _finish_all(gallery, again, new)
     assert gallery.model == NEW
@@ -64,13 +64,13 @@ def test_a_rejected_upgrade_asked_for_again_ungated_is_planned_from_scratch(tmp_
     store = gallery.store
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    decided = ending.write_decision(store, Decision(plan.id, False, ["worse"], None, champion=OLD, new=plan.new))
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
+    decided = ending.write_decision(store, Decision(plan.upgrade_id, False, ["worse"], None, champion=OLD, new=plan.new))
     ending.reject(gallery, plan, decided)
-    assert gallery.model == OLD and ending.rejection(store, plan.id) is not None
-    undone = reversal.start_over(gallery, plan.id)
+    assert gallery.model == OLD and ending.rejection(store, plan.upgrade_id) is not None
+    undone = reversal.start_over(gallery, plan.upgrade_id)
     assert undone["ended"] == "rejected" and undone["reasons"] == ["worse"]
-    assert store.list(f"upgrades/{plan.id}/") == []  # nothing to resume, no decision to complete
+    assert store.list(f"upgrades/{plan.upgrade_id}/") == []  # nothing to resume, no decision to complete
     again = _plan(gallery, h)
     _finish_all(gallery, again, new)
     assert gallery.model == NEW
@@ -80,17 +80,17 @@ def test_an_abort_cut_short_is_seen_and_completed(tmp_path, models, data):
     _, new, h = models
     gallery = _gallery(str(tmp_path / "g"), models, data)
     plan = _plan(gallery, h)
-    backfill.backfill_chunk(gallery, plan.id, 0, new)
-    record = reversal.abort(gallery, plan.id)
-    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})  # as if killed before the switch
+    backfill.backfill_chunk(gallery, plan.upgrade_id, 0, new)
+    record = reversal.abort(gallery, plan.upgrade_id)
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.upgrade_id})  # as if killed before the switch
     state = gallery_status(gallery)
     assert state.state == "abort interrupted" and "fastfill upgrade abort" in state.next
-    assert reversal.abort(gallery, plan.id) == record  # completed, the first record kept
+    assert reversal.abort(gallery, plan.upgrade_id) == record  # completed, the first record kept
     assert gallery.manifest(refresh=True)["upgrade"] is None
     # the same cut-short abort, then the upgrade asked for again: the gallery goes back before planning
-    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
-    assert reversal.start_over(gallery, plan.id)["ended"] == "aborted"
-    assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.store.list(f"upgrades/{plan.id}/") == []
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.upgrade_id})
+    assert reversal.start_over(gallery, plan.upgrade_id)["ended"] == "aborted"
+    assert gallery.manifest(refresh=True)["upgrade"] is None and gallery.store.list(f"upgrades/{plan.upgrade_id}/") == []
 
 
 def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
@@ -100,23 +100,23 @@ def test_what_cannot_be_aborted_says_why(tmp_path, models, data):
         reversal.abortable(gallery)
     plan = _plan(gallery, h)
     for chunk in range(plan.num_chunks):
-        backfill.backfill_chunk(gallery, plan.id, chunk, new)
-    ending.write_decision(gallery.store, Decision(plan.id, True, [], None, champion=OLD, new=plan.new))
+        backfill.backfill_chunk(gallery, plan.upgrade_id, chunk, new)
+    ending.write_decision(gallery.store, Decision(plan.upgrade_id, True, [], None, champion=OLD, new=plan.new))
     with pytest.raises(GalleryError, match="is ending: its promotion decision \\(passed\\).*cannot be aborted; run "
                                            "`fastfill upgrade`"):
         reversal.abortable(gallery)
     ending.finish(gallery, plan)  # switched, the registry step not yet recorded
     with pytest.raises(GalleryError, match="has ended .*only its registry step is left"):
         reversal.abortable(gallery)
-    ending.mark_registry_recorded(gallery.store, plan.id)
-    with pytest.raises(GalleryError, match=f"The last upgrade, {plan.id}, finished on .*a finished upgrade cannot be "
+    ending.mark_registry_recorded(gallery.store, plan.upgrade_id)
+    with pytest.raises(GalleryError, match=f"The last upgrade, {plan.upgrade_id}, finished on .*a finished upgrade cannot be "
                                            f"aborted; `fastfill gallery rollback` returns the gallery to {OLD.uri}"):
         reversal.abortable(gallery)
 
     other = _gallery(str(tmp_path / "rejected"), models, data)
     rejected = _plan(other, h)
-    ending.reject(other, rejected, Decision(rejected.id, False, ["worse"], None))
-    with pytest.raises(GalleryError, match=f"The last upgrade, {rejected.id}, was rejected by the promotion gate on "
+    ending.reject(other, rejected, Decision(rejected.upgrade_id, False, ["worse"], None))
+    with pytest.raises(GalleryError, match=f"The last upgrade, {rejected.upgrade_id}, was rejected by the promotion gate on "
                                            ".*it is over"):
         reversal.abortable(other)
 
@@ -132,17 +132,18 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
     with pytest.raises(GalleryError, match="is in progress; drop it with `fastfill upgrade abort`"):
         reversal.rollback_target(gallery)
     _finish_all(gallery, plan, new)
-    assert reversal.rollback_target(gallery) == (plan.id, NEW, OLD)
+    assert reversal.rollback_target(gallery) == (plan.upgrade_id, NEW, OLD)
 
     record = reversal.rollback(gallery, by={"user": "ops", "host": "h", "pid": 1})
     manifest = gallery.manifest(refresh=True)
     assert gallery.model == OLD and manifest["upgrade"] is None
-    assert manifest["history"][-1]["by"] == reversal.ROLLBACK and manifest["history"][-1]["upgrade"] == plan.id
+    assert manifest["history"][-1]["by"] == reversal.ROLLBACK and manifest["history"][-1]["upgrade"] == plan.upgrade_id
     np.testing.assert_array_equal(gallery.all_features(OLD), old_features)
-    assert store.get_json(planning.upgrade_key(plan.id, reversal.ROLLED_BACK)) == record and record["registry_recorded"] is None
+    assert store.get_json(planning.upgrade_key(plan.upgrade_id, reversal.ROLLED_BACK)) == record
+    assert record["registry_recorded"] is None
     assert reversal.interrupted_rollback(gallery) == record
     assert gallery_status(gallery).state == "rollback interrupted"
-    reversal.mark_rollback_recorded(store, plan.id)
+    reversal.mark_rollback_recorded(store, plan.upgrade_id)
     assert reversal.interrupted_rollback(gallery) is None and gallery_status(gallery).state == "idle"
     with pytest.raises(GalleryError, match="already a rollback"):
         reversal.rollback_target(gallery)
@@ -150,10 +151,10 @@ def test_rollback_while_the_old_features_exist_and_not_after_gc(tmp_path, models
         reversal.abortable(gallery)
 
     # the same upgrade again: planned from scratch, then finished; gc; now the old features are gone
-    assert reversal.start_over(gallery, plan.id)["ended"] == "rolled back"
+    assert reversal.start_over(gallery, plan.upgrade_id)["ended"] == "rolled back"
     again = _plan(gallery, h)
     _finish_all(gallery, again, new)
-    assert gallery.model == NEW and gallery.manifest()["history"][-1]["by"] == again.id
+    assert gallery.model == NEW and gallery.manifest()["history"][-1]["by"] == again.upgrade_id
     garbage.collect_garbage(gallery)
     assert store.list(f"features/{OLD.key}/") == []
     with pytest.raises(GalleryError, match="the old features were collected .* Re-ingest the gallery with the previous "
@@ -172,13 +173,13 @@ def test_a_search_kept_open_follows_a_rollback_and_an_abort(tmp_path, models, da
     plan = _plan(gallery, h)
     searcher = GallerySearch(gallery)
     assert searcher.query_model == NEW
-    reversal.abort(gallery, plan.id)
+    reversal.abort(gallery, plan.upgrade_id)
     searcher.refresh()
     assert searcher.query_model == OLD and searcher.upgrade_id is None
     ids, _ = searcher.search(embed(old_model, images[:3]), k=1)
     assert list(ids[:, 0]) == [1000, 1001, 1002]  # the champion's features: each item finds itself
 
-    reversal.start_over(gallery, plan.id)
+    reversal.start_over(gallery, plan.upgrade_id)
     again = _plan(gallery, h)
     _finish_all(gallery, again, new)
     searcher.refresh()
@@ -197,8 +198,8 @@ def test_gc_keeps_a_rollback_record_and_an_unended_upgrade(tmp_path, models, dat
     _finish_all(gallery, plan, new)
     reversal.rollback(gallery)
     garbage.collect_garbage(gallery)
-    kept = set(gallery.store.list(f"upgrades/{plan.id}/"))
-    assert planning.upgrade_key(plan.id, reversal.ROLLED_BACK) in kept and planning.plan_key(plan.id) in kept
+    kept = set(gallery.store.list(f"upgrades/{plan.upgrade_id}/"))
+    assert planning.upgrade_key(plan.upgrade_id, reversal.ROLLED_BACK) in kept and planning.plan_key(plan.upgrade_id) in kept
     assert gallery.store.list(f"features/{NEW.key}/") == []  # the rolled-back model's features are garbage now
 
 

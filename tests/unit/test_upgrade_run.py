@@ -175,7 +175,7 @@ class Ports:
 
     def write_plan(self, plan):
         self._call("write_plan")
-        self.store.plans[plan.id] = plan
+        self.store.plans[plan.upgrade_id] = plan
 
     def sync_serving(self):
         self._call("sync_serving")
@@ -188,13 +188,13 @@ class Ports:
     def finish(self, plan):
         self._call("finish")
         self.store.model, self.store.current = plan.new, None
-        self.store.switched.add(plan.id)
+        self.store.switched.add(plan.upgrade_id)
 
     def reject(self, plan, decision):
         self._call("reject")
         self.store.current = None
-        self.store.rejections[plan.id] = {"rejected": "t", "reasons": decision.reasons}
-        self.store.switched.add(plan.id)
+        self.store.rejections[plan.upgrade_id] = {"rejected": "t", "reasons": decision.reasons}
+        self.store.switched.add(plan.upgrade_id)
 
     def mark_registry_recorded(self, upgrade_id):
         self._call("mark_registry_recorded")
@@ -210,8 +210,8 @@ class Ports:
         start, stop = plan.chunk_bounds(chunk)
         failed = [{"id": f"item-{i}", "uri": f"s3://b/{i}.png", "reason": "truncated"}
                   for i in self.failed_items.get(chunk, [])]
-        self.store.done.setdefault(plan.id, set()).add(chunk)
-        self.store.failed_images.setdefault(plan.id, []).extend(failed)
+        self.store.done.setdefault(plan.upgrade_id, set()).add(chunk)
+        self.store.failed_images.setdefault(plan.upgrade_id, []).extend(failed)
         return Handle(chunk, {"count": stop - start, "start": start, "stop": stop, "failed": failed})
 
     def first_done(self, handles):
@@ -239,15 +239,15 @@ class Ports:
         self._call("plan")
         plan = Plan(course.upgrade_id, course.old, new, "models:/map/1", "sigma", CHUNK, N, 10, "l2", "run-1",
                     base=course.base, bounds=None)
-        self.store.plans[plan.id] = plan
-        self.store.current = plan.id
+        self.store.plans[plan.upgrade_id] = plan
+        self.store.current = plan.upgrade_id
         return plan
 
     def advise(self, plan):
         self._call("advise")
         self.now += self.advise_seconds
         if self.advice is not None:
-            self.store.advice[plan.id] = self.advice
+            self.store.advice[plan.upgrade_id] = self.advice
         return self.advice
 
 

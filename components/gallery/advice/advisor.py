@@ -425,18 +425,18 @@ def advise_upgrade(gallery, plan, gain_below: float | None = None) -> dict | Non
     if plan.eval_queries < 2:
         return None
     store = gallery.store
-    positions, queries = stored_eval_sample(store, plan.id)
+    positions, queries = stored_eval_sample(store, plan.upgrade_id)
 
     def transformed_parts():
-        return ((gallery.part_bounds(p)[0], gallery.part_rows(transformed_key(plan.id, p), p))
+        return ((gallery.part_bounds(p)[0], gallery.part_rows(transformed_key(plan.upgrade_id, p), p))
                 for p in range(gallery.num_parts))
 
-    judged = stored_judged(store, plan.id)
-    prediction = predict_upgrade(positions, queries, transformed_rows(gallery, plan.id, positions),
+    judged = stored_judged(store, plan.upgrade_id)
+    prediction = predict_upgrade(positions, queries, transformed_rows(gallery, plan.upgrade_id, positions),
                                  eval_ranks(store, plan, positions), plan.num_items, transformed_parts,
-                                 order_of(store, plan.id), labels=gallery.labels(),
+                                 order_of(store, plan.upgrade_id), labels=gallery.labels(),
                                  judged=judged[:2] if judged is not None else None, distance=plan.distance,
                                  gain_below=gain_below)
-    prediction["upgrade"] = plan.id
-    store.put_json(advice_key(plan.id), prediction)
+    prediction["upgrade"] = plan.upgrade_id
+    store.put_json(advice_key(plan.upgrade_id), prediction)
     return prediction

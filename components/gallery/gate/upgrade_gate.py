@@ -19,16 +19,16 @@ def measure_upgrade_gate(gallery: Gallery, plan: Plan, curve_points: int) -> dic
     """The gate's numbers of ``plan``'s upgrade, its backfill complete: the champion (the gallery's
     model) against the challenger along the backfill, at ``curve_points`` points of the curve."""
     store = gallery.store
-    judged = judgments.stored_judged(store, plan.id)
+    judged = judgments.stored_judged(store, plan.upgrade_id)
     if judged is not None:  # judged queries come first: the whole gallery along the backfill's own order
         relevant, new_queries, champion_queries = judged
         final, _ = backfill.mixed_features(gallery, plan)
         return judgments.measure_judged_gate(champion_queries, gallery.all_features(gallery.model), new_queries,
-                                             final, planning.transformed_all(gallery, plan.id), relevant,
-                                             planning.order_of(store, plan.id), distance=plan.distance,
+                                             final, planning.transformed_all(gallery, plan.upgrade_id), relevant,
+                                             planning.order_of(store, plan.upgrade_id), distance=plan.distance,
                                              curve_points=curve_points)
-    positions, queries = planning.stored_eval_sample(store, plan.id)
-    transformed = backfill.transformed_rows(gallery, plan.id, positions)
+    positions, queries = planning.stored_eval_sample(store, plan.upgrade_id)
+    transformed = backfill.transformed_rows(gallery, plan.upgrade_id, positions)
     new = backfill.mixed_rows(gallery, plan, positions)
     champion = gallery.features_at(gallery.model, positions)
     order = np.argsort(planning.eval_ranks(store, plan, positions), kind="stable")  # the sample's places

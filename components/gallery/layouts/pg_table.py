@@ -286,7 +286,7 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         index = self.index
         ids = self.ids()
         rank = np.empty(self.num_items, dtype=np.int64)
-        rank[order_of(self.store, plan.id)] = np.arange(self.num_items)
+        rank[order_of(self.store, plan.upgrade_id)] = np.arange(self.num_items)
 
         def rows():
             for part, features, backfilled in iter_mixed_parts(self, plan):
@@ -297,18 +297,18 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
             raise GalleryError(f"{index.where}: an upgrade writes the new model's vectors into a table of its own, not "
                                f"a column of the team's table ({place.name})")
         written = index.new_held(place, dim_of(plan.new), rows())
-        done = done_chunks(self.store, plan.id)
+        done = done_chunks(self.store, plan.upgrade_id)
         if written != plan.items_in(done):
             raise DamagedObject(f"{index.where}: the switch found {written} rows of done chunks, the plan "
                                 f"{plan.items_in(done)}; run the upgrade again")
         with index.transaction() as connection:  # an earlier try of the same upgrade (aborted) left its own
             connection.execute(sql.SQL("DELETE FROM {} WHERE upgrade = %s").format(sql.Identifier(index.chunks_table)),
-                               (plan.id,))
+                               (plan.upgrade_id,))
             for chunk in done:
                 start, stop = plan.chunk_bounds(chunk)
                 connection.execute(sql.SQL("INSERT INTO {} (upgrade, chunk, items, first, stop) VALUES (%s, %s, %s, "
                                            "%s, %s)").format(sql.Identifier(index.chunks_table)),
-                                   (plan.id, chunk, stop - start, start, stop))
+                                   (plan.upgrade_id, chunk, stop - start, start, stop))
         index.index_when_full_enough(place, self.num_items)
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
@@ -332,14 +332,14 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
                 inserted = connection.execute(
                     sql.SQL("INSERT INTO {} (upgrade, chunk, items, first, stop) VALUES (%s, %s, %s, %s, %s) "
                             "ON CONFLICT DO NOTHING").format(sql.Identifier(index.chunks_table)),
-                    (plan.id, int(chunk), len(positions), start, stop)).rowcount
+                    (plan.upgrade_id, int(chunk), len(positions), start, stop)).rowcount
                 if inserted and held:
                     index.append(connection, place, ids, features, sources)
                     ours, kept, theirs, recorded = connection.execute(sql.SQL(
                         "SELECT (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), "
                         "(SELECT coalesce(sum(items), 0) FROM {} WHERE upgrade = %s)").format(
                         sql.Identifier(place.table), sql.Identifier(held), sql.Identifier(index.table),
-                        sql.Identifier(index.chunks_table)), (plan.id,)).fetchone()
+                        sql.Identifier(index.chunks_table)), (plan.upgrade_id,)).fetchone()
                     if ours != recorded or kept != self.num_items or theirs < self.num_items:
                         raise _Recount(f"{place.table} has {ours} rows for {recorded} recorded, {held} {kept}, "
                                        f"{index.table} {theirs}, for {self.num_items} items")
@@ -354,8 +354,8 @@ class PgGallery(StoredItems, FeaturesById, ServedGallery[Index, Place]):
         except _Recount as counted:
             filled = None
             if held:  # the ids of the chunks recorded (this one's record was rolled back with its rows)
-                order = order_of(self.store, plan.id)
-                recorded = [order[slice(*plan.chunk_bounds(c))] for c in sorted(index.chunk_done(plan.id))]
+                order = order_of(self.store, plan.upgrade_id)
+                recorded = [order[slice(*plan.chunk_bounds(c))] for c in sorted(index.chunk_done(plan.upgrade_id))]
                 filled = self.ids()[np.concatenate(recorded) if recorded else order[:0]]
             self.check_other_writers(place, filled)
             raise DamagedObject(f"{index.where}: {counted} (another writer is changing them); chunk {chunk} was "

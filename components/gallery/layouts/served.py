@@ -74,7 +74,7 @@ class ServedGallery(Gallery, Generic[IndexT, TargetT]):
         upgrade_id = manifest.get("upgrade")
         plan = load_plan(self.store, upgrade_id) if upgrade_id else None
         model = plan.new if plan is not None else ModelRef.from_dict(manifest["model"])
-        wanted = plan.id if plan is not None else None
+        wanted = plan.upgrade_id if plan is not None else None
         target = self._target(model)
         serving = self.index.serving()
         held = serving is not None and self._holds(serving, target, wanted)

@@ -397,9 +397,9 @@ class TableGallery(ServedGallery[ServingTable, ModelRef]):
         already done, each row with its chunk), written in one commit before the ANN index."""
 
         chunk_of = np.full(self.num_items, -1, dtype=np.int32)
-        done = done_chunks(self.store, plan.id)
+        done = done_chunks(self.store, plan.upgrade_id)
         if done:
-            order = order_of(self.store, plan.id)
+            order = order_of(self.store, plan.upgrade_id)
             for chunk in done:
                 start, stop = plan.chunk_bounds(chunk)
                 chunk_of[order[start:stop]] = chunk
@@ -410,12 +410,12 @@ class TableGallery(ServedGallery[ServingTable, ModelRef]):
                 yield np.arange(start, stop), features, [EMBEDDED if b else MAPPED for b in backfilled], \
                     chunk_of[start:stop]
 
-        self.index.write(plan.new, plan.id, self.ids(), parts())
+        self.index.write(plan.new, plan.upgrade_id, self.ids(), parts())
 
     def serve_chunk(self, plan, chunk: int, positions: np.ndarray, features: np.ndarray, embedded: np.ndarray) -> None:
         """A chunk's rows upserted into the serving table in one commit, once."""
         positions = np.asarray(positions, dtype=np.int64)
-        self.index.serve_chunk(plan.id, chunk, positions, self.ids()[positions], features,
+        self.index.serve_chunk(plan.upgrade_id, chunk, positions, self.ids()[positions], features,
                                [EMBEDDED if e else MAPPED for e in embedded])
 
     @staticmethod

@@ -74,16 +74,16 @@ class DualSearch:
         self.new_model = self.plan.new if self.plan else None
         self.reverse = None
         if self.merge == "online" and self.plan is not None:
-            self.reverse = load_reverse(self.gallery.store, self.plan.id, self.plan.online)
+            self.reverse = load_reverse(self.gallery.store, self.plan.upgrade_id, self.plan.online)
             if self.reverse is None and self.plan.online is False:
                 raise GalleryError(
-                    f"the upgrade {self.plan.id} was planned without online backfilling's reverse transformation "
+                    f"the upgrade {self.plan.upgrade_id} was planned without online backfilling's reverse transformation "
                     "(gallery.upgrade.online was false), so --merge online has no old-space query; search with "
                     "--merge rrf (or no --merge), or set gallery.upgrade.online: true before the next upgrade")
             if self.reverse is None:  # a plan that does not say whether it kept one
                 raise GalleryError(
-                    f"the upgrade {self.plan.id} has no reverse transformation for online backfilling "
-                    f"({self.gallery.store.describe(reverse_key(self.plan.id))} does not exist: it was planned with "
+                    f"the upgrade {self.plan.upgrade_id} has no reverse transformation for online backfilling "
+                    f"({self.gallery.store.describe(reverse_key(self.plan.upgrade_id))} does not exist: it was planned with "
                     "gallery.upgrade.online false, or the object was deleted), so --merge online has no old-space "
                     f"query; {REPLAN_REVERSE}")
         self.dim = self.gallery.features(self.old_model, 0).shape[1]
@@ -98,7 +98,7 @@ class DualSearch:
         self.on_new = np.zeros(len(self.ids), dtype=bool)
         self.applied: set[int] = set()
         if self.plan is not None:
-            self.order = order_of(self.gallery.store, self.plan.id)
+            self.order = order_of(self.gallery.store, self.plan.upgrade_id)
             self.refresh()
 
     def _prepare(self, features: np.ndarray) -> np.ndarray:
@@ -236,7 +236,7 @@ class DualSearch:
             queries = check_features(np.atleast_2d(np.asarray(queries)), self.new_dim,
                                      f"query features (for {self._upgrade_model().uri})")
             if self.reverse is None:  # _build refuses an online search of an upgrade without one
-                raise GalleryError(f"the upgrade {self.plan.id} has no reverse transformation for online "
+                raise GalleryError(f"the upgrade {self.plan.upgrade_id} has no reverse transformation for online "
                                    f"backfilling; {REPLAN_REVERSE}")
             twins = self.reverse(np.asarray(queries, dtype=np.float32))
             old_ids, old_dist = self._one(self.old_index, twins, k)

@@ -61,10 +61,10 @@ class GallerySearch:
         if self.plan is not None:
             plan = self.plan
             self.query_model = plan.new
-            self.order = order_of(self.gallery.store, plan.id)
+            self.order = order_of(self.gallery.store, plan.upgrade_id)
 
             def part_features(part: int) -> np.ndarray:
-                return self.gallery.part_rows(transformed_key(plan.id, part), part)
+                return self.gallery.part_rows(transformed_key(plan.upgrade_id, part), part)
         else:
             self.upgrade_id = None
             self.query_model = self.gallery.model

@@ -147,7 +147,7 @@ def write_prefilled(store: Store, plan: Plan, order: np.ndarray, features_at: di
         if stop > plan.prefilled:
             break
         rows = np.stack([features_at[int(p)] for p in order[start:stop]]).astype(np.float32)
-        write_chunk(store, plan.id, chunk, start, stop, rows, time.perf_counter(), prefilled=True)
+        write_chunk(store, plan.upgrade_id, chunk, start, stop, rows, time.perf_counter(), prefilled=True)
         written += 1
     return written
 
@@ -186,14 +186,14 @@ def landed_since(store: Store, plan, order: np.ndarray, applied: set[int]):
     ``(chunk, positions, features, read)``: its items' places (``order``'s slice), its stored
     rows (the new features; h(old) for an item whose image could not be read) and which items
     were re-embedded (False: the image was unreadable, the row is still h(old))."""
-    for chunk in done_chunks(store, plan.id):
+    for chunk in done_chunks(store, plan.upgrade_id):
         if chunk in applied:
             continue
         start, stop = plan.chunk_bounds(chunk)
         positions = np.asarray(order[start:stop])
-        failed = {entry["position"] for entry in store.get_json(marker_key(plan.id, chunk)).get("failed", [])}
+        failed = {entry["position"] for entry in store.get_json(marker_key(plan.upgrade_id, chunk)).get("failed", [])}
         read = np.array([p not in failed for p in positions.tolist()], dtype=bool)
-        yield chunk, positions, chunk_features(store, plan.id, chunk), read
+        yield chunk, positions, chunk_features(store, plan.upgrade_id, chunk), read
 
 
 def write_sources(gallery: Gallery, upgrade_id: str, base: Plan) -> int:

@@ -33,24 +33,24 @@ def finish(gallery: Gallery, plan: Plan, image_shape: Sequence[int] | None = Non
     now serves (an ingested gallery's stored pixels keep their shape)."""
     manifest = gallery.manifest(refresh=True)
     if manifest.get("upgrade") is None and ModelRef.from_dict(manifest["model"]).same_version(plan.new):
-        recorded = upgrade_record(gallery.store, plan.id, FINISHED)
+        recorded = upgrade_record(gallery.store, plan.upgrade_id, FINISHED)
         if recorded is not None:
             return recorded
-    missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.id)))
+    missing = sorted(set(range(plan.num_chunks)) - set(done_chunks(gallery.store, plan.upgrade_id)))
     if missing:
-        raise GalleryError(f"upgrade {plan.id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
+        raise GalleryError(f"upgrade {plan.upgrade_id} is not complete: {len(missing)} chunks left (first: {missing[0]})")
     gallery.write_features(plan.new, _whole_parts(gallery, plan))
-    record = {"upgrade": plan.id, "finished": now(), "model": plan.new.to_dict()}
+    record = {"upgrade": plan.upgrade_id, "finished": now(), "model": plan.new.to_dict()}
     if gallery.adopted:
-        record["failed_images"] = FailedImages.of(failed_images(gallery.store, plan.id)).to_dict()
+        record["failed_images"] = FailedImages.of(failed_images(gallery.store, plan.upgrade_id)).to_dict()
     unserved = gallery.unserved_rows()
     if unserved:
         record["unserved_rows"] = unserved
-    gallery.store.put_json(upgrade_key(plan.id, FINISHED), record)
+    gallery.store.put_json(upgrade_key(plan.upgrade_id, FINISHED), record)
     manifest = dict(gallery.manifest(refresh=True))
     manifest["model"] = plan.new.to_dict()
     manifest["upgrade"] = None
-    entry = {"model": plan.new.to_dict(), "since": now(), "by": plan.id}
+    entry = {"model": plan.new.to_dict(), "since": now(), "by": plan.upgrade_id}
     if gallery.adopted and image_shape is not None and list(image_shape) != list(manifest["image_shape"]):
         entry["image_shape_before"] = list(manifest["image_shape"])  # what a rollback restores
         manifest["image_shape"] = [int(x) for x in image_shape]
@@ -63,18 +63,18 @@ def _whole_parts(gallery: Gallery, plan: Plan):
     """(part, the new features) of every part, from the landed chunks; bounded memory."""
     for part, features, backfilled in iter_mixed_parts(gallery, plan):
         if not backfilled.all():
-            raise GalleryError(f"part {part} of upgrade {plan.id} is not wholly backfilled; run the upgrade again")
+            raise GalleryError(f"part {part} of upgrade {plan.upgrade_id} is not wholly backfilled; run the upgrade again")
         yield part, features
 
 
 def reject(gallery: Gallery, plan: Plan, decision: Decision) -> dict:
     """The promotion gate failed: the gallery goes back to serving its own model's features (the
     champion's); the upgrade's record says why, and its working data is garbage."""
-    record = {"upgrade": plan.id, "rejected": now(), "model": plan.new.to_dict(), "reasons": list(decision.reasons),
+    record = {"upgrade": plan.upgrade_id, "rejected": now(), "model": plan.new.to_dict(), "reasons": list(decision.reasons),
               "numbers": decision.numbers}
-    gallery.store.put_json(upgrade_key(plan.id, REJECTED), record)
+    gallery.store.put_json(upgrade_key(plan.upgrade_id, REJECTED), record)
     manifest = dict(gallery.manifest(refresh=True))
-    if manifest.get("upgrade") == plan.id:
+    if manifest.get("upgrade") == plan.upgrade_id:
         manifest["upgrade"] = None
         gallery.write_manifest(manifest)
     return record

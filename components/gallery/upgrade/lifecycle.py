@@ -233,6 +233,6 @@ class Backfill:
         return len(self.done) == self.plan.num_chunks
 
     def summary(self) -> BackfillSummary:
-        return BackfillSummary(self.plan.id, len(self.done), self.plan.num_chunks, self.items_done,
+        return BackfillSummary(self.plan.upgrade_id, len(self.done), self.plan.num_chunks, self.items_done,
                                self.plan.num_items, self.items_done / self.plan.num_items, self.complete,
                                len(self.failed_images))

@@ -60,13 +60,13 @@ def meter_for(gallery, plan, done: list[int]) -> BackfillMeter | None:
     if plan.eval_queries < 2 or labels is None:  # nothing to measure retrieval against
         return None
     store = gallery.store
-    positions = store.get_array(eval_positions_key(plan.id))
-    meter = BackfillMeter(positions, labels, store.get_array(eval_queries_key(plan.id)),
-                          transformed_rows(gallery, plan.id, positions), order_of(store, plan.id), plan.distance,
+    positions = store.get_array(eval_positions_key(plan.upgrade_id))
+    meter = BackfillMeter(positions, labels, store.get_array(eval_queries_key(plan.upgrade_id)),
+                          transformed_rows(gallery, plan.upgrade_id, positions), order_of(store, plan.upgrade_id), plan.distance,
                           eval_ranks(store, plan, positions))
     for chunk in done:
         start, stop = plan.chunk_bounds(chunk)
-        meter.land(start, stop, chunk_features(store, plan.id, chunk))
+        meter.land(start, stop, chunk_features(store, plan.upgrade_id, chunk))
     return meter
 
 
@@ -83,7 +83,7 @@ class BackfillMeasure:
     def land(self, chunk: int, start: int, stop: int) -> None:
         """Chunk ``chunk`` (items ``start:stop`` of the order) landed."""
         if self.meter is not None:
-            self.meter.land(start, stop, chunk_features(self.store, self.plan.id, chunk))
+            self.meter.land(start, stop, chunk_features(self.store, self.plan.upgrade_id, chunk))
 
     def points(self, done: set[int], measured: set[int]) -> Iterator[tuple[int, dict]]:
         """(items backfilled, metrics) at the done prefix of the order, and at 0 before it (the

@@ -147,7 +147,7 @@ def chunk_grid(num_items: int, chunk_size: int, cuts=()) -> tuple[int, ...] | No
 
 
 def write_plan(store: Store, plan: Plan) -> None:
-    store.put_json(plan_key(plan.id), plan.to_dict())
+    store.put_json(plan_key(plan.upgrade_id), plan.to_dict())
 
 
 
@@ -198,18 +198,18 @@ def commit_plan(gallery: Gallery, plan: Plan, order: np.ndarray, eval_positions:
     try:
         order = check_permutation(order, plan.num_items)
     except ValueError as error:
-        raise GalleryError(f"the order of {plan.id}: {error}") from None
-    store.put_array(upgrade_key(plan.id, ORDER), order.astype(np.int64))
+        raise GalleryError(f"the order of {plan.upgrade_id}: {error}") from None
+    store.put_array(upgrade_key(plan.upgrade_id, ORDER), order.astype(np.int64))
     if eval_positions is not None and len(eval_positions) >= 2:
         assert eval_queries is not None  # the sample's positions come with their queries
-        store.put_array(eval_positions_key(plan.id), eval_positions)
-        store.put_array(eval_queries_key(plan.id), eval_queries)
+        store.put_array(eval_positions_key(plan.upgrade_id), eval_positions)
+        store.put_array(eval_queries_key(plan.upgrade_id), eval_queries)
         if eval_ranks is not None:
-            store.put_array(eval_ranks_key(plan.id), np.asarray(eval_ranks, dtype=np.float64))
+            store.put_array(eval_ranks_key(plan.upgrade_id), np.asarray(eval_ranks, dtype=np.float64))
     write_plan(store, plan)
-    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.id})
+    gallery.write_manifest({**gallery.manifest(refresh=True), "upgrade": plan.upgrade_id})
     if plan.base:
-        store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.id, "at": now()})
+        store.put_json(upgrade_key(plan.base, SUPERSEDED), {"by": plan.upgrade_id, "at": now()})
 
 
 def eval_size(config) -> int | None:
@@ -285,10 +285,10 @@ def eval_ranks(store: Store, plan: Plan, positions: np.ndarray) -> np.ndarray:
     embedded while planning; else its place in the order)."""
     if plan.prefilled:
         try:
-            return store.get_array(eval_ranks_key(plan.id))
+            return store.get_array(eval_ranks_key(plan.upgrade_id))
         except ObjectMissing:
             pass
-    order = order_of(store, plan.id)
+    order = order_of(store, plan.upgrade_id)
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     return rank[np.asarray(positions, dtype=np.int64)].astype(np.float64)

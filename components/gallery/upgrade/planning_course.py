@@ -171,8 +171,8 @@ class PlanningCourse:
         config, steps, sequential = self.settings.upgrade, self.steps, base is not None
         if base is not None:  # first: the map's pairs and transform start from the gallery as base left it
             steps.write_sources(upgrade_id, base)
-            self.log(f"sequential upgrade: starting from {base.id} as it stands "
-                     f"({steps.done_chunks(base.id)}/{base.num_chunks} chunks on {base.new.uri}, the "
+            self.log(f"sequential upgrade: starting from {base.upgrade_id} as it stands "
+                     f"({steps.done_chunks(base.upgrade_id)}/{base.num_chunks} chunks on {base.new.uri}, the "
                      "rest through its map)")
         alignment_map, map_uri, order_kind, pairs = steps.choose_map(
             old, new, new_model, run_id, lambda: self._map_pairs(upgrade_id, old, new_model, sequential))
@@ -194,7 +194,7 @@ class PlanningCourse:
         num_items = steps.num_items
         plan = Plan(upgrade_id, old, new, map_uri, order_kind, config.chunk_size, num_items,
                     len(positions) if queries is not None else 0, self.settings.distance, run_id,
-                    base=base.id if base else None,
+                    base=base.upgrade_id if base else None,
                     bounds=planning.chunk_grid(num_items, config.chunk_size, [len(prefilled)]),
                     prefilled=len(prefilled), online=config.online)
         chunks = steps.commit(plan, order, embedded, judged, positions, queries, ranks)

@@ -181,7 +181,7 @@ def abortable(gallery: Gallery) -> str:
 
 def how_far(gallery: Gallery, plan: Plan) -> dict:
     """How far ``plan``'s upgrade has got: its stage, chunks and items done."""
-    done = done_chunks(gallery.store, plan.id)
+    done = done_chunks(gallery.store, plan.upgrade_id)
     items = plan.items_in(done)
     stage = ("planned" if not done else "backfill complete" if len(done) == plan.num_chunks else "backfilling")
     return {"stage": stage, "chunks_done": len(done), "chunks": plan.num_chunks, "items_done": items,

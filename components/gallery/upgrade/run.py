@@ -252,7 +252,7 @@ class UpgradeRun:
         ending = self._end(plan)
         result = replace(ran, **_ended_fields(ending))
         assert ending.decision is not None  # an ending carries out a decision
-        self.log(self.decider.ended_line(result, plan.id, plan.new, ending.decision.champion or self.view.model))
+        self.log(self.decider.ended_line(result, plan.upgrade_id, plan.new, ending.decision.champion or self.view.model))
         return result
 
     def _said(self, result: UpgradeResult, line: str | None = None) -> UpgradeResult:
@@ -291,7 +291,7 @@ class UpgradeRun:
     def _advice(self, plan: Plan) -> dict | None:
         """The budget advisor's prediction for the planned upgrade (stored beside the plan, made
         once; the first time, recorded in the upgrade's MLflow run)."""
-        advice = self.view.stored_advice(plan.id)
+        advice = self.view.stored_advice(plan.upgrade_id)
         if advice is None:
             started = self.ports.clock()
             advice = self.ports.work.advise(plan)
@@ -312,18 +312,18 @@ class UpgradeRun:
         """Run the chunks the budget allows, ``max_concurrency`` at a time, recorded as they land;
         the bookkeeping is ``lifecycle.Backfill``'s."""
         settings = self.settings
-        done = self.view.done_chunks(plan.id)
+        done = self.view.done_chunks(plan.upgrade_id)
         limit = budget_items(budget, plan.num_items)
         cut, split = cut_for_limit(plan, done, limit)
         if split is not None:  # the stop falls inside a chunk: that chunk becomes two, so the stop is exact
             self.ports.writes.write_plan(cut)
-            self.log(f"chunk {split} of {plan.id} cut in two at item {limit}, where this run stops")
+            self.log(f"chunk {split} of {plan.upgrade_id} cut in two at item {limit}, where this run stops")
             plan = cut
         state = Backfill(plan, done, limit, settings.max_concurrency,
                          failure_limit(settings.max_failed_images, plan.num_items), settings.max_items_per_second,
                          self.ports.clock())
-        state.failed_images = self.view.failed_images(plan.id)
-        self.log(f"backfill of {plan.id}: {len(state.done)}/{plan.num_chunks} chunks already done; "
+        state.failed_images = self.view.failed_images(plan.upgrade_id)
+        self.log(f"backfill of {plan.upgrade_id}: {len(state.done)}/{plan.num_chunks} chunks already done; "
                  f"{len(state.pending)} to go" + (f", budget {state.limit} items" if state.limit < plan.num_items else "")
                  + (f", at most {settings.max_items_per_second:g} items/s" if settings.max_items_per_second else ""))
         recorded = self.ports.records.progress(plan, set(state.done), min(state.limit, plan.num_items),
@@ -377,12 +377,12 @@ class UpgradeRun:
         then the gallery switched (or back on the champion's features), then the registry; the
         lock is released last. A decision already recorded (a re-run after a kill) is completed,
         never measured again. Returns the ending the decider gave, as carried out."""
-        ending = self.decider.ending(self.view.decision(plan.id), plan.id)
+        ending = self.decider.ending(self.view.decision(plan.upgrade_id), plan.upgrade_id)
         for line in ending.say:
             self.log(line)
         if ending.decision is None:
             numbers = self.ports.measure_gate(plan) if ending.measure else None
-            decided = self.decider.decide(numbers, self.settings.promotion, plan.id, plan.new, self.view.model)
+            decided = self.decider.decide(numbers, self.settings.promotion, plan.upgrade_id, plan.new, self.view.model)
             for line in decided.say:
                 self.log(line)
             assert decided.decision is not None  # decide gives the decision to record

@@ -64,7 +64,7 @@ class Plan:
     the order, not of positions: ``chunk_bounds(c)`` gives its places, ``order[start:stop]`` its
     items."""
 
-    id: str
+    upgrade_id: str  # plan.json's key "id" (to_dict, from_dict)
     old: ModelRef
     new: ModelRef
     map_uri: str
@@ -118,7 +118,7 @@ class Plan:
         return replace(self, bounds=tuple(sorted({*edges, item}))), split
 
     def to_dict(self) -> dict:
-        data = {"id": self.id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
+        data = {"id": self.upgrade_id, "old": self.old.to_dict(), "new": self.new.to_dict(), "map_uri": self.map_uri,
                 "order": self.order_kind, "chunk_size": self.chunk_size, "num_items": self.num_items,
                 "num_chunks": self.num_chunks, "eval_queries": self.eval_queries, "distance": self.distance,
                 "mlflow_run_id": self.mlflow_run_id, "created": self.created, "base": self.base,
@@ -177,12 +177,12 @@ def mixed_features(gallery: Gallery, plan: Plan, transformed: np.ndarray | None 
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The gallery as queries see it now: new features where backfilled, h(old) elsewhere;
     and the backfilled mask. ``transformed``: the upgrade's h(old), when the caller has read it."""
-    features = transformed_all(gallery, plan.id) if transformed is None else transformed.copy()
+    features = transformed_all(gallery, plan.upgrade_id) if transformed is None else transformed.copy()
     backfilled = np.zeros(plan.num_items, dtype=bool)
-    order = order_of(gallery.store, plan.id)
-    for chunk in done_chunks(gallery.store, plan.id):
+    order = order_of(gallery.store, plan.upgrade_id)
+    for chunk in done_chunks(gallery.store, plan.upgrade_id):
         start, stop = plan.chunk_bounds(chunk)
-        features[order[start:stop]] = chunk_features(gallery.store, plan.id, chunk)
+        features[order[start:stop]] = chunk_features(gallery.store, plan.upgrade_id, chunk)
         backfilled[order[start:stop]] = True
     return features, backfilled
 
@@ -200,15 +200,15 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
     batches = [(first, min(first + parts_per_batch, gallery.num_parts))
                for first in range(0, gallery.num_parts, parts_per_batch)]
     batch_rows = parts_per_batch * gallery.part_size
-    done = done_chunks(gallery.store, plan.id)
-    order = order_of(gallery.store, plan.id)
+    done = done_chunks(gallery.store, plan.upgrade_id)
+    order = order_of(gallery.store, plan.upgrade_id)
     with tempfile.TemporaryDirectory(prefix="fastfill-finish-") as scratch:
         files = {}
         if len(batches) > 1:  # pass 1: each done chunk read once, its rows sent to their batch's file
             for chunk in done:
                 c_start, c_stop = plan.chunk_bounds(chunk)
                 positions = order[c_start:c_stop]
-                features = chunk_features(gallery.store, plan.id, chunk)
+                features = chunk_features(gallery.store, plan.upgrade_id, chunk)
                 batch_of = positions // batch_rows
                 for batch in np.unique(batch_of):
                     rows = batch_of == batch
@@ -222,13 +222,13 @@ def iter_mixed_parts(gallery: Gallery, plan: Plan, memory_bytes: int = 256 << 20
             features = np.empty((stop - start, dim), dtype=np.float32)  # filled in place: no second copy
             for part in range(first, last):
                 p_start, p_stop = gallery.part_bounds(part)
-                features[p_start - start:p_stop - start] = gallery.part_rows(transformed_key(plan.id, part), part)
+                features[p_start - start:p_stop - start] = gallery.part_rows(transformed_key(plan.upgrade_id, part), part)
             backfilled = np.zeros(stop - start, dtype=bool)
             if len(batches) == 1:
                 for chunk in done:
                     c_start, c_stop = plan.chunk_bounds(chunk)
                     positions = order[c_start:c_stop]
-                    features[positions - start] = chunk_features(gallery.store, plan.id, chunk)
+                    features[positions - start] = chunk_features(gallery.store, plan.upgrade_id, chunk)
                     backfilled[positions - start] = True
             elif index in files:
                 handle = files.pop(index)
@@ -257,16 +257,16 @@ def mixed_rows(gallery: Gallery, plan: Plan, positions: np.ndarray) -> np.ndarra
     """The features queries see now at ``positions`` only (new where backfilled, h(old)
     elsewhere): each done chunk is read once and only its rows at ``positions`` are kept."""
     positions = np.asarray(positions, dtype=np.int64)
-    out = transformed_rows(gallery, plan.id, positions)
-    order = order_of(gallery.store, plan.id)
+    out = transformed_rows(gallery, plan.upgrade_id, positions)
+    order = order_of(gallery.store, plan.upgrade_id)
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     chunk_of = plan.chunk_of(rank[positions])
-    done = set(done_chunks(gallery.store, plan.id))
+    done = set(done_chunks(gallery.store, plan.upgrade_id))
     for chunk in np.unique(chunk_of):
         if int(chunk) not in done:
             continue
         rows = np.flatnonzero(chunk_of == chunk)
-        features = chunk_features(gallery.store, plan.id, int(chunk))
+        features = chunk_features(gallery.store, plan.upgrade_id, int(chunk))
         out[rows] = features[rank[positions[rows]] - plan.chunk_bounds(int(chunk))[0]]
     return out
