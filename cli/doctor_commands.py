@@ -131,7 +131,7 @@ def _store_line(config, uri: str) -> tuple[str | bool, str]:
     state = gallery_status(gallery, failures=False)
     text = f"{store.uri}: {state.items:,} items, model {state.model}, {state.state}"
     if state.upgrade is not None:
-        text += f" ({state.upgrade.id})"
+        text += f" ({state.upgrade.upgrade_id})"
     problem = state.index.problem if state.index is not None else None
     if problem:  # the index readers search cannot serve them
         return False, f"{text}; its serving index: {problem}"
@@ -454,11 +454,11 @@ def _show_gallery(state: GalleryStatus, decided: Decision | None, show) -> None:
         show("index", state.index.problem)
     info = state.upgrade
     if info and info.chunks and info.registry_recorded is not False:
-        show("upgrade", f"{state.state}: {info.id} ({info.source} -> {info.to}, {info.order} order), "
+        show("upgrade", f"{state.state}: {info.upgrade_id} ({info.source} -> {info.to}, {info.order} order), "
                         f"{info.chunks_done}/{info.chunks} chunks, {info.items_done or 0:,}/{state.items:,} "
                         f"items ({100 * (info.fraction or 0):.1f}%)")
     elif info:
-        show("upgrade", f"{state.state}: {info.id} to {info.to}")
+        show("upgrade", f"{state.state}: {info.upgrade_id} to {info.to}")
     else:
         show("upgrade", "none in progress")
     lock = state.lock

@@ -83,6 +83,6 @@ class ProgressBar:
                 state = gallery_status(gallery, failures=False, probe=False)
                 info = state.upgrade
                 if info is not None and info.chunks and not self._stop.is_set():
-                    self._show(f"backfill {info.id}", state.items, info.items_done or 0)
+                    self._show(f"backfill {info.upgrade_id}", state.items, info.items_done or 0)
         except Exception:  # noqa: BLE001 - the bar is a convenience; the flow reports the store's errors
             return

@@ -208,7 +208,7 @@ def watch_once(params: Params, store_uri: str, params_path: str, resume: bool = 
         paused = paused_upgrade(params, store_uri)
         if paused is not None:
             run = run_upgrade_deployment({"params_path": params_path, "store": store_uri, "to": paused.to})
-            say(f"resuming the paused upgrade {paused.id}: flow run {run.id}")
+            say(f"resuming the paused upgrade {paused.upgrade_id}: flow run {run.id}")
             return {"started": False, "resumed": True, "flow_run_id": str(run.id), "reason": why_not}
     return {"started": False, "reason": why_not}
 

@@ -79,7 +79,7 @@ def test_upgrade_with_budget_search_resume_and_measure(store_uri, layout, upgrad
     # queries during the upgrade: the new model against the mixed gallery, by faiss, by id
     searcher = GallerySearch(gallery)
     assert searcher.query_model.version == new_version and searcher.backfilled == paused.items_done
-    plan = planning.load_plan(gallery.store, state.upgrade.id)
+    plan = planning.load_plan(gallery.store, state.upgrade.upgrade_id)
     mixed, backfilled = backfill.mixed_features(gallery, plan)
     assert backfilled.sum() == paused.items_done
     queries = embed(new_model, split.images[:5])

@@ -371,14 +371,14 @@ def test_the_upgrade_decision_is_one_type():
 
 
 # the records whose id is an upgrade's: a field or attribute of theirs named ``id`` is one under another name
-UPGRADE_RECORDS = ("Plan",)
+UPGRADE_RECORDS = ("Plan", "UpgradeInProgress")
 
 
 def _ids_under_another_name(source: str) -> list[str]:
     """Parameters that hold an upgrade's id under another name than ``upgrade_id``: ``uid``, or
     ``upgrade`` typed ``str`` / ``str | None``; as ``line function(name)``. And a field (or an
     attribute set in a method, ``self.id = ...``) named ``id`` of an upgrade's record
-    (``UPGRADE_RECORDS``: the plan); as ``line Record.id``."""
+    (``UPGRADE_RECORDS``: the plan, the status's upgrade in progress); as ``line Record.id``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef) and node.name in UPGRADE_RECORDS:

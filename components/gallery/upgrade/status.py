@@ -100,7 +100,7 @@ class UpgradeInProgress:
     shows of the decision whether it passed and when it was decided: one read back
     (``from_dict``) has no reasons or numbers (decision.json keeps them)."""
 
-    id: str
+    upgrade_id: str
     to: str | None
     source: str | None = None  # the model it upgrades from ("from" in the JSON)
     order: str | None = None
@@ -117,8 +117,8 @@ class UpgradeInProgress:
     def to_dict(self) -> dict:
         decided = _decision_fields(self.decision) if self.decision is not None else None
         if self.registry_recorded is False:  # an ending: what its record says, nothing of a backfill
-            return {"id": self.id, "to": self.to, "decision": decided, "registry_recorded": False}
-        fields: dict = {"id": self.id, "from": self.source, "to": self.to, "order": self.order,
+            return {"id": self.upgrade_id, "to": self.to, "decision": decided, "registry_recorded": False}
+        fields: dict = {"id": self.upgrade_id, "from": self.source, "to": self.to, "order": self.order,
                   "chunks_done": self.chunks_done, "chunks": self.chunks, "items_done": self.items_done,
                   "fraction": self.fraction, "mlflow_run_id": self.mlflow_run_id}
         if self.predicted is not None:
