@@ -457,6 +457,12 @@ class Collections:
         (a team's collection of a like name is not one)."""
         return sorted(n for n in self.collections() if n.startswith(f"{self.alias}_emb_") and self.ours(n))
 
+    def _size(self) -> int | None:
+        """The length of the vectors of the collection the alias points at now."""
+        with self.calling(f"the alias {self.alias}") as client:
+            size = getattr(client.get_collection(self.alias).config.params.vectors, "size", None)
+        return None if size is None else int(size)
+
     def search(self, queries: np.ndarray, k: int, model: str | None = None) -> tuple[list, list, list, list]:
         """The alias's k nearest points of each query: (ids, distances, models, sources) per query;
         ``model``: the model the queries were embedded with (points of another model match nothing)."""
@@ -468,17 +474,31 @@ class Collections:
             params = qm.SearchParams(hnsw_ef=max(int(self.settings.get("ef_search", 100)), k)) \
                 if self.settings.get("ann", "hnsw") == "hnsw" else qm.SearchParams(exact=True)
         queries = np.asarray(queries, dtype=np.float32)
-        with self.calling(f"the alias {self.alias}") as client:
-            size = getattr(client.get_collection(self.alias).config.params.vectors, "size", None)
-        if size is not None and queries.ndim == 2 and queries.shape[1] != int(size):  # another space's queries
+        nothing: tuple[list, list, list, list] = ([[] for _ in queries], [[] for _ in queries],
+                                                  [set() for _ in queries], [[] for _ in queries])
+
+        def other_space() -> bool:  # queries of another length than the alias's vectors: a query of another space
+            size = self._size()
+            if size is None or queries.ndim != 2 or queries.shape[1] == size:
+                return False
             if model:
-                return [[] for _ in queries], [[] for _ in queries], [set() for _ in queries], [[] for _ in queries]
+                return True  # like any query of another space's model, it matches nothing
             raise GalleryError(f"{self.where} holds {size}-d vectors; the queries are {queries.shape[1]}-d")
+
+        if other_space():
+            return nothing
         ids, distances, models, sources = [], [], [], []
         for query in queries:
-            with self.calling(f"the alias {self.alias}") as client:
-                hits = client.query_points(self.alias, query=query.tolist(), limit=int(k), query_filter=where,
-                                           search_params=params, with_payload=["id", "source", "model"]).points
+            try:
+                with self.calling(f"the alias {self.alias}") as client:
+                    hits = client.query_points(self.alias, query=query.tolist(), limit=int(k), query_filter=where,
+                                               search_params=params, with_payload=["id", "source", "model"]).points
+            except QdrantError:
+                # the alias moved to a collection of another length since the check (a switch, an
+                # abort): Qdrant refuses the query's length
+                if other_space():
+                    return nothing
+                raise
             ids.append([hit.payload["id"] for hit in hits])
             distances.append([float(hit.score) for hit in hits])
             models.append({hit.payload["model"] for hit in hits})
