@@ -83,6 +83,15 @@ def _shares_module_state(item) -> bool:
                for definitions in (info.name2fixturedefs.values() if info else ()) if definitions)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _local_indexes_in_the_tests_temporary_folder(tmp_path_factory):
+    """The Milvus Lite files and Qdrant folders of tests on an S3 store go under pytest's own
+    temporary folder (tests/pg.py), which later runs remove even when this one was killed."""
+    import tests.pg
+
+    tests.pg.LOCAL_BASE = str(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_marked_gpu(request, monkeypatch):
     """Tests not marked ``gpu`` run on the CPU on any machine (``FASTFILL_DEVICE=cpu``, which

@@ -27,16 +27,21 @@ def pg_gallery_config(store_uri: str, **pgvector):
     return GalleryConfig(layout="pgvector", pgvector={"uri": pg_uri(), "table": table_for(store_uri), **pgvector})
 
 
+# where an S3-store test's local index goes: the tests' own temporary folder, which pytest removes
+# on later runs (tests/conftest.py sets it), so a killed run leaves nothing in /tmp
+LOCAL_BASE: str | None = None
+
+
 def local_folder(store_uri: str, prefix: str) -> str:
     """Where a test keeps a local index beside its store: the store's own folder, or, for an S3
-    store, a temporary folder removed at exit."""
+    store, a temporary folder under ``LOCAL_BASE`` removed at exit."""
     import atexit
     import os
     import shutil
     import tempfile
 
     if str(store_uri).startswith("s3://"):
-        folder = tempfile.mkdtemp(prefix=prefix)
+        folder = tempfile.mkdtemp(prefix=prefix, dir=LOCAL_BASE)
         atexit.register(shutil.rmtree, folder, True)
         return folder
     return os.path.dirname(str(store_uri).rstrip("/"))
