@@ -15,7 +15,6 @@ ratio large / small and a line per tenth of the backfill; writes reports/lance_c
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 import statistics
@@ -24,12 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving_index import _data  # noqa: E402
+from benchmarks.serving_index import _data, adopt_features, chunk_ranges, commit_chunk, plan_objects  # noqa: E402
 
 
 class Upgrade:
@@ -37,48 +34,33 @@ class Upgrade:
     to commit one at a time."""
 
     def __init__(self, root: str, items: int, chunk: int, old_dim: int, new_dim: int):
-        import pyarrow as pa
-
-        from fastfill.components.gallery.inputs.adopt import adopt
         from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
         from fastfill.components.gallery.store import open_store
-        from fastfill.components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
+        from fastfill.components.gallery.upgrade.planning import Plan, commit_plan
         from fastfill.components.platform.config import GalleryConfig
         from fastfill.components.platform.registry import ModelRef
 
         self.data = _data(items, old_dim, new_dim)
-        self.items, self.chunk = items, chunk
         old, new = ModelRef("embedder", "1", old_dim), ModelRef("embedder", "2", new_dim)
-        self.store = open_store(root)
-        table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
-                          "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
-        adopt(self.store, table, old, (1, 28, 28), features=iter([self.data["old"]]), part_size=10000,
-              layout=layout_of("lance", GalleryConfig(layout="lance")))
-        gallery = gallery_at(self.store)
+        store = open_store(root)
+        adopt_features(store, old, self.data["old"], layout_of("lance", GalleryConfig(layout="lance")))
+        gallery = gallery_at(store)
         self.plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
-        for part in range(gallery.num_parts):
-            lo, hi = gallery.part_bounds(part)
-            self.store.put_array(transformed_key(self.plan.upgrade_id, part), self.data["mapped"][lo:hi])
-            self.store.put_array(sigma_key(self.plan.upgrade_id, part), self.data["sigma"][lo:hi])
+        plan_objects(gallery, self.plan, self.data)
         start = time.perf_counter()
         commit_plan(gallery, self.plan, self.data["order"])
         self.switch = time.perf_counter() - start
-        self.gallery = gallery_at(self.store)
-        self.chunks = [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
+        self.gallery = gallery_at(store)
+        self.chunks = chunk_ranges(items, chunk)
         self.seconds: list[float] = []
 
     def commit(self, upkeep: list[float]) -> None:
         """The next chunk; its seconds less the index upkeep timed inside it."""
-        from fastfill.components.gallery.upgrade.backfill import write_chunk
-
         number, lo, hi = self.chunks[len(self.seconds)]
         positions = self.data["order"][lo:hi]
-        features = self.data["new"][positions]
         before = len(upkeep)
         start = time.perf_counter()
-        write_chunk(self.store, self.plan.upgrade_id, number, lo, hi, features, start,
-                    serve=functools.partial(self.gallery.serve_chunk, self.plan, number, positions, features,
-                                            np.ones(len(positions), bool)))
+        commit_chunk(self.gallery, self.plan, number, lo, hi, positions, self.data["new"][positions], start)
         self.seconds.append(time.perf_counter() - start - sum(upkeep[before:]))
 
     @property

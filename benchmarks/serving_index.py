@@ -157,21 +157,56 @@ def _wal(pg_uri: str) -> int:
         return int(connection.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
 
 
+def adopt_features(store, old, features: np.ndarray, layout) -> None:
+    """A features-only gallery of ``len(features)`` rows adopted into ``store`` in ``layout`` with
+    ``old``'s ``features`` (the images' URIs only)."""
+    import pyarrow as pa
+
+    from fastfill.components.gallery.inputs.adopt import adopt
+
+    items = len(features)
+    table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
+                      "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
+    adopt(store, table, old, (1, 28, 28), features=iter([features]), part_size=10000, layout=layout)
+
+
+def plan_objects(gallery, plan, data: dict) -> None:
+    """What planning leaves in the store before the switch: h(old) and sigma of every part."""
+    from fastfill.components.gallery.upgrade.planning import sigma_key, transformed_key
+
+    for part in range(gallery.num_parts):
+        lo, hi = gallery.part_bounds(part)
+        gallery.store.put_array(transformed_key(plan.upgrade_id, part), data["mapped"][lo:hi])
+        gallery.store.put_array(sigma_key(plan.upgrade_id, part), data["sigma"][lo:hi])
+
+
+def chunk_ranges(items: int, chunk: int) -> list[tuple[int, int, int]]:
+    """(chunk, start, stop) of each chunk of the order."""
+    return [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
+
+
+def commit_chunk(gallery, plan, number: int, lo: int, hi: int, positions: np.ndarray, features: np.ndarray,
+                 started: float) -> None:
+    """Chunk ``number``'s commit as a backfill makes it: its features in the store, its rows in the
+    layout's index (every image read), its marker."""
+    from fastfill.components.gallery.upgrade.backfill import write_chunk
+
+    write_chunk(gallery.store, plan.upgrade_id, number, lo, hi, features, started,
+                serve=functools.partial(gallery.serve_chunk, plan, number, positions, features,
+                                        np.ones(len(positions), bool)))
+
+
 def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, chunk: int, queries: int,
                pg_uri: str, ann: str, readers: int = 0, reader_seconds: float = 10.0) -> dict:
     """One layout's run in a store of its own at ``root`` (the parent removes it once this process
     has ended: Milvus Lite writes its file as the process exits). ``readers``: that many threads
     query the index throughout (benchmarks/serving_readers.py), ``reader_seconds`` before the
     switch and after the finish."""
-    import pyarrow as pa
-
     from benchmarks.serving_readers import Readers
-    from fastfill.components.gallery.inputs.adopt import adopt
     from fastfill.components.gallery.layouts.opening import gallery_at, layout_of
     from fastfill.components.gallery.store import open_store
     from fastfill.components.gallery.upgrade import ending
-    from fastfill.components.gallery.upgrade.backfill import write_chunk
-    from fastfill.components.gallery.upgrade.planning import Plan, commit_plan, sigma_key, transformed_key
+    from fastfill.components.gallery.upgrade.planning import Plan, commit_plan
     from fastfill.components.platform.config import GalleryConfig
     from fastfill.components.platform.registry import ModelRef
 
@@ -184,12 +219,9 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
                            milvus={"uri": os.path.join(root, "milvus.db"), "alias": f"bench_{items}"},
                            qdrant={"url": os.path.join(root, "qdrant"), "alias": f"bench_{items}"})
     written = (lambda: _wal(pg_uri)) if layout == "pgvector" else (lambda: _folder_bytes(root))
-    table = pa.table({"id": pa.array(np.arange(items, dtype=np.int64)),
-                      "uri": pa.array([f"s3://images/{i:08d}.png" for i in range(items)])})
     times: dict = {}
     start = time.perf_counter()
-    adopt(store, table, old, (1, 28, 28), features=iter([data["old"]]), part_size=10000,
-          layout=layout_of(layout, config))
+    adopt_features(store, old, data["old"], layout_of(layout, config))
     times["adopt"] = time.perf_counter() - start
     index_seconds = _time_lance_index() if layout == "lance" else []
     rng = np.random.default_rng(7)
@@ -202,10 +234,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     gallery = gallery_at(store)
     plan = Plan("u1", old, new, "models:/map/1", "sigma", chunk, items, 0, "l2")
     start = time.perf_counter()
-    for part in range(gallery.num_parts):
-        lo, hi = gallery.part_bounds(part)
-        store.put_array(transformed_key(plan.upgrade_id, part), data["mapped"][lo:hi])
-        store.put_array(sigma_key(plan.upgrade_id, part), data["sigma"][lo:hi])
+    plan_objects(gallery, plan, data)
     times["plan_objects"] = time.perf_counter() - start
     start = time.perf_counter()
     commit_plan(gallery, plan, data["order"])  # pgvector: the switch (column, h(old), index, view)
@@ -215,7 +244,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
     mixed = data["mapped"].copy()
     latencies, sizes, calls = [], [], []
     order = data["order"]
-    chunks = [(c, s, min(s + chunk, items)) for c, s in enumerate(range(0, items, chunk))]
+    chunks = chunk_ranges(items, chunk)
     half = len(chunks) // 2
     result: dict = {}
     for number, lo, hi in chunks:
@@ -224,9 +253,7 @@ def run_layout(root: str, layout: str, items: int, old_dim: int, new_dim: int, c
         features = data["new"][positions]
         before, wrote = written(), _wchar()
         start = time.perf_counter()
-        write_chunk(store, plan.upgrade_id, number, lo, hi, features, start,
-                    serve=functools.partial(writing.serve_chunk, plan, number, positions, features,
-                                            np.ones(len(positions), bool)))
+        commit_chunk(writing, plan, number, lo, hi, positions, features, start)
         latencies.append(time.perf_counter() - start)
         sizes.append(written() - before)
         calls.append(_wchar() - wrote)
