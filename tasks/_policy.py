@@ -72,6 +72,8 @@ def io_retried(write: Callable[[], T], what: str, landed: Callable[[], T | None]
             log(f"{what} failed ({type(error).__name__}: {error}); trying again in {delay:g} s")
             _pause(delay)
     raise AssertionError("unreachable: the last try returns or raises")
+
+
 # Training tasks carry the tag `gpu`. A tag routes nothing: Prefect uses it for a tag concurrency
 # limit only (`prefect concurrency-limit create gpu 1`: at most one such task runs at a time, on
 # whatever machine runs its flow). Which machine runs them is the deployment's work pool:
